@@ -1,0 +1,114 @@
+"""Writing, verifying and loading stage directories (``stage.py``, weights, ``manifest.json``).
+
+Loading never unpickles: the source is flatpack's own generated Python, the weights are
+safetensors, the manifest is JSON. Hashes are checked before anything is executed.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from flatpack.codegen.emit import (MANIFEST_FILE, SOURCE_FILE, STAGE_KIND, WEIGHTS_FILE, StageArtifact,
+                                   sha256_bytes)
+from flatpack.errors import ArtifactError
+from flatpack.version import STAGE_SCHEMA_VERSION
+
+
+def serialize(artifact: StageArtifact) -> dict[str, bytes]:
+    """The stage's files as bytes; the manifest gets the other files' hashes."""
+    tensors = {name: tensor.detach().contiguous().clone() for name, tensor in artifact.tensors.items()}
+    weights = save_safetensors(tensors, metadata={"stage": str(artifact.index)})
+    source = artifact.source.encode()
+    manifest = dict(artifact.manifest)
+    manifest["files"] = {
+        SOURCE_FILE: {"sha256": sha256_bytes(source), "bytes": len(source)},
+        WEIGHTS_FILE: {"sha256": sha256_bytes(weights), "bytes": len(weights)},
+    }
+    return {
+        SOURCE_FILE: source,
+        WEIGHTS_FILE: weights,
+        MANIFEST_FILE: (json.dumps(manifest, indent=2) + "\n").encode(),
+    }
+
+
+def write_stage(artifact: StageArtifact, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=False)
+    for name, data in serialize(artifact).items():
+        (directory / name).write_bytes(data)
+
+
+def read_stage(directory: str | Path) -> StageArtifact:
+    """Reads and verifies a stage directory; raises ArtifactError naming what is wrong."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST_FILE}: it is not a flatpack stage directory "
+                            "(compile one with `flatpack compile` or Compiled.save)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{manifest_path} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
+    if manifest.get("kind") != STAGE_KIND:
+        raise ArtifactError(f"{manifest_path} is not a flatpack stage manifest (kind={manifest.get('kind')!r})")
+    if manifest.get("schema_version") != STAGE_SCHEMA_VERSION:
+        raise ArtifactError(f"{directory} uses stage schema {manifest.get('schema_version')}, this flatpack "
+                            f"reads schema {STAGE_SCHEMA_VERSION}; recompile with this version")
+    contents = {}
+    for name in (SOURCE_FILE, WEIGHTS_FILE):
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing; the stage directory is incomplete, recompile it")
+        data = path.read_bytes()
+        expected = manifest.get("files", {}).get(name, {}).get("sha256")
+        actual = sha256_bytes(data)
+        if actual != expected:
+            raise ArtifactError(f"{path} has sha256 {actual[:16]}… but the manifest records "
+                                f"{str(expected)[:16]}…: the file was modified or corrupted. "
+                                "Recompile the model, or restore the file from the original output.")
+        contents[name] = data
+    tensors = load_safetensors(contents[WEIGHTS_FILE])
+    missing = {entry["name"] for entry in manifest["parameters"]} - tensors.keys()
+    if missing:
+        raise ArtifactError(f"{directory / WEIGHTS_FILE} lacks {sorted(missing)[:3]}; recompile the model")
+    return StageArtifact(manifest["stage"], contents[SOURCE_FILE].decode(), tensors, manifest)
+
+
+def build_module(artifact: StageArtifact, filename: str = "<flatpack stage>") -> nn.Module:
+    """Executes the stage source and installs its weights: an ``nn.Module`` ready to run."""
+    namespace = types.ModuleType(f"flatpack_stage_{artifact.index}")
+    namespace.__file__ = filename
+    exec(compile(artifact.source, filename, "exec"), namespace.__dict__)  # noqa: S102 - our own generated code
+    module = namespace.Stage()
+    for entry in artifact.manifest["parameters"]:
+        tensor = artifact.tensors[entry["name"]]
+        if entry["kind"] in ("parameter", "frozen"):
+            trainable = entry["kind"] == "parameter"
+            module.register_parameter(entry["attr"], nn.Parameter(tensor.clone(), requires_grad=trainable))
+        else:
+            module.register_buffer(entry["attr"], tensor.clone())
+    module.flatpack_manifest = artifact.manifest
+    return module
+
+
+def load_stage(path: str | Path) -> nn.Module:
+    """Loads a stage directory written by flatpack as an ``nn.Module``.
+
+    Works in a fresh interpreter with only torch and flatpack: the user's model code is
+    never imported. ``module.flatpack_manifest`` describes its inputs, outputs and weights.
+    """
+    path = Path(path)
+    return build_module(read_stage(path), str(path / SOURCE_FILE))
+
+
+def parameter_names(module: nn.Module) -> dict[str, str]:
+    """attribute -> canonical parameter name, for a module built by ``build_module``."""
+    manifest: dict[str, Any] = module.flatpack_manifest
+    return {entry["attr"]: entry["name"] for entry in manifest["parameters"]}

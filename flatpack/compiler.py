@@ -1,0 +1,304 @@
+"""``flatpack.compile``: trace → LayerGraph → passes → plan → stage artifacts.
+
+The ``Compiled`` result runs in-process (``as_module``), saves to a directory and loads back
+(``flatpack.load``) without the user's model code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from flatpack.backends import TARGETS
+from flatpack.codegen.artifact import build_module, read_stage, serialize
+from flatpack.codegen.emit import StageArtifact, emit_stages
+from flatpack.errors import ArtifactError, InputError, PlanError
+from flatpack.ir import structure
+from flatpack.ir.graph import LayerGraph
+from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
+from flatpack.ir.trace import Signature, flatten_inputs, trace
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.solvers import Solver, get_solver
+from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
+
+COMPILED_KIND = "flatpack-compiled"
+COMPILED_FILE = "flatpack.json"
+KNOWN_OPTIONS: frozenset[str] = frozenset()
+
+
+def stage_dirname(index: int) -> str:
+    return f"stage_{index:03d}"
+
+
+class Compiled:
+    """A compiled model: the layer chain, the plan and one artifact per stage.
+
+    ``graph`` is the LayerGraph when compiled in this process and None after
+    ``flatpack.load`` (the saved directory keeps its JSON summary in ``chain``).
+    """
+
+    def __init__(self, *, graph: LayerGraph | None, plan: Plan, artifacts: list[StageArtifact],
+                 info: dict[str, Any]) -> None:
+        self.graph = graph
+        self.plan = plan
+        self.artifacts = artifacts
+        self.info = info
+
+    # what it is -----------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return self.info["target"]
+
+    @property
+    def frontend(self) -> str:
+        return self.info["frontend"]
+
+    @property
+    def chain(self) -> dict:
+        return self.info["chain"]
+
+    def __repr__(self) -> str:
+        return (f"Compiled(target={self.target!r}, frontend={self.frontend!r}, "
+                f"layers={self.plan.num_layers}, stages={self.plan.ranges})")
+
+    # running ----------------------------------------------------------------------------
+    def stage_modules(self) -> list[nn.Module]:
+        """Fresh ``nn.Module`` per stage, built from the generated source and weights."""
+        return [build_module(artifact, f"<flatpack {stage_dirname(artifact.index)}>") for artifact in self.artifacts]
+
+    def as_module(self) -> "StagedModule":
+        """The stages chained in-process: call it like the original model, forward and backward."""
+        return StagedModule(self.stage_modules(), self.info)
+
+    # storing ----------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Writes ``flatpack.json``, ``plan.json`` and one ``stage_NNN/`` per stage, atomically.
+
+        Refuses a directory that exists, is not empty and was not written by flatpack; a
+        previous flatpack output there is replaced whole.
+        """
+        target = Path(directory)
+        check_out_dir(target)
+        files = {COMPILED_FILE: _json_bytes({**self.info, "plan": self.plan.to_json()}),
+                 "plan.json": (self.plan.dumps() + "\n").encode()}
+        for artifact in self.artifacts:
+            for name, data in serialize(artifact).items():
+                files[f"{stage_dirname(artifact.index)}/{name}"] = data
+        staging = target.parent / f".{target.name}.flatpack-tmp-{os.getpid()}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        try:
+            for relative, data in files.items():
+                path = staging / relative
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            _replace_dir(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+
+def _json_bytes(data: dict) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    if not target.exists():
+        staging.rename(target)
+        return
+    retired = target.parent / f".{target.name}.flatpack-old-{os.getpid()}"
+    target.rename(retired)
+    staging.rename(target)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def check_out_dir(directory: Path) -> None:
+    """Raises unless ``directory`` is absent, empty, or a previous flatpack output."""
+    if not directory.exists():
+        if not directory.parent.exists():
+            raise ArtifactError(f"cannot write {directory}: its parent directory does not exist")
+        return
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory} exists and is a file; pass a directory path for the output")
+    if not any(directory.iterdir()):
+        return
+    marker = directory / COMPILED_FILE
+    try:
+        written_by_us = json.loads(marker.read_text()).get("kind") == COMPILED_KIND
+    except (OSError, ValueError, AttributeError):
+        written_by_us = False
+    if not written_by_us:
+        raise ArtifactError(f"{directory} exists, is not empty and was not written by flatpack (no "
+                            f"{COMPILED_FILE}); flatpack will not overwrite it. Choose a new or empty "
+                            "directory, or remove this one.")
+
+
+def load(directory: str | os.PathLike) -> Compiled:
+    """Loads a directory written by ``Compiled.save``, verifying every stage's hashes."""
+    directory = Path(directory)
+    marker = directory / COMPILED_FILE
+    if not marker.is_file():
+        raise ArtifactError(f"{directory} has no {COMPILED_FILE}: it is not a flatpack output directory")
+    try:
+        info = json.loads(marker.read_text())
+    except ValueError as err:
+        raise ArtifactError(f"{marker} is not valid JSON ({err}); the output is corrupted, recompile") from None
+    if info.get("kind") != COMPILED_KIND or info.get("schema_version") != COMPILED_SCHEMA_VERSION:
+        raise ArtifactError(f"{marker} is not a flatpack output of schema {COMPILED_SCHEMA_VERSION}; recompile")
+    plan = Plan.from_json(info.pop("plan"))
+    artifacts = [read_stage(directory / stage_dirname(index)) for index in range(len(plan.stages))]
+    return Compiled(graph=None, plan=plan, artifacts=artifacts, info=info)
+
+
+class StagedModule(nn.Module):
+    """The stage modules run one after another in this process.
+
+    Calling it takes the same arguments as the original model and returns the same nested
+    outputs. Parameters shared by several stages (tied weights) are one ``nn.Parameter``
+    here, so their gradients sum as in the original.
+    """
+
+    def __init__(self, stages: list[nn.Module], info: dict[str, Any]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self._signature = Signature.from_json(info["signature"])
+        self._input_structure = info["input_structure"]
+        self._output_structure = info["output_structure"]
+        self._input_names: list[str] = info["input_names"]
+        self._output_names: list[str] = info["output_names"]
+        self._by_name: dict[str, tuple[int, str]] = {}
+        self._aliases: dict[str, str] = {}
+        for index, stage in enumerate(self.stages):
+            for entry in stage.flatpack_manifest["parameters"]:
+                name, attr = entry["name"], entry["attr"]
+                for alias in entry["aliases"]:
+                    self._aliases[alias] = name
+                if name in self._by_name:
+                    first_index, first_attr = self._by_name[name]
+                    shared = getattr(self.stages[first_index], first_attr)
+                    if entry["kind"] in ("parameter", "frozen"):
+                        stage.register_parameter(attr, shared)
+                    else:
+                        stage.register_buffer(attr, shared)
+                else:
+                    self._by_name[name] = (index, attr)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The stages' tensor for an original parameter or buffer name (any alias of a tied one)."""
+        canonical = self._aliases.get(name, name)
+        if canonical not in self._by_name:
+            raise KeyError(f"no stage holds {name!r}")
+        index, attr = self._by_name[canonical]
+        return getattr(self.stages[index], attr)
+
+    def named_original_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (index, attr) in self._by_name.items():
+            yield name, getattr(self.stages[index], attr)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, given = flatten_inputs(self._signature, args, kwargs)
+        if given != self._input_structure:
+            raise InputError(f"the inputs are structured as {given}, but the model was compiled for "
+                             f"{self._input_structure} (constants are part of the structure: they "
+                             "were fixed at compile time). Call it the way the example inputs did.")
+        env = dict(zip(self._input_names, leaves))
+        for stage in self.stages:
+            manifest = stage.flatpack_manifest
+            outputs = stage(*(env[entry["name"]] for entry in manifest["inputs"]))
+            env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+        return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
+
+
+def _as_call(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
+    kwargs = dict(example_kwargs or {})
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), kwargs
+    if isinstance(example_inputs, dict):
+        return (), {**example_inputs, **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    raise InputError(f"example_inputs must be a tensor, a tuple of positional inputs or a dict of "
+                     f"keyword inputs, got {type(example_inputs).__name__}")
+
+
+def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local",
+            solver: str | Solver | None = None, stages: int | None = None,
+            passes: str | Sequence[Pass | str] | None = None, out_dir: str | os.PathLike | None = None,
+            example_kwargs: dict | None = None, plan: Plan | None = None, **options: Any) -> Compiled:
+    """Compiles ``model`` into pipeline stages.
+
+    ``example_inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs
+    (``example_kwargs`` adds keyword inputs to a tuple). ``passes``: a pipeline string or a
+    list of pass names and pass objects (default ``"fuse-elementwise,merge-branches"``).
+    ``solver``: a registered name or an object ``Problem -> Plan`` (default ``"balanced"``).
+    ``stages``: how many stages ``balanced`` makes (default 2). ``plan``: a ready Plan,
+    which skips the solver. ``out_dir``: also save there (see ``Compiled.save``).
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"flatpack.compile expects a torch.nn.Module, got {type(model).__name__}; "
+                         "wrap the function in an nn.Module whose forward calls it")
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(TARGETS)}")
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for flatpack.compile")
+    if out_dir is not None:
+        check_out_dir(Path(out_dir))
+    args, kwargs = _as_call(example_inputs, example_kwargs)
+    pipeline = resolve(passes)
+    solver_obj = get_solver(solver) if plan is None else None
+    _run_eagerly(model, args, kwargs)
+
+    traced = trace(model, args, kwargs)
+    graph = run_pipeline(LayerGraph.from_traced(traced), pipeline)
+    if plan is None:
+        plan = solver_obj(Problem.from_graph(graph, stages=stages, target=target))
+        if not isinstance(plan, Plan):
+            raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "
+                            f"{type(plan).__name__}, not a Plan")
+    plan.check_against(len(graph.layers))
+    artifacts = emit_stages(graph, plan)
+    info = {
+        "kind": COMPILED_KIND,
+        "schema_version": COMPILED_SCHEMA_VERSION,
+        "flatpack_version": __version__,
+        "torch_version": torch.__version__,
+        "target": target,
+        "frontend": traced.frontend,
+        "trace_notes": traced.notes,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "passes": [pass_spec(p) for p in pipeline],
+        "signature": traced.signature.to_json(),
+        "input_structure": traced.input_structure,
+        "output_structure": traced.output_structure,
+        "input_names": [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"],
+        "output_names": graph.output_names(),
+        "stages": [stage_dirname(index) for index in range(len(plan.stages))],
+        "chain": graph.to_json(),
+    }
+    compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info)
+    if out_dir is not None:
+        compiled.save(out_dir)
+    return compiled
+
+
+def _run_eagerly(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Runs the model once so that inputs it rejects fail here, with the model's own message."""
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - any failure means the example inputs are unusable
+        names = ", ".join(name for name, _, _ in Signature.of(model).parameters)
+        raise InputError(
+            f"{type(model).__name__}(…) failed on the example inputs: {type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. forward takes ({names}); "
+            "pass example inputs with the shapes and dtypes the model expects."
+        ) from None

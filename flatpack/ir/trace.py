@@ -1,0 +1,349 @@
+"""Tracing frontends: torch.fx first, torch.export (non-strict) when fx cannot capture the model.
+
+Both produce the same *flat graph*: an ``fx.GraphModule`` whose placeholders are the
+tensor leaves of the inputs in order, whose parameters and buffers are ``get_attr`` nodes
+(every ``nn.Module`` is inlined, so stage code needs only torch), and whose output is a
+flat tuple. The nesting of inputs and outputs is kept beside it as JSON (``ir.structure``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx.graph import CodeGen
+
+from flatpack.errors import InputError, TraceError
+from flatpack.ir import ops, structure
+
+FX = "fx"
+EXPORT = "export"
+
+
+@dataclass
+class Signature:
+    """The parameters of ``model.forward``, kept as plain data so a loaded artifact can bind calls."""
+
+    parameters: list[tuple[str, str, bool]]  # (name, inspect kind name, has a default)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Signature":
+        params = inspect.signature(model.forward).parameters.values()
+        return cls([(p.name, p.kind.name, p.default is not inspect.Parameter.empty) for p in params])
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Normalizes a call so that passing an argument by position or by name is the same call."""
+        sig = inspect.Signature([
+            inspect.Parameter(name, getattr(inspect.Parameter, kind_name),
+                              default=None if has_default else inspect.Parameter.empty)
+            for name, kind_name, has_default in self.parameters
+        ])
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as err:
+            names = ", ".join(name for name, _, _ in self.parameters)
+            raise InputError(
+                f"the inputs do not match forward({names}): {err}. Pass the arguments that "
+                "forward takes, as a tuple of positional inputs and/or a dict of keyword inputs."
+            ) from None
+        return bound.args, dict(bound.kwargs)
+
+    def to_json(self) -> list:
+        return [list(p) for p in self.parameters]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Signature":
+        return cls([(name, kind_name, bool(has_default)) for name, kind_name, has_default in data])
+
+
+@dataclass
+class Traced:
+    """A captured model: the flat graph and what is needed to call it like the original."""
+
+    gm: torch.fx.GraphModule
+    frontend: str
+    signature: Signature
+    input_structure: dict
+    output_structure: dict
+    example_leaves: list[torch.Tensor]
+    param_kinds: dict[str, str] = field(default_factory=dict)  # canonical name -> parameter|frozen|buffer|constant
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> every name of that tensor
+    dynamic_batch: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+class _InliningTracer(torch.fx.Tracer):
+    """Traces through every submodule, so the graph holds only torch ops and get_attr nodes.
+
+    Normalization modules check ``input.dim()`` in Python before computing, which a
+    symbolic tensor cannot answer; the check only guards against misuse, so it is skipped
+    while tracing (the example run in ``ValueProp`` still runs the real ops).
+    """
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return False
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if not hasattr(type(m), "_check_input_dim") or "_check_input_dim" in vars(m):
+            return super().call_module(m, forward, args, kwargs)
+        object.__setattr__(m, "_check_input_dim", lambda *_: None)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            object.__delattr__(m, "_check_input_dim")
+
+
+def flatten_inputs(signature: Signature, args: tuple, kwargs: dict) -> tuple[list[Any], dict]:
+    """Flat leaves (constants dropped) and the JSON structure of a call's inputs."""
+    bound = signature.bind(args, kwargs)
+    leaves, spec = pytree.tree_flatten(bound)
+    return [leaf for leaf in leaves if not structure.is_constant(leaf)], structure.from_treespec(spec, leaves)
+
+
+def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
+    """Captures ``model`` called as ``model(*args, **kwargs)`` into a flat graph."""
+    kwargs = kwargs or {}
+    signature = Signature.of(model)
+    bound_args, bound_kwargs = signature.bind(args, kwargs)
+    leaves, spec = pytree.tree_flatten((bound_args, bound_kwargs))
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and not structure.is_constant(leaf):
+            raise InputError(
+                f"an example input of type {type(leaf).__name__} is neither a tensor nor a "
+                "JSON constant (None, bool, int, float, str); pass tensors, or nest them in "
+                "tuples, lists and dicts."
+            )
+    input_structure = structure.from_treespec(spec, leaves)
+    tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    failures: list[tuple[str, BaseException]] = []
+    traced = None
+    if _fx_applicable(signature, bound_args, bound_kwargs):
+        try:
+            traced = _trace_fx(model, signature, bound_args, bound_kwargs)
+        except Exception as err:  # noqa: BLE001 - any fx failure sends us to export
+            failures.append((FX, err))
+    if traced is None:
+        try:
+            traced = _trace_export(model, signature, bound_args, bound_kwargs, spec)
+        except Exception as err:  # noqa: BLE001
+            failures.append((EXPORT, err))
+            raise _trace_error(model, failures) from err
+    traced.input_structure = input_structure
+    traced.example_leaves = tensor_leaves
+    traced.notes.extend(f"{frontend} failed: {_first_line(err)}" for frontend, err in failures)
+    _record_parameters(model, traced)
+    return traced
+
+
+def _fx_applicable(signature: Signature, args: tuple, kwargs: dict) -> bool:
+    if any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in signature.parameters):
+        return False
+    return all(isinstance(v, torch.Tensor) or structure.is_constant(v) for v in (*args, *kwargs.values()))
+
+
+def _trace_fx(model: nn.Module, signature: Signature, args: tuple, kwargs: dict) -> Traced:
+    names = [name for name, _, _ in signature.parameters]
+    given = dict(zip(names, args)) | kwargs
+    defaults = {
+        p.name: p.default
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.name not in given and p.default is not inspect.Parameter.empty
+    }
+    concrete = {name: value for name, value in given.items() if not isinstance(value, torch.Tensor)}
+    concrete |= defaults
+    graph = _InliningTracer().trace(model, concrete_args=concrete or None)
+    gm = torch.fx.GraphModule(model, graph)
+    _drop_specialized_placeholders(gm.graph, names, set(concrete))
+    _functionalize_simple_inplace(gm.graph)
+    output_structure = _flatten_output_node(gm.graph)
+    gm.recompile()
+    return Traced(gm, FX, signature, {}, output_structure, [])
+
+
+def _drop_specialized_placeholders(graph: torch.fx.Graph, names: list[str], concrete_names: set[str]) -> None:
+    """fx keeps a placeholder and an assertion for each concrete argument; the flat graph drops both.
+
+    fx creates one placeholder per parameter of forward, in order, so position names them.
+    """
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for name, node in zip(names, placeholders):
+        if name not in concrete_names:
+            continue
+        for user in list(node.users):
+            _erase_with_users(user)
+        graph.erase_node(node)
+
+
+def _erase_with_users(node: torch.fx.Node) -> None:
+    for user in list(node.users):
+        _erase_with_users(user)
+    node.graph.erase_node(node)
+
+
+def _functionalize_simple_inplace(graph: torch.fx.Graph) -> None:
+    """Later readers of a tensor mutated in place read the mutating node instead.
+
+    The op itself stays in place (its semantics on aliases are kept); the rewrite makes the
+    data dependence explicit so that passes order the readers after the write. Aliasing
+    through views is handled by the ordering constraints in ``LayerGraph``.
+    """
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        for written in ops.mutated_inputs(node):
+            if written.op == "get_attr":
+                continue
+            for user in list(written.users):
+                if user is not node and order[user] > order[node]:
+                    user.replace_input_with(written, node)
+
+
+def _flatten_output_node(graph: torch.fx.Graph) -> dict:
+    output = next(node for node in graph.nodes if node.op == "output")
+    leaves, spec = pytree.tree_flatten(output.args[0])
+    for leaf in leaves:
+        if not isinstance(leaf, torch.fx.Node) and not structure.is_constant(leaf):
+            raise TraceError(
+                f"the model returns a {type(leaf).__name__}, which is neither a tensor nor a "
+                "JSON constant; return tensors (nested in tuples, lists or dicts)."
+            )
+    output.args = (tuple(leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)),)
+    return structure.from_treespec(spec, leaves)
+
+
+def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: dict,
+                  spec: pytree.TreeSpec) -> Traced:
+    notes: list[str] = []
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs))
+    except Exception as err:  # noqa: BLE001 - retry with static shapes before giving up
+        notes.append(f"dynamic batch dimension refused ({_first_line(err)}); traced with static shapes")
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    gm = exported.module()
+    graph = gm.graph
+    out_spec = gm._out_spec
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            graph.erase_node(node)
+    leaves = pytree.tree_leaves((args, kwargs))
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        raise TraceError(f"torch.export produced {len(placeholders)} inputs for {len(leaves)} input leaves")
+    for placeholder, leaf in zip(placeholders, leaves):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        for user in list(placeholder.users):
+            user.args = pytree.tree_map(lambda a: leaf if a is placeholder else a, user.args)
+            user.kwargs = pytree.tree_map(lambda a: leaf if a is placeholder else a, user.kwargs)
+        graph.erase_node(placeholder)
+    output = next(node for node in graph.nodes if node.op == "output")
+    flat_outputs = list(output.args[0])
+    output.args = (tuple(leaf for leaf in flat_outputs if isinstance(leaf, torch.fx.Node)),)
+    output_structure = structure.from_treespec(out_spec, flat_outputs)
+    graph._codegen = CodeGen()
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            delattr(gm, attr)
+    gm._forward_pre_hooks.clear()
+    gm._forward_hooks.clear()
+    gm.recompile()
+    dynamic = any(
+        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+        and not isinstance(n.meta["val"].shape[0], int)
+        for n in graph.nodes if n.op == "placeholder"
+    )
+    return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes)
+
+
+def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Marks dim 0 of every input tensor ``Dim.AUTO``: dynamic where the model allows it."""
+    auto = torch.export.Dim.AUTO
+    names = list(inspect.signature(model.forward).parameters)
+    given = dict(zip(names, args)) | kwargs
+
+    def spec_of(value: Any) -> Any:
+        return pytree.tree_map(
+            lambda leaf: {0: auto} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None, value
+        )
+
+    return {name: spec_of(value) for name, value in given.items()}
+
+
+def _record_parameters(model: nn.Module, traced: Traced) -> None:
+    by_id: dict[int, list[str]] = {}
+    kinds_by_id: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+        kinds_by_id[id(param)] = "parameter" if param.requires_grad else "frozen"
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(buffer), []).append(name)
+        kinds_by_id.setdefault(id(buffer), "buffer")
+    for node in traced.gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        value = _fetch_attr(traced.gm, target)
+        names = by_id.get(id(value), [])
+        traced.param_kinds[target] = kinds_by_id.get(id(value), "constant")
+        traced.aliases[target] = sorted(set(names) | {target})
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+_DATA_DEPENDENT = ("control flow", "data-dependent", "data dependent", "GuardOnDataDependent",
+                   "Could not guard", "Could not extract specialized integer", "len() on")
+_UNSUPPORTED = ("not supported", "Unsupported", "NotImplemented", "unsupported")
+
+
+def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) -> TraceError:
+    module_path = _failing_module(model, failures)
+    texts = " ".join(f"{type(err).__name__} {err}" for _, err in failures)
+    if any(marker in texts for marker in _DATA_DEPENDENT):
+        construct = "data-dependent control flow (a Python branch or loop on a tensor's value)"
+        fix = ("rewrite the branch with torch.cond or torch.where, make the value a concrete "
+               "input (pass it as a Python constant), or move that code outside the model")
+    elif any(marker in texts for marker in _UNSUPPORTED):
+        construct = "an operation neither tracer supports"
+        fix = "replace it with a torch operation, or run it outside the model before flatpack.compile"
+    else:
+        construct = "a construct neither tracer could capture"
+        fix = ("check that the example inputs run the model eagerly, rewrite data-dependent "
+               "branches with torch.cond, or pass concrete inputs")
+    where = f"in submodule '{module_path}' ({type(_get_submodule(model, module_path)).__name__})" \
+        if module_path else f"in {type(model).__name__}.forward"
+    details = "; ".join(f"{frontend}: {_first_line(err)}" for frontend, err in failures)
+    return TraceError(f"could not trace the model {where}: {construct}. Fix: {fix}. ({details})")
+
+
+def _get_submodule(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+def _failing_module(model: nn.Module, failures: list[tuple[str, BaseException]]) -> str:
+    """The deepest submodule of ``model`` whose forward was on the stack when tracing failed."""
+    names = {id(module): name for name, module in model.named_modules()}
+    deepest = ""
+    for _, err in failures:
+        for frame, _ in traceback.walk_tb(err.__traceback__):
+            owner = frame.f_locals.get("self")
+            name = names.get(id(owner)) if owner is not None else None
+            if name and len(name) >= len(deepest):
+                deepest = name
+    return deepest

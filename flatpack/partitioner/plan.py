@@ -1,0 +1,101 @@
+"""Plans: which layers each stage runs (plus, from later issues, its memory tier and replicas).
+
+Plain data with a JSON round-trip and a schema version, comparable and hashable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flatpack.errors import PlanError
+from flatpack.version import PLAN_SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layers ``start..end`` (inclusive) of the chain; ``memory_mb`` and ``replicas`` are the
+    tier and data-parallel degree the later solvers choose (None / 1 until then)."""
+
+    start: int
+    end: int
+    memory_mb: int | None = None
+    replicas: int = 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start + 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    num_layers: int
+    solver: str = "manual"
+    predictions: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @classmethod
+    def from_ranges(cls, ranges: list[tuple[int, int]], num_layers: int, solver: str = "manual") -> "Plan":
+        plan = cls(tuple(StagePlan(start, end) for start, end in ranges), num_layers, solver)
+        plan.check_against(num_layers)
+        return plan
+
+    @classmethod
+    def from_cuts(cls, cuts: list[int], num_layers: int, solver: str = "manual") -> "Plan":
+        """``cuts`` are the layer indices after which a new stage starts."""
+        points = sorted(set(cuts))
+        starts = [0, *(cut + 1 for cut in points)]
+        ends = [*points, num_layers - 1]
+        return cls.from_ranges(list(zip(starts, ends)), num_layers, solver)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(stage.start, stage.end) for stage in self.stages]
+
+    @property
+    def cuts(self) -> list[int]:
+        return [stage.end for stage in self.stages[:-1]]
+
+    def check_against(self, num_layers: int) -> None:
+        """Raises PlanError unless the stages tile layers 0..num_layers-1 in order."""
+        if self.num_layers != num_layers:
+            raise PlanError(f"the plan was made for a chain of {self.num_layers} layers, this chain has "
+                            f"{num_layers}; re-plan after running the same passes")
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        expected = 0
+        for index, stage in enumerate(self.stages):
+            if stage.start != expected or stage.end < stage.start:
+                raise PlanError(f"stage {index} covers layers {stage.start}..{stage.end}; stages must "
+                                f"cover the chain in order without gaps, and this one must start at {expected}")
+            if stage.replicas < 1:
+                raise PlanError(f"stage {index} has {stage.replicas} replicas; it needs at least 1")
+            expected = stage.end + 1
+        if expected != num_layers:
+            raise PlanError(f"the stages end at layer {expected - 1} but the chain has {num_layers} layers")
+
+    def to_json(self) -> dict:
+        return {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
+                "stages": [asdict(stage) for stage in self.stages], "predictions": self.predictions}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}; "
+                            "re-plan with this flatpack version")
+        try:
+            stages = tuple(StagePlan(**stage) for stage in data["stages"])
+            plan = cls(stages, int(data["num_layers"]), data.get("solver", "manual"), data.get("predictions", {}))
+        except (KeyError, TypeError) as err:
+            raise PlanError(f"malformed plan JSON: {err}") from None
+        plan.check_against(plan.num_layers)
+        return plan
+
+    @classmethod
+    def loads(cls, text: str) -> "Plan":
+        return cls.from_json(json.loads(text))
