@@ -14,6 +14,13 @@ class FuseElementwise:
     """Element-wise, activation, normalization, dropout and view/reshape layers join the layer
     of their latest producer, so a ``linear → add → gelu → dropout`` run becomes one layer.
 
+    A one-input op applied to a tensor that other layers also read starts a branch, so it
+    joins its *reader* instead: in a pre-norm transformer (GPT-2) ``ln_1`` and the
+    ``view(-1, d)`` before ``c_attn`` read the residual stream, which the residual add reads
+    too. Joining the producer would carry both the stream and its normalized copy across
+    the boundary after the add — a fork to ``merge-branches`` and twice the bytes — and
+    the natural cut, right after the residual add, would disappear.
+
     Parameter-free layers computed from the inputs alone (attention masks, position ids,
     casts, sizes) join the first layer that reads them: they are preprocessing, not a
     place to cut. Whole layers move, never single nodes, so the glue that ``LayerGraph``
@@ -37,12 +44,15 @@ class FuseElementwise:
                 owner[name] = target
             members[target].extend(members.pop(group))
 
+        to_reader: set[int] = set()
         for group in sorted(members):
             nodes = [analysis.nodes[name] for name in members[group]]
             if not all(ops.kind(node) in ops.FUSABLE_KINDS for node in nodes):
                 continue
             producers = external_deps(group)
-            if producers:
+            if len(producers) == 1 and self._input_read_elsewhere(graph, nodes):
+                to_reader.add(group)
+            elif producers:
                 move(group, max(producers))
 
         dependents: dict[str, set[str]] = {}
@@ -50,10 +60,25 @@ class FuseElementwise:
             for dep in deps:
                 dependents.setdefault(dep, set()).add(name)
         for group in sorted(members, reverse=True):
-            if any(name in analysis.param_dependent for name in members[group]):
+            if group not in members:
+                continue
+            if group not in to_reader and any(name in analysis.param_dependent for name in members[group]):
                 continue
             readers = {owner[user] for name in members[group] for user in dependents.get(name, ())} - {group}
             if readers and min(readers) > group:
                 move(group, min(readers))
 
         return graph.with_layers([members[index] for index in sorted(members)])
+
+    @staticmethod
+    def _input_read_elsewhere(graph: LayerGraph, nodes: list) -> bool:
+        """True when a tensor these nodes read is also read outside them (they start a branch)."""
+        inside = {node.name for node in nodes}
+        free = graph.analysis.free
+        for node in nodes:
+            for base in node.all_input_nodes:
+                if base.name in inside or base.name in free:
+                    continue
+                if any(user.name not in inside for user in base.users):
+                    return True
+        return False

@@ -1,0 +1,5 @@
+import sys
+
+from flatpack.cli import main
+
+sys.exit(main())

@@ -1,0 +1,199 @@
+"""The ``flatpack`` command: inspect, compile, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from flatpack.errors import FlatpackError, InputError
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
+    """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a built-in example name."""
+    from flatpack.examples import EXAMPLES
+
+    if spec in EXAMPLES:
+        return EXAMPLES[spec]()
+    source, colon, attribute = spec.rpartition(":")
+    if not colon or not source or not attribute:
+        raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, or one "
+                         f"of the built-in examples: {', '.join(EXAMPLES)}")
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise InputError(f"no such file: {path}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(source)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise InputError(f"{source} has no callable {attribute!r}")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    return result
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _describe_values(values: list[dict]) -> str:
+    parts = []
+    for value in values:
+        if value["kind"] == "tensor":
+            shape = "×".join(str(s) for s in value["shape"]) or "scalar"
+            parts.append(f"{value['name']}[{shape} {value['dtype']}]")
+        else:
+            parts.append(f"{value['name']}({value['type']})")
+    return ", ".join(parts)
+
+
+def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -> str:
+    """The chain as a text table: index, name, ops, params, boundary tensors and bytes."""
+    stage_of = {}
+    for stage, (start, end) in enumerate(plan_ranges or []):
+        for index in range(start, end + 1):
+            stage_of[index] = stage
+    rows = [("#", "stage" if plan_ranges else "", "layer", "ops", "params", "boundary out", "bytes")]
+    for layer in chain["layers"]:
+        boundary = layer["boundary"]
+        rows.append((str(layer["index"]), str(stage_of.get(layer["index"], "")), layer["name"][:44],
+                     layer["ops"][:48], human_bytes(layer["param_bytes"]),
+                     _describe_values(boundary["values"])[:80], human_bytes(boundary["bytes"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    inputs = chain["inputs"]
+    lines.insert(0, f"frontend: {chain['frontend']}   layers: {len(chain['layers'])}   parameters: "
+                    f"{human_bytes(chain['total_param_bytes'])}   inputs: {_describe_values(inputs['values'])}")
+    return "\n".join(lines)
+
+
+def _compile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, or a built-in "
+                                      "example (tiny-resnet, mlp, bert, gpt2, vit, hf-resnet)")
+    parser.add_argument("--passes", default=None, help='pass pipeline, e.g. "fuse-elementwise,merge-branches,'
+                                                       'coarsen{max-layers=48,by=time}"')
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import flatpack
+
+    model, inputs = load_factory(args.model)
+    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=1)
+    print(chain_table(compiled.chain))
+    if args.json:
+        Path(args.json).write_text(json.dumps(compiled.chain, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import flatpack
+
+    model, inputs = load_factory(args.model)
+    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=args.stages, solver=args.solver,
+                                target=args.target, out_dir=args.out)
+    print(chain_table(compiled.chain, compiled.plan.ranges))
+    print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import flatpack
+    from flatpack.examples import EXAMPLES
+
+    model, inputs = EXAMPLES[args.model]()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="flatpack-demo-")) / "compiled"
+    started = time.perf_counter()
+    compiled = flatpack.compile(model, inputs, stages=args.stages, out_dir=out)
+    compile_s = time.perf_counter() - started
+    print(f"compiled {args.model} ({type(model).__name__}) with torch.{compiled.frontend} in {compile_s:.2f} s")
+    print(chain_table(compiled.chain, compiled.plan.ranges))
+    print(f"\nartifacts: {out}")
+    for stage_dir in compiled.info["stages"]:
+        files = sorted(p.name for p in (out / stage_dir).iterdir())
+        size = sum(p.stat().st_size for p in (out / stage_dir).iterdir())
+        print(f"  {stage_dir}/  {', '.join(files)}  ({human_bytes(size)})")
+
+    staged = flatpack.load(out).as_module()
+    reference_in = inputs if isinstance(inputs, tuple) else (inputs,)
+    args_in = [t.clone().requires_grad_(t.is_floating_point()) for t in reference_in]
+    staged_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in reference_in]
+    expected = model(*args_in)
+    actual = staged(*staged_in)
+    expected.sum().backward()
+    actual.sum().backward()
+    output_diff = (expected - actual).abs().max().item()
+    grad_diff = max((staged.tensor(name).grad - param.grad).abs().max().item()
+                    for name, param in model.named_parameters())
+    input_diff = max(((a.grad - b.grad).abs().max().item() for a, b in zip(args_in, staged_in)
+                      if a.grad is not None), default=0.0)
+    print(f"\nreloaded {len(compiled.plan.stages)} stages from disk and ran them chained:")
+    print(f"  max |output difference|          {output_diff:.3g}")
+    print(f"  max |parameter gradient diff|    {grad_diff:.3g}")
+    print(f"  max |input gradient diff|        {input_diff:.3g}")
+    try:
+        torch.testing.assert_close(actual, expected)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(staged.tensor(name).grad, param.grad)
+    except AssertionError as err:
+        print(f"EQUIVALENCE CHECK FAILED: {err}")
+        return 1
+    print("equivalence check: passed (outputs and gradients match the original model)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flatpack", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    inspect_parser = sub.add_parser("inspect", help="print the layer chain of a model")
+    _compile_args(inspect_parser)
+    inspect_parser.add_argument("--json", metavar="FILE", help="also write the chain as JSON")
+    inspect_parser.set_defaults(run=cmd_inspect)
+
+    compile_parser = sub.add_parser("compile", help="compile a model into stage artifacts")
+    _compile_args(compile_parser)
+    compile_parser.add_argument("--stages", type=int, default=2)
+    compile_parser.add_argument("--solver", default=None)
+    compile_parser.add_argument("--target", default="local")
+    compile_parser.add_argument("--out", required=True, help="output directory")
+    compile_parser.set_defaults(run=cmd_compile)
+
+    demo_parser = sub.add_parser("demo", help="compile a built-in model, write, reload and verify it")
+    demo_parser.add_argument("--model", default="tiny-resnet", choices=["tiny-resnet", "mlp"])
+    demo_parser.add_argument("--stages", type=int, default=3)
+    demo_parser.add_argument("--out", default=None, help="output directory (default: a new temporary one)")
+    demo_parser.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except FlatpackError as err:
+        print(f"flatpack: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""HuggingFace transformers 5 models (fx cannot trace them; torch.export can) cut into ≥3 stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flatpack
+from flatpack.examples import bert, gpt2, hf_resnet, vit
+from tests.helpers import assert_equivalent
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("factory", [bert, gpt2, vit, hf_resnet], ids=["bert", "gpt2", "vit", "resnet"])
+def test_hf_model_three_stages_equivalent(factory):
+    model, inputs = factory()
+    compiled = flatpack.compile(model, inputs, stages=3)
+    assert compiled.frontend == "export"
+    assert len(compiled.plan.stages) == 3
+    assert_equivalent(model, inputs, compiled=compiled)
+
+
+def test_bert_mask_crosses_boundaries_without_collapsing_the_encoder():
+    model, inputs = bert()
+    compiled = flatpack.compile(model, inputs, stages=1)
+    layers = compiled.chain["layers"]
+    # embeddings + (attention, feed-forward) per encoder layer + head: the mask did not merge them
+    assert len(layers) >= 2 * model.config.num_hidden_layers
+    # boundaries after the embedding/attention/feed-forward layers up to the last attention
+    encoder_boundaries = [layer["boundary"] for layer in layers[2:2 * model.config.num_hidden_layers]]
+    for boundary in encoder_boundaries:
+        dependent = [v for v in boundary["values"] if v["param_dependent"]]
+        assert len(dependent) == 1, boundary
+        assert any(v["kind"] == "tensor" and v["dtype"] == "bool" for v in boundary["values"]), \
+            "the attention mask should ride along as an extra boundary tensor"
+
+
+def test_bert_other_batch_size_runs_through_the_stages():
+    model, inputs = bert()
+    staged = flatpack.compile(model, inputs, stages=3).as_module()
+    ids = torch.randint(0, model.config.vocab_size, (5, 16))
+    mask = torch.ones_like(ids)
+    mask[:, -3:] = 0
+    torch.testing.assert_close(staged(input_ids=ids, attention_mask=mask).logits,
+                               model(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_gpt2_tied_lm_head_is_shared_and_its_gradient_sums(tmp_path):
+    model, inputs = gpt2()
+    compiled = flatpack.compile(model, inputs, stages=3, out_dir=tmp_path / "out")
+    holders = [a.index for a in compiled.artifacts
+               if any(set(p["aliases"]) >= {"transformer.wte.weight", "lm_head.weight"}
+                      for p in a.manifest["parameters"])]
+    assert holders == [0, 2], "the tied embedding is replicated into the first and last stage"
+    first = next(p for p in compiled.artifacts[0].manifest["parameters"] if "lm_head.weight" in p["aliases"])
+    assert first["shared_with"] == [2]
+    assert_equivalent(model, inputs, staged=flatpack.load(tmp_path / "out").as_module())
