@@ -193,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlatpackError as err:
         print(f"flatpack: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -253,6 +253,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     args, kwargs = _as_call(example_inputs, example_kwargs)
+    Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
     solver_obj = get_solver(solver) if plan is None else None
     _run_eagerly(model, args, kwargs)

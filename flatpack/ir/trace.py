@@ -129,6 +129,8 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
             traced = _trace_fx(model, signature, bound_args, bound_kwargs)
         except Exception as err:  # noqa: BLE001 - any fx failure sends us to export
             failures.append((FX, err))
+    else:
+        skipped = "fx skipped: forward takes *args/**kwargs or nested inputs, which fx cannot bind"
     if traced is None:
         try:
             traced = _trace_export(model, signature, bound_args, bound_kwargs, spec)
@@ -138,6 +140,8 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     traced.input_structure = input_structure
     traced.example_leaves = tensor_leaves
     traced.notes.extend(f"{frontend} failed: {_first_line(err)}" for frontend, err in failures)
+    if traced.frontend == EXPORT and not failures:
+        traced.notes.append(skipped)
     _record_parameters(model, traced)
     return traced
 

@@ -12,16 +12,21 @@ from flatpack.ir.graph import LayerGraph
 class MergeBranches:
     """Removes every boundary that lies inside a fork…join region.
 
-    The rule: a boundary lies inside a region when two or more *parameter-dependent*
-    values cross it on their way to a later layer — a residual block's skip and branch,
-    an inception module's parallel towers, attention's query, key and value. The layers on
-    both sides of such a boundary are merged.
+    The rule: a boundary lies inside a region when two or more *branch values* cross it on
+    their way to a later layer — a residual block's skip and branch, an inception module's
+    parallel towers, attention's query, key and value. The layers on both sides of such a
+    boundary are merged. A branch value is
 
-    Values that depend on no trainable parameter — attention masks, position ids, sizes,
-    raw model inputs — are not branches: they are computed once and may cross any number
-    of boundaries as extra tensors, so a mask used by every encoder layer does not collapse
-    the encoder into one layer. A value whose only remaining reader is the model's output
-    does not count either (it is carried to the end, not joined).
+    - a value that depends on a trainable parameter, counted up to its last reader; or
+    - a parameter-free value (a model input, or something computed from inputs alone)
+      counted up to the last reader that applies parameters to it directly — an inception
+      module at the model's input forks the input itself into convolutions.
+
+    Other parameter-free values — attention masks, position ids, sizes — are side values:
+    computed once, they may cross any number of boundaries as extra tensors, so a mask used
+    by every encoder layer does not collapse the encoder into one layer. A value whose only
+    remaining reader is the model's output does not count either (it is carried to the
+    end, not joined).
     """
 
     name: ClassVar[str] = "merge-branches"
@@ -30,12 +35,17 @@ class MergeBranches:
         count = len(graph.layers)
         if count < 2:
             return graph
+        analysis = graph.analysis
         branches = [0] * (count + 1)
-        for name in graph.analysis.param_dependent:
-            if name in graph.analysis.free or name not in graph.analysis.nodes:
+        for node in analysis.graph.nodes:
+            if node.name in analysis.free or node.op == "get_attr" or node.op == "output":
                 continue
-            producer = graph.producer_layer(name)
-            readers = graph.consumers_after(name, producer, include_output=False)
+            producer = graph.producer_layer(node.name)
+            readers = graph.consumers_after(node.name, producer, include_output=False)
+            if node.name not in analysis.param_dependent:
+                readers = [graph.layer_of[user.name] for user in node.users
+                           if user.name in graph.layer_of and graph.layer_of[user.name] > producer
+                           and self._applies_parameters(graph, user)]
             if not readers:
                 continue
             start, end = max(producer, 0), max(readers)
@@ -51,3 +61,9 @@ class MergeBranches:
                 start = boundary + 1
         ranges.append((start, count - 1))
         return graph.merged(ranges)
+
+    @staticmethod
+    def _applies_parameters(graph: LayerGraph, node) -> bool:
+        analysis = graph.analysis
+        return any(inp.name in analysis.free and inp.name in analysis.param_dependent
+                   for inp in node.all_input_nodes)

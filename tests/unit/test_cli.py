@@ -1,0 +1,58 @@
+"""The command line: inspect, compile, demo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flatpack.cli import main
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, (torch.randn(4, 8),)
+'''
+
+
+@pytest.fixture
+def factory(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(FACTORY)
+    return f"{path}:build"
+
+
+def test_inspect_prints_the_chain_and_writes_json(factory, tmp_path, capsys):
+    assert main(["inspect", factory, "--json", str(tmp_path / "chain.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "frontend: fx   layers: 3" in printed
+    assert "linear, relu" in printed and "4×8 float32" in printed
+    chain = json.loads((tmp_path / "chain.json").read_text())
+    assert [layer["boundary"]["bytes"] for layer in chain["layers"]] == [128, 128, 32]
+
+
+def test_compile_writes_stage_directories(factory, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compile", factory, "--stages", "3", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["flatpack.json", "plan.json", "stage_000", "stage_001",
+                                                      "stage_002"]
+    assert "wrote 3 stages" in capsys.readouterr().out
+
+
+def test_errors_are_one_line_with_exit_code_2(factory, tmp_path, capsys):
+    assert main(["compile", factory, "--stages", "9", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flatpack: error: cannot cut a chain of 3 layers into 9 stages")
+    assert main(["inspect", "no_such_file.py:build"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_demo_checks_equivalence(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    assert "equivalence check: passed" in printed
+    assert (tmp_path / "demo" / "stage_002" / "stage.py").is_file()

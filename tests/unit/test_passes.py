@@ -1,0 +1,147 @@
+"""Each pass: a structural test (what the chain looks like after it) and a numerical one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flatpack
+from flatpack.errors import PassError
+from flatpack.ir import meta
+from flatpack.ir.graph import LayerGraph
+from flatpack.ir.passes import (DEFAULT_PIPELINE, _LAZY, available_passes, make_pass, parse_pipeline, pass_spec,
+                                register_pass, run_pipeline)
+from flatpack.ir.passes.coarsen import Coarsen
+from flatpack.ir.trace import trace
+from tests.helpers import assert_equivalent
+from tests.models import MLP, Inception, MaskedEncoder, ResidualStack
+
+
+def chain(model, *inputs, passes=""):
+    return run_pipeline(LayerGraph.from_traced(trace(model, inputs)), passes)
+
+
+def ops_of(graph, index):
+    return [graph.analysis.nodes[name] for name in graph.layers[index].nodes]
+
+
+# registry and pipeline strings ------------------------------------------------------------
+
+def test_every_registered_key_equals_its_pass_name():
+    for name in _LAZY:
+        assert make_pass(name).name == name
+
+
+def test_registering_a_taken_name_is_refused():
+    with pytest.raises(PassError, match="already registered"):
+        register_pass("coarsen", Coarsen)
+
+
+def test_pipeline_string_parses_options_and_round_trips():
+    passes = parse_pipeline("fuse-elementwise, merge-branches,coarsen{max-layers=5,by=params}")
+    assert [p.name for p in passes] == ["fuse-elementwise", "merge-branches", "coarsen"]
+    assert passes[2] == Coarsen(max_layers=5, by="params")
+    assert parse_pipeline(",".join(pass_spec(p) for p in passes)) == passes
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fuse-elementwise,nope", "unknown pass 'nope'"),
+    ("coarsen{max-layers=0}", "positive integer"),
+    ("coarsen{by=cost}", "by must be one of"),
+    ("coarsen{layers=3}", "has no option layers"),
+    ("coarsen{max-layers=3", "unbalanced"),
+    ("coarsen{max-layers}", "key=value"),
+])
+def test_bad_pipelines_name_the_problem(text, message):
+    with pytest.raises(PassError, match=message):
+        parse_pipeline(text)
+
+
+def test_user_pass_objects_mix_with_names():
+    seen = []
+
+    def spy(graph):
+        seen.append(len(graph.layers))
+        return graph
+
+    graph = chain(MLP(), torch.randn(2, 8), passes=["fuse-elementwise", spy])
+    assert seen == [len(graph.layers)] and "fuse-elementwise" in available_passes()
+
+
+def test_default_pipeline_is_fuse_then_merge():
+    assert DEFAULT_PIPELINE == "fuse-elementwise,merge-branches"
+
+
+# fuse-elementwise ----------------------------------------------------------------------------
+
+def test_fuse_elementwise_puts_each_activation_with_its_linear():
+    raw = chain(MLP(depth=4), torch.randn(2, 8))
+    fused = run_pipeline(raw, "fuse-elementwise")
+    assert len(raw.layers) == 8 and len(fused.layers) == 4
+    for index in range(4):
+        assert [n.meta[meta.FREE] for n in ops_of(fused, index)] == [False, False]
+        assert [flatpack.ir.ops.op_name(n) for n in ops_of(fused, index)] == ["linear", "relu"]
+
+
+def test_fuse_elementwise_sinks_input_preprocessing_into_its_first_reader():
+    graph = chain(MaskedEncoder(), torch.randn(2, 5, 8), torch.ones(2, 5), passes="fuse-elementwise")
+    first = [flatpack.ir.ops.op_name(n) for n in ops_of(graph, 0)]
+    assert "gt" in first and "unsqueeze" in first, "the mask is computed where it is first used"
+
+
+def test_fuse_elementwise_is_numerically_neutral():
+    assert_equivalent(MLP(), torch.randn(3, 8), passes="fuse-elementwise", stages=3)
+
+
+# merge-branches -----------------------------------------------------------------------------
+
+def test_merge_branches_makes_each_residual_block_one_layer():
+    graph = chain(ResidualStack(blocks=3), torch.randn(2, 8), passes=DEFAULT_PIPELINE)
+    assert len(graph.layers) == 5  # stem, 3 blocks, head
+    for boundary in graph.boundaries():
+        assert [v.name for v in boundary.values if v.param_dependent] == [boundary.values[-1].name]
+        assert len(boundary.values) == 1
+
+
+def test_merge_branches_keeps_an_inception_module_in_one_layer():
+    graph = chain(Inception(), torch.randn(1, 4, 6, 6), passes=DEFAULT_PIPELINE)
+    assert len(graph.layers) == 2  # the four branch convolutions and the concat; then the 1x1 conv after the join
+    names = [flatpack.ir.ops.op_name(n) for n in ops_of(graph, 0)]
+    assert names.count("conv2d") == 4 and names[-1] == "cat"
+    assert [v.name for v in graph.boundary(0).values] == ["cat"]
+
+
+def test_merge_branches_lets_the_mask_cross_instead_of_merging():
+    graph = chain(MaskedEncoder(depth=3), torch.randn(2, 5, 8), torch.ones(2, 5), passes=DEFAULT_PIPELINE)
+    assert len(graph.layers) == 3
+    for boundary in graph.boundaries():
+        names = [v.name for v in boundary.values]
+        assert len(names) == 2 and sum(v.param_dependent for v in boundary.values) == 1
+
+
+def test_merge_branches_is_numerically_neutral():
+    assert_equivalent(ResidualStack(), torch.randn(3, 8), stages=3)
+    assert_equivalent(MaskedEncoder(), (torch.randn(2, 5, 8), torch.ones(2, 5)), stages=3)
+
+
+# coarsen ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("by", ["time", "params", "activation"])
+def test_coarsen_respects_max_layers(by):
+    graph = chain(MLP(depth=6), torch.randn(2, 8), passes=f"fuse-elementwise,coarsen{{max-layers=3,by={by}}}")
+    assert len(graph.layers) == 3
+    assert sum(layer.meta[meta.PARAM_BYTES] for layer in graph.layers) == graph.total_param_bytes()
+
+
+def test_coarsen_by_params_balances_equal_layers():
+    graph = chain(MLP(depth=8), torch.randn(2, 8), passes="fuse-elementwise,coarsen{max-layers=4,by=params}")
+    assert {layer.meta[meta.PARAM_BYTES] for layer in graph.layers} == {2 * (8 * 8 + 8) * 4}
+
+
+def test_coarsen_is_a_no_op_below_the_limit():
+    graph = chain(MLP(depth=2), torch.randn(2, 8), passes="fuse-elementwise")
+    assert run_pipeline(graph, "coarsen{max-layers=10}").layers == graph.layers
+
+
+def test_coarsen_is_numerically_neutral():
+    assert_equivalent(MLP(depth=6), torch.randn(3, 8), passes="fuse-elementwise,coarsen{max-layers=3}", stages=2)

@@ -1,0 +1,77 @@
+"""Tracing frontends: fx first, export as the fallback, a TraceError that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import flatpack
+from flatpack.errors import TraceError
+from flatpack.ir.trace import trace
+from tests.helpers import assert_equivalent
+from tests.models import MLP, Outer
+
+
+def test_plain_model_uses_fx_and_inlines_every_module():
+    traced = trace(MLP(), (torch.randn(2, 8),))
+    assert traced.frontend == "fx"
+    assert not [n for n in traced.gm.graph.nodes if n.op == "call_module"]
+    assert {n.target for n in traced.gm.graph.nodes if n.op == "get_attr"} == {
+        f"layers.{i}.{kind}" for i in range(4) for kind in ("weight", "bias")}
+
+
+class TupleInput(nn.Module):
+    """A nested input fx cannot take as a placeholder: export handles it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, pair, scale: float = 1.0):
+        left, right = pair
+        return {"sum": self.a(left) * scale + self.b(right), "left": left}
+
+
+def test_nested_inputs_and_outputs_go_through_export():
+    model = TupleInput()
+    inputs = ((torch.randn(2, 4), torch.randn(2, 4)), 3.0)
+    compiled = flatpack.compile(model, inputs, stages=2, passes="fuse-elementwise")
+    assert compiled.frontend == "export"
+    assert any("fx skipped" in note for note in compiled.info["trace_notes"])
+    assert_equivalent(model, inputs, compiled=compiled)
+
+
+def test_batchnorm_traces_with_fx_in_both_modes():
+    for training in (False, True):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train(training)
+        assert trace(model, (torch.randn(2, 3, 6, 6),)).frontend == "fx"
+
+
+def test_untraceable_model_raises_trace_error_naming_module_and_fix():
+    with pytest.raises(TraceError) as info:
+        flatpack.compile(Outer(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "router" in message and "DataDependent" in message
+    assert "data-dependent control flow" in message
+    assert "torch.cond" in message
+
+
+def test_inplace_ops_keep_their_semantics_across_cuts():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.a(x)
+            skip = h * 1.0
+            h.mul_(2).add_(skip)
+            h = torch.relu_(self.b(h))
+            return h + skip
+
+    model = InPlace()
+    for stages in (1, 2, 3):
+        assert_equivalent(model, torch.randn(3, 6), stages=stages, passes="")
