@@ -147,10 +147,15 @@ def _fetch_tensor(root: nn.Module, target: str) -> torch.Tensor:
     value: Any = root
     for part in target.split("."):
         value = getattr(value, part)
+    if isinstance(value, torch.fx.GraphModule):
+        raise CodegenError(f"the graph calls the subgraph {target!r}, a control-flow operator such as "
+                           "torch.cond; flatpack cannot emit those in a stage yet. Keep the branch "
+                           "outside the model, or express it with torch.where.")
     if not isinstance(value, torch.Tensor):
         raise CodegenError(f"attribute {target!r} is a {type(value).__name__}, not a tensor; "
                            "stages can only carry tensors as weights")
-    return value.detach()
+    # A snapshot: the artifact keeps the weights of compile time even if the model trains on.
+    return value.detach().clone()
 
 
 def _imports_for(globals_: dict[str, Any], src: str, index: int) -> list[str]:

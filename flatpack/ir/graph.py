@@ -89,6 +89,7 @@ class GraphAnalysis:
         self.free = self._find_free()
         self.param_dependent = self._find_param_dependent()
         self.compute = [n for n in self.graph.nodes if n.op in CALL_OPS and n.name not in self.free]
+        self.attributes = {str(n.target): n for n in self.graph.nodes if n.op == "get_attr"}
         self.order_deps = self._order_dependencies()
         for node in self.graph.nodes:
             node.meta[meta.FREE] = node.name in self.free
@@ -353,9 +354,8 @@ class LayerGraph:
         params = sorted({str(self.analysis.nodes[name].target) for name in self.analysis.needed_free(layer.nodes)
                          if self.analysis.nodes[name].op == "get_attr"})
         kinds = self.traced.param_kinds
-        by_target = {str(n.target): n for n in self.gm.graph.nodes if n.op == "get_attr"}
         layer.meta[meta.PARAMS] = params
-        layer.meta[meta.PARAM_BYTES] = sum(value_info(by_target[p]).nbytes for p in params
+        layer.meta[meta.PARAM_BYTES] = sum(value_info(self.analysis.attributes[p]).nbytes for p in params
                                            if kinds.get(p) == "parameter")
         layer.meta[meta.LAYER_FLOPS] = sum(n.meta.get(meta.FLOPS, 0) for n in nodes)
         layer.meta[meta.OP_SUMMARY] = _op_summary(nodes)
@@ -379,8 +379,8 @@ class LayerGraph:
 
     def total_param_bytes(self) -> int:
         kinds = self.traced.param_kinds
-        return sum(value_info(n).nbytes for n in self.gm.graph.nodes
-                   if n.op == "get_attr" and kinds.get(str(n.target)) == "parameter")
+        return sum(value_info(node).nbytes for target, node in self.analysis.attributes.items()
+                   if kinds.get(target) == "parameter")
 
 
 def _group_by_spans(names: list[str], positions: list[int], spans: list[tuple[int, int]]) -> list[list[str]]:
