@@ -9,7 +9,7 @@ import flatpack
 from flatpack.errors import PassError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
-from flatpack.ir.passes import (DEFAULT_PIPELINE, _LAZY, available_passes, make_pass, parse_pipeline, pass_spec,
+from flatpack.ir.passes import (DEFAULT_PIPELINE, PASSES, available_passes, make_pass, parse_pipeline, pass_spec,
                                 register_pass, run_pipeline)
 from flatpack.ir.passes.coarsen import Coarsen
 from flatpack.ir.trace import trace
@@ -28,7 +28,7 @@ def ops_of(graph, index):
 # registry and pipeline strings ------------------------------------------------------------
 
 def test_every_registered_key_equals_its_pass_name():
-    for name in _LAZY:
+    for name in PASSES.names():
         assert make_pass(name).name == name
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from flatpack.errors import PlanError
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
-from flatpack.partitioner.solvers import _LAZY, get_solver, register_solver
+from flatpack.partitioner.solvers import SOLVERS, get_solver, register_solver
 from flatpack.partitioner.solvers.balanced import Balanced
 
 
@@ -37,7 +37,7 @@ def test_plan_for_another_chain_is_rejected():
 
 
 def test_solver_registry_keys_are_names_and_duplicates_are_refused():
-    for name in _LAZY:
+    for name in SOLVERS.names():
         assert get_solver(name).name == name
     with pytest.raises(PlanError, match="already registered"):
         register_solver("balanced", Balanced)

@@ -12,11 +12,11 @@ their own pass objects into the list given to ``run_pipeline``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from flatpack.errors import PassError
 from flatpack.ir.graph import LayerGraph
+from flatpack.registry import Registry
 
 DEFAULT_PIPELINE = "fuse-elementwise,merge-branches"
 
@@ -28,37 +28,24 @@ class Pass(Protocol):
     def __call__(self, graph: LayerGraph) -> LayerGraph: ...
 
 
-# name -> "module:attribute"; imported only when a pipeline names the pass.
-_LAZY: dict[str, str] = {
+PASSES: Registry[Pass] = Registry("pass", PassError, {
     "fuse-elementwise": "flatpack.ir.passes.fuse_elementwise:FuseElementwise",
     "merge-branches": "flatpack.ir.passes.merge_branches:MergeBranches",
     "coarsen": "flatpack.ir.passes.coarsen:Coarsen",
-}
-_FACTORIES: dict[str, Callable[..., Pass]] = {}
+})
 
 
 def register_pass(name: str, factory: Callable[..., Pass]) -> None:
     """Registers a pass factory under ``name``; a name can be registered once."""
-    if name in _LAZY or name in _FACTORIES:
-        raise PassError(f"a pass named {name!r} is already registered; pick another name")
-    _FACTORIES[name] = factory
+    PASSES.register(name, factory)
 
 
 def available_passes() -> list[str]:
-    return sorted({*_LAZY, *_FACTORIES})
-
-
-def pass_factory(name: str) -> Callable[..., Pass]:
-    if name in _FACTORIES:
-        return _FACTORIES[name]
-    if name not in _LAZY:
-        raise PassError(f"unknown pass {name!r}; known passes: {', '.join(available_passes())}")
-    module_name, _, attribute = _LAZY[name].partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    return PASSES.names()
 
 
 def make_pass(name: str, options: dict[str, Any] | None = None) -> Pass:
-    factory = pass_factory(name)
+    factory = PASSES.factory(name)
     options = options or {}
     if dataclasses.is_dataclass(factory):
         fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
