@@ -88,7 +88,7 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
 
 def _compile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, or a built-in "
-                                      "example (tiny-resnet, mlp, bert, gpt2, vit, hf-resnet)")
+                                      "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet)")
     parser.add_argument("--passes", default=None, help='pass pipeline, e.g. "fuse-elementwise,merge-branches,'
                                                        'coarsen{max-layers=48,by=time}"')
 

@@ -86,6 +86,16 @@ def gpt2() -> tuple[nn.Module, dict]:
     return model, {"input_ids": torch.randint(0, config.vocab_size, (2, 16))}
 
 
+def llama() -> tuple[nn.Module, dict]:
+    """LlamaForCausalLM: RoPE under torch.no_grad(), grouped-query attention."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            use_cache=False)
+    return tf.LlamaForCausalLM(config).eval(), {"input_ids": torch.randint(0, config.vocab_size, (2, 16))}
+
+
 def vit() -> tuple[nn.Module, dict]:
     tf = _transformers()
     torch.manual_seed(0)
@@ -107,6 +117,7 @@ EXAMPLES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
     "mlp": mlp,
     "bert": bert,
     "gpt2": gpt2,
+    "llama": llama,
     "vit": vit,
     "hf-resnet": hf_resnet,
 }

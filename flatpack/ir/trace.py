@@ -9,6 +9,7 @@ flat tuple. The nesting of inputs and outputs is kept beside it as JSON (``ir.st
 from __future__ import annotations
 
 import inspect
+import operator
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +237,7 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
+    _inline_grad_mode_regions(gm)
     leaves = pytree.tree_leaves((args, kwargs))
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if len(placeholders) != len(leaves):
@@ -264,6 +266,48 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
         for n in graph.nodes if n.op == "placeholder"
     )
     return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes)
+
+
+def _inline_grad_mode_regions(gm: torch.fx.GraphModule) -> None:
+    """Inlines ``wrap_with_set_grad_enabled`` regions (``torch.no_grad()`` blocks in forward).
+
+    torch.export keeps such a block as a higher-order op over a subgraph (Llama's rotary
+    embedding). Inlined, the ops run in the caller's grad mode; a no-grad region's outputs
+    are detached, which gives the same values and the same (absent) gradients.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "wrap_with_set_grad_enabled":
+            continue
+        enabled, body_node, *operands = node.args
+        body = getattr(gm, str(body_node.target))
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter(operands)
+        results: list[Any] = []
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(placeholders)
+                elif inner.op == "output":
+                    results = list(pytree.tree_leaves(pytree.tree_map_only(torch.fx.Node, env.get, inner.args[0])))
+                elif inner.op == "get_attr":
+                    raise TraceError("a torch.no_grad() region reads its own attribute; rewrite it to take "
+                                     "the tensor as an argument")
+                else:
+                    env[inner] = graph.node_copy(inner, lambda n: env[n])
+            if not enabled:
+                results = [graph.call_function(torch.ops.aten.detach.default, (r,))
+                           if isinstance(r, torch.fx.Node) else r for r in results]
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise TraceError("a torch.no_grad() region's result is used as a tuple; flatpack cannot inline it")
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+            delattr(gm, str(body_node.target))
 
 
 def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import flatpack
-from flatpack.examples import bert, gpt2, hf_resnet, vit
+from flatpack.examples import bert, gpt2, hf_resnet, llama, vit
 from tests.helpers import assert_equivalent
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("factory", [bert, gpt2, vit, hf_resnet], ids=["bert", "gpt2", "vit", "resnet"])
+@pytest.mark.parametrize("factory", [bert, gpt2, vit, hf_resnet, llama], ids=["bert", "gpt2", "vit", "resnet", "llama"])
 def test_hf_model_three_stages_equivalent(factory):
     model, inputs = factory()
     compiled = flatpack.compile(model, inputs, stages=3)
