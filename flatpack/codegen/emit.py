@@ -221,9 +221,8 @@ def _render_source(forward_src: str, imports: list[str], manifest: dict) -> str:
         f"    Inputs: {inputs}",
         f"    Outputs: {outputs}",
         '    """',
-        "",
     ]
-    return "\n".join(header) + body + "\n"
+    return "\n".join(header) + "\n" + body + "\n"
 
 
 def sha256_bytes(data: bytes) -> str:

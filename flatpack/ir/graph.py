@@ -86,6 +86,9 @@ class GraphAnalysis:
         self.nodes: dict[str, torch.fx.Node] = {node.name: node for node in self.graph.nodes}
         self.position: dict[str, int] = {node.name: index for index, node in enumerate(self.graph.nodes)}
         self.output = next(node for node in self.graph.nodes if node.op == OUTPUT)
+        self.alias_root: dict[str, str] = {}
+        self.writes_by_class: dict[str, list[torch.fx.Node]] = {}
+        self.touched_by_class: dict[str, list[torch.fx.Node]] = {}
         self.free = self._find_free()
         self.param_dependent = self._find_param_dependent()
         self.compute = [n for n in self.graph.nodes if n.op in CALL_OPS and n.name not in self.free]
@@ -147,13 +150,12 @@ class GraphAnalysis:
             base = ops.aliased_input(node)
             if base is not None:
                 root[find(node.name)] = find(base.name)
-        writes_by_class: dict[str, list[torch.fx.Node]] = {}
+        self.alias_root = {node.name: find(node.name) for node in self.graph.nodes}
+        writes_by_class = self.writes_by_class
         for node in self.compute:
             for written in ops.mutated_inputs(node):
                 writes_by_class.setdefault(find(written.name), []).append(node)
-        if not writes_by_class:
-            return deps
-        touched_by_class: dict[str, list[torch.fx.Node]] = {}
+        touched_by_class = self.touched_by_class
         for node in self.compute:
             classes = {find(inp.name) for inp in node.all_input_nodes} | {find(node.name)}
             for cls in classes & writes_by_class.keys():
@@ -166,9 +168,6 @@ class GraphAnalysis:
                         deps[node.name].add(write.name)
                     elif write is not node and self.position[write.name] > pos:
                         deps[write.name].add(node.name)
-        self.alias_root = find
-        self.writes_by_class = writes_by_class
-        self.touched_by_class = touched_by_class
         return deps
 
     def glued_spans(self) -> list[tuple[int, int]]:
@@ -191,7 +190,7 @@ class GraphAnalysis:
                     continue
                 if value_info(inp).kind == OTHER and inp.op in CALL_OPS:
                     spans.append((self.position[inp.name], self.position[node.name]))
-        for cls, writes in getattr(self, "writes_by_class", {}).items():
+        for cls, writes in self.writes_by_class.items():
             touching = [self.position[n.name] for n in self.touched_by_class.get(cls, [])]
             root_node = self.nodes[cls]
             last_write = max(self.position[w.name] for w in writes)
@@ -201,7 +200,7 @@ class GraphAnalysis:
                 spans.append((min(touching), max(touching)))
                 continue
             members = [self.position[n.name] for n in self.compute
-                       if self.alias_root(n.name) == cls and self.position[n.name] <= last_write]
+                       if self.alias_root[n.name] == cls and self.position[n.name] <= last_write]
             spans.append((min(members), last_write))
         return spans
 
@@ -245,14 +244,10 @@ class LayerGraph:
         graph.validate()
         return graph
 
-    def with_layers(self, groups: list[list[str]], metas: list[dict] | None = None) -> "LayerGraph":
+    def with_layers(self, groups: list[list[str]]) -> "LayerGraph":
         """A new LayerGraph over the same nodes, cut into ``groups`` (lists of node names)."""
         position = self.analysis.position
-        layers = [
-            Layer(name="", nodes=sorted(group, key=position.__getitem__),
-                  meta=dict(metas[index]) if metas else {})
-            for index, group in enumerate(groups) if group
-        ]
+        layers = [Layer(name="", nodes=sorted(group, key=position.__getitem__)) for group in groups if group]
         return LayerGraph(self.analysis, layers, self.meta)
 
     def merged(self, ranges: list[tuple[int, int]]) -> "LayerGraph":

@@ -124,14 +124,16 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
     failures: list[tuple[str, BaseException]] = []
+    notes: list[str] = []
     traced = None
-    if _fx_applicable(signature, bound_args, bound_kwargs):
+    if not _fx_applicable(signature, bound_args, bound_kwargs):
+        notes.append("fx skipped: forward takes *args/**kwargs or nested inputs, which fx cannot bind")
+    else:
         try:
             traced = _trace_fx(model, signature, bound_args, bound_kwargs)
         except Exception as err:  # noqa: BLE001 - any fx failure sends us to export
             failures.append((FX, err))
-    else:
-        skipped = "fx skipped: forward takes *args/**kwargs or nested inputs, which fx cannot bind"
+            notes.append(f"fx failed: {_first_line(err)}")
     if traced is None:
         try:
             traced = _trace_export(model, signature, bound_args, bound_kwargs, spec)
@@ -140,9 +142,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
             raise _trace_error(model, failures) from err
     traced.input_structure = input_structure
     traced.example_leaves = tensor_leaves
-    traced.notes.extend(f"{frontend} failed: {_first_line(err)}" for frontend, err in failures)
-    if traced.frontend == EXPORT and not failures:
-        traced.notes.append(skipped)
+    traced.notes = notes + traced.notes
     _record_parameters(model, traced)
     return traced
 
