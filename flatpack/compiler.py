@@ -6,6 +6,7 @@ The ``Compiled`` result runs in-process (``as_module``), saves to a directory an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from flatpack.backends import TARGETS
@@ -256,10 +258,16 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
     solver_obj = get_solver(solver) if plan is None else None
-    _run_eagerly(model, args, kwargs)
-
-    traced = trace(model, args, kwargs)
-    graph = run_pipeline(LayerGraph.from_traced(traced), pipeline)
+    with _restoring([*model.buffers(), *(leaf for leaf in pytree.tree_leaves((args, kwargs))
+                                         if isinstance(leaf, torch.Tensor))]):
+        _run_eagerly(model, args, kwargs)
+        traced = trace(model, args, kwargs)
+        with _restoring(list(traced.gm.buffers())):
+            graph = LayerGraph.from_traced(traced)
+    if not graph.layers:
+        raise InputError(f"{type(model).__name__} computes nothing: its forward returns inputs, parameters "
+                         "or constants only, so there is nothing to cut into stages")
+    graph = run_pipeline(graph, pipeline)
     if plan is None:
         plan = solver_obj(Problem.from_graph(graph, stages=stages, target=target))
         if not isinstance(plan, Plan):
@@ -289,6 +297,21 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+@contextlib.contextmanager
+def _restoring(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Puts the tensors' values back afterwards: compiling runs the model, and a forward that
+    writes in place (BatchNorm statistics in training mode, a counter, an input scaled in
+    place) must not change the user's model or example inputs."""
+    saved = [(tensor, tensor.detach().clone()) for tensor in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved:
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
 
 
 def _run_eagerly(model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -86,8 +86,11 @@ class GraphAnalysis:
         self.nodes: dict[str, torch.fx.Node] = {node.name: node for node in self.graph.nodes}
         self.position: dict[str, int] = {node.name: index for index, node in enumerate(self.graph.nodes)}
         self.output = next(node for node in self.graph.nodes if node.op == OUTPUT)
-        self.alias_root: dict[str, str] = {}
+        self.alias_root = self._alias_classes()
         self.writes_by_class: dict[str, list[torch.fx.Node]] = {}
+        for node in self.graph.nodes:
+            for written in ops.mutated_inputs(node):
+                self.writes_by_class.setdefault(self.alias_root[written.name], []).append(node)
         self.touched_by_class: dict[str, list[torch.fx.Node]] = {}
         self.free = self._find_free()
         self.param_dependent = self._find_param_dependent()
@@ -98,13 +101,32 @@ class GraphAnalysis:
             node.meta[meta.FREE] = node.name in self.free
             node.meta[meta.PARAM_DEPENDENT] = node.name in self.param_dependent
 
+    def _alias_classes(self) -> dict[str, str]:
+        """Node name -> the root of the tensors it may share storage with (views, in-place results)."""
+        root: dict[str, str] = {}
+
+        def find(name: str) -> str:
+            while root.get(name, name) != name:
+                name = root[name]
+            return name
+
+        for node in self.graph.nodes:
+            base = ops.aliased_input(node)
+            if base is not None:
+                root[find(node.name)] = find(base.name)
+        return {node.name: find(node.name) for node in self.graph.nodes}
+
     def _find_free(self) -> set[str]:
+        """get_attr nodes, and pure ops over free nodes that read no buffer written in place
+        (recomputing such a read in another stage could see the write)."""
         free: set[str] = set()
         for node in self.graph.nodes:
             if node.op == "get_attr":
                 free.add(node.name)
             elif node.op in CALL_OPS and self._side_effect_free(node):
-                if all(inp.name in free for inp in node.all_input_nodes):
+                inputs = node.all_input_nodes
+                if all(inp.name in free and self.alias_root[inp.name] not in self.writes_by_class
+                       for inp in inputs):
                     free.add(node.name)
         return free
 
@@ -139,22 +161,8 @@ class GraphAnalysis:
             node.name: {inp.name for inp in node.all_input_nodes if inp.name not in self.free}
             for node in self.compute
         }
-        root: dict[str, str] = {}
-
-        def find(name: str) -> str:
-            while root.get(name, name) != name:
-                name = root[name]
-            return name
-
-        for node in self.graph.nodes:
-            base = ops.aliased_input(node)
-            if base is not None:
-                root[find(node.name)] = find(base.name)
-        self.alias_root = {node.name: find(node.name) for node in self.graph.nodes}
+        find = self.alias_root.__getitem__
         writes_by_class = self.writes_by_class
-        for node in self.compute:
-            for written in ops.mutated_inputs(node):
-                writes_by_class.setdefault(find(written.name), []).append(node)
         touched_by_class = self.touched_by_class
         for node in self.compute:
             classes = {find(inp.name) for inp in node.all_input_nodes} | {find(node.name)}

@@ -119,8 +119,27 @@ def _is_inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
 
 
+# Argument names of the batch-norm entry points whose running statistics are updated in place
+# in training mode, though the ATen schemas carry no write annotation for them.
+_FUNCTIONAL_BATCH_NORM = ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"]
+_ATEN_BATCH_NORM = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+
+
+def _running_stat_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    if node.op != "call_function" or op_name(node) not in ("batch_norm", "native_batch_norm"):
+        return []
+    names = _FUNCTIONAL_BATCH_NORM if node.target is torch.nn.functional.batch_norm else _ATEN_BATCH_NORM
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    if bound.get("training") is not True:
+        return []
+    return [bound[key] for key in ("running_mean", "running_var") if isinstance(bound.get(key), torch.fx.Node)]
+
+
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The input nodes whose tensors this node writes in place."""
+    running_stats = _running_stat_writes(node)
+    if running_stats:
+        return running_stats
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         written = []

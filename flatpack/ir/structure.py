@@ -51,6 +51,8 @@ def from_treespec(spec: pytree.TreeSpec, leaves: list[Any] | None = None) -> dic
         children = [walk(child) for child in node.children()]
         if node.type in (tuple, list):
             return {node.type.__name__: children}
+        if isinstance(node.context, type) and issubclass(node.context, tuple) and hasattr(node.context, "_fields"):
+            return {"tuple": children, "class": _class_path(node.context)}  # pytree's namedtuple node
         if isinstance(node.type, type) and issubclass(node.type, dict):
             keys = list(node.context) if not isinstance(node.context, type) else []
             cls = None if node.type is dict else _class_path(node.type)

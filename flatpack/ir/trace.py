@@ -8,11 +8,14 @@ flat tuple. The nesting of inputs and outputs is kept beside it as JSON (``ir.st
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -86,6 +89,12 @@ class _InliningTracer(torch.fx.Tracer):
     symbolic tensor cannot answer; the check only guards against misuse, so it is skipped
     while tracing (the example run in ``ValueProp`` still runs the real ops).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A buffer read becomes a get_attr node, so ops on buffers alone (a counter's
+        # ``add_(1)``) are in the graph instead of running once at trace time.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return False
@@ -166,6 +175,7 @@ def _trace_fx(model: nn.Module, signature: Signature, args: tuple, kwargs: dict)
     graph = _InliningTracer().trace(model, concrete_args=concrete or None)
     gm = torch.fx.GraphModule(model, graph)
     _drop_specialized_placeholders(gm.graph, names, set(concrete))
+    _refuse_baked_parameters(gm)
     _functionalize_simple_inplace(gm.graph)
     output_structure = _flatten_output_node(gm.graph)
     gm.recompile()
@@ -184,6 +194,19 @@ def _drop_specialized_placeholders(graph: torch.fx.Graph, names: list[str], conc
         for user in list(node.users):
             _erase_with_users(user)
         graph.erase_node(node)
+
+
+def _refuse_baked_parameters(gm: torch.fx.GraphModule) -> None:
+    """A constant that requires grad is a parameter fx saw as a plain tensor (read through
+    ``self.parameters()`` or ``named_parameters()``): its gradient would be lost, so fx's
+    capture is refused and torch.export, which tracks parameters by identity, takes over."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not str(node.target).startswith("_tensor_constant"):
+            continue
+        value = getattr(gm, str(node.target))
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise TraceError(f"fx baked a tensor that requires grad into the constant {node.target}: "
+                             "a parameter was read other than by attribute access")
 
 
 def _erase_with_users(node: torch.fx.Node) -> None:
@@ -209,9 +232,27 @@ def _functionalize_simple_inplace(graph: torch.fx.Graph) -> None:
                     user.replace_input_with(written, node)
 
 
+def _plain_containers(value: Any) -> Any:
+    """fx stores output containers as immutable_dict/immutable_list and a namedtuple as a call
+    to its class; give pytree the user's own container types back."""
+    if isinstance(value, torch.fx.Node):
+        target = value.target
+        if value.op == "call_function" and isinstance(target, type) and issubclass(target, tuple) \
+                and hasattr(target, "_fields"):
+            return target(*(_plain_containers(arg) for arg in value.args))
+        return value
+    if isinstance(value, dict):
+        return {key: _plain_containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain_containers(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain_containers(item) for item in value)
+    return value
+
+
 def _flatten_output_node(graph: torch.fx.Graph) -> dict:
     output = next(node for node in graph.nodes if node.op == "output")
-    leaves, spec = pytree.tree_flatten(output.args[0])
+    leaves, spec = pytree.tree_flatten(_plain_containers(output.args[0]))
     for leaf in leaves:
         if not isinstance(leaf, torch.fx.Node) and not structure.is_constant(leaf):
             raise TraceError(
@@ -219,18 +260,22 @@ def _flatten_output_node(graph: torch.fx.Graph) -> dict:
                 "JSON constant; return tensors (nested in tuples, lists or dicts)."
             )
     output.args = (tuple(leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)),)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and isinstance(node.target, type) and not node.users:
+            graph.erase_node(node)  # a namedtuple built only to be returned
     return structure.from_treespec(spec, leaves)
 
 
 def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: dict,
                   spec: pytree.TreeSpec) -> Traced:
     notes: list[str] = []
-    try:
-        exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs))
-    except Exception as err:  # noqa: BLE001 - retry with static shapes before giving up
-        notes.append(f"dynamic batch dimension refused ({_first_line(err)}); traced with static shapes")
-        exported = torch.export.export(model, args, kwargs, strict=False)
+    with _quiet_torch_logs():
+        try:
+            exported = torch.export.export(model, args, kwargs, strict=False,
+                                           dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs))
+        except Exception as err:  # noqa: BLE001 - retry with static shapes before giving up
+            notes.append(f"dynamic batch dimension refused ({_first_line(err)}); traced with static shapes")
+            exported = torch.export.export(model, args, kwargs, strict=False)
     gm = exported.module()
     graph = gm.graph
     out_spec = gm._out_spec
@@ -266,6 +311,23 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
         for n in graph.nodes if n.op == "placeholder"
     )
     return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings, and prints whole graphs, when it gives up on a
+    data-dependent value; flatpack reports the failure itself, in one TraceError."""
+    loggers = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes", "torch._export",
+                                                    "torch.export")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _inline_grad_mode_regions(gm: torch.fx.GraphModule) -> None:
@@ -362,8 +424,13 @@ _UNSUPPORTED = ("not supported", "Unsupported", "NotImplemented", "unsupported")
 
 def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) -> TraceError:
     module_path = _failing_module(model, failures)
+    module = _get_submodule(model, module_path)
     texts = " ".join(f"{type(err).__name__} {err}" for _, err in failures)
-    if any(marker in texts for marker in _DATA_DEPENDENT):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training and module.momentum is None:
+        construct = ("BatchNorm(momentum=None) in training mode, which averages its running statistics "
+                     "with the Python float 1/num_batches_tracked, a data-dependent value")
+        fix = "give the BatchNorm a float momentum, or compile the model in eval mode"
+    elif any(marker in texts for marker in _DATA_DEPENDENT):
         construct = "data-dependent control flow (a Python branch or loop on a tensor's value)"
         fix = ("rewrite the branch with torch.cond or torch.where, make the value a concrete "
                "input (pass it as a Python constant), or move that code outside the model")
@@ -374,8 +441,8 @@ def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) ->
         construct = "a construct neither tracer could capture"
         fix = ("check that the example inputs run the model eagerly, rewrite data-dependent "
                "branches with torch.cond, or pass concrete inputs")
-    where = f"in submodule '{module_path}' ({type(_get_submodule(model, module_path)).__name__})" \
-        if module_path else f"in {type(model).__name__}.forward"
+    where = f"in submodule '{module_path}' ({type(module).__name__})" if module_path \
+        else f"in {type(model).__name__}.forward"
     details = "; ".join(f"{frontend}: {_first_line(err)}" for frontend, err in failures)
     return TraceError(f"could not trace the model {where}: {construct}. Fix: {fix}. ({details})")
 
