@@ -20,15 +20,25 @@ Families:
 - ``CnnSpec``: a ResNet-like CNN (conv + BatchNorm + in-place ReLU, residual blocks with
   identity or 1x1 projection skips, inception-like blocks with pooling branches).
 
-Every model is float64. ``wrap_dict`` passes the tensor inputs in one dict argument, which
-fx cannot trace, so those examples go through the torch.export frontend.
+Every model is float64 (a ``float32`` block computes in float32). ``wrap_dict`` passes the
+tensor inputs in one dict argument, which fx cannot trace, so those examples go through the
+torch.export frontend.
+
+The constructs behind the bugs in BUGS.md are generated too: namedtuple outputs (#1, #4),
+buffers updated in the forward and read before the update (the ``stateful`` block: #3,
+#5), a BatchNorm applied twice in train mode (the CNN ``twin`` block: #6), a parameter read
+that fx cannot see (the ``param_by_name`` block, which sends the model to torch.export: #7).
+Left out: ``BatchNorm(momentum=None)`` in train mode, which flatpack refuses by design (#3),
+and models that compute nothing, which it refuses too (#8).
 """
 
 from __future__ import annotations
 
+import collections
+import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +70,8 @@ ACTIVATIONS = ("none", "relu", "relu_module_inplace", "relu_fn_inplace", "relu_m
 INPLACE_OPS = ("add_", "mul_", "iadd", "imul", "clamp_")
 BRANCH_KINDS = ("linear", "linear_act_linear", "act", "identity", "scaled")
 VECTOR_BLOCKS = ("linear", "residual", "inception", "again", "loop", "view_inplace", "chunk",
-                 "layernorm", "dropout", "mask", "inject", "param_only", "constant", "size")
+                 "layernorm", "dropout", "mask", "inject", "param_only", "constant", "size", "float32",
+                 "stateful", "param_by_name")
 TOKEN_ONLY_BLOCKS = ("attention",)
 
 
@@ -79,7 +90,7 @@ class Block:
 class Inputs:
     """How the forward's optional arguments are given."""
 
-    mask: str = "none"  # none | raw | derived
+    mask: str = "none"  # none | raw | derived (float, computed once) | bool (computed once)
     mask_grad: bool = True
     y: bool = False  # second data input, injected by "inject" blocks
     bias: str = "default"  # default (None by default) | none (explicit None) | tensor
@@ -92,11 +103,12 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Outputs:
-    kind: str = "tensor"  # tensor | tuple | dict | list | nested
+    kind: str = "tensor"  # tensor | tuple | dict | list | nested | namedtuple
     hidden_at: int | None = None  # also return the hidden state after this block
     echo_mask: bool = False  # return the mask input itself
     free_param: bool = False  # return a value computed from parameters alone
     constant: bool = False  # a Python constant in the output structure
+    argmax: bool = False  # an integer tensor among the outputs
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ class VectorSpec:
 
 @dataclass(frozen=True)
 class CnnBlock:
-    kind: str  # conv | res | inception
+    kind: str  # conv | res | inception | twin (two convs through one shared BatchNorm)
     channels: int = 4
     stride: int = 1
     branches: tuple[tuple[str, int], ...] = ()  # inception: (conv1 | conv3 | maxpool | avgpool, width)
@@ -137,8 +149,10 @@ class CnnSpec:
     classes: int
     outputs: str  # tensor | tuple | dict
     scale: float | None = None
+    pool: str | None = None  # a str constant input: avg | max (None: the default, avg)
     x_grad: bool = True
     train: bool = False
+    wrap_dict: bool = False
     family: str = "cnn"
 
 
@@ -146,11 +160,15 @@ class CnnSpec:
 # modules
 # --------------------------------------------------------------------------------------------
 
+VectorOut = collections.namedtuple("VectorOut", ["logits", "extra"])
+
+
 class Ctx:
     """Per-call values that blocks read: the mask, the second input, constants, a size."""
 
-    def __init__(self, mask, y, scale, repeat, size):
-        self.mask, self.y, self.scale, self.repeat, self.size = mask, y, scale, repeat, size
+    def __init__(self, mask, mask_bool, y, scale, repeat, size):
+        self.mask, self.mask_bool, self.y = mask, mask_bool, y
+        self.scale, self.repeat, self.size = scale, repeat, size
 
 
 def apply_act(act: str, h: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
@@ -244,7 +262,8 @@ class InceptionBlock(nn.Module):
             if kind == "linear":
                 self.towers.append(nn.Linear(d, width))
             elif kind == "linear_act_linear":
-                self.towers.append(nn.Sequential(nn.Linear(d, width), nn.ReLU(inplace=True), nn.Linear(width, width)))
+                self.towers.append(nn.Sequential(nn.Linear(d, width), nn.ReLU(inplace=True),
+                                                 nn.Linear(width, width)))
             else:
                 self.towers.append(nn.Identity())
 
@@ -319,11 +338,13 @@ class ChunkBlock(nn.Module):
 
 
 class Simple(nn.Module):
-    """Blocks without a sub-layer: layernorm, dropout, mask, inject, param_only, constant, size."""
+    """Blocks without a sub-layer: layernorm, dropout, mask, inject, param_only, constant, size,
+    stateful, param_by_name."""
 
     def __init__(self, d: int, block: Block, d_y: int) -> None:
         super().__init__()
         self.kind = block.kind
+        self.d = d
         if block.kind == "layernorm":
             self.norm = nn.LayerNorm(d)
         elif block.kind == "dropout":
@@ -336,6 +357,11 @@ class Simple(nn.Module):
             self.register_buffer("shift", torch.randn(d))
             self.register_buffer("nonpersistent", torch.randn(d), persistent=False)
             self.plain = torch.randn(d, dtype=DTYPE)  # a plain tensor attribute: traced as a constant
+        elif block.kind == "stateful":
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+            self.register_buffer("ema", torch.randn(d))
+        elif block.kind == "param_by_name":
+            self.gain = nn.Parameter(torch.randn(d))
 
     def forward(self, h, ctx):
         kind = self.kind
@@ -344,7 +370,9 @@ class Simple(nn.Module):
         if kind == "dropout":
             return self.drop(h)
         if kind == "mask":
-            return h * ctx.mask if ctx.mask is not None else h
+            if ctx.mask is None:
+                return h
+            return torch.where(ctx.mask, h, -h) if ctx.mask_bool else h * ctx.mask
         if kind == "inject":
             return h + self.proj(ctx.y) if ctx.y is not None else h
         if kind == "param_only":
@@ -353,6 +381,15 @@ class Simple(nn.Module):
             return (h + self.shift) * self.plain + self.nonpersistent
         if kind == "size":
             return h / ctx.size
+        if kind == "stateful":
+            before = self.ema * 1.0  # read before the in-place update, used after it
+            self.calls.add_(1)
+            self.ema.mul_(0.75).add_(h.detach().reshape(-1, self.d).mean(0) * 0.25)
+            return h + before - self.ema
+        if kind == "param_by_name":
+            # fx sees the real tensor here, not an attribute read: flatpack hands the model to export
+            gain = dict(self.named_parameters())["gain"]
+            return h * torch.tanh(gain)
         raise AssertionError(kind)
 
 
@@ -366,8 +403,10 @@ class Attention(nn.Module):
     def forward(self, h, ctx):
         q, k, v = self.q(h), self.k(h), self.v(h)
         bias = None
-        if ctx.mask is not None:
-            bias = (1.0 - ctx.mask.transpose(-1, -2)) * -1e4  # (B, 1, T): masks keys
+        if ctx.mask is not None and ctx.mask_bool:
+            bias = (~ctx.mask).transpose(-1, -2).to(q.dtype) * -1e4  # (B, 1, T): masks keys
+        elif ctx.mask is not None:
+            bias = (1.0 - ctx.mask.transpose(-1, -2)) * -1e4
         if self.style == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         else:
@@ -376,6 +415,17 @@ class Attention(nn.Module):
                 scores = scores + bias
             out = torch.softmax(scores, dim=-1) @ v
         return h + self.o(out)
+
+
+class Float32Block(nn.Module):
+    """A float32 island in the float64 model: values of both dtypes cross boundaries."""
+
+    def __init__(self, d: int, block: Block) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, block.width)
+
+    def forward(self, h, ctx):
+        return torch.tanh(self.lin(h.to(torch.float32))).to(torch.float64)
 
 
 class BlockNet(nn.Module):
@@ -425,8 +475,11 @@ class BlockNet(nn.Module):
             return (ViewInplaceBlock if kind == "view_inplace" else ChunkBlock)(d, block), 2 * block.width
         if kind == "attention":
             return Attention(d, block), d
+        if kind == "float32":
+            return Float32Block(d, block), block.width
         if kind == "again":
-            candidates = [i for i in range(index) if not isinstance(self.blocks[i], (Simple, Again))]
+            candidates = [i for i, module in enumerate(self.blocks) if not isinstance(module, Again)
+                          and not (isinstance(module, Simple) and module.kind not in self.REUSABLE)]
             if not candidates:
                 fallback = Block("linear", width=block.width, act=block.act)
                 return LinearBlock(d, fallback), block.width
@@ -437,11 +490,13 @@ class BlockNet(nn.Module):
             return Again(adapter, target), self._out_width(target, d_target)
         return Simple(d, block, d_y), d
 
+    REUSABLE = ("layernorm", "param_only", "constant", "stateful")  # Simple blocks with tensors to tie
+
     @staticmethod
     def _out_width(module: nn.Module, d: int) -> int:
-        if isinstance(module, (ResidualBlock, LoopBlock, Attention)):
+        if isinstance(module, (ResidualBlock, LoopBlock, Attention, Simple)):
             return d
-        if isinstance(module, LinearBlock):
+        if isinstance(module, (LinearBlock, Float32Block)):
             return module.lin.out_features
         if isinstance(module, (ViewInplaceBlock, ChunkBlock)):
             return module.lin.out_features
@@ -460,7 +515,9 @@ class BlockNet(nn.Module):
             size = x.size(0)
         if mask is not None and spec.inputs.mask == "derived":
             mask = (mask > 0.3).to(h.dtype) * 0.5 + 0.5  # computed once, read by many blocks
-        ctx = Ctx(mask, y, scale, repeat, size)
+        elif mask is not None and spec.inputs.mask == "bool":
+            mask = mask > 0.3
+        ctx = Ctx(mask, spec.inputs.mask == "bool", y, scale, repeat, size)
         hidden = None
         for index, block in enumerate(self.blocks):
             h = block(h, ctx)
@@ -490,12 +547,16 @@ class BlockNet(nn.Module):
         if spec.constant:
             extra["const"] = None
             extra["n"] = 3
+        if spec.argmax:
+            extra["argmax"] = out.argmax(-1)
         if spec.kind == "tensor" and not extra:
             return out
         if spec.kind == "dict":
             return {"logits": out, **extra}
         if spec.kind == "list":
             return [out, *extra.values()]
+        if spec.kind == "namedtuple":
+            return VectorOut(out, tuple(extra.values()))
         if spec.kind == "nested":
             return (out, {"extra": list(extra.values()), "logits": out})
         return (out, *extra.values())
@@ -510,6 +571,15 @@ class DictInputs(nn.Module):
 
     def forward(self, batch, scale: float = 2.0, repeat: int = 1):
         return self.inner(batch["x"], batch.get("y"), batch.get("mask"), batch.get("bias"), scale, repeat)
+
+
+class CnnDictInputs(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch, scale: float = 2.0, pool: str = "avg"):
+        return self.inner(batch["x"], scale, pool)
 
 
 def conv_bn(cin: int, cout: int, kernel: int, stride: int = 1) -> nn.Sequential:
@@ -543,6 +613,24 @@ class ResBlock(nn.Module):
             out += identity
             return self.relu(out)
         return F.relu(out + identity)
+
+
+class TwinCnn(nn.Module):
+    """Two convolutions normalized by one BatchNorm, in the opposite order to their creation:
+    in train mode both calls update the same running statistics, and the order matters."""
+
+    def __init__(self, cin: int, block: CnnBlock) -> None:
+        super().__init__()
+        self.conv_a = nn.Conv2d(cin, block.channels, 3, block.stride, 1, bias=False)
+        self.conv_b = nn.Conv2d(cin, block.channels, 1, block.stride, 0, bias=False)
+        self.bn = nn.BatchNorm2d(block.channels)
+
+    def forward(self, x):
+        a = self.conv_a(x)
+        b = self.conv_b(x)
+        yb = self.bn(b)
+        ya = self.bn(a)
+        return F.relu(ya + yb)
 
 
 class InceptionCnn(nn.Module):
@@ -584,15 +672,21 @@ class Cnn(nn.Module):
             elif block.kind == "res":
                 blocks.append(ResBlock(c, block))
                 c = block.channels
+            elif block.kind == "twin":
+                blocks.append(TwinCnn(c, block))
+                c = block.channels
             else:
                 blocks.append(InceptionCnn(c, block))
                 c = cnn_inception_width(c, block)
         self.blocks = nn.Sequential(*blocks)
         self.fc = nn.Linear(c, spec.classes)
 
-    def forward(self, x, scale: float = 2.0):
+    def forward(self, x, scale: float = 2.0, pool: str = "avg"):
         features = self.blocks(self.stem(x))
-        pooled = torch.flatten(F.adaptive_avg_pool2d(features, 1), 1)
+        if pool == "avg":
+            pooled = torch.flatten(F.adaptive_avg_pool2d(features, 1), 1)
+        else:
+            pooled = torch.flatten(F.adaptive_max_pool2d(features, 1), 1)
         logits = self.fc(pooled) * scale
         if self.spec.outputs == "tuple":
             return logits, features
@@ -607,14 +701,22 @@ class Cnn(nn.Module):
 
 @dataclass
 class Case:
-    """A built model with the arguments of one call (tensors are the example values)."""
+    """A built model with the arguments of one call (tensors are the example values).
+
+    ``make_call(batch, seed)`` builds another call of the same structure: other values, and
+    another batch size.
+    """
 
     spec: Any
     model: nn.Module
-    args: tuple
-    kwargs: dict
+    make_call: Callable[[int, int], tuple[tuple, dict]]
     grad_inputs: list[str] = field(default_factory=list)  # names of tensor inputs that require grad
     call_style: str = "tuple"
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.args, self.kwargs = self.make_call(self.spec.batch, 0)
 
     def compile_kwargs(self) -> dict:
         """``example_inputs`` (and ``example_kwargs``) for ``flatpack.compile``."""
@@ -626,8 +728,13 @@ class Case:
             return {"example_inputs": dict(self.kwargs)}
         return {"example_inputs": self.args, "example_kwargs": dict(self.kwargs)}
 
-    def fresh_call(self) -> tuple[tuple, dict, dict[str, torch.Tensor]]:
-        """New leaf copies of the inputs (same values), and the ones that require grad by name."""
+    def fresh_call(self, batch: int | None = None, seed: int = 0) -> tuple[tuple, dict, dict[str, torch.Tensor]]:
+        """New leaf tensors for a call (the example's values by default), and those that require
+        grad by name."""
+        if batch is None:
+            source_args, source_kwargs = self.args, self.kwargs
+        else:
+            source_args, source_kwargs = self.make_call(batch, seed)
         leaves: dict[str, torch.Tensor] = {}
 
         def copy(name: str, value: Any) -> Any:
@@ -640,8 +747,8 @@ class Case:
             return fresh
 
         names = list(_forward_names(self.model))
-        args = tuple(copy(names[i], value) for i, value in enumerate(self.args))
-        kwargs = {key: copy(key, value) for key, value in self.kwargs.items()}
+        args = tuple(copy(names[i], value) for i, value in enumerate(source_args))
+        kwargs = {key: copy(key, value) for key, value in source_kwargs.items()}
         return args, kwargs, leaves
 
     def restyled(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -663,7 +770,6 @@ class Case:
 
 
 def _forward_names(model: nn.Module) -> list[str]:
-    import inspect
     return list(inspect.signature(model.forward).parameters)
 
 
@@ -678,69 +784,81 @@ def _seeded_model(seed: int, make) -> nn.Module:
                 module.running_var.uniform_(0.5, 1.5)
                 module.weight.data.uniform_(0.5, 1.5)
                 module.bias.data.uniform_(-0.5, 0.5)
+            if isinstance(module, Float32Block):
+                module.float()
     return model
 
 
 def build_case(spec: VectorSpec | CnnSpec) -> Case:
-    generator = torch.Generator().manual_seed(spec.seed + 1)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=DTYPE)
-
     if isinstance(spec, CnnSpec):
         model = _seeded_model(spec.seed, lambda: Cnn(spec))
+        if spec.wrap_dict:
+            model = CnnDictInputs(model)
         model.train(spec.train)
-        x = randn(spec.batch, spec.in_ch, spec.size, spec.size)
-        kwargs = {} if spec.scale is None else {"scale": spec.scale}
-        return Case(spec, model, (x,), kwargs, ["x"] if spec.x_grad else [], "tuple")
+
+        def cnn_call(batch: int, seed: int) -> tuple[tuple, dict]:
+            generator = torch.Generator().manual_seed(spec.seed + 1 + 7919 * seed)
+            x = torch.randn(batch, spec.in_ch, spec.size, spec.size, generator=generator, dtype=DTYPE)
+            kwargs: dict[str, Any] = {} if spec.scale is None else {"scale": spec.scale}
+            if spec.pool is not None:
+                kwargs["pool"] = spec.pool
+            return ({"x": x} if spec.wrap_dict else x,), kwargs
+
+        return Case(spec, model, cnn_call, ["x"] if spec.x_grad else [], "tuple")
 
     model = _seeded_model(spec.seed, lambda: BlockNet(spec))
     model.eval()
     inputs = spec.inputs
-    lead = (spec.batch, spec.seq) if spec.family == "token" else (spec.batch,)
-    if spec.family == "token":
-        x = torch.randint(0, spec.vocab, lead, generator=generator)
-    else:
-        x = randn(*lead, spec.d_in)
-    values: dict[str, Any] = {"x": x}
     grad = ["x"] if inputs.x_grad and spec.family == "vector" else []
-    if inputs.y:
-        values["y"] = randn(*lead, 3)
-        grad.append("y")
-    if inputs.mask != "none":
-        values["mask"] = torch.rand(*lead, 1, generator=generator, dtype=DTYPE)
-        if inputs.mask_grad:
-            grad.append("mask")
-    if inputs.bias == "none":
-        values["bias"] = None
-    elif inputs.bias == "tensor":
-        values["bias"] = randn(*lead, 1)
-        grad.append("bias")
-    constants: dict[str, Any] = {}
-    if inputs.scale is not None:
-        constants["scale"] = inputs.scale
-    if inputs.repeat is not None:
-        constants["repeat"] = inputs.repeat
-
+    grad += ["y"] if inputs.y else []
+    grad += ["mask"] if inputs.mask != "none" and inputs.mask_grad else []
+    grad += ["bias"] if inputs.bias == "tensor" else []
     if spec.wrap_dict:
         model = DictInputs(model)
-        return Case(spec, model, ({k: v for k, v in values.items()},), constants, grad, inputs.call_style)
 
-    names = ["x", "y", "mask", "bias", "scale", "repeat"]
-    everything = {**values, **constants}
-    if inputs.compile_style == "dict":
-        return Case(spec, model, (), everything, grad, inputs.call_style)
-    # positional while the parameters are consecutive from the start, the rest by keyword
-    args = []
-    for name in names:
-        if name not in everything:
-            break
-        args.append(everything.pop(name))
-    if inputs.compile_style == "mixed" and args:
-        everything = {"x": args[0], **dict(zip(names[1:], args[1:])), **everything}
-        everything.pop("x")
-        args = args[:1]
-    return Case(spec, model, tuple(args), everything, grad, inputs.call_style)
+    def vector_call(batch: int, seed: int) -> tuple[tuple, dict]:
+        generator = torch.Generator().manual_seed(spec.seed + 1 + 7919 * seed)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator, dtype=DTYPE)
+
+        lead = (batch, spec.seq) if spec.family == "token" else (batch,)
+        if spec.family == "token":
+            x = torch.randint(0, spec.vocab, lead, generator=generator)
+        else:
+            x = randn(*lead, spec.d_in)
+        values: dict[str, Any] = {"x": x}
+        if inputs.y:
+            values["y"] = randn(*lead, 3)
+        if inputs.mask != "none":
+            values["mask"] = torch.rand(*lead, 1, generator=generator, dtype=DTYPE)
+        if inputs.bias == "none":
+            values["bias"] = None
+        elif inputs.bias == "tensor":
+            values["bias"] = randn(*lead, 1)
+        constants: dict[str, Any] = {}
+        if inputs.scale is not None:
+            constants["scale"] = inputs.scale
+        if inputs.repeat is not None:
+            constants["repeat"] = inputs.repeat
+        if spec.wrap_dict:
+            return (values,), constants
+        names = ["x", "y", "mask", "bias", "scale", "repeat"]
+        everything = {**values, **constants}
+        if inputs.compile_style == "dict":
+            return (), everything
+        # positional while the parameters are consecutive from the start, the rest by keyword
+        args = []
+        for name in names:
+            if name not in everything:
+                break
+            args.append(everything.pop(name))
+        if inputs.compile_style == "mixed" and len(args) > 1:
+            everything = {**dict(zip(names[1:], args[1:])), **everything}
+            args = args[:1]
+        return tuple(args), everything
+
+    return Case(spec, model, vector_call, grad, inputs.call_style)
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,9 +870,9 @@ widths = st.integers(2, 6)
 
 
 @st.composite
-def blocks(draw, family: str = "vector") -> Block:
+def blocks(draw, family: str = "vector", kind: str | None = None) -> Block:
     kinds = VECTOR_BLOCKS + (TOKEN_ONLY_BLOCKS if family == "token" else ())
-    kind = draw(st.sampled_from(kinds))
+    kind = kind or draw(st.sampled_from(kinds))
     act = draw(st.sampled_from(ACTIVATIONS))
     inplace = tuple(draw(st.lists(st.sampled_from(INPLACE_OPS), max_size=3)))
     width = draw(widths)
@@ -775,10 +893,14 @@ def blocks(draw, family: str = "vector") -> Block:
 @st.composite
 def vector_specs(draw, family: str | None = None, wrap_dict: bool | None = None) -> VectorSpec:
     family = family or draw(st.sampled_from(("vector", "token")))
-    block_list = tuple(draw(st.lists(blocks(family), min_size=1, max_size=6)))
+    # distinct kinds from a permutation (so that every kind shows up often), then a few repeats
+    kinds = draw(st.permutations(VECTOR_BLOCKS + (TOKEN_ONLY_BLOCKS if family == "token" else ())))
+    chosen = list(kinds[:draw(st.integers(1, 5))]) + draw(st.lists(st.sampled_from(kinds), max_size=2))
+    block_list = tuple(draw(blocks(family, kind)) for kind in chosen)
     wrap = draw(st.integers(0, 3)) == 0 if wrap_dict is None else wrap_dict
+    output_kinds = ("tensor", "tuple", "dict", "list", "nested", "namedtuple")
     inputs = Inputs(
-        mask=draw(st.sampled_from(("none", "raw", "derived"))),
+        mask=draw(st.sampled_from(("none", "raw", "derived", "bool"))),
         mask_grad=draw(st.booleans()),
         y=draw(st.booleans()),
         bias=draw(st.sampled_from(("default", "none", "tensor"))),
@@ -789,11 +911,12 @@ def vector_specs(draw, family: str | None = None, wrap_dict: bool | None = None)
         call_style=draw(st.sampled_from(("tuple", "dict", "mixed"))),
     )
     outputs = Outputs(
-        kind=draw(st.sampled_from(("tensor", "tuple", "dict", "list", "nested"))),
+        kind=draw(st.sampled_from(output_kinds)),
         hidden_at=draw(st.none() | st.integers(0, 5)),
         echo_mask=draw(st.booleans()),
         free_param=draw(st.booleans()),
         constant=draw(st.booleans()),
+        argmax=draw(st.booleans()),
     )
     return VectorSpec(
         family=family,
@@ -815,7 +938,7 @@ def vector_specs(draw, family: str | None = None, wrap_dict: bool | None = None)
 
 @st.composite
 def cnn_blocks(draw) -> CnnBlock:
-    kind = draw(st.sampled_from(("conv", "res", "res", "inception")))
+    kind = draw(st.sampled_from(("conv", "res", "res", "inception", "twin")))
     channels = draw(st.integers(1, 5))
     if kind == "inception":
         branches = tuple(draw(st.lists(st.tuples(st.sampled_from(("conv1", "conv3", "maxpool", "avgpool")),
@@ -836,8 +959,10 @@ def cnn_specs(draw, train: bool = False) -> CnnSpec:
         classes=draw(st.integers(1, 4)),
         outputs=draw(st.sampled_from(("tensor", "tuple", "dict"))),
         scale=draw(st.none() | st.sampled_from((0.5, 3.0))),
+        pool=draw(st.none() | st.sampled_from(("avg", "max"))),
         x_grad=draw(st.booleans()),
         train=train,
+        wrap_dict=draw(st.integers(0, 4)) == 0,
     )
 
 
