@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from flatpack.errors import FlatpackError, InputError
+from flatpack.verify import INPUT_GRAD, OUTPUT, PARAM_GRAD, check_equivalence
 
 
 def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
@@ -134,26 +135,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"  {stage_dir}/  {', '.join(files)}  ({human_bytes(size)})")
 
     staged = flatpack.load(out).as_module()
-    reference_in = inputs if isinstance(inputs, tuple) else (inputs,)
-    args_in = [t.clone().requires_grad_(t.is_floating_point()) for t in reference_in]
-    staged_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in reference_in]
-    expected = model(*args_in)
-    actual = staged(*staged_in)
-    expected.sum().backward()
-    actual.sum().backward()
-    output_diff = (expected - actual).abs().max().item()
-    grad_diff = max((staged.tensor(name).grad - param.grad).abs().max().item()
-                    for name, param in model.named_parameters())
-    input_diff = max(((a.grad - b.grad).abs().max().item() for a, b in zip(args_in, staged_in)
-                      if a.grad is not None), default=0.0)
+    report = check_equivalence(model, staged, inputs)
     print(f"\nreloaded {len(compiled.plan.stages)} stages from disk and ran them chained:")
-    print(f"  max |output difference|          {output_diff:.3g}")
-    print(f"  max |parameter gradient diff|    {grad_diff:.3g}")
-    print(f"  max |input gradient diff|        {input_diff:.3g}")
+    for kind in (OUTPUT, PARAM_GRAD, INPUT_GRAD):
+        print(f"  max |{kind} difference|".ljust(38) + f"{report.max_abs_diff(kind):.3g}")
     try:
-        torch.testing.assert_close(actual, expected)
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(staged.tensor(name).grad, param.grad)
+        report.assert_close()
     except AssertionError as err:
         print(f"EQUIVALENCE CHECK FAILED: {err}")
         return 1
