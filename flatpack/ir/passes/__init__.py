@@ -139,7 +139,7 @@ def run_pipeline(graph: LayerGraph, passes: str | Sequence[Pass | str] | None) -
 
 def pass_spec(graph_pass: Pass) -> str:
     """The pipeline-string form of a pass object (inverse of ``parse_pipeline``)."""
-    name = getattr(graph_pass, "name", type(graph_pass).__name__)
+    name = getattr(graph_pass, "name", None) or getattr(graph_pass, "__name__", type(graph_pass).__name__)
     if not dataclasses.is_dataclass(graph_pass):
         return name
     options = [f"{f.name.replace('_', '-')}={getattr(graph_pass, f.name)}" for f in dataclasses.fields(graph_pass)]
