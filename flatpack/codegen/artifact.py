@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn

@@ -25,6 +25,7 @@ from torch import nn
 
 from flatpack.errors import CodegenError
 from flatpack.ir.graph import LayerGraph
+from flatpack.ir.trace import fetch_attr
 from flatpack.ir.values import value_info
 from flatpack.partitioner.plan import Plan
 from flatpack.version import STAGE_SCHEMA_VERSION, __version__
@@ -144,9 +145,7 @@ def _io_entry(graph: LayerGraph, name: str) -> dict:
 
 
 def _fetch_tensor(root: nn.Module, target: str) -> torch.Tensor:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
+    value = fetch_attr(root, target)
     if isinstance(value, torch.fx.GraphModule):
         raise CodegenError(f"the graph calls the subgraph {target!r}, a control-flow operator such as "
                            "torch.cond; flatpack cannot emit those in a stage yet. Keep the branch "

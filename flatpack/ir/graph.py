@@ -30,7 +30,7 @@ import torch.fx
 from flatpack.errors import PlanError
 from flatpack.ir import meta, ops
 from flatpack.ir.trace import Traced
-from flatpack.ir.values import OTHER, TENSOR, ValueInfo, ValueProp, value_info
+from flatpack.ir.values import OTHER, ValueInfo, ValueProp, value_info
 
 CALL_OPS = ("call_function", "call_method", "call_module")
 OUTPUT = "output"
@@ -91,10 +91,10 @@ class GraphAnalysis:
         for node in self.graph.nodes:
             for written in ops.mutated_inputs(node):
                 self.writes_by_class.setdefault(self.alias_root[written.name], []).append(node)
-        self.touched_by_class: dict[str, list[torch.fx.Node]] = {}
         self.free = self._find_free()
         self.param_dependent = self._find_param_dependent()
         self.compute = [n for n in self.graph.nodes if n.op in CALL_OPS and n.name not in self.free]
+        self.touched_by_class = self._touching_written_classes()
         self.attributes = {str(n.target): n for n in self.graph.nodes if n.op == "get_attr"}
         self.order_deps = self._order_dependencies()
         for node in self.graph.nodes:
@@ -149,6 +149,15 @@ class GraphAnalysis:
                 dependent.add(node.name)
         return dependent
 
+    def _touching_written_classes(self) -> dict[str, list[torch.fx.Node]]:
+        """Alias class written in place -> the compute nodes that read or write it, in graph order."""
+        touched: dict[str, list[torch.fx.Node]] = {}
+        for node in self.compute:
+            classes = {self.alias_root[inp.name] for inp in node.all_input_nodes} | {self.alias_root[node.name]}
+            for cls in classes & self.writes_by_class.keys():
+                touched.setdefault(cls, []).append(node)
+        return touched
+
     def _order_dependencies(self) -> dict[str, set[str]]:
         """Data producers, plus the in-place writes a node must follow or precede.
 
@@ -161,15 +170,8 @@ class GraphAnalysis:
             node.name: {inp.name for inp in node.all_input_nodes if inp.name not in self.free}
             for node in self.compute
         }
-        find = self.alias_root.__getitem__
-        writes_by_class = self.writes_by_class
-        touched_by_class = self.touched_by_class
-        for node in self.compute:
-            classes = {find(inp.name) for inp in node.all_input_nodes} | {find(node.name)}
-            for cls in classes & writes_by_class.keys():
-                touched_by_class.setdefault(cls, []).append(node)
-        for cls, writes in writes_by_class.items():
-            for node in touched_by_class.get(cls, []):
+        for cls, writes in self.writes_by_class.items():
+            for node in self.touched_by_class.get(cls, []):
                 pos = self.position[node.name]
                 for write in writes:
                     if write is not node and self.position[write.name] < pos:

@@ -58,6 +58,10 @@ class Signature:
             ) from None
         return bound.args, dict(bound.kwargs)
 
+    def by_name(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The given arguments keyed by parameter name (positional ones matched in order)."""
+        return dict(zip((name for name, _, _ in self.parameters), args)) | kwargs
+
     def to_json(self) -> list:
         return [list(p) for p in self.parameters]
 
@@ -164,7 +168,7 @@ def _fx_applicable(signature: Signature, args: tuple, kwargs: dict) -> bool:
 
 def _trace_fx(model: nn.Module, signature: Signature, args: tuple, kwargs: dict) -> Traced:
     names = [name for name, _, _ in signature.parameters]
-    given = dict(zip(names, args)) | kwargs
+    given = signature.by_name(args, kwargs)
     defaults = {
         p.name: p.default
         for p in inspect.signature(model.forward).parameters.values()
@@ -272,7 +276,7 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
     with _quiet_torch_logs():
         try:
             exported = torch.export.export(model, args, kwargs, strict=False,
-                                           dynamic_shapes=_batch_dynamic_shapes(model, args, kwargs))
+                                           dynamic_shapes=_batch_dynamic_shapes(signature.by_name(args, kwargs)))
         except Exception as err:  # noqa: BLE001 - retry with static shapes before giving up
             notes.append(f"dynamic batch dimension refused ({_first_line(err)}); traced with static shapes")
             exported = torch.export.export(model, args, kwargs, strict=False)
@@ -372,11 +376,9 @@ def _inline_grad_mode_regions(gm: torch.fx.GraphModule) -> None:
             delattr(gm, str(body_node.target))
 
 
-def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+def _batch_dynamic_shapes(given: dict[str, Any]) -> dict:
     """Marks dim 0 of every input tensor ``Dim.AUTO``: dynamic where the model allows it."""
     auto = torch.export.Dim.AUTO
-    names = list(inspect.signature(model.forward).parameters)
-    given = dict(zip(names, args)) | kwargs
 
     def spec_of(value: Any) -> Any:
         return pytree.tree_map(
@@ -399,13 +401,14 @@ def _record_parameters(model: nn.Module, traced: Traced) -> None:
         if node.op != "get_attr":
             continue
         target = str(node.target)
-        value = _fetch_attr(traced.gm, target)
+        value = fetch_attr(traced.gm, target)
         names = by_id.get(id(value), [])
         traced.param_kinds[target] = kinds_by_id.get(id(value), "constant")
         traced.aliases[target] = sorted(set(names) | {target})
 
 
-def _fetch_attr(root: nn.Module, target: str) -> Any:
+def fetch_attr(root: nn.Module, target: str) -> Any:
+    """The object a ``get_attr`` target names: ``layers.0.weight`` on ``root``."""
     value: Any = root
     for part in target.split("."):
         value = getattr(value, part)
