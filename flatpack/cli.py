@@ -1,4 +1,4 @@
-"""The ``flatpack`` command: inspect, compile, demo."""
+"""The ``flatpack`` command: inspect, profile, platforms, compile, demo."""
 
 from __future__ import annotations
 
@@ -18,16 +18,21 @@ from flatpack.errors import FlatpackError, InputError
 from flatpack.verify import INPUT_GRAD, OUTPUT, PARAM_GRAD, check_equivalence
 
 
-def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
-    """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a built-in example name."""
+def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
+    """MODEL is ``path/to/file.py:factory``, ``package.module:factory``, a built-in example
+    name or a zoo model name (built at ``size``)."""
+    from flatpack import zoo
     from flatpack.examples import EXAMPLES
 
     if spec in EXAMPLES:
         return EXAMPLES[spec]()
+    if spec in zoo.ZOO:
+        return zoo.build(spec, size)
     source, colon, attribute = spec.rpartition(":")
     if not colon or not source or not attribute:
-        raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, or one "
-                         f"of the built-in examples: {', '.join(EXAMPLES)}")
+        raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
+                         f"of the built-in examples ({', '.join(EXAMPLES)}) or a zoo model "
+                         f"({', '.join(zoo.ZOO)})")
     if source.endswith(".py"):
         path = Path(source)
         if not path.is_file():
@@ -87,9 +92,33 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
     return "\n".join(lines)
 
 
+def profile_table(profile: Any) -> str:
+    """Per layer: forward and backward milliseconds at batch 1 and per extra sample, and the
+    bytes a stage holds for it."""
+    rows = [("#", "layer", "fwd ms", "+/sample", "bwd ms", "+/sample", "params", "saved/sample",
+             "out/sample", "peak @1")]
+    for index, layer in enumerate(profile.layers):
+        rows.append((str(index), layer.name[:40], f"{layer.forward_s.at(1) * 1e3:.3f}",
+                     f"{layer.forward_s.per_sample * 1e3:.3f}", f"{layer.backward_s.at(1) * 1e3:.3f}",
+                     f"{layer.backward_s.per_sample * 1e3:.3f}", human_bytes(layer.param_bytes),
+                     human_bytes(layer.saved_bytes.per_sample), human_bytes(layer.output_bytes.per_sample),
+                     human_bytes(layer.peak_bytes.at(1))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    host = profile.host
+    source = "cache hit" if profile.cache_hit else f"measured in {profile.wall_s:.1f} s"
+    lines.insert(0, f"profile: {source}   host: {host.cpu}, {host.threads} threads, torch {host.torch_version}   "
+                    f"batch sizes: {', '.join(map(str, profile.batch_sizes))}   repeats: {profile.repeats}")
+    return "\n".join(lines)
+
+
 def _compile_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, or a built-in "
-                                      "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet)")
+    parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, a built-in "
+                                      "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet) or a "
+                                      "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
+                        help="size of a zoo model: reduced for quick runs, or the papers' full size")
     parser.add_argument("--passes", default=None, help='pass pipeline, e.g. "fuse-elementwise,merge-branches,'
                                                        'coarsen{max-layers=48,by=time}"')
 
@@ -97,7 +126,7 @@ def _compile_args(parser: argparse.ArgumentParser) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import flatpack
 
-    model, inputs = load_factory(args.model)
+    model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=args.passes, stages=1)
     print(chain_table(compiled.chain))
     if args.json:
@@ -109,11 +138,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import flatpack
 
-    model, inputs = load_factory(args.model)
+    model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=args.passes, stages=args.stages, solver=args.solver,
                                 target=args.target, out_dir=args.out)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import flatpack
+    from flatpack.ir.profiler import ProfileOptions
+
+    model, inputs = load_factory(args.model, args.size)
+    options = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache, progress=True)
+    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=1, profile=options)
+    print(profile_table(compiled.profile))
+    if args.json:
+        Path(args.json).write_text(json.dumps(compiled.profile.to_json(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(value <= 0 for value in values):
+        raise InputError(f"batch sizes must be positive integers, got {text!r}")
+    return values
+
+
+def cmd_platforms(args: argparse.Namespace) -> int:
+    from flatpack.backends.catalog import describe_platforms, get_platform, platform_names
+
+    names = args.names or platform_names()
+    if args.json:
+        print(json.dumps([get_platform(name).to_json() for name in names], indent=2))
+    else:
+        print(describe_platforms(names))
     return 0
 
 
@@ -164,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     compile_parser.add_argument("--target", default="local")
     compile_parser.add_argument("--out", required=True, help="output directory")
     compile_parser.set_defaults(run=cmd_compile)
+
+    profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host")
+    _compile_args(profile_parser)
+    profile_parser.add_argument("--batch-sizes", default="1,2,4", help="micro-batch sizes to fit a·batch+b over")
+    profile_parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median)")
+    profile_parser.add_argument("--max-seconds", type=float, default=None, help="time budget for measuring")
+    profile_parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
+    profile_parser.add_argument("--json", metavar="FILE", help="also write the profile as JSON")
+    profile_parser.set_defaults(run=cmd_profile)
+
+    platforms_parser = sub.add_parser("platforms", help="print the platform catalog (--json adds each number's source)")
+    platforms_parser.add_argument("names", nargs="*", help="platforms to show (default: all)")
+    platforms_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    platforms_parser.set_defaults(run=cmd_platforms)
 
     demo_parser = sub.add_parser("demo", help="compile a built-in model, write, reload and verify it")
     demo_parser.add_argument("--model", default="tiny-resnet", choices=["tiny-resnet", "mlp"])

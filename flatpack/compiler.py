@@ -17,17 +17,21 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from flatpack.backends import TARGETS
+from flatpack.backends.catalog import platform_names
 from flatpack.codegen.artifact import build_module, read_stage, serialize
 from flatpack.codegen.emit import StageArtifact, emit_stages
 from flatpack.errors import ArtifactError, InputError, PlanError
 from flatpack.ir import structure
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
+from flatpack.ir.profile import ChainProfile
+from flatpack.ir.profiler import ProfileOptions, attach, profile_graph
 from flatpack.ir.trace import Signature, flatten_inputs, trace
+from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
+from flatpack.partitioner.workload import Workload
 from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
@@ -47,11 +51,18 @@ class Compiled:
     """
 
     def __init__(self, *, graph: LayerGraph | None, plan: Plan, artifacts: list[StageArtifact],
-                 info: dict[str, Any]) -> None:
+                 info: dict[str, Any], problem: Problem | None = None) -> None:
         self.graph = graph
         self.plan = plan
         self.artifacts = artifacts
         self.info = info
+        self.problem = problem
+
+    @property
+    def profile(self) -> ChainProfile | None:
+        """The per-layer profile when compiled with ``profile=...`` (kept across save/load)."""
+        data = self.info.get("profile")
+        return ChainProfile.from_json(data, cache_hit=data.get("cache_hit", False)) if data else None
 
     # what it is -----------------------------------------------------------------------------
     @property
@@ -234,7 +245,9 @@ def _as_call(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, d
 def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local",
             solver: str | Solver | None = None, stages: int | None = None,
             passes: str | Sequence[Pass | str] | None = None, out_dir: str | os.PathLike | None = None,
-            example_kwargs: dict | None = None, plan: Plan | None = None, **options: Any) -> Compiled:
+            example_kwargs: dict | None = None, plan: Plan | None = None,
+            profile: bool | ProfileOptions = False, workload: Workload | None = None,
+            calibration: Any = None, **options: Any) -> Compiled:
     """Compiles ``model`` into pipeline stages.
 
     ``example_inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs
@@ -243,12 +256,17 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     ``solver``: a registered name or an object ``Problem -> Plan`` (default ``"balanced"``).
     ``stages``: how many stages ``balanced`` makes (default 2). ``plan``: a ready Plan,
     which skips the solver. ``out_dir``: also save there (see ``Compiled.save``).
+    ``profile``: True or :class:`ProfileOptions` measures every layer after the passes
+    (cached on disk; see ``ir.profiler``) so cost-model solvers can run. ``workload``: what
+    the plan is for (train or infer, batch, micro-batches, optimizer). ``calibration``: a
+    :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
+    the target, overriding the host-to-tier compute model.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"flatpack.compile expects a torch.nn.Module, got {type(model).__name__}; "
                          "wrap the function in an nn.Module whose forward calls it")
-    if target not in TARGETS:
-        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(TARGETS)}")
+    if target not in platform_names():
+        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
     unknown = set(options) - KNOWN_OPTIONS
     if unknown:
         raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for flatpack.compile")
@@ -268,8 +286,19 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         raise InputError(f"{type(model).__name__} computes nothing: its forward returns inputs, parameters "
                          "or constants only, so there is nothing to cut into stages")
     graph = run_pipeline(graph, pipeline)
+    chain_profile = None
+    if profile:
+        options_obj = profile if isinstance(profile, ProfileOptions) else ProfileOptions()
+        with _restoring([*graph.gm.buffers(), *(leaf for leaf in pytree.tree_leaves((args, kwargs))
+                                                if isinstance(leaf, torch.Tensor))]):
+            chain_profile = profile_graph(graph, flatten_inputs(traced.signature, args, kwargs)[0], options_obj)
+        attach(graph, chain_profile)
+    problem = Problem.from_graph(graph, stages=stages, target=target, workload=workload, profile=chain_profile,
+                                 calibration=_load_calibration(calibration))
+    if chain_profile is not None and problem.workload.mode == "train":
+        check_layers_fit(problem)
     if plan is None:
-        plan = solver_obj(Problem.from_graph(graph, stages=stages, target=target))
+        plan = solver_obj(problem)
         if not isinstance(plan, Plan):
             raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "
                             f"{type(plan).__name__}, not a Plan")
@@ -293,10 +322,20 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         "stages": [stage_dirname(index) for index in range(len(plan.stages))],
         "chain": graph.to_json(),
     }
-    compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info)
+    if chain_profile is not None:
+        info["profile"] = {**chain_profile.to_json(), "cache_hit": chain_profile.cache_hit}
+    compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info, problem=problem)
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+def _load_calibration(calibration: Any) -> Any:
+    if calibration is None or not isinstance(calibration, (str, os.PathLike)):
+        return calibration
+    from flatpack.backends.calibration import Calibration
+
+    return Calibration.load(calibration)
 
 
 @contextlib.contextmanager

@@ -26,8 +26,10 @@ On layers (``layer.meta[...]``), filled by the analyses and passes of each issue
 ``FLOPS`` ("flops")
     Sum of the nodes' FLOP estimates; the stand-in for time until a profile exists.
 ``PROFILE`` ("profile")
-    Reserved for the profiler (issue 3): measured seconds and bytes of the layer. When
-    present, ``coarsen{by=time}`` uses it instead of ``FLOPS``.
+    :class:`flatpack.ir.profile.LayerProfile` written by ``ir.profiler.attach``: measured
+    seconds (fitted in the micro-batch size) and bytes of the layer. When present,
+    ``coarsen{by=time}`` ranks layers by its forward+backward seconds at batch 1 instead of
+    ``FLOPS``. Passes that rebuild layers drop it: profile after the passes.
 
 ``LayerGraph.meta`` holds graph-wide facts: ``FRONTEND`` ("frontend": "fx" or "export").
 """

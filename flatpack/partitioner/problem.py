@@ -1,12 +1,20 @@
-"""What a solver sees: the chain as plain numbers, never torch objects."""
+"""What a solver sees: the chain as plain numbers, the platform and the workload — never
+torch objects."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flatpack.errors import PlanError
 from flatpack.ir import meta
-from flatpack.ir.graph import LayerGraph
+from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
+from flatpack.partitioner.workload import Workload
+
+if TYPE_CHECKING:
+    from flatpack.backends.calibration import Calibration
+    from flatpack.backends.catalog import Platform, Tier
+    from flatpack.ir.graph import LayerGraph
 
 
 @dataclass(frozen=True)
@@ -14,23 +22,81 @@ class ChainLayer:
     name: str
     param_bytes: int
     flops: int
-    boundary_bytes: int  # bytes crossing the boundary after this layer
-    profile: dict[str, Any] | None = None
+    boundary_bytes: int  # bytes crossing the boundary after this layer, at the example batch
+    profile: LayerProfile | None = None
 
 
 @dataclass(frozen=True)
 class Problem:
+    """The chain, where it runs (``platform``) and what it must do (``workload``).
+
+    ``host`` says where the profiles were measured; ``calibration``, when given, holds
+    seconds measured inside the target and overrides the host-to-tier model.
+    """
+
     chain: tuple[ChainLayer, ...]
+    platform: "Platform"
+    workload: Workload = field(default_factory=Workload)
+    host: HostInfo | None = None
+    calibration: "Calibration | None" = None
     stages: int | None = None
-    target: str = "local"
     options: dict[str, Any] = field(default_factory=dict)
+    input_bytes: Linear | None = None   # the model's inputs per micro-batch, when profiled
 
     @classmethod
-    def from_graph(cls, graph: LayerGraph, stages: int | None = None, target: str = "local",
-                   **options: Any) -> "Problem":
+    def from_graph(cls, graph: "LayerGraph", stages: int | None = None, target: str = "local",
+                   workload: Workload | None = None, profile: ChainProfile | None = None,
+                   calibration: "Calibration | None" = None, **options: Any) -> "Problem":
+        from flatpack.backends.catalog import get_platform
+
+        if profile is not None and len(profile.layers) != len(graph.layers):
+            raise PlanError(f"the profile has {len(profile.layers)} layers but the chain has {len(graph.layers)}; "
+                            "profile the graph after running the passes")
         chain = tuple(
             ChainLayer(layer.name, layer.meta[meta.PARAM_BYTES], layer.meta[meta.LAYER_FLOPS],
-                       graph.boundary(index).nbytes, layer.meta.get(meta.PROFILE))
+                       graph.boundary(index).nbytes, profile.layers[index] if profile else None)
             for index, layer in enumerate(graph.layers)
         )
-        return cls(chain, stages, target, options)
+        platform = get_platform(target)
+        if calibration is not None:
+            calibration.check_against([layer.name for layer in chain], profile.graph_hash if profile else None,
+                                      platform.name)
+            platform = calibration.apply(platform)
+        return cls(chain, platform, workload or Workload(), profile.host if profile else None,
+                   calibration, stages, options, profile.input_bytes if profile else None)
+
+    @property
+    def profiled(self) -> bool:
+        return all(layer.profile is not None for layer in self.chain)
+
+    def layer_profile(self, index: int) -> LayerProfile:
+        profile = self.chain[index].profile
+        if profile is None:
+            raise PlanError(f"layer {index} ({self.chain[index].name}) has no profile; cost models need a "
+                            "profiled chain: compile with profile=True or run flatpack.ir.profiler.profile_graph")
+        return profile
+
+    def boundary_bytes(self, index: int, micro_batch: float) -> float:
+        """Bytes crossing the boundary after layer ``index`` for one micro-batch (FuncPipe's
+        o_i; the gradient sent back across it has the same size). ``index`` -1 is the
+        model's input."""
+        if index == -1:
+            if self.input_bytes is None:
+                raise PlanError("the problem has no profile of the model's inputs; build it with Problem.from_graph "
+                                "from a profiled graph")
+            return self.input_bytes.at(micro_batch)
+        return self.layer_profile(index).output_bytes.at(micro_batch)
+
+    def layer_seconds(self, index: int, tier: "Tier", micro_batch: float) -> tuple[float, float]:
+        """Forward and backward seconds of layer ``index`` for one micro-batch on ``tier``:
+        the calibration's figure when it has one, else the host profile mapped through the
+        platform's compute model."""
+        if self.calibration is not None:
+            calibrated = self.calibration.seconds(index, tier.memory_mb, micro_batch)
+            if calibrated is not None:
+                return calibrated
+        profile = self.layer_profile(index)
+        if self.host is None:
+            raise PlanError("the problem has profiles but no host record; build it with Problem.from_graph")
+        return (self.platform.compute_seconds(profile.forward_s.at(micro_batch), self.host, tier),
+                self.platform.compute_seconds(profile.backward_s.at(micro_batch), self.host, tier))

@@ -1,4 +1,4 @@
-"""The command line: inspect, compile, demo."""
+"""The command line: inspect, profile, platforms, compile, demo."""
 
 from __future__ import annotations
 
@@ -56,3 +56,30 @@ def test_demo_checks_equivalence(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "equivalence check: passed" in printed
     assert (tmp_path / "demo" / "stage_002" / "stage.py").is_file()
+
+
+def test_profile_prints_every_layer_and_reports_the_cache_hit(factory, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "profile.json"
+    assert main(["profile", factory, "--batch-sizes", "1,2", "--repeats", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "measured in" in printed and printed.count(":linear") == 3
+    assert len(json.loads(out.read_text())["layers"]) == 3
+    assert main(["profile", factory, "--batch-sizes", "1,2", "--repeats", "1"]) == 0
+    assert "profile: cache hit" in capsys.readouterr().out
+
+
+def test_profile_refuses_bad_batch_sizes(factory, capsys):
+    assert main(["profile", factory, "--batch-sizes", "0,2"]) == 2
+    assert "positive integers" in capsys.readouterr().err
+
+
+def test_platforms_lists_the_catalog_and_refuses_unknown_names(capsys):
+    assert main(["platforms"]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ("aws-lambda", "alibaba-fc", "gpu-container", "local"))
+    assert main(["platforms", "--json", "aws-lambda"]) == 0
+    (lambda_json,) = json.loads(capsys.readouterr().out)
+    assert lambda_json["max_memory_mb"] == 10240 and lambda_json["sources"]
+    assert main(["platforms", "nope"]) == 2
+    assert "known platforms" in capsys.readouterr().err

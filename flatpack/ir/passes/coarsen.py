@@ -45,8 +45,8 @@ class Coarsen:
             return float(sum(value_info(graph.analysis.nodes[name]).nbytes for name in layer.nodes
                              if value_info(graph.analysis.nodes[name]).kind == TENSOR))
         profile = layer.meta.get(meta.PROFILE)
-        if profile and "fwd_s" in profile:
-            return float(profile["fwd_s"]) + float(profile.get("bwd_s", 0.0))
+        if profile is not None:
+            return profile.forward_s.at(1) + profile.backward_s.at(1)
         return float(layer.meta[meta.LAYER_FLOPS])
 
     def __call__(self, graph: LayerGraph) -> LayerGraph:

@@ -1,0 +1,99 @@
+"""Profile the zoo: per model, the chain before and after the passes, parameter and activation
+bytes, the profiler's wall time, and the predicted single-stage forward+backward time
+(the sum of the per-layer profile lines at the batch) next to the measured time of the
+unpartitioned model on this host.
+
+    python benchmarks/profile_zoo.py                  # full-size models, batch 4
+    python benchmarks/profile_zoo.py --size tiny      # the reduced models (quick)
+    python benchmarks/profile_zoo.py --models vgg11,resnet50 --batch 8
+
+The prediction goes through the same path the cost models use (``Problem.layer_seconds`` on
+the ``local`` platform's largest tier); the profile is fitted over micro-batch sizes that
+bracket the batch so that the line is interpolated, not extrapolated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import flatpack
+from flatpack import zoo
+from flatpack.cli import human_bytes
+from flatpack.ir.graph import LayerGraph
+from flatpack.ir.profiler import ProfileOptions
+from flatpack.ir.trace import trace
+
+DEFAULT_MODELS = ("vgg11", "vgg16", "resnet50", "resnet101", "wrn50-2", "alexnet", "amoebanet-d18",
+                  "bert-large", "gpt2", "rnn-3")
+
+
+def measured_seconds(model: torch.nn.Module, inputs: tuple, repeats: int) -> float:
+    """Median forward+backward of the whole model (backward of the sum of its outputs)."""
+    def once() -> float:
+        begin = time.perf_counter()
+        outputs = model(*inputs)
+        leaves = [v for v in torch.utils._pytree.tree_leaves(outputs)
+                  if isinstance(v, torch.Tensor) and v.requires_grad]
+        torch.autograd.backward(leaves, [torch.ones_like(v) for v in leaves])
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - begin
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+def layers_before_passes(model: torch.nn.Module, inputs: tuple) -> int:
+    return len(LayerGraph.from_traced(trace(model, inputs, {})).layers)
+
+
+def row(name: str, size: str, batch: int, repeats: int, cache_dir: str) -> dict:
+    model, inputs = zoo.build(name, size, batch)
+    model.train()
+    before = layers_before_passes(model, inputs)
+    sizes = tuple(sorted({max(1, batch // 2), batch, batch * 2}))
+    options = ProfileOptions(batch_sizes=sizes, repeats=repeats, cache_dir=cache_dir, progress=sys.stderr.isatty())
+    started = time.perf_counter()
+    compiled = flatpack.compile(model, inputs, stages=1, profile=options)
+    profile_wall = time.perf_counter() - started
+    problem = compiled.problem
+    top_tier = max(problem.platform.tiers, key=lambda tier: tier.memory_mb)
+    predicted = sum(sum(problem.layer_seconds(index, top_tier, batch)) for index in range(len(problem.chain)))
+    measured = measured_seconds(model, inputs, repeats)
+    profile = compiled.profile
+    return {
+        "model": name, "layers": f"{before} → {len(profile.layers)}",
+        "params": human_bytes(sum(layer.param_bytes for layer in profile.layers)),
+        "saved/sample": human_bytes(sum(layer.saved_bytes.per_sample for layer in profile.layers)),
+        "profile s": f"{profile_wall:.1f}", "predicted s": f"{predicted:.3f}", "measured s": f"{measured:.3f}",
+        "error": f"{(predicted - measured) / measured * 100:+.1f}%",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--size", default="full", choices=zoo.SIZES)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, size={args.size}, batch={args.batch}, "
+          f"repeats={args.repeats} (medians)")
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for name in args.models.split(","):
+            rows.append(row(name, args.size, args.batch, args.repeats, cache_dir))
+            print("  ".join(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
+    keys = list(rows[0])
+    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for item in rows:
+        print("| " + " | ".join(item[key] for key in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()

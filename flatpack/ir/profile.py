@@ -1,0 +1,153 @@
+"""What the profiler measured, as plain data (no torch): the contract between the profiler
+(``ir/profiler.py``), the cost models and the solvers.
+
+Times and sizes that grow with the micro-batch are stored as :class:`Linear` fits
+``per_sample * batch + fixed`` over the batch sizes the profiler ran, as FuncPipe's model
+profiler does (FuncPipe §4). A :class:`LayerProfile` sits in ``layer.meta["profile"]``
+(``ir.meta.PROFILE``) and in ``ChainLayer.profile``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from flatpack.errors import InputError
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``per_sample * batch + fixed``; both terms are clamped to be non-negative."""
+
+    per_sample: float
+    fixed: float = 0.0
+
+    def at(self, batch: float) -> float:
+        return self.per_sample * batch + self.fixed
+
+    def __add__(self, other: "Linear") -> "Linear":
+        return Linear(self.per_sample + other.per_sample, self.fixed + other.fixed)
+
+    def scaled(self, factor: float) -> "Linear":
+        return Linear(self.per_sample * factor, self.fixed * factor)
+
+    @classmethod
+    def fit(cls, batches: Sequence[float], values: Sequence[float]) -> "Linear":
+        """Least-squares line through ``(batch, value)``; a single point gives a line through
+        the origin. Negative terms (noise on a near-constant cost) are clamped to zero and the
+        other term refitted, so the fit never predicts a negative time or size."""
+        if len(batches) != len(values) or not batches:
+            raise ValueError("fit needs as many values as batch sizes, and at least one")
+        if len(set(batches)) == 1:
+            return cls(max(sum(values) / len(values) / batches[0], 0.0), 0.0)
+        count = len(batches)
+        mean_batch = sum(batches) / count
+        mean_value = sum(values) / count
+        spread = sum((batch - mean_batch) ** 2 for batch in batches)
+        slope = sum((batch - mean_batch) * (value - mean_value) for batch, value in zip(batches, values)) / spread
+        intercept = mean_value - slope * mean_batch
+        if slope < 0:
+            return cls(0.0, max(mean_value, 0.0))
+        if intercept < 0:
+            through_origin = sum(b * v for b, v in zip(batches, values)) / sum(b * b for b in batches)
+            return cls(max(through_origin, 0.0), 0.0)
+        return cls(slope, intercept)
+
+    def to_json(self) -> list[float]:
+        return [self.per_sample, self.fixed]
+
+    @classmethod
+    def from_json(cls, data: Sequence[float]) -> "Linear":
+        per_sample, fixed = data
+        return cls(float(per_sample), float(fixed))
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer of the chain, measured on the host.
+
+    ``forward_s`` / ``backward_s``: median seconds of the layer's forward and backward for a
+    micro-batch, as a line in the micro-batch size. ``saved_bytes``: bytes autograd keeps
+    for backward (what ``saved_tensors_hooks`` saw, parameters excluded). ``output_bytes``:
+    bytes crossing the boundary after the layer (the layer's share of it: every value that
+    crosses, as in ``LayerGraph.boundary``). ``peak_bytes``: the most memory the layer's
+    forward plus backward held at once beyond its parameters. ``optimizer_state_bytes``:
+    per optimizer name in :data:`OPTIMIZERS`, the state bytes one step creates.
+    """
+
+    name: str
+    forward_s: Linear
+    backward_s: Linear
+    param_bytes: int
+    grad_bytes: int
+    buffer_bytes: int
+    saved_bytes: Linear
+    output_bytes: Linear
+    peak_bytes: Linear
+    optimizer_state_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+
+    def optimizer_bytes(self, optimizer: str) -> int:
+        if optimizer not in self.optimizer_state_bytes:
+            raise InputError(f"unknown optimizer {optimizer!r}; profiled optimizers: "
+                             f"{', '.join(sorted(self.optimizer_state_bytes))}")
+        return self.optimizer_state_bytes[optimizer]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("forward_s", "backward_s", "saved_bytes", "output_bytes", "peak_bytes"):
+            data[key] = getattr(self, key).to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LayerProfile":
+        lines = {key: Linear.from_json(data[key])
+                 for key in ("forward_s", "backward_s", "saved_bytes", "output_bytes", "peak_bytes")}
+        return cls(name=data["name"], param_bytes=int(data["param_bytes"]), grad_bytes=int(data["grad_bytes"]),
+                   buffer_bytes=int(data["buffer_bytes"]),
+                   optimizer_state_bytes={k: int(v) for k, v in data["optimizer_state_bytes"].items()}, **lines)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """Where a profile was measured: the compute-time model maps these seconds to a tier."""
+
+    device: str            # "cpu" or "cuda"
+    threads: int           # torch intra-op threads used while profiling
+    cpu: str               # processor name, for the record
+    torch_version: str
+    gpu: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HostInfo":
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ChainProfile:
+    """Every layer's profile plus how and where it was measured."""
+
+    layers: tuple[LayerProfile, ...]
+    host: HostInfo
+    batch_sizes: tuple[int, ...]
+    graph_hash: str
+    dtype: str
+    repeats: int
+    input_bytes: Linear = Linear(0.0, 0.0)   # the model's inputs (boundary -1) per micro-batch
+    wall_s: float = field(default=0.0, compare=False)
+    cache_hit: bool = field(default=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": [layer.to_json() for layer in self.layers], "host": self.host.to_json(),
+                "batch_sizes": list(self.batch_sizes), "graph_hash": self.graph_hash, "dtype": self.dtype,
+                "repeats": self.repeats, "input_bytes": self.input_bytes.to_json(), "wall_s": self.wall_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], cache_hit: bool = False) -> "ChainProfile":
+        return cls(tuple(LayerProfile.from_json(layer) for layer in data["layers"]), HostInfo.from_json(data["host"]),
+                   tuple(data["batch_sizes"]), data["graph_hash"], data["dtype"], int(data["repeats"]),
+                   Linear.from_json(data["input_bytes"]), float(data.get("wall_s", 0.0)), cache_hit)

@@ -1,0 +1,478 @@
+"""The profiler: per layer of the chain, forward and backward seconds on this host and the
+bytes a stage worker holds (parameters, gradients, saved activations, boundary, peak,
+optimizer state).
+
+How it measures, and why this way rather than an fx ``Interpreter`` or module hooks: every
+layer is emitted as a one-layer stage by ``codegen`` — the very code a stage worker runs —
+and each is run on its own, on the boundary values a reference forward produced, with its
+inputs detached. That isolates each layer's backward exactly (hooks on a whole model cannot
+split backward time between layers that interleave, and an Interpreter times node by node
+with Python overhead the worker does not have), and what autograd keeps for backward is read
+from ``saved_tensors_hooks``, not guessed from shapes.
+
+Times and sizes are fitted as ``a·batch + b`` over several micro-batch sizes (FuncPipe §4);
+profiles are cached on disk, keyed by the graph's hash, the input shapes and dtypes, the
+torch version and the measurement settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flatpack.errors import InputError
+from flatpack.ir import meta
+from flatpack.ir.graph import LayerGraph
+from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
+
+log = logging.getLogger("flatpack.profiler")
+
+PROFILE_SCHEMA_VERSION = 1
+DEFAULT_BATCH_SIZES = (1, 2, 4)
+CACHE_ENV = "FLATPACK_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``batch_sizes``: the micro-batch sizes measured (the line is fitted through them).
+    ``repeats``: timed runs per layer and size after ``warmup`` untimed ones; the median is
+    kept. ``max_seconds``: a wall-time budget for the measurement, spread over the layers
+    and sizes — a layer whose slice is spent stops repeating (it always gets one timed run).
+    ``cache_dir``: where profiles are kept (default ``$FLATPACK_CACHE_DIR`` or the user's
+    cache directory); ``use_cache=False`` measures afresh. ``progress``: a progress bar on
+    stderr (default: when stderr is a terminal)."""
+
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    repeats: int = 5
+    warmup: int = 1
+    max_seconds: float | None = None
+    cache_dir: str | None = None
+    use_cache: bool = True
+    progress: bool | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0
+                                       for b in self.batch_sizes):
+            raise InputError(f"profile batch sizes must be positive integers, got {self.batch_sizes!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise InputError(f"profiling needs repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise InputError(f"max_seconds must be positive, got {self.max_seconds!r}")
+
+    def key_fields(self) -> dict[str, Any]:
+        """The settings that change what is measured (the time budget does not)."""
+        return {"batch_sizes": sorted(set(self.batch_sizes)), "repeats": self.repeats, "warmup": self.warmup,
+                "device": self.device}
+
+
+# --- public entry points ------------------------------------------------------------------------
+
+
+def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOptions | None = None) -> ChainProfile:
+    """Profiles every layer of ``graph`` with the model's flat ``inputs`` (one per graph
+    placeholder, in order, as ``flatten_inputs`` gives them), or loads the cached profile."""
+    options = options or ProfileOptions()
+    tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
+    example_batch = _example_batch(tensors)
+    graph_digest = graph_hash(graph)
+    key = cache_key(graph_digest, tensors, options)
+    path = cache_path(key, options.cache_dir)
+    if options.use_cache:
+        cached = _read_cache(path)
+        if cached is not None:
+            log.info("profile cache hit: %s", path)
+            if _progress_enabled(options):
+                print(f"flatpack: profile of {len(cached.layers)} layers loaded from cache ({path.name})",
+                      file=sys.stderr)
+            return cached
+    started = time.perf_counter()
+    measured = _measure(graph, list(inputs), example_batch, options)
+    sizes = sorted(set(options.batch_sizes))
+    input_bytes = Linear.fit(sizes, [sum(_nbytes(value) for value in _resize(list(inputs), size, example_batch,
+                                                                           torch.device("cpu")))
+                                     for size in sizes])
+    profile = ChainProfile(tuple(measured), host_info(options.device), tuple(sizes), graph_digest,
+                           _dominant_dtype(graph), options.repeats, input_bytes, wall_s=time.perf_counter() - started)
+    if options.use_cache:
+        _write_cache(path, profile)
+    return profile
+
+
+def attach(graph: LayerGraph, profile: ChainProfile) -> None:
+    """Stores each layer's profile in ``layer.meta["profile"]`` (``meta.PROFILE``)."""
+    if len(profile.layers) != len(graph.layers):
+        raise InputError(f"the profile has {len(profile.layers)} layers, the graph {len(graph.layers)}; "
+                         "profile the graph after the passes")
+    for layer, layer_profile in zip(graph.layers, profile.layers):
+        layer.meta[meta.PROFILE] = layer_profile
+
+
+def graph_hash(graph: LayerGraph) -> str:
+    """Identifies the computation and its cut into layers: the graph's generated code plus
+    the node names of every layer. Equal models traced the same way hash equal."""
+    digest = hashlib.sha256(graph.gm.code.encode())
+    for layer in graph.layers:
+        digest.update(b"\x00" + "\x01".join(layer.nodes).encode())
+    return digest.hexdigest()[:32]
+
+
+def host_info(device: str = "cpu") -> HostInfo:
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    return HostInfo(device="cuda" if gpu else "cpu", threads=torch.get_num_threads(), cpu=_cpu_name(),
+                    torch_version=torch.__version__, gpu=gpu)
+
+
+def cache_key(graph_digest: str, tensors: Sequence[torch.Tensor], options: ProfileOptions) -> str:
+    key = {"schema": PROFILE_SCHEMA_VERSION, "graph": graph_digest, "torch": torch.__version__,
+           "threads": torch.get_num_threads(),
+           "inputs": [[list(tensor.shape), str(tensor.dtype)] for tensor in tensors], **options.key_fields()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cache_path(key: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    return default_cache_dir(cache_dir) / f"{key}.json"
+
+
+def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flatpack" / "profiles"
+
+
+# --- measurement --------------------------------------------------------------------------------
+
+
+def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int, options: ProfileOptions) -> list[LayerProfile]:
+    from flatpack.codegen.artifact import build_module
+    from flatpack.codegen.emit import emit_stages
+    from flatpack.partitioner.plan import Plan
+
+    count = len(graph.layers)
+    plan = Plan.from_ranges([(index, index) for index in range(count)], count, solver="profiler")
+    device = torch.device(options.device)
+    modules = [build_module(artifact, f"<flatpack profile layer {artifact.index}>").to(device)
+               for artifact in emit_stages(graph, plan)]
+    sizes = sorted(set(options.batch_sizes))
+    per_slice = options.max_seconds / (count * len(sizes)) if options.max_seconds else None
+    progress = _Progress(count * len(sizes), _progress_enabled(options))
+    samples: list[dict[int, _Sample]] = [{} for _ in range(count)]
+    input_names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
+    try:
+        for batch in sizes:
+            env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
+            for index, module in enumerate(modules):
+                progress.step(f"layer {index} ({graph.layers[index].name}) batch {batch}")
+                args = _layer_inputs(module, env, graph)
+                samples[index][batch] = _measure_layer(module, args, graph.crossing(index), env, options, per_slice)
+    finally:
+        progress.close()
+    return [_fit_layer(graph.layers[index].name, module, samples[index])
+            for index, module in enumerate(modules)]
+
+
+@dataclass
+class _Sample:
+    forward_s: float
+    backward_s: float
+    saved_bytes: int
+    output_bytes: int
+    peak_bytes: int
+    grad_bytes: int
+
+
+def _measure_layer(module: nn.Module, args: list[Any], crossing: list[str], env: dict[str, Any],
+                   options: ProfileOptions, per_slice: float | None) -> _Sample:
+    synchronize = _synchronizer(args)
+    for _ in range(options.warmup):
+        _backward(module(*args))
+        module.zero_grad(set_to_none=True)
+    forward_times, backward_times = [], []
+    started = time.perf_counter()
+    for _ in range(options.repeats):
+        synchronize()
+        begin = time.perf_counter()
+        outputs = module(*args)
+        synchronize()
+        middle = time.perf_counter()
+        _backward(outputs)
+        synchronize()
+        forward_times.append(middle - begin)
+        backward_times.append(time.perf_counter() - middle)
+        module.zero_grad(set_to_none=True)
+        if per_slice is not None and time.perf_counter() - started > per_slice:
+            break
+    saved, peak, grads = _memory(module, args)
+    output_bytes = sum(_nbytes(env[name]) for name in crossing)
+    return _Sample(statistics.median(forward_times), statistics.median(backward_times), saved, output_bytes,
+                   peak, grads)
+
+
+def _memory(module: nn.Module, args: list[Any]) -> tuple[int, int, int]:
+    """Saved-for-backward bytes, peak bytes allocated during forward+backward, and the
+    gradient bytes the layer's parameters receive."""
+    params = {tensor.untyped_storage().data_ptr() for tensor in [*module.parameters(), *module.buffers()]}
+    saved = _SavedTensors(exclude=params)
+    with _LiveBytes() as live:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+            outputs = module(*args)
+        _backward(outputs)
+    grads = _unique_bytes(param.grad for param in module.parameters() if param.grad is not None)
+    module.zero_grad(set_to_none=True)
+    return saved.nbytes, live.peak, grads
+
+
+class _SavedTensors:
+    """Counts each storage autograd saves once; parameters are not activations."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = set(exclude)
+        self.seen: set[int] = set()
+        self.nbytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.exclude and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.nbytes += storage.nbytes()
+        return tensor
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of storages created by ops while active and still alive; ``peak`` is
+    the most held at once. Storages are counted from the op that creates them until they
+    are freed (a finalizer on the storage object, which torch keeps one of per storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.tracked: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in pytree.tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self._track(value.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        if key in self.tracked or nbytes == 0:
+            return
+        self.tracked.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.tracked.discard(key)
+        self.live -= nbytes
+
+
+def _backward(outputs: Any) -> None:
+    tensors = [value for value in pytree.tree_leaves(outputs)
+               if isinstance(value, torch.Tensor) and value.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
+
+
+def _fit_layer(name: str, module: nn.Module, samples: dict[int, _Sample]) -> LayerProfile:
+    sizes = sorted(samples)
+
+    def line(attribute: str) -> Linear:
+        return Linear.fit(sizes, [getattr(samples[size], attribute) for size in sizes])
+
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    return LayerProfile(
+        name=name, forward_s=line("forward_s"), backward_s=line("backward_s"),
+        param_bytes=_unique_bytes(trainable), grad_bytes=max(samples[size].grad_bytes for size in sizes),
+        buffer_bytes=_unique_bytes(module.buffers()), saved_bytes=line("saved_bytes"),
+        output_bytes=line("output_bytes"), peak_bytes=line("peak_bytes"),
+        optimizer_state_bytes=optimizer_state_bytes(trainable),
+    )
+
+
+def optimizer_state_bytes(params: Sequence[nn.Parameter]) -> dict[str, int]:
+    """Bytes of state one step of each optimizer creates, read from the optimizer itself
+    (on copies, so the layer's parameters are untouched)."""
+    copies = [nn.Parameter(param.detach().clone()) for param in params]
+    if not copies:
+        return {"sgd": 0, "sgd-momentum": 0, "adam": 0}
+    optimizers: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "sgd": lambda: torch.optim.SGD(copies, lr=0.1),
+        "sgd-momentum": lambda: torch.optim.SGD(copies, lr=0.1, momentum=0.9),
+        "adam": lambda: torch.optim.Adam(copies, lr=0.1),
+    }
+    result = {}
+    for name, make in optimizers.items():
+        for copy in copies:
+            copy.grad = torch.zeros_like(copy)
+        optimizer = make()
+        optimizer.step()
+        result[name] = _unique_bytes(value for state in optimizer.state.values() for value in state.values()
+                                     if isinstance(value, torch.Tensor))
+    return result
+
+
+# --- inputs at other batch sizes ----------------------------------------------------------------
+
+
+def _example_batch(tensors: Sequence[torch.Tensor]) -> int:
+    batched = [tensor for tensor in tensors if tensor.dim() > 0]
+    if not batched:
+        raise InputError("profiling needs at least one tensor input with a batch dimension (dim 0)")
+    return batched[0].shape[0]
+
+
+def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.device) -> list[Any]:
+    """The inputs at ``batch`` samples: every tensor whose first dimension is the example
+    batch is cut or repeated along it (rows cycle), other values pass unchanged."""
+    rows = torch.arange(batch) % example_batch
+    resized = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0 and value.shape[0] == example_batch:
+                value = value.index_select(0, rows)
+            value = value.to(device)
+        resized.append(value)
+    return resized
+
+
+def _reference_values(modules: list[nn.Module], input_names: list[str], inputs: list[Any]) -> dict[str, Any]:
+    """Every boundary value at this batch size, from one forward through the layers."""
+    env = dict(zip(input_names, inputs))
+    with torch.no_grad():
+        for module in modules:
+            manifest = module.flatpack_manifest
+            outputs = module(*(env[entry["name"]] for entry in manifest["inputs"]))
+            env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+    return env
+
+
+def _layer_inputs(module: nn.Module, env: dict[str, Any], graph: LayerGraph) -> list[Any]:
+    """The layer's inputs, detached; the ones a stage receives gradients for (values that
+    depend on a parameter) require grad, so backward computes the gradient it would send."""
+    args = []
+    for entry in module.flatpack_manifest["inputs"]:
+        value = env[entry["name"]]
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.is_floating_point() and entry["name"] in graph.analysis.param_dependent:
+                value.requires_grad_(True)
+        args.append(value)
+    return args
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _unique_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _synchronizer(args: list[Any]) -> Callable[[], None]:
+    on_cuda = any(isinstance(value, torch.Tensor) and value.is_cuda for value in args)
+    return torch.cuda.synchronize if on_cuda else (lambda: None)
+
+
+def _dominant_dtype(graph: LayerGraph) -> str:
+    sizes: dict[str, int] = {}
+    for tensor in [*graph.gm.parameters(), *graph.gm.buffers()]:
+        sizes[str(tensor.dtype)] = sizes.get(str(tensor.dtype), 0) + tensor.numel()
+    return max(sizes, key=sizes.get) if sizes else "torch.float32"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _progress_enabled(options: ProfileOptions) -> bool:
+    return options.progress if options.progress is not None else sys.stderr.isatty()
+
+
+def _read_cache(path: Path) -> ChainProfile | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("schema") != PROFILE_SCHEMA_VERSION:
+        return None
+    try:
+        return ChainProfile.from_json(data["profile"], cache_hit=True)
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring unreadable profile cache entry %s", path)
+        return None
+
+
+def _write_cache(path: Path, profile: ChainProfile) -> None:
+    """Writes atomically, so a reader never sees half a profile; a read-only cache
+    directory costs the cache, not the profile."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"schema": PROFILE_SCHEMA_VERSION, "profile": profile.to_json()}))
+        partial.replace(path)
+    except OSError as err:
+        log.warning("could not write the profile cache %s: %s", path, err)
+
+
+@dataclass
+class _Progress:
+    """A one-line progress bar on stderr: steps done, elapsed time and what runs now."""
+
+    total: int
+    enabled: bool
+    done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def step(self, what: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.started
+        sys.stderr.write(f"\rprofiling [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{elapsed:6.1f} s  {what[:48]:<48}")
+        sys.stderr.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            elapsed = time.perf_counter() - self.started
+            sys.stderr.write(f"\rprofiling [{'#' * 24}] {self.done}/{self.total} {elapsed:6.1f} s  done"
+                             f"{' ' * 44}\n")
+            sys.stderr.flush()

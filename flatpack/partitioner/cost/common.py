@@ -1,0 +1,152 @@
+"""What several cost models compute the same way: a stage's tier, its memory need, sums of
+per-layer figures, and the JSON form of a breakdown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from flatpack.errors import PlanError
+from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.partitioner.problem import Problem
+
+if TYPE_CHECKING:
+    from flatpack.backends.catalog import Tier
+
+MIB = 1024 * 1024
+
+
+def mb(nbytes: float) -> str:
+    """Bytes in the unit tiers are sold in (``Tier.memory_mb`` counts 2**20 bytes)."""
+    return f"{nbytes / MIB:,.1f} MB"
+
+
+def to_json(result: Any, model: str) -> dict[str, Any]:
+    """A breakdown dataclass as JSON-ready data, tagged with the model that produced it."""
+    return {"model": model, **asdict(result)}
+
+
+def check_plan(problem: Problem, plan: Plan) -> None:
+    plan.check_against(len(problem.chain))
+
+
+def stage_tier(problem: Problem, stage: StagePlan, index: int) -> "Tier":
+    """The tier a stage runs on; cost models cannot price or time a stage without one."""
+    if stage.memory_mb is None:
+        raise PlanError(f"stage {index} (layers {stage.start}..{stage.end}) has no memory tier (memory_mb is "
+                        "None); cost models need one: give every stage a memory_mb from the platform's tiers "
+                        "or use a solver that chooses tiers")
+    return problem.platform.tier(stage.memory_mb)
+
+
+def uniform_replicas(plan: Plan, model: str) -> int:
+    """The one data-parallel degree a model that replicates whole pipelines needs."""
+    degrees = sorted({stage.replicas for stage in plan.stages})
+    if len(degrees) != 1:
+        raise PlanError(f"the {model} model replicates the whole pipeline, so every stage needs the same "
+                        f"replicas; this plan has {degrees}. Use the PipeDream model for per-stage replicas")
+    return degrees[0]
+
+
+def micro_batches_per_replica(problem: Problem, replicas: int) -> int:
+    """µ for the busiest replica: ⌈M/d⌉ (FuncPipe §3.4.1 writes µ = M/d, which assumes d | M;
+    when it does not, the replica with the extra micro-batch sets the pace)."""
+    total = problem.workload.micro_batches
+    if replicas > total:
+        raise PlanError(f"{replicas} replicas cannot share {total} micro-batches: some replicas would idle; "
+                        f"use at most {total} replicas or more micro-batches")
+    return math.ceil(total / replicas)
+
+
+def layer_times(problem: Problem, start: int, end: int, tier: "Tier", micro_batch: float) -> tuple[float, float]:
+    """Forward and backward seconds of layers start..end for one micro-batch on ``tier``,
+    through ``Problem.layer_seconds`` so that calibration applies."""
+    forward = backward = 0.0
+    for index in range(start, end + 1):
+        fwd, bwd = problem.layer_seconds(index, tier, micro_batch)
+        forward += fwd
+        backward += bwd
+    return forward, backward
+
+
+def boundary_bytes(problem: Problem, layer: int, micro_batch: float) -> float:
+    """Bytes crossing the boundary after ``layer`` for one micro-batch (see
+    ``Problem.boundary_bytes``; -1 is the model's input)."""
+    return problem.boundary_bytes(layer, micro_batch)
+
+
+def gradient_bytes(problem: Problem, start: int, end: int) -> int:
+    """Bytes a stage synchronizes: its gradients (equal to its parameter bytes when every
+    parameter trains; frozen parameters are not synchronized)."""
+    return sum(problem.layer_profile(index).grad_bytes for index in range(start, end + 1))
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """One worker's memory, by part, against its tier (bytes)."""
+
+    activations: int     # activations kept for backward, for every micro-batch in flight
+    weights: int         # parameters and buffers, times the weight versions kept
+    gradients: int
+    sync_buffers: int    # serialized gradients during synchronization
+    optimizer: int       # optimizer state for the workload's optimizer
+    base: int            # the runtime itself (FuncPipe's s0)
+    limit: int           # the tier's memory
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.weights + self.gradients + self.sync_buffers + self.optimizer + self.base
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def describe(self) -> str:
+        return (f"activations {mb(self.activations)}, weights {mb(self.weights)}, gradients {mb(self.gradients)}, "
+                f"sync buffers {mb(self.sync_buffers)}, optimizer state {mb(self.optimizer)}, "
+                f"runtime {mb(self.base)}")
+
+
+def memory_limit(problem: Problem, tier: "Tier") -> tuple[int, int]:
+    """(limit, runtime) bytes a stage's tensors are checked against: a CPU worker's memory
+    with the runtime s₀ in it; on a GPU tier the device memory, with s₀ left to the host
+    memory beside it (the tensors a stage trains with live on the device)."""
+    if tier.gpus:
+        return tier.gpu_memory_mb * MIB, 0
+    return tier.memory_bytes, int(problem.platform.base_memory_bytes)
+
+
+def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_batches_in_flight: float,
+                 weight_versions: int = 1, sync_buffer_copies: int = 0) -> MemoryNeed:
+    """Memory of a worker holding layers start..end.
+
+    The training form is FuncPipe's eq. 3b (000_2f8f665d06f7d6de.txt §3.4.1),
+    µ·â + ŝ·(4 − 2y₁) + s₀ ≤ m: ``micro_batches_in_flight`` = µ times the saved activations
+    per micro-batch â, ŝ for weights, ŝ for gradients, 2(1 − y₁)·ŝ for serialized data while
+    synchronizing (``sync_buffer_copies`` = 2 when d > 1), and s₀. Two additions the paper's
+    constraint leaves out, reported as their own parts: buffers (e.g. BatchNorm statistics)
+    count with the weights, and the optimizer's state (momentum, Adam's two moments) is
+    added, since a worker that holds it runs out of memory without it. Gradient and sync
+    terms use the profiled gradient bytes (= ŝ when every parameter trains).
+    ``weight_versions`` > 1 is PipeDream's weight stashing. The limit is
+    :func:`memory_limit` of ``tier``.
+    """
+    micro_batch = problem.workload.micro_batch_size
+    limit, base = memory_limit(problem, tier)
+    activations = weights = gradients = optimizer = 0.0
+    for index in range(start, end + 1):
+        profile = problem.layer_profile(index)
+        activations += profile.saved_bytes.at(micro_batch)
+        weights += profile.param_bytes + profile.buffer_bytes
+        gradients += profile.grad_bytes
+        optimizer += profile.optimizer_bytes(problem.workload.optimizer)
+    return MemoryNeed(
+        activations=math.ceil(micro_batches_in_flight * activations),
+        weights=int(weights * weight_versions),
+        gradients=int(gradients),
+        sync_buffers=int(gradients * sync_buffer_copies),
+        optimizer=int(optimizer),
+        base=base,
+        limit=limit,
+    )

@@ -1,0 +1,251 @@
+"""FuncPipe's training-pipeline cost model (000_2f8f665d06f7d6de.txt §3.4.2 and App. B).
+
+A plan's stages are FuncPipe's partitions; every stage has the same data-parallel degree d
+(FuncPipe enforces one d for all stages, §3.4.1), workers talk only through storage, and
+each replica pipelines µ = M/d micro-batches forward, then backward, then scatter-reduces
+its gradients with the other replicas of its stage.
+
+Indices: the paper numbers layers 1..L bottom-up; here stages are 0..S−1 in chain order and
+"boundary b" is the cut between stage b and stage b+1 (after layer ``stages[b].end``).
+
+Readings chosen where the text is loose:
+
+* App. B eq. 12 writes the synchronization of "the partition containing layer i" with ŝᵢ,
+  the hat sum *up to* layer i, and evaluates it at the lowest layer of a partition, where
+  that sum would hold one layer only; the remark that follows (t_s^i ≥ t_s^{i'} for i' ≥ i
+  in the same partition) shows the intended quantity is the whole partition's size, which
+  is what we use.
+* eq. 6 prices memory linearly, c_iter = P·t_iter·c_mem; we charge each stage's tier its own
+  ``price_per_s`` (the same figure when price is proportional to memory, as on Lambda, and
+  right for tiers that are not).
+* µ = ⌈M/d⌉ (see ``common.micro_batches_per_replica``).
+* An account-wide storage bandwidth cap (Alibaba OSS, §5.7: 10 Gb/s in all) is not in the
+  paper's equations; when the platform has one we give each worker at most its share,
+  cap/(d·S), since every one of the d·S workers may be moving data at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flatpack.errors import InputError, PlanError
+from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
+from flatpack.partitioner.cost.common import (MemoryNeed, boundary_bytes, check_plan, gradient_bytes, layer_times,
+                                              mb, memory_limit, micro_batches_per_replica, stage_memory, stage_tier,
+                                              to_json, uniform_replicas)
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+
+if TYPE_CHECKING:
+    from flatpack.backends.catalog import Tier
+
+MODEL = "funcpipe"
+
+
+@dataclass(frozen=True)
+class StageCost:
+    index: int
+    start: int
+    end: int
+    memory_mb: int
+    bandwidth_bytes_s: float   # W_j after any account-wide cap
+    forward_s: float           # t̂_fc: β·Σ forward of the stage, one micro-batch (App. B eq. 8)
+    backward_s: float          # t̂_bc: β·Σ backward of the stage, one micro-batch (eq. 10)
+    backward_lag_s: float      # Δ_b at the stage's lowest layer (eq. 11)
+    backward_done_s: float     # t_b: from the end of the forward pass until this stage's backward ends
+    sync_bytes: int            # ŝ: gradients scatter-reduced among the d replicas
+    sync_s: float              # t_s (eq. 12)
+    memory: MemoryNeed         # eq. 3b, by part
+    memory_needed_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class BoundaryCost:
+    after_layer: int
+    bytes: float               # o_i per micro-batch (= g_{i+1} going back)
+    forward_upload_s: float    # t_fu (eq. 8): stage b uploads the output at its bandwidth
+    forward_download_s: float  # t_fd: stage b+1 downloads it at its bandwidth
+    backward_upload_s: float   # t_bu (App. B): stage b+1 uploads the gradient
+    backward_download_s: float  # t_bd: stage b downloads it
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    replicas: int                  # d
+    micro_batches_per_replica: int  # µ
+    micro_batch_size: float
+    sync_method: str
+    stages: tuple[StageCost, ...]
+    boundaries: tuple[BoundaryCost, ...]
+    first_forward_s: float         # t_f^0
+    forward_lag_s: float           # Δ_f (eq. 9)
+    forward_s: float               # t_f = t_f^0 + (µ − 1)·Δ_f
+    iteration_s: float             # t_iter (eq. 7)
+    memory_mb_total: int           # c_mem (eq. 5)
+    dollars_per_iteration: float   # c_iter (eq. 6)
+    fits: bool
+    unfit_stage: int | None        # the first stage whose memory need exceeds its tier
+
+    def to_json(self) -> dict:
+        return to_json(self, MODEL)
+
+
+def _bandwidths(problem: Problem, tiers: list, replicas: int) -> list[float]:
+    cap = problem.platform.aggregate_bandwidth_bytes_s
+    if cap is None:
+        return [tier.bandwidth_bytes_s for tier in tiers]
+    share = cap / (replicas * len(tiers))
+    return [min(tier.bandwidth_bytes_s, share) for tier in tiers]
+
+
+def iteration(problem: Problem, plan: Plan) -> PipelineCost:
+    """Time, cost and memory of one training iteration of ``plan`` under FuncPipe's model.
+
+    000_2f8f665d06f7d6de.txt, App. B and §3.4.2:
+    t_f = t_f^0 + (µ − 1)·Δ_f with t_f^0 = Σ t_fc + Σ (t_fu + t_fd) and
+    Δ_f = max{t̂_fc, t_fu, t_fd} over all stages and boundaries (eq. 9);
+    t_fc = β·T_fc; t_fu = o/W_lower + t_lat, t_fd = o/W_upper + t_lat (eq. 8);
+    for a stage whose lowest layer is i: t_b = Σ_{k≥i} t_bc + Σ_{boundaries above} (t_bu + t_bd)
+    + (µ − 1)·Δ_b with Δ_b = max{t̂_bc of this and later stages, t_bu, t_bd above} (eq. 11);
+    t_bu = g/W_upper + t_lat, t_bd = g/W_lower + t_lat;
+    t_s = (1 − y₁)·(γ·ŝ/W + δ·t_lat) (eq. 12) with (γ, δ) from the workload's sync method;
+    t_iter = t_f + max over stages (t_b + t_s) (eq. 7);
+    memory µ·â + ŝ(4 − 2y₁) + s₀ ≤ m (eq. 3b, see ``common.stage_memory``);
+    c_mem = d·Σ m (eq. 5); c_iter = P·t_iter·c_mem (eq. 6).
+    """
+    check_plan(problem, plan)
+    if problem.workload.mode != "train":
+        raise PlanError("the FuncPipe model is a training model; use the Gillis model for inference workloads")
+    replicas = uniform_replicas(plan, "FuncPipe")
+    mu = micro_batches_per_replica(problem, replicas)
+    micro = problem.workload.micro_batch_size
+    platform = problem.platform
+    latency = platform.storage_latency_s
+    slowdown = platform.overlap_slowdown
+    tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
+    bandwidth = _bandwidths(problem, tiers, replicas)
+    count = len(plan.stages)
+
+    compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
+    forward = [slowdown * fwd for fwd, _ in compute]
+    backward = [slowdown * bwd for _, bwd in compute]
+
+    boundaries = []
+    for b in range(count - 1):
+        nbytes = boundary_bytes(problem, plan.stages[b].end, micro)
+        boundaries.append(BoundaryCost(
+            after_layer=plan.stages[b].end, bytes=nbytes,
+            forward_upload_s=nbytes / bandwidth[b] + latency,
+            forward_download_s=nbytes / bandwidth[b + 1] + latency,
+            backward_upload_s=nbytes / bandwidth[b + 1] + latency,
+            backward_download_s=nbytes / bandwidth[b] + latency,
+        ))
+
+    first_forward = sum(forward) + sum(bc.forward_upload_s + bc.forward_download_s for bc in boundaries)
+    forward_lag = max([*forward, *(bc.forward_upload_s for bc in boundaries),
+                       *(bc.forward_download_s for bc in boundaries)])
+    forward_total = first_forward + (mu - 1) * forward_lag
+
+    sync_copies = 2 if replicas > 1 else 0
+    stages = []
+    for s, (stage, tier) in enumerate(zip(plan.stages, tiers)):
+        above = boundaries[s:]
+        lag = max([*backward[s:], *(bc.backward_upload_s for bc in above),
+                   *(bc.backward_download_s for bc in above)])
+        done = sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above) + (mu - 1) * lag
+        grads = gradient_bytes(problem, stage.start, stage.end)
+        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency, problem.workload.sync)
+        memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
+                              sync_buffer_copies=sync_copies)
+        stages.append(StageCost(
+            index=s, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth[s],
+            forward_s=forward[s], backward_s=backward[s], backward_lag_s=lag, backward_done_s=done,
+            sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
+        ))
+
+    iteration_s = forward_total + max(stage.backward_done_s + stage.sync_s for stage in stages)
+    memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
+    dollars = iteration_s * replicas * sum(tier.price_per_s for tier in tiers)
+    unfit = next((stage.index for stage in stages if not stage.fits), None)
+    return PipelineCost(
+        replicas=replicas, micro_batches_per_replica=mu, micro_batch_size=micro, sync_method=problem.workload.sync,
+        stages=tuple(stages), boundaries=tuple(boundaries), first_forward_s=first_forward, forward_lag_s=forward_lag,
+        forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
+        dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit,
+    )
+
+
+def layer_memory(problem: Problem, index: int, tier: "Tier", replicas: int = 1) -> MemoryNeed:
+    """Eq. 3b for a stage holding layer ``index`` alone on ``tier``, with d = ``replicas``."""
+    mu = micro_batches_per_replica(problem, replicas)
+    return stage_memory(problem, index, index, tier, micro_batches_in_flight=mu,
+                        sync_buffer_copies=2 if replicas > 1 else 0)
+
+
+def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
+    """Raise PlanError, before any solving, when some layer cannot fit even alone on the
+    platform's largest tier — FuncPipe's stated limitation (000_2f8f665d06f7d6de.txt §4,
+    "Limitation Discussion": no support for a layer larger than a function's memory).
+
+    Uses eq. 3b on a one-layer stage with d = ``replicas`` (default
+    ``problem.options["replicas"]``, else 1, the least memory: no sync buffers) and
+    µ = ⌈M/d⌉ micro-batches of batch/M samples. The message names each such layer, its need
+    by part, the limit, and what would make it fit.
+    """
+    if replicas is None:
+        replicas = int(problem.options.get("replicas", 1))
+    platform = problem.platform
+    largest = largest_tier(problem)
+    limit, _ = memory_limit(problem, largest)
+    workload = problem.workload
+    mu = micro_batches_per_replica(problem, replicas)
+    lines = []
+    for index, layer in enumerate(problem.chain):
+        need = layer_memory(problem, index, largest, replicas)
+        if need.fits:
+            continue
+        lines.append(f"layer {index} ({layer.name}) needs {mb(need.total)} ({need.total} bytes): {need.describe()}; "
+                     + _layer_fix(problem, index, need, mu))
+    if not lines:
+        return
+    raise PlanError(
+        f"{len(lines)} layer(s) do not fit even alone in the largest tier of {platform.name}, "
+        f"{largest.label()}: {mb(limit)} ({limit} bytes) for a stage's tensors, with {mu} micro-batches of "
+        f"{workload.micro_batch_size:g} samples in flight per worker and {replicas} replica(s):\n  "
+        + "\n  ".join(lines)
+        + "\nWhat would help: a smaller micro-batch (a smaller batch for the same micro_batches), an optimizer "
+        "with less state, or a target with larger memory tiers; one layer cannot be split across workers "
+        "(no tensor parallelism)."
+    )
+
+
+def largest_tier(problem: Problem) -> "Tier":
+    """The tier with the most memory for a stage's tensors: the listed tiers, and the
+    platform's maximum size where the platform allows sizes beyond the listed ones."""
+    platform = problem.platform
+    candidates = list(platform.tiers)
+    try:
+        candidates.append(platform.tier(platform.max_memory_mb))
+    except InputError:
+        pass  # only the listed configurations exist
+    return max(candidates, key=lambda tier: memory_limit(problem, tier))
+
+
+def _layer_fix(problem: Problem, index: int, need: MemoryNeed, mu: int) -> str:
+    """The largest batch at which the layer fits, or why no batch does: activations are µ
+    micro-batches of batch/M samples each, so they grow with the batch; the rest does not."""
+    workload = problem.workload
+    saved = problem.layer_profile(index).saved_bytes
+    room = need.limit - (need.total - need.activations) - mu * saved.fixed
+    if saved.per_sample > 0 and room > 0:
+        batch = int(room * workload.micro_batches / (mu * saved.per_sample))
+        if batch >= workload.micro_batches:
+            return (f"it fits with a batch of at most {batch} samples at micro_batches={workload.micro_batches} "
+                    f"(micro-batches of {batch / workload.micro_batches:g} samples)")
+    fixed = need.total - need.activations
+    return (f"its weights, gradients, optimizer state and runtime alone need {mb(fixed)}, so no batch size "
+            "fits: it needs a target with larger tiers (or an optimizer with less state)"
+            if fixed > need.limit else
+            "no micro-batch of at least one sample fits: it needs a target with larger tiers")

@@ -1,0 +1,61 @@
+"""What the user wants the plan to do: train or serve, at which batch, with which optimizer
+and synchronization, under which objective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatpack.errors import InputError
+from flatpack.ir.profile import OPTIMIZERS
+
+MODES = ("train", "infer")
+SYNC_METHODS = ("pipelined", "lambdaml")
+DEFAULT_TRAIN_MICRO_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``batch`` is the global batch of one training iteration or of one inference request.
+    ``micro_batches`` is FuncPipe's M: the global batch is cut into M micro-batches, and with
+    d data-parallel replicas each replica pipelines µ = M/d of them (FuncPipe §3.4.1). Left
+    out, it is 4 for training (at most the batch) and 1 for inference.
+    ``sync`` picks the gradient synchronization model: FuncPipe's pipelined scatter-reduce
+    (eq. 2) or LambdaML's three-phase scatter-reduce (eq. 1). ``slo_s`` is a latency bound
+    (per iteration for training, per request for inference) for the SLO solvers."""
+
+    mode: str = "train"
+    batch: int = 64
+    micro_batches: int | None = None
+    optimizer: str = "sgd-momentum"
+    sync: str = "pipelined"
+    slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"workload mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not isinstance(self.batch, int) or isinstance(self.batch, bool) or self.batch <= 0:
+            raise InputError(f"batch size must be a positive integer, got {self.batch!r}")
+        if self.micro_batches is None:
+            # frozen: the default depends on the other fields, so it is set once here
+            object.__setattr__(self, "micro_batches", min(DEFAULT_TRAIN_MICRO_BATCHES, self.batch)
+                               if self.mode == "train" else 1)
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches <= 0:
+            raise InputError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if self.micro_batches > self.batch:
+            raise InputError(f"{self.micro_batches} micro-batches cannot split a batch of {self.batch}; "
+                             f"use at most {self.batch}")
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.sync not in SYNC_METHODS:
+            raise InputError(f"sync method {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise InputError(f"an SLO must be a positive number of seconds, got {self.slo_s!r}")
+
+    @property
+    def micro_batch_size(self) -> float:
+        """Samples per micro-batch: the global batch over M (FuncPipe's micro-batch size)."""
+        return self.batch / self.micro_batches
+
+    def micro_batches_per_replica(self, replicas: int) -> float:
+        """FuncPipe's µ = M/d."""
+        return self.micro_batches / replicas

@@ -1,0 +1,225 @@
+"""The profiler: what it measures per layer, its fits, its cache and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import flatpack
+from flatpack.errors import InputError
+from flatpack.ir import meta
+from flatpack.ir.profile import ChainProfile, Linear
+from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes, profile_graph
+
+FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
+
+
+class Chain(nn.Module):
+    """linear → exp → linear: each op's saved tensors are known from autograd's formulas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.exp(self.first(x)))
+
+
+def compiled_with_profile(tmp_path, model=None, inputs=None, **options):
+    model = model or Chain()
+    inputs = inputs if inputs is not None else (torch.randn(4, 8),)
+    return flatpack.compile(model, inputs, stages=1, profile=ProfileOptions(cache_dir=str(tmp_path), **{**FAST, **options}))
+
+
+# --- the fit -------------------------------------------------------------------------------------
+
+
+@given(st.floats(0, 1e3), st.floats(0, 1e3), st.lists(st.integers(1, 64), min_size=2, max_size=6, unique=True))
+def test_linear_fit_recovers_an_exact_line(per_sample, fixed, batches):
+    line = Linear.fit(batches, [per_sample * b + fixed for b in batches])
+    assert line.per_sample == pytest.approx(per_sample, rel=1e-6, abs=1e-6)
+    assert line.fixed == pytest.approx(fixed, rel=1e-6, abs=1e-4)
+
+
+def test_linear_fit_never_predicts_negative_values():
+    falling = Linear.fit([1, 2, 4], [3.0, 2.0, 1.0])  # noise on a constant cost
+    assert falling.per_sample == 0 and falling.fixed == pytest.approx(2.0)
+    below_origin = Linear.fit([1, 2, 4], [0.5, 2.0, 5.0])
+    assert below_origin.fixed == 0 and below_origin.per_sample > 0
+    assert Linear.fit([2], [6.0]) == Linear(3.0, 0.0)
+
+
+# --- what is measured ----------------------------------------------------------------------------
+
+
+def test_every_layer_gets_a_profile_with_its_parameters_and_gradients(tmp_path):
+    compiled = compiled_with_profile(tmp_path)
+    profile = compiled.profile
+    assert len(profile.layers) == len(compiled.graph.layers) == 2
+    for layer, measured in zip(compiled.graph.layers, profile.layers):
+        assert layer.meta[meta.PROFILE] == measured
+        assert measured.name == layer.name
+        assert measured.param_bytes == layer.meta[meta.PARAM_BYTES] > 0
+        assert measured.grad_bytes == measured.param_bytes
+        assert measured.forward_s.at(1) > 0 and measured.backward_s.at(1) > 0
+    assert compiled.problem.profiled
+
+
+def test_saved_activation_bytes_are_what_autograd_keeps(tmp_path):
+    compiled = compiled_with_profile(tmp_path)
+    first, second = compiled.profile.layers
+    # layer 0 = linear + exp on the raw input: the input needs no gradient, so linear saves
+    # x for the weight gradient (8 floats per sample) and exp saves its result (16 floats).
+    assert first.saved_bytes.per_sample == pytest.approx((8 + 16) * 4)
+    # layer 1 = linear on exp's output: saves its input (16 floats per sample).
+    assert second.saved_bytes.per_sample == pytest.approx(16 * 4)
+    assert first.saved_bytes.fixed == pytest.approx(0, abs=1e-6)
+
+
+def test_output_bytes_are_the_boundary_bytes_at_each_batch(tmp_path):
+    compiled = compiled_with_profile(tmp_path)
+    example_batch = 4
+    for index, measured in enumerate(compiled.profile.layers):
+        assert measured.output_bytes.at(example_batch) == pytest.approx(compiled.graph.boundary(index).nbytes)
+        assert measured.output_bytes.fixed == pytest.approx(0, abs=1e-6)
+
+
+def test_peak_bytes_cover_the_saved_activations_and_gradients(tmp_path):
+    for measured in compiled_with_profile(tmp_path).profile.layers:
+        for batch in (1, 4):
+            assert measured.peak_bytes.at(batch) >= measured.saved_bytes.at(batch) + measured.grad_bytes - 1
+
+
+def test_optimizer_state_is_read_from_the_optimizers():
+    params = [nn.Parameter(torch.randn(10, 3)), nn.Parameter(torch.randn(3))]
+    param_bytes = (30 + 3) * 4
+    state = optimizer_state_bytes(params)
+    assert state["sgd"] == 0
+    assert state["sgd-momentum"] == param_bytes
+    # Adam keeps two moments per parameter plus a scalar step counter per tensor.
+    assert 2 * param_bytes <= state["adam"] <= 2 * param_bytes + 8 * len(params)
+    assert all(torch.equal(p, p.detach()) for p in params)
+
+
+def test_inputs_with_masks_and_several_tensors_are_resized_together(tmp_path):
+    from tests.models import MaskedEncoder
+
+    model = MaskedEncoder()
+    inputs = (torch.randn(3, 5, 8), torch.randint(0, 2, (3, 5)))
+    compiled = flatpack.compile(model, inputs, stages=1,
+                                profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
+    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+
+
+def test_profiling_leaves_the_model_and_its_buffers_unchanged(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 2))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = torch.randn(2, 3, 8, 8)
+    compiled = compiled_with_profile(tmp_path, model, (inputs,))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    from tests.helpers import assert_equivalent
+    assert_equivalent(model, (inputs,), compiled=compiled)
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+def test_second_profile_of_the_same_graph_is_a_reported_cache_hit(tmp_path):
+    first = compiled_with_profile(tmp_path)
+    assert not first.profile.cache_hit
+    second = compiled_with_profile(tmp_path)
+    assert second.profile.cache_hit and second.info["profile"]["cache_hit"]
+    assert second.profile == first.profile
+
+
+def test_cache_key_changes_with_input_shape_repeats_and_graph(tmp_path):
+    compiled_with_profile(tmp_path)
+    assert compiled_with_profile(tmp_path, inputs=(torch.randn(4, 8),)).profile.cache_hit  # new values, same shape
+    assert not compiled_with_profile(tmp_path, inputs=(torch.randn(6, 8),)).profile.cache_hit
+    assert not compiled_with_profile(tmp_path, repeats=2).profile.cache_hit
+    wider = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    assert not compiled_with_profile(tmp_path, wider).profile.cache_hit
+    assert len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
+    compiled = compiled_with_profile(tmp_path)
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text("{not json")
+    again = compiled_with_profile(tmp_path)
+    assert not again.profile.cache_hit
+    assert json.loads(entry.read_text())["profile"]["graph_hash"] == compiled.profile.graph_hash
+
+
+def test_use_cache_false_measures_and_writes_nothing(tmp_path):
+    compiled_with_profile(tmp_path, use_cache=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_profile_survives_save_and_load(tmp_path):
+    compiled = compiled_with_profile(tmp_path / "cache")
+    compiled.save(tmp_path / "out")
+    loaded = flatpack.load(tmp_path / "out")
+    assert loaded.profile == compiled.profile
+    assert ChainProfile.from_json(json.loads(json.dumps(compiled.profile.to_json()))) == compiled.profile
+
+
+def test_progress_bar_is_shown_on_request(tmp_path, capsys):
+    compiled_with_profile(tmp_path, progress=True)
+    assert "profiling [" in capsys.readouterr().err
+    compiled_with_profile(tmp_path, progress=True)
+    assert "loaded from cache" in capsys.readouterr().err
+
+
+def test_a_time_budget_still_measures_every_layer(tmp_path):
+    compiled = compiled_with_profile(tmp_path, repeats=50, max_seconds=0.001, use_cache=False)
+    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [dict(batch_sizes=(0,)), dict(batch_sizes=(-2, 4)), dict(batch_sizes=()),
+                                     dict(repeats=0), dict(max_seconds=0)])
+def test_bad_profile_options_are_refused(options):
+    with pytest.raises(InputError):
+        ProfileOptions(**options)
+
+
+def test_a_model_without_batched_tensor_inputs_cannot_be_profiled(tmp_path):
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return x * self.weight
+
+    with pytest.raises(InputError, match="batch dimension"):
+        flatpack.compile(Scale(), (torch.tensor(2.0),), stages=1,
+                         profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
+
+
+def test_cache_path_is_under_the_chosen_directory(tmp_path):
+    assert cache_path("abc", tmp_path) == tmp_path / "abc.json"
+
+
+def test_a_layer_larger_than_the_largest_tier_is_reported_before_solving(tmp_path):
+    from flatpack.errors import PlanError
+    from flatpack.partitioner.workload import Workload
+
+    huge_batch = Workload(batch=400_000_000, micro_batches=4)  # ~40 GB of saved activations per layer
+    with pytest.raises(PlanError) as caught:
+        flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda", workload=huge_batch,
+                         profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
+    message = str(caught.value)
+    assert "layer 0 (first:linear)" in message and "10240" in message
+    assert "smaller micro-batch" in message
