@@ -20,6 +20,8 @@ layer with the tensor it writes, so no stage writes into a tensor another stage 
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable
@@ -183,14 +185,15 @@ class GraphAnalysis:
     def glued_spans(self) -> list[tuple[int, int]]:
         """Position spans that must share a layer.
 
-        A node whose result nobody reads (an assertion) and the node after it; a
-        multi-output op and its ``getitem`` projections; an in-place write and the tensor
+        A node whose result nobody reads (an assertion) and the node after it — except an
+        unused ``getitem`` projection (an LSTM's final states), which has no effect to
+        order; a multi-output op and its ``getitem`` projections; an in-place write and the tensor
         it writes (and, for a written buffer, every node that touches it), so that a stage
         never writes into storage another stage owns.
         """
         spans: list[tuple[int, int]] = []
         for previous, node in zip(self.compute, self.compute[1:]):
-            if not previous.users and not ops.mutated_inputs(previous):
+            if not previous.users and not ops.mutated_inputs(previous) and previous.target is not operator.getitem:
                 spans.append((self.position[previous.name], self.position[node.name]))
         if len(self.compute) > 1 and not self.compute[-1].users:
             spans.append((self.position[self.compute[-2].name], self.position[self.compute[-1].name]))

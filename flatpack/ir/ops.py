@@ -86,6 +86,17 @@ def op_name(node: torch.fx.Node) -> str:
     return name
 
 
+_METADATA_QUERIES = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "size", "dim", "numel", "stride"}
+
+
+def reads_metadata_only(node: torch.fx.Node) -> bool:
+    """True for ops that read a tensor's shape, not its values (``x.size(0)``, ``sym_size``,
+    ``x.shape``): what they produce carries no input data."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return node.args[1] in ("shape", "ndim", "dtype", "device")
+    return node.op in ("call_function", "call_method") and op_name(node) in _METADATA_QUERIES
+
+
 def _bare(name: str) -> str:
     """``relu_`` -> ``relu``, ``__add__`` -> ``add``: the op family behind an in-place or dunder name."""
     if name.startswith("__") and name.endswith("__"):

@@ -124,9 +124,13 @@ def attach(graph: LayerGraph, profile: ChainProfile) -> None:
 
 
 def graph_hash(graph: LayerGraph) -> str:
-    """Identifies the computation and its cut into layers: the graph's generated code plus
-    the node names of every layer. Equal models traced the same way hash equal."""
+    """Identifies the computation and its cut into layers: the graph's generated code, the
+    shape and dtype of every parameter and buffer (the code alone does not change when a
+    model is made wider), and the node names of every layer. Equal models traced the same
+    way hash equal, whatever their weights' values."""
     digest = hashlib.sha256(graph.gm.code.encode())
+    for name, tensor in sorted([*graph.gm.named_parameters(), *graph.gm.named_buffers()]):
+        digest.update(f"\x00{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
     for layer in graph.layers:
         digest.update(b"\x00" + "\x01".join(layer.nodes).encode())
     return digest.hexdigest()[:32]

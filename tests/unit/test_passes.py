@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import flatpack
 from flatpack.errors import PassError
@@ -117,6 +118,26 @@ def test_merge_branches_lets_the_mask_cross_instead_of_merging():
     for boundary in graph.boundaries():
         names = [v.name for v in boundary.values]
         assert len(names) == 2 and sum(v.param_dependent for v in boundary.values) == 1
+
+
+class ZeroStateStack(nn.Module):
+    """Every layer starts from one zero state sized by the batch, as stacked RNNs do."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+
+    def forward(self, x):
+        state = torch.zeros(x.size(0), 8)
+        for layer in self.layers:
+            x = torch.tanh(torch.addmm(state, x, layer.weight.t()))  # parameters applied to the state directly
+        return x
+
+
+def test_merge_branches_lets_size_only_values_cross_instead_of_merging():
+    graph = chain(ZeroStateStack(), torch.randn(2, 8), passes=DEFAULT_PIPELINE)
+    assert len(graph.layers) == 3
+    assert_equivalent(ZeroStateStack(), torch.randn(2, 8), stages=3)
 
 
 def test_merge_branches_is_numerically_neutral():

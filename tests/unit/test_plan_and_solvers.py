@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flatpack.backends.catalog import get_platform
 from flatpack.errors import PlanError
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
@@ -56,7 +57,8 @@ def brute_force(weights, stages):
 
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=9), st.integers(1, 9))
 def test_balanced_is_min_max_optimal(weights, stages):
-    problem = Problem(tuple(ChainLayer(f"l{i}", w, 0, 1) for i, w in enumerate(weights)), stages=stages)
+    problem = Problem(tuple(ChainLayer(f"l{i}", w, 0, 1) for i, w in enumerate(weights)), get_platform("local"),
+                      stages=stages)
     if stages > len(weights):
         with pytest.raises(PlanError):
             Balanced()(problem)

@@ -150,6 +150,20 @@ def test_cache_key_changes_with_input_shape_repeats_and_graph(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 4
 
 
+class WideChain(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 64)
+        self.second = nn.Linear(64, 4)
+
+
+def test_a_wider_model_with_the_same_code_is_not_a_cache_hit(tmp_path):
+    compiled_with_profile(tmp_path)
+    wider = compiled_with_profile(tmp_path, WideChain())
+    assert not wider.profile.cache_hit
+    assert wider.profile.layers[1].param_bytes == (64 * 4 + 4) * 4
+
+
 def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
     compiled = compiled_with_profile(tmp_path)
     (entry,) = tmp_path.glob("*.json")

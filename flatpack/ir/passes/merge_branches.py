@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from flatpack.ir import ops
 from flatpack.ir.graph import LayerGraph
 
 
@@ -22,6 +23,9 @@ class MergeBranches:
       counted up to the last reader that applies parameters to it directly — an inception
       module at the model's input forks the input itself into convolutions.
 
+    Parameter-free values built from sizes and constants alone (an RNN's zero initial
+    state ``zeros(x.size(0), hidden)``) carry no input data and are side values too.
+
     Other parameter-free values — attention masks, position ids, sizes — are side values:
     computed once, they may cross any number of boundaries as extra tensors, so a mask used
     by every encoder layer does not collapse the encoder into one layer. A value whose only
@@ -37,8 +41,11 @@ class MergeBranches:
             return graph
         analysis = graph.analysis
         branches = [0] * (count + 1)
+        carries_data = self._carries_input_data(graph)
         for node in analysis.graph.nodes:
             if node.name in analysis.free or node.op == "get_attr" or node.op == "output":
+                continue
+            if node.name not in analysis.param_dependent and node.name not in carries_data:
                 continue
             producer = graph.producer_layer(node.name)
             readers = graph.consumers_after(node.name, producer, include_output=False)
@@ -61,6 +68,17 @@ class MergeBranches:
                 start = boundary + 1
         ranges.append((start, count - 1))
         return graph.merged(ranges)
+
+    @staticmethod
+    def _carries_input_data(graph: LayerGraph) -> set[str]:
+        """Nodes whose value derives from the model's input values (not only their shapes)."""
+        carrying: set[str] = set()
+        for node in graph.analysis.graph.nodes:
+            if node.op == "placeholder":
+                carrying.add(node.name)
+            elif not ops.reads_metadata_only(node) and any(inp.name in carrying for inp in node.all_input_nodes):
+                carrying.add(node.name)
+        return carrying
 
     @staticmethod
     def _applies_parameters(graph: LayerGraph, node) -> bool:
