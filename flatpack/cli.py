@@ -93,6 +93,8 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
 
 
 def profile_table(profile: Any) -> str:
+    from flatpack.ir.profile import stage_saved_bytes
+
     """Per layer: forward and backward milliseconds at batch 1 and per extra sample, and the
     bytes a stage holds for it."""
     rows = [("#", "layer", "fwd ms", "+/sample", "bwd ms", "+/sample", "params", "saved/sample",
@@ -110,6 +112,13 @@ def profile_table(profile: Any) -> str:
     source = "cache hit" if profile.cache_hit else f"measured in {profile.wall_s:.1f} s"
     lines.insert(0, f"profile: {source}   host: {host.cpu}, {host.threads} threads, torch {host.torch_version}   "
                     f"batch sizes: {', '.join(map(str, profile.batch_sizes))}   repeats: {profile.repeats}")
+    layers = profile.layers
+    lines.append(f"whole model as one stage, per sample: fwd+bwd "
+                 f"{sum(l.forward_s.per_sample + l.backward_s.per_sample for l in layers) * 1e3:.3f} ms "
+                 f"(+{sum(l.forward_s.fixed + l.backward_s.fixed for l in layers) * 1e3:.3f} ms per micro-batch), "
+                 f"saved activations {human_bytes(stage_saved_bytes(layers, 1))} at batch 1, "
+                 f"parameters {human_bytes(sum(l.param_bytes for l in layers))}")
+    lines.extend(f"note: {note}" for note in profile.notes)
     return "\n".join(lines)
 
 

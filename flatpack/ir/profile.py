@@ -75,6 +75,9 @@ class LayerProfile:
     crosses, as in ``LayerGraph.boundary``). ``peak_bytes``: the most memory the layer's
     forward plus backward held at once beyond its parameters. ``optimizer_state_bytes``:
     per optimizer name in :data:`OPTIMIZERS`, the state bytes one step creates.
+    ``saved_boundary_bytes``: the parts of ``saved_bytes`` that are values crossing the
+    layer's boundaries (its inputs and outputs), by value name, so that
+    :func:`stage_saved_bytes` counts a tensor that several layers of a stage keep once.
     """
 
     name: str
@@ -87,6 +90,7 @@ class LayerProfile:
     output_bytes: Linear
     peak_bytes: Linear
     optimizer_state_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+    saved_boundary_bytes: dict[str, Linear] = field(default_factory=dict, hash=False)
 
     def optimizer_bytes(self, optimizer: str) -> int:
         if optimizer not in self.optimizer_state_bytes:
@@ -96,17 +100,37 @@ class LayerProfile:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("forward_s", "backward_s", "saved_bytes", "output_bytes", "peak_bytes"):
+        for key in _LINES:
             data[key] = getattr(self, key).to_json()
+        data["saved_boundary_bytes"] = {name: line.to_json() for name, line in self.saved_boundary_bytes.items()}
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "LayerProfile":
-        lines = {key: Linear.from_json(data[key])
-                 for key in ("forward_s", "backward_s", "saved_bytes", "output_bytes", "peak_bytes")}
+        lines = {key: Linear.from_json(data[key]) for key in _LINES}
+        lines["saved_boundary_bytes"] = {name: Linear.from_json(line)
+                                         for name, line in data.get("saved_boundary_bytes", {}).items()}
         return cls(name=data["name"], param_bytes=int(data["param_bytes"]), grad_bytes=int(data["grad_bytes"]),
                    buffer_bytes=int(data["buffer_bytes"]),
                    optimizer_state_bytes={k: int(v) for k, v in data["optimizer_state_bytes"].items()}, **lines)
+
+
+_LINES = ("forward_s", "backward_s", "saved_bytes", "output_bytes", "peak_bytes")
+
+
+def stage_saved_bytes(layers: Sequence[LayerProfile], micro_batch: float) -> float:
+    """Bytes autograd keeps for one micro-batch of a stage running ``layers`` (consecutive).
+
+    Each layer was measured alone, so a tensor crossing between layers of the stage that
+    the producer keeps as its output (a ReLU's result) and a reader as its input (the next
+    convolution's) was counted by both; in the stage it is one storage, counted once.
+    """
+    total = sum(layer.saved_bytes.at(micro_batch) for layer in layers)
+    keepers: dict[str, list[float]] = {}
+    for layer in layers:
+        for name, line in layer.saved_boundary_bytes.items():
+            keepers.setdefault(name, []).append(line.at(micro_batch))
+    return total - sum(sum(sizes) - max(sizes) for sizes in keepers.values())
 
 
 @dataclass(frozen=True)
@@ -138,16 +162,19 @@ class ChainProfile:
     dtype: str
     repeats: int
     input_bytes: Linear = Linear(0.0, 0.0)   # the model's inputs (boundary -1) per micro-batch
+    notes: tuple[str, ...] = field(default=(), compare=False)   # e.g. batch sizes the model refused
     wall_s: float = field(default=0.0, compare=False)
     cache_hit: bool = field(default=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": [layer.to_json() for layer in self.layers], "host": self.host.to_json(),
                 "batch_sizes": list(self.batch_sizes), "graph_hash": self.graph_hash, "dtype": self.dtype,
-                "repeats": self.repeats, "input_bytes": self.input_bytes.to_json(), "wall_s": self.wall_s}
+                "repeats": self.repeats, "input_bytes": self.input_bytes.to_json(), "notes": list(self.notes),
+                "wall_s": self.wall_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], cache_hit: bool = False) -> "ChainProfile":
         return cls(tuple(LayerProfile.from_json(layer) for layer in data["layers"]), HostInfo.from_json(data["host"]),
                    tuple(data["batch_sizes"]), data["graph_hash"], data["dtype"], int(data["repeats"]),
-                   Linear.from_json(data["input_bytes"]), float(data.get("wall_s", 0.0)), cache_hit)
+                   Linear.from_json(data["input_bytes"]), tuple(data.get("notes", ())), float(data.get("wall_s", 0.0)),
+                   cache_hit)

@@ -42,7 +42,7 @@ from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
 
 log = logging.getLogger("flatpack.profiler")
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 DEFAULT_BATCH_SIZES = (1, 2, 4)
 CACHE_ENV = "FLATPACK_CACHE_DIR"
 
@@ -102,13 +102,13 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
                       file=sys.stderr)
             return cached
     started = time.perf_counter()
-    measured = _measure(graph, list(inputs), example_batch, options)
-    sizes = sorted(set(options.batch_sizes))
+    measured, sizes, notes = _measure(graph, list(inputs), example_batch, options)
     input_bytes = Linear.fit(sizes, [sum(_nbytes(value) for value in _resize(list(inputs), size, example_batch,
                                                                            torch.device("cpu")))
                                      for size in sizes])
     profile = ChainProfile(tuple(measured), host_info(options.device), tuple(sizes), graph_digest,
-                           _dominant_dtype(graph), options.repeats, input_bytes, wall_s=time.perf_counter() - started)
+                           _dominant_dtype(graph), options.repeats, input_bytes, tuple(notes),
+                           wall_s=time.perf_counter() - started)
     if options.use_cache:
         _write_cache(path, profile)
     return profile
@@ -165,7 +165,11 @@ def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 # --- measurement --------------------------------------------------------------------------------
 
 
-def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int, options: ProfileOptions) -> list[LayerProfile]:
+def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
+             options: ProfileOptions) -> tuple[list[LayerProfile], list[int], list[str]]:
+    """The layers' profiles, the batch sizes they were fitted over, and notes on the sizes
+    the model refused (training-mode BatchNorm cannot normalize one value per channel, so
+    batch 1 fails where the spatial size has shrunk to 1×1)."""
     from flatpack.codegen.artifact import build_module
     from flatpack.codegen.emit import emit_stages
     from flatpack.partitioner.plan import Plan
@@ -180,17 +184,31 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int, options: 
     progress = _Progress(count * len(sizes), _progress_enabled(options))
     samples: list[dict[int, _Sample]] = [{} for _ in range(count)]
     input_names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
+    refused: dict[int, str] = {}
     try:
         for batch in sizes:
-            env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
+            try:
+                env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
+            except Exception as err:  # noqa: BLE001 - any refusal means: fit over the other sizes
+                refused[batch] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                progress.skip(count)
+                continue
             for index, module in enumerate(modules):
                 progress.step(f"layer {index} ({graph.layers[index].name}) batch {batch}")
                 args = _layer_inputs(module, env, graph)
                 samples[index][batch] = _measure_layer(module, args, graph.crossing(index), env, options, per_slice)
     finally:
         progress.close()
-    return [_fit_layer(graph.layers[index].name, module, samples[index])
-            for index, module in enumerate(modules)]
+    measured = [batch for batch in sizes if batch not in refused]
+    if not measured:
+        details = "; ".join(f"batch {batch}: {reason}" for batch, reason in refused.items())
+        raise InputError(f"the model fails at every profiling batch size ({details}); pass sizes it accepts, "
+                         "e.g. ProfileOptions(batch_sizes=(2, 4, 8))")
+    notes = [f"batch {batch} skipped, the model refused it: {reason}" for batch, reason in refused.items()]
+    for note in notes:
+        log.warning("profiling: %s", note)
+    layers = [_fit_layer(graph.layers[index].name, module, samples[index]) for index, module in enumerate(modules)]
+    return layers, measured, notes
 
 
 @dataclass
@@ -198,6 +216,7 @@ class _Sample:
     forward_s: float
     backward_s: float
     saved_bytes: int
+    saved_boundary_bytes: dict[str, int]
     output_bytes: int
     peak_bytes: int
     grad_bytes: int
@@ -224,41 +243,53 @@ def _measure_layer(module: nn.Module, args: list[Any], crossing: list[str], env:
         module.zero_grad(set_to_none=True)
         if per_slice is not None and time.perf_counter() - started > per_slice:
             break
-    saved, peak, grads = _memory(module, args)
+    memory = _memory(module, args)
+    manifest = module.flatpack_manifest
+    named = {**dict(zip((entry["name"] for entry in manifest["inputs"]), args)),
+             **dict(zip((entry["name"] for entry in manifest["outputs"]), memory.outputs))}
     output_bytes = sum(_nbytes(env[name]) for name in crossing)
-    return _Sample(statistics.median(forward_times), statistics.median(backward_times), saved, output_bytes,
-                   peak, grads)
+    return _Sample(statistics.median(forward_times), statistics.median(backward_times), memory.saved_bytes,
+                   memory.saved_boundary_bytes(named), output_bytes, memory.peak, memory.grad_bytes)
 
 
-def _memory(module: nn.Module, args: list[Any]) -> tuple[int, int, int]:
-    """Saved-for-backward bytes, peak bytes allocated during forward+backward, and the
-    gradient bytes the layer's parameters receive."""
+@dataclass
+class _Memory:
+    saved: dict[int, int]        # storage pointer -> bytes, of what autograd saved
+    outputs: list[Any]
+    peak: int
+    grad_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    def saved_boundary_bytes(self, named: dict[str, Any]) -> dict[str, int]:
+        """Of the layer's named inputs and outputs, the ones autograd saved, with their bytes."""
+        return {name: self.saved[value.untyped_storage().data_ptr()] for name, value in named.items()
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.saved}
+
+
+def _memory(module: nn.Module, args: list[Any]) -> _Memory:
+    """What autograd saved (parameters excluded: they are not activations), the peak bytes
+    allocated during forward+backward, and the gradient bytes the parameters receive."""
     params = {tensor.untyped_storage().data_ptr() for tensor in [*module.parameters(), *module.buffers()]}
-    saved = _SavedTensors(exclude=params)
-    with _LiveBytes() as live:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
-            outputs = module(*args)
-        _backward(outputs)
-    grads = _unique_bytes(param.grad for param in module.parameters() if param.grad is not None)
-    module.zero_grad(set_to_none=True)
-    return saved.nbytes, live.peak, grads
+    saved: dict[int, int] = {}
 
-
-class _SavedTensors:
-    """Counts each storage autograd saves once; parameters are not activations."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = set(exclude)
-        self.seen: set[int] = set()
-        self.nbytes = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self.exclude and pointer not in self.seen:
-            self.seen.add(pointer)
-            self.nbytes += storage.nbytes()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
         return tensor
+
+    with _LiveBytes() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            outputs = module(*args)
+        memory = _Memory(saved, list(outputs), 0, 0)
+        _backward(outputs)
+    memory.peak = live.peak
+    memory.grad_bytes = _unique_bytes(param.grad for param in module.parameters() if param.grad is not None)
+    module.zero_grad(set_to_none=True)
+    return memory
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -312,8 +343,15 @@ def _fit_layer(name: str, module: nn.Module, samples: dict[int, _Sample]) -> Lay
         param_bytes=_unique_bytes(trainable), grad_bytes=max(samples[size].grad_bytes for size in sizes),
         buffer_bytes=_unique_bytes(module.buffers()), saved_bytes=line("saved_bytes"),
         output_bytes=line("output_bytes"), peak_bytes=line("peak_bytes"),
-        optimizer_state_bytes=optimizer_state_bytes(trainable),
+        optimizer_state_bytes=optimizer_state_bytes(trainable), saved_boundary_bytes=_boundary_lines(samples),
     )
+
+
+def _boundary_lines(samples: dict[int, _Sample]) -> dict[str, Linear]:
+    sizes = sorted(samples)
+    names = {name for size in sizes for name in samples[size].saved_boundary_bytes}
+    return {name: Linear.fit(sizes, [samples[size].saved_boundary_bytes.get(name, 0) for size in sizes])
+            for name in sorted(names)}
 
 
 def optimizer_state_bytes(params: Sequence[nn.Parameter]) -> dict[str, int]:
@@ -473,6 +511,9 @@ class _Progress:
                          f"{elapsed:6.1f} s  {what[:48]:<48}")
         sys.stderr.flush()
         self.done += 1
+
+    def skip(self, steps: int) -> None:
+        self.done += steps
 
     def close(self) -> None:
         if self.enabled:

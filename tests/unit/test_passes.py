@@ -90,6 +90,20 @@ def test_fuse_elementwise_sinks_input_preprocessing_into_its_first_reader():
     assert "gt" in first and "unsqueeze" in first, "the mask is computed where it is first used"
 
 
+def batch_norm_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).train()
+
+
+def test_fuse_elementwise_puts_buffer_counters_with_the_layer_before():
+    graph = chain(batch_norm_net(), torch.randn(2, 3, 8, 8), passes="fuse-elementwise")
+    names = [[flatpack.ir.ops.op_name(node) for node in ops_of(graph, index)] for index in range(len(graph.layers))]
+    assert len(graph.layers) == 3, names  # conv+bn(+counter)+relu twice, then the classifier
+    assert [layer[0] for layer in names] == ["conv2d", "conv2d", "linear"]
+    assert [layer.count("add_") for layer in names] == [1, 1, 0]
+    assert_equivalent(batch_norm_net(), torch.randn(2, 3, 8, 8), stages=3)
+
+
 def test_fuse_elementwise_is_numerically_neutral():
     assert_equivalent(MLP(), torch.randn(3, 8), passes="fuse-elementwise", stages=3)
 

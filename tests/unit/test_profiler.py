@@ -14,7 +14,7 @@ import flatpack
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.profile import ChainProfile, Linear
-from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes, profile_graph
+from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes
 
 FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
 
@@ -80,6 +80,35 @@ def test_saved_activation_bytes_are_what_autograd_keeps(tmp_path):
     # layer 1 = linear on exp's output: saves its input (16 floats per sample).
     assert second.saved_bytes.per_sample == pytest.approx(16 * 4)
     assert first.saved_bytes.fixed == pytest.approx(0, abs=1e-6)
+
+
+def whole_model_saved_bytes(model: nn.Module, inputs: tuple) -> int:
+    """What autograd keeps for the unpartitioned model: unique storages, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(*inputs)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("name", ["chain", "vgg11", "resnet50"])
+def test_stage_saved_bytes_match_what_autograd_keeps_for_the_whole_model(tmp_path, name):
+    from flatpack import zoo
+    from flatpack.ir.profile import stage_saved_bytes
+
+    model, inputs = (Chain(), (torch.randn(4, 8),)) if name == "chain" else zoo.build(name, "tiny", batch=4)
+    model.train()
+    compiled = compiled_with_profile(tmp_path, model, inputs)
+    expected = whole_model_saved_bytes(model, inputs)
+    assert stage_saved_bytes(compiled.profile.layers, 4) == pytest.approx(expected, rel=1e-6)
+    # measured alone, the layers double-count the tensors two neighbours both keep
+    assert sum(layer.saved_bytes.at(4) for layer in compiled.profile.layers) >= expected
 
 
 def test_output_bytes_are_the_boundary_bytes_at_each_batch(tmp_path):

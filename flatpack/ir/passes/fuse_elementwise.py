@@ -23,7 +23,8 @@ class FuseElementwise:
 
     Parameter-free layers computed from the inputs alone (attention masks, position ids,
     casts, sizes) join the first layer that reads them: they are preprocessing, not a
-    place to cut. Whole layers move, never single nodes, so the glue that ``LayerGraph``
+    place to cut. Layers that touch only buffers and constants and that nothing reads
+    (BatchNorm's ``num_batches_tracked += 1`` in training mode) join the layer before. Whole layers move, never single nodes, so the glue that ``LayerGraph``
     established (multi-output ops with their projections, in-place writes with their
     targets) is kept.
     """
@@ -67,8 +68,22 @@ class FuseElementwise:
             readers = {owner[user] for name in members[group] for user in dependents.get(name, ())} - {group}
             if readers and min(readers) > group:
                 move(group, min(readers))
+            elif not readers and self._touches_only_free_values(graph, members[group]):
+                earlier = [index for index in members if index < group]
+                if earlier:
+                    move(group, max(earlier))
 
         return graph.with_layers([members[index] for index in sorted(members)])
+
+    @staticmethod
+    def _touches_only_free_values(graph: LayerGraph, names: list[str]) -> bool:
+        """A layer that reads only parameters, buffers and constants and that nothing reads:
+        a side effect such as BatchNorm's ``num_batches_tracked += 1``. It is no place to
+        cut, so it joins the layer before it."""
+        analysis = graph.analysis
+        inside = set(names)
+        return all(inp.name in analysis.free or inp.name in inside
+                   for name in names for inp in analysis.nodes[name].all_input_nodes)
 
     @staticmethod
     def _input_read_elsewhere(graph: LayerGraph, nodes: list) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
+from flatpack.ir.profile import stage_saved_bytes
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 
@@ -27,8 +28,11 @@ def to_json(result: Any, model: str) -> dict[str, Any]:
     return {"model": model, **asdict(result)}
 
 
-def check_plan(problem: Problem, plan: Plan) -> None:
+def check_training_plan(problem: Problem, plan: Plan, model: str) -> None:
+    """What every training model needs: a plan for this chain and a training workload."""
     plan.check_against(len(problem.chain))
+    if problem.workload.mode != "train":
+        raise PlanError(f"the {model} model is a training model; use the Gillis model for inference workloads")
 
 
 def stage_tier(problem: Problem, stage: StagePlan, index: int) -> "Tier":
@@ -68,12 +72,6 @@ def layer_times(problem: Problem, start: int, end: int, tier: "Tier", micro_batc
         forward += fwd
         backward += bwd
     return forward, backward
-
-
-def boundary_bytes(problem: Problem, layer: int, micro_batch: float) -> float:
-    """Bytes crossing the boundary after ``layer`` for one micro-batch (see
-    ``Problem.boundary_bytes``; -1 is the model's input)."""
-    return problem.boundary_bytes(layer, micro_batch)
 
 
 def gradient_bytes(problem: Problem, start: int, end: int) -> int:
@@ -134,10 +132,10 @@ def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_
     """
     micro_batch = problem.workload.micro_batch_size
     limit, base = memory_limit(problem, tier)
-    activations = weights = gradients = optimizer = 0.0
-    for index in range(start, end + 1):
-        profile = problem.layer_profile(index)
-        activations += profile.saved_bytes.at(micro_batch)
+    profiles = [problem.layer_profile(index) for index in range(start, end + 1)]
+    activations = stage_saved_bytes(profiles, micro_batch)
+    weights = gradients = optimizer = 0.0
+    for profile in profiles:
         weights += profile.param_bytes + profile.buffer_bytes
         gradients += profile.grad_bytes
         optimizer += profile.optimizer_bytes(problem.workload.optimizer)

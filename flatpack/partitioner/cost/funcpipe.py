@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
-from flatpack.partitioner.cost.common import (MemoryNeed, boundary_bytes, check_plan, gradient_bytes, layer_times,
+from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               mb, memory_limit, micro_batches_per_replica, stage_memory, stage_tier,
                                               to_json, uniform_replicas)
 from flatpack.partitioner.plan import Plan
@@ -115,9 +115,7 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
     memory µ·â + ŝ(4 − 2y₁) + s₀ ≤ m (eq. 3b, see ``common.stage_memory``);
     c_mem = d·Σ m (eq. 5); c_iter = P·t_iter·c_mem (eq. 6).
     """
-    check_plan(problem, plan)
-    if problem.workload.mode != "train":
-        raise PlanError("the FuncPipe model is a training model; use the Gillis model for inference workloads")
+    check_training_plan(problem, plan, "FuncPipe")
     replicas = uniform_replicas(plan, "FuncPipe")
     mu = micro_batches_per_replica(problem, replicas)
     micro = problem.workload.micro_batch_size
@@ -134,7 +132,7 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
 
     boundaries = []
     for b in range(count - 1):
-        nbytes = boundary_bytes(problem, plan.stages[b].end, micro)
+        nbytes = problem.boundary_bytes(plan.stages[b].end, micro)
         boundaries.append(BoundaryCost(
             after_layer=plan.stages[b].end, bytes=nbytes,
             forward_upload_s=nbytes / bandwidth[b] + latency,

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import boundary_bytes, layer_times, mb, memory_limit, to_json
+from flatpack.partitioner.cost.common import layer_times, mb, memory_limit, to_json
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
@@ -253,8 +253,8 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
             transfer = fork_delay = worker_duration = 0.0
             group_latency = compute
         else:
-            in_bytes = boundary_bytes(problem, group.start - 1, batch)
-            share = (in_bytes + boundary_bytes(problem, group.end, batch)) / parts
+            in_bytes = problem.boundary_bytes(group.start - 1, batch)
+            share = (in_bytes + problem.boundary_bytes(group.end, batch)) / parts
             transfer = group.workers * share / bandwidth
             fork_delay = delay.expected_max(group.workers)
             worker_duration = compute + share / bandwidth

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
-from flatpack.partitioner.cost.common import (MemoryNeed, boundary_bytes, check_plan, gradient_bytes, layer_times,
+from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               micro_batches_per_replica, stage_memory, stage_tier, to_json,
                                               uniform_replicas)
 from flatpack.partitioner.plan import Plan
@@ -93,9 +93,7 @@ def iteration(problem: Problem, plan: Plan, per_byte_overhead_s: float = 0.0,
     A = their common replicas), 002_ac11226e9c721a68.txt §3.4: T_ij = T^(M)_ij + T^(D)_ij,
     T = max_ij T_ij. ``per_byte_overhead_s`` and ``per_round_overhead_s`` are the paper's α
     and β, fitted by regression on a few runs (§3.4)."""
-    check_plan(problem, plan)
-    if problem.workload.mode != "train":
-        raise PlanError("the Hydrozoa model is a training model; use the Gillis model for inference workloads")
+    check_training_plan(problem, plan, "Hydrozoa")
     groups = uniform_replicas(plan, "Hydrozoa")
     micro_batches = micro_batches_per_replica(problem, groups)
     micro = problem.workload.micro_batch_size
@@ -105,7 +103,7 @@ def iteration(problem: Problem, plan: Plan, per_byte_overhead_s: float = 0.0,
     forward = [fwd for fwd, _ in times]
     backward = [bwd for _, bwd in times]
     comm = [0.0] + [
-        boundary_bytes(problem, plan.stages[j - 1].end, micro)
+        problem.boundary_bytes(plan.stages[j - 1].end, micro)
         / min(tiers[j - 1].bandwidth_bytes_s, tiers[j].bandwidth_bytes_s)
         for j in range(1, len(plan.stages))
     ]

@@ -31,9 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
-from flatpack.partitioner.cost.common import (MemoryNeed, boundary_bytes, check_plan, gradient_bytes, layer_times,
+from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               stage_memory, stage_tier, to_json)
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -92,9 +91,7 @@ def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
     """Steady-state time per micro-batch (the slowest stage or cut), time and dollars per
     iteration of M micro-batches, and per-stage memory of ``plan`` under PipeDream's model
     (004_623b02f6b92126b0.txt §5.3.1; see the module docstring for the readings)."""
-    check_plan(problem, plan)
-    if problem.workload.mode != "train":
-        raise PlanError("the PipeDream model is a training model; use the Gillis model for inference workloads")
+    check_training_plan(problem, plan, "PipeDream")
     micro = problem.workload.micro_batch_size
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
     workers = sum(stage.replicas for stage in plan.stages)
@@ -113,7 +110,7 @@ def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
 
     cuts = []
     for s in range(len(plan.stages) - 1):
-        nbytes = boundary_bytes(problem, plan.stages[s].end, micro)
+        nbytes = problem.boundary_bytes(plan.stages[s].end, micro)
         bandwidth = min(tiers[s].bandwidth_bytes_s, tiers[s + 1].bandwidth_bytes_s)
         cuts.append(CutCost(plan.stages[s].end, nbytes, 2 * nbytes / bandwidth))
 
