@@ -9,6 +9,10 @@ model.
     python benchmarks/profile_zoo.py --size tiny      # the reduced models (quick)
     python benchmarks/profile_zoo.py --models vgg11,resnet50 --batch 8
 
+The whole model is measured before and after profiling (median of ``--repeats`` runs each);
+the smaller median is "measured", and "noise" is how far the two medians differ — on a
+shared machine that spread is the floor under any prediction error.
+
 The prediction goes through the same path the cost models use (``Problem.layer_seconds`` on
 the ``local`` platform's largest tier); the profile is fitted over micro-batch sizes that
 bracket the batch so that the line is interpolated, not extrapolated.
@@ -29,7 +33,7 @@ from flatpack import zoo
 from flatpack.cli import human_bytes
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.profile import stage_saved_bytes
-from flatpack.ir.profiler import ProfileOptions
+from flatpack.ir.profiler import ProfileOptions, saved_tensors
 from flatpack.ir.trace import trace
 
 DEFAULT_MODELS = ("vgg11", "vgg16", "resnet50", "resnet101", "wrn50-2", "alexnet", "amoebanet-d18",
@@ -53,20 +57,13 @@ def measured_seconds(model: torch.nn.Module, inputs: tuple, repeats: int) -> flo
 
 def measured_saved_bytes(model: torch.nn.Module, inputs: tuple) -> int:
     """What autograd keeps for the whole model: unique storages, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() not in params:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_tensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
         model(*inputs)
     return sum(saved.values())
 
 
 def layers_before_passes(model: torch.nn.Module, inputs: tuple) -> int:
+    """The chain the tracer makes, before any pass merges layers."""
     return len(LayerGraph.from_traced(trace(model, inputs, {})).layers)
 
 
@@ -74,15 +71,17 @@ def row(name: str, size: str, batch: int, repeats: int, cache_dir: str) -> dict:
     model, inputs = zoo.build(name, size, batch)
     model.train()
     before = layers_before_passes(model, inputs)
+    measured_first = measured_seconds(model, inputs, repeats)
     sizes = tuple(sorted({max(1, batch // 2), batch, batch * 2}))
     options = ProfileOptions(batch_sizes=sizes, repeats=repeats, cache_dir=cache_dir, progress=sys.stderr.isatty())
     started = time.perf_counter()
-    compiled = flatpack.compile(model, inputs, stages=1, profile=options)
+    compiled = flatpack.compile(model, inputs, stages=1, profile=options, passes=zoo.entry(name).passes)
     profile_wall = time.perf_counter() - started
     problem = compiled.problem
     top_tier = max(problem.platform.tiers, key=lambda tier: tier.memory_mb)
     predicted = sum(sum(problem.layer_seconds(index, top_tier, batch)) for index in range(len(problem.chain)))
-    measured = measured_seconds(model, inputs, repeats)
+    measured_again = measured_seconds(model, inputs, repeats)
+    measured = min(measured_first, measured_again)
     profile = compiled.profile
     saved_predicted = stage_saved_bytes(profile.layers, batch)
     saved_measured = measured_saved_bytes(model, inputs)
@@ -92,6 +91,7 @@ def row(name: str, size: str, batch: int, repeats: int, cache_dir: str) -> dict:
         "saved/sample": human_bytes(saved_predicted / batch),
         "saved error": f"{(saved_predicted - saved_measured) / saved_measured * 100:+.1f}%",
         "profile s": f"{profile_wall:.1f}", "predicted s": f"{predicted:.3f}", "measured s": f"{measured:.3f}",
+        "noise": f"{abs(measured_first - measured_again) / measured * 100:.0f}%",
         "time error": f"{(predicted - measured) / measured * 100:+.1f}%",
     }
 

@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from flatpack.ir.profiler import saved_tensors
 from flatpack.zoo import ZOO, build
 
 MIB = 2 ** 20
@@ -39,22 +40,14 @@ def _lstm_flops(input_shape: torch.Size, w_ih: torch.Size, w_hh: torch.Size, *ar
 
 def measure(model: torch.nn.Module, inputs: tuple) -> tuple[int, int, int]:
     """(bytes autograd saves, bytes of leaf-module outputs, FLOPs) of one forward pass."""
-    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
     outputs = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
 
     def count_output(module: torch.nn.Module, args: object, output: object) -> None:
         outputs[0] += _tensor_bytes(output)
 
     hooks = [m.register_forward_hook(count_output) for m in model.modules() if not list(m.children())]
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.mkldnn_rnn_layer: _lstm_flops})
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counter:
+    with saved_tensors(exclude=[*model.parameters(), *model.buffers()]) as saved, counter:
         output = model(*inputs)
     del output
     for hook in hooks:

@@ -122,6 +122,15 @@ def profile_table(profile: Any) -> str:
     return "\n".join(lines)
 
 
+def pipeline_for(args: argparse.Namespace) -> str | None:
+    """The --passes given, else a zoo model's own pipeline, else the default (None)."""
+    from flatpack import zoo
+
+    if args.passes is None and args.model in zoo.ZOO:
+        return zoo.ZOO[args.model].passes
+    return args.passes
+
+
 def _compile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, a built-in "
                                       "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet) or a "
@@ -136,7 +145,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import flatpack
 
     model, inputs = load_factory(args.model, args.size)
-    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=1)
+    compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1)
     print(chain_table(compiled.chain))
     if args.json:
         Path(args.json).write_text(json.dumps(compiled.chain, indent=2) + "\n")
@@ -148,7 +157,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import flatpack
 
     model, inputs = load_factory(args.model, args.size)
-    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=args.stages, solver=args.solver,
+    compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
                                 target=args.target, out_dir=args.out)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
@@ -162,7 +171,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model, inputs = load_factory(args.model, args.size)
     options = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
                              max_seconds=args.max_seconds, use_cache=not args.no_cache, progress=True)
-    compiled = flatpack.compile(model, inputs, passes=args.passes, stages=1, profile=options)
+    compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1, profile=options)
     print(profile_table(compiled.profile))
     if args.json:
         Path(args.json).write_text(json.dumps(compiled.profile.to_json(), indent=2) + "\n")

@@ -258,7 +258,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     which skips the solver. ``out_dir``: also save there (see ``Compiled.save``).
     ``profile``: True or :class:`ProfileOptions` measures every layer after the passes
     (cached on disk; see ``ir.profiler``) so cost-model solvers can run. ``workload``: what
-    the plan is for (train or infer, batch, micro-batches, optimizer). ``calibration``: a
+    the plan is for (train or infer, batch, micro-batches, optimizer); with a profile and a
+    training workload, a layer that cannot fit the target's largest tier even alone is
+    reported before solving. ``calibration``: a
     :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
     the target, overriding the host-to-tier compute model.
     """
@@ -295,7 +297,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         attach(graph, chain_profile)
     problem = Problem.from_graph(graph, stages=stages, target=target, workload=workload, profile=chain_profile,
                                  calibration=_load_calibration(calibration))
-    if chain_profile is not None and problem.workload.mode == "train":
+    if chain_profile is not None and workload is not None and workload.mode == "train":
         check_layers_fit(problem)
     if plan is None:
         plan = solver_obj(problem)

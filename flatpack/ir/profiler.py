@@ -3,12 +3,14 @@ bytes a stage worker holds (parameters, gradients, saved activations, boundary, 
 optimizer state).
 
 How it measures, and why this way rather than an fx ``Interpreter`` or module hooks: every
-layer is emitted as a one-layer stage by ``codegen`` — the very code a stage worker runs —
-and each is run on its own, on the boundary values a reference forward produced, with its
-inputs detached. That isolates each layer's backward exactly (hooks on a whole model cannot
-split backward time between layers that interleave, and an Interpreter times node by node
-with Python overhead the worker does not have), and what autograd keeps for backward is read
-from ``saved_tensors_hooks``, not guessed from shapes.
+layer is emitted as a one-layer stage by ``codegen`` — the very code a stage worker runs.
+Timing runs them in chain order, forward then backward in reverse, each layer's inputs
+detached so that its backward is its own: that isolates each layer's backward exactly
+(hooks on a whole model cannot split backward time between layers that interleave, and an
+Interpreter times node by node with Python overhead the worker does not have) while the
+caches see what a stage sees. Memory is measured on each layer alone: what autograd keeps
+for backward is read from ``saved_tensors_hooks``, not guessed from shapes, and the peak
+from a dispatch-mode tracker of live storages.
 
 Times and sizes are fitted as ``a·batch + b`` over several micro-batch sizes (FuncPipe §4);
 profiles are cached on disk, keyed by the graph's hash, the input shapes and dtypes, the
@@ -17,6 +19,7 @@ torch version and the measurement settings.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -50,9 +53,10 @@ CACHE_ENV = "FLATPACK_CACHE_DIR"
 @dataclass(frozen=True)
 class ProfileOptions:
     """``batch_sizes``: the micro-batch sizes measured (the line is fitted through them).
-    ``repeats``: timed runs per layer and size after ``warmup`` untimed ones; the median is
-    kept. ``max_seconds``: a wall-time budget for the measurement, spread over the layers
-    and sizes — a layer whose slice is spent stops repeating (it always gets one timed run).
+    ``repeats``: timed runs through the chain per size after ``warmup`` untimed ones; each
+    layer keeps its median. ``max_seconds``: a wall-time budget for the timing, spread over
+    the sizes — once a size's share is spent no further runs start (one timed run always
+    happens).
     ``cache_dir``: where profiles are kept (default ``$FLATPACK_CACHE_DIR`` or the user's
     cache directory); ``use_cache=False`` measures afresh. ``progress``: a progress bar on
     stderr (default: when stderr is a terminal)."""
@@ -88,6 +92,11 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
     """Profiles every layer of ``graph`` with the model's flat ``inputs`` (one per graph
     placeholder, in order, as ``flatten_inputs`` gives them), or loads the cached profile."""
     options = options or ProfileOptions()
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"profiling on {options.device!r} was asked for but torch sees no CUDA device here; "
+                         "profile on device='cpu', or run on the GPU host")
+    if not (options.device == "cpu" or options.device.startswith("cuda")):
+        raise InputError(f"the profiler runs on 'cpu' or 'cuda[:N]', not {options.device!r}")
     tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
     example_batch = _example_batch(tensors)
     graph_digest = graph_hash(graph)
@@ -180,8 +189,8 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
     modules = [build_module(artifact, f"<flatpack profile layer {artifact.index}>").to(device)
                for artifact in emit_stages(graph, plan)]
     sizes = sorted(set(options.batch_sizes))
-    per_slice = options.max_seconds / (count * len(sizes)) if options.max_seconds else None
-    progress = _Progress(count * len(sizes), _progress_enabled(options))
+    per_size = options.max_seconds / len(sizes) if options.max_seconds else None
+    progress = _Progress((options.warmup + options.repeats + count) * len(sizes), _progress_enabled(options))
     samples: list[dict[int, _Sample]] = [{} for _ in range(count)]
     input_names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
     refused: dict[int, str] = {}
@@ -191,12 +200,13 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
                 env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
             except Exception as err:  # noqa: BLE001 - any refusal means: fit over the other sizes
                 refused[batch] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-                progress.skip(count)
+                progress.skip(options.warmup + options.repeats + count)
                 continue
+            times = _time_chain(modules, env, graph, options, per_size, progress, batch)
             for index, module in enumerate(modules):
-                progress.step(f"layer {index} ({graph.layers[index].name}) batch {batch}")
-                args = _layer_inputs(module, env, graph)
-                samples[index][batch] = _measure_layer(module, args, graph.crossing(index), env, options, per_slice)
+                progress.step(f"memory of layer {index} ({graph.layers[index].name}) at batch {batch}")
+                samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, graph), times[index],
+                                                      graph.crossing(index), env)
     finally:
         progress.close()
     measured = [batch for batch in sizes if batch not in refused]
@@ -222,34 +232,59 @@ class _Sample:
     grad_bytes: int
 
 
-def _measure_layer(module: nn.Module, args: list[Any], crossing: list[str], env: dict[str, Any],
-                   options: ProfileOptions, per_slice: float | None) -> _Sample:
-    synchronize = _synchronizer(args)
-    for _ in range(options.warmup):
-        _backward(module(*args))
-        module.zero_grad(set_to_none=True)
-    forward_times, backward_times = [], []
+def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph, options: ProfileOptions,
+                budget_s: float | None, progress: "_Progress", batch: int) -> list[tuple[float, float]]:
+    """Median forward and backward seconds of every layer, timed the way a stage runs them:
+    forward through all layers in order (each on its predecessors' fresh outputs, detached
+    at the layer's inputs so its backward is its own), then backward layer by layer in
+    reverse. Timing each layer in a tight loop of its own instead would keep its weights and
+    activations in the CPU caches, which a stage running many layers in turn does not."""
+    forward_times: list[list[float]] = [[] for _ in modules]
+    backward_times: list[list[float]] = [[] for _ in modules]
+    synchronize = _synchronizer(list(env.values()))
     started = time.perf_counter()
-    for _ in range(options.repeats):
-        synchronize()
-        begin = time.perf_counter()
-        outputs = module(*args)
-        synchronize()
-        middle = time.perf_counter()
-        _backward(outputs)
-        synchronize()
-        forward_times.append(middle - begin)
-        backward_times.append(time.perf_counter() - middle)
-        module.zero_grad(set_to_none=True)
-        if per_slice is not None and time.perf_counter() - started > per_slice:
+    for run in range(options.warmup + options.repeats):
+        progress.step(f"{'warm-up' if run < options.warmup else 'timed'} run {run + 1} at batch {batch}")
+        values = dict(env)
+        outputs = []
+        for index, module in enumerate(modules):
+            args = _layer_inputs(module, values, graph)
+            synchronize()
+            begin = time.perf_counter()
+            result = module(*args)
+            synchronize()
+            forward_times[index].append(time.perf_counter() - begin)
+            outputs.append(result)
+            names = (entry["name"] for entry in module.flatpack_manifest["outputs"])
+            values.update(zip(names, (value.detach() if isinstance(value, torch.Tensor) else value
+                                      for value in result)))
+        for index in reversed(range(len(modules))):
+            synchronize()
+            begin = time.perf_counter()
+            _backward(outputs[index])
+            synchronize()
+            backward_times[index].append(time.perf_counter() - begin)
+            outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+        timed = run + 1 - options.warmup
+        if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
+            progress.skip(options.warmup + options.repeats - run - 1)
             break
+    return [(statistics.median(fwd[options.warmup:]), statistics.median(bwd[options.warmup:]))
+            for fwd, bwd in zip(forward_times, backward_times)]
+
+
+def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float], crossing: list[str],
+                  env: dict[str, Any]) -> _Sample:
+    """The layer's timing plus what it holds in memory, measured on the layer alone."""
     memory = _memory(module, args)
     manifest = module.flatpack_manifest
     named = {**dict(zip((entry["name"] for entry in manifest["inputs"]), args)),
              **dict(zip((entry["name"] for entry in manifest["outputs"]), memory.outputs))}
     output_bytes = sum(_nbytes(env[name]) for name in crossing)
-    return _Sample(statistics.median(forward_times), statistics.median(backward_times), memory.saved_bytes,
-                   memory.saved_boundary_bytes(named), output_bytes, memory.peak, memory.grad_bytes)
+    return _Sample(times[0], times[1], memory.saved_bytes, memory.saved_boundary_bytes(named), output_bytes,
+                   memory.peak, memory.grad_bytes)
 
 
 @dataclass
@@ -269,20 +304,29 @@ class _Memory:
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.saved}
 
 
-def _memory(module: nn.Module, args: list[Any]) -> _Memory:
-    """What autograd saved (parameters excluded: they are not activations), the peak bytes
-    allocated during forward+backward, and the gradient bytes the parameters receive."""
-    params = {tensor.untyped_storage().data_ptr() for tensor in [*module.parameters(), *module.buffers()]}
+@contextlib.contextmanager
+def saved_tensors(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[int, int]]:
+    """While active, records what autograd saves for backward: storage pointer -> bytes,
+    each storage once. Storages of ``exclude`` (pass the parameters and buffers: they are
+    not activations) are left out. ``sum(saved.values())`` is the activation memory."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in excluded:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield saved
+
+
+def _memory(module: nn.Module, args: list[Any]) -> _Memory:
+    """What autograd saved (parameters excluded: they are not activations), the peak bytes
+    allocated during forward+backward, and the gradient bytes the parameters receive."""
     with _LiveBytes() as live:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_tensors(exclude=[*module.parameters(), *module.buffers()]) as saved:
             outputs = module(*args)
         memory = _Memory(saved, list(outputs), 0, 0)
         _backward(outputs)

@@ -53,6 +53,7 @@ class ZooEntry:
     builder: Builder = field(repr=False)
     input_shape: tuple[int, ...]  # one full-size sample
     paper: tuple[PaperFigure, ...] = ()
+    passes: str | None = None  # the pass pipeline that gives the model's natural cuts (None: the default)
 
 
 def _funcpipe(paper_name: str, param_mib: float, activation_mib: float) -> PaperFigure:
@@ -71,6 +72,9 @@ def _gillis(paper_name: str, note: str = "no size figures in the paper") -> Pape
 
 
 IMAGE = (3, 224, 224)
+# Every AmoebaNet cell reads the two previous cells' outputs, so its natural cuts carry two
+# tensors; the default merge-branches would fold the whole network into a few layers.
+TWO_INPUT_CELLS = "fuse-elementwise,merge-branches{max-crossing=2}"
 
 
 def _entries() -> list[ZooEntry]:
@@ -101,9 +105,9 @@ def _entries() -> list[ZooEntry]:
                 for k in (2, 3, 4, 5)]
     entries += [
         ZooEntry("amoebanet-d18", "AmoebaNet-D, 18 normal cells, 256 filters (GPipe/torchgpipe)",
-                 partial(amoebanet.amoebanet_d, 18), IMAGE, (_funcpipe("AmoebaNet-D18", 476, 432),)),
+                 partial(amoebanet.amoebanet_d, 18), IMAGE, (_funcpipe("AmoebaNet-D18", 476, 432),), TWO_INPUT_CELLS),
         ZooEntry("amoebanet-d36", "AmoebaNet-D, 36 normal cells, 256 filters (GPipe/torchgpipe)",
-                 partial(amoebanet.amoebanet_d, 36), IMAGE, (_funcpipe("AmoebaNet-D36", 900, 697),)),
+                 partial(amoebanet.amoebanet_d, 36), IMAGE, (_funcpipe("AmoebaNet-D36", 900, 697),), TWO_INPUT_CELLS),
         ZooEntry("bert-large", "BERT-Large BertModel: 24 layers, 1024 wide, 16 heads",
                  transformers_models.bert_large, (transformers_models.BERT_FULL_TOKENS,),
                  (_funcpipe("BERT-Large", 1153, 263),)),

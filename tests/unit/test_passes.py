@@ -154,6 +154,37 @@ def test_merge_branches_lets_size_only_values_cross_instead_of_merging():
     assert_equivalent(ZeroStateStack(), torch.randn(2, 8), stages=3)
 
 
+class TwoInputCells(nn.Module):
+    """Each cell reads the outputs of the two cells before it, as AmoebaNet's cells do."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.cells = nn.ModuleList(nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}) for _ in range(depth))
+
+    def forward(self, x):
+        previous, current = x, torch.tanh(x)
+        for cell in self.cells:
+            previous, current = current, torch.tanh(cell["a"](previous)) + torch.tanh(cell["b"](current))
+        return current
+
+
+def test_merge_branches_max_crossing_keeps_cuts_that_carry_two_tensors():
+    graph = chain(TwoInputCells(), torch.randn(2, 8), passes=DEFAULT_PIPELINE)
+    # two branch values cross every boundary between cells: the default sees one fork-join region
+    # (only the cut right after the raw input survives)
+    assert len(graph.layers) == 2
+    wide = chain(TwoInputCells(), torch.randn(2, 8), passes="fuse-elementwise,merge-branches{max-crossing=2}")
+    assert len(wide.layers) == 8  # each cell's two linears are cut apart too: exactly two values cross
+    assert all(len(boundary.values) == 2 for boundary in wide.boundaries())
+    assert_equivalent(TwoInputCells(), torch.randn(2, 8), stages=4,
+                      passes="fuse-elementwise,merge-branches{max-crossing=2}")
+
+
+def test_merge_branches_refuses_a_bad_max_crossing():
+    with pytest.raises(PassError, match="max-crossing"):
+        parse_pipeline("merge-branches{max-crossing=0}")
+
+
 def test_merge_branches_is_numerically_neutral():
     assert_equivalent(ResidualStack(), torch.randn(3, 8), stages=3)
     assert_equivalent(MaskedEncoder(), (torch.randn(2, 5, 8), torch.ones(2, 5)), stages=3)

@@ -14,7 +14,7 @@ import flatpack
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.profile import ChainProfile, Linear
-from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes
+from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
 
 FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
 
@@ -84,15 +84,7 @@ def test_saved_activation_bytes_are_what_autograd_keeps(tmp_path):
 
 def whole_model_saved_bytes(model: nn.Module, inputs: tuple) -> int:
     """What autograd keeps for the unpartitioned model: unique storages, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in params:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_tensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
         model(*inputs)
     return sum(saved.values())
 
@@ -251,6 +243,19 @@ def test_a_model_without_batched_tensor_inputs_cannot_be_profiled(tmp_path):
                          profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_profiling_on_a_missing_gpu_is_refused(tmp_path):
+    with pytest.raises(InputError, match="no CUDA device"):
+        compiled_with_profile(tmp_path, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profiling_on_the_gpu_records_it(tmp_path):
+    compiled = compiled_with_profile(tmp_path, device="cuda")
+    assert compiled.profile.host.device == "cuda" and compiled.profile.host.gpu
+    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+
+
 def test_cache_path_is_under_the_chosen_directory(tmp_path):
     assert cache_path("abc", tmp_path) == tmp_path / "abc.json"
 
@@ -266,3 +271,39 @@ def test_a_layer_larger_than_the_largest_tier_is_reported_before_solving(tmp_pat
     message = str(caught.value)
     assert "layer 0 (first:linear)" in message and "10240" in message
     assert "smaller micro-batch" in message
+
+
+# --- calibration through compile ------------------------------------------------------------------
+
+
+def calibration_for(compiled, names=None, graph_hash=None, platform="aws-lambda"):
+    from flatpack.backends.calibration import Calibration, TierCalibration
+
+    names = tuple(names or (layer.name for layer in compiled.profile.layers))
+    lines = tuple(Linear(0.5, 0.25) for _ in names)
+    return Calibration(platform, names, {1024: TierCalibration(lines, lines)},
+                       graph_hash or compiled.profile.graph_hash)
+
+
+def test_a_calibration_file_overrides_the_host_model_for_its_tiers(tmp_path):
+    profiled = compiled_with_profile(tmp_path)
+    path = calibration_for(profiled).save(tmp_path / "cal.json")
+    compiled = flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda",
+                                profile=ProfileOptions(cache_dir=str(tmp_path), **FAST), calibration=str(path))
+    problem = compiled.problem
+    assert problem.layer_seconds(0, problem.platform.tier(1024), 2) == (1.25, 1.25)
+    host = problem.layer_seconds(0, problem.platform.tier(2048), 2)  # not calibrated: the host model
+    assert host != (1.25, 1.25) and host[0] > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(names=("first:linear", "other")), "layer 1"),
+    (dict(graph_hash="0" * 32), "hashes to"),
+    (dict(platform="alibaba-fc"), "measured on 'alibaba-fc'"),
+])
+def test_a_calibration_file_for_another_graph_or_platform_is_refused(tmp_path, change, message):
+    profiled = compiled_with_profile(tmp_path)
+    path = calibration_for(profiled, **change).save(tmp_path / "cal.json")
+    with pytest.raises(InputError, match=message):
+        flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda",
+                         profile=ProfileOptions(cache_dir=str(tmp_path), **FAST), calibration=str(path))

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import flatpack
 from flatpack.errors import InputError
 from flatpack.zoo import ZOO, build, zoo_names
 from tests.helpers import assert_equivalent
@@ -110,8 +111,16 @@ def test_unknown_name_size_or_bad_batch_is_an_input_error_listing_the_choices(na
 ])
 def test_tiny_model_compiles_into_two_equivalent_stages(name):
     model, inputs = build(name, "tiny", batch=2)
-    compiled = assert_equivalent(model, inputs, stages=2)
+    compiled = assert_equivalent(model, inputs, stages=2, passes=ZOO[name].passes)
     assert len(compiled.plan.stages) == 2
+
+
+def test_amoebanet_keeps_a_cut_between_cells():
+    """Two tensors cross between AmoebaNet cells; its pipeline keeps those cuts."""
+    model, inputs = build("amoebanet-d18", "tiny", batch=2)
+    default = flatpack.compile(model, inputs, stages=1)
+    cells = flatpack.compile(model, inputs, stages=1, passes=ZOO["amoebanet-d18"].passes)
+    assert cells.plan.num_layers >= 3 * default.plan.num_layers
 
 
 @pytest.mark.filterwarnings("ignore:The tensor attributes .*_flat_weights")

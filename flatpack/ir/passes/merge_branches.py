@@ -31,9 +31,21 @@ class MergeBranches:
     by every encoder layer does not collapse the encoder into one layer. A value whose only
     remaining reader is the model's output does not count either (it is carried to the
     end, not joined).
+
+    ``max_crossing`` (default 1) is how many branch values a boundary may carry and stay a
+    cut. 1 gives Gillis's linear chain. Networks whose natural cuts carry several tensors
+    need more: an AmoebaNet cell reads the outputs of the two cells before it, so two
+    branch values cross between every pair of cells (torchgpipe and FuncPipe cut there and
+    ship both); ``merge-branches{max-crossing=2}`` keeps those cuts while still merging the
+    cells' insides, where more values cross.
     """
 
     name: ClassVar[str] = "merge-branches"
+    max_crossing: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_crossing, int) or isinstance(self.max_crossing, bool) or self.max_crossing < 1:
+            raise ValueError(f"max-crossing must be a positive integer, got {self.max_crossing!r}")
 
     def __call__(self, graph: LayerGraph) -> LayerGraph:
         count = len(graph.layers)
@@ -63,7 +75,7 @@ class MergeBranches:
         start = 0
         for boundary in range(count - 1):
             crossing += branches[boundary]
-            if crossing < 2:
+            if crossing <= self.max_crossing:
                 ranges.append((start, boundary))
                 start = boundary + 1
         ranges.append((start, count - 1))
