@@ -83,3 +83,18 @@ def test_platforms_lists_the_catalog_and_refuses_unknown_names(capsys):
     assert lambda_json["max_memory_mb"] == 10240 and lambda_json["sources"]
     assert main(["platforms", "nope"]) == 2
     assert "known platforms" in capsys.readouterr().err
+
+
+def test_zoo_models_use_their_own_pipeline_unless_passes_are_given():
+    from flatpack.cli import build_parser, pipeline_for
+    from flatpack.zoo import ZOO
+
+    parse = build_parser().parse_args
+    assert pipeline_for(parse(["inspect", "amoebanet-d18"])) == ZOO["amoebanet-d18"].passes
+    assert pipeline_for(parse(["inspect", "amoebanet-d18", "--passes", "fuse-elementwise"])) == "fuse-elementwise"
+    assert pipeline_for(parse(["inspect", "vgg11"])) is None
+
+
+def test_inspect_builds_a_zoo_model(capsys):
+    assert main(["inspect", "alexnet"]) == 0
+    assert "features:conv2d" in capsys.readouterr().out
