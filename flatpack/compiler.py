@@ -7,6 +7,7 @@ The ``Compiled`` result runs in-process (``as_module``), saves to a directory an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -21,11 +22,11 @@ from flatpack.backends.catalog import platform_names
 from flatpack.codegen.artifact import build_module, read_stage, serialize
 from flatpack.codegen.emit import StageArtifact, emit_stages
 from flatpack.errors import ArtifactError, InputError, PlanError
-from flatpack.ir import structure
+from flatpack.ir import meta, structure
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
 from flatpack.ir.profile import ChainProfile
-from flatpack.ir.profiler import ProfileOptions, attach, profile_graph
+from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.ir.trace import Signature, flatten_inputs, trace
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.plan import Plan
@@ -287,14 +288,13 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if not graph.layers:
         raise InputError(f"{type(model).__name__} computes nothing: its forward returns inputs, parameters "
                          "or constants only, so there is nothing to cut into stages")
-    graph = run_pipeline(graph, pipeline)
     chain_profile = None
     if profile:
         options_obj = profile if isinstance(profile, ProfileOptions) else ProfileOptions()
-        with _restoring([*graph.gm.buffers(), *(leaf for leaf in pytree.tree_leaves((args, kwargs))
-                                                if isinstance(leaf, torch.Tensor))]):
-            chain_profile = profile_graph(graph, flatten_inputs(traced.signature, args, kwargs)[0], options_obj)
-        attach(graph, chain_profile)
+        graph, chain_profile = _passes_with_profile(graph, pipeline, options_obj,
+                                                    flatten_inputs(traced.signature, args, kwargs)[0])
+    else:
+        graph = run_pipeline(graph, pipeline)
     problem = Problem.from_graph(graph, stages=stages, target=target, workload=workload, profile=chain_profile,
                                  calibration=_load_calibration(calibration))
     if chain_profile is not None and workload is not None and workload.mode == "train":
@@ -330,6 +330,35 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+def _passes_with_profile(graph: LayerGraph, pipeline: list[Pass], options: ProfileOptions,
+                         leaves: list[Any]) -> tuple[LayerGraph, ChainProfile]:
+    """Runs the passes and profiles the chain. A pass that reads profiles (``coarsen{by=time}``,
+    FuncPipe §4's merge by computation time) gets the chain profiled just before it; merged
+    layers carry merged profiles (``LayerGraph.merged``). If a later pass drops them, the
+    final chain is profiled again."""
+    split = next((index for index, graph_pass in enumerate(pipeline) if getattr(graph_pass, "reads_profile", False)),
+                 len(pipeline))
+    graph = run_pipeline(graph, pipeline[:split])
+    measured = _profile(graph, leaves, options)
+    if split == len(pipeline):
+        return graph, measured
+    attach(graph, measured)
+    graph = run_pipeline(graph, pipeline[split:])
+    profiles = [layer.meta.get(meta.PROFILE) for layer in graph.layers]
+    if any(layer_profile is None for layer_profile in profiles):
+        return graph, _profile(graph, leaves, options)
+    return graph, dataclasses.replace(measured, layers=tuple(profiles), graph_hash=graph_hash(graph))
+
+
+def _profile(graph: LayerGraph, leaves: list[Any], options: ProfileOptions) -> ChainProfile:
+    """Profiles and attaches; the model's buffers are put back afterwards (profiling runs
+    training-mode layers that update BatchNorm statistics)."""
+    with _restoring([*graph.gm.buffers(), *(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))]):
+        measured = profile_graph(graph, leaves, options)
+    attach(graph, measured)
+    return measured
 
 
 def _load_calibration(calibration: Any) -> Any:

@@ -31,6 +31,7 @@ import torch.fx
 
 from flatpack.errors import PlanError
 from flatpack.ir import meta, ops
+from flatpack.ir.profile import merge_layer_profiles
 from flatpack.ir.trace import Traced
 from flatpack.ir.values import OTHER, ValueInfo, ValueProp, value_info
 
@@ -264,9 +265,15 @@ class LayerGraph:
         return LayerGraph(self.analysis, layers, self.meta)
 
     def merged(self, ranges: list[tuple[int, int]]) -> "LayerGraph":
-        """Merges each inclusive range of consecutive layers into one; ranges cover the chain."""
+        """Merges each inclusive range of consecutive layers into one; ranges cover the chain.
+        Profiles (``meta.PROFILE``) merge too when every layer of a range has one."""
         groups = [[name for layer in self.layers[start:end + 1] for name in layer.nodes] for start, end in ranges]
-        return self.with_layers(groups)
+        graph = self.with_layers(groups)
+        for layer, (start, end) in zip(graph.layers, ranges):
+            profiles = [old.meta.get(meta.PROFILE) for old in self.layers[start:end + 1]]
+            if all(profile is not None for profile in profiles):
+                layer.meta[meta.PROFILE] = merge_layer_profiles(layer.name, profiles)
+        return graph
 
     # queries ------------------------------------------------------------------------------
     @property

@@ -29,7 +29,10 @@ On layers (``layer.meta[...]``), filled by the analyses and passes of each issue
     :class:`flatpack.ir.profile.LayerProfile` written by ``ir.profiler.attach``: measured
     seconds (fitted in the micro-batch size) and bytes of the layer. When present,
     ``coarsen{by=time}`` ranks layers by its forward+backward seconds at batch 1 instead of
-    ``FLOPS``. Passes that rebuild layers drop it: profile after the passes.
+    ``FLOPS``. ``LayerGraph.merged`` (what ``coarsen`` uses) merges the profiles of the
+    layers it joins (``ir.profile.merge_layer_profiles``); passes that regroup nodes
+    otherwise drop them. ``compile(profile=...)`` profiles just before the first pass that
+    reads profiles, so ``coarsen{by=time}`` balances measured seconds.
 
 ``LayerGraph.meta`` holds graph-wide facts: ``FRONTEND`` ("frontend": "fx" or "export").
 """

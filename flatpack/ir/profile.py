@@ -9,7 +9,7 @@ profiler does (FuncPipe §4). A :class:`LayerProfile` sits in ``layer.meta["prof
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from flatpack.errors import InputError
@@ -131,6 +131,50 @@ def stage_saved_bytes(layers: Sequence[LayerProfile], micro_batch: float) -> flo
         for name, line in layer.saved_boundary_bytes.items():
             keepers.setdefault(name, []).append(line.at(micro_batch))
     return total - sum(sum(sizes) - max(sizes) for sizes in keepers.values())
+
+
+def _largest(lines: Sequence[Linear]) -> Linear:
+    return max(lines, key=lambda line: (line.per_sample, line.fixed))
+
+
+def _total(lines: Sequence[Linear]) -> Linear:
+    return Linear(sum(line.per_sample for line in lines), sum(line.fixed for line in lines))
+
+
+def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProfile:
+    """The profile of consecutive layers merged into one (``coarsen`` after profiling).
+
+    Exact for times (the layers run one after another), parameter, gradient, buffer and
+    optimizer bytes, the boundary after the group (the last layer's) and the saved
+    activations (:func:`stage_saved_bytes`, kept as a line). The peak is an estimate: the
+    group's saved activations plus the largest transient any one layer needed beyond its
+    own saved ones.
+    """
+    if not layers:
+        raise ValueError("merging needs at least one layer profile")
+    if len(layers) == 1:
+        return replace(layers[0], name=name)
+    boundary: dict[str, list[Linear]] = {}
+    for layer in layers:
+        for value, line in layer.saved_boundary_bytes.items():
+            boundary.setdefault(value, []).append(line)
+    saved = _total([layer.saved_bytes for layer in layers])
+    for lines in boundary.values():  # a tensor several layers keep is one storage (stage_saved_bytes)
+        saved = saved + _total(lines).scaled(-1.0) + _largest(lines)
+    transient = _largest([Linear(max(layer.peak_bytes.per_sample - layer.saved_bytes.per_sample, 0.0),
+                                 max(layer.peak_bytes.fixed - layer.saved_bytes.fixed, 0.0)) for layer in layers])
+    optimizers = {key for layer in layers for key in layer.optimizer_state_bytes}
+    return LayerProfile(
+        name=name,
+        forward_s=_total([layer.forward_s for layer in layers]),
+        backward_s=_total([layer.backward_s for layer in layers]),
+        param_bytes=sum(layer.param_bytes for layer in layers), grad_bytes=sum(layer.grad_bytes for layer in layers),
+        buffer_bytes=sum(layer.buffer_bytes for layer in layers), saved_bytes=saved,
+        output_bytes=layers[-1].output_bytes, peak_bytes=saved + transient,
+        optimizer_state_bytes={key: sum(layer.optimizer_state_bytes.get(key, 0) for layer in layers)
+                               for key in sorted(optimizers)},
+        saved_boundary_bytes={value: _largest(lines) for value, lines in boundary.items()},
+    )
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,11 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
     count = len(graph.layers)
     plan = Plan.from_ranges([(index, index) for index in range(count)], count, solver="profiler")
     device = torch.device(options.device)
-    modules = [build_module(artifact, f"<flatpack profile layer {artifact.index}>").to(device)
-               for artifact in emit_stages(graph, plan)]
+    artifacts = emit_stages(graph, plan)
+    modules = []
+    while artifacts:  # each artifact's weight snapshot is dropped once its module holds a copy
+        artifact = artifacts.pop(0)
+        modules.append(build_module(artifact, f"<flatpack profile layer {artifact.index}>").to(device))
     sizes = sorted(set(options.batch_sizes))
     per_size = options.max_seconds / len(sizes) if options.max_seconds else None
     progress = _Progress((options.warmup + options.repeats + count) * len(sizes), _progress_enabled(options))

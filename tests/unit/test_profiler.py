@@ -31,10 +31,11 @@ class Chain(nn.Module):
         return self.second(torch.exp(self.first(x)))
 
 
-def compiled_with_profile(tmp_path, model=None, inputs=None, **options):
+def compiled_with_profile(tmp_path, model=None, inputs=None, passes=None, **options):
     model = model or Chain()
     inputs = inputs if inputs is not None else (torch.randn(4, 8),)
-    return flatpack.compile(model, inputs, stages=1, profile=ProfileOptions(cache_dir=str(tmp_path), **{**FAST, **options}))
+    return flatpack.compile(model, inputs, stages=1, passes=passes,
+                            profile=ProfileOptions(cache_dir=str(tmp_path), **{**FAST, **options}))
 
 
 # --- the fit -------------------------------------------------------------------------------------
@@ -307,3 +308,37 @@ def test_a_calibration_file_for_another_graph_or_platform_is_refused(tmp_path, c
     with pytest.raises(InputError, match=message):
         flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda",
                          profile=ProfileOptions(cache_dir=str(tmp_path), **FAST), calibration=str(path))
+
+
+# --- coarsening a profiled chain --------------------------------------------------------------
+
+
+def test_coarsen_by_time_runs_on_measured_seconds_and_merges_the_profiles(tmp_path):
+    from flatpack import zoo
+    from flatpack.ir.profile import stage_saved_bytes
+    from flatpack.ir.profiler import graph_hash
+
+    model, inputs = zoo.build("vgg11", "tiny", batch=4)
+    model.train()
+    fine = compiled_with_profile(tmp_path, model, inputs)
+    coarse = compiled_with_profile(tmp_path, model, inputs,
+                                   passes="fuse-elementwise,merge-branches,coarsen{max-layers=4,by=time}")
+    assert coarse.profile.cache_hit  # the chain was profiled before coarsen: the same graph as `fine`
+    layers = coarse.profile.layers
+    assert len(layers) == len(coarse.graph.layers) == 4
+    assert all(layer.meta[meta.PROFILE] == merged for layer, merged in zip(coarse.graph.layers, layers))
+    assert coarse.profile.graph_hash == graph_hash(coarse.graph) != fine.profile.graph_hash
+    total = sum(layer.forward_s.at(4) for layer in fine.profile.layers)
+    assert sum(layer.forward_s.at(4) for layer in layers) == pytest.approx(total)
+    assert sum(layer.param_bytes for layer in layers) == sum(layer.param_bytes for layer in fine.profile.layers)
+    # merged saved bytes stay exact: the whole chain as one stage keeps what autograd keeps
+    assert stage_saved_bytes(layers, 4) == pytest.approx(whole_model_saved_bytes(model, inputs), rel=1e-6)
+    assert layers[-1].output_bytes == fine.profile.layers[-1].output_bytes
+    for merged in layers:
+        assert merged.peak_bytes.at(4) >= merged.saved_bytes.at(4)
+
+
+def test_a_pass_that_drops_profiles_after_coarsen_gets_the_chain_profiled_again(tmp_path):
+    compiled = compiled_with_profile(tmp_path, passes="coarsen{max-layers=1,by=time},fuse-elementwise")
+    assert len(compiled.profile.layers) == len(compiled.graph.layers) == 1
+    assert compiled.graph.layers[0].meta[meta.PROFILE] == compiled.profile.layers[0]

@@ -37,6 +37,11 @@ class Coarsen:
         if self.by not in BY_CHOICES:
             raise ValueError(f"by must be one of {', '.join(BY_CHOICES)}, got {self.by!r}")
 
+    @property
+    def reads_profile(self) -> bool:
+        """``compile(profile=...)`` profiles the chain before a pass that reads profiles."""
+        return self.by == "time"
+
     def weight(self, graph: LayerGraph, index: int) -> float:
         layer = graph.layers[index]
         if self.by == "params":
