@@ -125,12 +125,23 @@ def stage_saved_bytes(layers: Sequence[LayerProfile], micro_batch: float) -> flo
     the producer keeps as its output (a ReLU's result) and a reader as its input (the next
     convolution's) was counted by both; in the stage it is one storage, counted once.
     """
-    total = sum(layer.saved_bytes.at(micro_batch) for layer in layers)
-    keepers: dict[str, list[float]] = {}
+    return _saved_line(layers).at(micro_batch)
+
+
+def _kept_boundary_values(layers: Sequence[LayerProfile]) -> dict[str, list[Linear]]:
+    """Value name -> the lines of every layer that keeps that boundary value."""
+    keepers: dict[str, list[Linear]] = {}
     for layer in layers:
-        for name, line in layer.saved_boundary_bytes.items():
-            keepers.setdefault(name, []).append(line.at(micro_batch))
-    return total - sum(sum(sizes) - max(sizes) for sizes in keepers.values())
+        for value, line in layer.saved_boundary_bytes.items():
+            keepers.setdefault(value, []).append(line)
+    return keepers
+
+
+def _saved_line(layers: Sequence[LayerProfile]) -> Linear:
+    saved = _total([layer.saved_bytes for layer in layers])
+    for lines in _kept_boundary_values(layers).values():  # one storage, however many layers keep it
+        saved = saved + _total(lines).scaled(-1.0) + _largest(lines)
+    return saved
 
 
 def _largest(lines: Sequence[Linear]) -> Linear:
@@ -154,13 +165,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         raise ValueError("merging needs at least one layer profile")
     if len(layers) == 1:
         return replace(layers[0], name=name)
-    boundary: dict[str, list[Linear]] = {}
-    for layer in layers:
-        for value, line in layer.saved_boundary_bytes.items():
-            boundary.setdefault(value, []).append(line)
-    saved = _total([layer.saved_bytes for layer in layers])
-    for lines in boundary.values():  # a tensor several layers keep is one storage (stage_saved_bytes)
-        saved = saved + _total(lines).scaled(-1.0) + _largest(lines)
+    saved = _saved_line(layers)
     transient = _largest([Linear(max(layer.peak_bytes.per_sample - layer.saved_bytes.per_sample, 0.0),
                                  max(layer.peak_bytes.fixed - layer.saved_bytes.fixed, 0.0)) for layer in layers])
     optimizers = {key for layer in layers for key in layer.optimizer_state_bytes}
@@ -173,7 +178,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         output_bytes=layers[-1].output_bytes, peak_bytes=saved + transient,
         optimizer_state_bytes={key: sum(layer.optimizer_state_bytes.get(key, 0) for layer in layers)
                                for key in sorted(optimizers)},
-        saved_boundary_bytes={value: _largest(lines) for value, lines in boundary.items()},
+        saved_boundary_bytes={value: _largest(lines) for value, lines in _kept_boundary_values(layers).items()},
     )
 
 
