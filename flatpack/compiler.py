@@ -257,8 +257,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     ``solver``: a registered name or an object ``Problem -> Plan`` (default ``"balanced"``).
     ``stages``: how many stages ``balanced`` makes (default 2). ``plan``: a ready Plan,
     which skips the solver. ``out_dir``: also save there (see ``Compiled.save``).
-    ``profile``: True or :class:`ProfileOptions` measures every layer after the passes
-    (cached on disk; see ``ir.profiler``) so cost-model solvers can run. ``workload``: what
+    ``profile``: True or :class:`ProfileOptions` measures every layer after the passes, or
+    just before ``coarsen{by=time}`` so that it balances measured seconds (cached on disk;
+    see ``ir.profiler``), so that cost-model solvers can run. ``workload``: what
     the plan is for (train or infer, batch, micro-batches, optimizer); with a profile and a
     training workload, a layer that cannot fit the target's largest tier even alone is
     reported before solving. ``calibration``: a
@@ -344,7 +345,6 @@ def _passes_with_profile(graph: LayerGraph, pipeline: list[Pass], options: Profi
     measured = _profile(graph, leaves, options)
     if split == len(pipeline):
         return graph, measured
-    attach(graph, measured)
     graph = run_pipeline(graph, pipeline[split:])
     profiles = [layer.meta.get(meta.PROFILE) for layer in graph.layers]
     if any(layer_profile is None for layer_profile in profiles):

@@ -9,7 +9,7 @@ configurations (GPU containers). :meth:`Platform.compute_seconds` is the host-to
 compute-time model; a calibration file measured inside the target overrides it
 (:mod:`flatpack.backends.calibration`). ``docs/platforms.md`` has the same numbers as tables.
 
-Every number carries a source in ``Platform.sources``: a paper in ``/work/shared/papers``
+Every number carries a source in ``Platform.sources``: a paper in ``../shared/papers/`` (beside the repository)
 (by section), a provider's public documentation page, a measurement on the build host, or
 the word "assumption" with the reason. :meth:`Platform.missing_sources` lists numbers
 without one; the unit tests require it to be empty for every built-in platform.
@@ -37,7 +37,7 @@ MB_S = 1_000_000            # bandwidth figures are decimal: "70 MB/s" is 70e6 b
 GBIT_S = 125_000_000        # 1 Gbit/s in bytes per second
 KINDS = ("serverless", "container", "local")
 
-# Where the numbers come from. Papers are cited by file name in /work/shared/papers.
+# Where the numbers come from. Papers are cited by file name in ../shared/papers/ (beside the repository).
 FUNCPIPE = "FuncPipe (papers/000_2f8f665d06f7d6de.txt)"
 GILLIS = "Gillis (papers/001_af86584f8598a88a.txt)"
 HYDROZOA = "Hydrozoa (papers/002_ac11226e9c721a68.txt)"

@@ -24,7 +24,8 @@ class FuseElementwise:
     Parameter-free layers computed from the inputs alone (attention masks, position ids,
     casts, sizes) join the first layer that reads them: they are preprocessing, not a
     place to cut. Layers that touch only buffers and constants and that nothing reads
-    (BatchNorm's ``num_batches_tracked += 1`` in training mode) join the layer before. Whole layers move, never single nodes, so the glue that ``LayerGraph``
+    (BatchNorm's ``num_batches_tracked += 1`` in training mode) join the layer before.
+    Whole layers move, never single nodes, so the glue that ``LayerGraph``
     established (multi-output ops with their projections, in-place writes with their
     targets) is kept.
     """
