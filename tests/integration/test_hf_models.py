@@ -57,3 +57,26 @@ def test_gpt2_tied_lm_head_is_shared_and_its_gradient_sums(tmp_path):
     first = next(p for p in compiled.artifacts[0].manifest["parameters"] if "lm_head.weight" in p["aliases"])
     assert first["shared_with"] == [2]
     assert_equivalent(model, inputs, staged=flatpack.load(tmp_path / "out").as_module())
+
+
+@pytest.mark.parametrize("factory", [bert, gpt2], ids=["bert", "gpt2"])
+def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, tmp_path):
+    """Export-traced graphs with keyword inputs (ids, mask) are resized per batch size, and
+    the per-layer saved bytes add up to what autograd keeps for the whole model."""
+    from flatpack.ir.profile import stage_saved_bytes
+    from flatpack.ir.profiler import ProfileOptions, saved_tensors
+
+    model, inputs = factory()
+    model.train()
+    compiled = flatpack.compile(model, inputs, stages=1, profile=ProfileOptions(
+        batch_sizes=(1, 2), repeats=1, warmup=0, cache_dir=str(tmp_path), progress=False))
+    batch = next(iter(inputs.values())).shape[0]
+    with saved_tensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        torch.manual_seed(0)
+        model(**inputs)
+    whole = sum(saved.values())
+    estimated = stage_saved_bytes(compiled.profile.layers, batch)
+    # dropout masks differ run to run only in values, not in size: the two must agree exactly
+    assert estimated == pytest.approx(whole, rel=1e-6)
+    assert compiled.profile.input_bytes.at(batch) == pytest.approx(
+        sum(t.numel() * t.element_size() for t in inputs.values()))
