@@ -95,14 +95,15 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
 def profile_table(profile: Any) -> str:
     from flatpack.ir.profile import stage_saved_bytes
 
-    """Per layer: forward and backward milliseconds at batch 1 and per extra sample, and the
-    bytes a stage holds for it."""
-    rows = [("#", "layer", "fwd ms", "+/sample", "bwd ms", "+/sample", "params", "saved/sample",
+    """Per layer: forward and backward milliseconds at batch 1 and per extra sample, the
+    serving (no-grad) forward at batch 1, and the bytes a stage holds for it."""
+    rows = [("#", "layer", "fwd ms", "+/sample", "bwd ms", "+/sample", "serve ms", "params", "saved/sample",
              "out/sample", "peak @1")]
     for index, layer in enumerate(profile.layers):
         rows.append((str(index), layer.name[:40], f"{layer.forward_s.at(1) * 1e3:.3f}",
                      f"{layer.forward_s.per_sample * 1e3:.3f}", f"{layer.backward_s.at(1) * 1e3:.3f}",
-                     f"{layer.backward_s.per_sample * 1e3:.3f}", human_bytes(layer.param_bytes),
+                     f"{layer.backward_s.per_sample * 1e3:.3f}", f"{layer.inference_line().at(1) * 1e3:.3f}",
+                     human_bytes(layer.param_bytes),
                      human_bytes(layer.saved_bytes.per_sample), human_bytes(layer.output_bytes.per_sample),
                      human_bytes(layer.peak_bytes.at(1))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

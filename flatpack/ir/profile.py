@@ -75,9 +75,10 @@ class LayerProfile:
     crosses, as in ``LayerGraph.boundary``). ``peak_bytes``: the most memory the layer's
     forward plus backward held at once beyond its parameters. ``optimizer_state_bytes``:
     per optimizer name in :data:`OPTIMIZERS`, the state bytes one step creates.
-    ``saved_boundary_bytes``: the parts of ``saved_bytes`` that are values crossing the
-    layer's boundaries (its inputs and outputs), by value name, so that
-    :func:`stage_saved_bytes` counts a tensor that several layers of a stage keep once.
+    ``inference_s``: the forward under ``torch.no_grad``, as served (see
+    :meth:`inference_line`). ``saved_boundary_bytes``: the parts of ``saved_bytes`` that
+    are values crossing the layer's boundaries (its inputs and outputs), by value name, so
+    that :func:`stage_saved_bytes` counts a tensor that several layers of a stage keep once.
     """
 
     name: str
@@ -91,6 +92,13 @@ class LayerProfile:
     peak_bytes: Linear
     optimizer_state_bytes: dict[str, int] = field(default_factory=dict, hash=False)
     saved_boundary_bytes: dict[str, Linear] = field(default_factory=dict, hash=False)
+    inference_s: Linear | None = None
+
+    def inference_line(self) -> Linear:
+        """Seconds of a forward under ``torch.no_grad`` (serving), a line in the batch size.
+        Profiles without that measurement fall back to the training forward, which also
+        records the autograd graph and so over-estimates."""
+        return self.inference_s if self.inference_s is not None else self.forward_s
 
     def optimizer_bytes(self, optimizer: str) -> int:
         if optimizer not in self.optimizer_state_bytes:
@@ -103,6 +111,7 @@ class LayerProfile:
         for key in _LINES:
             data[key] = getattr(self, key).to_json()
         data["saved_boundary_bytes"] = {name: line.to_json() for name, line in self.saved_boundary_bytes.items()}
+        data["inference_s"] = self.inference_s.to_json() if self.inference_s is not None else None
         return data
 
     @classmethod
@@ -110,6 +119,7 @@ class LayerProfile:
         lines = {key: Linear.from_json(data[key]) for key in _LINES}
         lines["saved_boundary_bytes"] = {name: Linear.from_json(line)
                                          for name, line in data.get("saved_boundary_bytes", {}).items()}
+        lines["inference_s"] = Linear.from_json(data["inference_s"]) if data.get("inference_s") else None
         return cls(name=data["name"], param_bytes=int(data["param_bytes"]), grad_bytes=int(data["grad_bytes"]),
                    buffer_bytes=int(data["buffer_bytes"]),
                    optimizer_state_bytes={k: int(v) for k, v in data["optimizer_state_bytes"].items()}, **lines)
@@ -179,6 +189,8 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         optimizer_state_bytes={key: sum(layer.optimizer_state_bytes.get(key, 0) for layer in layers)
                                for key in sorted(optimizers)},
         saved_boundary_bytes={value: _largest(lines) for value, lines in _kept_boundary_values(layers).items()},
+        inference_s=(_total([layer.inference_s for layer in layers])
+                     if all(layer.inference_s is not None for layer in layers) else None),
     )
 
 

@@ -45,7 +45,7 @@ from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
 
 log = logging.getLogger("flatpack.profiler")
 
-PROFILE_SCHEMA_VERSION = 2
+PROFILE_SCHEMA_VERSION = 3
 DEFAULT_BATCH_SIZES = (1, 2, 4)
 CACHE_ENV = "FLATPACK_CACHE_DIR"
 
@@ -228,6 +228,7 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
 class _Sample:
     forward_s: float
     backward_s: float
+    inference_s: float
     saved_bytes: int
     saved_boundary_bytes: dict[str, int]
     output_bytes: int
@@ -236,14 +237,15 @@ class _Sample:
 
 
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph, options: ProfileOptions,
-                budget_s: float | None, progress: "_Progress", batch: int) -> list[tuple[float, float]]:
-    """Median forward and backward seconds of every layer, timed the way a stage runs them:
-    forward through all layers in order (each on its predecessors' fresh outputs, detached
-    at the layer's inputs so its backward is its own), then backward layer by layer in
-    reverse. Timing each layer in a tight loop of its own instead would keep its weights and
+                budget_s: float | None, progress: "_Progress", batch: int) -> list[tuple[float, float, float]]:
+    """Median forward, backward and no-grad (inference) forward seconds of every layer,
+    timed the way a stage runs them: forward through all layers in order (each on its
+    predecessors' fresh outputs, detached at the layer's inputs so its backward is its
+    own), then backward layer by layer in reverse, then a forward under ``no_grad``. Timing each layer in a tight loop of its own instead would keep its weights and
     activations in the CPU caches, which a stage running many layers in turn does not."""
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
+    inference_times: list[list[float]] = [[] for _ in modules]
     synchronize = _synchronizer(list(env.values()))
     started = time.perf_counter()
     for run in range(options.warmup + options.repeats):
@@ -270,15 +272,25 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph
             outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
         for module in modules:
             module.zero_grad(set_to_none=True)
+        values = dict(env)
+        with torch.no_grad():
+            for index, module in enumerate(modules):
+                args = [values[entry["name"]] for entry in module.flatpack_manifest["inputs"]]
+                synchronize()
+                begin = time.perf_counter()
+                result = module(*args)
+                synchronize()
+                inference_times[index].append(time.perf_counter() - begin)
+                values.update(zip((entry["name"] for entry in module.flatpack_manifest["outputs"]), result))
         timed = run + 1 - options.warmup
         if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
             progress.skip(options.warmup + options.repeats - run - 1)
             break
-    return [(statistics.median(fwd[options.warmup:]), statistics.median(bwd[options.warmup:]))
-            for fwd, bwd in zip(forward_times, backward_times)]
+    return [tuple(statistics.median(times[options.warmup:]) for times in per_layer)
+            for per_layer in zip(forward_times, backward_times, inference_times)]
 
 
-def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float], crossing: list[str],
+def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float, float], crossing: list[str],
                   env: dict[str, Any]) -> _Sample:
     """The layer's timing plus what it holds in memory, measured on the layer alone."""
     memory = _memory(module, args)
@@ -286,8 +298,8 @@ def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float]
     named = {**dict(zip((entry["name"] for entry in manifest["inputs"]), args)),
              **dict(zip((entry["name"] for entry in manifest["outputs"]), memory.outputs))}
     output_bytes = sum(_nbytes(env[name]) for name in crossing)
-    return _Sample(times[0], times[1], memory.saved_bytes, memory.saved_boundary_bytes(named), output_bytes,
-                   memory.peak, memory.grad_bytes)
+    return _Sample(times[0], times[1], times[2], memory.saved_bytes, memory.saved_boundary_bytes(named),
+                   output_bytes, memory.peak, memory.grad_bytes)
 
 
 @dataclass
@@ -391,6 +403,7 @@ def _fit_layer(name: str, module: nn.Module, samples: dict[int, _Sample]) -> Lay
         buffer_bytes=_unique_bytes(module.buffers()), saved_bytes=line("saved_bytes"),
         output_bytes=line("output_bytes"), peak_bytes=line("peak_bytes"),
         optimizer_state_bytes=optimizer_state_bytes(trainable), saved_boundary_bytes=_boundary_lines(samples),
+        inference_s=line("inference_s"),
     )
 
 

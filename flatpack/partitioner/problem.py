@@ -96,7 +96,20 @@ class Problem:
             if calibrated is not None:
                 return calibrated
         profile = self.layer_profile(index)
+        return (self._on_tier(profile.forward_s.at(micro_batch), tier),
+                self._on_tier(profile.backward_s.at(micro_batch), tier))
+
+    def layer_inference_seconds(self, index: int, tier: "Tier", batch: float) -> float:
+        """Seconds of layer ``index``'s forward when serving (no autograd graph) a batch on
+        ``tier``. A calibration's forward line, when it has the tier, is taken as measured
+        for serving too (the runtime's calibration runs forwards without gradients)."""
+        if self.calibration is not None:
+            calibrated = self.calibration.seconds(index, tier.memory_mb, batch)
+            if calibrated is not None:
+                return calibrated[0]
+        return self._on_tier(self.layer_profile(index).inference_line().at(batch), tier)
+
+    def _on_tier(self, host_seconds: float, tier: "Tier") -> float:
         if self.host is None:
             raise PlanError("the problem has profiles but no host record; build it with Problem.from_graph")
-        return (self.platform.compute_seconds(profile.forward_s.at(micro_batch), self.host, tier),
-                self.platform.compute_seconds(profile.backward_s.at(micro_batch), self.host, tier))
+        return self.platform.compute_seconds(host_seconds, self.host, tier)

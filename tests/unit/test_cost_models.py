@@ -278,6 +278,17 @@ def test_gillis_hand_computed_fork_join():
     assert cost.master_weight_bytes == int(37.5 * MIB) + 200 * MIB and cost.fits
 
 
+def test_gillis_serves_with_the_no_grad_forward_when_it_was_measured():
+    served = problem(INFER, target=platform())
+    chain = tuple(dataclasses.replace(link, profile=dataclasses.replace(link.profile,
+                                                                          inference_s=Linear(0.0, 0.1)))
+                  for link in served.chain)
+    cost = gillis.latency(dataclasses.replace(served, chain=chain), GILLIS_PLAN, CommDelay(0.05, 0.0, 0.02))
+    first, second = cost.groups
+    assert first.partition_compute_s == pytest.approx((0.1 + 0.1) / 4)
+    assert second.latency_s == pytest.approx(0.1)
+
+
 def test_gillis_billing_granularity():
     fine, coarse = gillis_cost(granularity=0.001), gillis_cost(granularity=0.1)
     assert fine.latency_s == pytest.approx(2.611667, abs=1e-6) and fine.groups[0].worker_duration_s == 0.425

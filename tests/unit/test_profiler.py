@@ -69,6 +69,7 @@ def test_every_layer_gets_a_profile_with_its_parameters_and_gradients(tmp_path):
         assert measured.param_bytes == layer.meta[meta.PARAM_BYTES] > 0
         assert measured.grad_bytes == measured.param_bytes
         assert measured.forward_s.at(1) > 0 and measured.backward_s.at(1) > 0
+        assert measured.inference_s is not None and measured.inference_s.at(1) > 0
     assert compiled.problem.profiled
 
 

@@ -16,7 +16,8 @@ master alone, a stage with r > 1 replicas is split channel-wise over r workers.
 
 Readings chosen (the paper gives the model in words, not equations):
 
-* A group's p = workers + on_master partitions each do 1/p of the group's forward time
+* A group's p = workers + on_master partitions each do 1/p of the group's forward time,
+  the serving forward without an autograd graph (``Problem.layer_inference_seconds``)
   (even split; the redundant overlap of spatial splits, §III-C, is not modelled).
 * Each worker exchanges 1/p of the group's input and output with the master; the master's
   link carries all n workers' shares, n·(in + out)/p at the tier's bandwidth, and the
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import layer_times, mb, memory_limit, to_json
+from flatpack.partitioner.cost.common import mb, memory_limit, to_json
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
@@ -239,7 +240,7 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
     master_weights = 0
     unfit = None
     for index, group in enumerate(fork_join.groups):
-        forward, _ = layer_times(problem, group.start, group.end, tier, batch)
+        forward = sum(problem.layer_inference_seconds(i, tier, batch) for i in range(group.start, group.end + 1))
         parts = group.partitions
         compute = forward / parts
         weights = sum(problem.layer_profile(i).param_bytes + problem.layer_profile(i).buffer_bytes
