@@ -80,3 +80,22 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
     assert estimated == pytest.approx(whole, rel=1e-6)
     assert compiled.profile.input_bytes.at(batch) == pytest.approx(
         sum(t.numel() * t.element_size() for t in inputs.values()))
+
+
+def test_encoder_decoder_keeps_its_decoder_layers_with_max_crossing_two():
+    """The encoder output is read by every decoder layer's cross-attention, so two branch
+    values cross each decoder boundary: the default folds BART into 3 layers,
+    merge-branches{max-crossing=2} keeps the cuts and ships both tensors."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, use_cache=False)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}
+    default = flatpack.compile(model, inputs, stages=1)
+    wide = flatpack.compile(model, inputs, stages=4, passes="fuse-elementwise,merge-branches{max-crossing=2}")
+    assert wide.plan.num_layers >= 3 * default.plan.num_layers
+    assert_equivalent(model, inputs, compiled=wide)
