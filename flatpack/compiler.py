@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -59,7 +60,7 @@ class Compiled:
         self.info = info
         self.problem = problem
 
-    @property
+    @functools.cached_property
     def profile(self) -> ChainProfile | None:
         """The per-layer profile when compiled with ``profile=...`` (kept across save/load)."""
         data = self.info.get("profile")
