@@ -241,7 +241,8 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph
     """Median forward, backward and no-grad (inference) forward seconds of every layer,
     timed the way a stage runs them: forward through all layers in order (each on its
     predecessors' fresh outputs, detached at the layer's inputs so its backward is its
-    own), then backward layer by layer in reverse, then a forward under ``no_grad``. Timing each layer in a tight loop of its own instead would keep its weights and
+    own), then backward layer by layer in reverse, then a forward under ``no_grad``.
+    Timing each layer in a tight loop of its own instead would keep its weights and
     activations in the CPU caches, which a stage running many layers in turn does not."""
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
@@ -272,16 +273,7 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph
             outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
         for module in modules:
             module.zero_grad(set_to_none=True)
-        values = dict(env)
-        with torch.no_grad():
-            for index, module in enumerate(modules):
-                args = [values[entry["name"]] for entry in module.flatpack_manifest["inputs"]]
-                synchronize()
-                begin = time.perf_counter()
-                result = module(*args)
-                synchronize()
-                inference_times[index].append(time.perf_counter() - begin)
-                values.update(zip((entry["name"] for entry in module.flatpack_manifest["outputs"]), result))
+        _serve_chain(modules, dict(env), inference_times, synchronize)
         timed = run + 1 - options.warmup
         if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
             progress.skip(options.warmup + options.repeats - run - 1)
@@ -463,12 +455,25 @@ def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.dev
 def _reference_values(modules: list[nn.Module], input_names: list[str], inputs: list[Any]) -> dict[str, Any]:
     """Every boundary value at this batch size, from one forward through the layers."""
     env = dict(zip(input_names, inputs))
-    with torch.no_grad():
-        for module in modules:
-            manifest = module.flatpack_manifest
-            outputs = module(*(env[entry["name"]] for entry in manifest["inputs"]))
-            env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+    _serve_chain(modules, env)
     return env
+
+
+def _serve_chain(modules: list[nn.Module], values: dict[str, Any], seconds: list[list[float]] | None = None,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+    """One forward through the layers under ``no_grad``, as served: each layer reads its
+    inputs from ``values`` and adds its outputs there; ``seconds[i]`` gets layer i's time."""
+    with torch.no_grad():
+        for index, module in enumerate(modules):
+            manifest = module.flatpack_manifest
+            args = [values[entry["name"]] for entry in manifest["inputs"]]
+            synchronize()
+            begin = time.perf_counter()
+            outputs = module(*args)
+            synchronize()
+            if seconds is not None:
+                seconds[index].append(time.perf_counter() - begin)
+            values.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
 
 
 def _layer_inputs(module: nn.Module, env: dict[str, Any], graph: LayerGraph) -> list[Any]:
