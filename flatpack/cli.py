@@ -1,8 +1,9 @@
-"""The ``flatpack`` command: inspect, profile, platforms, compile, demo."""
+"""The ``flatpack`` command: inspect, profile, plan, platforms, compile, demo."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import json
@@ -15,6 +16,8 @@ from typing import Any, Sequence
 import torch
 
 from flatpack.errors import FlatpackError, InputError
+from flatpack.ir.profile import OPTIMIZERS
+from flatpack.partitioner.workload import MODES, SYNC_METHODS
 from flatpack.verify import INPUT_GRAD, OUTPUT, PARAM_GRAD, check_equivalence
 
 
@@ -29,6 +32,11 @@ def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
     if spec in zoo.ZOO:
         return zoo.build(spec, size)
     source, colon, attribute = spec.rpartition(":")
+    if not colon and not spec.endswith(".py"):
+        close = difflib.get_close_matches(spec, [*EXAMPLES, *zoo.ZOO], n=3)
+        if close:
+            raise InputError(f"unknown model {spec!r}; did you mean {' or '.join(close)}? (see flatpack inspect "
+                             "--help for what MODEL may be)")
     if not colon or not source or not attribute:
         raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
                          f"of the built-in examples ({', '.join(EXAMPLES)}) or a zoo model "
@@ -180,14 +188,187 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_ints(text: str) -> list[int]:
+def _positive_ints(text: str, what: str = "batch sizes") -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise InputError(f"expected comma-separated positive integers, got {text!r}") from None
+        raise InputError(f"{what}: expected comma-separated positive integers, got {text!r}") from None
     if not values or any(value <= 0 for value in values):
-        raise InputError(f"batch sizes must be positive integers, got {text!r}")
+        raise InputError(f"{what} must be positive integers, got {text!r}")
     return values
+
+
+def _number(text: str) -> float:
+    """A float, or a power written ``2^16`` as FuncPipe writes its weights."""
+    base, caret, exponent = text.strip().partition("^")
+    try:
+        return float(base) ** float(exponent) if caret else float(base)
+    except (ValueError, OverflowError):
+        raise InputError(f"--weights: {text.strip()!r} is not a number (write 65536 or 2^16)") from None
+
+
+def _weights(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise InputError(f"--weights takes two numbers, the weight on cost (MB·s) and on time (s), such as "
+                         f"1,65536 or 1,2^16; got {text!r}")
+    return _number(parts[0]), _number(parts[1])
+
+
+def _cost_solver(name: str) -> Any:
+    """The named solver, if it prices plans with the cost models (it has a front and an SLO
+    mode); otherwise an error listing the ones that do."""
+    from flatpack.partitioner.solvers import available_solvers, get_solver
+
+    try:
+        solver = get_solver(name)
+    except ImportError as err:
+        raise InputError(f"solver {name!r} is registered but cannot be loaded in this install ({err}); try "
+                         "--solver brute on a small chain") from None
+    if hasattr(solver, "front") and hasattr(solver, "within_slo"):
+        return solver
+    usable = []
+    for other in available_solvers():
+        try:
+            candidate = get_solver(other)
+        except ImportError:
+            continue
+        if hasattr(candidate, "front"):
+            usable.append(other)
+    raise InputError(f"solver {name!r} does not price plans with a cost model, so it has no front, SLO or "
+                     f"weighted mode; flatpack plan needs one of: {', '.join(usable)}")
+
+
+def _plan_workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The Workload and the search-space options (Problem.options) the flags ask for."""
+    from flatpack.partitioner.workload import Workload
+
+    options: dict[str, Any] = {}
+    micro_batches = None
+    if args.micro_batches is not None:
+        if args.mode == "infer":
+            raise InputError("--micro-batches applies to training; an inference request serves --batch samples "
+                             "at once")
+        counts = _positive_ints(args.micro_batches, "--micro-batches")
+        micro_batches = min(counts)
+        if len(counts) > 1:
+            options["micro_batches"] = tuple(counts)
+    if args.memory is not None:
+        options["memory_mb"] = tuple(_positive_ints(args.memory, "--memory"))
+    if args.replicas is not None:
+        options["replicas"] = tuple(_positive_ints(args.replicas, "--replicas"))
+    if args.max_workers is not None:
+        if args.max_workers < 0:
+            raise InputError(f"--max-workers must be >= 0, got {args.max_workers}")
+        options["max_workers"] = args.max_workers
+    if args.cost_model is not None:
+        options["cost_model"] = args.cost_model
+    if args.weights is not None:
+        options["weights"] = _weights(args.weights)
+    workload = Workload(args.mode, batch=args.batch, micro_batches=micro_batches, optimizer=args.optimizer,
+                        sync=args.sync, slo_s=args.slo)
+    return workload, options
+
+
+def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
+    """Unknown tiers are refused before profiling, not after."""
+    from flatpack.backends.catalog import get_platform, platform_names
+
+    if target not in platform_names():
+        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
+    platform = get_platform(target)
+    for size in memory_mb:
+        platform.tier(size)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flatpack.compiler import build_problem
+    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.partitioner import report
+    from flatpack.partitioner.objective import Weights, cost_model_for
+
+    solver = _cost_solver(args.solver)
+    workload, options = _plan_workload(args)
+    _check_tiers(args.target, options.get("memory_mb", ()))
+    if args.plot:
+        from flatpack.partitioner import plot
+
+        plot.require_matplotlib()
+        plot.check_destination(args.plot)
+    profile = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache)
+
+    model, inputs = load_factory(args.model, args.size)
+    problem = build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
+                            workload=workload, calibration=args.calibration, **options)
+    started = time.perf_counter()
+    if workload.slo_s is not None:
+        selection = report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
+    elif args.weights is not None:
+        selection = report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
+    else:
+        selection = report.Selection.of_front(solver.front(problem))
+    solve_s = time.perf_counter() - started
+
+    as_json = json.dumps(report.report_json(problem, selection, _plan_context(args, problem)), indent=2) \
+        if args.json else None
+    if args.json == "-":
+        print(as_json)
+    else:
+        print(report.text_report(problem, selection, _plan_title(args, problem, cost_model_for(problem), solve_s)))
+    if args.json and args.json != "-":
+        Path(args.json).write_text(as_json + "\n")
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        # one pick alone says little on a plot: draw it against the front
+        context = _front_for_context(solver, problem) if selection.kind != "front" else ()
+        plot.plot_selection(selection, args.plot, title=_plot_title(args, problem), inference=workload.mode == "infer",
+                            context=context)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _front_for_context(solver: Any, problem: Any) -> tuple:
+    """The front behind an SLO or weighted pick; none when it cannot be solved (the pick
+    alone is still worth drawing). The front ignores the SLO and the weights option."""
+    from flatpack.errors import PlanError
+
+    try:
+        return solver.front(problem).plans
+    except PlanError:
+        return ()
+
+
+def _model_label(args: argparse.Namespace) -> str:
+    from flatpack import zoo
+
+    return f"{args.model} ({args.size})" if args.model in zoo.ZOO else args.model
+
+
+def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
+    """What a JSON report records about the run, beside the plans."""
+    from flatpack.partitioner.objective import cost_model_for
+
+    workload = problem.workload
+    return {"model": _model_label(args), "target": problem.platform.name, "mode": workload.mode,
+            "batch": workload.batch, "micro_batches": workload.micro_batches, "optimizer": workload.optimizer,
+            "sync": workload.sync, "solver": args.solver, "cost_model": cost_model_for(problem),
+            "layers": len(problem.chain), "layer_names": [layer.name for layer in problem.chain],
+            "options": {key: list(value) if isinstance(value, tuple) else value
+                        for key, value in problem.options.items()}}
+
+
+def _plan_title(args: argparse.Namespace, problem: Any, cost_model: str, solve_s: float) -> str:
+    workload = problem.workload
+    shape = (f"train, batch {workload.batch}, M {workload.micro_batches}, {workload.optimizer}, {workload.sync} sync"
+             if workload.mode == "train" else f"infer, batch {workload.batch} per request")
+    return (f"{_model_label(args)} on {problem.platform.name}: {shape}; {len(problem.chain)} layers; "
+            f"solver {args.solver} ({solve_s:.2f} s); {cost_model} cost model")
+
+
+def _plot_title(args: argparse.Namespace, problem: Any) -> str:
+    return (f"{_model_label(args)} on {problem.platform.name}, {problem.workload.mode} batch "
+            f"{problem.workload.batch}, solver {args.solver}")
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
@@ -257,6 +438,48 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
     profile_parser.add_argument("--json", metavar="FILE", help="also write the profile as JSON")
     profile_parser.set_defaults(run=cmd_profile)
+
+    plan_parser = sub.add_parser("plan", help="profile a model and print the Pareto front of plans (time vs cost)",
+                                 description="Profiles MODEL, solves for the plans that trade time against cost "
+                                             "on the target and prints them, FuncPipe's recommendation marked, "
+                                             "then the chosen plan stage by stage. --slo picks the cheapest plan "
+                                             "within a time bound, --weights the optimum of one weight pair.")
+    _compile_args(plan_parser)
+    plan_parser.add_argument("--target", default="aws-lambda", help="platform (see flatpack platforms)")
+    plan_parser.add_argument("--mode", default="train", choices=MODES,
+                             help="a training iteration (FuncPipe, Hydrozoa, PipeDream) or an inference request "
+                                  "(Gillis)")
+    plan_parser.add_argument("--batch", type=int, default=64, help="global batch of an iteration or a request")
+    plan_parser.add_argument("--micro-batches", default=None, metavar="M[,M...]",
+                             help="micro-batches per iteration; several let the solver choose (default 4)")
+    plan_parser.add_argument("--optimizer", default="sgd-momentum", choices=OPTIMIZERS)
+    plan_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
+                             help="gradient scatter-reduce model (FuncPipe eq. 2 or LambdaML's eq. 1)")
+    plan_parser.add_argument("--solver", default="dp", help="dp (default), miqp or brute (small chains only)")
+    plan_parser.add_argument("--memory", default=None, metavar="MB[,MB...]",
+                             help="memory tiers to consider (default: the platform's)")
+    plan_parser.add_argument("--replicas", default=None, metavar="D[,D...]",
+                             help="data-parallel degrees to consider (default 1,2,4,8,16)")
+    plan_parser.add_argument("--max-workers", type=int, default=None,
+                             help="most workers one fork-join group forks (inference; default 8)")
+    plan_parser.add_argument("--cost-model", default=None, choices=["hydrozoa", "pipedream", "funcpipe"],
+                             help="training model on GPU containers (default hydrozoa)")
+    goal = plan_parser.add_mutually_exclusive_group()
+    goal.add_argument("--slo", type=float, default=None, metavar="SECONDS",
+                      help="the cheapest plan whose time meets this bound")
+    goal.add_argument("--weights", default=None, metavar="COST,TIME",
+                      help="the one plan minimizing COST·MB·s + TIME·seconds, e.g. 1,65536 or 1,2^16")
+    plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
+                                                                          ".pdf; needs matplotlib)")
+    plan_parser.add_argument("--json", default=None, metavar="FILE",
+                             help="also write the plans with their breakdowns as JSON (- : print only JSON)")
+    plan_parser.add_argument("--calibration", default=None, metavar="FILE",
+                             help="seconds measured inside the target, overriding the host-to-tier model")
+    plan_parser.add_argument("--batch-sizes", default="1,2,4", help="profile: micro-batch sizes to fit a·batch+b over")
+    plan_parser.add_argument("--repeats", type=int, default=5, help="profile: timed runs per layer and size")
+    plan_parser.add_argument("--max-seconds", type=float, default=None, help="profile: time budget for measuring")
+    plan_parser.add_argument("--no-cache", action="store_true", help="profile again even if cached")
+    plan_parser.set_defaults(run=cmd_plan)
 
     platforms_parser = sub.add_parser("platforms", help="print the platform catalog (--json adds each number's source)")
     platforms_parser.add_argument("names", nargs="*", help="platforms to show (default: all)")

@@ -30,6 +30,8 @@ from flatpack.ir.profile import ChainProfile
 from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.ir.trace import Signature, flatten_inputs, trace
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
+from flatpack.partitioner.objective import with_micro_batches
+from flatpack.partitioner.space import SearchSpace
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
@@ -38,7 +40,13 @@ from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
 COMPILED_FILE = "flatpack.json"
-KNOWN_OPTIONS: frozenset[str] = frozenset()
+# What ``Problem.options`` may hold, and so what ``compile`` and ``build_problem`` accept as
+# keyword options: the search space (partitioner/space.py), the objective (solvers/base.py)
+# and the cost models' knobs (objective.py, cost/gillis.py).
+PROBLEM_OPTIONS: frozenset[str] = frozenset({
+    "memory_mb", "replicas", "micro_batches", "max_workers", "weights", "cost_model", "hydrozoa_alpha",
+    "hydrozoa_beta", "comm_delay",
+})
 
 
 def stage_dirname(index: int) -> str:
@@ -265,42 +273,20 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     training workload, a layer that cannot fit the target's largest tier even alone is
     reported before solving. ``calibration``: a
     :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
-    the target, overriding the host-to-tier compute model.
+    the target, overriding the host-to-tier compute model. ``options``: the cost-model
+    solvers' search space and objective (``PROBLEM_OPTIONS``): ``memory_mb``, ``replicas``,
+    ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
-    if not isinstance(model, nn.Module):
-        raise InputError(f"flatpack.compile expects a torch.nn.Module, got {type(model).__name__}; "
-                         "wrap the function in an nn.Module whose forward calls it")
-    if target not in platform_names():
-        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
-    unknown = set(options) - KNOWN_OPTIONS
-    if unknown:
-        raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for flatpack.compile")
+    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     args, kwargs = _as_call(example_inputs, example_kwargs)
     Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
     solver_obj = get_solver(solver) if plan is None else None
-    with _restoring([*model.buffers(), *(leaf for leaf in pytree.tree_leaves((args, kwargs))
-                                         if isinstance(leaf, torch.Tensor))]):
-        _run_eagerly(model, args, kwargs)
-        traced = trace(model, args, kwargs)
-        with _restoring(list(traced.gm.buffers())):
-            graph = LayerGraph.from_traced(traced)
-    if not graph.layers:
-        raise InputError(f"{type(model).__name__} computes nothing: its forward returns inputs, parameters "
-                         "or constants only, so there is nothing to cut into stages")
-    chain_profile = None
-    if profile:
-        options_obj = profile if isinstance(profile, ProfileOptions) else ProfileOptions()
-        graph, chain_profile = _passes_with_profile(graph, pipeline, options_obj,
-                                                    flatten_inputs(traced.signature, args, kwargs)[0])
-    else:
-        graph = run_pipeline(graph, pipeline)
-    problem = Problem.from_graph(graph, stages=stages, target=target, workload=workload, profile=chain_profile,
-                                 calibration=_load_calibration(calibration))
-    if chain_profile is not None and workload is not None and workload.mode == "train":
-        check_layers_fit(problem)
+    lowered = _lower(model, args, kwargs, pipeline, target=target, stages=stages, profile=profile,
+                     workload=workload, calibration=calibration, options=options)
+    graph, traced, chain_profile, problem = lowered.graph, lowered.traced, lowered.profile, lowered.problem
     if plan is None:
         plan = solver_obj(problem)
         if not isinstance(plan, Plan):
@@ -332,6 +318,89 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "local",
+                  passes: str | Sequence[Pass | str] | None = None, profile: bool | ProfileOptions = True,
+                  workload: Workload | None = None, calibration: Any = None, example_kwargs: dict | None = None,
+                  stages: int | None = None, **options: Any) -> Problem:
+    """The :class:`Problem` that ``compile`` would hand its solver, without solving or emitting
+    stages: trace, passes, profile (on by default, since cost-model solvers need it), platform
+    and workload. ``options`` go to ``Problem.options`` (see ``PROBLEM_OPTIONS``: the search
+    space, ``weights``, ``cost_model``...). ``flatpack plan`` uses it to draw fronts."""
+    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.build_problem")
+    args, kwargs = _as_call(example_inputs, example_kwargs)
+    Signature.of(model).bind(args, kwargs)
+    pipeline = resolve(passes)
+    return _lower(model, args, kwargs, pipeline, target=target, stages=stages, profile=profile, workload=workload,
+                  calibration=calibration, options=options).problem
+
+
+def _check_request(model: Any, target: str, options: dict[str, Any], known: frozenset[str], caller: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"{caller} expects a torch.nn.Module, got {type(model).__name__}; "
+                         "wrap the function in an nn.Module whose forward calls it")
+    if target not in platform_names():
+        raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
+    unknown = set(options) - known
+    if unknown:
+        allowed = f" (known: {', '.join(sorted(known))})" if known else ""
+        raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for {caller}{allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lowered:
+    """What compiling has before a plan exists: the traced model, the final chain, its
+    profile (when asked for) and the solver's Problem."""
+
+    traced: Any
+    graph: LayerGraph
+    profile: ChainProfile | None
+    problem: Problem
+
+
+def _lower(model: nn.Module, args: tuple, kwargs: dict, pipeline: list[Pass], *, target: str, stages: int | None,
+           profile: bool | ProfileOptions, workload: Workload | None, calibration: Any,
+           options: dict[str, Any]) -> _Lowered:
+    """Trace → passes (with profiling when asked) → Problem; the one path ``compile`` and
+    ``build_problem`` share."""
+    with _restoring([*model.buffers(), *(leaf for leaf in pytree.tree_leaves((args, kwargs))
+                                         if isinstance(leaf, torch.Tensor))]):
+        _run_eagerly(model, args, kwargs)
+        traced = trace(model, args, kwargs)
+        with _restoring(list(traced.gm.buffers())):
+            graph = LayerGraph.from_traced(traced)
+    if not graph.layers:
+        raise InputError(f"{type(model).__name__} computes nothing: its forward returns inputs, parameters "
+                         "or constants only, so there is nothing to cut into stages")
+    chain_profile = None
+    if profile:
+        options_obj = profile if isinstance(profile, ProfileOptions) else ProfileOptions()
+        graph, chain_profile = _passes_with_profile(graph, pipeline, options_obj,
+                                                    flatten_inputs(traced.signature, args, kwargs)[0])
+    else:
+        graph = run_pipeline(graph, pipeline)
+    problem = Problem.from_graph(graph, stages=stages, target=target, workload=workload, profile=chain_profile,
+                                 calibration=_load_calibration(calibration), **options)
+    if chain_profile is not None and workload is not None and workload.mode == "train":
+        _check_some_layout_fits(problem)
+    return _Lowered(traced, graph, chain_profile, problem)
+
+
+def _check_some_layout_fits(problem: Problem) -> None:
+    """``check_layers_fit`` at each (M, d) of the search space (``space.py``): a layer is
+    refused only when no allowed layout holds it, since more micro-batches shrink its
+    activations and more replicas shrink µ but add sync buffers. The error reported is the
+    first layout's."""
+    first_error = None
+    for count, degree in SearchSpace.of(problem).configurations():
+        try:
+            check_layers_fit(with_micro_batches(problem, count), replicas=degree)
+            return
+        except PlanError as err:
+            first_error = first_error or err
+    if first_error is not None:
+        raise first_error
 
 
 def _passes_with_profile(graph: LayerGraph, pipeline: list[Pass], options: ProfileOptions,

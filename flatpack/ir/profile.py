@@ -135,7 +135,7 @@ def stage_saved_bytes(layers: Sequence[LayerProfile], micro_batch: float) -> flo
     the producer keeps as its output (a ReLU's result) and a reader as its input (the next
     convolution's) was counted by both; in the stage it is one storage, counted once.
     """
-    return _saved_line(layers).at(micro_batch)
+    return stage_saved_line(layers).at(micro_batch)
 
 
 def _kept_boundary_values(layers: Sequence[LayerProfile]) -> dict[str, list[Linear]]:
@@ -147,7 +147,8 @@ def _kept_boundary_values(layers: Sequence[LayerProfile]) -> dict[str, list[Line
     return keepers
 
 
-def _saved_line(layers: Sequence[LayerProfile]) -> Linear:
+def stage_saved_line(layers: Sequence[LayerProfile]) -> Linear:
+    """:func:`stage_saved_bytes` as a line in the micro-batch size."""
     saved = _total([layer.saved_bytes for layer in layers])
     for lines in _kept_boundary_values(layers).values():  # one storage, however many layers keep it
         saved = saved + _total(lines).scaled(-1.0) + _largest(lines)
@@ -175,7 +176,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         raise ValueError("merging needs at least one layer profile")
     if len(layers) == 1:
         return replace(layers[0], name=name)
-    saved = _saved_line(layers)
+    saved = stage_saved_line(layers)
     transient = _largest([Linear(max(layer.peak_bytes.per_sample - layer.saved_bytes.per_sample, 0.0),
                                  max(layer.peak_bytes.fixed - layer.saved_bytes.fixed, 0.0)) for layer in layers])
     optimizers = {key for layer in layers for key in layer.optimizer_state_bytes}

@@ -1,10 +1,12 @@
-"""Plans: which layers each stage runs (plus, from later issues, its memory tier and replicas).
+"""Plans: which layers each stage runs, on which memory tier, with how many replicas, and
+how many micro-batches an iteration is cut into.
 
 Plain data with a JSON round-trip and a schema version, comparable and hashable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,7 +18,8 @@ from flatpack.version import PLAN_SCHEMA_VERSION
 @dataclass(frozen=True)
 class StagePlan:
     """Layers ``start..end`` (inclusive) of the chain; ``memory_mb`` and ``replicas`` are the
-    tier and data-parallel degree the later solvers choose (None / 1 until then)."""
+    tier and data-parallel degree the cost-model solvers choose (None / 1 for the solvers
+    that only cut, such as ``balanced``)."""
 
     start: int
     end: int
@@ -35,6 +38,8 @@ class Plan:
     solver: str = "manual"
     predictions: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     schema_version: int = PLAN_SCHEMA_VERSION
+    # FuncPipe's M when the solver chose it; None: the workload's micro_batches
+    micro_batches: int | None = None
 
     @classmethod
     def from_ranges(cls, ranges: list[tuple[int, int]], num_layers: int, solver: str = "manual") -> "Plan":
@@ -72,13 +77,30 @@ class Plan:
                                 f"cover the chain in order without gaps, and this one must start at {expected}")
             if stage.replicas < 1:
                 raise PlanError(f"stage {index} has {stage.replicas} replicas; it needs at least 1")
+            if stage.memory_mb is not None and stage.memory_mb <= 0:
+                raise PlanError(f"stage {index} has {stage.memory_mb} MB of memory; give a positive tier")
             expected = stage.end + 1
         if expected != num_layers:
             raise PlanError(f"the stages end at layer {expected - 1} but the chain has {num_layers} layers")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise PlanError(f"a plan needs at least 1 micro-batch, got {self.micro_batches}")
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(stage.replicas for stage in self.stages)
+
+    @property
+    def memory_mb(self) -> tuple[int | None, ...]:
+        return tuple(stage.memory_mb for stage in self.stages)
+
+    def with_predictions(self, **predictions: Any) -> "Plan":
+        """The same plan with ``predictions`` merged into its predictions."""
+        return dataclasses.replace(self, predictions={**self.predictions, **predictions})
 
     def to_json(self) -> dict:
         return {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
-                "stages": [asdict(stage) for stage in self.stages], "predictions": self.predictions}
+                "stages": [asdict(stage) for stage in self.stages], "micro_batches": self.micro_batches,
+                "predictions": self.predictions}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
@@ -90,7 +112,8 @@ class Plan:
                             "re-plan with this flatpack version")
         try:
             stages = tuple(StagePlan(**stage) for stage in data["stages"])
-            plan = cls(stages, int(data["num_layers"]), data.get("solver", "manual"), data.get("predictions", {}))
+            plan = cls(stages, int(data["num_layers"]), data.get("solver", "manual"), data.get("predictions", {}),
+                       micro_batches=data.get("micro_batches"))
         except (KeyError, TypeError) as err:
             raise PlanError(f"malformed plan JSON: {err}") from None
         plan.check_against(plan.num_layers)

@@ -18,7 +18,8 @@ class Workload:
     """``batch`` is the global batch of one training iteration or of one inference request.
     ``micro_batches`` is FuncPipe's M: the global batch is cut into M micro-batches, and with
     d data-parallel replicas each replica pipelines µ = M/d of them (FuncPipe §3.4.1). Left
-    out, it is 4 for training (at most the batch) and 1 for inference.
+    out, it is the largest divisor of the batch up to 4 for training and 1 for inference; it
+    must divide the batch (a micro-batch holds whole samples).
     ``sync`` picks the gradient synchronization model: FuncPipe's pipelined scatter-reduce
     (eq. 2) or LambdaML's three-phase scatter-reduce (eq. 1). ``slo_s`` is a latency bound
     (per iteration for training, per request for inference) for the SLO solvers."""
@@ -37,13 +38,14 @@ class Workload:
             raise InputError(f"batch size must be a positive integer, got {self.batch!r}")
         if self.micro_batches is None:
             # frozen: the default depends on the other fields, so it is set once here
-            object.__setattr__(self, "micro_batches", min(DEFAULT_TRAIN_MICRO_BATCHES, self.batch)
+            object.__setattr__(self, "micro_batches", max(divisors_up_to(self.batch, DEFAULT_TRAIN_MICRO_BATCHES))
                                if self.mode == "train" else 1)
         if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches <= 0:
             raise InputError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         if self.micro_batches > self.batch:
             raise InputError(f"{self.micro_batches} micro-batches cannot split a batch of {self.batch}; "
                              f"use at most {self.batch}")
+        check_divides(self.batch, self.micro_batches)
         if self.optimizer not in OPTIMIZERS:
             raise InputError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.sync not in SYNC_METHODS:
@@ -59,3 +61,22 @@ class Workload:
     def micro_batches_per_replica(self, replicas: int) -> float:
         """FuncPipe's µ = M/d."""
         return self.micro_batches / replicas
+
+
+def divisors_up_to(batch: int, limit: int) -> list[int]:
+    return [count for count in range(1, min(batch, limit) + 1) if batch % count == 0]
+
+
+def check_divides(batch: int, micro_batches: int) -> None:
+    """A micro-batch holds whole samples: M must divide the batch. The error names the
+    nearest counts that do."""
+    if batch % micro_batches == 0:
+        return
+    divisors = divisors_up_to(batch, batch)
+    below = max(count for count in divisors if count < micro_batches)
+    above = min((count for count in divisors if count > micro_batches), default=None)
+    nearest = f"micro_batches={below}" + (f" or {above}" if above is not None else "")
+    raise InputError(f"{micro_batches} micro-batches cannot split a batch of {batch} into whole samples; use "
+                     f"{nearest} (micro-batches of {batch // below}"
+                     + (f" or {batch // above}" if above is not None else "") + " samples), or a batch that "
+                     f"{micro_batches} divides, such as {batch - batch % micro_batches + micro_batches}")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
-from flatpack.ir.profile import stage_saved_bytes
+from flatpack.ir.profile import Linear, stage_saved_line
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 
@@ -115,6 +115,44 @@ def memory_limit(problem: Problem, tier: "Tier") -> tuple[int, int]:
     return tier.memory_bytes, int(problem.platform.base_memory_bytes)
 
 
+@dataclass(frozen=True)
+class StageTensors:
+    """What a stage's memory need is summed from: the activations it keeps per micro-batch
+    (a line in samples), and its weights (parameters and buffers), gradients and optimizer
+    state in bytes."""
+
+    saved: Linear
+    weights: float
+    gradients: float
+    optimizer: float
+
+
+def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
+    profiles = [problem.layer_profile(index) for index in range(start, end + 1)]
+    weights = gradients = optimizer = 0.0
+    for profile in profiles:
+        weights += profile.param_bytes + profile.buffer_bytes
+        gradients += profile.grad_bytes
+        optimizer += profile.optimizer_bytes(problem.workload.optimizer)
+    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer)
+
+
+def memory_need(problem: Problem, tensors: StageTensors, tier: "Tier", *, micro_batches_in_flight: float,
+                weight_versions: int = 1, sync_buffer_copies: int = 0) -> MemoryNeed:
+    """:func:`stage_memory` from a stage's :class:`StageTensors` (solvers reuse the sums)."""
+    limit, base = memory_limit(problem, tier)
+    activations = tensors.saved.at(problem.workload.micro_batch_size)
+    return MemoryNeed(
+        activations=math.ceil(micro_batches_in_flight * activations),
+        weights=int(tensors.weights * weight_versions),
+        gradients=int(tensors.gradients),
+        sync_buffers=int(tensors.gradients * sync_buffer_copies),
+        optimizer=int(tensors.optimizer),
+        base=base,
+        limit=limit,
+    )
+
+
 def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_batches_in_flight: float,
                  weight_versions: int = 1, sync_buffer_copies: int = 0) -> MemoryNeed:
     """Memory of a worker holding layers start..end.
@@ -130,21 +168,6 @@ def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_
     ``weight_versions`` > 1 is PipeDream's weight stashing. The limit is
     :func:`memory_limit` of ``tier``.
     """
-    micro_batch = problem.workload.micro_batch_size
-    limit, base = memory_limit(problem, tier)
-    profiles = [problem.layer_profile(index) for index in range(start, end + 1)]
-    activations = stage_saved_bytes(profiles, micro_batch)
-    weights = gradients = optimizer = 0.0
-    for profile in profiles:
-        weights += profile.param_bytes + profile.buffer_bytes
-        gradients += profile.grad_bytes
-        optimizer += profile.optimizer_bytes(problem.workload.optimizer)
-    return MemoryNeed(
-        activations=math.ceil(micro_batches_in_flight * activations),
-        weights=int(weights * weight_versions),
-        gradients=int(gradients),
-        sync_buffers=int(gradients * sync_buffer_copies),
-        optimizer=int(optimizer),
-        base=base,
-        limit=limit,
-    )
+    return memory_need(problem, stage_tensors(problem, start, end), tier,
+                       micro_batches_in_flight=micro_batches_in_flight, weight_versions=weight_versions,
+                       sync_buffer_copies=sync_buffer_copies)

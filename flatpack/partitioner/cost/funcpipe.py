@@ -187,13 +187,13 @@ def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
     platform's largest tier — FuncPipe's stated limitation (000_2f8f665d06f7d6de.txt §4,
     "Limitation Discussion": no support for a layer larger than a function's memory).
 
-    Uses eq. 3b on a one-layer stage with d = ``replicas`` (default
-    ``problem.options["replicas"]``, else 1, the least memory: no sync buffers) and
+    Uses eq. 3b on a one-layer stage with d = ``replicas`` (default 1, the least memory:
+    no sync buffers) and
     µ = ⌈M/d⌉ micro-batches of batch/M samples. The message names each such layer, its need
     by part, the limit, and what would make it fit.
     """
     if replicas is None:
-        replicas = int(problem.options.get("replicas", 1))
+        replicas = 1
     platform = problem.platform
     largest = largest_tier(problem)
     limit, _ = memory_limit(problem, largest)

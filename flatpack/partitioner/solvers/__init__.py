@@ -24,6 +24,9 @@ class Solver(Protocol):
 
 SOLVERS: Registry[Solver] = Registry("solver", PlanError, {
     "balanced": "flatpack.partitioner.solvers.balanced:Balanced",
+    "brute": "flatpack.partitioner.solvers.brute:Brute",
+    "dp": "flatpack.partitioner.solvers.dp:Dp",
+    "miqp": "flatpack.partitioner.solvers.miqp:Miqp",
 })
 
 

@@ -1,0 +1,348 @@
+"""Plans for people: the front as a terminal table, each plan's time and cost stage by stage
+under the cost model that priced it, and the same as JSON.
+
+A :class:`Selection` is what ``flatpack plan`` shows: the plans (fastest first), the one it
+picks and why — FuncPipe's recommendation on a front, the cheapest plan within an SLO, or
+the optimum of one weight pair.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
+
+from flatpack.errors import PlanError
+from flatpack.partitioner.cost.common import MIB
+from flatpack.partitioner.cost.funcpipe import PipelineCost
+from flatpack.partitioner.cost.gillis import ForkJoinCost
+from flatpack.partitioner.cost.hydrozoa import HybridCost
+from flatpack.partitioner.cost.pipedream import PipeDreamCost
+from flatpack.partitioner.objective import Evaluation, evaluate
+from flatpack.partitioner.pareto import RECOMMEND_EFFICIENCY, Front, dollars_of, efficiency, time_of
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+
+MARK = "★"
+REPORT_KIND = "flatpack-plans"
+REPORT_SCHEMA_VERSION = 1
+KINDS = ("front", "slo", "weights")
+MODEL_NAMES = {"funcpipe": "FuncPipe", "gillis": "Gillis", "hydrozoa": "Hydrozoa", "pipedream": "PipeDream"}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """``plans`` fastest first; ``chosen`` indexes the one picked; ``reason`` says why in a
+    few words (it labels the table's marker and the plot's highlighted point)."""
+
+    plans: tuple[Plan, ...]
+    chosen: int
+    kind: str
+    reason: str
+    slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PlanError(f"selection kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if not 0 <= self.chosen < len(self.plans):
+            raise PlanError(f"selection index {self.chosen} is outside its {len(self.plans)} plan(s)")
+
+    @classmethod
+    def of_front(cls, front: Front) -> "Selection":
+        return cls(tuple(front.plans), front.recommended, "front", "recommended")
+
+    @classmethod
+    def within_slo(cls, plan: Plan, slo_s: float) -> "Selection":
+        return cls((plan,), 0, "slo", f"cheapest within {slo_s:g} s", slo_s)
+
+    @classmethod
+    def of_weights(cls, plan: Plan, label: str) -> "Selection":
+        return cls((plan,), 0, "weights", f"optimum of weights {label}")
+
+    @property
+    def chosen_plan(self) -> Plan:
+        return self.plans[self.chosen]
+
+
+# -- the table of plans -------------------------------------------------------------------------
+
+def unit_of(problem: Problem) -> str:
+    """What one plan's time and dollars are for: a training iteration or an inference request."""
+    return "request" if problem.workload.mode == "infer" else "iteration"
+
+
+def front_table(problem: Problem, selection: Selection) -> str:
+    """One row per plan — stages, layer ranges, tiers, replicas (workers per group for
+    inference), M, time, dollars, MB·s, δ on a front — and the marker on the chosen one."""
+    inference = problem.workload.mode == "infer"
+    on_front = selection.kind == "front"
+    cheapest = min(selection.plans, key=lambda plan: (dollars_of(plan), time_of(plan)))
+    header = ["#", "stages", "layers", "tiers MB", "workers" if inference else "replicas", "M", "time s",
+              f"$ per {unit_of(problem)}", "MB·s"]
+    if on_front:
+        header.append("δ")
+    rows = []
+    for index, plan in enumerate(selection.plans):
+        row = [str(index), str(len(plan.stages)), _layer_ranges(plan), _tiers(plan), _replicas(plan),
+               "-" if inference else str(plan.micro_batches or problem.workload.micro_batches),
+               f"{time_of(plan):.4g}", f"{dollars_of(plan):.3e}", _mb_s(plan)]
+        if on_front:
+            row.append(_efficiency(plan, cheapest))
+        row.append(f"{MARK} {selection.reason}" if index == selection.chosen else "")
+        rows.append(row)
+    numeric = {0, 1, 5, 6, 7, 8, 9} if on_front else {0, 1, 5, 6, 7, 8}
+    header.append("")
+    return format_table(header, rows, numeric=numeric)
+
+
+def _layer_ranges(plan: Plan) -> str:
+    return " ".join(str(stage.start) if stage.start == stage.end else f"{stage.start}-{stage.end}"
+                    for stage in plan.stages)
+
+
+def _tiers(plan: Plan) -> str:
+    return " ".join("-" if stage.memory_mb is None else str(stage.memory_mb) for stage in plan.stages)
+
+
+def _replicas(plan: Plan) -> str:
+    degrees = plan.replicas
+    # FuncPipe and Hydrozoa give every stage one degree: print it once
+    return str(degrees[0]) if len(set(degrees)) == 1 else " ".join(map(str, degrees))
+
+
+def _mb_s(plan: Plan) -> str:
+    value = plan.predictions.get("cost_mb_s")
+    return "-" if value is None else f"{float(value):,.1f}"
+
+
+def _efficiency(plan: Plan, cheapest: Plan) -> str:
+    if plan is cheapest:
+        return "-"
+    value = efficiency(plan, cheapest)
+    return "∞" if math.isinf(value) else f"{value:.2f}"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: Collection[int] = ()) -> str:
+    """Columns padded to their widest cell, numbers right-aligned, a rule under the header."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [cell.rjust(width) if i in numeric else cell.ljust(width)
+                  for i, (cell, width) in enumerate(zip(cells, widths))]
+        return "  ".join(padded).rstrip()
+
+    rule = "  ".join(("-" if title else " ") * width for title, width in zip(header, widths)).rstrip()
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def explain(problem: Problem, selection: Selection) -> str:
+    """A sentence under the table: what the marker means."""
+    chosen = selection.chosen_plan
+    if selection.kind == "slo":
+        return (f"{MARK} plan {selection.chosen}: the cheapest plan whose {unit_of(problem)} time meets the SLO of "
+                f"{selection.slo_s:g} s ({time_of(chosen):.4g} s, {_percent(time_of(chosen), selection.slo_s)} of it)")
+    if selection.kind == "weights":
+        return (f"{MARK} plan {selection.chosen}: the {selection.reason}, minimizing α₁·MB·s + α₂·seconds "
+                "(FuncPipe eq. 3a)")
+    cheapest = min(range(len(selection.plans)),
+                   key=lambda i: (dollars_of(selection.plans[i]), time_of(selection.plans[i])))
+    if len(selection.plans) == 1:
+        return f"{MARK} plan 0: the only plan on the front (every weight pair gives it)"
+    if selection.chosen == cheapest:
+        return (f"{MARK} plan {selection.chosen}: the cheapest; no faster plan buys its speed-up efficiently "
+                f"enough (δ ≥ {RECOMMEND_EFFICIENCY:g}, FuncPipe §5.1)")
+    return (f"{MARK} plan {selection.chosen}: the fastest plan whose speed-up over the cheapest per unit of extra "
+            f"cost, δ, is at least {RECOMMEND_EFFICIENCY:g} (FuncPipe §5.1)")
+
+
+def _percent(part: float, whole: float | None) -> str:
+    return "-" if not whole else f"{100 * part / whole:.0f}%"
+
+
+# -- one plan, stage by stage -------------------------------------------------------------------
+
+def stage_breakdown(problem: Problem, plan: Plan, evaluation: Evaluation | None = None) -> str:
+    """The plan's time and dollars by stage (group, shard) under the cost model that prices
+    it, with each stage's share of the cost and its memory by part."""
+    evaluation = evaluation or evaluate(problem, plan)
+    detail = evaluation.detail
+    if isinstance(detail, PipelineCost):
+        return _funcpipe_breakdown(problem, plan, detail, evaluation)
+    if isinstance(detail, ForkJoinCost):
+        return _gillis_breakdown(problem, detail, evaluation)
+    if isinstance(detail, HybridCost):
+        return _hydrozoa_breakdown(problem, detail, evaluation)
+    if isinstance(detail, PipeDreamCost):
+        return _pipedream_breakdown(problem, detail, evaluation)
+    raise PlanError(f"no breakdown for the cost model {evaluation.model!r} ({type(detail).__name__})")
+
+
+def _summary(problem: Problem, evaluation: Evaluation) -> str:
+    fits = "" if evaluation.fits else "   DOES NOT FIT its memory"
+    return (f"{MODEL_NAMES.get(evaluation.model, evaluation.model)} model: {evaluation.time_s:.4g} s and "
+            f"${evaluation.dollars:.3e} per {unit_of(problem)} ({evaluation.cost_units:,.1f} MB·s){fits}")
+
+
+def _price(problem: Problem, memory_mb: int) -> float:
+    return problem.platform.tier(memory_mb).price_per_s
+
+
+def _memory(need_bytes: float, tier_mb: int) -> str:
+    return f"{need_bytes / MIB:,.1f}/{tier_mb}"
+
+
+def _share(part: float, total: float) -> str:
+    return f"{100 * part / total:.0f}%" if total > 0 else "-"
+
+
+def _memory_lines(stages: Sequence[Any], label: str) -> list[str]:
+    return [f"  {label} {stage.index} memory: {stage.memory.describe()}" for stage in stages]
+
+
+def _funcpipe_breakdown(problem: Problem, plan: Plan, cost: PipelineCost, evaluation: Evaluation) -> str:
+    micro_batches = plan.micro_batches or problem.workload.micro_batches
+    lines = [
+        _summary(problem, evaluation),
+        f"  d = {cost.replicas} replica(s) of every stage, M = {micro_batches} micro-batches of "
+        f"{cost.micro_batch_size:g} samples (µ = {cost.micro_batches_per_replica} per replica), "
+        f"{cost.sync_method} scatter-reduce",
+        f"  forward pass {cost.forward_s:.4g} s = first micro-batch {cost.first_forward_s:.4g} s + "
+        f"(µ−1)·Δ_f {(cost.micro_batches_per_replica - 1) * cost.forward_lag_s:.4g} s; then the slowest stage's "
+        f"backward and sync ({cost.iteration_s - cost.forward_s:.4g} s)",
+        "",
+    ]
+    rows = []
+    for stage in cost.stages:
+        dollars = cost.iteration_s * cost.replicas * _price(problem, stage.memory_mb)
+        rows.append([str(stage.index), _range(stage.start, stage.end), str(stage.memory_mb), str(cost.replicas),
+                     f"{stage.forward_s:.4g}", f"{stage.backward_s:.4g}", f"{stage.backward_done_s:.4g}",
+                     f"{stage.sync_s:.4g}", _memory(stage.memory_needed_bytes, stage.memory_mb),
+                     f"{dollars:.3e}", _share(dollars, cost.dollars_per_iteration)])
+    header = ["stage", "layers", "tier MB", "replicas", "fwd s/µb", "bwd s/µb", "bwd done s", "sync s",
+              "memory MB need/tier", "$ per iteration", "share"]
+    lines.append(_indent(format_table(header, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})))
+    lines.extend(_memory_lines(cost.stages, "stage"))
+    for cut in cost.boundaries:
+        lines.append(f"  cut after layer {cut.after_layer}: {cut.bytes / MIB:,.2f} MB per micro-batch; forward "
+                     f"up {cut.forward_upload_s:.4g} s + down {cut.forward_download_s:.4g} s, gradients back up "
+                     f"{cut.backward_upload_s:.4g} s + down {cut.backward_download_s:.4g} s")
+    return "\n".join(lines)
+
+
+def _gillis_breakdown(problem: Problem, cost: ForkJoinCost, evaluation: Evaluation) -> str:
+    platform = problem.platform
+    price = _price(problem, cost.memory_mb)
+    lines = [
+        _summary(problem, evaluation),
+        f"  every function {cost.memory_mb} MB; {cost.invocations} invocation(s); billed {cost.billed_s:.4g} s at "
+        f"{cost.granularity_s:g} s granularity: duration ${cost.duration_dollars:.3e} + requests "
+        f"${cost.request_dollars:.3e}",
+        "",
+    ]
+    master_dollars = platform.billed_seconds(cost.latency_s) * price + platform.price_per_request
+    rows = [["master", "all", "-", "-", "-", "-", f"{cost.latency_s:.4g}", "-",
+             f"{cost.master_weight_bytes / MIB:,.1f}", f"{master_dollars:.3e}",
+             _share(master_dollars, cost.dollars_per_request)]]
+    for group in cost.groups:
+        dollars = group.workers * (platform.billed_seconds(group.worker_duration_s) * price
+                                   + platform.price_per_request)
+        where = ("master" if group.workers == 0
+                 else f"{group.workers} workers" + (" + master" if group.on_master else ""))
+        rows.append([str(group.index), _range(group.start, group.end), where, f"{group.partition_compute_s:.4g}",
+                     f"{group.transfer_s:.4g}", f"{group.delay_s:.4g}", f"{group.latency_s:.4g}",
+                     f"{group.worker_duration_s:.4g}" if group.workers else "-",
+                     f"{group.partition_weight_bytes / MIB:,.1f}",
+                     f"{dollars:.3e}", _share(dollars, cost.dollars_per_request)])
+    header = ["group", "layers", "runs on", "compute s", "transfer s", "delay s", "latency s", "worker s",
+              "weights MB", "$ per request", "share"]
+    lines.append(_indent(format_table(header, rows, numeric={3, 4, 5, 6, 7, 8, 9, 10})))
+    lines.append(f"  the master runs for the whole latency; weights per function must stay under "
+                 f"{cost.memory_limit_bytes / MIB:,.1f} MB (the tier less the runtime)")
+    return "\n".join(lines)
+
+
+def _hydrozoa_breakdown(problem: Problem, cost: HybridCost, evaluation: Evaluation) -> str:
+    lines = [
+        _summary(problem, evaluation),
+        f"  A = {cost.data_parallel} data-parallel group(s) × B = {cost.model_parallel} shard(s), M = "
+        f"{cost.micro_batches} micro-batches of {cost.micro_batch_size:g} samples per group",
+        f"  model-parallel pass {cost.model_parallel_s:.4g} s + gradient all-reduce {cost.sync_s:.4g} s",
+        "",
+    ]
+    rows = []
+    for shard in cost.shards:
+        dollars = cost.iteration_s * cost.data_parallel * _price(problem, shard.memory_mb)
+        rows.append([str(shard.index), _range(shard.start, shard.end), str(shard.memory_mb),
+                     str(cost.data_parallel), f"{shard.forward_s:.4g}", f"{shard.backward_s:.4g}",
+                     f"{shard.comm_in_s:.4g}", f"{shard.allreduce_s:.4g}",
+                     _memory(shard.memory_needed_bytes, shard.memory_mb), f"{dollars:.3e}",
+                     _share(dollars, cost.dollars_per_iteration)])
+    header = ["shard", "layers", "tier MB", "replicas", "fwd s/µb", "bwd s/µb", "comm in s", "all-reduce s",
+              "memory MB need/tier", "$ per iteration", "share"]
+    lines.append(_indent(format_table(header, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})))
+    lines.extend(_memory_lines(cost.shards, "shard"))
+    return "\n".join(lines)
+
+
+def _pipedream_breakdown(problem: Problem, cost: PipeDreamCost, evaluation: Evaluation) -> str:
+    lines = [
+        _summary(problem, evaluation),
+        f"  {cost.micro_batches} micro-batches × the slowest step {cost.slowest_s:.4g} s ({cost.bottleneck}); "
+        f"{cost.workers} worker(s) in all",
+        "",
+    ]
+    rows = []
+    for stage in cost.stages:
+        dollars = cost.iteration_s * stage.replicas * _price(problem, stage.memory_mb)
+        rows.append([str(stage.index), _range(stage.start, stage.end), str(stage.memory_mb), str(stage.replicas),
+                     f"{stage.compute_s:.4g}", f"{stage.sync_s:.4g}", f"{stage.time_s:.4g}", str(stage.in_flight),
+                     _memory(stage.memory_needed_bytes, stage.memory_mb), f"{dollars:.3e}",
+                     _share(dollars, cost.dollars_per_iteration)])
+    header = ["stage", "layers", "tier MB", "replicas", "compute s/µb", "sync s", "step s", "in flight",
+              "memory MB need/tier", "$ per iteration", "share"]
+    lines.append(_indent(format_table(header, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})))
+    lines.extend(_memory_lines(cost.stages, "stage"))
+    for cut in cost.cuts:
+        lines.append(f"  cut after layer {cut.after_layer}: {cut.bytes / MIB:,.2f} MB per micro-batch, "
+                     f"{cut.time_s:.4g} s there and back")
+    return "\n".join(lines)
+
+
+def _range(start: int, end: int) -> str:
+    return str(start) if start == end else f"{start}-{end}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else line for line in text.splitlines())
+
+
+# -- the whole report ---------------------------------------------------------------------------
+
+def text_report(problem: Problem, selection: Selection, title: str) -> str:
+    """Title, the table, what the marker means, then the chosen plan stage by stage."""
+    chosen = selection.chosen_plan
+    count = len(selection.plans)
+    what = {"front": f"Pareto front: {count} plan(s), fastest first", "slo": "SLO mode", "weights": "weighted mode"}
+    parts = [title, what[selection.kind], "", front_table(problem, selection), "", explain(problem, selection), "",
+             f"plan {selection.chosen} ({selection.reason}) by stage — " + stage_breakdown(problem, chosen)]
+    return "\n".join(parts)
+
+
+def report_json(problem: Problem, selection: Selection, context: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The selection as JSON-ready data: every plan with its predictions and its cost
+    model's full breakdown."""
+    plans = []
+    for plan in selection.plans:
+        evaluation = evaluate(problem, plan)
+        plans.append({**plan.to_json(), "breakdown": evaluation.detail.to_json()})
+    return {
+        "kind": REPORT_KIND,
+        "schema_version": REPORT_SCHEMA_VERSION,
+        **(context or {}),
+        "unit": unit_of(problem),
+        "selection": selection.kind,
+        "reason": selection.reason,
+        "slo_s": selection.slo_s,
+        "chosen": selection.chosen,
+        "plans": plans,
+    }

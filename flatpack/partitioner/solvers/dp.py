@@ -1,0 +1,40 @@
+"""dp: the exact dynamic-programming solver, one algorithm per cost model.
+
+* FuncPipe's serverless training pipeline (``funcpipe_dp``): labels with dominance and
+  bounds over cuts × tiers, for every (M, d) of the space.
+* Gillis's fork-join inference (``gillis_dp``).
+* PipeDream's per-stage replication on GPU containers (``pipedream_dp``).
+* Hydrozoa's A×B hybrid on GPU containers (``hydrozoa_planner.solve``).
+
+Which one runs is :func:`objective.cost_model_for`: the model the plan is judged by.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+from flatpack.partitioner.objective import cost_model_for
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.solvers.base import CostSolver, Goal
+from flatpack.partitioner.space import SearchSpace
+
+ALGORITHMS = {
+    "funcpipe": "flatpack.partitioner.solvers.funcpipe_dp",
+    "gillis": "flatpack.partitioner.solvers.gillis_dp",
+    "pipedream": "flatpack.partitioner.solvers.pipedream_dp",
+    "hydrozoa": "flatpack.partitioner.solvers.hydrozoa_planner",
+}
+
+
+@dataclass(frozen=True)
+class Dp(CostSolver):
+    """Exact optimum of the problem's cost model over the search space (``space.py``)."""
+
+    name: ClassVar[str] = "dp"
+
+    def solve(self, problem: Problem, goal: Goal) -> Plan | None:
+        module = importlib.import_module(ALGORITHMS[cost_model_for(problem)])
+        return module.solve(problem, goal, SearchSpace.of(problem))

@@ -1,0 +1,542 @@
+"""Exact optimum of FuncPipe's co-optimization (000_2f8f665d06f7d6de.txt §3.4, eq. 3–7) by
+dynamic programming over the chain with dominance labels and bounds.
+
+What makes the problem hard for a plain DP: t_iter (``cost.funcpipe.iteration``) has
+bottleneck terms — (µ−1)·Δ_f with Δ_f the largest forward stage or transfer anywhere, and
+per stage (µ−1)·Δ_b(s) with Δ_b(s) the largest backward term from stage s up — and
+max_s(t_b,s + t_s,s) couples each stage's synchronization with everything after it; the
+cost multiplies t_iter by the plan's total price. So the best plan for a suffix of the
+chain depends on more than one number, and optimal substructure only holds for sets of
+non-dominated partial plans.
+
+The algorithm, for each (M, d) of the search space (and for each stage count S when the
+platform caps bandwidth per account, since each worker's share then depends on S):
+
+* Right to left over the chain. A label is a plan of the suffix starting at layer i whose
+  first stage has tier k, summarized by five numbers that determine every completion's
+  time and cost: V = Σ(forward + backward) + 2·Σ(transfers); P = Σ price; Δ_f and Δ_b of
+  the suffix; and Q = max over the suffix's stages t of (µ−1)·Δ_b(t) + t_s,t − (the
+  backward work between i and t). With V, P, Δ_f, Δ_b, Q of the whole chain,
+  t_iter = V + (µ−1)·Δ_f + Q: Q(0) is max_s(t_b,s + t_s,s) minus the backward sum. Prepending
+  a stage updates all five exactly (:func:`_extend`).
+* A label is dropped when another of the same state is no worse in every one of the numbers
+  that matter (Δ_f and Δ_b only when µ > 1; Q only when d > 1): any completion of the
+  dominated label is matched by the same completion of the other.
+* A label is also dropped when a lower bound on any completion's objective already exceeds
+  the best complete plan found (the incumbent). The bound adds the cheapest possible prefix:
+  each layer's fastest tier, the cheapest tier for one more stage, the transfer into the
+  label's first stage, and the slowest single layer as a floor on the bottleneck terms.
+* The incumbent comes from a first pass that keeps only the most promising labels per state
+  (a beam), which yields a good complete plan quickly; the exact pass then prunes with it.
+
+Weighted goals minimize t_iter·(α₁·d·P/u + α₂) (u: dollars per MB·s); SLO goals minimize
+t_iter·d·P subject to t_iter ≤ SLO. Both are monotone in every label number, which is what
+makes dominance and the bounds exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from flatpack.errors import PlanError
+from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
+from flatpack.partitioner.cost.common import memory_limit, memory_need, micro_batches_per_replica, stage_tensors
+from flatpack.partitioner.cost.funcpipe import check_layers_fit
+from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, with_micro_batches
+from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.solvers.base import Goal, better
+from flatpack.partitioner.space import SearchSpace
+
+if TYPE_CHECKING:
+    from flatpack.backends.catalog import Tier
+
+V, P, DF, DB, Q = range(5)
+BEAM_WIDTH = 16
+_PARETO_CHUNK = 128
+_PIVOTS = 32
+_RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
+
+
+@dataclass
+class _Chain:
+    """Per-(M, d, S) numbers of the chain on every tier, as arrays."""
+
+    micro_batches: int
+    replicas: int
+    mu: int
+    stage_count: int | None          # S when bandwidth depends on it, else None
+    tiers: list["Tier"]
+    price: np.ndarray                # (K,) dollars per second of one worker
+    bandwidth: np.ndarray            # (K,) bytes per second
+    latency: float
+    forward_prefix: np.ndarray       # (K, L+1) slowdown-scaled forward seconds, prefix sums
+    backward_prefix: np.ndarray
+    out_bytes: np.ndarray            # (L,) bytes after each layer per micro-batch (last unused)
+    fits: list[list[np.ndarray]]     # fits[i][j - i]: (K,) bool, stage i..j fits on tier k
+    gradients: list[list[float]]     # gradients[i][j - i]: bytes the stage synchronizes
+    sync_method: str
+
+    @property
+    def layers(self) -> int:
+        return self.forward_prefix.shape[1] - 1
+
+    def stage_seconds(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return (self.forward_prefix[:, end + 1] - self.forward_prefix[:, start],
+                self.backward_prefix[:, end + 1] - self.backward_prefix[:, start])
+
+    def transfer(self, after: int, tiers: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """o/W + t_lat for the boundary after layer ``after``, at each tier's bandwidth."""
+        return self.out_bytes[after] / self.bandwidth[tiers] + self.latency
+
+    def sync(self, start: int, end: int) -> np.ndarray:
+        grads = self.gradients[start][end - start]
+        return np.array([scatter_reduce_seconds(grads, self.replicas, float(w), self.latency, self.sync_method)
+                         for w in self.bandwidth])
+
+
+@dataclass
+class _Labels:
+    """Non-dominated partial plans of the suffixes starting at one layer, all first tiers."""
+
+    values: np.ndarray       # (n, 5): V, P, Δ_f, Δ_b, Q
+    tier: np.ndarray         # (n,) tier index of the first stage
+    end: np.ndarray          # (n,) last layer of the first stage
+    next_row: np.ndarray     # (n,) row in the labels of layer end + 1 (−1: last stage)
+    count: np.ndarray        # (n,) stages in the suffix
+
+
+def _empty_labels() -> _Labels:
+    return _Labels(np.empty((0, 5)), np.empty(0, int), np.empty(0, int), np.empty(0, int), np.empty(0, int))
+
+
+@dataclass
+class _Objective:
+    """The goal as a function of (t_iter, P) for one (M, d)."""
+
+    goal: Goal
+    replicas: int
+    dollars_per_unit: float
+
+    def score(self, times: np.ndarray, prices: np.ndarray) -> np.ndarray:
+        """Primary score, +inf where the SLO is missed."""
+        dollars = times * self.replicas * prices
+        if self.goal.slo_s is not None:
+            return np.where(times <= self.goal.slo_s * (1 + _RELATIVE_SLACK), dollars, np.inf)
+        weights = self.goal.weights
+        return weights.cost * dollars / self.dollars_per_unit + weights.time * times
+
+
+@dataclass
+class Result:
+    plan: Plan
+    score: tuple[float, float]
+
+
+@dataclass
+class _Stats:
+    labels_kept: int = 0
+    labels_built: int = 0
+    searches: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _stage_tensor_table(problem: Problem) -> list[list]:
+    """stage_tensors(i, j) for every stage whose weights alone fit the largest limit."""
+    count = len(problem.chain)
+    largest = max(memory_limit(problem, tier)[0] for tier in problem.platform.tiers)
+    table = []
+    for start in range(count):
+        row = []
+        for end in range(start, count):
+            tensors = stage_tensors(problem, start, end)
+            if tensors.weights + tensors.gradients + tensors.optimizer > largest and row:
+                break  # more layers only add bytes
+            row.append(tensors)
+        table.append(row)
+    return table
+
+
+def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_batches: int, replicas: int,
+           stage_count: int | None) -> _Chain:
+    problem = with_micro_batches(problem, micro_batches)
+    platform = problem.platform
+    micro = problem.workload.micro_batch_size
+    mu = micro_batches_per_replica(problem, replicas)
+    bandwidth = np.array([tier.bandwidth_bytes_s for tier in tiers], dtype=float)
+    if platform.aggregate_bandwidth_bytes_s is not None and stage_count is not None:
+        bandwidth = np.minimum(bandwidth, platform.aggregate_bandwidth_bytes_s / (replicas * stage_count))
+    count = len(problem.chain)
+    forward = np.zeros((len(tiers), count + 1))
+    backward = np.zeros((len(tiers), count + 1))
+    for k, tier in enumerate(tiers):
+        for index in range(count):
+            fwd, bwd = problem.layer_seconds(index, tier, micro)
+            forward[k, index + 1] = forward[k, index] + fwd
+            backward[k, index + 1] = backward[k, index] + bwd
+    slowdown = platform.overlap_slowdown
+    out_bytes = np.array([problem.boundary_bytes(index, micro) for index in range(count)], dtype=float)
+    limits = [memory_limit(problem, tier) for tier in tiers]
+    sync_copies = 2 if replicas > 1 else 0
+    fits, gradients = [], []
+    for row in tensors:
+        fit_row, grad_row = [], []
+        for stage in row:
+            need = memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu, sync_buffer_copies=sync_copies)
+            tensors_bytes = need.total - need.base
+            fit_row.append(np.array([tensors_bytes + base <= limit for limit, base in limits]))
+            grad_row.append(stage.gradients)
+        fits.append(fit_row)
+        gradients.append(grad_row)
+    return _Chain(micro_batches, replicas, mu, stage_count, tiers, np.array([t.price_per_s for t in tiers]),
+                  bandwidth, platform.storage_latency_s, slowdown * forward, slowdown * backward, out_bytes,
+                  fits, gradients, problem.workload.sync)
+
+
+@dataclass
+class _PrefixBounds:
+    """Lower bounds on what layers 0..i−1 add to any plan, for each i (a left-to-right DP
+    over the same fitting stages, each quantity minimized on its own, so their sum is a
+    valid bound): ``work[i, k]`` the least Σ(forward + backward) + 2·Σ transfers and
+    ``forward[i, k]`` the least Σ forward + Σ transfers of a prefix whose last stage has tier
+    k, its upload across boundary i−1 included; ``price[i]`` the least Σ price;
+    ``forward_lag[i]`` and ``backward_lag[i]`` the slowest single layer on its fastest tier;
+    ``first_sync`` the least synchronization of a first stage."""
+
+    work: np.ndarray
+    forward: np.ndarray
+    price: np.ndarray
+    forward_lag: np.ndarray
+    backward_lag: np.ndarray
+    first_sync: float
+
+
+def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
+    count, tiers = chain.layers, len(chain.tiers)
+    forward = np.diff(chain.forward_prefix, axis=1)     # (K, L)
+    backward = np.diff(chain.backward_prefix, axis=1)
+    work = np.full((count + 1, tiers), np.inf)
+    forward_only = np.full((count + 1, tiers), np.inf)
+    price = np.full(count + 1, np.inf)
+    price[0] = 0.0
+    for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
+        upload = chain.transfer(end)
+        for start in range(end + 1):
+            offset = end - start
+            if offset >= len(chain.fits[start]):
+                continue
+            fits = chain.fits[start][offset]
+            if not fits.any():
+                continue
+            fwd, bwd = chain.stage_seconds(start, end)
+            if start == 0:
+                before_work = before_forward = np.zeros(tiers)
+            else:
+                downloads = chain.transfer(start - 1)
+                before_work = (work[start][:, None] + 2 * downloads[None, :]).min(axis=0)
+                before_forward = (forward_only[start][:, None] + downloads[None, :]).min(axis=0)
+            stage_work = np.where(fits, fwd + bwd + before_work + 2 * upload, np.inf)
+            stage_forward = np.where(fits, fwd + before_forward + upload, np.inf)
+            work[end + 1] = np.minimum(work[end + 1], stage_work)
+            forward_only[end + 1] = np.minimum(forward_only[end + 1], stage_forward)
+            price[end + 1] = min(price[end + 1], price[start] + chain.price[fits].min())
+    forward_lag = np.concatenate([[0.0], np.maximum.accumulate(forward.min(axis=0))])
+    backward_lag = np.concatenate([[0.0], np.maximum.accumulate(backward.min(axis=0))])
+    first_sync = 0.0
+    if chain.replicas > 1:
+        first_sync = float(chain.sync(0, 0).min())   # more layers only add gradients
+    return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync)
+
+
+def _pareto(values: np.ndarray, columns: list[int], groups: np.ndarray) -> np.ndarray:
+    """Indices of the rows no other row of the same group dominates in ``columns`` (one
+    row kept among equal ones)."""
+    if len(values) <= 1:
+        return np.arange(len(values))
+    kept_rows = []
+    for group in np.unique(groups):
+        members = np.flatnonzero(groups == group)
+        keys = values[members][:, columns]
+        survivors = _not_dominated_by_pivots(keys)
+        members, keys = members[survivors], keys[survivors]
+        order = np.lexsort(keys.T[::-1])
+        kept_rows.append(members[order[_front_of_sorted(keys[order])]])
+    return np.sort(np.concatenate(kept_rows))
+
+
+def _not_dominated_by_pivots(keys: np.ndarray) -> np.ndarray:
+    """Positions of the rows that none of a few strong rows (the smallest by the sum of
+    normalized coordinates, each non-dominated or the first of its equals) dominates: a
+    cheap first filter that removes most rows before the exact one."""
+    if len(keys) <= _PIVOTS:
+        return np.arange(len(keys))
+    low, high = keys.min(axis=0), keys.max(axis=0)
+    spread = np.where(high > low, high - low, 1.0)
+    strength = ((keys - low) / spread).sum(axis=1)
+    pivots = np.argpartition(strength, _PIVOTS)[:_PIVOTS]
+    no_worse = np.all(keys[pivots][None, :, :] <= keys[:, None, :], axis=2)
+    better = np.any(keys[pivots][None, :, :] < keys[:, None, :], axis=2)
+    # equal to a pivot: dropped unless it is that pivot or the first of its equals among them
+    equal = no_worse & ~better
+    first_equal = np.where(equal.any(axis=1), np.argmax(equal, axis=1), -1)
+    dominated = (no_worse & better).any(axis=1)
+    duplicate = equal.any(axis=1) & (pivots[np.maximum(first_equal, 0)] != np.arange(len(keys)))
+    return np.flatnonzero(~dominated & ~duplicate)
+
+
+def _front_of_sorted(keys: np.ndarray) -> np.ndarray:
+    """Positions of the non-dominated rows of ``keys``, sorted lexicographically: only an
+    earlier row can dominate a later one, so each block is checked against the front so far
+    and then against itself."""
+    front = np.empty((0, keys.shape[1]))
+    positions = []
+    for start in range(0, len(keys), _PARETO_CHUNK):
+        block = keys[start:start + _PARETO_CHUNK]
+        alive = ~np.all(front[None, :, :] <= block[:, None, :], axis=2).any(axis=1)
+        inner = np.all(block[None, :, :] <= block[:, None, :], axis=2)
+        inner &= np.tri(len(block), k=-1, dtype=bool)
+        # a row dominated only by a row that is itself dominated is still dominated (transitivity)
+        alive &= ~inner.any(axis=1)
+        positions.append(start + np.flatnonzero(alive))
+        front = np.concatenate([front, block[alive]])
+    return np.concatenate(positions)
+
+
+class _Search:
+    """One right-to-left pass for one (M, d, S)."""
+
+    def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
+                 stats: _Stats) -> None:
+        self.chain = chain
+        self.objective = objective
+        self.incumbent = incumbent
+        self.beam = beam
+        self.stats = stats
+        self.bounds = _prefix_bounds(chain)
+        prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
+        self.columns = [V] + ([P] if prices_matter else []) + ([DF, DB] if chain.mu > 1 else []) + ([Q] if chain.replicas > 1 else [])
+        self.labels: list[_Labels] = [_empty_labels() for _ in range(chain.layers + 1)]
+
+    def run(self) -> tuple[float, float, int] | None:
+        """(score, t_iter, row) of the best complete plan, or None."""
+        chain = self.chain
+        for start in range(chain.layers - 1, -1, -1):
+            self.labels[start] = self._labels_from(start)
+        first = self.labels[0]
+        if chain.stage_count is not None:
+            keep = first.count == chain.stage_count
+        else:
+            keep = np.ones(len(first.tier), dtype=bool)
+        if not keep.any():
+            return None
+        times = self._times(first.values)
+        scores = np.where(keep, self.objective.score(times, first.values[:, P]), np.inf)
+        best_rows = np.flatnonzero(scores == scores.min())
+        row = int(best_rows[np.argmin(times[best_rows])])
+        if not np.isfinite(scores[row]):
+            return None
+        return float(scores[row]), float(times[row]), row
+
+    def _times(self, values: np.ndarray) -> np.ndarray:
+        return values[:, V] + (self.chain.mu - 1) * values[:, DF] + values[:, Q]
+
+    def _labels_from(self, start: int) -> _Labels:
+        chain = self.chain
+        parts: list[tuple] = []
+        for offset, fits in enumerate(chain.fits[start]):
+            end = start + offset
+            tiers = np.flatnonzero(fits)
+            if len(tiers) == 0:
+                continue
+            forward, backward = chain.stage_seconds(start, end)
+            sync = chain.sync(start, end) if chain.replicas > 1 else np.zeros(len(chain.tiers))
+            if end == chain.layers - 1:
+                parts.append(self._last_stage(tiers, end, forward, backward, sync))
+            elif len(self.labels[end + 1].tier):
+                parts.append(self._extend(tiers, end, forward, backward, sync))
+        if not parts:
+            return _empty_labels()
+        values = np.concatenate([part[0] for part in parts])
+        tier, end, next_row, count = (np.concatenate([part[i] for part in parts]) for i in range(1, 5))
+        if start > 0:
+            _enter(values, chain.transfer(start - 1, tier))
+        self.stats.labels_built += len(values)
+        keep = self._within_bounds(start, values, count)
+        values, tier, end, next_row, count = values[keep], tier[keep], end[keep], next_row[keep], count[keep]
+        # labels with different stage counts compete only when S is free
+        groups = count if chain.stage_count is not None else np.zeros(len(count), dtype=int)
+        if self.beam is None:
+            rows = _pareto(values, self.columns, groups)
+        else:  # a heuristic pass: the best few by bound, then the non-dominated among them
+            rows = self._best_per_group(start, values, groups, np.arange(len(values)), 4 * self.beam)
+            rows = rows[_pareto(values[rows], self.columns, groups[rows])]
+            rows = self._best_per_group(start, values, groups, rows, self.beam)
+        self.stats.labels_kept += len(rows)
+        return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
+
+    def _last_stage(self, tiers, end, forward, backward, sync) -> tuple:
+        mu = self.chain.mu
+        values = np.stack([forward[tiers] + backward[tiers], self.chain.price[tiers], forward[tiers],
+                           backward[tiers], (mu - 1) * backward[tiers] + sync[tiers]], axis=1)
+        n = len(tiers)
+        return values, tiers, np.full(n, end), np.full(n, -1), np.ones(n, dtype=int)
+
+    def _extend(self, tiers, end, forward, backward, sync) -> tuple:
+        """Prepend stage (start..end) on each tier in ``tiers`` to every label of end + 1
+        (whose values already hold the download across boundary ``end``, see :func:`_enter`)."""
+        chain = self.chain
+        after = self.labels[end + 1]
+        upload = chain.transfer(end, tiers)[:, None]                  # at this stage's bandwidth
+        old = after.values
+        fwd, bwd = forward[tiers][:, None], backward[tiers][:, None]
+        values = np.empty((len(tiers), len(after.tier), 5))
+        values[..., V] = fwd + bwd + 2 * upload + old[None, :, V]
+        values[..., P] = chain.price[tiers][:, None] + old[None, :, P]
+        values[..., DF] = np.maximum(np.maximum(fwd, upload), old[None, :, DF])
+        values[..., DB] = np.maximum(np.maximum(bwd, upload), old[None, :, DB])
+        values[..., Q] = np.maximum((chain.mu - 1) * values[..., DB] + sync[tiers][:, None],
+                                    old[None, :, Q] - (bwd + upload))
+        shape = values.shape[:2]
+        rows = np.broadcast_to(np.arange(len(after.tier))[None, :], shape).ravel()
+        return (values.reshape(-1, 5), np.broadcast_to(tiers[:, None], shape).ravel(), np.full(rows.size, end),
+                rows, (after.count[rows] + 1))
+
+    def _lower_scores(self, start: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lower bounds on the score and t_iter of any completion of each label.
+
+        With the prefix's work W_p (forward, backward, its upload across boundary start−1),
+        its forward part F_p and its own bottleneck terms A_p = max over its stages of
+        (µ−1)·Δ_b + t_s, and the label's values with the download into it included:
+        t_iter = W_p + V + (µ−1)·Δ_f + max(A_p, Q − (W_p − F_p)), so
+        t_iter ≥ V + (µ−1)·Δ_f + max(W_p + A_p, F_p + Q), each term at its least."""
+        chain = self.chain
+        if start == 0:
+            times = self._times(values)
+            return self.objective.score(times, values[:, P]), times
+        bounds = self.bounds
+        df = np.maximum(values[:, DF], bounds.forward_lag[start])
+        db = np.maximum(values[:, DB], bounds.backward_lag[start])
+        prefix_terms = (chain.mu - 1) * db + bounds.first_sync
+        times = (values[:, V] + (chain.mu - 1) * df
+                 + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
+        return self.objective.score(times, values[:, P] + bounds.price[start]), times
+
+    def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
+        keep = np.ones(len(values), dtype=bool)
+        if self.chain.stage_count is not None:
+            keep &= count + (start > 0) <= self.chain.stage_count
+        if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
+            scores, _ = self._lower_scores(start, values)
+            keep &= np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+        return keep
+
+    def _best_per_group(self, start: int, values, groups, rows, width: int) -> np.ndarray:
+        scores, times = self._lower_scores(start, values[rows])
+        chosen = []
+        for group in np.unique(groups[rows]):
+            members = np.flatnonzero(groups[rows] == group)
+            ranked = members[np.lexsort((times[members], scores[members]))]
+            chosen.extend(rows[ranked[:width]])
+        return np.sort(np.array(chosen, dtype=int))
+
+    def plan(self, row: int, num_layers: int) -> Plan:
+        stages = []
+        start = 0
+        labels = self.labels[0]
+        while True:
+            end = int(labels.end[row])
+            stages.append(StagePlan(start, end, self.chain.tiers[int(labels.tier[row])].memory_mb,
+                                    self.chain.replicas))
+            next_row = int(labels.next_row[row])
+            if next_row < 0:
+                break
+            start = end + 1
+            labels, row = self.labels[start], next_row
+        return Plan(tuple(stages), num_layers, "dp", micro_batches=self.chain.micro_batches)
+
+
+def _enter(values: np.ndarray, download: np.ndarray) -> None:
+    """Fold the download across the boundary before a suffix into its labels, in place.
+
+    That transfer depends only on the suffix's first tier, so with it folded in, labels of
+    suffixes with different first tiers compete in one dominance set: a stage prepended on
+    tier k then adds its upload and sees V + 2·down, max(Δ, down) and Q − down, which is
+    exactly what the boundary contributes (FuncPipe App. B: t_fd = t_bu = o/W_upper + t_lat)."""
+    values[:, V] += 2 * download
+    values[:, DF] = np.maximum(values[:, DF], download)
+    values[:, DB] = np.maximum(values[:, DB], download)
+    values[:, Q] -= download
+
+
+def _coverable(chain: _Chain) -> bool:
+    """Whether fitting stages can tile the whole chain (a later layer may fit nowhere)."""
+    reachable = [False] * chain.layers + [True]
+    for start in range(chain.layers - 1, -1, -1):
+        reachable[start] = any(fits.any() and reachable[start + offset + 1]
+                               for offset, fits in enumerate(chain.fits[start]))
+    return reachable[0]
+
+
+def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int, int | None]]:
+    """(M, d, S) to search; S only when an account-wide bandwidth cap makes each worker's
+    share depend on the number of stages."""
+    capped = problem.platform.aggregate_bandwidth_bytes_s is not None
+    stage_counts: list[int | None] = list(range(1, len(problem.chain) + 1)) if capped else [None]
+    return [(m, d, s) for m, d in space.configurations() for s in stage_counts]
+
+
+def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None) -> Plan | None:
+    """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
+    None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory."""
+    started = time.perf_counter()
+    space = space or SearchSpace.of(problem)
+    tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
+    tensors = _stage_tensor_table(problem)
+    unit = dollars_per_mb_s(problem.platform)
+    stats = _Stats()
+    configurations = _configurations(problem, space)
+    chains = {config: _chain(problem, tensors, tiers, *config) for config in configurations}
+    if not any(_coverable(chain) for chain in chains.values()):
+        _raise_nothing_fits(problem, space)
+
+    # pass 1: a beam per configuration, for an incumbent; pass 2: exact, pruned by it, the
+    # configurations in the order of their beam results (the best first prunes the most)
+    best: Result | None = None
+    incumbent = math.inf
+    beam_scores = {}
+    for beam in (BEAM_WIDTH, None):
+        order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
+        for config in order:
+            chain = chains[config]
+            objective = _Objective(goal, chain.replicas, unit)
+            search = _Search(chain, objective, incumbent, beam, stats)
+            stats.searches += 1
+            found = search.run()
+            if found is None:
+                continue
+            score, time_s, row = found
+            beam_scores.setdefault(config, score)
+            if better((score, time_s), best.score if best else None):
+                best = Result(search.plan(row, len(problem.chain)), (score, time_s))
+                incumbent = min(incumbent, score)
+    stats.seconds["total"] = time.perf_counter() - started
+    if best is None:
+        if goal.slo_s is None:
+            _raise_nothing_fits(problem, space)
+        return None
+    evaluation = evaluate(problem, best.plan)
+    return annotate(best.plan, evaluation, status="optimal", objective=best.score[0], solve_s=stats.seconds["total"],
+                    labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches)
+
+
+def _raise_nothing_fits(problem: Problem, space: SearchSpace) -> None:
+    """Every stage overflows every tier at every (M, d): say which layer and by how much."""
+    check_layers_fit(problem, replicas=min(space.replicas))
+    raise PlanError(f"no plan fits the memory of {problem.platform.name}'s tiers {list(space.memory_mb)} MB at "
+                    f"micro_batches {list(space.micro_batches)} and replicas {list(space.replicas)}; allow larger "
+                    "tiers, more micro-batches (smaller ones) or an optimizer with less state")
