@@ -27,6 +27,7 @@ SOLVERS: Registry[Solver] = Registry("solver", PlanError, {
     "brute": "flatpack.partitioner.solvers.brute:Brute",
     "dp": "flatpack.partitioner.solvers.dp:Dp",
     "miqp": "flatpack.partitioner.solvers.miqp:Miqp",
+    "hydrozoa": "flatpack.partitioner.solvers.hydrozoa_planner:Hydrozoa",
 })
 
 

@@ -355,6 +355,7 @@ class _Search:
                 continue
             forward, backward = chain.stage_seconds(start, end)
             sync = chain.sync(start, end) if chain.replicas > 1 else np.zeros(len(chain.tiers))
+            tiers = _undominated_tiers(chain, tiers, forward, backward, sync)
             if end == chain.layers - 1:
                 parts.append(self._last_stage(tiers, end, forward, backward, sync))
             elif len(self.labels[end + 1].tier):
@@ -458,6 +459,23 @@ class _Search:
             start = end + 1
             labels, row = self.labels[start], next_row
         return Plan(tuple(stages), num_layers, "dp", micro_batches=self.chain.micro_batches)
+
+
+def _undominated_tiers(chain: _Chain, tiers: np.ndarray, forward: np.ndarray, backward: np.ndarray,
+                       sync: np.ndarray) -> np.ndarray:
+    """The fitting tiers no other fitting tier beats for this stage: one that is no dearer,
+    no slower to compute, synchronize or transfer (bandwidth) serves every completion at
+    least as well (on Lambda, tiers past the compute and bandwidth plateaus only cost more)."""
+    if len(tiers) <= 1:
+        return tiers
+    # columns where smaller is better; bandwidth enters negated
+    traits = np.stack([chain.price[tiers], forward[tiers], backward[tiers], sync[tiers], -chain.bandwidth[tiers]],
+                      axis=1)
+    no_worse = np.all(traits[None, :, :] <= traits[:, None, :], axis=2)   # [k, k']: k' no worse than k
+    strictly = np.any(traits[None, :, :] < traits[:, None, :], axis=2)
+    earlier_twin = no_worse & ~strictly & np.tri(len(tiers), k=-1, dtype=bool)
+    beaten = (no_worse & strictly).any(axis=1) | earlier_twin.any(axis=1)
+    return tiers[~beaten]
 
 
 def _enter(values: np.ndarray, download: np.ndarray) -> None:
