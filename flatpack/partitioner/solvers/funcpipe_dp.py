@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
-_PARETO_CHUNK = 128
-_PIVOTS = 32
+_PARETO_CHUNK = 64
+_PIVOTS = 64
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
 
 
