@@ -207,11 +207,12 @@ def test_check_layers_fit_names_layer_bytes_limit_and_fix():
     assert "layer 2 (big)" in message and "layer 0" not in message and "layer 1 " not in message
     assert "1,300.0 MB" in message and str(1300 * MIB) in message
     assert "1024 MB" in message and str(1024 * MIB) in message
-    assert "batch of at most 5 samples" in message and "larger memory tiers" in message
-    # the fix it names works: a batch of 5 fits, 6 does not
-    check_layers_fit(problem(Workload("train", batch=5, micro_batches=4, optimizer="sgd"), layers, target))
+    # 5 samples would fit, but 4 micro-batches hold whole samples: the fix names 4
+    assert "batch of at most 4 samples" in message and "larger memory tiers" in message
+    # the fix it names works: a batch of 4 fits, the next one M divides (8) does not
+    check_layers_fit(problem(Workload("train", batch=4, micro_batches=4, optimizer="sgd"), layers, target))
     with pytest.raises(PlanError):
-        check_layers_fit(problem(Workload("train", batch=6, micro_batches=4, optimizer="sgd"), layers, target))
+        check_layers_fit(problem(Workload("train", batch=8, micro_batches=4, optimizer="sgd"), layers, target))
 
 
 def test_check_layers_fit_when_weights_alone_are_too_big():
@@ -221,8 +222,8 @@ def test_check_layers_fit_when_weights_alone_are_too_big():
         check_layers_fit(problem(layers=layers, target=target))
     check_layers_fit(problem())                              # the small chain fits
     with pytest.raises(PlanError, match="layer 2"):          # forced d = 2 adds the 2ŝ sync buffers
-        check_layers_fit(problem(layers=[*LAYERS[:2], ("l2", 2.0, 4.0, 300, 10.0, 10.0)], target=target,
-                                 replicas=2))
+        check_layers_fit(problem(layers=[*LAYERS[:2], ("l2", 2.0, 4.0, 300, 10.0, 10.0)], target=target),
+                         replicas=2)
 
 
 # --- Gillis ---------------------------------------------------------------------------

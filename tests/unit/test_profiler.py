@@ -266,7 +266,8 @@ def test_a_layer_larger_than_the_largest_tier_is_reported_before_solving(tmp_pat
     from flatpack.errors import PlanError
     from flatpack.partitioner.workload import Workload
 
-    huge_batch = Workload(batch=400_000_000, micro_batches=4)  # ~40 GB of saved activations per layer
+    # ~400 GB of saved activations per layer: no tier holds it even with 4 replicas (µ = 1)
+    huge_batch = Workload(batch=4_000_000_000, micro_batches=4)
     with pytest.raises(PlanError) as caught:
         flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda", workload=huge_batch,
                          profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
