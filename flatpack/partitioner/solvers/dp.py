@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 from flatpack.partitioner.objective import cost_model_for
 from flatpack.partitioner.plan import Plan
@@ -36,5 +36,14 @@ class Dp(CostSolver):
     name: ClassVar[str] = "dp"
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:
-        module = importlib.import_module(ALGORITHMS[cost_model_for(problem)])
-        return module.solve(problem, goal, SearchSpace.of(problem))
+        return self._algorithm(problem).solve(problem, goal, SearchSpace.of(problem))
+
+    def solve_all(self, problem: Problem, goals: Sequence[Goal]) -> list[Plan | None]:
+        algorithm = self._algorithm(problem)
+        if hasattr(algorithm, "solve_all"):  # shares its tables between the goals of a front
+            return algorithm.solve_all(problem, goals, SearchSpace.of(problem))
+        return super().solve_all(problem, goals)
+
+    @staticmethod
+    def _algorithm(problem: Problem):
+        return importlib.import_module(ALGORITHMS[cost_model_for(problem)])

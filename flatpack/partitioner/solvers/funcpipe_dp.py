@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -124,7 +124,12 @@ class _Objective:
     dollars_per_unit: float
 
     def score(self, times: np.ndarray, prices: np.ndarray) -> np.ndarray:
-        """Primary score, +inf where the SLO is missed."""
+        """Primary score, +inf where the SLO is missed or the label cannot be completed
+        (an unreachable prefix has infinite bounds)."""
+        with np.errstate(invalid="ignore"):
+            return np.nan_to_num(self._score(times, prices), nan=np.inf, posinf=np.inf)
+
+    def _score(self, times: np.ndarray, prices: np.ndarray) -> np.ndarray:
         dollars = times * self.replicas * prices
         if self.goal.slo_s is not None:
             return np.where(times <= self.goal.slo_s * (1 + _RELATIVE_SLACK), dollars, np.inf)
@@ -511,28 +516,56 @@ def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int
 def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None) -> Plan | None:
     """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
     None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory."""
+    return solve_all(problem, [goal], space)[0]
+
+
+def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None) -> list[Plan | None]:
+    """:func:`solve` for several goals (a front), sharing the per-(M, d) tables, and seeding
+    each goal's incumbent with the best of the plans found for the earlier goals."""
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
     tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
     tensors = _stage_tensor_table(problem)
-    unit = dollars_per_mb_s(problem.platform)
-    stats = _Stats()
     configurations = _configurations(problem, space)
     chains = {config: _chain(problem, tensors, tiers, *config) for config in configurations}
     if not any(_coverable(chain) for chain in chains.values()):
         _raise_nothing_fits(problem, space)
+    setup_s = time.perf_counter() - started
+    plans: list[Plan | None] = []
+    for goal in goals:
+        seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
+        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s))
+    if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
+        _raise_nothing_fits(problem, space)
+    return plans
 
+
+def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None:
+    """The best of ``plans`` under ``goal``: any feasible plan's score bounds the optimum."""
+    best = None
+    for plan in plans:
+        evaluation = evaluate(problem, plan)
+        score = goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars)
+        if score is not None and better(score, best.score if best else None):
+            best = Result(plan, score)
+    return best
+
+
+def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list, seed: Result | None,
+                setup_s: float) -> Plan | None:
+    started = time.perf_counter()
+    unit = dollars_per_mb_s(problem.platform)
+    stats = _Stats()
     # pass 1: a beam per configuration, for an incumbent; pass 2: exact, pruned by it, the
     # configurations in the order of their beam results (the best first prunes the most)
-    best: Result | None = None
-    incumbent = math.inf
-    beam_scores = {}
+    best = seed
+    incumbent = seed.score[0] if seed else math.inf
+    beam_scores: dict = {}
     for beam in (BEAM_WIDTH, None):
         order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
         for config in order:
             chain = chains[config]
-            objective = _Objective(goal, chain.replicas, unit)
-            search = _Search(chain, objective, incumbent, beam, stats)
+            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats)
             stats.searches += 1
             found = search.run()
             if found is None:
@@ -542,13 +575,11 @@ def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None) -> Pla
             if better((score, time_s), best.score if best else None):
                 best = Result(search.plan(row, len(problem.chain)), (score, time_s))
                 incumbent = min(incumbent, score)
-    stats.seconds["total"] = time.perf_counter() - started
     if best is None:
-        if goal.slo_s is None:
-            _raise_nothing_fits(problem, space)
         return None
-    evaluation = evaluate(problem, best.plan)
-    return annotate(best.plan, evaluation, status="optimal", objective=best.score[0], solve_s=stats.seconds["total"],
+    solve_s = time.perf_counter() - started
+    return annotate(best.plan.with_predictions(), evaluate(problem, best.plan), status="optimal",
+                    objective=best.score[0], solve_s=solve_s + setup_s, setup_s=setup_s,
                     labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches)
 
 
