@@ -1,0 +1,555 @@
+"""Exact solvers on FuncPipe's problem, measured: solve time and objective of ``dp``, ``miqp``
+and ``brute`` (where it can finish) for zoo models coarsened to L layers, on aws-lambda
+(FuncPipe's 8 memory tiers), training with a global batch of 64 in M = 16 micro-batches
+(FuncPipe's micro-batch size 4), data-parallel degrees d ∈ {1, 2, 4, 8, 16}, at FuncPipe's
+four weight pairs (α₁, α₂) ∈ {(1, 0), (1, 2¹⁶), (1, 2¹⁹), (1, 2²²)}.
+
+    python benchmarks/solvers.py                       # every model and L (tens of minutes)
+    python benchmarks/solvers.py --quick               # one model, L = 16 and 32
+    python benchmarks/solvers.py --models bert-large --layers 16,32,64,128 --solvers dp,miqp \\
+        --miqp-time-limit 60 --timeout 300 --repeats 1
+
+How each model becomes a chain of L layers: full-size zoo model (``flatpack.zoo.build``,
+batch 4 = one micro-batch), traced once; a base pass pipeline that leaves at least 128
+layers where the model has them (``BASE_PASSES``); profiled once (``--profile-batches``,
+``--profile-repeats``, cached on disk by the profiler); then ``coarsen{max-layers=L,by=time}``
+(FuncPipe §4's merge by computation time) per L. Where the base chain is shorter than L, the
+whole base chain is solved instead and its L is marked with ``*``. Trace and profile seconds
+are printed apart from solve seconds.
+
+What is measured, per (model, L, weight pair, solver), each solve in a forked child process
+killed after ``--timeout`` seconds (dp, brute) or ``--miqp-timeout`` (miqp):
+
+* solve s: wall time of ``solver.solve(problem, goal)`` in the child, the median of
+  ``--repeats`` runs (dp and brute; miqp runs once since it has a time limit);
+* the plan's objective α₁·cost_MB·s + α₂·t_iter (``objective.evaluate(...).objective``, the
+  same function for every solver), t_iter, dollars per iteration, stages, d, and the
+  solver's status (and gap for miqp; labels built/kept for dp);
+* miqp is warm-started from dp's plan of the same goal (what ``Miqp(hint="dp")`` does), handed
+  over with ``Miqp.solve_from`` so dp does not run twice; its solve s is CP-SAT's part plus
+  dp's measured seconds (``hint_s``), i.e. what ``Miqp(hint="dp").solve`` would take. Where
+  dp timed out, miqp starts cold;
+* brute only where ``brute.plan_count`` is at most ``--brute-limit``, as one ``solve_all`` pass
+  that prices every plan once for all four weight pairs (its solve s is that pass, shown on
+  each weight's row); otherwise the row says how many plans it would price;
+* per (model, L): dp's whole four-point front, as the sum of the four solves and as one
+  ``Dp.front`` call (which shares the per-(M, d) tables and seeds each weight pair with the
+  plans of the earlier ones), and miqp's objective over dp's;
+* where dp's time goes: extra dp solves per (model, L) under cProfile at the weight pairs
+  ``--profile-weights`` names, each stopped at ``--timeout`` (the profile of the part that
+  ran is kept; cProfile adds overhead to the many small calls, so the fractions are
+  indicative), split into the label dominance filter (``_pareto``), building labels
+  (``_extend``/``_last_stage``/``_enter``), bound pruning (``_within_bounds``), the beam pass's
+  ranking (``_best_per_group``), per-configuration setup (``_chain``, ``_prefix_bounds``,
+  ``_stage_tensor_table``) and the rest;
+* a cross-check at ``--check-layers`` (default 4) where brute force can price every plan of the
+  full space: the three solvers' objectives side by side.
+
+The host's core count and load average are printed at the start and the end: the solvers'
+times scale with whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import functools
+import math
+import multiprocessing
+import os
+import pstats
+import signal
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # ``python benchmarks/solvers.py`` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# a base pipeline per model that keeps at least 128 layers where the model allows it
+# (full size; layer counts measured with these pipelines: bert-large 146, amoebanet-d36 129,
+# resnet101 107 — no pipeline we tried gives ResNet-101 more than 107 fused layers)
+BASE_PASSES = {
+    "bert-large": "fuse-elementwise,merge-branches{max-crossing=3}",
+    "amoebanet-d36": "fuse-elementwise,merge-branches{max-crossing=3}",
+    "amoebanet-d18": "fuse-elementwise,merge-branches{max-crossing=3}",
+    "resnet101": "fuse-elementwise",
+}
+DEFAULT_MODELS = ("bert-large", "amoebanet-d36", "resnet101")
+SOLVERS = ("dp", "miqp", "brute")
+TARGET = "aws-lambda"
+REPLICAS = (1, 2, 4, 8, 16)
+BATCH, MICRO_BATCHES = 64, 16
+
+
+# --- building the problems -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Base:
+    """A model traced once, through its base passes, profiled."""
+
+    name: str
+    passes: str
+    graph: Any
+    leaves: list
+    layers: int
+    trace_s: float
+    profile_s: float
+    cache_hit: bool
+
+
+def base_chain(name: str, batch: int, profile_options) -> Base:
+
+    from flatpack import compiler, zoo
+    from flatpack.ir.graph import LayerGraph
+    from flatpack.ir.passes import resolve
+    from flatpack.ir.trace import flatten_inputs, trace
+
+    passes = BASE_PASSES.get(name) or zoo.entry(name).passes or "fuse-elementwise,merge-branches"
+    started = time.perf_counter()
+    model, inputs = zoo.build(name, "full", batch)
+    model.train()
+    traced = trace(model, inputs, {})
+    graph = LayerGraph.from_traced(traced)
+    leaves = flatten_inputs(traced.signature, inputs, {})[0]
+    trace_s = time.perf_counter() - started
+    started = time.perf_counter()
+    # the compiler's own path: passes, then the profile (read from the disk cache when there)
+    graph, profile = compiler._passes_with_profile(graph, resolve(passes), profile_options, leaves)
+    profile_s = time.perf_counter() - started
+    return Base(name, passes, graph, leaves, len(graph.layers), trace_s, profile_s, profile.cache_hit)
+
+
+def problem_at(base: Base, layers: int, profile_options):
+    """The Problem a solver sees for ``base`` coarsened to ``layers`` (``build_problem``'s path
+    without tracing again)."""
+    from flatpack import compiler
+    from flatpack.ir.passes import resolve
+    from flatpack.partitioner.problem import Problem
+    from flatpack.partitioner.workload import Workload
+
+    pipeline = resolve(f"coarsen{{max-layers={layers},by=time}}")
+    graph, profile = compiler._passes_with_profile(base.graph, pipeline, profile_options, base.leaves)
+    workload = Workload("train", batch=BATCH, micro_batches=MICRO_BATCHES)
+    return Problem.from_graph(graph, target=TARGET, workload=workload, profile=profile, replicas=REPLICAS)
+
+
+# --- solving in a child process, with a time limit -----------------------------------------------
+
+
+TIMED_OUT = "timed out"
+
+
+def in_child(work: Callable[[], Any], timeout_s: float) -> Any:
+    """``work()`` in a forked process; its result, TIMED_OUT, or ("error", text)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            result = work()
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            result = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}")
+        send.send(result)
+        send.close()
+
+    process = context.Process(target=target, daemon=True)
+    process.start()
+    send.close()
+    try:
+        if receive.poll(timeout_s):
+            try:
+                return receive.recv()
+            except EOFError:
+                return ("error", f"child exited with {process.exitcode}")
+        return TIMED_OUT
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+        receive.close()
+
+
+def timed_solve(solver, problem, goal, repeats: int) -> dict:
+    times, plan = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        plan = solver.solve(problem, goal)
+        times.append(time.perf_counter() - started)
+    return {"plan": plan, "seconds": statistics.median(times), "runs": times}
+
+
+PROFILE_GROUPS = {  # group → functions of funcpipe_dp (and objective.evaluate); cumulative seconds
+    "per-layer label work (_labels_from; the next five lines are inside it)": ["_labels_from"],
+    "  dominance filter (_pareto)": ["_pareto"],
+    "  building labels (_extend, _last_stage, _enter)": ["_extend", "_last_stage", "_enter"],
+    "  bound pruning (_within_bounds)": ["_within_bounds"],
+    "  beam ranking (_best_per_group)": ["_best_per_group"],
+    "  stage sync times (_Chain.sync)": ["sync"],
+    "setup per (M, d) (_chain, _prefix_bounds, _stage_tensor_table)": ["_chain", "_prefix_bounds",
+                                                                      "_stage_tensor_table"],
+    "final evaluate": ["evaluate"],
+}
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted
+
+
+def profiled_solve(solver, problem, goal, budget_s: float) -> dict:
+    """One solve under cProfile, stopped by SIGALRM after ``budget_s`` (the profile of the part
+    that ran is still returned)."""
+    profiler = cProfile.Profile()
+    signal.signal(signal.SIGALRM, _interrupt)
+    signal.setitimer(signal.ITIMER_REAL, budget_s)
+    interrupted = False
+    started = time.perf_counter()
+    profiler.enable()
+    try:
+        solver.solve(problem, goal)
+    except _Interrupted:
+        interrupted = True
+    finally:
+        profiler.disable()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    total = time.perf_counter() - started
+    stats = pstats.Stats(profiler)
+    raw = stats.stats  # (file, line, function) → (calls, primitive calls, tottime, cumtime, callers)
+    groups = {}
+    for group, functions in PROFILE_GROUPS.items():
+        seconds = 0.0
+        for (filename, _, function), (_, _, _, cumtime, _) in raw.items():
+            if function in functions and ("funcpipe_dp" in filename or function == "evaluate"
+                                          and "objective" in filename):
+                seconds += cumtime
+        groups[group] = seconds
+    top = sorted(((tottime, f"{Path(filename).name}:{function}", calls)
+                  for (filename, _, function), (calls, _, tottime, _, _) in raw.items()), reverse=True)[:8]
+    return {"total": total, "groups": groups, "top": top, "interrupted": interrupted}
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    layers: str
+    weights: str
+    solver: str
+    seconds: float | None = None
+    objective: float | None = None
+    time_s: float | None = None
+    dollars: float | None = None
+    stages: int | None = None
+    replicas: int | None = None
+    status: str = ""
+    labels: str = ""
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def describe_row(row: Row) -> str:
+    return " | ".join([row.model, row.layers, row.weights, row.solver, fmt(row.seconds, ".3f"),
+                       fmt(row.objective, ".6g"), fmt(row.time_s, ".3f"), fmt(row.dollars, ".4f"),
+                       fmt(row.stages, "d"), fmt(row.replicas, "d"), row.status, row.labels])
+
+
+HEADER = ["model", "L", "weights", "solver", "solve s", "objective", "t_iter s", "$ / iter", "stages", "d",
+          "status / gap", "labels built / kept"]
+
+
+def print_table_header() -> None:
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+
+
+def emit(row: Row, rows: list[Row]) -> None:
+    rows.append(row)
+    print("| " + describe_row(row) + " |", flush=True)
+
+
+def plan_row(row: Row, problem, plan, weights, seconds: float) -> Row:
+    from flatpack.partitioner.objective import evaluate
+
+    evaluation = evaluate(problem, plan)
+    predictions = plan.predictions
+    row.seconds = seconds
+    row.objective = evaluation.objective(weights)
+    row.time_s, row.dollars = evaluation.time_s, evaluation.dollars
+    row.stages, row.replicas = len(plan.stages), plan.stages[0].replicas
+    status = predictions.get("status", "")
+    if predictions.get("gap"):
+        status += f" gap {predictions['gap']:.2%}"
+    if not evaluation.fits:
+        status += " DOES NOT FIT"
+    row.status = status
+    if "labels_built" in predictions:
+        row.labels = f"{predictions['labels_built']:,} / {predictions['labels_kept']:,}"
+    return row
+
+
+def run_problem(problem, model: str, label: str, args, rows: list[Row], summary: dict) -> None:
+    from flatpack.partitioner.objective import FUNCPIPE_WEIGHTS, Weights
+    from flatpack.partitioner.solvers import get_solver
+    from flatpack.partitioner.solvers.base import Goal
+    from flatpack.partitioner.solvers.brute import Brute, plan_count
+
+    weights_list = [Weights(*pair) for pair in FUNCPIPE_WEIGHTS]
+    brute_plans = plan_count(problem)
+    dp_plans: dict[str, Any] = {}
+    dp_seconds: dict[str, float | None] = {}
+    objectives: dict[tuple[str, str], float] = {}
+    brute_result: Any = None
+    for weights in weights_list:
+        goal = Goal(weights)
+        name = weights.label()
+        if "dp" in args.solvers:
+            dp = get_solver("dp")
+            result = in_child(lambda: timed_solve(dp, problem, goal, args.repeats), args.timeout * args.repeats)
+            row = Row(model, label, name, "dp")
+            if result == TIMED_OUT:
+                row.status = f"timed out after {args.timeout:g} s"
+                dp_seconds[name] = None
+            elif isinstance(result, tuple):
+                row.status = "error: " + result[1].splitlines()[0]
+                dp_seconds[name] = None
+            else:
+                plan_row(row, problem, result["plan"], weights, result["seconds"])
+                dp_plans[name] = result["plan"]
+                dp_seconds[name] = result["seconds"]
+                objectives["dp", name] = row.objective
+            emit(row, rows)
+        if "miqp" in args.solvers:
+            row = Row(model, label, name, "miqp")
+            try:
+                from flatpack.partitioner.solvers.miqp import Miqp
+            except Exception as err:  # noqa: BLE001 - another engineer is finishing it
+                row.status = f"skipped: miqp not importable ({type(err).__name__}: {err})"
+                emit(row, rows)
+                Miqp = None
+            if Miqp is not None:
+                miqp = Miqp(time_limit_s=args.miqp_time_limit, workers=2, hint="dp")
+                hint, hint_s = dp_plans.get(name), dp_seconds.get(name) or 0.0
+
+                def work(miqp=miqp, goal=goal, hint=hint, hint_s=hint_s):
+                    started = time.perf_counter()
+                    plan = miqp.solve_from(problem, goal, hint, "dp" if hint is not None else "none (dp timed out)",
+                                           hint_s=hint_s)
+                    return {"plan": plan, "seconds": time.perf_counter() - started + hint_s}
+
+                result = in_child(work, args.miqp_timeout)
+                if result == TIMED_OUT:
+                    row.status = f"timed out after {args.miqp_timeout:g} s (killed)"
+                elif isinstance(result, tuple):
+                    row.status = "error: " + result[1].splitlines()[0]
+                elif result["plan"] is None:
+                    row.status = "no plan"
+                else:
+                    plan_row(row, problem, result["plan"], weights, result["seconds"])
+                    predictions = result["plan"].predictions
+                    row.labels = (f"cp-sat {predictions.get('search_s', math.nan):.1f} s, "
+                                  f"{predictions.get('subproblems_proven')}/{predictions.get('subproblems')} "
+                                  f"subproblems proven, plan from {predictions.get('plan_source')}")
+                    objectives["miqp", name] = row.objective
+                emit(row, rows)
+        if "brute" in args.solvers:
+            row = Row(model, label, name, "brute")
+            if brute_plans > args.brute_limit:
+                row.status = f"skipped ({brute_plans:.3g} plans)"
+            else:
+                if brute_result is None:  # one pass prices every plan once for all four goals
+                    brute = Brute(max_plans=int(args.brute_limit))
+                    goals = [Goal(w) for w in weights_list]
+
+                    def work(brute=brute, goals=goals):
+                        started = time.perf_counter()
+                        plans = brute.solve_all(problem, goals)
+                        return {"plans": plans, "seconds": time.perf_counter() - started}
+
+                    brute_result = in_child(work, args.timeout)
+                if brute_result == TIMED_OUT:
+                    row.status = f"timed out after {args.timeout:g} s ({brute_plans:,} plans)"
+                elif isinstance(brute_result, tuple):
+                    row.status = "error: " + brute_result[1].splitlines()[0]
+                else:
+                    plan = brute_result["plans"][weights_list.index(weights)]
+                    plan_row(row, problem, plan, weights, brute_result["seconds"])
+                    row.labels = f"{brute_plans:,} plans, one pass for all 4 weights"
+                    objectives["brute", name] = row.objective
+            emit(row, rows)
+    done = [seconds for seconds in dp_seconds.values() if seconds is not None]
+    front = sum(done) if len(done) == len(weights_list) else None
+    front_call = None
+    if "dp" in args.solvers:
+        def whole_front() -> float:
+            started = time.perf_counter()
+            get_solver("dp").front(problem)
+            return time.perf_counter() - started
+        result = in_child(whole_front, args.front_timeout)
+        front_call = result if isinstance(result, float) else None
+    ratios = {name: objectives["miqp", name] / objectives["dp", name]
+              for name in (w.label() for w in weights_list)
+              if ("miqp", name) in objectives and ("dp", name) in objectives}
+    brute_ratios = {name: objectives["brute", name] / objectives["dp", name]
+                    for name in (w.label() for w in weights_list)
+                    if ("brute", name) in objectives and ("dp", name) in objectives}
+    summary[model, label] = {"front": front, "front_call": front_call, "dp_done": len(done), "dp_max": max(done) if done else None,
+                             "ratios": ratios, "brute_ratios": brute_ratios, "brute_plans": brute_plans}
+    if "dp" in args.solvers and args.profile:
+        dp = get_solver("dp")
+        summary[model, label]["profile"] = []
+        for index in args.profile_weights:
+            goal = Goal(weights_list[index])
+            result = in_child(lambda: profiled_solve(dp, problem, goal, args.timeout), args.timeout + 120)
+            summary[model, label]["profile"].append((goal.weights.label(), result))
+
+
+def summary_line(key: tuple[str, str], info: dict, build_s: float | None) -> str:
+    model, label = key
+    front = (fmt(info["front"], ".2f") if info["front"] is not None
+             else f"incomplete ({info['dp_done']}/4 solved)")
+    ratios = ", ".join(f"{name}: {ratio:.6f}" for name, ratio in info["ratios"].items()) or "—"
+    brute = (", ".join(f"{name}: {ratio:.6f}" for name, ratio in info["brute_ratios"].items())
+             or f"— ({info['brute_plans']:.3g} plans)")
+    call = fmt(info["front_call"], ".2f") if info["front_call"] is not None else "timed out"
+    return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(info['dp_max'], '.2f')} | {ratios} | "
+            f"{brute} |")
+
+
+def print_profile(model: str, label: str, weights: str, result: Any, file=None) -> None:
+    out = functools.partial(print, file=file or sys.stdout)
+    out(f"\ndp under cProfile, {model} L={label}, weights {weights}:")
+    if result == TIMED_OUT or isinstance(result, tuple):
+        out(f"  {result if result == TIMED_OUT else result[1].splitlines()[0]}")
+        return
+    total = result["total"]
+    stopped = ", stopped by the timeout: the unfinished solve's profile" if result["interrupted"] else ""
+    out(f"  total {total:.2f} s (with cProfile's overhead{stopped})")
+    for group, seconds in result["groups"].items():
+        out(f"  {seconds / total:6.1%}  {seconds:8.2f} s  {group}")
+    out("  top functions by own time: " + "; ".join(f"{name} {tottime:.2f} s ({calls:,} calls)"
+                                                     for tottime, name, calls in result["top"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo names")
+    parser.add_argument("--layers", default="16,32,64,128", help="comma-separated L")
+    parser.add_argument("--solvers", default="dp,miqp,brute", help="comma-separated, from dp, miqp, brute")
+    parser.add_argument("--miqp-time-limit", type=float, default=60.0, help="Miqp(time_limit_s=...)")
+    parser.add_argument("--miqp-timeout", type=float, default=None,
+                        help="kill a miqp solve after this many seconds (default: 2 × limit + 60)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="kill a dp or brute solve after this many s")
+    parser.add_argument("--front-timeout", type=float, default=300.0,
+                        help="kill the one-call Dp.front measurement after this many s")
+    parser.add_argument("--repeats", type=int, default=1, help="dp and brute solves per point; the median is shown")
+    parser.add_argument("--quick", action="store_true", help="the first model only, L = 16 and 32")
+    parser.add_argument("--brute-limit", type=float, default=2e5,
+                        help="run brute where it prices at most this many plans")
+    parser.add_argument("--check-layers", type=int, default=4,
+                        help="L of the three-solver cross-check on the first model (0: none)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the cProfile run of dp")
+    parser.add_argument("--profile-weights", default="1,2",
+                        help="indices into FuncPipe's four weight pairs for the cProfile runs (default 1,2: "
+                             "(1, 2^16) and (1, 2^19))")
+    parser.add_argument("--profile-batches", default="2,4", help="micro-batch sizes the profiler measures")
+    parser.add_argument("--profile-repeats", type=int, default=1)
+    parser.add_argument("--cache-dir", default=None, help="profile cache (default: the profiler's)")
+    args = parser.parse_args(argv)
+    args.solvers = [name.strip() for name in args.solvers.split(",") if name.strip()]
+    unknown = set(args.solvers) - set(SOLVERS)
+    if unknown:
+        parser.error(f"unknown solver(s) {', '.join(sorted(unknown))}; choose from {', '.join(SOLVERS)}")
+    models = [name.strip() for name in args.models.split(",") if name.strip()]
+    layer_counts = [int(value) for value in args.layers.split(",")]
+    if args.quick:
+        models, layer_counts = models[:1], [count for count in layer_counts if count <= 32] or [16, 32]
+    args.profile_weights = [int(index) for index in args.profile_weights.split(",") if index.strip()]
+    if args.miqp_timeout is None:
+        args.miqp_timeout = 2 * args.miqp_time_limit + 60
+
+    from flatpack.ir.profiler import ProfileOptions
+    import torch
+
+    profile_options = ProfileOptions(batch_sizes=tuple(int(b) for b in args.profile_batches.split(",")),
+                                     repeats=args.profile_repeats, cache_dir=args.cache_dir, progress=False)
+    print(f"host: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"space: {TARGET}, train batch {BATCH} in M={MICRO_BATCHES} micro-batches, d ∈ {set(REPLICAS)}, "
+          f"solvers {args.solvers}, miqp time limit {args.miqp_time_limit:g} s, timeout {args.timeout:g} s, "
+          f"repeats {args.repeats}\n")
+
+    # import every solver module here, once, so that no child's timed solve pays for an import
+    import flatpack.partitioner.solvers.brute  # noqa: F401
+    import flatpack.partitioner.solvers.dp  # noqa: F401
+    import flatpack.partitioner.solvers.funcpipe_dp  # noqa: F401
+    if "miqp" in args.solvers:
+        try:
+            import flatpack.partitioner.solvers.miqp  # noqa: F401
+            from ortools.sat.python import cp_model  # noqa: F401 - miqp imports it on first use
+        except Exception as err:  # noqa: BLE001 - reported on each miqp row
+            print(f"miqp not importable: {type(err).__name__}: {err}")
+
+    rows: list[Row] = []
+    summary: dict = {}
+    bases = []
+    for name in models:
+        base = base_chain(name, BATCH // MICRO_BATCHES, profile_options)
+        bases.append(base)
+        print(f"{name}: passes '{base.passes}' → {base.layers} layers; trace {base.trace_s:.1f} s, "
+              f"profile {base.profile_s:.1f} s ({'cache hit' if base.cache_hit else 'measured'}, batches "
+              f"{profile_options.batch_sizes}, repeats {profile_options.repeats})", flush=True)
+    print()
+    print_table_header()
+    for base in bases:
+        for layers in layer_counts:
+            count = min(layers, base.layers)
+            label = f"{count}" if count == layers else f"{count}*"
+            started = time.perf_counter()
+            problem = problem_at(base, count, profile_options)
+            build_s = time.perf_counter() - started
+            summary.setdefault("build", {})[base.name, label] = build_s
+            run_problem(problem, base.name, label, args, rows, summary)
+            # as it comes, on stderr (the tables on stdout stay whole): a cut-short run keeps it
+            info = summary[base.name, label]
+            print("summary: " + summary_line((base.name, label), info, build_s), file=sys.stderr, flush=True)
+            for weights, result in info.get("profile", []):
+                print_profile(base.name, label, weights, result, file=sys.stderr)
+                sys.stderr.flush()
+    if args.check_layers and bases:
+        base = bases[0]
+        problem = problem_at(base, args.check_layers, profile_options)
+        check_args = argparse.Namespace(**{**vars(args), "solvers": list(SOLVERS), "profile": False})
+        run_problem(problem, base.name, f"{args.check_layers} (check)", check_args, rows, summary)
+
+    print("\n* the base chain is shorter than the L asked for; the whole base chain is solved.")
+    print("\nper (model, L): dp's four-point front (sum of the four solves), the slowest single dp solve, "
+          "and miqp's (brute's) objective over dp's")
+    print("| model | L | problem build s | dp front s (sum of solves) | Dp.front s (one call) | dp slowest solve s "
+          "| miqp/dp objective | brute/dp objective |")
+    print("|---|---|---|---|---|---|---|")
+    for key, info in summary.items():
+        if key != "build":
+            print(summary_line(key, info, summary["build"].get(key)))
+    for key, info in summary.items():
+        if key != "build":
+            for weights, result in info.get("profile", []):
+                print_profile(*key, weights, result)
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
