@@ -70,10 +70,14 @@ class CostSolver:
     def _solved(self, problem: Problem, goal: Goal) -> Plan:
         started = time.perf_counter()
         plan = self.solve(problem, goal)
+        return self._found(plan, goal, time.perf_counter() - started)
+
+    def _found(self, plan: Plan | None, goal: Goal, seconds: float) -> Plan:
+        """``plan`` tagged with its goal and solve seconds (the solver's own figure when it
+        reports one); no plan for a weighted goal is an error."""
         if plan is None:
             raise PlanError(f"solver {self.name!r} found no plan for {goal.describe()}")
-        return plan.with_predictions(goal=goal.describe(), solve_s=plan.predictions.get(
-            "solve_s", time.perf_counter() - started))
+        return plan.with_predictions(goal=goal.describe(), solve_s=plan.predictions.get("solve_s", seconds))
 
     def within_slo(self, problem: Problem, slo_s: float) -> Plan:
         """The cheapest plan meeting ``slo_s``; when none does, the error names the fastest
@@ -93,14 +97,8 @@ class CostSolver:
         started = time.perf_counter()
         goals = [Goal(Weights.of(pair)) for pair in weights]
         plans = self.solve_all(problem, goals)
-        elapsed = time.perf_counter() - started
-        solved = []
-        for goal, plan in zip(goals, plans):
-            if plan is None:
-                raise PlanError(f"solver {self.name!r} found no plan for {goal.describe()}")
-            solved.append(plan.with_predictions(goal=goal.describe(),
-                                                solve_s=plan.predictions.get("solve_s", elapsed / len(goals))))
-        return Front.of(solved)
+        share = (time.perf_counter() - started) / len(goals)
+        return Front.of([self._found(plan, goal, share) for goal, plan in zip(goals, plans)])
 
 
 def describe_plan(plan: Plan) -> str:

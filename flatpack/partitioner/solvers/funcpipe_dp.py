@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -81,6 +82,7 @@ class _Chain:
     fits: list[list[np.ndarray]]     # fits[i][j - i]: (K,) bool, stage i..j fits on tier k
     gradients: list[list[float]]     # gradients[i][j - i]: bytes the stage synchronizes
     sync_method: str
+    _stage_options: dict = field(default_factory=dict, repr=False)
 
     @property
     def layers(self) -> int:
@@ -98,6 +100,34 @@ class _Chain:
         grads = self.gradients[start][end - start]
         return np.array([scatter_reduce_seconds(grads, self.replicas, float(w), self.latency, self.sync_method)
                          for w in self.bandwidth])
+
+    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
+        """Stage start..end: the tiers worth trying and their seconds, computed once per
+        chain (the beam pass, the exact pass and every goal of a front read them)."""
+        key = (start, end)
+        if key not in self._stage_options:
+            self._stage_options[key] = self._options_of(start, end)
+        return self._stage_options[key]
+
+    def _options_of(self, start: int, end: int) -> "_StageOptions | None":
+        tiers = np.flatnonzero(self.fits[start][end - start])
+        if len(tiers) == 0:
+            return None
+        forward, backward = self.stage_seconds(start, end)
+        sync = self.sync(start, end) if self.replicas > 1 else np.zeros(len(self.tiers))
+        return _StageOptions(_undominated_tiers(self, tiers, forward, backward, sync), forward, backward, sync)
+
+    @cached_property
+    def prefix_bounds(self) -> "_PrefixBounds":
+        return _prefix_bounds(self)
+
+
+@dataclass(frozen=True)
+class _StageOptions:
+    tiers: np.ndarray        # fitting tiers no other fitting tier beats for this stage
+    forward: np.ndarray      # (K,) seconds per tier
+    backward: np.ndarray
+    sync: np.ndarray
 
 
 @dataclass
@@ -148,7 +178,6 @@ class _Stats:
     labels_kept: int = 0
     labels_built: int = 0
     searches: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _stage_tensor_table(problem: Problem) -> list[list]:
@@ -322,9 +351,10 @@ class _Search:
         self.incumbent = incumbent
         self.beam = beam
         self.stats = stats
-        self.bounds = _prefix_bounds(chain)
+        self.bounds = chain.prefix_bounds
         prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
-        self.columns = [V] + ([P] if prices_matter else []) + ([DF, DB] if chain.mu > 1 else []) + ([Q] if chain.replicas > 1 else [])
+        self.columns = ([V] + ([P] if prices_matter else []) + ([DF, DB] if chain.mu > 1 else [])
+                        + ([Q] if chain.replicas > 1 else []))
         self.labels: list[_Labels] = [_empty_labels() for _ in range(chain.layers + 1)]
 
     def run(self) -> tuple[float, float, int] | None:
@@ -353,18 +383,14 @@ class _Search:
     def _labels_from(self, start: int) -> _Labels:
         chain = self.chain
         parts: list[tuple] = []
-        for offset, fits in enumerate(chain.fits[start]):
-            end = start + offset
-            tiers = np.flatnonzero(fits)
-            if len(tiers) == 0:
+        for end in range(start, start + len(chain.fits[start])):
+            options = chain.stage_options(start, end)
+            if options is None:
                 continue
-            forward, backward = chain.stage_seconds(start, end)
-            sync = chain.sync(start, end) if chain.replicas > 1 else np.zeros(len(chain.tiers))
-            tiers = _undominated_tiers(chain, tiers, forward, backward, sync)
             if end == chain.layers - 1:
-                parts.append(self._last_stage(tiers, end, forward, backward, sync))
+                parts.append(self._last_stage(end, options))
             elif len(self.labels[end + 1].tier):
-                parts.append(self._extend(tiers, end, forward, backward, sync))
+                parts.append(self._extend(end, options))
         if not parts:
             return _empty_labels()
         values = np.concatenate([part[0] for part in parts])
@@ -385,16 +411,18 @@ class _Search:
         self.stats.labels_kept += len(rows)
         return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
 
-    def _last_stage(self, tiers, end, forward, backward, sync) -> tuple:
+    def _last_stage(self, end: int, options: _StageOptions) -> tuple:
+        tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
         mu = self.chain.mu
         values = np.stack([forward[tiers] + backward[tiers], self.chain.price[tiers], forward[tiers],
                            backward[tiers], (mu - 1) * backward[tiers] + sync[tiers]], axis=1)
         n = len(tiers)
         return values, tiers, np.full(n, end), np.full(n, -1), np.ones(n, dtype=int)
 
-    def _extend(self, tiers, end, forward, backward, sync) -> tuple:
-        """Prepend stage (start..end) on each tier in ``tiers`` to every label of end + 1
+    def _extend(self, end: int, options: _StageOptions) -> tuple:
+        """Prepend stage (start..end) on each of its tiers to every label of end + 1
         (whose values already hold the download across boundary ``end``, see :func:`_enter`)."""
+        tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
         chain = self.chain
         after = self.labels[end + 1]
         upload = chain.transfer(end, tiers)[:, None]                  # at this stage's bandwidth
@@ -578,7 +606,7 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
     if best is None:
         return None
     solve_s = time.perf_counter() - started
-    return annotate(best.plan.with_predictions(), evaluate(problem, best.plan), status="optimal",
+    return annotate(best.plan, evaluate(problem, best.plan), status="optimal",
                     objective=best.score[0], solve_s=solve_s + setup_s, setup_s=setup_s,
                     labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches)
 
