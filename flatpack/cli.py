@@ -425,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_parser = sub.add_parser("compile", help="compile a model into stage artifacts")
     _compile_args(compile_parser)
     compile_parser.add_argument("--stages", type=int, default=2)
-    compile_parser.add_argument("--solver", default=None)
+    compile_parser.add_argument("--solver", default=None,
+                                help="a registered solver (default balanced), options in braces: 'rl{episodes=2000}'")
     compile_parser.add_argument("--target", default="local")
     compile_parser.add_argument("--out", required=True, help="output directory")
     compile_parser.set_defaults(run=cmd_compile)
@@ -455,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--optimizer", default="sgd-momentum", choices=OPTIMIZERS)
     plan_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
                              help="gradient scatter-reduce model (FuncPipe eq. 2 or LambdaML's eq. 1)")
-    plan_parser.add_argument("--solver", default="dp", help="dp (default), miqp or brute (small chains only)")
+    plan_parser.add_argument("--solver", default="dp",
+                             help="dp (default, exact), miqp, brute (small chains only), or the learning solvers "
+                                  "rl and bayes; options in braces: 'rl{episodes=5000,seed=1}'")
     plan_parser.add_argument("--memory", default=None, metavar="MB[,MB...]",
                              help="memory tiers to consider (default: the platform's)")
     plan_parser.add_argument("--replicas", default=None, metavar="D[,D...]",

@@ -1,13 +1,16 @@
 """A registry of named factories, imported lazily and refusing duplicate names.
 
 Passes and solvers both use it: built-ins are listed as ``"module:attribute"`` strings so
-that nothing is imported until a pipeline or a compile names it.
+that nothing is imported until a pipeline or a compile names it. Both are named in strings
+with options, ``"name{key=value,...}"`` (hyphens in keys stand for underscores), which
+:func:`parse_specs` reads and :meth:`Registry.make` turns into objects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -34,3 +37,70 @@ class Registry(Generic[T]):
             raise self.error(f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(self.names())}")
         module_name, _, attribute = self.builtins[name].partition(":")
         return getattr(importlib.import_module(module_name), attribute)
+
+    def make(self, name: str, options: dict[str, Any] | None = None) -> T:
+        """The object ``name`` names, built with ``options``; unknown options are refused and
+        the error lists the known ones."""
+        factory = self.factory(name)
+        options = options or {}
+        if dataclasses.is_dataclass(factory):
+            fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
+            unknown = {key.replace("_", "-") for key in options} - fields
+            if unknown:
+                raise self.error(f"{self.kind} {name!r} has no option {', '.join(sorted(unknown))}; "
+                                 f"its options are: {', '.join(sorted(fields)) or 'none'}")
+        try:
+            return factory(**{key.replace("-", "_"): value for key, value in options.items()})
+        except (TypeError, ValueError) as err:
+            raise self.error(f"bad options for {self.kind} {name!r}: {err}") from None
+
+
+def split_top_level(text: str, error: type[Exception], what: str) -> list[str]:
+    """``text`` split at the commas outside braces."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth < 0:
+                raise error(f"unbalanced '}}' in {what} {text!r}")
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth:
+        raise error(f"unbalanced '{{' in {what} {text!r}")
+    parts.append("".join(current))
+    return [part.strip() for part in parts if part.strip()]
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_specs(text: str, error: type[Exception], what: str) -> list[tuple[str, dict[str, Any]]]:
+    """``"a,b{key=value,...}"`` as (name, options) pairs."""
+    specs = []
+    for item in split_top_level(text, error, what):
+        name, brace, rest = item.partition("{")
+        options: dict[str, Any] = {}
+        if brace:
+            if not rest.endswith("}"):
+                raise error(f"{what} {item!r}: options must end with '}}'")
+            for pair in split_top_level(rest[:-1], error, what):
+                key, equals, value = pair.partition("=")
+                if not equals:
+                    raise error(f"{what} {name.strip()!r}: option {pair!r} must be key=value")
+                options[key.strip()] = parse_value(value.strip())
+        specs.append((name.strip(), options))
+    return specs

@@ -139,6 +139,17 @@ def test_inference_uses_the_gillis_model(plan):
     assert re.search(r"by stage — Gillis model: .* per request", out)
 
 
+@pytest.mark.parametrize("spec", ["rl{episodes=200,warm-start=false,seed=2}", "bayes{evaluations=12,seed=2}"])
+def test_learning_solvers_are_selectable_by_name_with_options(plan, spec):
+    data = json_report(plan, "--solver", spec, "--weights", "1,2^19")
+    chosen = data["plans"][data["chosen"]]
+    assert chosen["solver"] == spec.partition("{")[0] and chosen["predictions"]["status"] == "heuristic"
+    assert chosen["predictions"]["seed"] == 2
+    brute = json_report(plan, "--weights", "1,2^19")
+    optimum = brute["plans"][brute["chosen"]]["predictions"]["objective"]
+    assert chosen["predictions"]["objective"] >= optimum * (1 - 1e-9)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--solver", "balanced"], "does not price plans with a cost model"),
     (["--memory", "128"], "fits the memory"),

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from flatpack.errors import PassError
 from flatpack.ir.graph import LayerGraph
-from flatpack.registry import Registry
+from flatpack.registry import Registry, parse_specs
 
 DEFAULT_PIPELINE = "fuse-elementwise,merge-branches"
 
@@ -45,68 +45,12 @@ def available_passes() -> list[str]:
 
 
 def make_pass(name: str, options: dict[str, Any] | None = None) -> Pass:
-    factory = PASSES.factory(name)
-    options = options or {}
-    if dataclasses.is_dataclass(factory):
-        fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
-        unknown = set(options) - fields
-        if unknown:
-            raise PassError(f"pass {name!r} has no option {', '.join(sorted(unknown))}; "
-                            f"its options are: {', '.join(sorted(fields)) or 'none'}")
-    try:
-        return factory(**{key.replace("-", "_"): value for key, value in options.items()})
-    except (TypeError, ValueError) as err:
-        raise PassError(f"bad options for pass {name!r}: {err}") from None
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for char in text:
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth < 0:
-                raise PassError(f"unbalanced '}}' in pass pipeline {text!r}")
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth:
-        raise PassError(f"unbalanced '{{' in pass pipeline {text!r}")
-    parts.append("".join(current))
-    return [part.strip() for part in parts if part.strip()]
-
-
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text
+    return PASSES.make(name, options)
 
 
 def parse_pipeline(text: str) -> list[Pass]:
     """Parses ``"a,b{key=value,...}"`` into pass objects."""
-    passes = []
-    for item in _split_top_level(text):
-        name, brace, rest = item.partition("{")
-        options: dict[str, Any] = {}
-        if brace:
-            if not rest.endswith("}"):
-                raise PassError(f"pass {item!r}: options must end with '}}'")
-            for pair in _split_top_level(rest[:-1]):
-                key, equals, value = pair.partition("=")
-                if not equals:
-                    raise PassError(f"pass {name.strip()!r}: option {pair!r} must be key=value")
-                options[key.strip()] = _parse_value(value.strip())
-        passes.append(make_pass(name.strip(), options))
-    return passes
+    return [make_pass(name, options) for name, options in parse_specs(text, PassError, "pass pipeline")]
 
 
 def resolve(passes: str | Sequence[Pass | str] | None) -> list[Pass]:

@@ -1,6 +1,8 @@
 """Solvers by name. A solver is an object with a ``name`` and ``__call__(Problem) -> Plan``.
 
-Names map lazily to factories; registering a taken name is refused.
+Names map lazily to factories; registering a taken name is refused. A solver is named by a
+string, with options as the pass pipelines take them: ``"rl{episodes=2000,seed=3}"``,
+``"miqp{time-limit-s=30}"``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Callable, Protocol, runtime_checkable
 from flatpack.errors import PlanError
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
-from flatpack.registry import Registry
+from flatpack.registry import Registry, parse_specs
 
 DEFAULT_SOLVER = "balanced"
 
@@ -28,6 +30,8 @@ SOLVERS: Registry[Solver] = Registry("solver", PlanError, {
     "dp": "flatpack.partitioner.solvers.dp:Dp",
     "miqp": "flatpack.partitioner.solvers.miqp:Miqp",
     "hydrozoa": "flatpack.partitioner.solvers.hydrozoa_planner:Hydrozoa",
+    "rl": "flatpack.partitioner.solvers.rl:Rl",
+    "bayes": "flatpack.partitioner.solvers.bayes:Bayes",
 })
 
 
@@ -47,4 +51,9 @@ def get_solver(solver: str | Solver | None) -> Solver:
         if not callable(solver):
             raise PlanError(f"{solver!r} is neither a solver name nor a callable Problem -> Plan")
         return solver
-    return SOLVERS.factory(solver)()
+    specs = parse_specs(solver, PlanError, "solver")
+    if len(specs) != 1:
+        raise PlanError(f"{solver!r} names {len(specs)} solvers; name one, with its options in braces: "
+                        "'rl{episodes=2000,seed=3}'")
+    name, options = specs[0]
+    return SOLVERS.make(name, options)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.objective import FUNCPIPE_WEIGHTS, Weights
@@ -51,6 +51,8 @@ class CostSolver:
     """Mixin: ``__call__`` and ``front`` from a ``solve(problem, goal)`` method."""
 
     name: str
+    # False for the sampling solvers (rl, bayes): their "no plan" means none was seen
+    exact: ClassVar[bool] = True
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:  # pragma: no cover - protocol
         raise NotImplementedError
@@ -86,6 +88,12 @@ class CostSolver:
         if plan is not None:
             return plan.with_predictions(goal=Goal(slo_s=slo_s).describe())
         fastest = self._solved(problem, Goal(TIME_ONLY))
+        if not self.exact:
+            raise PlanError(
+                f"solver {self.name!r} saw no plan within the SLO of {slo_s:g} s in its budget; the fastest plan it "
+                f"found takes {fastest.predictions['time_s']:.4g} s — {describe_plan(fastest)}. Raise its budget "
+                "(episodes, evaluations, time_limit_s) or use solver='dp', which is exact and says whether any plan "
+                "meets the SLO")
         raise PlanError(
             f"no plan meets the SLO of {slo_s:g} s: the fastest plan takes {fastest.predictions['time_s']:.4g} s "
             f"(${fastest.predictions['dollars']:.4g}) — {describe_plan(fastest)}. Relax the SLO to at least "
