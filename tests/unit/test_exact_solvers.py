@@ -129,3 +129,13 @@ def test_stage_plans_round_trip_with_tiers_replicas_and_micro_batches():
     assert Plan.loads(plan.dumps()) == plan
     with pytest.raises(PlanError, match="at least 1 micro-batch"):
         Plan((StagePlan(0, 3, 512),), 4, micro_batches=0).check_against(4)
+
+
+@pytest.mark.parametrize("workload", [Workload("train", batch=16, micro_batches=4), Workload("infer", batch=4)],
+                         ids=["funcpipe", "gillis"])
+def test_every_solved_plan_states_its_goal_and_objective(workload):
+    goal = Goal(Weights(1.0, 2.0 ** 16))
+    plan = get_solver("dp")(problem(workload, weights=(1.0, 2.0 ** 16)))
+    evaluation = evaluate(problem(workload), plan)
+    assert plan.predictions["goal"] == goal.describe()
+    assert plan.predictions["objective"] == pytest.approx(evaluation.objective(goal.weights), rel=1e-12)

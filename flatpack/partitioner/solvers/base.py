@@ -79,14 +79,14 @@ class CostSolver:
         reports one); no plan for a weighted goal is an error."""
         if plan is None:
             raise PlanError(f"solver {self.name!r} found no plan for {goal.describe()}")
-        return plan.with_predictions(goal=goal.describe(), solve_s=plan.predictions.get("solve_s", seconds))
+        return _tagged(plan, goal, solve_s=plan.predictions.get("solve_s", seconds))
 
     def within_slo(self, problem: Problem, slo_s: float) -> Plan:
         """The cheapest plan meeting ``slo_s``; when none does, the error names the fastest
         plan and its time."""
         plan = self.solve(problem, Goal(slo_s=slo_s))
         if plan is not None:
-            return plan.with_predictions(goal=Goal(slo_s=slo_s).describe())
+            return _tagged(plan, Goal(slo_s=slo_s))
         fastest = self._solved(problem, Goal(TIME_ONLY))
         if not self.exact:
             raise PlanError(
@@ -107,6 +107,17 @@ class CostSolver:
         plans = self.solve_all(problem, goals)
         share = (time.perf_counter() - started) / len(goals)
         return Front.of([self._found(plan, goal, share) for goal, plan in zip(goals, plans)])
+
+
+def _tagged(plan: Plan, goal: Goal, **facts: object) -> Plan:
+    """``plan`` with its goal and the goal's objective (from the cost model's predictions,
+    where the solver did not report it) in ``predictions``."""
+    predictions = plan.predictions
+    if "objective" not in predictions and {"time_s", "cost_mb_s", "dollars"} <= predictions.keys():
+        score = goal.score(predictions["time_s"], predictions["cost_mb_s"], predictions["dollars"])
+        if score is not None:
+            facts["objective"] = score[0]
+    return plan.with_predictions(goal=goal.describe(), **facts)
 
 
 def describe_plan(plan: Plan) -> str:
