@@ -277,7 +277,8 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
     choice = data.draw(S.plans(count), label="plan")
     second = compile_case(case, passes, **choice.compile_kwargs(count))
     assert [layer.nodes for layer in first.graph.layers] == [layer.nodes for layer in second.graph.layers]
-    assert first.chain == second.chain
+    moved = [(one, two) for one, two in zip(first.chain["layers"], second.chain["layers"]) if one != two]
+    assert first.chain == second.chain, f"the chain moved between plans (BUGS.md, open): {moved}"
     stages = second.plan.stages
     available = set(second.info["input_names"])
     for index, artifact in enumerate(second.artifacts):
