@@ -135,7 +135,7 @@ def run_botorch(problem: Problem, goal: Goal, evaluations: int, seed: int) -> Pl
     from botorch.optim.optimize_mixed import optimize_acqf_mixed_alternating
     from gpytorch.mlls import SumMarginalLogLikelihood
 
-    encoding = Encoding.of(DecisionSpace.of(problem))
+    encoding = Encoding(DecisionSpace.of(problem))
     names, choices = zip(*encoding.dimensions().items())
     incumbent = Incumbent(problem, goal, "bayes-botorch")
     rng = random.Random(seed)

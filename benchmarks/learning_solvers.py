@@ -39,12 +39,10 @@ from typing import Any
 if __package__ in (None, ""):  # ``python benchmarks/learning_solvers.py`` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.solvers import TIMED_OUT, base_chain, in_child  # noqa: E402
+from benchmarks.solvers import BATCH, MICRO_BATCHES, TIMED_OUT, base_chain, in_child, problem_at  # noqa: E402
 
 INFER_MODELS = ("vgg11", "vgg16", "wrn50-4")
 TRAIN_MODELS = ("bert-large", "amoebanet-d36")
-TARGET = "aws-lambda"
-TRAIN_BATCH, TRAIN_MICRO_BATCHES, REPLICAS = 64, 16, (1, 2, 4, 8, 16)
 TRAIN_WEIGHTS = ((1.0, 2.0 ** 16), (1.0, 2.0 ** 22))
 TRAIN_SLO = 1.5
 
@@ -69,17 +67,7 @@ def exact_case(model: str, mode: str, problem, goal, label: str) -> Case:
     return Case(model, mode, len(problem.chain), problem, goal, optimum, label, time.perf_counter() - started)
 
 
-def coarsened(base, layers: int, profile_options, workload, **options):
-    from flatpack import compiler
-    from flatpack.ir.passes import resolve
-    from flatpack.partitioner.problem import Problem
-
-    pipeline = resolve(f"coarsen{{max-layers={layers},by=time}}")
-    graph, profile = compiler._passes_with_profile(base.graph, pipeline, profile_options, base.leaves)
-    return Problem.from_graph(graph, target=TARGET, workload=workload, profile=profile, **options)
-
-
-def cases(args, profile_options) -> list[Case]:
+def cases(args, infer_profile, train_profile) -> list[Case]:
     from flatpack.partitioner.objective import Weights
     from flatpack.partitioner.solvers.base import Goal
     from flatpack.partitioner.solvers.dp import Dp
@@ -88,8 +76,8 @@ def cases(args, profile_options) -> list[Case]:
     found = []
     fastest_goal = Goal(Weights(0.0, 1.0))
     for name in args.infer_models:
-        base = base_chain(name, 1, profile_options)
-        problem = coarsened(base, args.infer_layers, profile_options, Workload("infer", batch=1), max_workers=8)
+        base = base_chain(name, 1, infer_profile)
+        problem = problem_at(base, args.infer_layers, infer_profile, Workload("infer", batch=1), max_workers=8)
         fastest = Dp().solve(problem, fastest_goal).predictions["time_s"]
         print(f"{name}: {base.layers} layers → {len(problem.chain)}; fastest request {fastest * 1e3:.0f} ms",
               flush=True)
@@ -97,9 +85,8 @@ def cases(args, profile_options) -> list[Case]:
             goal = Goal(slo_s=factor * fastest)
             found.append(exact_case(name, "infer", problem, goal, f"SLO {factor:g}× = {goal.slo_s * 1e3:.0f} ms"))
     for name in args.train_models:
-        base = base_chain(name, TRAIN_BATCH // TRAIN_MICRO_BATCHES, profile_options)
-        workload = Workload("train", batch=TRAIN_BATCH, micro_batches=TRAIN_MICRO_BATCHES)
-        problem = coarsened(base, args.train_layers, profile_options, workload, replicas=REPLICAS)
+        base = base_chain(name, BATCH // MICRO_BATCHES, train_profile)
+        problem = problem_at(base, args.train_layers, train_profile)  # solvers.py's training space
         fastest = Dp().solve(problem, fastest_goal).predictions["time_s"]
         print(f"{name}: {base.layers} layers → {len(problem.chain)}; fastest iteration {fastest:.2f} s", flush=True)
         goals = [(Goal(Weights(*pair)), f"weights {Weights(*pair).label()}") for pair in TRAIN_WEIGHTS]
@@ -199,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                                    progress=False)
     train_profile = ProfileOptions(batch_sizes=tuple(int(b) for b in split(args.train_profile_batches)), repeats=1,
                                    progress=False)
-    found = cases_with(args, infer_profile, train_profile)
+    found = cases(args, infer_profile, train_profile)
     import flatpack.partitioner.solvers.bayes  # noqa: F401 - imported once, before the children fork
     import flatpack.partitioner.solvers.rl  # noqa: F401
 
@@ -223,12 +210,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{fmt(row['priced'], ',.0f')} | {fmt(row['memory'], '.2f')}", flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
-
-def cases_with(args, infer_profile, train_profile) -> list[Case]:
-    """:func:`cases` with the profile options of each kind."""
-    infer_only = argparse.Namespace(**{**vars(args), "train_models": []})
-    train_only = argparse.Namespace(**{**vars(args), "infer_models": []})
-    return cases(infer_only, infer_profile) + cases(train_only, train_profile)
 
 
 if __name__ == "__main__":

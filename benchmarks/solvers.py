@@ -125,9 +125,9 @@ def base_chain(name: str, batch: int, profile_options) -> Base:
     return Base(name, passes, graph, leaves, len(graph.layers), trace_s, profile_s, profile.cache_hit)
 
 
-def problem_at(base: Base, layers: int, profile_options):
+def problem_at(base: Base, layers: int, profile_options, workload=None, **options):
     """The Problem a solver sees for ``base`` coarsened to ``layers`` (``build_problem``'s path
-    without tracing again)."""
+    without tracing again); by default this benchmark's training workload and replicas."""
     from flatpack import compiler
     from flatpack.ir.passes import resolve
     from flatpack.partitioner.problem import Problem
@@ -135,8 +135,9 @@ def problem_at(base: Base, layers: int, profile_options):
 
     pipeline = resolve(f"coarsen{{max-layers={layers},by=time}}")
     graph, profile = compiler._passes_with_profile(base.graph, pipeline, profile_options, base.leaves)
-    workload = Workload("train", batch=BATCH, micro_batches=MICRO_BATCHES)
-    return Problem.from_graph(graph, target=TARGET, workload=workload, profile=profile, replicas=REPLICAS)
+    if workload is None:
+        workload, options = Workload("train", batch=BATCH, micro_batches=MICRO_BATCHES), {"replicas": REPLICAS}
+    return Problem.from_graph(graph, target=TARGET, workload=workload, profile=profile, **options)
 
 
 # --- solving in a child process, with a time limit -----------------------------------------------

@@ -102,14 +102,14 @@ def test_per_stage_degrees_under_pipedream_and_weights_through_the_registry():
 
 
 def test_a_stage_takes_its_first_layers_slot_and_degrees_are_clamped_to_m():
-    encoding = Encoding.of(DecisionSpace.of(training()))
+    encoding = Encoding(DecisionSpace.of(training()))
     assert set(encoding.dimensions()) == {"cut0", "cut1", "cut2", "tier0", "tier1", "tier2", "tier3", "degree",
                                           "micro"}
     plan = encoding.plan({"cut1": 1, "tier0": 2, "tier1": 0, "tier2": 1, "tier3": 0, "degree": 2, "micro": 0},
                          "bayes")
     assert plan.ranges == [(0, 1), (2, 3)] and list(plan.memory_mb) == [1024, 512]
     assert [stage.replicas for stage in plan.stages] == [1, 1] and plan.micro_batches == 1   # d = 4 > M = 1
-    gillis = Encoding.of(DecisionSpace.of(inference()))
+    gillis = Encoding(DecisionSpace.of(inference()))
     assert "tier" in gillis.dimensions() and "degree3" in gillis.dimensions()
 
 

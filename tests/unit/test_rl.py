@@ -160,3 +160,12 @@ def test_rl_is_selectable_by_name_with_options_in_compile(tmp_path):
         get_solver("rl{epochs=3}")
     with pytest.raises(PlanError, match="rl episodes must be > 0"):
         get_solver("rl{episodes=0}")
+
+
+def test_a_micro_batch_count_that_idles_every_replica_is_not_offered():
+    # replicas (2, 4) leave nothing to run at M = 1; rl must choose M from 2 and 4 only
+    problem = make_problem(LAYERS, make_platform(TIERS), Workload("train", batch=16, micro_batches=4),
+                           replicas=(2, 4), micro_batches=(1, 2, 4))
+    assert DecisionSpace.of(problem).micro_batches == (2, 4)
+    plan = rl(episodes=200).solve(problem, GOALS[0])
+    assert plan.micro_batches in (2, 4) and all(stage.replicas <= plan.micro_batches for stage in plan.stages)

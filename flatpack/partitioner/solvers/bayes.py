@@ -82,14 +82,6 @@ class Encoding:
     """The fixed-length vector of one plan's decisions (see the module docstring)."""
 
     space: DecisionSpace
-    micro_batches: tuple[int, ...]   # the counts M that allow at least one degree
-    degrees: tuple[int, ...]         # every degree those M allow, increasing
-
-    @classmethod
-    def of(cls, space: DecisionSpace) -> "Encoding":
-        micro = tuple(count for count in space.micro_batches if space.degrees_for(count))
-        degrees = tuple(sorted({d for count in micro for d in space.degrees_for(count)}))
-        return cls(space, micro, degrees)
 
     def dimensions(self) -> dict[str, int]:
         """Each decision's name and number of choices; one with a single choice is no
@@ -97,8 +89,8 @@ class Encoding:
         space = self.space
         dims = {f"cut{i}": 2 for i in range(space.num_layers - 1)}
         dims.update({name: len(space.memory_mb) for name in self._slots("tier", space.tier_per_stage)})
-        dims.update({name: len(self.degrees) for name in self._slots("degree", space.degree_per_stage)})
-        dims["micro"] = len(self.micro_batches)
+        dims.update({name: len(space.all_degrees) for name in self._slots("degree", space.degree_per_stage)})
+        dims["micro"] = len(space.micro_batches)
         return {name: choices for name, choices in dims.items() if choices > 1}
 
     def plan(self, values: Mapping[str, int], solver: str) -> Plan:
@@ -107,7 +99,7 @@ class Encoding:
         space = self.space
         cuts = [bool(values.get(f"cut{i}", 0)) for i in range(space.num_layers - 1)]
         starts = [0, *(i + 1 for i, cut in enumerate(cuts) if cut)]
-        micro_batches = self.micro_batches[values.get("micro", 0)]
+        micro_batches = space.micro_batches[values.get("micro", 0)]
         allowed = space.degrees_for(micro_batches)
 
         def per_stage(names: list[str]) -> list[int]:
@@ -158,7 +150,7 @@ class Bayes(CostSolver):
         return [share.solve(problem, goal) for goal in goals]
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:
-        encoding = Encoding.of(DecisionSpace.of(problem))
+        encoding = Encoding(DecisionSpace.of(problem))
         dimensions = encoding.dimensions()
         incumbent = Incumbent(problem, goal, self.name)
 

@@ -325,7 +325,8 @@ class Rl(CostSolver):
         previous: Agent | None = None
         results = []
         for index, goal in enumerate(goals):
-            agent, warm = self._agent(problem, space, features, goal, previous)
+            path = self._policy_path(problem, space, goal)
+            agent, warm = self._agent(space, features, path, previous)
             incumbent = Incumbent(problem, goal, self.name, cache=shared)
             started = time.perf_counter()
             limit_s = self.time_limit_s / len(goals)
@@ -333,7 +334,7 @@ class Rl(CostSolver):
             stopped, trained = self._train(agent, incumbent, goal, torch.Generator().manual_seed(self.seed + index),
                                            training_deadline)
             incumbent.price(self._to_plan(space, agent.sample(torch.Generator(), greedy=True)))
-            path = self._save(problem, space, goal, agent)
+            self._save(path, agent)
             facts = {"episodes": trained, "stopped_by": stopped, "warm_start": warm, "seed": self.seed,
                      "policy": None if path is None else str(path)}
             if self.polish:
@@ -366,11 +367,12 @@ class Rl(CostSolver):
             episodes += size
             costs = [self._cost(incumbent.problem, goal, outcome) for outcome in outcomes]
             budget = max([budget, *(2 * cost for cost in costs if cost is not None)])
-            misses = [self._reward(goal, outcome, cost, budget) for outcome, cost in zip(outcomes, costs)
-                      if outcome.fits and cost is None]
-            worst_miss = min([worst_miss, *misses])
-            rewards = torch.tensor([self._reward(goal, outcome, cost, budget, worst_miss)
-                                    for outcome, cost in zip(outcomes, costs)], dtype=torch.float64)
+            # fitting plans first: an overflow's reward depends on the worst miss among them
+            fitting = [self._reward(goal, outcome, cost, budget) if outcome.fits else None
+                       for outcome, cost in zip(outcomes, costs)]
+            worst_miss = min([worst_miss, *(reward for reward in fitting if reward is not None)])
+            rewards = torch.tensor([self._reward(goal, outcome, None, budget, worst_miss) if reward is None else reward
+                                    for outcome, reward in zip(outcomes, fitting)], dtype=torch.float64)
             if size < 2 or float(rewards.std()) == 0.0:
                 continue
             advantages = centered_ranks(rewards)
@@ -410,14 +412,13 @@ class Rl(CostSolver):
 
     # policies
 
-    def _agent(self, problem: Problem, space: DecisionSpace, features: torch.Tensor, goal: Goal,
+    def _agent(self, space: DecisionSpace, features: torch.Tensor, path: Path | None,
                previous: Agent | None) -> tuple[Agent, bool]:
-        """A fresh agent (seeded), the saved policy for this problem and goal, or a copy of
-        the previous goal's agent."""
+        """A fresh agent (seeded), the policy saved at ``path``, or a copy of the previous
+        goal's agent."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             agent = Agent(space, features, self.hidden)
-        path = self._policy_path(problem, space, goal)
         if path is not None and path.exists():
             saved = torch.load(path, weights_only=True)
             if saved.get("schema") == POLICY_SCHEMA:
@@ -428,6 +429,7 @@ class Rl(CostSolver):
         return agent, False
 
     def _policy_path(self, problem: Problem, space: DecisionSpace, goal: Goal) -> Path | None:
+        """Where this problem and goal's policy is kept; None without ``warm_start``."""
         if not self.warm_start:
             return None
         key = {
@@ -440,14 +442,13 @@ class Rl(CostSolver):
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
         return (Path(self.policy_dir) if self.policy_dir else default_policy_dir()) / f"rl-{digest}.pt"
 
-    def _save(self, problem: Problem, space: DecisionSpace, goal: Goal, agent: Agent) -> Path | None:
-        path = self._policy_path(problem, space, goal)
+    @staticmethod
+    def _save(path: Path | None, agent: Agent) -> None:
         if path is None:
-            return None
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a concurrent compile never loads half a policy
         handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(handle)
         torch.save({"schema": POLICY_SCHEMA, "state": agent.state_dict()}, temporary)
         os.replace(temporary, path)
-        return path

@@ -42,9 +42,13 @@ class DecisionSpace:
 
     @classmethod
     def of(cls, problem: Problem) -> "DecisionSpace":
+        """The space's choices; an M that leaves every replica degree idle (d > M for all d
+        offered) is no choice, so that every M here has a degree to go with it."""
         space = SearchSpace.of(problem)
+        micro_batches = tuple(count for count in space.micro_batches
+                              if problem.workload.mode == "infer" or space.replicas_for(count))
         return cls(len(problem.chain), problem.workload.mode, cost_model_for(problem), space.memory_mb,
-                   space.micro_batches, space)
+                   micro_batches, space)
 
     @property
     def tier_per_stage(self) -> bool:
