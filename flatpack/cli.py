@@ -1,4 +1,4 @@
-"""The ``flatpack`` command: inspect, profile, plan, platforms, compile, demo."""
+"""The ``flatpack`` command: inspect, profile, plan, platforms, compile, run, demo."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import torch
 from flatpack.errors import FlatpackError, InputError
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
-from flatpack.verify import INPUT_GRAD, OUTPUT, PARAM_GRAD, check_equivalence
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
@@ -382,35 +381,40 @@ def cmd_platforms(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    import flatpack
-    from flatpack.examples import EXAMPLES
+def cmd_run(args: argparse.Namespace) -> int:
+    from flatpack.job import JobOptions, run_training
 
-    model, inputs = EXAMPLES[args.model]()
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="flatpack-demo-")) / "compiled"
-    started = time.perf_counter()
-    compiled = flatpack.compile(model, inputs, stages=args.stages, out_dir=out)
-    compile_s = time.perf_counter() - started
-    print(f"compiled {args.model} ({type(model).__name__}) with torch.{compiled.frontend} in {compile_s:.2f} s")
-    print(chain_table(compiled.chain, compiled.plan.ranges))
-    print(f"\nartifacts: {out}")
-    for stage_dir in compiled.info["stages"]:
-        files = sorted(p.name for p in (out / stage_dir).iterdir())
-        size = sum(p.stat().st_size for p in (out / stage_dir).iterdir())
-        print(f"  {stage_dir}/  {', '.join(files)}  ({human_bytes(size)})")
+    model, inputs = load_factory(args.model, args.size)
+    options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=args.iterations,
+                         optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
+                         solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
+                         memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
+                         verify=not args.no_verify)
+    if args.target != "local":
+        raise InputError(f"flatpack run deploys to the local backend only for now; target {args.target!r} is "
+                         "compiled and planned by `flatpack plan`")
+    result = run_training(model, inputs, options, stream=sys.stdout)
+    return 0 if result.equivalent in (None, True) else 1
 
-    staged = flatpack.load(out).as_module()
-    report = check_equivalence(model, staged, inputs)
-    print(f"\nreloaded {len(compiled.plan.stages)} stages from disk and ran them chained:")
-    for kind in (OUTPUT, PARAM_GRAD, INPUT_GRAD):
-        print(f"  max |{kind} difference|".ljust(38) + f"{report.max_abs_diff(kind):.3g}")
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
-        report.assert_close()
-    except AssertionError as err:
-        print(f"EQUIVALENCE CHECK FAILED: {err}")
-        return 1
-    print("equivalence check: passed (outputs and gradients match the original model)")
-    return 0
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flatpack.job import JobOptions, run_training
+
+    model, inputs = load_factory(args.model, "tiny")
+    print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
+    options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
+                         passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
+                         memory_mb=(512, 1024), out=Path(args.out) if args.out else
+                         Path(tempfile.mkdtemp(prefix="flatpack-demo-")))
+    result = run_training(model, inputs, options, stream=sys.stdout)
+    return 0 if result.equivalent else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -489,9 +493,32 @@ def build_parser() -> argparse.ArgumentParser:
     platforms_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     platforms_parser.set_defaults(run=cmd_platforms)
 
-    demo_parser = sub.add_parser("demo", help="compile a built-in model, write, reload and verify it")
-    demo_parser.add_argument("--model", default="tiny-resnet", choices=["tiny-resnet", "mlp"])
-    demo_parser.add_argument("--stages", type=int, default=3)
+    run_parser = sub.add_parser("run", help="compile, plan, deploy to local functions, train, report predicted vs "
+                                            "measured and check equivalence with single-process training")
+    run_parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
+    run_parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
+    run_parser.add_argument("--target", default="local")
+    run_parser.add_argument("--batch", type=int, default=32)
+    run_parser.add_argument("--micro-batches", type=int, default=4)
+    run_parser.add_argument("--iterations", type=int, default=4)
+    run_parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    run_parser.add_argument("--lr", type=float, default=0.01)
+    run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],
+                            help="FuncPipe's synchronous schedule or PipeDream's 1F1B with a flush")
+    run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
+                            help="pipelined scatter-reduce (FuncPipe) or LambdaML's three phases")
+    run_parser.add_argument("--solver", default="dp")
+    run_parser.add_argument("--passes", default=None)
+    run_parser.add_argument("--replicas", default="1,2", metavar="D[,D...]")
+    run_parser.add_argument("--memory", default=None, metavar="MB[,MB...]")
+    run_parser.add_argument("--out", default="flatpack-run", help="where the timeline PNG and worker logs go")
+    run_parser.add_argument("--no-verify", action="store_true", help="skip the single-process equivalence check")
+    run_parser.set_defaults(run=cmd_run)
+
+    demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
+                                              "functions through a local S3 server, report and verify")
+    demo_parser.add_argument("--model", default="vgg16", help="a zoo model (built at reduced size)")
+    demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default=None, help="output directory (default: a new temporary one)")
     demo_parser.set_defaults(run=cmd_demo)
     return parser

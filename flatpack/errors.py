@@ -29,3 +29,41 @@ class CodegenError(FlatpackError):
 
 class ArtifactError(FlatpackError):
     """A stage artifact or a compiled directory on disk is missing, foreign or tampered with."""
+
+
+class RunFailure(FlatpackError):
+    """A deployed run could not finish: a function failed for good (the message says which
+    stage and replica, why, and what to change). Artifacts and checkpoints stay in the store."""
+
+
+class FunctionOutOfMemory(RunFailure):
+    """A function's peak memory passed its memory tier, as an out-of-memory function fails."""
+
+    def __init__(self, message: str, *, stage: int, replica: int, peak_bytes: int, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.stage, self.replica = stage, replica
+        self.peak_bytes, self.limit_bytes = peak_bytes, limit_bytes
+
+    @property
+    def over_bytes(self) -> int:
+        return self.peak_bytes - self.limit_bytes
+
+
+class StoreError(FlatpackError):
+    """A store (S3, OSS, Redis, local files) refused or failed an operation."""
+
+
+class StoreKeyError(StoreError, KeyError):
+    """A key the caller asked for is not in the store."""
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows repr(message), quotes and escapes included; show the message.
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A key did not appear in the store before the deadline."""
+
+
+class WireError(FlatpackError, ValueError):
+    """Tensors or metadata cannot be encoded for the wire, or received bytes are not a valid payload."""

@@ -47,36 +47,43 @@ def write_stage(artifact: StageArtifact, directory: Path) -> None:
 def read_stage(directory: str | Path) -> StageArtifact:
     """Reads and verifies a stage directory; raises ArtifactError naming what is wrong."""
     directory = Path(directory)
-    manifest_path = directory / MANIFEST_FILE
-    if not manifest_path.is_file():
+    if not (directory / MANIFEST_FILE).is_file():
         raise ArtifactError(f"{directory} has no {MANIFEST_FILE}: it is not a flatpack stage directory "
                             "(compile one with `flatpack compile` or Compiled.save)")
+    contents = {name: (directory / name).read_bytes() for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
+                if (directory / name).is_file()}
+    return parse_stage(contents, str(directory))
+
+
+def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
+    """Verifies and parses a stage's files given as bytes (from a directory or a store);
+    ``where`` names their origin in errors."""
+    manifest_name = f"{where}/{MANIFEST_FILE}"
+    if MANIFEST_FILE not in contents:
+        raise ArtifactError(f"{where} has no {MANIFEST_FILE}: it is not a flatpack stage")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(contents[MANIFEST_FILE])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{manifest_path} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
+        raise ArtifactError(f"{manifest_name} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
     if manifest.get("kind") != STAGE_KIND:
-        raise ArtifactError(f"{manifest_path} is not a flatpack stage manifest (kind={manifest.get('kind')!r})")
+        raise ArtifactError(f"{manifest_name} is not a flatpack stage manifest (kind={manifest.get('kind')!r})")
     if manifest.get("schema_version") != STAGE_SCHEMA_VERSION:
-        raise ArtifactError(f"{directory} uses stage schema {manifest.get('schema_version')}, this flatpack "
+        raise ArtifactError(f"{where} uses stage schema {manifest.get('schema_version')}, this flatpack "
                             f"reads schema {STAGE_SCHEMA_VERSION}; recompile with this version")
-    contents = {}
     for name in (SOURCE_FILE, WEIGHTS_FILE):
-        path = directory / name
-        if not path.is_file():
-            raise ArtifactError(f"{path} is missing; the stage directory is incomplete, recompile it")
-        data = path.read_bytes()
+        path = f"{where}/{name}"
+        if name not in contents:
+            raise ArtifactError(f"{path} is missing; the stage is incomplete, recompile it")
         expected = manifest.get("files", {}).get(name, {}).get("sha256")
-        actual = sha256_bytes(data)
+        actual = sha256_bytes(contents[name])
         if actual != expected:
             raise ArtifactError(f"{path} has sha256 {actual[:16]}… but the manifest records "
                                 f"{str(expected)[:16]}…: the file was modified or corrupted. "
                                 "Recompile the model, or restore the file from the original output.")
-        contents[name] = data
     tensors = load_safetensors(contents[WEIGHTS_FILE])
     missing = {entry["name"] for entry in manifest["parameters"]} - tensors.keys()
     if missing:
-        raise ArtifactError(f"{directory / WEIGHTS_FILE} lacks {sorted(missing)[:3]}; recompile the model")
+        raise ArtifactError(f"{where}/{WEIGHTS_FILE} lacks {sorted(missing)[:3]}; recompile the model")
     return StageArtifact(manifest["stage"], contents[SOURCE_FILE].decode(), tensors, manifest)
 
 

@@ -51,13 +51,6 @@ def test_errors_are_one_line_with_exit_code_2(factory, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_demo_checks_equivalence(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
-    printed = capsys.readouterr().out
-    assert "equivalence check: passed" in printed
-    assert (tmp_path / "demo" / "stage_002" / "stage.py").is_file()
-
-
 def test_profile_prints_every_layer_and_reports_the_cache_hit(factory, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "profile.json"

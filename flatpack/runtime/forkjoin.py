@@ -1,0 +1,194 @@
+"""Gillis's fork-join inference (§III-B): a master function walks the layer groups in order;
+for a group split over n workers it sends each worker its partition, computes one
+partition itself when the plan says so, joins the results and goes on to the next group.
+
+Partitions here split the request's batch: each partition holds the group's whole weights
+and a slice of its inputs and outputs, which is exact for any stage the compiler emits.
+That is the byte and compute accounting of Gillis's spatial split (weights whole, 1/p of
+the input and output per partition; cost/gillis.py with ``split="spatial"``), without the
+halo overlap a split inside one image needs. Gillis's channel split (1/p of the filters
+per worker) needs per-operator rewriting and is not implemented: a one-sample request
+runs each group as a single partition.
+
+Workers are warm: they start with the deployment and wait for their next partition key,
+as provisioned functions would, so a request pays the store round trips but no cold start.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from flatpack.runtime import timeline
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.spec import Role
+from flatpack.runtime.store import Store
+from flatpack.runtime.training import pack_values, unpack_values
+
+STOP = "stop"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    index: int
+    workers: int                # functions a group forks (0: the master runs it alone)
+    on_master: bool             # the master computes one partition itself
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def partitions(self) -> int:
+        return self.workers + (1 if self.on_master else 0)
+
+
+@dataclass(frozen=True)
+class ForkJoinSpec:
+    run: str
+    groups: tuple[GroupSpec, ...]
+    memory_mb: int | None
+    vcpus: float | None
+    bandwidth_bytes_s: float | None
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    threads: int = 1
+    wait_timeout_s: float = 300.0
+
+    def dumps(self) -> bytes:
+        return json.dumps({"kind": "forkjoin", **asdict(self)}).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "ForkJoinSpec":
+        data = json.loads(raw)
+        data.pop("kind")
+        groups = tuple(GroupSpec(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"])})
+                       for g in data.pop("groups"))
+        return cls(groups=groups, input_names=tuple(data.pop("input_names")),
+                   output_names=tuple(data.pop("output_names")), **data)
+
+
+def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Cuts every tensor that has the request's batch dimension into ``parts`` slices;
+    values without it (sizes, shared tables) go whole to every partition."""
+    batch = max((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim()), default=0)
+    pieces = [dict() for _ in range(parts)]
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            for piece, chunk in zip(pieces, torch.tensor_split(value, parts)):
+                piece[name] = chunk.contiguous()
+        else:
+            for piece in pieces:
+                piece[name] = value
+    return pieces
+
+
+def join_batch(parts: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str, Any]:
+    joined = {}
+    for name, first in parts[0].items():
+        if isinstance(first, torch.Tensor) and first.dim() and sum(p[name].shape[0] for p in parts) == sum(batch_sizes) \
+                and all(p[name].shape[0] == size for p, size in zip(parts, batch_sizes)):
+            joined[name] = torch.cat([p[name] for p in parts])
+        else:
+            joined[name] = first
+    return joined
+
+
+def _batch(values: dict[str, Any]) -> int:
+    return max((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim()), default=0)
+
+
+def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, throttled: Store | None = None,
+          throttle_compute: Any = None) -> int:
+    """The loop of an inference function: the master (``infer-master``) or a group's
+    worker (``infer-worker``, stage = group, replica = partition)."""
+    from flatpack.runtime.worker import load_module
+
+    spec = ForkJoinSpec.loads(raw_spec)
+    keys = RunKeys(spec.run)
+    link = throttled or store
+    after_task = after_task or (lambda kind, request, part: None)
+    run_compute = throttle_compute or (lambda fn: fn())
+    recorder = timeline.Recorder(role.stage, role.replica, role.attempt)
+    if role.kind == "infer-worker":
+        groups = [spec.groups[role.stage]]
+    else:
+        groups = [g for g in spec.groups if g.workers == 0 or g.on_master]
+    modules = {g.index: load_module(store, keys, g.index).eval() for g in groups}
+    after_task("load", 0, None)
+    request = 0
+    while True:
+        if role.kind == "infer-worker":
+            key = keys.infer(str(request), role.stage, role.replica, "in")
+        else:
+            key = keys.infer(str(request), 0, 0, "request")
+        raw = link.wait(key, spec.wait_timeout_s * 100)
+        values = unpack_values(raw)
+        if values.get(STOP):
+            return 0
+        started = time.time()
+        if role.kind == "infer-worker":
+            group = spec.groups[role.stage]
+            outputs = _compute(modules[group.index], group, values, run_compute)
+            recorder.add(timeline.Event(role.stage, role.replica, request, "forward", started, time.time(),
+                                        micro_batch=role.replica, attempt=role.attempt))
+            after_task("forward", request, role.replica)
+            link.put(keys.infer(str(request), role.stage, role.replica, "out"), pack_values(outputs))
+        else:
+            env = dict(values)
+            for group in spec.groups:
+                env.update(_run_group(link, keys, request, group, modules.get(group.index), env, run_compute,
+                                      recorder, spec.wait_timeout_s))
+                after_task("forward", request, group.index)
+            response = {name: env[name] for name in spec.output_names}
+            link.put(keys.infer(str(request), 0, 0, "response"), pack_values(response))
+        store.put(keys.timeline(role.stage, role.replica, request, role.attempt), timeline.dumps(recorder.drain()))
+        request += 1
+
+
+def _compute(module: torch.nn.Module, group: GroupSpec, values: dict[str, Any], run_compute: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with torch.no_grad():
+            outputs = module(*(values[name] for name in group.inputs))
+        result.update(zip(group.outputs, outputs))
+
+    run_compute(run)
+    return result
+
+
+def _run_group(store: Store, keys: RunKeys, request: int, group: GroupSpec, module: torch.nn.Module | None,
+               env: dict[str, Any], run_compute: Any, recorder: timeline.Recorder, timeout_s: float) -> dict[str, Any]:
+    inputs = {name: env[name] for name in group.inputs}
+    if group.workers == 0:
+        started = time.time()
+        outputs = _compute(module, group, inputs, run_compute)
+        recorder.add(timeline.Event(0, 0, request, "forward", started, time.time(), micro_batch=group.index))
+        return outputs
+    pieces = split_batch(inputs, group.partitions)
+    sizes = [_batch(piece) for piece in pieces]
+    started = time.time()
+    for partition in range(group.workers):
+        store.put(keys.infer(str(request), group.index, partition, "in"), pack_values(pieces[partition]))
+    recorder.add(timeline.Event(0, 0, request, "upload", started, time.time(), lane="upload", micro_batch=group.index))
+    results: list[dict[str, Any] | None] = [None] * group.partitions
+    if group.on_master:
+        started = time.time()
+        results[-1] = _compute(module, group, pieces[-1], run_compute)
+        recorder.add(timeline.Event(0, 0, request, "forward", started, time.time(), micro_batch=group.index))
+    started = time.time()
+    for partition in range(group.workers):
+        key = keys.infer(str(request), group.index, partition, "out")
+        results[partition] = unpack_values(store.wait(key, timeout_s))
+        store.delete(key)
+    recorder.add(timeline.Event(0, 0, request, "download", started, time.time(), lane="download",
+                                micro_batch=group.index))
+    return join_batch(results, sizes)
+
+
+def stop_message() -> bytes:
+    return pack_values({STOP: True})
+

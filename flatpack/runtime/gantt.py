@@ -1,0 +1,119 @@
+"""A run's timeline as a Gantt chart: one row per worker, its three lanes (compute, upload,
+download) as sub-rows, tasks coloured by kind; optionally the model's predicted schedule
+(``runtime.report.predicted_schedule``) in a panel above, on the same time axis.
+
+matplotlib is optional and imported only when a chart is drawn; the figure is drawn on the
+Agg canvas directly (no pyplot), so no display or global backend state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from flatpack.errors import InputError
+from flatpack.runtime.timeline import KINDS, OUTSIDE_ITERATION, Event
+
+INSTALL_HINT = "pip install matplotlib (or the plot extra: pip install 'flatpack[plot]')"
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "upload": "tab:green", "download": "tab:olive",
+          "sync": "tab:red", "update": "tab:purple", "checkpoint": "tab:gray", "load": "tab:brown"}
+# a worker's row: the compute lane on top, the two transfer lanes below it as thin sub-rows
+LANE_BANDS = {"compute": (0.42, 0.40), "upload": (0.18, 0.18), "download": (0.0, 0.16)}
+ROW_HEIGHT = 1.0
+# a bar gets its micro-batch number when it is at least this share of the axis wide
+LABEL_MIN_SHARE = 0.018
+
+
+def _require_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError(f"drawing a timeline needs matplotlib, which is not installed: {INSTALL_HINT}") from None
+    return matplotlib
+
+
+def _workers(*timelines: Sequence[Event]) -> list[tuple[int, int]]:
+    return sorted({(e.stage, e.replica) for events in timelines for e in events})
+
+
+def _draw(axes: Any, events: Sequence[Event], workers: list[tuple[int, int]], origin: float, span: float,
+          heading: str) -> set[str]:
+    """Draws ``events`` on ``axes``; returns the kinds drawn."""
+    rows = {worker: len(workers) - 1 - i for i, worker in enumerate(workers)}   # first worker on top
+    bars: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        bars[(e.kind, e.lane, rows[(e.stage, e.replica)])].append((e.start - origin, e.seconds))
+    for (kind, lane, row), spans in bars.items():
+        offset, height = LANE_BANDS[lane]
+        axes.broken_barh(spans, (row * ROW_HEIGHT + offset, height), facecolors=COLORS[kind],
+                         edgecolor="white", linewidth=0.3)
+    for e in events:
+        if e.micro_batch is not None and e.seconds >= LABEL_MIN_SHARE * span:
+            offset, height = LANE_BANDS[e.lane]
+            axes.text(e.start - origin + e.seconds / 2, rows[(e.stage, e.replica)] * ROW_HEIGHT + offset + height / 2,
+                      str(e.micro_batch), ha="center", va="center", fontsize=6 if e.lane == "compute" else 5,
+                      color="white", clip_on=True)
+    # faint lines where each iteration after the first starts
+    starts: dict[int, float] = {}
+    for e in events:
+        if e.kind not in OUTSIDE_ITERATION:
+            starts[e.iteration] = min(starts.get(e.iteration, e.start), e.start)
+    for iteration in sorted(starts)[1:]:
+        axes.axvline(starts[iteration] - origin, color="0.5", alpha=0.35, linewidth=0.8, linestyle="--")
+    axes.set_yticks([rows[w] * ROW_HEIGHT + 0.5 for w in workers], [f"s{s}r{r}" for s, r in workers], fontsize=8)
+    axes.set_ylim(-0.1, len(workers) * ROW_HEIGHT)
+    axes.set_ylabel("worker (compute / upload / download)", fontsize=8)
+    axes.set_title(heading, fontsize=9, loc="left")
+    axes.grid(True, axis="x", alpha=0.25)
+    return {e.kind for e in events}
+
+
+def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequence[Event] | None = None,
+         title: str = "") -> Path:
+    """Draws ``events`` as a PNG Gantt chart at ``path`` and returns the path.
+
+    x is seconds from the run's first event (the predicted panel, when given, from its own
+    first event, in the same units on a shared axis); faint dashed lines mark where each
+    iteration after the first begins; micro-batch numbers sit inside bars wide enough.
+    """
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    events = list(events)
+    if not events:
+        raise InputError("no events to draw: the timeline is empty (did the workers record and upload it?)")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise InputError(f"cannot write {path}: its directory {path.parent} does not exist")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    elif path.suffix.lower() != ".png":
+        raise InputError(f"a timeline is drawn as PNG: end the file name {path.name} with .png")
+
+    panels: list[tuple[str, list[Event]]] = []
+    if predicted:
+        panels.append(("predicted (FuncPipe model)", list(predicted)))
+    panels.append(("measured" if predicted else "timeline", events))
+    workers = _workers(*(p for _, p in panels))
+    origins = [min(e.start for e in p) for _, p in panels]
+    span = max(max(e.end for e in p) - origin for (_, p), origin in zip(panels, origins)) or 1.0
+
+    height = sum(0.9 + 0.42 * len(workers) for _ in panels) + 0.9
+    figure = Figure(figsize=(11.0, max(3.0, height)), layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = figure.subplots(len(panels), 1, sharex=True, squeeze=False)
+    kinds: set[str] = set()
+    for axes, (heading, panel), origin in zip(grid[:, 0], panels, origins):
+        kinds |= _draw(axes, panel, workers, origin, span, heading)
+    grid[-1, 0].set_xlabel("seconds from the first event")
+    grid[-1, 0].set_xlim(0, span * 1.01)
+    handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in KINDS if kind in kinds]
+    figure.legend(handles=handles, loc="outside right upper", fontsize=7, title="task", title_fontsize=7)
+    if title:
+        figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,115 @@
+"""Store keys: every object a run writes is named by run, iteration, stage, replica,
+micro-batch and kind, under the run's own prefix, so that a run lists only its own prefix
+(never a whole bucket) and a restarted worker finds exactly what it needs.
+
+Layout (``<run>`` is the run id)::
+
+    <run>/artifacts/stage_NNN/<file>                  stage artifacts (source, weights, manifest)
+    <run>/spec/g<segment>                             the run's settings (a new segment per re-scaling)
+    <run>/marker/i<iter>/s<stage>/r<replica>/<phase>  a worker reached a phase (straggler watch)
+    <run>/data/i<iter>/m<mb>                          a micro-batch's inputs
+    <run>/data/i<iter>/t<mb>                          a micro-batch's targets (read by the last stage)
+    <run>/act/i<iter>/s<stage>/m<mb>                  a stage's outputs for a micro-batch
+    <run>/grad/i<iter>/s<stage>/m<mb>                 gradients for a stage's inputs
+    <run>/sync/i<iter>/s<stage>/r<replica>/c<chunk>   scatter-reduce: a replica's gradient chunk
+    <run>/reduced/i<iter>/s<stage>/c<chunk>           scatter-reduce: a summed chunk
+    <run>/ckpt/s<stage>/i<iter>                       stage state after iteration <iter>
+    <run>/timeline/s<stage>/r<replica>/i<iter>/a<attempt>   task start and end times
+    <run>/status/s<stage>/r<replica>/a<attempt>       a worker's final status (ok, oom, error)
+    <run>/progress/i<iter>                            loss and sample counts of an iteration
+    <run>/infer/<request>/...                         fork-join inference partitions
+
+Iterations, stages, replicas and micro-batches are zero-padded so that a prefix listing
+returns them in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _n(value: int) -> str:
+    return f"{value:06d}"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Key builder for one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not self.run or "/" in self.run or self.run.strip() != self.run:
+            raise ValueError(f"a run id must be a non-empty name without '/' or surrounding spaces, got {self.run!r}")
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.run}/"
+
+    def artifact(self, stage: int, filename: str) -> str:
+        return f"{self.run}/artifacts/stage_{stage:03d}/{filename}"
+
+    def artifacts(self, stage: int) -> str:
+        return f"{self.run}/artifacts/stage_{stage:03d}/"
+
+    def spec(self, segment: int) -> str:
+        return f"{self.run}/spec/g{_n(segment)}"
+
+    def inference_spec(self) -> str:
+        return f"{self.run}/spec/inference"
+
+    def marker(self, iteration: int, stage: int, replica: int, phase: str) -> str:
+        return f"{self.run}/marker/i{_n(iteration)}/s{_n(stage)}/r{_n(replica)}/{phase}"
+
+    def markers(self, iteration: int) -> str:
+        return f"{self.run}/marker/i{_n(iteration)}/"
+
+    def data(self, iteration: int, micro_batch: int) -> str:
+        return f"{self.run}/data/i{_n(iteration)}/m{_n(micro_batch)}"
+
+    def target(self, iteration: int, micro_batch: int) -> str:
+        return f"{self.run}/data/i{_n(iteration)}/t{_n(micro_batch)}"
+
+    def activation(self, iteration: int, stage: int, micro_batch: int) -> str:
+        return f"{self.run}/act/i{_n(iteration)}/s{_n(stage)}/m{_n(micro_batch)}"
+
+    def gradient(self, iteration: int, stage: int, micro_batch: int) -> str:
+        return f"{self.run}/grad/i{_n(iteration)}/s{_n(stage)}/m{_n(micro_batch)}"
+
+    def sync_chunk(self, iteration: int, stage: int, replica: int, chunk: int) -> str:
+        return f"{self.run}/sync/i{_n(iteration)}/s{_n(stage)}/r{_n(replica)}/c{_n(chunk)}"
+
+    def reduced_chunk(self, iteration: int, stage: int, chunk: int) -> str:
+        return f"{self.run}/reduced/i{_n(iteration)}/s{_n(stage)}/c{_n(chunk)}"
+
+    def shared_gradient(self, iteration: int, stage: int, name: str) -> str:
+        return f"{self.run}/shared/i{_n(iteration)}/s{_n(stage)}/{name}"
+
+    def checkpoint(self, stage: int, iteration: int) -> str:
+        return f"{self.run}/ckpt/s{_n(stage)}/i{_n(iteration)}"
+
+    def checkpoints(self, stage: int) -> str:
+        return f"{self.run}/ckpt/s{_n(stage)}/"
+
+    def timeline(self, stage: int, replica: int, iteration: int, attempt: int) -> str:
+        return f"{self.run}/timeline/s{_n(stage)}/r{_n(replica)}/i{_n(iteration)}/a{_n(attempt)}"
+
+    def timelines(self) -> str:
+        return f"{self.run}/timeline/"
+
+    def status(self, stage: int, replica: int, attempt: int) -> str:
+        return f"{self.run}/status/s{_n(stage)}/r{_n(replica)}/a{_n(attempt)}"
+
+    def progress(self, iteration: int, stage: int, replica: int) -> str:
+        return f"{self.run}/progress/i{_n(iteration)}/s{_n(stage)}/r{_n(replica)}"
+
+    def progresses(self) -> str:
+        return f"{self.run}/progress/"
+
+    def iteration_prefixes(self, iteration: int) -> list[str]:
+        """The prefixes of an iteration's intermediate tensors (deleted once it is done)."""
+        tag = f"i{_n(iteration)}/"
+        return [f"{self.run}/{kind}/{tag}" for kind in ("data", "act", "grad", "sync", "reduced", "shared", "marker")]
+
+    def infer(self, request: str, group: int, partition: int, kind: str) -> str:
+        return f"{self.run}/infer/{request}/g{_n(group)}/p{_n(partition)}/{kind}"

@@ -1,0 +1,77 @@
+"""Optimizers and losses a run names: plain data that travels to every worker as JSON, so
+that each stage builds the same optimizer over its own parameters and the last stage
+applies the same loss (no pickled callables cross a process boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from flatpack.errors import InputError
+
+OPTIMIZERS = ("sgd", "adam")
+LOSSES = ("cross_entropy", "mse", "output")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """``sgd`` (with ``momentum``, as FuncPipe trains) or ``adam``; the same spec builds the
+    single-process reference, so both apply the very same update."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise InputError(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise InputError(f"the learning rate must be positive, got {self.lr}")
+
+    def build(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(parameters)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "OptimizerSpec":
+        return cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.999)))})
+
+    @classmethod
+    def of(cls, value: "OptimizerSpec | str | dict") -> "OptimizerSpec":
+        if isinstance(value, OptimizerSpec):
+            return value
+        if isinstance(value, str):
+            return cls(name=value)
+        if isinstance(value, dict):
+            return cls.from_json(value)
+        raise InputError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a dict or an OptimizerSpec, "
+                         f"got {type(value).__name__}")
+
+
+def check_loss(name: str) -> str:
+    if name not in LOSSES:
+        raise InputError(f"loss {name!r} is not one of {', '.join(LOSSES)} ('output': the model returns its own "
+                         "scalar loss)")
+    return name
+
+
+def loss_value(name: str, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """The mean loss of one batch or micro-batch; ``output`` is the model's first output."""
+    if name == "output":
+        return output.mean()
+    if target is None:
+        raise InputError(f"loss {name!r} needs targets: give (inputs, target) batches")
+    if name == "cross_entropy":
+        return nn.functional.cross_entropy(output, target)
+    return nn.functional.mse_loss(output, target)

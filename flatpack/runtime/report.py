@@ -1,0 +1,237 @@
+"""Predicted against measured: what FuncPipe's model (``partitioner.cost.funcpipe``) says a
+plan's training iteration takes, beside what the workers' timeline (``runtime.timeline``)
+shows it took; and the model's predictions laid out as a timeline of their own
+(:func:`predicted_schedule`) to draw beside the measured one.
+
+Per stage the prediction is FuncPipe's per-micro-batch figures (000_2f8f665d06f7d6de.txt
+App. B): forward t̂_fc and backward t̂_bc; the forward-direction transfers, the upload t_fu
+on the stage's output boundary and the download t_fd on its input boundary (the backward
+direction is in the JSON form); the synchronization t_s; and the iteration total t_iter
+(eq. 7). The measured transfer columns are the forward-direction ones too, so like is
+compared with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+from flatpack.runtime.timeline import Event, Measured, summarize
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """FuncPipe's per-micro-batch seconds for one stage (``None``: no such transfer, e.g.
+    no input boundary for stage 0)."""
+
+    stage: int
+    forward_s: float
+    backward_s: float
+    upload_s: float | None            # t_fu on the output boundary
+    download_s: float | None          # t_fd on the input boundary
+    backward_upload_s: float | None   # t_bu on the input boundary (gradient sent down)
+    backward_download_s: float | None  # t_bd on the output boundary (gradient received)
+    sync_s: float                     # t_s
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def predictions(cost: funcpipe.PipelineCost) -> tuple[StagePrediction, ...]:
+    count = len(cost.stages)
+    out = []
+    for s, stage in enumerate(cost.stages):
+        below = cost.boundaries[s - 1] if s > 0 else None
+        above = cost.boundaries[s] if s < count - 1 else None
+        out.append(StagePrediction(
+            stage=s, forward_s=stage.forward_s, backward_s=stage.backward_s,
+            upload_s=above.forward_upload_s if above else None,
+            download_s=below.forward_download_s if below else None,
+            backward_upload_s=below.backward_upload_s if below else None,
+            backward_download_s=above.backward_download_s if above else None,
+            sync_s=stage.sync_s,
+        ))
+    return tuple(out)
+
+
+COLUMNS = (("forward", "forward_s", "forward_s"), ("backward", "backward_s", "backward_s"),
+           ("upload", "upload_s", "forward_upload_s"), ("download", "download_s", "forward_download_s"),
+           ("sync", "sync_s", "sync_s"))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1e3 * value:.1f}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    predicted: tuple[StagePrediction, ...]
+    measured: Measured
+    predicted_iteration_s: float
+    cost: funcpipe.PipelineCost
+
+    @property
+    def measured_iteration_s(self) -> float | None:
+        return self.measured.iteration_s
+
+    @property
+    def iteration_error(self) -> float | None:
+        """(measured − predicted)/predicted of the iteration time; None without a measurement."""
+        if self.measured.iteration_s is None or self.predicted_iteration_s <= 0:
+            return None
+        return (self.measured.iteration_s - self.predicted_iteration_s) / self.predicted_iteration_s
+
+    def table(self) -> str:
+        """One row per stage, predicted and measured side by side (ms); then the iteration."""
+        header_top = ["stage"] + [f"{name} ms" for name, _, _ in COLUMNS]
+        rows = [["", *(["pred", "meas"] * len(COLUMNS))]]
+        for prediction in self.predicted:
+            measured = (self.measured.stages[prediction.stage]
+                        if prediction.stage < len(self.measured.stages) else None)
+            row = [str(prediction.stage)]
+            for _, predicted_name, measured_name in COLUMNS:
+                row += [_ms(getattr(prediction, predicted_name)),
+                        _ms(getattr(measured, measured_name) if measured else None)]
+            rows.append(row)
+        widths = [max(5, *(len(r[0]) for r in rows))]
+        for column in range(len(COLUMNS)):
+            cells = [cell for r in rows for cell in r[1 + 2 * column:3 + 2 * column]]
+            cell = max(len(c) for c in cells)
+            widths.append(max(2 * cell + 2, len(header_top[1 + column])))
+        lines = ["  ".join(h.ljust(w) if i == 0 else h.center(w)
+                           for i, (h, w) in enumerate(zip(header_top, widths))).rstrip()]
+        for r in rows:
+            parts = [r[0].ljust(widths[0])]
+            for column in range(len(COLUMNS)):
+                half = (widths[column + 1] - 2) // 2
+                left, right = r[1 + 2 * column], r[2 + 2 * column]
+                parts.append(f"{left.rjust(half)}  {right.rjust(widths[column + 1] - 2 - half)}")
+            lines.append("  ".join(parts).rstrip())
+        error = self.iteration_error
+        lines.append(f"iteration: predicted {_ms(self.predicted_iteration_s)} ms, measured "
+                     f"{_ms(self.measured_iteration_s)} ms, error "
+                     + ("-" if error is None else f"{100 * error:+.1f}%")
+                     + f"  (median of {len(self.measured.kept)} iteration(s)"
+                     + (f", first {self.measured.skipped} skipped" if self.measured.skipped else "") + ")")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": funcpipe.MODEL,
+            "predicted": {"stages": [p.to_json() for p in self.predicted], "iteration_s": self.predicted_iteration_s,
+                          "dollars_per_iteration": self.cost.dollars_per_iteration},
+            "measured": self.measured.to_json(),
+            "iteration_error": self.iteration_error,
+        }
+
+
+def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1) -> Comparison:
+    """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``."""
+    cost = funcpipe.iteration(problem, plan)
+    return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
+                      predicted_iteration_s=cost.iteration_s, cost=cost)
+
+
+# --- the model's prediction as a timeline ---------------------------------------------
+
+
+def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
+    """One iteration of FuncPipe's synchronous schedule, simulated with the model's
+    predicted per-micro-batch durations, starting at time 0.
+
+    Every replica r of every stage runs, in order, for each micro-batch m it owns
+    (m % d == r): download the input (stage > 0), forward, upload the output (not the last
+    stage); once all its forwards are done, in reverse micro-batch order: download the
+    output gradient (not the last stage), backward, upload the input gradient (stage > 0);
+    then synchronize (d > 1) and update (the model gives the update no time). A download
+    waits for the upload it reads; each lane of a worker (compute, upload, download) runs
+    one task at a time, in the order above. List scheduling: a task starts as soon as its
+    lane and its inputs are ready.
+
+    With one micro-batch per replica the span equals the model's t_iter exactly (the
+    model's forward and backward are then the critical path); with more it is at most
+    t_iter, since the model lets no stage start its backward before the whole pipeline's
+    forward has drained.
+    """
+    cost = funcpipe.iteration(problem, plan)
+    d = cost.replicas
+    count = len(cost.stages)
+    total = problem.workload.micro_batches
+    boundaries = cost.boundaries
+
+    # tasks per worker in program order: (key, kind, lane, micro_batch, seconds, nbytes, needs)
+    programs: dict[tuple[int, int], list[tuple]] = {}
+    for s, stage in enumerate(cost.stages):
+        below = boundaries[s - 1] if s > 0 else None
+        above = boundaries[s] if s < count - 1 else None
+        for r in range(d):
+            owned = list(range(r, total, d))
+            tasks: list[tuple] = []
+            forwards = []
+            for m in owned:
+                needs = []
+                if below:
+                    tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
+                                  int(below.bytes), [("fu", s - 1, m)]))
+                    needs = [("fd", s, m)]
+                tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
+                forwards.append(("f", s, m))
+                if above:
+                    tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
+                                  [("f", s, m)]))
+            backwards = []
+            for m in reversed(owned):
+                needs = list(forwards)
+                if above:
+                    tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
+                                  int(above.bytes), [("bu", s + 1, m)]))
+                    needs.append(("bd", s, m))
+                tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
+                backwards.append(("b", s, m))
+                if below:
+                    tasks.append((("bu", s, m), "upload", "upload", m, below.backward_upload_s, int(below.bytes),
+                                  [("b", s, m)]))
+            last = backwards
+            if d > 1:
+                tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
+                last = [("s", s, r)]
+            tasks.append((("u", s, r), "update", "compute", None, 0.0, 0, last))
+            programs[(s, r)] = tasks
+
+    # per worker and lane, the tasks wait their turn; a task runs once the tasks it needs end
+    queues = {(worker, lane): [t for t in tasks if t[2] == lane]
+              for worker, tasks in programs.items() for lane in ("compute", "upload", "download")}
+    position = dict.fromkeys(queues, 0)
+    lane_free = dict.fromkeys(queues, 0.0)
+    done: dict[tuple, float] = {}
+    events: list[Event] = []
+    pending = sum(len(q) for q in queues.values())
+    while pending:
+        # each lane runs its tasks in program order, so a task's start is fixed once the tasks
+        # it needs have ended: max(its lane's previous end, their ends)
+        ready = []
+        for queue_key, queue in queues.items():
+            if position[queue_key] == len(queue):
+                continue
+            key, kind, lane, m, seconds, nbytes, needs = queue[position[queue_key]]
+            if all(need in done for need in needs):
+                start = max([lane_free[queue_key], *(done[need] for need in needs)])
+                ready.append((start, queue_key, key, kind, lane, m, seconds, nbytes))
+        if not ready:
+            raise RuntimeError("the predicted schedule deadlocked; this is a bug in predicted_schedule")
+        start, queue_key, key, kind, lane, m, seconds, nbytes = min(ready, key=lambda t: (t[0], t[1]))
+        end = start + seconds
+        done[key] = end
+        lane_free[queue_key] = end
+        position[queue_key] += 1
+        pending -= 1
+        (s, r), _ = queue_key
+        events.append(Event(s, r, 0, kind, start, end, micro_batch=m, nbytes=nbytes, lane=lane))
+    events.sort(key=lambda e: (e.start, e.stage, e.replica, LANE_ORDER[e.lane]))
+    return events
+
+
+LANE_ORDER = {"compute": 0, "upload": 1, "download": 2}

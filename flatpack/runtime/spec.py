@@ -1,0 +1,131 @@
+"""What a run tells its workers: the stages and their routing, the schedule, the optimizer
+and loss, and each worker's role. Plain JSON in the store (``RunKeys.spec``), so a worker
+needs nothing but the store's address and its role to start."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from flatpack.errors import InputError
+from flatpack.runtime.collectives import SYNC_METHODS
+from flatpack.runtime.optim import OptimizerSpec, check_loss
+
+SCHEDULES = ("sync", "1f1b")
+DATA_SOURCE = -1   # an input that comes from the data, not from an earlier stage
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    replicas: int
+    memory_mb: int | None
+    vcpus: float | None            # the tier's CPU share; compute is throttled below one thread per vCPU
+    bandwidth_bytes_s: float | None  # token-bucket rate of each direction of the function's link
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    sources: dict[str, int]        # input name -> producing stage, or DATA_SOURCE
+    consumers: tuple[int, ...]     # later stages that read any of this stage's outputs
+
+    def owned(self, micro_batches: int, replica: int) -> list[int]:
+        """Micro-batch m runs on replica m mod d of every stage (FuncPipe: µ = M/d each)."""
+        return [m for m in range(micro_batches) if m % self.replicas == replica]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run: str
+    stages: tuple[StageSpec, ...]
+    micro_batches: int
+    batch: int
+    optimizer: OptimizerSpec
+    loss: str
+    loss_output: str                   # the model output the loss reads
+    schedule: str = "sync"
+    sync: str = "pipelined"
+    threads: int = 1
+    wait_timeout_s: float = 300.0
+    checkpoint_every: int = 1
+    time_limit_s: float | None = None  # a function re-invokes itself before this (Lambda: 900 s)
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied parameter -> holder stages
+    faults: tuple[dict, ...] = ()      # injected failures (tests, chaos runs): see worker.apply_fault
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.sync not in SYNC_METHODS:
+            raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
+        check_loss(self.loss)
+        for stage in self.stages:
+            if stage.replicas > self.micro_batches:
+                raise InputError(f"stage {stage.index} has {stage.replicas} replicas but an iteration has only "
+                                 f"{self.micro_batches} micro-batches; some replicas would idle. Use at most "
+                                 f"{self.micro_batches} replicas or more micro-batches")
+
+    def with_replicas(self, degrees: list[int]) -> "RunSpec":
+        stages = tuple(replace(stage, replicas=degree) for stage, degree in zip(self.stages, degrees))
+        return replace(self, stages=stages)
+
+    def dumps(self) -> bytes:
+        data = asdict(self)
+        data["optimizer"] = self.optimizer.to_json()
+        return json.dumps(data).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "RunSpec":
+        data = json.loads(raw)
+        stages = tuple(StageSpec(**{**entry, "inputs": tuple(entry["inputs"]), "outputs": tuple(entry["outputs"]),
+                                    "sources": {k: int(v) for k, v in entry["sources"].items()},
+                                    "consumers": tuple(entry["consumers"])})
+                       for entry in data.pop("stages"))
+        return cls(stages=stages, optimizer=OptimizerSpec.from_json(data.pop("optimizer")),
+                   shared={k: tuple(v) for k, v in data.pop("shared").items()},
+                   faults=tuple(data.pop("faults")), **data)
+
+
+@dataclass(frozen=True)
+class Role:
+    """One function invocation: which stage replica, from which iteration to which (end
+    exclusive), and which attempt (a restart or a self re-invocation counts up)."""
+
+    spec_key: str
+    stage: int
+    replica: int
+    start_iteration: int
+    end_iteration: int
+    attempt: int = 0
+    kind: str = "train"      # "train" | "infer-master" | "infer-worker"
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: str) -> "Role":
+        return cls(**json.loads(raw))
+
+    @property
+    def worker(self) -> str:
+        return f"s{self.stage}r{self.replica}"
+
+
+def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
+    """For each stage, where each input comes from (the nearest earlier stage that outputs
+    it, else the data) and which later stages read its outputs."""
+    known_inputs = set(input_names)
+    sources: list[dict[str, int]] = []
+    consumers: list[set[int]] = [set() for _ in manifests]
+    for index, manifest in enumerate(manifests):
+        stage_sources = {}
+        for entry in manifest["inputs"]:
+            name = entry["name"]
+            producer = next((earlier for earlier in range(index - 1, -1, -1)
+                             if name in {out["name"] for out in manifests[earlier]["outputs"]}), DATA_SOURCE)
+            if producer == DATA_SOURCE and name not in known_inputs:
+                raise InputError(f"stage {index} reads {name!r}, which no earlier stage outputs and the model does "
+                                 "not take as input; recompile the model")
+            stage_sources[name] = producer
+            if producer != DATA_SOURCE:
+                consumers[producer].add(index)
+        sources.append(stage_sources)
+    return sources, [tuple(sorted(c)) for c in consumers]

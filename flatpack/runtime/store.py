@@ -1,0 +1,762 @@
+"""One store interface over S3, Alibaba OSS, Redis and a local directory.
+
+Stage workers share nothing but a store: activations, gradients, checkpoints and status
+objects pass through it. Every backend keeps the same contract:
+
+- ``put`` publishes atomically: a reader sees the whole new object or the previous state,
+  never a torn or short one (S3/OSS PUT and Redis SET are atomic; files are written to a
+  temporary name and renamed).
+- ``get`` of an absent key raises :class:`StoreKeyError` naming the key.
+- ``list``/``delete_prefix`` take a non-empty prefix ending in ``/`` and never list a whole
+  bucket, so a run only ever touches its own prefix (see :mod:`flatpack.runtime.keys`).
+- ``url`` is what another process passes to :func:`open_store`; it never holds a secret.
+  Credentials come from each platform's own chain (env vars, profiles, instance roles).
+
+Every network call goes through :func:`retrying`: transient failures (connection errors,
+read timeouts, 5xx, throttling) back off with full jitter; anything else is translated at
+once into a :class:`StoreError` that names the bucket or key and the fix.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
+from urllib.request import url2pathname
+
+from flatpack.errors import StoreError, StoreKeyError, StoreTimeout
+
+T = TypeVar("T")
+
+SCHEMES = ("file", "s3", "redis", "oss")
+
+# wait() polls: start fast (a key often lands within milliseconds), then back off so that
+# many waiting workers do not hammer the server.
+_WAIT_FIRST_S = 0.001
+_WAIT_MAX_S = 0.005   # polling, as FuncPipe does: a key that appears is seen within 5 ms
+
+# S3 DeleteObjects and Redis DEL take at most this many keys per call.
+_DELETE_BATCH = 1000
+
+# S3 error codes worth retrying; anything else from the server is final.
+_S3_TRANSIENT_CODES = frozenset({
+    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+    "ThrottlingException", "RequestThrottled", "TooManyRequestsException", "RequestTimeTooSkewed",
+})
+_S3_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_S3_AUTH_CODES = frozenset({
+    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed",
+})
+
+_AWS_CHAIN = (
+    "boto3 searched its standard credential chain: the env vars AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (plus AWS_SESSION_TOKEN for temporary keys), the profile in "
+    "~/.aws/credentials or ~/.aws/config (AWS_PROFILE picks one), and the container or "
+    "EC2 instance role"
+)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a relative, '/'-separated name with no empty, '.' or '..' segment."""
+    if not isinstance(key, str) or not key:
+        raise StoreError(f"a store key must be a non-empty str, got {key!r}")
+    if key.startswith("/"):
+        raise StoreError(f"store key {key!r} is absolute; keys are relative names like 'run/act/i000001/s000000/m000000'")
+    _check_segments(key.split("/"), key)
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a valid key prefix ending in '/' (never the whole store)."""
+    if not isinstance(prefix, str) or not prefix:
+        raise StoreError("an empty prefix would list the whole store or bucket; pass a run's prefix such as 'run-1/'")
+    if not prefix.endswith("/"):
+        raise StoreError(f"prefix {prefix!r} must end with '/' so that 'run-1' does not also match 'run-10'; "
+                         f"pass {prefix + '/'!r}")
+    check_key(prefix[:-1])
+    return prefix
+
+
+def _check_segments(segments: list[str], key: str) -> None:
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise StoreError(f"store key {key!r} has an empty, '.' or '..' segment; use plain names separated by single '/'")
+        if any(ord(c) < 32 or c == "\x7f" for c in segment):
+            raise StoreError(f"store key {key!r} contains a control character; use printable names")
+
+
+def _normalize_root_prefix(prefix: str) -> str:
+    """A store's own prefix: '' or 'a/b/' (a missing trailing '/' is added)."""
+    prefix = (prefix or "").strip("/")
+    if not prefix:
+        return ""
+    check_key(prefix)
+    return prefix + "/"
+
+
+# --------------------------------------------------------------------------- retries
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors a retry can cure: connection drops, timeouts, 5xx and throttling."""
+    if isinstance(exc, StoreError):
+        return False  # already translated: final
+    if _is_botocore_transient(exc) or _is_redis_transient(exc) or _is_oss_transient(exc):
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def _is_botocore_transient(exc: BaseException) -> bool:
+    botocore_exceptions = sys.modules.get("botocore.exceptions")
+    if botocore_exceptions is None:
+        return False  # botocore not imported: exc cannot be one of its errors
+    if isinstance(exc, (botocore_exceptions.ConnectionError, botocore_exceptions.HTTPClientError,
+                        botocore_exceptions.IncompleteReadError)):
+        return True
+    if isinstance(exc, botocore_exceptions.ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return code in _S3_TRANSIENT_CODES or status >= 500 or status == 429
+    return False
+
+
+def _is_redis_transient(exc: BaseException) -> bool:
+    redis_exceptions = sys.modules.get("redis.exceptions")
+    if redis_exceptions is None:
+        return False
+    if isinstance(exc, (redis_exceptions.AuthenticationError, redis_exceptions.AuthorizationError)):
+        return False  # redis-py files these under ConnectionError, but a retry cannot fix a wrong password
+    return isinstance(exc, (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError))
+
+
+def _is_oss_transient(exc: BaseException) -> bool:
+    oss_exceptions = sys.modules.get("oss2.exceptions")
+    if oss_exceptions is None:
+        return False
+    retryable = tuple(getattr(oss_exceptions, name) for name in ("RequestError", "InconsistentError")
+                      if hasattr(oss_exceptions, name))
+    if isinstance(exc, retryable):
+        return True  # oss2's wrappers for connection errors, timeouts and CRC mismatches of a download
+    return isinstance(exc, oss_exceptions.ServerError) and (exc.status >= 500 or exc.status == 429)
+
+
+def retrying(
+    call: Callable[[], T],
+    what: str,
+    attempts: int = 5,
+    base_s: float = 0.05,
+    cap_s: float = 2.0,
+    *,
+    translate: Callable[[BaseException], BaseException] | None = None,
+    transient: Callable[[BaseException], bool] = is_transient,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run ``call``; retry transient errors with exponential backoff and full jitter.
+
+    ``what`` names the operation and key for messages ("S3 get s3://b/p/k"). A non-transient
+    error is passed to ``translate`` (which returns the StoreError to raise) and raised at
+    once; after ``attempts`` transient failures a StoreError names the operation, the count
+    and the last error.
+    """
+    if attempts < 1:
+        raise StoreError(f"retrying({what}) needs attempts >= 1, got {attempts}")
+    last: BaseException | None = None
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not transient(exc):
+                if translate is None or isinstance(exc, StoreError):
+                    raise
+                raise translate(exc) from exc
+            last = exc
+        if attempt + 1 < attempts:
+            # full jitter (AWS architecture blog): spreads retries of many workers apart
+            sleep(random.uniform(0.0, min(cap_s, base_s * 2 ** attempt)))
+    raise StoreError(
+        f"{what} failed after {attempts} attempts; last error: {type(last).__name__}: {last}. "
+        "The server kept failing or was unreachable: check that it is up and reachable, or raise the attempts"
+    ) from last
+
+
+# --------------------------------------------------------------------------- interface
+
+
+class Store(abc.ABC):
+    """Bytes under string keys, shared by processes that open the same :attr:`url`."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Publish ``data`` under ``key`` atomically (whole object or nothing)."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The bytes under ``key``; StoreKeyError naming the key if absent."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is present."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; deleting an absent key is fine."""
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> Iterable[str]:
+        """Keys under a checked prefix, in any order."""
+
+    def _delete_many(self, keys: list[str]) -> None:
+        """Remove listed keys; backends override with a batched call."""
+        for key in keys:
+            self.delete(key)
+
+    def wait(self, key: str, timeout_s: float) -> bytes:
+        """Poll until ``key`` is present and return its bytes; StoreTimeout after ``timeout_s``."""
+        check_key(key)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        delay = _WAIT_FIRST_S
+        while True:
+            try:
+                return self.get(key)
+            except StoreKeyError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreTimeout(f"{key!r} did not appear in {self.url} within {timeout_s:g} s; the producer "
+                                   "failed or is slower than expected: check its status, or raise timeout_s")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _WAIT_MAX_S)
+
+    def list(self, prefix: str) -> list[str]:
+        """Sorted keys under ``prefix`` (non-empty, ending in '/')."""
+        check_prefix(prefix)
+        return sorted(self._list(prefix))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` (same rule as :meth:`list`); return how many."""
+        keys = self.list(prefix)
+        self._delete_many(keys)
+        return len(keys)
+
+    def close(self) -> None:
+        """Release connections; the default holds none."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+# --------------------------------------------------------------------------- local files
+
+_TMP_MARK = ".fp-tmp-"
+
+
+class FileStore(Store):
+    """A directory on a shared filesystem; keys are relative paths under ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().resolve()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store directory {self.root} ({exc}); pick a writable path") from exc
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        if any(segment.startswith(_TMP_MARK) for segment in key.split("/")):
+            raise StoreError(f"store key {key!r} has a segment starting with {_TMP_MARK!r}, which FileStore uses for "
+                             "temporary files; rename the key")
+        return self.root / key
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        # A concurrent delete_prefix may prune the directory between mkdir and mkstemp; retry once.
+        for attempt in range(2):
+            try:
+                self._write_then_rename(path, data)
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
+            except (NotADirectoryError, IsADirectoryError, FileExistsError) as exc:
+                raise StoreError(f"cannot put {key!r} in {self.url}: a file and a directory would share a name "
+                                 f"({exc}); a key cannot also be the prefix of another key in a FileStore") from exc
+
+    def _write_then_rename(self, path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_MARK + path.name + ".")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            # rename within one directory is atomic: readers see the old file or the new one
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise StoreKeyError(f"no object {key!r} in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except (NotADirectoryError, IsADirectoryError):
+            pass  # not an object, so nothing to delete
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        base = self.root / prefix
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            keys.extend(f"{rel}/{name}" for name in files if not name.startswith(_TMP_MARK))
+        return keys
+
+    def delete_prefix(self, prefix: str) -> int:
+        count = super().delete_prefix(prefix)
+        _prune_empty_dirs(self.root / prefix)
+        return count
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _prune_empty_dirs(base: Path) -> None:
+    """Remove empty directories under and including ``base`` (left behind by deleted keys)."""
+    if not base.is_dir():
+        return
+    for dirpath, _dirs, _files in os.walk(base, topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass  # not empty (a concurrent put): keep it
+
+
+# --------------------------------------------------------------------------- S3
+
+
+class S3Store(Store):
+    """An S3 bucket (AWS or any S3-compatible server), under an optional key prefix.
+
+    Credentials come from boto3's standard chain, or in-process from the explicit
+    ``aws_access_key_id``/``aws_secret_access_key`` arguments; they never enter :attr:`url`.
+    Retries are done by :func:`retrying` (botocore's own are switched off so they do not
+    multiply). A read that stalls past ``read_timeout_s`` raises ReadTimeoutError and is
+    retried: slsML measured 60-second S3 outliers that a fresh request avoids.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        *,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        max_pool_connections: int = 16,
+        attempts: int = 5,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise StoreError(f"S3 bucket name {bucket!r} is empty or has a '/'; put key prefixes in prefix=")
+        self.bucket = bucket
+        self.prefix = _normalize_root_prefix(prefix)
+        self.endpoint_url = endpoint_url
+        self.attempts = attempts
+        self._client = _s3_client(
+            endpoint_url, region, aws_access_key_id, aws_secret_access_key, aws_session_token,
+            connect_timeout_s, read_timeout_s, max_pool_connections, self._where(),
+        )
+        self.region = self._client.meta.region_name
+        self.url = _s3_url("s3", bucket, self.prefix, {"endpoint_url": endpoint_url, "region": region})
+
+    def _where(self) -> str:
+        at = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        return f"s3://{self.bucket}/{self.prefix}{at}"
+
+    def _call(self, verb: str, key: str | None, call: Callable[[], T]) -> T:
+        name = f"s3://{self.bucket}/{self.prefix}{key or ''}"
+        return retrying(call, what=f"S3 {verb} {name}", attempts=self.attempts,
+                        translate=lambda exc: self._translate(exc, verb, key))
+
+    def _translate(self, exc: BaseException, verb: str, key: str | None) -> BaseException:
+        from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return _aws_credentials_error(self._where(), exc)
+        if not isinstance(exc, ClientError):
+            return StoreError(f"S3 {verb} of {key!r} in {self._where()} failed: {type(exc).__name__}: {exc}")
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return _s3_error(code, status, str(error.get("Message", "")), verb, key, self.bucket, self._where())
+
+    def put(self, key: str, data: bytes) -> None:
+        full = self.prefix + check_key(key)
+        self._call("put", key, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
+
+    def get(self, key: str) -> bytes:
+        full = self.prefix + check_key(key)
+        # the body is read inside the retried call: a stalled or cut stream is retried as a whole
+        return self._call("get", key, lambda: self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read())
+
+    def exists(self, key: str) -> bool:
+        full = self.prefix + check_key(key)
+        try:
+            self._call("head", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
+        except StoreKeyError:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        self._call("delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full))
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        full = self.prefix + prefix
+        return self._call("list", prefix, lambda: self._list_once(full))
+
+    def _list_once(self, full_prefix: str) -> list[str]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        start = len(self.prefix)
+        keys: list[str] = []
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
+            keys.extend(item["Key"][start:] for item in page.get("Contents", ()))
+        return keys
+
+    def _delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": self.prefix + key} for key in keys[i:i + _DELETE_BATCH]]
+            response = self._call("delete-objects", keys[i], lambda: self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StoreError(f"S3 refused to delete {len(errors)} objects in {self._where()}, e.g. "
+                                 f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message')}; "
+                                 "check that the credentials allow s3:DeleteObject")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _s3_client(endpoint_url: str | None, region: str | None, key_id: str | None, secret: str | None,
+               token: str | None, connect_timeout_s: float, read_timeout_s: float, max_pool_connections: int,
+               where: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(botocore_session=_botocore_session(), aws_access_key_id=key_id,
+                                    aws_secret_access_key=secret, aws_session_token=token, region_name=region)
+    if session.get_credentials() is None:
+        raise _aws_credentials_error(where, None)
+    config = Config(
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        max_pool_connections=max_pool_connections,
+        retries={"total_max_attempts": 1, "mode": "standard"},  # retrying() is the one retry layer
+        s3={"addressing_style": "path"},
+        # local S3 servers reject the CRC checksums newer botocore adds to every request
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return session.client("s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1",
+                          config=config)
+
+
+_LOADER_LOCK = threading.Lock()
+_loader: Any = None
+
+
+def _botocore_session() -> Any:
+    """A fresh botocore session (own credentials and env) sharing one model loader.
+
+    Parsing the S3 service model costs ~0.1 s per session; the loader caches it, and
+    sharing the loader (not the session) keeps each store's credentials its own.
+    """
+    import botocore.session
+
+    global _loader
+    with _LOADER_LOCK:
+        session = botocore.session.Session()
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _loader)
+    return session
+
+
+def _aws_credentials_error(where: str, exc: BaseException | None) -> StoreError:
+    detail = f" ({exc})" if exc else ""
+    return StoreError(
+        f"no usable AWS credentials for {where}{detail}. {_AWS_CHAIN}. Set AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY in the environment, or run `aws configure`, or attach a role to the machine"
+    )
+
+
+def _s3_error(code: str, status: int | None, message: str, verb: str, key: str | None, bucket: str,
+              where: str) -> StoreError:
+    if code in _S3_MISSING_CODES and key is not None and verb in ("get", "head"):
+        return StoreKeyError(f"no object {key!r} in {where}")
+    if code == "NoSuchBucket" or (code == "404" and key is None):
+        return StoreError(f"bucket {bucket!r} does not exist ({where}); create it (aws s3 mb s3://{bucket}) "
+                          "or fix the bucket in the store url")
+    if code in _S3_AUTH_CODES or status == 403:
+        return StoreError(
+            f"S3 denied {verb} of {key!r} in {where}: {code or status} {message}. The credentials are wrong or "
+            "lack permission: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the profile) and the bucket policy"
+        )
+    return StoreError(f"S3 {verb} of {key!r} in {where} failed: {code} (HTTP {status}) {message}")
+
+
+def _s3_url(scheme: str, bucket: str, prefix: str, query: dict[str, str | None]) -> str:
+    params = {k: v for k, v in query.items() if v}
+    tail = "?" + urlencode(params, quote_via=quote, safe="/") if params else ""
+    return f"{scheme}://{bucket}/{quote(prefix, safe='/')}{tail}"
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+def _escape_glob(text: str) -> str:
+    """Escape Redis MATCH glob characters so a prefix matches only itself."""
+    return "".join("\\" + c if c in "\\*?[]^" else c for c in text)
+
+
+class RedisStore(Store):
+    """A Redis database, keys under an optional prefix (the KNIX-style fast store).
+
+    The password, if any, comes from the ``password`` argument or the REDIS_PASSWORD env var,
+    never from the url.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, prefix: str = "", *,
+                 password: str | None = None, socket_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, attempts: int = 5) -> None:
+        try:
+            import redis
+        except ImportError as exc:
+            raise StoreError("RedisStore needs the redis client: pip install redis (or pip install 'flatpack[redis]')") from exc
+        self.host, self.port, self.db = host, int(port), int(db)
+        self.prefix = _normalize_root_prefix(prefix)
+        self.attempts = attempts
+        self._client = redis.Redis(host=host, port=self.port, db=self.db,
+                                   password=password or os.environ.get("REDIS_PASSWORD"),
+                                   socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s)
+        query = "?" + urlencode({"prefix": self.prefix}, quote_via=quote, safe="/") if self.prefix else ""
+        self.url = f"redis://{host}:{self.port}/{self.db}{query}"
+
+    def _call(self, verb: str, key: str, call: Callable[[], T]) -> T:
+        return retrying(call, what=f"Redis {verb} {self.url} key {key!r}", attempts=self.attempts,
+                        translate=lambda exc: StoreError(
+                            f"Redis {verb} of {key!r} at {self.url} failed: {type(exc).__name__}: {exc}; "
+                            "check the password (REDIS_PASSWORD) and that the server accepts this command"))
+
+    def put(self, key: str, data: bytes) -> None:
+        full = self.prefix + check_key(key)
+        self._call("set", key, lambda: self._client.set(full, bytes(data)))
+
+    def get(self, key: str) -> bytes:
+        full = self.prefix + check_key(key)
+        data = self._call("get", key, lambda: self._client.get(full))
+        if data is None:
+            raise StoreKeyError(f"no object {key!r} in {self.url}")
+        return data
+
+    def exists(self, key: str) -> bool:
+        full = self.prefix + check_key(key)
+        return bool(self._call("exists", key, lambda: self._client.exists(full)))
+
+    def delete(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        self._call("del", key, lambda: self._client.delete(full))
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        pattern = _escape_glob(self.prefix + prefix) + "*"
+        start = len(self.prefix)
+        raw = self._call("scan", prefix, lambda: set(self._client.scan_iter(match=pattern, count=1000)))
+        return [k.decode("utf-8")[start:] for k in raw]
+
+    def _delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = [self.prefix + key for key in keys[i:i + _DELETE_BATCH]]
+            self._call("del", keys[i], lambda: self._client.delete(*batch))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# --------------------------------------------------------------------------- Alibaba OSS
+
+
+class OssStore(Store):
+    """An Alibaba Cloud OSS bucket under an optional prefix, through oss2.
+
+    Credentials come from OSS_ACCESS_KEY_ID / OSS_ACCESS_KEY_SECRET (or the explicit
+    arguments in-process), never from the url. ``endpoint`` is e.g.
+    ``https://oss-cn-hangzhou.aliyuncs.com``.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, *,
+                 access_key_id: str | None = None, access_key_secret: str | None = None,
+                 timeout_s: float = 30.0, attempts: int = 5) -> None:
+        try:
+            import oss2
+        except ImportError as exc:
+            raise StoreError("OssStore needs Alibaba's oss2 SDK: pip install oss2 (or pip install 'flatpack[oss]')") from exc
+        if not endpoint:
+            raise StoreError("OssStore needs endpoint=, e.g. https://oss-cn-hangzhou.aliyuncs.com (url: oss://bucket/prefix?endpoint=...)")
+        key_id = access_key_id or os.environ.get("OSS_ACCESS_KEY_ID")
+        secret = access_key_secret or os.environ.get("OSS_ACCESS_KEY_SECRET")
+        if not key_id or not secret:
+            raise StoreError(f"no OSS credentials for oss://{bucket}: set the env vars OSS_ACCESS_KEY_ID and "
+                             "OSS_ACCESS_KEY_SECRET (a RAM user's AccessKey pair)")
+        self.bucket, self.endpoint, self.attempts = bucket, endpoint, attempts
+        self.prefix = _normalize_root_prefix(prefix)
+        self._oss2 = oss2
+        self._bucket = oss2.Bucket(oss2.Auth(key_id, secret), endpoint, bucket, connect_timeout=timeout_s)
+        self.url = _s3_url("oss", bucket, self.prefix, {"endpoint": endpoint})
+
+    def _call(self, verb: str, key: str, call: Callable[[], T]) -> T:
+        return retrying(call, what=f"OSS {verb} oss://{self.bucket}/{self.prefix}{key}", attempts=self.attempts,
+                        translate=lambda exc: self._translate(exc, verb, key))
+
+    def _translate(self, exc: BaseException, verb: str, key: str) -> BaseException:
+        errors = self._oss2.exceptions
+        where = f"oss://{self.bucket}/{self.prefix} at {self.endpoint}"
+        if isinstance(exc, errors.NoSuchKey):
+            return StoreKeyError(f"no object {key!r} in {where}")
+        if isinstance(exc, errors.NoSuchBucket):
+            return StoreError(f"OSS bucket {self.bucket!r} does not exist at {self.endpoint}; create it or fix the url")
+        if isinstance(exc, errors.ServerError) and exc.status == 403:
+            return StoreError(f"OSS denied {verb} of {key!r} in {where}: {exc.code} {exc.message}; check "
+                              "OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET and the RAM policy")
+        return StoreError(f"OSS {verb} of {key!r} in {where} failed: {type(exc).__name__}: {exc}")
+
+    def put(self, key: str, data: bytes) -> None:
+        full = self.prefix + check_key(key)
+        self._call("put", key, lambda: self._bucket.put_object(full, bytes(data)))
+
+    def get(self, key: str) -> bytes:
+        full = self.prefix + check_key(key)
+        return self._call("get", key, lambda: self._bucket.get_object(full).read())
+
+    def exists(self, key: str) -> bool:
+        full = self.prefix + check_key(key)
+        return bool(self._call("head", key, lambda: self._bucket.object_exists(full)))
+
+    def delete(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        self._call("delete", key, lambda: self._bucket.delete_object(full))
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        full, start = self.prefix + prefix, len(self.prefix)
+        return self._call("list", prefix, lambda: [
+            obj.key[start:] for obj in self._oss2.ObjectIteratorV2(self._bucket, prefix=full, max_keys=1000)])
+
+    def _delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = [self.prefix + key for key in keys[i:i + _DELETE_BATCH]]
+            self._call("batch-delete", keys[i], lambda: self._bucket.batch_delete_objects(batch))
+
+
+# --------------------------------------------------------------------------- open_store
+
+
+def open_store(url: str, **options: Any) -> Store:
+    """Open the store a :attr:`Store.url` names.
+
+    ``upload_bytes_s``/``download_bytes_s`` wrap it in :class:`~flatpack.runtime.throttle.Throttled`
+    (emulating a function's network bandwidth); other options go to the backend's constructor
+    (e.g. ``read_timeout_s`` for S3).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise StoreError(f"store url {url!r} has no scheme; use one of {', '.join(s + '://' for s in SCHEMES)}")
+    upload = options.pop("upload_bytes_s", None)
+    download = options.pop("download_bytes_s", None)
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise StoreError(f"store urls never carry credentials ({parts.scheme}://<user:secret>@...); "
+                         "pass them through the environment (AWS_*, OSS_*, REDIS_PASSWORD)")
+    opener = _OPENERS.get(parts.scheme)
+    if opener is None:
+        raise StoreError(f"unknown store scheme {parts.scheme!r} in {url!r}; known schemes: {', '.join(SCHEMES)}")
+    store = opener(parts, options)
+    if upload is None and download is None:
+        return store
+    from flatpack.runtime.throttle import Throttled
+
+    return Throttled(store, upload_bytes_s=upload, download_bytes_s=download)
+
+
+def _query(parts: Any, allowed: tuple[str, ...]) -> dict[str, str]:
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = sorted(set(query) - set(allowed))
+    if unknown:
+        raise StoreError(f"unknown parameter(s) {unknown} in a {parts.scheme}:// url; allowed: {list(allowed)}")
+    return query
+
+
+def _open_file(parts: Any, options: dict[str, Any]) -> Store:
+    if parts.netloc not in ("", "localhost"):
+        raise StoreError(f"file:// urls name a local path (file:///abs/path), got host {parts.netloc!r}")
+    _query(parts, ())
+    return FileStore(url2pathname(unquote(parts.path)), **options)
+
+
+def _open_s3(parts: Any, options: dict[str, Any]) -> Store:
+    query = _query(parts, ("endpoint_url", "region"))
+    return S3Store(parts.netloc, unquote(parts.path.lstrip("/")), query.get("endpoint_url") or None,
+                   query.get("region") or None, **options)
+
+
+def _open_redis(parts: Any, options: dict[str, Any]) -> Store:
+    query = _query(parts, ("prefix",))
+    db_text = parts.path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise StoreError(f"redis url path must be a database number (redis://host:port/0), got {parts.path!r}")
+    return RedisStore(parts.hostname or "127.0.0.1", parts.port or 6379, int(db_text), query.get("prefix", ""), **options)
+
+
+def _open_oss(parts: Any, options: dict[str, Any]) -> Store:
+    query = _query(parts, ("endpoint",))
+    return OssStore(parts.netloc, unquote(parts.path.lstrip("/")), query.get("endpoint"), **options)
+
+
+_OPENERS: dict[str, Callable[[Any, dict[str, Any]], Store]] = {
+    "file": _open_file, "s3": _open_s3, "redis": _open_redis, "oss": _open_oss,
+}

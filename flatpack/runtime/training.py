@@ -1,0 +1,331 @@
+"""What a training function runs: one stage replica of the pipeline, iteration by iteration.
+
+Each iteration is FuncPipe's synchronous schedule (§3.2): the forwards of every
+micro-batch the replica owns, then their backwards in reverse order, then the gradient
+synchronization among the stage's replicas (``collectives.scatter_reduce``) and the
+optimizer step. ``schedule="1f1b"`` interleaves them as PipeDream's one-forward-one-backward
+with a flush. Within an iteration the work is a task DAG over three lanes (``lanes``):
+downloads of inputs and gradients, computation, and uploads run at the same time.
+
+Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
+micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and
+replicas are those of the mean loss over the global batch, and the parameters after N
+iterations equal single-process training on the same batches.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from flatpack.runtime import wire
+from flatpack.runtime.collectives import scatter_reduce
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.lanes import Lanes
+from flatpack.runtime.optim import loss_value
+from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec
+from flatpack.runtime.store import Store
+from flatpack.runtime.timeline import Event, Recorder
+
+TARGET = "__target__"     # the data blob's entry holding a micro-batch's targets
+
+
+def compute_order(schedule: str, owned: list[int], stage: int, stages: int) -> list[tuple[str, int]]:
+    """The replica's compute tasks, ("F" | "B", micro-batch), in order."""
+    if schedule == "sync":
+        return [("F", m) for m in owned] + [("B", m) for m in reversed(owned)]
+    warmup = min(stages - stage - 1, len(owned))
+    order = [("F", m) for m in owned[:warmup]]
+    pending = list(owned[:warmup])
+    for m in owned[warmup:]:
+        order.append(("F", m))
+        pending.append(m)
+        order.append(("B", pending.pop(0)))
+    order.extend(("B", m) for m in pending)
+    return order
+
+
+def split_values(values: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors go into the safetensors body; other values (sizes, flags) into its JSON header."""
+    tensors = {name: value.detach() for name, value in values.items() if isinstance(value, torch.Tensor)}
+    others = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    return tensors, others
+
+
+def pack_values(values: dict[str, Any]) -> bytes:
+    tensors, others = split_values(values)
+    return wire.dumps(tensors, {"values": others})
+
+
+def unpack_values(data: bytes) -> dict[str, Any]:
+    tensors, meta = wire.loads(data)
+    return {**meta.get("values", {}), **tensors}
+
+
+@dataclass
+class _MicroBatch:
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    samples: int = 0
+
+
+class StageTrainer:
+    """One replica of one stage. ``hooks`` lets the worker process wrap tasks (memory
+    guard, CPU throttle, injected faults) without this class knowing about processes."""
+
+    def __init__(self, spec: RunSpec, role: Role, store: Store, module: nn.Module, recorder: Recorder,
+                 *, after_task: Callable[[str, int, int | None], None] | None = None,
+                 throttle_compute: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        self.spec = spec
+        self.role = role
+        self.stage = spec.stages[role.stage]
+        self.store = store
+        self.keys = RunKeys(spec.run)
+        self.module = module.train()
+        self.recorder = recorder
+        self.after_task = after_task or (lambda kind, iteration, micro_batch: None)
+        self.throttle_compute = throttle_compute or (lambda fn: fn())
+        manifest = module.flatpack_manifest
+        attrs = {entry["name"]: entry["attr"] for entry in manifest["parameters"]}
+        self.trainable = {name: getattr(module, attrs[name]) for name in attrs
+                          if isinstance(getattr(module, attrs[name]), nn.Parameter)
+                          and getattr(module, attrs[name]).requires_grad}
+        self.state_tensors = {name: getattr(module, attrs[name]) for name in attrs}
+        self.optimizer = spec.optimizer.build(self.trainable.values())
+        self.is_last = role.stage == len(spec.stages) - 1
+        self.losses: dict[int, float] = {}
+
+    # state ----------------------------------------------------------------------------------
+    def state_bytes(self, iteration: int) -> bytes:
+        tensors = {f"w/{name}": tensor.detach() for name, tensor in self.state_tensors.items()}
+        state = self.optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, entries in state["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"o/{index}/{key}"] = value
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
+                                    "scalars": scalars})
+
+    def load_state(self, data: bytes) -> int:
+        """Installs a checkpoint; returns the iteration it was taken after."""
+        tensors, meta = wire.loads(data)
+        with torch.no_grad():
+            for name, tensor in self.state_tensors.items():
+                tensor.copy_(tensors[f"w/{name}"])
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("o/"):
+                _, index, entry = key.split("/", 2)
+                state.setdefault(int(index), {})[entry] = value
+        for index, entries in meta["scalars"].items():
+            state.setdefault(int(index), {}).update(entries)
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        return int(meta["iteration"])
+
+    # transfers ------------------------------------------------------------------------------
+    def _fetch_inputs(self, iteration: int, micro_batch: int) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        keys = [self.keys.data(iteration, micro_batch) if producer == DATA_SOURCE
+                else self.keys.activation(iteration, producer, micro_batch)
+                for producer in sorted(set(self.stage.sources.values()))]
+        if self.is_last and self.spec.loss != "output":
+            keys.append(self.keys.target(iteration, micro_batch))
+        nbytes = 0
+        start = time.time()
+        for key in keys:
+            data = self.store.wait(key, self.spec.wait_timeout_s)
+            nbytes += len(data)
+            values.update(unpack_values(data))
+        self._record("download", iteration, micro_batch, start, nbytes, "download")
+        return values
+
+    def _put(self, key: str, data: bytes, iteration: int, micro_batch: int | None) -> None:
+        start = time.time()
+        self.store.put(key, data)
+        self._record("upload", iteration, micro_batch, start, len(data), "upload")
+
+    def _fetch_gradients(self, iteration: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        grads: dict[str, torch.Tensor] = {}
+        start = time.time()
+        nbytes = 0
+        for consumer in self.stage.consumers:
+            data = self.store.wait(self.keys.gradient(iteration, consumer, micro_batch), self.spec.wait_timeout_s)
+            nbytes += len(data)
+            mine = {name for name, source in self.spec.stages[consumer].sources.items() if source == self.role.stage}
+            for name, grad in wire.loads(data)[0].items():
+                if name in mine:
+                    grads[name] = grads[name] + grad if name in grads else grad
+        self._record("download", iteration, micro_batch, start, nbytes, "download")
+        return grads
+
+    def _record(self, kind: str, iteration: int, micro_batch: int | None, start: float, nbytes: int, lane: str) -> None:
+        self.recorder.add(Event(stage=self.role.stage, replica=self.role.replica, iteration=iteration, kind=kind,
+                                start=start, end=time.time(), micro_batch=micro_batch, nbytes=nbytes, lane=lane,
+                                attempt=self.role.attempt))
+
+    # compute --------------------------------------------------------------------------------
+    def _forward(self, iteration: int, micro_batch: int, fetched: Future, states: dict[int, _MicroBatch]) -> None:
+        values = fetched.result()
+        state = _MicroBatch()
+        args = []
+        for name in self.stage.inputs:
+            value = values[name]
+            if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and self.stage.sources[name] != DATA_SOURCE):
+                value = value.detach().requires_grad_(True)
+            state.inputs[name] = value
+            args.append(value)
+        start = time.time()
+
+        def run() -> None:
+            outputs = self.module(*args)
+            state.outputs = dict(zip(self.stage.outputs, outputs))
+            if self.is_last:
+                target = values.get(TARGET)
+                output = state.outputs[self.spec.loss_output]
+                state.samples = int(output.shape[0]) if output.dim() else 0
+                scale = state.samples / self.spec.batch
+                state.loss = loss_value(self.spec.loss, output, target) * scale
+
+        with torch.enable_grad():
+            self.throttle_compute(run)
+        states[micro_batch] = state
+        self._record("forward", iteration, micro_batch, start, 0, "compute")
+        self.after_task("forward", iteration, micro_batch)
+        if micro_batch == self._last_forward:
+            self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, "forwarded"), b"1")
+
+    def _backward(self, iteration: int, micro_batch: int, fetched: Future | None, states: dict[int, _MicroBatch]) -> bytes | None:
+        state = states[micro_batch]
+        grads = fetched.result() if fetched is not None else {}
+        start = time.time()
+
+        def run() -> None:
+            if self.is_last:
+                state.loss.backward()
+                return
+            pairs = [(state.outputs[name], grad) for name, grad in grads.items()
+                     if isinstance(state.outputs.get(name), torch.Tensor) and state.outputs[name].requires_grad]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+        self.throttle_compute(run)
+        input_grads = {name: value.grad for name, value in state.inputs.items()
+                       if isinstance(value, torch.Tensor) and value.requires_grad and value.grad is not None}
+        if self.is_last and state.loss is not None:
+            self._loss_total += float(state.loss.detach())
+            self._samples += state.samples
+        states.pop(micro_batch)
+        self._record("backward", iteration, micro_batch, start, 0, "compute")
+        self.after_task("backward", iteration, micro_batch)
+        return wire.dumps(input_grads) if self._sends_gradients else None
+
+    @property
+    def _sends_gradients(self) -> bool:
+        return any(source != DATA_SOURCE for source in self.stage.sources.values())
+
+    # one iteration --------------------------------------------------------------------------
+    def run_iteration(self, iteration: int, lanes: Lanes) -> None:
+        self._loss_total = 0.0
+        self._samples = 0
+        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
+        order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
+        self._last_forward = [m for kind, m in order if kind == "F"][-1]
+        states: dict[int, _MicroBatch] = {}
+        forwards: dict[int, Future] = {}
+        pending: list[Future] = []
+        for kind, m in order:
+            if kind == "F":
+                fetched = lanes.submit("download", self._fetch_inputs, iteration, m)
+                forwards[m] = lanes.submit("compute", self._forward, iteration, m, fetched, states, after=[fetched])
+                if not self.is_last:
+                    pending.append(lanes.submit("upload", self._upload_outputs, iteration, m, states,
+                                                after=[forwards[m]]))
+            else:
+                fetched = None if self.is_last else lanes.submit("download", self._fetch_gradients, iteration, m)
+                done = lanes.submit("compute", self._backward, iteration, m, fetched, states,
+                                    after=[forwards[m], *([fetched] if fetched else [])])
+                if self._sends_gradients:
+                    pending.append(lanes.submit("upload", self._upload_gradients, iteration, m, done, after=[done]))
+                else:
+                    pending.append(done)
+        for future in pending:
+            future.result()
+        self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, "computed"), b"1")
+        lanes.submit("compute", self._synchronize, iteration, lanes).result()
+        lanes.submit("compute", self._update, iteration).result()
+
+    def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, _MicroBatch]) -> None:
+        outputs = states[micro_batch].outputs
+        self._put(self.keys.activation(iteration, self.role.stage, micro_batch), pack_values(outputs),
+                  iteration, micro_batch)
+
+    def _upload_gradients(self, iteration: int, micro_batch: int, done: Future) -> None:
+        self._put(self.keys.gradient(iteration, self.role.stage, micro_batch), done.result(), iteration, micro_batch)
+
+    def _synchronize(self, iteration: int, lanes: Lanes) -> None:
+        start = time.time()
+        params = list(self.trainable.values())
+        if self.stage.replicas > 1 and params:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in params])
+
+            def record(lane: str, kind: str, nbytes: int):
+                return self.recorder.task(kind, iteration, nbytes=nbytes, lane=lane)
+
+            total = scatter_reduce(flat, store=self.store, keys=self.keys, iteration=iteration,
+                                   stage=self.role.stage, replica=self.role.replica, replicas=self.stage.replicas,
+                                   method=self.spec.sync, lanes=lanes, timeout_s=self.spec.wait_timeout_s,
+                                   record=record)
+            offset = 0
+            for param in params:
+                count = param.numel()
+                param.grad = total[offset:offset + count].view_as(param).to(param.dtype).clone()
+                offset += count
+        self._exchange_shared(iteration)
+        self._record("sync", iteration, None, start, 0, "compute")
+        self.after_task("sync", iteration, None)
+
+    def _exchange_shared(self, iteration: int) -> None:
+        """Tied weights held by several stages: every holder adds the others' gradients, so
+        all copies take the same step (README, "Tied weights")."""
+        mine = {name: holders for name, holders in self.spec.shared.items()
+                if self.role.stage in holders and name in self.trainable}
+        if not mine:
+            return
+        if self.role.replica == 0:
+            for name in mine:
+                grad = self.trainable[name].grad
+                self.store.put(self.keys.shared_gradient(iteration, self.role.stage, name),
+                               wire.dumps({"grad": grad if grad is not None else torch.zeros_like(self.trainable[name])}))
+        for name, holders in mine.items():
+            param = self.trainable[name]
+            total = param.grad if param.grad is not None else torch.zeros_like(param)
+            for holder in holders:
+                if holder == self.role.stage:
+                    continue
+                data = self.store.wait(self.keys.shared_gradient(iteration, holder, name), self.spec.wait_timeout_s)
+                total = total + wire.loads(data)[0]["grad"]
+            param.grad = total
+
+    def _update(self, iteration: int) -> None:
+        start = time.time()
+        self.throttle_compute(self.optimizer.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._record("update", iteration, None, start, 0, "compute")
+        self.after_task("update", iteration, None)
+        if self.is_last:
+            self.losses[iteration] = self._loss_total
+
+    def progress(self, iteration: int) -> dict[str, Any]:
+        return {"loss": self.losses.get(iteration) if self.is_last else None,
+                "samples": self._samples if self.is_last else None, "end": time.time()}

@@ -1,0 +1,237 @@
+"""The function process: ``python -m flatpack.runtime.worker``.
+
+A function receives only its role (``FLATPACK_ROLE``, JSON) and the store's address
+(``FLATPACK_STORE``, credentials from the standard environment); everything else — the run's
+settings, its stage artifact, checkpoints, data, the other stages' tensors — it reads from
+the store. Like a serverless function it is held to its tier:
+
+* memory: the process's peak resident memory (``VmHWM``, what Lambda reports as "Max
+  Memory Used") is checked after every task; past the tier the function fails as an
+  out-of-memory function does, with a status record saying by how much;
+* CPU: a tier with less than one vCPU per thread gets that share of the time (compute
+  tasks are stretched to CPU time / share, as a CPU quota would);
+* bandwidth: the store client's token buckets run at the tier's rate each way;
+* time: near ``time_limit_s`` it checkpoints and asks to be invoked again (LambdaML's
+  answer to Lambda's 15-minute limit).
+
+Exit codes: 0 done, ``REINVOKE`` (75) checkpointed and wants to continue, ``OUT_OF_MEMORY``
+(86) over its tier, 1 any other failure (the status record has the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from flatpack.codegen.artifact import build_module, parse_stage
+from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
+from flatpack.runtime import timeline
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.lanes import Lanes
+from flatpack.runtime.spec import Role, RunSpec, StageSpec
+from flatpack.runtime.store import Store, open_store
+
+ROLE_ENV = "FLATPACK_ROLE"
+STORE_ENV = "FLATPACK_STORE"
+REINVOKE = 75
+OUT_OF_MEMORY = 86
+MIB = 1 << 20
+
+
+class OutOfMemory(Exception):
+    def __init__(self, peak_bytes: int, limit_bytes: int, task: str) -> None:
+        super().__init__(f"peak {peak_bytes} bytes over the {limit_bytes}-byte tier during {task}")
+        self.peak_bytes, self.limit_bytes, self.task = peak_bytes, limit_bytes, task
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since it started (Linux VmHWM; elsewhere ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], Any]], Any]:
+    """Runs a computation and stretches it to CPU time / share when the tier has less than
+    one vCPU per thread (the catalog's compute model: speed ∝ min(v, threads)/threads)."""
+    share = 1.0 if vcpus is None else min(vcpus, threads) / threads
+
+    def run(fn: Callable[[], Any]) -> Any:
+        if share >= 1.0:
+            return fn()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = fn()
+        stretched = (time.thread_time() - cpu) / share
+        remaining = stretched - (time.perf_counter() - wall)
+        if remaining > 0:
+            time.sleep(remaining)
+        return result
+
+    return run
+
+
+def matching_faults(spec: RunSpec, role: Role, iteration: int, at: str, micro_batch: int | None) -> list[dict]:
+    return [fault for fault in spec.faults
+            if fault.get("stage") == role.stage and fault.get("replica", 0) == role.replica
+            and fault.get("iteration") == iteration and fault.get("attempt", 0) == role.attempt
+            and fault.get("at", "forward") == at
+            and fault.get("micro_batch", micro_batch) == micro_batch]
+
+
+_ballast: list[torch.Tensor] = []
+
+
+def apply_fault(fault: dict) -> None:
+    """Injected failures for tests and chaos runs: ``kill`` (SIGKILL, as a lost function),
+    ``sleep`` (a straggler), ``allocate`` (a stage that needs more memory), ``raise``."""
+    action = fault["action"]
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "sleep":
+        time.sleep(float(fault["seconds"]))
+    elif action == "allocate":
+        _ballast.append(torch.ones(int(fault["bytes"]) // 4))
+    elif action == "raise":
+        raise RuntimeError(f"injected failure: {fault}")
+    else:
+        raise ValueError(f"unknown fault action {action!r}")
+
+
+def load_module(store: Store, keys: RunKeys, stage: int) -> torch.nn.Module:
+    contents = {name: store.get(keys.artifact(stage, name)) for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)}
+    artifact = parse_stage(contents, f"store:{keys.artifacts(stage)}")
+    return build_module(artifact, f"<flatpack stage {stage}>")
+
+
+def stage_store(base: Store, stage: StageSpec) -> Store:
+    if stage.bandwidth_bytes_s is None:
+        return base
+    from flatpack.runtime.throttle import Throttled
+    return Throttled(base, stage.bandwidth_bytes_s, stage.bandwidth_bytes_s)
+
+
+def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
+    try:
+        store.put(keys.status(role.stage, role.replica, role.attempt),
+                  json.dumps({**status, "role": json.loads(role.dumps())}).encode())
+    except Exception:  # noqa: BLE001 - the exit code still tells the invoker
+        pass
+
+
+def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
+    from flatpack.runtime.training import StageTrainer
+
+    keys = RunKeys(spec.run)
+    stage = spec.stages[role.stage]
+    limit = stage.memory_mb * MIB if stage.memory_mb else None
+    recorder = timeline.Recorder(role.stage, role.replica, role.attempt)
+    throttled = stage_store(store, stage)
+
+    def after_task(kind: str, iteration: int, micro_batch: int | None) -> None:
+        for fault in matching_faults(spec, role, iteration, kind, micro_batch):
+            apply_fault(fault)
+        if limit is not None:
+            peak = peak_rss_bytes()
+            if peak > limit:
+                where = f"{kind} of micro-batch {micro_batch}" if micro_batch is not None else kind
+                raise OutOfMemory(peak, limit, f"{where}, iteration {iteration}")
+
+    def report(iteration: int, checkpoint: bytes | None, progress: dict) -> None:
+        """Checkpoint (before the progress record: a restart resumes after the last
+        reported iteration and needs its checkpoint), progress, then the timeline."""
+        if checkpoint is not None:
+            with recorder.task("checkpoint", iteration, lane="upload"):
+                store.put(keys.checkpoint(role.stage, iteration), checkpoint)
+        store.put(keys.progress(iteration, role.stage, role.replica), json.dumps(progress).encode())
+        store.put(keys.timeline(role.stage, role.replica, iteration, role.attempt),
+                  timeline.dumps(recorder.drain(iteration)))
+
+    with recorder.task("load", role.start_iteration):
+        module = load_module(store, keys, role.stage)
+        trainer = StageTrainer(spec, role, throttled, module, recorder, after_task=after_task,
+                               throttle_compute=cpu_throttle(stage.vcpus, spec.threads))
+        if role.start_iteration > 0:
+            trainer.load_state(store.wait(keys.checkpoint(role.stage, role.start_iteration - 1), spec.wait_timeout_s))
+    after_task("load", role.start_iteration, None)
+    with Lanes() as lanes:
+        for iteration in range(role.start_iteration, role.end_iteration):
+            began = time.time()
+            after_task("start", iteration, None)
+            trainer.run_iteration(iteration, lanes)
+            last = iteration == role.end_iteration - 1
+            reinvoke = (not last and spec.time_limit_s is not None
+                        and time.time() - started + 1.5 * (time.time() - began) + 1.0 > spec.time_limit_s)
+            checkpoint = None
+            if reinvoke or (role.replica == 0 and ((iteration + 1) % spec.checkpoint_every == 0 or last)):
+                checkpoint = trainer.state_bytes(iteration)   # a snapshot: the next iteration changes the weights
+            # the reports go out on the upload lane, in order, while the next iteration starts
+            lanes.submit("upload", report, iteration, checkpoint, trainer.progress(iteration))
+            if reinvoke:
+                lanes.close()
+                write_status(store, keys, role, {"status": "reinvoke", "next_iteration": iteration + 1,
+                                                 "peak_bytes": peak_rss_bytes()})
+                return REINVOKE
+    write_status(store, keys, role, {"status": "ok", "peak_bytes": peak_rss_bytes()})
+    return 0
+
+
+def infer(store: Store, raw_spec: bytes, role: Role) -> int:
+    from flatpack.runtime import forkjoin
+
+    spec = forkjoin.ForkJoinSpec.loads(raw_spec)
+    torch.set_num_threads(spec.threads)
+    limit = spec.memory_mb * MIB if spec.memory_mb else None
+
+    def after_task(kind: str, request: int, part: int | None) -> None:
+        if limit is not None and peak_rss_bytes() > limit:
+            raise OutOfMemory(peak_rss_bytes(), limit, f"{kind} of request {request}")
+
+    link = stage_store(store, StageSpec(role.stage, 1, spec.memory_mb, spec.vcpus, spec.bandwidth_bytes_s,
+                                        (), (), {}, ()))
+    return forkjoin.serve(store, raw_spec, role, after_task=after_task, throttled=link,
+                          throttle_compute=cpu_throttle(spec.vcpus, spec.threads))
+
+
+def main() -> None:
+    started = time.time()
+    role = Role.loads(os.environ[ROLE_ENV])
+    store = open_store(os.environ[STORE_ENV])
+    keys = RunKeys(role.spec_key.split("/", 1)[0])
+    code = 1
+    try:
+        raw = store.wait(role.spec_key, 120)
+        if role.kind == "train":
+            spec = RunSpec.loads(raw)
+            torch.set_num_threads(spec.threads)
+            code = train(store, spec, role, started)
+        else:
+            code = infer(store, raw, role)
+    except OutOfMemory as err:
+        write_status(store, keys, role, {"status": "oom", "peak_bytes": err.peak_bytes, "limit_bytes": err.limit_bytes,
+                                         "task": err.task})
+        code = OUT_OF_MEMORY
+    except BaseException:  # noqa: BLE001 - a function reports every failure to its invoker
+        write_status(store, keys, role, {"status": "error", "traceback": traceback.format_exc()})
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # lanes may still wait on keys a failed peer never writes; a function just ends
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

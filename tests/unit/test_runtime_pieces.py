@@ -1,0 +1,186 @@
+"""The runtime's pure parts: schedules, chunking, routing, lanes, keys, specs, and the two
+scatter-reduce schedules over a real (filesystem) store with threads as replicas."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from flatpack.runtime.collectives import chunk_bounds, scatter_reduce
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.lanes import Lanes
+from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, routing
+from flatpack.runtime.store import FileStore
+from flatpack.runtime.timeline import Recorder
+from flatpack.runtime.training import compute_order, pack_values, unpack_values
+
+
+def test_sync_schedule_runs_all_forwards_then_backwards_in_reverse():
+    assert compute_order("sync", [0, 2, 4], 0, 3) == [("F", 0), ("F", 2), ("F", 4), ("B", 4), ("B", 2), ("B", 0)]
+
+
+@pytest.mark.parametrize(("stage", "stages", "owned"), [(0, 3, [0, 1, 2, 3]), (1, 3, [0, 1, 2, 3]),
+                                                         (2, 3, [0, 1, 2, 3]), (0, 4, [0, 1])])
+def test_1f1b_warms_up_then_alternates_and_keeps_every_task_once(stage, stages, owned):
+    order = compute_order("1f1b", owned, stage, stages)
+    assert sorted(order) == sorted([("F", m) for m in owned] + [("B", m) for m in owned])
+    warmup = min(stages - stage - 1, len(owned))
+    assert order[:warmup] == [("F", m) for m in owned[:warmup]]
+    for index, (kind, m) in enumerate(order):
+        if kind == "B":
+            assert ("F", m) in order[:index], "a backward before its forward"
+    in_flight = peak = 0
+    for kind, _ in order:
+        in_flight += 1 if kind == "F" else -1
+        peak = max(peak, in_flight)
+    assert peak <= warmup + 1, "1F1B keeps at most warmup + 1 micro-batches' activations"
+
+
+@pytest.mark.parametrize(("numel", "parts"), [(10, 3), (3, 3), (2, 3), (100, 7), (0, 2)])
+def test_chunk_bounds_tile_the_vector(numel, parts):
+    bounds = chunk_bounds(numel, parts)
+    assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+
+
+def test_routing_finds_the_nearest_producer_and_the_consumers():
+    manifests = [
+        {"inputs": [{"name": "x"}], "outputs": [{"name": "a"}, {"name": "mask"}]},
+        {"inputs": [{"name": "a"}, {"name": "mask"}], "outputs": [{"name": "b"}, {"name": "mask"}]},
+        {"inputs": [{"name": "b"}, {"name": "mask"}, {"name": "x"}], "outputs": [{"name": "y"}]},
+    ]
+    sources, consumers = routing(manifests, ["x"])
+    assert sources == [{"x": DATA_SOURCE}, {"a": 0, "mask": 0}, {"b": 1, "mask": 1, "x": DATA_SOURCE}]
+    assert consumers == [(1,), (2,), ()]
+
+
+def test_routing_refuses_an_input_nobody_produces():
+    with pytest.raises(Exception, match="no earlier stage outputs"):
+        routing([{"inputs": [{"name": "ghost"}], "outputs": []}], ["x"])
+
+
+def _spec(replicas: int = 2, micro_batches: int = 4) -> RunSpec:
+    stage = StageSpec(0, replicas, 1024, 0.5, 1e6, ("x",), ("y",), {"x": DATA_SOURCE}, ())
+    return RunSpec("run", (stage,), micro_batches, 8, OptimizerSpec("adam", lr=0.1), "mse", "y",
+                   shared={"w": (0, 2)}, faults=({"stage": 0, "action": "kill"},))
+
+
+def test_run_spec_and_role_round_trip_through_json():
+    spec = _spec()
+    assert RunSpec.loads(spec.dumps()) == spec
+    role = Role("run/spec/g000000", 1, 2, 3, 9, attempt=4)
+    assert Role.loads(role.dumps()) == role and role.worker == "s1r2"
+
+
+def test_spec_refuses_more_replicas_than_micro_batches():
+    with pytest.raises(Exception, match="some replicas would idle"):
+        _spec(replicas=5, micro_batches=4)
+
+
+def test_micro_batches_go_round_robin_over_replicas():
+    stage = _spec(replicas=3, micro_batches=7).stages[0]
+    assert [stage.owned(7, r) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_keys_order_by_number_and_stay_under_the_run_prefix():
+    keys = RunKeys("r1")
+    assert keys.activation(2, 1, 10) > keys.activation(2, 1, 9)
+    every = [keys.data(0, 0), keys.activation(0, 0, 0), keys.checkpoint(0, 0), keys.timeline(0, 0, 0, 0),
+             keys.progress(0, 0, 0), keys.spec(0), keys.sync_chunk(0, 0, 0, 0)]
+    assert all(key.startswith(keys.prefix) for key in every)
+    with pytest.raises(ValueError):
+        RunKeys("a/b")
+
+
+def test_lanes_run_concurrently_and_respect_dependencies():
+    events: list[str] = []
+    gate = threading.Event()
+    with Lanes() as lanes:
+        slow = lanes.submit("download", lambda: (gate.wait(5), events.append("download"))[1])
+        fast = lanes.submit("upload", lambda: events.append("upload"))
+        fast.result(timeout=5)
+        assert events == ["upload"], "the upload lane did not wait for the download lane"
+        after = lanes.submit("compute", lambda: events.append("compute"), after=[slow])
+        time.sleep(0.05)
+        assert "compute" not in events
+        gate.set()
+        after.result(timeout=5)
+    assert events == ["upload", "download", "compute"]
+
+
+def test_a_failed_dependency_fails_its_dependents():
+    with Lanes() as lanes:
+        broken = lanes.submit("download", lambda: 1 / 0)
+        dependent = lanes.submit("compute", lambda: "ran", after=[broken])
+        with pytest.raises(ZeroDivisionError):
+            dependent.result(timeout=5)
+
+
+def test_values_pack_tensors_and_plain_values_without_pickle():
+    values = {"h": torch.randn(3, 4), "mask": torch.ones(3, dtype=torch.bool), "size": 7}
+    back = unpack_values(pack_values(values))
+    torch.testing.assert_close(back["h"], values["h"])
+    assert back["size"] == 7 and back["mask"].dtype == torch.bool
+
+
+@pytest.mark.parametrize("method", ["pipelined", "lambdaml"])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+def test_scatter_reduce_sums_over_replicas_identically_everywhere(tmp_path, method, replicas):
+    store = FileStore(tmp_path)
+    keys = RunKeys("run")
+    grads = [torch.randn(23, generator=torch.Generator().manual_seed(r)) for r in range(replicas)]
+    results: dict[int, torch.Tensor] = {}
+    recorders = [Recorder(0, r) for r in range(replicas)]
+
+    def replica(r: int) -> None:
+        def record(lane: str, kind: str, nbytes: int):
+            return recorders[r].task(kind, 0, nbytes=nbytes, lane=lane)
+        results[r] = scatter_reduce(grads[r], store=store, keys=keys, iteration=0, stage=0, replica=r,
+                                    replicas=replicas, method=method, timeout_s=10, record=record)
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    expected = torch.stack(grads).sum(0)
+    assert sorted(results) == list(range(replicas))
+    for r in range(replicas):
+        torch.testing.assert_close(results[r], expected)
+        assert torch.equal(results[r], results[0]), "replicas must apply bit-identical gradients"
+    if replicas > 1:
+        uploads = [e for e in recorders[0].drain() if e.lane == "upload"]
+        assert len(uploads) == replicas   # d − 1 chunks, then the reduced one
+
+
+def test_every_backend_exports_the_backend_functions():
+    from flatpack.backends import BACKEND_FUNCTIONS, BACKENDS, get_backend
+
+    for name in BACKENDS.names():
+        module = get_backend(name)
+        assert module.NAME == name
+        for function in BACKEND_FUNCTIONS:
+            assert callable(getattr(module, function)), f"backend {name} lacks {function}"
+
+
+def test_an_unknown_backend_lists_the_known_ones():
+    from flatpack.backends import get_backend
+    from flatpack.errors import InputError
+
+    with pytest.raises(InputError, match="known backends: local"):
+        get_backend("aws-lambada")
+
+
+def test_optimizer_spec_refuses_unknown_names_and_bad_rates():
+    from flatpack.errors import InputError
+
+    with pytest.raises(InputError, match="not one of sgd, adam"):
+        OptimizerSpec("lamb")
+    with pytest.raises(InputError, match="positive"):
+        OptimizerSpec("sgd", lr=0)
+    assert OptimizerSpec.of({"name": "adam", "lr": 0.5}) == OptimizerSpec("adam", lr=0.5)
