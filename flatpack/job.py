@@ -55,14 +55,17 @@ def without_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int, seed: int) -> list[tuple[Any, torch.Tensor]]:
-    """Random inputs shaped like the example at ``batch`` rows, with class targets for the
-    model's output (its last dimension is the class count)."""
+def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
+                      seed: int) -> tuple[list[tuple[Any, torch.Tensor]], str]:
+    """Random inputs shaped like the example at ``batch`` rows, and the loss to train with:
+    class targets under cross-entropy when the model outputs (batch, classes), otherwise
+    random targets of the output's shape under mean squared error."""
     generator = torch.Generator().manual_seed(seed)
     leaves = example if isinstance(example, (tuple, list)) else (example,)
     with torch.no_grad():
-        classes = first_output(call(model.eval(), example)).shape[-1]
+        output = first_output(call(model.eval(), example))
     model.train()
+    loss = "cross_entropy" if output.dim() == 2 else "mse"
     batches = []
     for _ in range(count):
         inputs = []
@@ -74,8 +77,10 @@ def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int, se
             else:
                 high = int(leaf.max()) + 1 if leaf.numel() else 2
                 inputs.append(torch.randint(0, max(high, 2), (batch, *leaf.shape[1:]), generator=generator))
-        batches.append((tuple(inputs), torch.randint(0, classes, (batch,), generator=generator)))
-    return batches
+        target = (torch.randint(0, output.shape[-1], (batch,), generator=generator) if loss == "cross_entropy"
+                  else torch.randn((batch, *output.shape[1:]), generator=generator, dtype=output.dtype))
+        batches.append((tuple(inputs), target))
+    return batches, loss
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
@@ -98,7 +103,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        batches = synthetic_batches(model, example, options.batch, options.iterations, options.seed)
+        batches, loss = synthetic_batches(model, example, options.batch, options.iterations, options.seed)
         example_batch = batches[0][0]
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
                             optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync)
@@ -106,9 +111,12 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         extra = {"replicas": options.replicas}
         if options.memory_mb:
             extra["memory_mb"] = options.memory_mb
+        # profile at the micro-batch size the workers run (and two smaller ones for the fit):
+        # extrapolating a·batch+b from much smaller batches overestimates vectorized layers
+        micro = max(1, options.batch // options.micro_batches)
+        sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
         compiled = flatpack.compile(model, example_batch, target="local", solver=options.solver, passes=options.passes,
-                                    profile=ProfileOptions(batch_sizes=(1, 2, 4), repeats=3), workload=workload,
-                                    **extra)
+                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
         say(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
             f"{compiled.plan.num_layers} layers, solver {options.solver}")
         _print_front(compiled, say)
@@ -125,7 +133,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 "(replaces the catalog's assumption in the prediction)\n")
             result = deployment.train(batches, iterations=options.iterations,
                                       optimizer={"name": options.optimizer, "lr": options.lr},
-                                      loss="cross_entropy", schedule=options.schedule, sync=options.sync,
+                                      loss=loss, schedule=options.schedule, sync=options.sync,
                                       threads=1, progress=stream)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
@@ -142,7 +150,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured) and the stage artifacts in {files[0]}")
         max_diff = equivalent = None
         if options.verify:
-            reference, _ = train_single_process(model, batches, options.iterations,
+            reference, _ = train_single_process(model, batches, options.iterations, loss=loss,
                                                 optimizer={"name": options.optimizer, "lr": options.lr})
             max_diff, equivalent = _compare_parameters(result.parameters, reference)
             verdict = "passed" if equivalent else "FAILED"

@@ -40,7 +40,7 @@ from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE, ROLE_ENV, STORE_ENV
 NAME = "local"
 MB = 1 << 20
 POLL_S = 0.05
-DATA_WINDOW = 2          # iterations of data kept uploaded ahead of the slowest worker
+DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
 
 Elastic = Callable[[int, tuple[int, ...]], Sequence[int] | None]
@@ -236,6 +236,9 @@ class LocalDeployment:
         iterations = iterations if iterations is not None else len(batches)  # type: ignore[arg-type]
         if iterations < 1:
             raise InputError(f"train needs at least one iteration, got {iterations}")
+        if not callable(batches) and iterations > len(batches):
+            raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; pass "
+                             "more batches, fewer iterations, or a function of the iteration")
         workload = self.compiled.problem.workload if self.compiled.problem is not None else None
         micro_batches = micro_batches or plan.micro_batches or (workload.micro_batches if workload else 1)
         sync = sync or (workload.sync if workload else "pipelined")

@@ -18,7 +18,8 @@ from flatpack.runtime.timeline import KINDS, OUTSIDE_ITERATION, Event
 
 INSTALL_HINT = "pip install matplotlib (or the plot extra: pip install 'flatpack[plot]')"
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "upload": "tab:green", "download": "tab:olive",
-          "sync": "tab:red", "update": "tab:purple", "checkpoint": "tab:gray", "load": "tab:brown"}
+          "sync": "tab:red", "update": "tab:purple", "checkpoint": "tab:gray", "load": "tab:brown",
+          "prefetch": "tab:cyan"}
 # a worker's row: the compute lane on top, the two transfer lanes below it as thin sub-rows
 LANE_BANDS = {"compute": (0.42, 0.40), "upload": (0.18, 0.18), "download": (0.0, 0.16)}
 ROW_HEIGHT = 1.0

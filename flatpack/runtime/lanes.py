@@ -9,7 +9,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
-LANE_NAMES = ("compute", "upload", "download")
+# "prefetch" downloads the next iteration's data while this one runs, beside "download"
+# so that it never delays this iteration's gradients or synchronization
+LANE_NAMES = ("compute", "upload", "download", "prefetch")
 
 
 class Lanes:

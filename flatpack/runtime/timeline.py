@@ -27,10 +27,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Iterator
 
-KINDS = ("forward", "backward", "upload", "download", "sync", "update", "checkpoint", "load")
+KINDS = ("forward", "backward", "upload", "download", "sync", "update", "checkpoint", "load", "prefetch")
 LANES = ("compute", "upload", "download")
-# kinds outside an iteration's own work: a worker's start-up load and its checkpoints
-OUTSIDE_ITERATION = ("load", "checkpoint")
+# kinds outside an iteration's own work: a worker's start-up load, its checkpoints, and the
+# first stage's download of the next iteration's data while this one runs
+OUTSIDE_ITERATION = ("load", "checkpoint", "prefetch")
 FORMAT_VERSION = 1
 
 

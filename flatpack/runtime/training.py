@@ -100,6 +100,7 @@ class StageTrainer:
         self.optimizer = spec.optimizer.build(self.trainable.values())
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
+        self._prefetched: dict[int, Future] = {}
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
@@ -132,7 +133,7 @@ class StageTrainer:
         return int(meta["iteration"])
 
     # transfers ------------------------------------------------------------------------------
-    def _fetch_inputs(self, iteration: int, micro_batch: int) -> dict[str, Any]:
+    def _fetch_inputs(self, iteration: int, micro_batch: int, kind: str = "download") -> dict[str, Any]:
         values: dict[str, Any] = {}
         keys = [self.keys.data(iteration, micro_batch) if producer == DATA_SOURCE
                 else self.keys.activation(iteration, producer, micro_batch)
@@ -145,7 +146,7 @@ class StageTrainer:
             data = self.store.wait(key, self.spec.wait_timeout_s)
             nbytes += len(data)
             values.update(unpack_values(data))
-        self._record("download", iteration, micro_batch, start, nbytes, "download")
+        self._record(kind, iteration, micro_batch, start, nbytes, "download")
         return values
 
     def _put(self, key: str, data: bytes, iteration: int, micro_batch: int | None) -> None:
@@ -201,8 +202,6 @@ class StageTrainer:
         states[micro_batch] = state
         self._record("forward", iteration, micro_batch, start, 0, "compute")
         self.after_task("forward", iteration, micro_batch)
-        if micro_batch == self._last_forward:
-            self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, "forwarded"), b"1")
 
     def _backward(self, iteration: int, micro_batch: int, fetched: Future | None, states: dict[int, _MicroBatch]) -> bytes | None:
         state = states[micro_batch]
@@ -239,13 +238,13 @@ class StageTrainer:
         self._samples = 0
         owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
         order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
-        self._last_forward = [m for kind, m in order if kind == "F"][-1]
+        prefetched, self._prefetched = self._prefetched, {}
         states: dict[int, _MicroBatch] = {}
         forwards: dict[int, Future] = {}
         pending: list[Future] = []
         for kind, m in order:
             if kind == "F":
-                fetched = lanes.submit("download", self._fetch_inputs, iteration, m)
+                fetched = prefetched.pop(m, None) or lanes.submit("download", self._fetch_inputs, iteration, m)
                 forwards[m] = lanes.submit("compute", self._forward, iteration, m, fetched, states, after=[fetched])
                 if not self.is_last:
                     pending.append(lanes.submit("upload", self._upload_outputs, iteration, m, states,
@@ -258,11 +257,25 @@ class StageTrainer:
                     pending.append(lanes.submit("upload", self._upload_gradients, iteration, m, done, after=[done]))
                 else:
                     pending.append(done)
+        # markers for the invoker's straggler watch go out on the upload lane, off the critical path
+        lanes.submit("upload", self._mark, iteration, "forwarded", after=list(forwards.values()))
+        if self._reads_only_data and iteration + 1 < self.role.end_iteration:
+            self._prefetched = {m: lanes.submit("prefetch", self._fetch_inputs, iteration + 1, m, "prefetch")
+                                for kind, m in order if kind == "F"}
         for future in pending:
             future.result()
-        self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, "computed"), b"1")
+        lanes.submit("upload", self._mark, iteration, "computed")
         lanes.submit("compute", self._synchronize, iteration, lanes).result()
         lanes.submit("compute", self._update, iteration).result()
+
+    @property
+    def _reads_only_data(self) -> bool:
+        """The first stage: its inputs are the data, already in the store, so the next
+        iteration's can be downloaded while this one computes."""
+        return all(source == DATA_SOURCE for source in self.stage.sources.values())
+
+    def _mark(self, iteration: int, phase: str) -> None:
+        self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, phase), b"1")
 
     def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, _MicroBatch]) -> None:
         outputs = states[micro_batch].outputs

@@ -14,6 +14,7 @@ import flatpack
 from flatpack.backends import local
 from flatpack.errors import FunctionOutOfMemory
 from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.runtime.elastic import doubling
 from flatpack.runtime.reference import train_single_process
 
 pytestmark = pytest.mark.slow
@@ -129,12 +130,9 @@ def test_straggler_is_relaunched_and_reported(s3_server):
 
 def test_elastic_scaling_changes_degrees_between_epochs(s3_server):
     compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 4)
-
-    def doubling(epoch: int, degrees: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(min(4, 2 * d) for d in degrees)
-
-    result = run_and_compare(s3_server, compiled, batches(4), 4, "adam", elastic=doubling, epoch_iterations=2)
-    assert result.degrees == [(1, 1), (2, 2)]
+    result = run_and_compare(s3_server, compiled, batches(6), 6, "adam", elastic=doubling(max_replicas=3),
+                             epoch_iterations=2)
+    assert result.degrees == [(1, 1), (2, 2), (3, 3)]
 
 
 def test_function_over_its_memory_tier_fails_with_stage_and_excess(s3_server):

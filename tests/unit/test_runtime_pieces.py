@@ -184,3 +184,41 @@ def test_optimizer_spec_refuses_unknown_names_and_bad_rates():
     with pytest.raises(InputError, match="positive"):
         OptimizerSpec("sgd", lr=0)
     assert OptimizerSpec.of({"name": "adam", "lr": 0.5}) == OptimizerSpec("adam", lr=0.5)
+
+
+def test_doubling_policy_grows_chosen_stages_up_to_the_cap():
+    from flatpack.runtime.elastic import doubling
+
+    policy = doubling(4, every=2, stages=[1])
+    assert policy(1, (1, 1)) is None
+    assert policy(2, (1, 1)) == (1, 2)
+    assert policy(4, (1, 4)) is None
+
+
+def _tiny_compiled():
+    import flatpack
+    from flatpack.partitioner.plan import Plan, StagePlan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    base = flatpack.compile(model, (torch.randn(4, 4),), stages=2)
+    return flatpack.compile(model, (torch.randn(4, 4),), plan=Plan(
+        tuple(StagePlan(s.start, s.end, None, 2) for s in base.plan.stages), base.plan.num_layers, micro_batches=2))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"iterations": 5}, "asked for 5 iterations but given 2 batches"),
+    ({"loss": "hinge"}, "loss 'hinge' is not one of"),
+    ({"schedule": "gpipe"}, "schedule 'gpipe' is not one of"),
+    ({"micro_batches": 1}, "2 replicas but an iteration has only 1 micro-batches"),
+    ({"optimizer": "lamb"}, "optimizer 'lamb' is not one of"),
+])
+def test_train_refuses_bad_requests_before_starting_functions(tmp_path, options, message):
+    from flatpack.backends import local
+    from flatpack.errors import InputError
+
+    batches = [(torch.randn(4, 4), torch.randint(0, 3, (4,))) for _ in range(2)]
+    with local.deploy(_tiny_compiled(), store_url=f"file://{tmp_path}") as deployment:
+        with pytest.raises(InputError, match=message):
+            deployment.train(batches, **options)
+        assert not deployment.workers
