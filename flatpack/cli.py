@@ -389,7 +389,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
-                         verify=not args.no_verify)
+                         verify=not args.no_verify, pick=args.pick)
     if args.target != "local":
         raise InputError(f"flatpack run deploys to the local backend only for now; target {args.target!r} is "
                          "compiled and planned by `flatpack plan`")
@@ -411,7 +411,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
     options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                          passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
-                         memory_mb=(512, 1024), out=Path(args.out) if args.out else
+                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out) if args.out else
                          Path(tempfile.mkdtemp(prefix="flatpack-demo-")))
     result = run_training(model, inputs, options, stream=sys.stdout)
     return 0 if result.equivalent else 1
@@ -512,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--replicas", default="1,2", metavar="D[,D...]")
     run_parser.add_argument("--memory", default=None, metavar="MB[,MB...]")
     run_parser.add_argument("--out", default="flatpack-run", help="where the timeline PNG and worker logs go")
+    run_parser.add_argument("--pick", default="recommended", choices=["recommended", "fastest"],
+                            help="FuncPipe's recommended plan from the front, or its fastest")
     run_parser.add_argument("--no-verify", action="store_true", help="skip the single-process equivalence check")
     run_parser.set_defaults(run=cmd_run)
 

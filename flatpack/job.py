@@ -34,6 +34,23 @@ class JobOptions:
     out: Path = field(default_factory=lambda: Path("flatpack-run"))
     verify: bool = True
     seed: int = 0
+    # checkpoints are upload traffic the cost model does not count: by default only the last
+    checkpoint_every: int = 0
+    # "recommended": the solver's choice (FuncPipe's recommendation for dp); "fastest": the
+    # fastest plan on dp's Pareto front
+    pick: str = "recommended"
+
+
+@dataclass(frozen=True)
+class FastestOnFront:
+    """A solver: the fastest plan on dp's Pareto front."""
+
+    name: str = "dp-fastest"
+
+    def __call__(self, problem: Any) -> Any:
+        from flatpack.partitioner.solvers import get_solver
+
+        return get_solver("dp").front(problem).plans[0]
 
 
 @dataclass
@@ -41,6 +58,7 @@ class JobResult:
     compiled: Any
     train: Any
     comparison: Any
+    calibrated: Any          # the comparison with β and t_lat measured on iteration 1 (None for short runs)
     max_param_diff: float | None
     equivalent: bool | None
     files: list[Path]
@@ -115,14 +133,17 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # extrapolating a·batch+b from much smaller batches overestimates vectorized layers
         micro = max(1, options.batch // options.micro_batches)
         sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
-        compiled = flatpack.compile(model, example_batch, target="local", solver=options.solver, passes=options.passes,
+        if options.pick not in ("recommended", "fastest"):
+            raise InputError(f"pick must be 'recommended' or 'fastest', got {options.pick!r}")
+        solver = FastestOnFront() if options.pick == "fastest" else options.solver
+        compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
                                     profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
         say(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
-            f"{compiled.plan.num_layers} layers, solver {options.solver}")
+            f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         cost = funcpipe.iteration(compiled.problem, compiled.plan)
-        say(f"\nchosen plan: predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
+        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
         with local.deploy(compiled, workdir=options.out / "logs") as deployment:
             say(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
@@ -134,14 +155,25 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             result = deployment.train(batches, iterations=options.iterations,
                                       optimizer={"name": options.optimizer, "lr": options.lr},
                                       loss=loss, schedule=options.schedule, sync=options.sync,
-                                      threads=1, progress=stream)
+                                      threads=1, progress=stream,
+                                      checkpoint_every=options.checkpoint_every or options.iterations)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
-        comparison = report.compare(problem, compiled.plan, result.events)
+        # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
+        skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
+        comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip)
         say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
         say(comparison.table())
+        calibrated = None
+        if skip == 2:
+            tuned, beta, latency = report.calibrate(problem, compiled.plan, result.events, iteration=1)
+            calibrated = report.compare(tuned, compiled.plan, result.events, skip_first=skip)
+            say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
+                f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
+                f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
+                "on the later iterations")
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
         files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png",
@@ -156,7 +188,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             verdict = "passed" if equivalent else "FAILED"
             say(f"equivalence with single-process training: {verdict} (max |parameter difference| {max_diff:.3g} "
                 f"after {options.iterations} iterations)")
-        return JobResult(compiled, result, comparison, max_diff, equivalent, files)
+        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
     finally:
         torch.set_num_threads(threads)
 

@@ -17,7 +17,7 @@ from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.report import MARK, Selection
 
 FORMATS = (".png", ".svg", ".pdf")
-INSTALL_HINT = "pip install matplotlib"
+INSTALL_HINT = "pip install matplotlib (or the plot extra: pip install 'flatpack[plot]')"
 # a cost axis spanning more than this ratio is drawn on a log scale, or the cheap plans merge
 LOG_SCALE_RATIO = 50.0
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flatpack.errors import InputError
+from flatpack.partitioner.plot import require_matplotlib
 from flatpack.runtime.timeline import KINDS, OUTSIDE_ITERATION, Event
 
-INSTALL_HINT = "pip install matplotlib (or the plot extra: pip install 'flatpack[plot]')"
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "upload": "tab:green", "download": "tab:olive",
           "sync": "tab:red", "update": "tab:purple", "checkpoint": "tab:gray", "load": "tab:brown",
           "prefetch": "tab:cyan"}
@@ -25,14 +25,6 @@ LANE_BANDS = {"compute": (0.42, 0.40), "upload": (0.18, 0.18), "download": (0.0,
 ROW_HEIGHT = 1.0
 # a bar gets its micro-batch number when it is at least this share of the axis wide
 LABEL_MIN_SHARE = 0.018
-
-
-def _require_matplotlib() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise InputError(f"drawing a timeline needs matplotlib, which is not installed: {INSTALL_HINT}") from None
-    return matplotlib
 
 
 def _workers(*timelines: Sequence[Event]) -> list[tuple[int, int]]:
@@ -79,7 +71,7 @@ def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequenc
     first event, in the same units on a shared axis); faint dashed lines mark where each
     iteration after the first begins; micro-batch numbers sit inside bars wide enough.
     """
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -10,8 +10,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 # "prefetch" downloads the next iteration's data while this one runs, beside "download"
-# so that it never delays this iteration's gradients or synchronization
-LANE_NAMES = ("compute", "upload", "download", "prefetch")
+# so that it never delays this iteration's gradients or synchronization; "report" sends
+# checkpoints, progress and timelines without delaying the next iteration's activations
+LANE_NAMES = ("compute", "upload", "download", "prefetch", "report")
 
 
 class Lanes:

@@ -13,6 +13,9 @@ compared with like.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -133,6 +136,34 @@ def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first
     cost = funcpipe.iteration(problem, plan)
     return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
                       predicted_iteration_s=cost.iteration_s, cost=cost)
+
+
+def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: int) -> tuple[Problem, float, float]:
+    """The two figures FuncPipe's profiler measures in the target, taken from one
+    ``iteration`` of a run: β (App. B: the slowdown of computation beside communication),
+    the median ratio of measured to predicted forward and backward times; and t_lat, the
+    median of an activation upload's time beyond its bytes at the stage's bandwidth
+    (uploads, because a download's time includes waiting for its producer). Returns the
+    problem with both, β and t_lat. Judge it on *other* iterations, so that the
+    calibration is not tested on the data it came from."""
+    chosen = [event for event in events if event.iteration == iteration]
+    base = compare(problem, plan, chosen, skip_first=0)
+    ratios = []
+    for prediction in base.predicted:
+        if prediction.stage >= len(base.measured.stages):
+            continue
+        measured = base.measured.stages[prediction.stage]
+        for predicted_s, measured_s in ((prediction.forward_s, measured.forward_s),
+                                        (prediction.backward_s, measured.backward_s)):
+            if predicted_s and measured_s:
+                ratios.append(measured_s / predicted_s)
+    platform = problem.platform
+    beta = platform.overlap_slowdown * statistics.median(ratios) if ratios else platform.overlap_slowdown
+    overheads = [event.seconds - event.nbytes / base.cost.stages[event.stage].bandwidth_bytes_s
+                 for event in chosen if event.kind == "upload" and event.micro_batch is not None]
+    latency = max(statistics.median(overheads), 0.0) if overheads else platform.storage_latency_s
+    tuned = dataclasses.replace(platform, overlap_slowdown=beta, storage_latency_s=latency)
+    return dataclasses.replace(problem, platform=tuned), beta, latency
 
 
 # --- the model's prediction as a timeline ---------------------------------------------

@@ -17,6 +17,8 @@ from flatpack.runtime.store import Store
 # An idle link banks at most this much time's worth of bytes: small messages are not
 # delayed, and a long-idle link does not let a big transfer through unthrottled.
 DEFAULT_BURST_S = 0.01
+# puts at least this large update the estimate of the server's own seconds per byte
+_ESTIMATE_FROM_BYTES = 64 * 1024
 
 
 class TokenBucket:
@@ -43,20 +45,23 @@ class TokenBucket:
         self._lock = threading.Lock()
         self._free_at = float("-inf")  # when the link finishes everything reserved so far
 
-    def reserve(self, n: int) -> float:
-        """Book n bytes on the link; return how many seconds the caller must wait."""
+    def reserve(self, n: int, since: float | None = None) -> float:
+        """Book n bytes on the link; return how many seconds the caller must wait.
+        ``since`` (this clock's time) backdates the transfer's start to when it really
+        began, so that time already spent moving the bytes counts toward n/rate."""
         if n < 0:
             raise StoreError(f"cannot reserve a negative byte count ({n})")
         with self._lock:
             now = self._clock()
-            # an idle link starts the transfer now, less the burst it banked while idle
-            start = max(self._free_at, now - self.burst / self.rate)
+            began = now if since is None else min(since, now)
+            # an idle link starts the transfer when it began, less the burst it banked while idle
+            start = max(self._free_at, began - self.burst / self.rate)
             self._free_at = start + n / self.rate
             return max(0.0, self._free_at - now)
 
-    def consume(self, n: int) -> float:
+    def consume(self, n: int, since: float | None = None) -> float:
         """Reserve n bytes and sleep until the reservation completes; return the seconds slept."""
-        wait = self.reserve(n)
+        wait = self.reserve(n, since)
         if wait > 0:
             self._sleep(wait)
         return wait
@@ -65,21 +70,27 @@ class TokenBucket:
 class Throttled(Store):
     """A store whose puts and gets are limited to given upload and download rates.
 
-    put throttles the upload by len(data) before it is sent; get and wait throttle the
-    download by len(data) after the bytes arrive. exists, list and delete are small
-    control messages and pass untouched. A rate of None means unlimited.
+    The emulated link and the real transfer overlap, so a transfer takes about
+    max(n/rate, the real time) and not their sum: a get is backdated to when it started;
+    a put sleeps n/rate less the time the real put is expected to take (a running
+    estimate of the server's seconds per byte), so the object appears when the emulated
+    link would have delivered it. ``wait`` polls through ``get``. exists, list and delete
+    are small control messages and pass untouched. A rate of None means unlimited.
     """
 
     def __init__(self, store: Store, upload_bytes_s: float | None = None, download_bytes_s: float | None = None,
-                 *, burst_s: float = DEFAULT_BURST_S) -> None:
+                 *, burst_s: float = DEFAULT_BURST_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if not isinstance(store, Store):
             raise StoreError(f"Throttled wraps a Store, got {type(store).__name__}")
         self.inner = store
         # the inner url: a child process opens the same data and sets its own limits
         self.url = store.url
-        self.upload = _bucket(upload_bytes_s, burst_s)
-        self.download = _bucket(download_bytes_s, burst_s)
+        self._clock, self._sleep = clock, sleep
+        self.upload = _bucket(upload_bytes_s, burst_s, clock, sleep)
+        self.download = _bucket(download_bytes_s, burst_s, clock, sleep)
         self._lock = threading.Lock()
+        self._put_s_per_byte = 0.0
         self._stats = {"bytes_up": 0, "bytes_down": 0, "throttled_up_s": 0.0, "throttled_down_s": 0.0}
 
     def _count(self, direction: str, n: int, waited: float) -> None:
@@ -88,18 +99,23 @@ class Throttled(Store):
             self._stats[f"throttled_{direction}_s"] += waited
 
     def put(self, key: str, data: bytes) -> None:
-        waited = self.upload.consume(len(data)) if self.upload else 0.0
+        n = len(data)
+        waited = 0.0
+        if self.upload:
+            waited = max(0.0, self.upload.reserve(n) - n * self._put_s_per_byte)
+            if waited > 0:
+                self._sleep(waited)
+        started = self._clock()
         self.inner.put(key, data)
-        self._count("up", len(data), waited)
+        if n >= _ESTIMATE_FROM_BYTES:
+            with self._lock:   # a running estimate; small puts are all latency and say nothing
+                self._put_s_per_byte = 0.7 * self._put_s_per_byte + 0.3 * (self._clock() - started) / n
+        self._count("up", n, waited)
 
     def get(self, key: str) -> bytes:
-        return self._downloaded(self.inner.get(key))
-
-    def wait(self, key: str, timeout_s: float) -> bytes:
-        return self._downloaded(self.inner.wait(key, timeout_s))
-
-    def _downloaded(self, data: bytes) -> bytes:
-        waited = self.download.consume(len(data)) if self.download else 0.0
+        started = self._clock()
+        data = self.inner.get(key)
+        waited = self.download.consume(len(data), since=started) if self.download else 0.0
         self._count("down", len(data), waited)
         return data
 
@@ -132,7 +148,8 @@ class Throttled(Store):
         return f"Throttled({self.inner!r}, upload_bytes_s={up}, download_bytes_s={down})"
 
 
-def _bucket(rate: float | None, burst_s: float) -> TokenBucket | None:
+def _bucket(rate: float | None, burst_s: float, clock: Callable[[], float],
+            sleep: Callable[[float], None]) -> TokenBucket | None:
     if rate is None:
         return None
-    return TokenBucket(rate, rate * burst_s)
+    return TokenBucket(rate, rate * burst_s, clock=clock, sleep=sleep)

@@ -280,13 +280,20 @@ def summarize(events: Iterable[Event], *, skip_first: int = 1) -> Measured:
     skip = max(0, skip_first) if len(numbers) > max(0, skip_first) else 0
     kept_numbers = set(numbers[skip:])
 
+    # An iteration starts when its first task does, but not before the previous iteration
+    # ended: a later stage finishes its backward first and starts waiting for the next
+    # iteration's inputs while earlier stages still work on this one. Measured so, an
+    # iteration's seconds are the period between iterations, which t_iter predicts.
     iterations = []
+    previous_end = float("-inf")
     for number in numbers:
         inside = [e for e in by_iteration[number] if e.kind not in OUTSIDE_ITERATION]
         if not inside:
             continue
-        iterations.append(IterationSummary(number, min(e.start for e in inside), max(e.end for e in inside),
-                                           number in kept_numbers))
+        end = max(e.end for e in inside)
+        start = max(min(e.start for e in inside), min(previous_end, end))
+        iterations.append(IterationSummary(number, start, end, number in kept_numbers))
+        previous_end = end
     iteration_s = _median([it.seconds for it in iterations if it.kept])
 
     # samples per stage, pooled over its replicas and the kept iterations

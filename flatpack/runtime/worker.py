@@ -20,6 +20,7 @@ Exit codes: 0 done, ``REINVOKE`` (75) checkpointed and wants to continue, ``OUT_
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -167,7 +168,12 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
         if role.start_iteration > 0:
             trainer.load_state(store.wait(keys.checkpoint(role.stage, role.start_iteration - 1), spec.wait_timeout_s))
     after_task("load", role.start_iteration, None)
-    with Lanes() as lanes:
+    # torch, boto3 and the stage are loaded: move those objects out of the collector's sight,
+    # or its full collections (tens of ms) land inside compute tasks at random
+    gc.collect()
+    gc.freeze()
+    # OpenMP's thread count is per thread: the compute lane sets its own, or runs with the default
+    with Lanes(on_compute_thread=lambda: torch.set_num_threads(spec.threads)) as lanes:
         for iteration in range(role.start_iteration, role.end_iteration):
             began = time.time()
             after_task("start", iteration, None)
@@ -178,8 +184,8 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
             checkpoint = None
             if reinvoke or (role.replica == 0 and ((iteration + 1) % spec.checkpoint_every == 0 or last)):
                 checkpoint = trainer.state_bytes(iteration)   # a snapshot: the next iteration changes the weights
-            # the reports go out on the upload lane, in order, while the next iteration starts
-            lanes.submit("upload", report, iteration, checkpoint, trainer.progress(iteration))
+            # the reports go out on their own lane, in order, while the next iteration starts
+            lanes.submit("report", report, iteration, checkpoint, trainer.progress(iteration))
             if reinvoke:
                 lanes.close()
                 write_status(store, keys, role, {"status": "reinvoke", "next_iteration": iteration + 1,
