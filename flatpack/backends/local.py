@@ -197,12 +197,10 @@ class LocalDeployment:
         return leaves
 
     def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
-        inputs, target = batch
+        inputs, target = _inputs_and_target(batch, iteration)
         leaves = self._leaves(inputs)
         names = self.compiled.info["input_names"]
-        size = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+        size = _batch_size(leaves)
         if size is None or size < micro_batches:
             raise InputError(f"batch {iteration} has {size} samples; it cannot be cut into {micro_batches} "
                              "micro-batches. Use a larger batch or fewer micro-batches")
@@ -253,16 +251,13 @@ class LocalDeployment:
                        schedule=schedule, sync=sync, threads=threads, wait_timeout_s=wait_timeout_s,
                        checkpoint_every=checkpoint_every, time_limit_s=time_limit_s, shared=self._shared(),
                        faults=tuple(faults))
-        first = batch_for(0)
-        batch_size = self._leaves_size(first)
+        batch_size = _batch_size(self._leaves(_inputs_and_target(batch_for(0), 0)[0]))
+        if batch_size is None:
+            raise InputError("the first batch's inputs have no batch dimension (no tensor with one)")
         spec = dataclasses.replace(spec, batch=batch_size)
         run = _Run(self, spec, batch_for, iterations, elastic, epoch_iterations or iterations, straggler_ratio,
                    progress, timeout_s)
         return run.execute()
-
-    def _leaves_size(self, batch: Any) -> int:
-        leaves = self._leaves(batch[0])
-        return next(int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim())
 
     def measure_latency(self, samples: int = 21) -> float:
         """Median seconds of one small store access (a put or a get) from this process: the
@@ -398,6 +393,17 @@ def _open_with_env(url: str, env: dict[str, str]) -> Store:
                           aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
                           aws_session_token=env.get("AWS_SESSION_TOKEN"))
     return open_store(url)
+
+
+def _inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
+    return batch[0], batch[1]
+
+
+def _batch_size(leaves: list[Any]) -> int | None:
+    """Rows of the first input tensor with a batch dimension."""
+    return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 
 
 def _split(value: Any, size: int, parts: int) -> list[Any]:

@@ -73,8 +73,8 @@ class ForkJoinSpec:
 def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """Cuts every tensor that has the request's batch dimension into ``parts`` slices;
     values without it (sizes, shared tables) go whole to every partition."""
-    batch = max((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim()), default=0)
-    pieces = [dict() for _ in range(parts)]
+    batch = _batch(values)
+    pieces: list[dict[str, Any]] = [{} for _ in range(parts)]
     for name, value in values.items():
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
             for piece, chunk in zip(pieces, torch.tensor_split(value, parts)):

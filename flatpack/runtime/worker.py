@@ -37,7 +37,7 @@ from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
-from flatpack.runtime.spec import Role, RunSpec, StageSpec
+from flatpack.runtime.spec import Role, RunSpec
 from flatpack.runtime.store import Store, open_store
 
 ROLE_ENV = "FLATPACK_ROLE"
@@ -118,11 +118,12 @@ def load_module(store: Store, keys: RunKeys, stage: int) -> torch.nn.Module:
     return build_module(artifact, f"<flatpack stage {stage}>")
 
 
-def stage_store(base: Store, stage: StageSpec) -> Store:
-    if stage.bandwidth_bytes_s is None:
+def tier_link(base: Store, bandwidth_bytes_s: float | None) -> Store:
+    """The function's view of the store: its tier's bandwidth each way (full duplex)."""
+    if bandwidth_bytes_s is None:
         return base
     from flatpack.runtime.throttle import Throttled
-    return Throttled(base, stage.bandwidth_bytes_s, stage.bandwidth_bytes_s)
+    return Throttled(base, bandwidth_bytes_s, bandwidth_bytes_s)
 
 
 def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
@@ -140,7 +141,7 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
     stage = spec.stages[role.stage]
     limit = stage.memory_mb * MIB if stage.memory_mb else None
     recorder = timeline.Recorder(role.stage, role.replica, role.attempt)
-    throttled = stage_store(store, stage)
+    throttled = tier_link(store, stage.bandwidth_bytes_s)
 
     def after_task(kind: str, iteration: int, micro_batch: int | None) -> None:
         for fault in matching_faults(spec, role, iteration, kind, micro_batch):
@@ -206,8 +207,7 @@ def infer(store: Store, raw_spec: bytes, role: Role) -> int:
         if limit is not None and peak_rss_bytes() > limit:
             raise OutOfMemory(peak_rss_bytes(), limit, f"{kind} of request {request}")
 
-    link = stage_store(store, StageSpec(role.stage, 1, spec.memory_mb, spec.vcpus, spec.bandwidth_bytes_s,
-                                        (), (), {}, ()))
+    link = tier_link(store, spec.bandwidth_bytes_s)
     return forkjoin.serve(store, raw_spec, role, after_task=after_task, throttled=link,
                           throttle_compute=cpu_throttle(spec.vcpus, spec.threads))
 
