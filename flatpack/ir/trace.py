@@ -176,8 +176,14 @@ def _trace_fx(model: nn.Module, signature: Signature, args: tuple, kwargs: dict)
     }
     concrete = {name: value for name, value in given.items() if not isinstance(value, torch.Tensor)}
     concrete |= defaults
+    attributes_before = set(vars(model))
     graph = _InliningTracer().trace(model, concrete_args=concrete or None)
     gm = torch.fx.GraphModule(model, graph)
+    # fx stores each tensor constant created in forward on the traced module itself
+    # (`_tensor_constant0`, ...); the GraphModule has copied them, so take them off the
+    # user's model, or a second trace names the same constant `_tensor_constant1`
+    for name in set(vars(model)) - attributes_before:
+        delattr(model, name)
     _drop_specialized_placeholders(gm.graph, names, set(concrete))
     _refuse_baked_parameters(gm)
     _functionalize_simple_inplace(gm.graph)

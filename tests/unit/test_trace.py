@@ -75,3 +75,24 @@ def test_inplace_ops_keep_their_semantics_across_cuts():
     model = InPlace()
     for stages in (1, 2, 3):
         assert_equivalent(model, torch.randn(3, 6), stages=stages, passes="")
+
+
+def test_tracing_leaves_the_model_as_it_was():
+    """fx stores tensor constants on the traced module; a second trace then renamed them
+    (`_tensor_constant1`), and the chain differed between two compiles (BUGS.md)."""
+    class WithConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * torch.tensor([1.0, 2.0])
+
+    model = WithConstant()
+    attributes = set(vars(model))
+    first = flatpack.compile(model, (torch.randn(1, 2),), stages=1)
+    assert set(vars(model)) == attributes
+    second = flatpack.compile(model, (torch.randn(1, 2),), stages=1)
+    assert first.chain == second.chain
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(second.as_module()(x), model(x))
