@@ -70,8 +70,14 @@ def test_cold_miqp_reaches_the_brute_force_optimum(problem, goal):
     check_same_optimum(problem, goal, found, expected)
 
 
+# SLO factors that are not dyadic fractions: plan times on the synthetic tiers stand in
+# such ratios to each other (a tier with half the vCPUs takes exactly twice as long), and an
+# SLO exactly at a plan's time is the rounding case the module docstring excludes (BUGS.md)
+SLO_FACTORS = st.floats(1.0001, 4.0).filter(lambda factor: (factor * 1024) % 1 != 0)
+
+
 @SETTINGS
-@given(training_problems(), st.floats(1.0001, 4.0))
+@given(training_problems(), SLO_FACTORS)
 def test_slo_mode_is_brute_forces_cheapest_plan_within_the_slo(problem, factor):
     """SLOs between the fastest plan's time and a few times it (never at a plan's time
     exactly: the model keeps the SLO on rounded-up times, see the module docstring)."""
