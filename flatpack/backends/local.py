@@ -132,7 +132,6 @@ class TrainResult:
 class _Worker:
     role: Role
     process: subprocess.Popen
-    launched: float
 
 
 class LocalDeployment:
@@ -305,9 +304,9 @@ class LocalDeployment:
             for worker in self.workers.values():
                 code = worker.process.poll()
                 if code is not None:
-                    status = _Run.read_status(self.store, self.keys, worker.role)
+                    status = read_status(self.store, self.keys, worker.role)
                     if code == OUT_OF_MEMORY:
-                        raise _Run.oom_error(worker.role, status)
+                        raise oom_error(worker.role, status)
                     raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
                                      f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
             time.sleep(0.002)
@@ -333,7 +332,7 @@ class LocalDeployment:
         roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker")
                   for group in groups for partition in range(group.workers)]
         for role in roles:
-            self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, invoke(self, role), time.time())
+            self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, invoke(self, role))
         return spec_key
 
     def stop_inference(self) -> None:
@@ -393,6 +392,28 @@ def _open_with_env(url: str, env: dict[str, str]) -> Store:
                           aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
                           aws_session_token=env.get("AWS_SESSION_TOKEN"))
     return open_store(url)
+
+
+def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
+    """A function's final status record; empty when it left none (it was lost)."""
+    try:
+        return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt)))
+    except Exception:  # noqa: BLE001 - a lost function leaves no status
+        return {}
+
+
+def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
+    """The error for a function whose status says it passed its memory tier."""
+    peak, limit = int(status["peak_bytes"]), int(status["limit_bytes"])
+    over = peak - limit
+    suggestion = -(-(peak + MB * 64) // (MB * 64)) * 64
+    what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
+    return FunctionOutOfMemory(
+        f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
+        f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
+        f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages. The artifacts and "
+        "checkpoints are still in the store.",
+        stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
 
 
 def _inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
@@ -497,7 +518,7 @@ class _Run:
         for stage in self.spec.stages:
             for replica in range(stage.replicas):
                 role = Role(spec_key, stage.index, replica, begin, end)
-                workers[(stage.index, replica)] = _Worker(role, invoke(self.deployment, role), time.time())
+                workers[(stage.index, replica)] = _Worker(role, invoke(self.deployment, role))
         price = self.deployment.dollars_per_second([s.replicas for s in self.spec.stages])
         deadline = time.time() + self.timeout_s
         last_tick = time.time()
@@ -520,14 +541,14 @@ class _Run:
 
     def _finished(self, key: tuple[int, int], worker: _Worker, code: int, end: int) -> None:
         workers = self.deployment.workers
-        status = self._status(worker.role)
+        status = read_status(self.store, self.keys, worker.role)
         if status.get("peak_bytes"):
             self.peaks[worker.role.worker] = max(self.peaks.get(worker.role.worker, 0), status["peak_bytes"])
         if code == 0:
             del workers[key]
             return
         if code == OUT_OF_MEMORY or status.get("status") == "oom":
-            self._fail_oom(worker.role, status)
+            raise oom_error(worker.role, status)
         if code == REINVOKE:
             next_iteration = int(status["next_iteration"])
             self._relaunch(key, worker, next_iteration, "time limit")
@@ -546,39 +567,13 @@ class _Run:
                              f"giving up. Its logs are in {self.deployment.workdir}")
         new_role = dataclasses.replace(role, start_iteration=start, attempt=role.attempt + 1)
         self.restarts.append(Restart(role.worker, start, reason, new_role.attempt, behind_s=behind_s))
-        self.deployment.workers[key] = _Worker(new_role, invoke(self.deployment, new_role), time.time())
+        self.deployment.workers[key] = _Worker(new_role, invoke(self.deployment, new_role))
 
     def _resume_point(self, role: Role) -> int:
         done = [int(key.split("/")[-3][1:]) for key in self.store.list(self.keys.progresses())
                 if key.endswith(f"/s{role.stage:06d}/r{role.replica:06d}")]
         finished = [i for i in done if role.start_iteration <= i < role.end_iteration]
         return max(finished) + 1 if finished else role.start_iteration
-
-    def _status(self, role: Role) -> dict:
-        return self.read_status(self.store, self.keys, role)
-
-    @staticmethod
-    def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
-        try:
-            return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt)))
-        except Exception:  # noqa: BLE001 - a lost function leaves no status
-            return {}
-
-    def _fail_oom(self, role: Role, status: dict) -> None:
-        raise self.oom_error(role, status)
-
-    @staticmethod
-    def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
-        peak, limit = int(status["peak_bytes"]), int(status["limit_bytes"])
-        over = peak - limit
-        suggestion = -(-(peak + MB * 64) // (MB * 64)) * 64
-        what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
-        return FunctionOutOfMemory(
-            f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
-            f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
-            f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages. The artifacts and "
-            "checkpoints are still in the store.",
-            stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
 
     # data, progress, garbage ----------------------------------------------------------------
     def _feed(self, begin: int, end: int) -> None:
@@ -591,16 +586,15 @@ class _Run:
         self.samples += self.deployment._upload_batch(iteration, self.batch_for(iteration), self.spec.micro_batches)
 
     def _collect(self, end: int) -> None:
-        """Iterations every worker reported: record their losses and delete their tensors."""
-        reported: dict[int, set[tuple[int, int]]] = {}
-        for key in self.store.list(self.keys.progresses()):
-            parts = key.split("/")
-            iteration, stage, replica = int(parts[-3][1:]), int(parts[-2][1:]), int(parts[-1][1:])
-            if iteration > self.collected:
-                reported.setdefault(iteration, set()).add((stage, replica))
+        """Iterations every worker reported: record their losses and delete their tensors.
+        Lists only the next iteration's reports, so a poll costs the same at iteration 10,000."""
         everyone = {(stage.index, r) for stage in self.spec.stages for r in range(stage.replicas)}
-        while self.collected + 1 in reported and reported[self.collected + 1] >= everyone:
+        while self.collected + 1 < end:
             iteration = self.collected + 1
+            reported = {(int(key.split("/")[-2][1:]), int(key.split("/")[-1][1:]))
+                        for key in self.store.list(self.keys.progresses_of(iteration))}
+            if not reported >= everyone:
+                return
             last = len(self.spec.stages) - 1
             loss = 0.0
             for replica in range(self.spec.stages[last].replicas):

@@ -16,6 +16,8 @@ replica order, so every replica applies bit-identical gradients.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable
 
 import torch
@@ -108,15 +110,7 @@ def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration
             lanes.close()
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def _recorded(record: Callable[[str, str, int], object] | None, lane: str, nbytes: int):
     if record is None:
-        return _Null()
+        return contextlib.nullcontext()
     return record(lane, "sync", nbytes)

@@ -88,9 +88,6 @@ class RunKeys:
     def checkpoint(self, stage: int, iteration: int) -> str:
         return f"{self.run}/ckpt/s{_n(stage)}/i{_n(iteration)}"
 
-    def checkpoints(self, stage: int) -> str:
-        return f"{self.run}/ckpt/s{_n(stage)}/"
-
     def timeline(self, stage: int, replica: int, iteration: int, attempt: int) -> str:
         return f"{self.run}/timeline/s{_n(stage)}/r{_n(replica)}/i{_n(iteration)}/a{_n(attempt)}"
 
@@ -105,6 +102,9 @@ class RunKeys:
 
     def progresses(self) -> str:
         return f"{self.run}/progress/"
+
+    def progresses_of(self, iteration: int) -> str:
+        return f"{self.run}/progress/i{_n(iteration)}/"
 
     def iteration_prefixes(self, iteration: int) -> list[str]:
         """The prefixes of an iteration's intermediate tensors (deleted once it is done)."""

@@ -222,7 +222,6 @@ class StageTrainer:
                        if isinstance(value, torch.Tensor) and value.requires_grad and value.grad is not None}
         if self.is_last and state.loss is not None:
             self._loss_total += float(state.loss.detach())
-            self._samples += state.samples
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
@@ -235,7 +234,6 @@ class StageTrainer:
     # one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int, lanes: Lanes) -> None:
         self._loss_total = 0.0
-        self._samples = 0
         owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
         order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
         prefetched, self._prefetched = self._prefetched, {}
@@ -341,4 +339,4 @@ class StageTrainer:
 
     def progress(self, iteration: int) -> dict[str, Any]:
         return {"loss": self.losses.get(iteration) if self.is_last else None,
-                "samples": self._samples if self.is_last else None, "end": time.time()}
+                "end": time.time()}
