@@ -1,4 +1,4 @@
-"""The ``flatpack`` command: inspect, profile, plan, platforms, compile, run, demo."""
+"""The ``flatpack`` command: inspect, profile, plan, platforms, compile, run, demo, deploy, teardown."""
 
 from __future__ import annotations
 
@@ -177,6 +177,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from flatpack.ir.profiler import ProfileOptions
 
     model, inputs = load_factory(args.model, args.size)
+    if args.target:
+        from flatpack.backends.profiling import profile_command
+
+        return profile_command(model, inputs, target=args.target,
+                               tiers=_positive_ints(args.tiers, "--tiers") if args.tiers else None,
+                               batch_sizes=_positive_ints(args.batch_sizes), repeats=args.repeats,
+                               passes=pipeline_for(args), out=args.out, parallel=args.parallel,
+                               timeout_s=args.timeout, emulate=args.emulate)
     options = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
                              max_seconds=args.max_seconds, use_cache=not args.no_cache, progress=True)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1, profile=options)
@@ -417,6 +425,94 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.equivalent else 1
 
 
+CLOUD_OPTIONS = {
+    "aws-lambda": ("name", "region", "bucket"),
+    "alibaba-fc": ("name", "region", "bucket", "account", "namespace", "role_arn"),
+    "gpu-container": ("name",),
+}
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Compiles MODEL for a target, then writes everything a deployment needs into --out and
+    (without --dry-run) creates it in the account."""
+    import flatpack
+    from flatpack.backends import get_backend
+    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.partitioner.workload import Workload
+
+    if args.target not in CLOUD_OPTIONS:
+        raise InputError(f"flatpack deploy targets {', '.join(CLOUD_OPTIONS)}; the local target runs in-process "
+                         "(flatpack run MODEL)")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"--out {out} is not empty; deploy writes a fresh directory (its deployment record is what "
+                         "flatpack teardown reads)")
+    backend = get_backend(args.target)
+    options = {key: getattr(args, key) for key in CLOUD_OPTIONS[args.target] if getattr(args, key, None) is not None}
+    extra: dict[str, Any] = {}
+    if args.memory:
+        extra["memory_mb"] = _ints(args.memory, "--memory")
+    if args.replicas:
+        extra["replicas"] = _ints(args.replicas, "--replicas")
+    _check_tiers(args.target, extra.get("memory_mb", ()))
+    model, inputs = load_factory(args.model, args.size)
+    workload = Workload("train", batch=args.batch, micro_batches=args.micro_batches)
+    started = time.perf_counter()
+    compiled = flatpack.compile(model, inputs, target=args.target, solver=args.solver, passes=pipeline_for(args),
+                                workload=workload, calibration=args.calibration,
+                                profile=ProfileOptions(batch_sizes=(1, 2), repeats=3), **extra)
+    stages = ", ".join(f"{start}-{end} ({stage.memory_mb or '-'} MB x{stage.replicas})"
+                       for (start, end), stage in zip(compiled.plan.ranges, compiled.plan.stages))
+    print(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
+          f"{len(compiled.plan.stages)} stages, layers {stages}")
+    if args.dry_run:
+        files = backend.package(compiled, **options)
+        for path, data in sorted(files.items()):
+            target = out / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        _print_tree(out, files)
+        commands = files.get("commands.sh")
+        if commands:
+            print(f"\ndry run: nothing was created. The commands that create this deployment ({out / 'commands.sh'}):\n")
+            print(commands.decode())
+        return 0
+    deployment = backend.deploy(compiled, out=out, **options)
+    print(f"deployed {deployment.ledger.name} to {args.target} ({deployment.ledger.region}):")
+    for entry in deployment.ledger.created:
+        print(f"  {entry['kind']:<12} {entry['name']}")
+    print(f"the deployment record is {out / 'deployment.json'}; remove everything with: flatpack teardown {out}")
+    return 0
+
+
+def _print_tree(out: Path, files: dict[str, bytes]) -> None:
+    """The files written, with the runtime's own sources summed up in one line per image."""
+    print(f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:")
+    runtime: dict[str, tuple[int, int]] = {}
+    for path, data in sorted(files.items()):
+        parts = path.split("/")
+        if "flatpack" in parts[:-1]:
+            root = "/".join(parts[:parts.index("flatpack") + 1])
+            count, size = runtime.get(root, (0, 0))
+            runtime[root] = (count + 1, size + len(data))
+            continue
+        print(f"  {path:<64} {len(data):>12,} bytes")
+    for root, (count, size) in runtime.items():
+        print(f"  {root + '/':<64} {size:>12,} bytes ({count} files: the flatpack runtime)")
+
+
+def cmd_teardown(args: argparse.Namespace) -> int:
+    from flatpack.backends import cloud, get_backend
+
+    ledger = cloud.Ledger.load(args.record)
+    if not ledger.created:
+        print(f"{ledger.name}: nothing left to remove")
+        return 0
+    removed = get_backend(ledger.target).teardown(args.record)
+    print(f"removed from {ledger.target} ({ledger.region}): {', '.join(removed)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flatpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -435,13 +531,23 @@ def build_parser() -> argparse.ArgumentParser:
     compile_parser.add_argument("--out", required=True, help="output directory")
     compile_parser.set_defaults(run=cmd_compile)
 
-    profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host")
+    profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host, or "
+                                                    "(--target) on every memory tier inside a target")
     _compile_args(profile_parser)
     profile_parser.add_argument("--batch-sizes", default="1,2,4", help="micro-batch sizes to fit a·batch+b over")
     profile_parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median)")
     profile_parser.add_argument("--max-seconds", type=float, default=None, help="time budget for measuring")
     profile_parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
     profile_parser.add_argument("--json", metavar="FILE", help="also write the profile as JSON")
+    profile_parser.add_argument("--target", default=None, help="profile inside this target: a profiler function "
+                                "per memory tier; writes the calibration file plans for the target use")
+    profile_parser.add_argument("--tiers", default=None, help="--target: memory tiers in MB (default the target's)")
+    profile_parser.add_argument("--out", default=None, help="--target: the calibration file "
+                                                            "(default calibration-<target>.json)")
+    profile_parser.add_argument("--emulate", action="store_true", help="--target: run the target's tiers as local "
+                                "functions, each held to its tier's CPU share, instead of deploying")
+    profile_parser.add_argument("--parallel", type=int, default=1, help="--target: functions at a time")
+    profile_parser.add_argument("--timeout", type=float, default=900.0, help="--target: seconds per function")
     profile_parser.set_defaults(run=cmd_profile)
 
     plan_parser = sub.add_parser("plan", help="profile a model and print the Pareto front of plans (time vs cost)",
@@ -516,6 +622,32 @@ def build_parser() -> argparse.ArgumentParser:
                             help="FuncPipe's recommended plan from the front, or its fastest")
     run_parser.add_argument("--no-verify", action="store_true", help="skip the single-process equivalence check")
     run_parser.set_defaults(run=cmd_run)
+
+    deploy_parser = sub.add_parser("deploy", help="compile a model for a cloud target and deploy it (or, with "
+                                                  "--dry-run, write everything and print the commands)")
+    _compile_args(deploy_parser)
+    deploy_parser.add_argument("--target", required=True, help="aws-lambda, alibaba-fc or gpu-container")
+    deploy_parser.add_argument("--out", required=True, help="directory for the build contexts, policies, commands "
+                                                            "and the deployment record")
+    deploy_parser.add_argument("--dry-run", action="store_true", help="write the files and print the commands; "
+                                                                      "create nothing")
+    deploy_parser.add_argument("--batch", type=int, default=32, help="global batch the plan is made for")
+    deploy_parser.add_argument("--micro-batches", type=int, default=4)
+    deploy_parser.add_argument("--solver", default="dp")
+    deploy_parser.add_argument("--memory", default=None, help="memory tiers the solver may pick (MB, comma-separated)")
+    deploy_parser.add_argument("--replicas", default=None, help="replica degrees the solver may pick")
+    deploy_parser.add_argument("--calibration", default=None, help="calibration file (flatpack profile --target)")
+    deploy_parser.add_argument("--name", default=None, help="deployment name (default fp-<model>-<random>)")
+    deploy_parser.add_argument("--region", default=None)
+    deploy_parser.add_argument("--bucket", default=None, help="bucket name (default <name>-<account>)")
+    deploy_parser.add_argument("--account", default=None, help="alibaba-fc: the account id")
+    deploy_parser.add_argument("--namespace", default=None, help="alibaba-fc: the Container Registry namespace")
+    deploy_parser.add_argument("--role-arn", dest="role_arn", default=None, help="alibaba-fc: the functions' RAM role")
+    deploy_parser.set_defaults(run=cmd_deploy)
+
+    teardown_parser = sub.add_parser("teardown", help="remove everything a deployment created")
+    teardown_parser.add_argument("record", help="the --out directory of flatpack deploy (or its deployment.json)")
+    teardown_parser.set_defaults(run=cmd_teardown)
 
     demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
                                               "functions through a local S3 server, report and verify")

@@ -67,3 +67,13 @@ class StoreTimeout(StoreError, TimeoutError):
 
 class WireError(FlatpackError, ValueError):
     """Tensors or metadata cannot be encoded for the wire, or received bytes are not a valid payload."""
+
+
+class DeployError(FlatpackError):
+    """A cloud deployment could not be created (credentials, region, a refused API call) or
+    torn down. The message names the cause and the fix, and says what was rolled back: a
+    failed deploy leaves nothing behind in the account."""
+
+    def __init__(self, message: str, *, rolled_back: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rolled_back = rolled_back

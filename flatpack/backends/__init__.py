@@ -4,8 +4,10 @@ Every backend module exports the same small set of functions — ``package(compi
 ``deploy(compiled, **options) -> deployment``, ``invoke(deployment, role)`` and
 ``teardown(deployment)`` — and is looked up by target name in :data:`BACKENDS` (a registry
 that refuses duplicate names). ``local`` runs every stage replica as its own process
-sharing only a local S3 server (issue 6); the cloud targets arrive with issue 7 and until
-then compile to the same stage artifacts. The platform data behind each target (tiers,
+sharing only a local S3 server; ``aws-lambda`` and ``alibaba-fc`` deploy the same functions
+as container images (``images``, ``cloud``) and share the local backend's invoker
+(``functions``); ``gpu-container`` runs stages as containers that talk to each other with
+``torch.distributed``. The platform data behind each target (tiers,
 bandwidth, prices, limits, with sources) is in :mod:`flatpack.backends.catalog`.
 """
 
@@ -19,7 +21,12 @@ from flatpack.registry import Registry
 TARGETS = tuple(BUILTIN_PLATFORMS)
 BACKEND_FUNCTIONS = ("package", "deploy", "invoke", "teardown")
 
-BACKENDS: Registry[ModuleType] = Registry("backend", InputError, {"local": "flatpack.backends.local:backend"})
+BACKENDS: Registry[ModuleType] = Registry("backend", InputError, {
+    "local": "flatpack.backends.local:backend",
+    "aws-lambda": "flatpack.backends.aws_lambda:backend",
+    "alibaba-fc": "flatpack.backends.alibaba_fc:backend",
+    "gpu-container": "flatpack.backends.gpu_container:backend",
+})
 
 
 def get_backend(name: str) -> ModuleType:

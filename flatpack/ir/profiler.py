@@ -31,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -197,6 +197,7 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
     samples: list[dict[int, _Sample]] = [{} for _ in range(count)]
     input_names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
     refused: dict[int, str] = {}
+    grad_values = graph.analysis.param_dependent
     try:
         for batch in sizes:
             try:
@@ -205,10 +206,10 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
                 refused[batch] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
                 progress.skip(options.warmup + options.repeats + count)
                 continue
-            times = _time_chain(modules, env, graph, options, per_size, progress, batch)
+            times = _time_chain(modules, env, grad_values, options, per_size, progress, batch)
             for index, module in enumerate(modules):
                 progress.step(f"memory of layer {index} ({graph.layers[index].name}) at batch {batch}")
-                samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, graph), times[index],
+                samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, grad_values), times[index],
                                                       graph.crossing(index), env)
     finally:
         progress.close()
@@ -236,14 +237,22 @@ class _Sample:
     grad_bytes: int
 
 
-def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph, options: ProfileOptions,
-                budget_s: float | None, progress: "_Progress", batch: int) -> list[tuple[float, float, float]]:
+def _direct(compute: Callable[[], Any]) -> Any:
+    return compute()
+
+
+def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str],
+                options: ProfileOptions, budget_s: float | None, progress: "_Progress", batch: int,
+                execute: Callable[[Callable[[], Any]], Any] = _direct) -> list[tuple[float, float, float]]:
     """Median forward, backward and no-grad (inference) forward seconds of every layer,
     timed the way a stage runs them: forward through all layers in order (each on its
     predecessors' fresh outputs, detached at the layer's inputs so its backward is its
     own), then backward layer by layer in reverse, then a forward under ``no_grad``.
     Timing each layer in a tight loop of its own instead would keep its weights and
-    activations in the CPU caches, which a stage running many layers in turn does not."""
+    activations in the CPU caches, which a stage running many layers in turn does not.
+    ``grad_values``: the value names whose gradient a stage computes (see ``_layer_inputs``).
+    ``execute`` runs each timed computation: directly, or through a tier's CPU throttle
+    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier."""
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
     inference_times: list[list[float]] = [[] for _ in modules]
@@ -254,10 +263,10 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph
         values = dict(env)
         outputs = []
         for index, module in enumerate(modules):
-            args = _layer_inputs(module, values, graph)
+            args = _layer_inputs(module, values, grad_values)
             synchronize()
             begin = time.perf_counter()
-            result = module(*args)
+            result = execute(lambda: module(*args))
             synchronize()
             forward_times[index].append(time.perf_counter() - begin)
             outputs.append(result)
@@ -267,13 +276,13 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], graph: LayerGraph
         for index in reversed(range(len(modules))):
             synchronize()
             begin = time.perf_counter()
-            _backward(outputs[index])
+            execute(lambda: _backward(outputs[index]))
             synchronize()
             backward_times[index].append(time.perf_counter() - begin)
             outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
         for module in modules:
             module.zero_grad(set_to_none=True)
-        _serve_chain(modules, dict(env), inference_times, synchronize)
+        _serve_chain(modules, dict(env), inference_times, synchronize, execute)
         timed = run + 1 - options.warmup
         if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
             progress.skip(options.warmup + options.repeats - run - 1)
@@ -460,7 +469,8 @@ def _reference_values(modules: list[nn.Module], input_names: list[str], inputs: 
 
 
 def _serve_chain(modules: list[nn.Module], values: dict[str, Any], seconds: list[list[float]] | None = None,
-                 synchronize: Callable[[], None] = lambda: None) -> None:
+                 synchronize: Callable[[], None] = lambda: None,
+                 execute: Callable[[Callable[[], Any]], Any] = _direct) -> None:
     """One forward through the layers under ``no_grad``, as served: each layer reads its
     inputs from ``values`` and adds its outputs there; ``seconds[i]`` gets layer i's time."""
     with torch.no_grad():
@@ -469,25 +479,69 @@ def _serve_chain(modules: list[nn.Module], values: dict[str, Any], seconds: list
             args = [values[entry["name"]] for entry in manifest["inputs"]]
             synchronize()
             begin = time.perf_counter()
-            outputs = module(*args)
+            outputs = execute(lambda: module(*args))
             synchronize()
             if seconds is not None:
                 seconds[index].append(time.perf_counter() - begin)
             values.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
 
 
-def _layer_inputs(module: nn.Module, env: dict[str, Any], graph: LayerGraph) -> list[Any]:
+def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collection[str]) -> list[Any]:
     """The layer's inputs, detached; the ones a stage receives gradients for (values that
-    depend on a parameter) require grad, so backward computes the gradient it would send."""
+    depend on a parameter, ``grad_values``: ``graph.analysis.param_dependent``) require grad,
+    so backward computes the gradient it would send."""
     args = []
     for entry in module.flatpack_manifest["inputs"]:
         value = env[entry["name"]]
         if isinstance(value, torch.Tensor):
             value = value.detach()
-            if value.is_floating_point() and entry["name"] in graph.analysis.param_dependent:
+            if value.is_floating_point() and entry["name"] in grad_values:
                 value.requires_grad_(True)
         args.append(value)
     return args
+
+
+# --- one layer at a time, from its inputs (in-target profiling) --------------------------------
+# ``runtime.profile_function`` measures a deployed chain inside a function of each memory tier,
+# where there is no LayerGraph: only one-layer stage modules and the values that reach them.
+# These entry points give it the measuring code above, unchanged, one layer at a time.
+
+
+def example_batch_size(inputs: Sequence[Any]) -> int:
+    """The batch size of the model's flat inputs: the first dimension of the first tensor
+    that has one."""
+    return _example_batch([value for value in inputs if isinstance(value, torch.Tensor)])
+
+
+def resize_inputs(inputs: Sequence[Any], batch: int, example_batch: int) -> list[Any]:
+    """The model's flat inputs at ``batch`` samples (rows cycle; other values pass)."""
+    return _resize(list(inputs), batch, example_batch, torch.device("cpu"))
+
+
+def layer_peak_bytes(module: nn.Module, values: Mapping[str, Any], grad_values: Collection[str]) -> int:
+    """The most bytes one forward plus backward of the stage ``module`` held at once beyond
+    its weights (saved activations, transients, outputs, gradients), on its inputs read by
+    name from ``values``; ``grad_values`` as in :func:`time_layer`. Untimed."""
+    return _memory(module, _layer_inputs(module, values, grad_values)).peak
+
+
+def time_layer(module: nn.Module, values: Mapping[str, Any], grad_values: Collection[str], *, repeats: int,
+               warmup: int = 1, execute: Callable[[Callable[[], Any]], Any] = _direct) -> tuple[float, float, float]:
+    """Median forward, backward and no-grad forward seconds of the stage ``module`` on its
+    inputs read by name from ``values``, timed by the host profiler's code as a chain of one
+    (so, unlike a whole chain, the layer's weights stay in the caches between repeats). The
+    inputs named in ``grad_values`` (values that depend on a parameter) require grad, so
+    backward computes the gradient a stage sends back. ``execute`` wraps each timed
+    computation (``runtime.worker.cpu_throttle`` emulates a tier's CPU share)."""
+    options = ProfileOptions(batch_sizes=(1,), repeats=repeats, warmup=warmup, use_cache=False, progress=False)
+    progress = _Progress(0, enabled=False)
+    return _time_chain([module], dict(values), grad_values, options, None, progress, 0, execute)[0]
+
+
+def forward_outputs(module: nn.Module, values: dict[str, Any]) -> None:
+    """Runs the stage ``module`` once under ``no_grad`` on its inputs from ``values`` and adds
+    its outputs there by name, as the next layer will read them."""
+    _serve_chain([module], values)
 
 
 # --- small helpers -----------------------------------------------------------------------------

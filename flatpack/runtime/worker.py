@@ -42,6 +42,7 @@ from flatpack.runtime.store import Store, open_store
 
 ROLE_ENV = "FLATPACK_ROLE"
 STORE_ENV = "FLATPACK_STORE"
+ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
 REINVOKE = 75
 OUT_OF_MEMORY = 86
 MIB = 1 << 20
@@ -113,8 +114,20 @@ def apply_fault(fault: dict) -> None:
 
 
 def load_module(store: Store, keys: RunKeys, stage: int) -> torch.nn.Module:
-    contents = {name: store.get(keys.artifact(stage, name)) for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)}
-    artifact = parse_stage(contents, f"store:{keys.artifacts(stage)}")
+    """The stage's module, from the artifacts baked into the function's image
+    (``FLATPACK_ARTIFACTS``, the cloud backends) or else from the store (the local backend)."""
+    baked = os.environ.get(ARTIFACTS_ENV)
+    names = (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
+    if baked and os.path.isdir(os.path.join(baked, f"stage_{stage:03d}")):
+        directory = os.path.join(baked, f"stage_{stage:03d}")
+        contents = {}
+        for name in names:
+            with open(os.path.join(directory, name), "rb") as file:
+                contents[name] = file.read()
+        artifact = parse_stage(contents, directory)
+    else:
+        contents = {name: store.get(keys.artifact(stage, name)) for name in names}
+        artifact = parse_stage(contents, f"store:{keys.artifacts(stage)}")
     return build_module(artifact, f"<flatpack stage {stage}>")
 
 
@@ -212,27 +225,33 @@ def infer(store: Store, raw_spec: bytes, role: Role) -> int:
                           throttle_compute=cpu_throttle(spec.vcpus, spec.threads))
 
 
-def main() -> None:
-    started = time.time()
-    role = Role.loads(os.environ[ROLE_ENV])
-    store = open_store(os.environ[STORE_ENV])
+def run_role(role: Role, store: Store, started: float) -> int:
+    """Runs one function invocation to its end and returns its exit code; every failure is
+    reported in the role's status record (the invoker reads it), never raised."""
     keys = RunKeys(role.spec_key.split("/", 1)[0])
-    code = 1
     try:
         raw = store.wait(role.spec_key, 120)
+        if role.kind == "profile":
+            from flatpack.runtime.profile_function import run_profile
+            return run_profile(store, role, raw)
         if role.kind == "train":
             spec = RunSpec.loads(raw)
             torch.set_num_threads(spec.threads)
-            code = train(store, spec, role, started)
-        else:
-            code = infer(store, raw, role)
+            return train(store, spec, role, started)
+        return infer(store, raw, role)
     except OutOfMemory as err:
         write_status(store, keys, role, {"status": "oom", "peak_bytes": err.peak_bytes, "limit_bytes": err.limit_bytes,
                                          "task": err.task})
-        code = OUT_OF_MEMORY
+        return OUT_OF_MEMORY
     except BaseException:  # noqa: BLE001 - a function reports every failure to its invoker
         write_status(store, keys, role, {"status": "error", "traceback": traceback.format_exc()})
-        code = 1
+        return 1
+
+
+def main() -> None:
+    started = time.time()
+    role = Role.loads(os.environ[ROLE_ENV])
+    code = run_role(role, open_store(os.environ[STORE_ENV]), started)
     sys.stdout.flush()
     sys.stderr.flush()
     # lanes may still wait on keys a failed peer never writes; a function just ends

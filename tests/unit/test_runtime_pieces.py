@@ -172,7 +172,7 @@ def test_an_unknown_backend_lists_the_known_ones():
     from flatpack.backends import get_backend
     from flatpack.errors import InputError
 
-    with pytest.raises(InputError, match="known backends: local"):
+    with pytest.raises(InputError, match="known backends: alibaba-fc, aws-lambda, gpu-container, local"):
         get_backend("aws-lambada")
 
 

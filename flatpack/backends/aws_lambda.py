@@ -1,0 +1,463 @@
+"""The ``aws-lambda`` backend: every stage is a Lambda function running a container image,
+and the functions share one private S3 bucket.
+
+``package`` writes what a deployment needs (image build contexts, the IAM policies, the
+bucket's lifecycle rule, the function settings, and the commands that would create it all
+by hand); ``deploy`` creates it with boto3 and the standard credential chain:
+
+1. checks before any API call: tiers within Lambda's range, image sizes, names, region,
+   credentials (and who they belong to: ``sts:GetCallerIdentity``, which creates nothing);
+2. an ECR repository, and the images built and pushed (``docker``, or a ``push`` callable);
+3. one S3 bucket per deployment: private, encrypted, intermediate tensors expire;
+4. an IAM role whose policy allows only the run's prefix in that bucket, invoking only the
+   deployment's own functions, and writing their logs;
+5. one function per stage with the stage's memory tier, 900 s timeout and environment
+   (replicas are concurrent invocations of it).
+
+Each created resource goes into a ledger; a failure part-way rolls back what was created,
+and ``teardown`` (or ``flatpack teardown DIR``) removes it all. ``LambdaDeployment.train``
+and ``.infer`` are the local backend's (``backends.functions``) with functions invoked
+through Lambda's Invoke API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from flatpack.backends import cloud
+from flatpack.backends.functions import FunctionDeployment, TrainResult
+from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images
+from flatpack.compiler import Compiled
+from flatpack.errors import DeployError, InputError
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.spec import Role
+from flatpack.runtime.worker import STORE_ENV
+
+__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LambdaDeployment", "TrainResult"]
+
+NAME = "aws-lambda"
+PROFILE_FUNCTIONS = True        # deploy(profile_tiers=...) starts a profiler function per memory tier
+TIMEOUT_S = 900                 # Lambda's maximum; the runtime re-invokes itself before it
+TIME_LIMIT_MARGIN_S = 60        # a function checkpoints and asks to be invoked again this early
+ROLE_PROPAGATION_S = 60         # a new IAM role takes seconds before Lambda may assume it
+INVOKE_SERVICE = "lambda-invoke"   # endpoint_urls key for the Invoke API when it differs from the control plane
+ACCOUNT_PLACEHOLDER = "<ACCOUNT_ID>"
+
+Push = Callable[[ImageContext, Path, str], None]
+
+
+# the resources a deployment consists of: pure data, computed before any API call -----------
+def resources(compiled: Compiled, name: str, region: str, account: str, bucket: str | None = None,
+              store_endpoint: str | None = None, profile_tiers: Sequence[int] | None = None) -> dict[str, Any]:
+    """Names, ARNs and settings of everything ``deploy`` creates."""
+    bucket = bucket or _default_bucket(name, account)
+    repository_uri = f"{account}.dkr.ecr.{region}.amazonaws.com/{name}"
+    store_url = f"s3://{bucket}/?region={region}" + (f"&endpoint_url={store_endpoint}" if store_endpoint else "")
+    functions = [{**function, "timeout_s": TIMEOUT_S,
+                  "arn": f"arn:aws:lambda:{region}:{account}:function:{function['name']}"}
+                 for function in cloud.functions(compiled, name, NAME, profile_tiers)]
+    return {"name": name, "region": region, "account": account, "bucket": bucket, "run": name,
+            "repository": name, "repository_uri": repository_uri, "role": f"{name}-role",
+            "role_arn": f"arn:aws:iam::{account}:role/{name}-role", "policy": f"{name}-policy",
+            "store_url": store_url, "functions": functions}
+
+
+def _default_bucket(name: str, account: str) -> str:
+    # bucket names are global: the account id keeps two accounts' deployments apart
+    suffix = "" if account == ACCOUNT_PLACEHOLDER else f"-{account}"
+    return f"{name[:63 - len(suffix)]}{suffix}".lower()
+
+
+def trust_policy() -> dict[str, Any]:
+    return {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+def role_policy(res: dict[str, Any]) -> dict[str, Any]:
+    """Least privilege: the run's objects in the deployment's bucket, listing only the run's
+    prefix, invoking only the deployment's functions (fork-join masters invoke workers),
+    and the functions' own log groups."""
+    bucket, run, region, account = res["bucket"], res["run"], res["region"], res["account"]
+    log_groups = [f"arn:aws:logs:{region}:{account}:log-group:/aws/lambda/{f['name']}" for f in res["functions"]]
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": "RunObjects", "Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+         "Resource": f"arn:aws:s3:::{bucket}/{run}/*"},
+        {"Sid": "ListRunPrefix", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}",
+         "Condition": {"StringLike": {"s3:prefix": [f"{run}/*"]}}},
+        {"Sid": "InvokeOwnFunctions", "Effect": "Allow", "Action": "lambda:InvokeFunction",
+         "Resource": [f["arn"] for f in res["functions"]]},
+        {"Sid": "OwnLogs", "Effect": "Allow", "Action": ["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents"],
+         "Resource": log_groups + [f"{group}:*" for group in log_groups]},
+    ]}
+
+
+def _image_of(images: list[ImageContext], stage: int | None) -> ImageContext:
+    """The image holding the stage's artifact; a profiler function's image holds them all."""
+    return images[0] if stage is None else next(image for image in images if stage in image.stages)
+
+
+def package(compiled: Compiled, *, name: str | None = None, region: str = "us-east-1",
+            account: str = ACCOUNT_PLACEHOLDER, bucket: str | None = None) -> dict[str, bytes]:
+    """Every file a deployment needs, by path: ``images/<image>/`` build contexts, ``iam/``,
+    ``s3/lifecycle.json``, ``functions.json`` and ``commands.sh`` (the same deployment by hand)."""
+    name = name or cloud.deployment_name(compiled)
+    res = resources(compiled, name, region, account, bucket)
+    images = function_images(compiled, NAME)
+    files: dict[str, bytes] = {}
+    for image in images:
+        files.update({f"images/{image.name}/{path}": data for path, data in image.files.items()})
+    files["iam/trust-policy.json"] = _json(trust_policy())
+    files["iam/role-policy.json"] = _json(role_policy(res))
+    files["s3/lifecycle.json"] = _json({"Rules": cloud.lifecycle_rules(res["run"])})
+    files["functions.json"] = _json({"resources": res, "images": [
+        {"name": image.name, "tag": image.tag, "stages": list(image.stages), "estimated_bytes": image.estimated_bytes}
+        for image in images]})
+    files["commands.sh"] = commands(compiled, res, images).encode()
+    return files
+
+
+def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]) -> str:
+    """The shell commands that create this deployment by hand (what ``deploy`` does with boto3)."""
+    region, registry = res["region"], res["repository_uri"].split("/")[0]
+    lines = ["#!/usr/bin/env bash", f"# generated by flatpack: deployment {res['name']} of {compiled.info.get('model', 'model')}"
+             f" on aws-lambda ({region})", "set -euo pipefail", "", "# 1. images",
+             f"aws ecr create-repository --region {region} --repository-name {res['repository']} "
+             "--image-scanning-configuration scanOnPush=true",
+             f"aws ecr get-login-password --region {region} | docker login --username AWS --password-stdin {registry}"]
+    for image in images:
+        uri = f"{res['repository_uri']}:{image.tag}"
+        lines += [f"docker build --platform linux/amd64 --provenance=false -t {uri} images/{image.name}",
+                  f"docker push {uri}"]
+    bucket = res["bucket"]
+    location = "" if region == "us-east-1" else f" --create-bucket-configuration LocationConstraint={region}"
+    lines += ["", "# 2. the bucket: private, encrypted, intermediate tensors expire",
+              f"aws s3api create-bucket --region {region} --bucket {bucket}{location}",
+              f"aws s3api put-public-access-block --bucket {bucket} --public-access-block-configuration "
+              "BlockPublicAcls=true,IgnorePublicAcls=true,BlockPublicPolicy=true,RestrictPublicBuckets=true",
+              f"aws s3api put-bucket-encryption --bucket {bucket} --server-side-encryption-configuration "
+              "'{\"Rules\":[{\"ApplyServerSideEncryptionByDefault\":{\"SSEAlgorithm\":\"AES256\"},\"BucketKeyEnabled\":true}]}'",
+              f"aws s3api put-bucket-lifecycle-configuration --bucket {bucket} --lifecycle-configuration file://s3/lifecycle.json",
+              "", "# 3. the functions' role: least privilege",
+              f"aws iam create-role --role-name {res['role']} --assume-role-policy-document file://iam/trust-policy.json",
+              f"aws iam put-role-policy --role-name {res['role']} --policy-name {res['policy']} "
+              "--policy-document file://iam/role-policy.json", "", "# 4. one function per stage"]
+    for function in res["functions"]:
+        uri = f"{res['repository_uri']}:{_image_of(images, function['stage']).tag}"
+        lines.append(f"aws lambda create-function --region {region} --function-name {function['name']} "
+                     f"--package-type Image --code ImageUri={uri} --role {res['role_arn']} "
+                     f"--memory-size {function['memory_mb']} --timeout {function['timeout_s']} "
+                     f"--environment 'Variables={{{STORE_ENV}={res['store_url']}}}'")
+    lines += ["", "# to remove everything: flatpack teardown <this directory>", ""]
+    return "\n".join(lines)
+
+
+def _json(data: Any) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+# checks before any API call ------------------------------------------------------------------
+def known_regions(session: Any) -> set[str]:
+    regions: set[str] = set()
+    for partition in session.get_available_partitions():
+        regions.update(session.get_available_regions("lambda", partition_name=partition))
+    return regions
+
+
+def check_region(session: Any, region: str | None) -> str:
+    import difflib
+
+    if not region:
+        raise InputError("no AWS region: pass --region (region=...), or set AWS_REGION / AWS_DEFAULT_REGION, or "
+                         "a region in your AWS profile (aws configure)")
+    regions = known_regions(session)
+    if region not in regions:
+        close = difflib.get_close_matches(region, sorted(regions), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise InputError(f"{region!r} is not an AWS region where Lambda runs.{hint} Nothing was deployed")
+    return region
+
+
+def check_credentials(session: Any) -> Any:
+    """The session's credentials; without any, the error lists the chain boto3 searched."""
+    credentials = session.get_credentials()
+    if credentials is not None:
+        return credentials
+    resolver = session._session.get_component("credential_provider")  # botocore's chain, in its order
+    chain = ", ".join(provider.METHOD for provider in resolver.providers)
+    raise DeployError(
+        "no AWS credentials found. boto3 searched, in order: " + chain + " (environment variables "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, the shared credentials file "
+        "~/.aws/credentials, the config file ~/.aws/config for the profile in AWS_PROFILE, SSO, the container "
+        "and instance metadata endpoints). Configure one: `aws configure`, `aws sso login --profile NAME` with "
+        "AWS_PROFILE=NAME, or export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. Nothing was deployed")
+
+
+def caller_account(session: Any, region: str, endpoint_urls: dict[str, str]) -> str:
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    sts = _client(session, "sts", region, endpoint_urls)
+    try:
+        return str(sts.get_caller_identity()["Account"])
+    except NoCredentialsError as err:
+        raise DeployError(f"{err}; configure AWS credentials (aws configure). Nothing was deployed") from None
+    except ClientError as err:
+        code = err.response.get("Error", {}).get("Code", "")
+        raise DeployError(f"AWS refused the credentials ({code}: {err.response.get('Error', {}).get('Message', '')}). "
+                          "Check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or your profile (aws sts "
+                          "get-caller-identity shows whose they are). Nothing was deployed") from None
+
+
+def _client(session: Any, service: str, region: str, endpoint_urls: dict[str, str], **config: Any) -> Any:
+    from botocore.config import Config
+
+    settings = {"retries": {"mode": "standard", "max_attempts": 5}, "connect_timeout": 10, **config}
+    return session.client(service, region_name=region, endpoint_url=endpoint_urls.get(service),
+                          config=Config(**settings))
+
+
+# pushing images --------------------------------------------------------------------------------
+def docker_push(ecr: Any) -> Push:
+    """Builds and pushes with the docker CLI, logged in with an ECR authorization token."""
+    logged_in: set[str] = set()
+
+    def push(image: ImageContext, context: Path, uri: str) -> None:
+        import base64
+
+        registry = uri.split("/")[0]
+        if registry not in logged_in:
+            token = ecr.get_authorization_token()["authorizationData"][0]["authorizationToken"]
+            user, password = base64.b64decode(token).decode().split(":", 1)
+            subprocess.run(["docker", "login", "--username", user, "--password-stdin", registry],
+                           input=password.encode(), check=True, capture_output=True)
+            logged_in.add(registry)
+        subprocess.run(["docker", "build", "--platform", "linux/amd64", "--provenance=false", "-t", uri, str(context)],
+                       check=True)
+        subprocess.run(["docker", "push", uri], check=True)
+
+    return push
+
+
+# deploy -----------------------------------------------------------------------------------------
+def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = None, bucket: str | None = None,
+           session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
+           out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
+           profile_tiers: Sequence[int] | None = None) -> "LambdaDeployment":
+    """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
+    points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
+    the tests' local stand-ins). ``out``: where the build contexts and the deployment record
+    go (default: a temporary directory; keep it for ``flatpack teardown``).
+    ``profile_tiers``: instead of a function per stage, a profiler function per memory tier,
+    each with every stage's artifact (``flatpack profile --target aws-lambda``)."""
+    import boto3
+
+    endpoint_urls = dict(endpoint_urls or {})
+    session = session or boto3.Session()
+    # checks that need no API call, so that bad input leaves nothing behind
+    cloud.functions(compiled, "check", NAME, profile_tiers)
+    images = function_images(compiled, NAME, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
+    name = name or cloud.deployment_name(compiled)
+    if bucket is not None:
+        cloud.check_bucket_name(bucket)
+    region = check_region(session, region or session.region_name)
+    check_credentials(session)
+    if push is None and shutil.which("docker") is None:
+        raise InputError("deploying to aws-lambda builds container images, and no `docker` is on PATH. Install Docker, "
+                         "or run `flatpack deploy --dry-run --out DIR` and build and push the images with "
+                         "DIR/commands.sh. Nothing was deployed")
+    account = caller_account(session, region, endpoint_urls)
+    res = resources(compiled, name, region, account, bucket, endpoint_urls.get("s3"), profile_tiers)
+    cloud.check_bucket_name(res["bucket"])
+    out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"flatpack-{name}-"))
+    ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
+    clients = _Clients(session, region, endpoint_urls)
+    try:
+        _create(compiled, res, images, ledger, clients, out_dir, push or docker_push(clients.ecr))
+    except BaseException as err:
+        error = cloud.rollback(ledger, _deleters(clients), err, f"deploying {name} to aws-lambda ({region})")
+        ledger.save(out_dir)
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise error from err
+    ledger.save(out_dir)
+    return LambdaDeployment(compiled, res, ledger, clients, session, Path(workdir) if workdir else out_dir / "logs")
+
+
+class _Clients:
+    def __init__(self, session: Any, region: str, endpoint_urls: dict[str, str]) -> None:
+        self.ecr = _client(session, "ecr", region, endpoint_urls)
+        self.s3 = _client(session, "s3", region, endpoint_urls, s3={"addressing_style": "path"})
+        self.iam = _client(session, "iam", region, endpoint_urls)
+        self.control = _client(session, "lambda", region, endpoint_urls)
+        invoke_urls = {"lambda": endpoint_urls.get(INVOKE_SERVICE, endpoint_urls.get("lambda"))}
+        # a synchronous invocation lasts up to the function's timeout; botocore must not retry it on its own
+        self.invoke = _client(session, "lambda", region, {k: v for k, v in invoke_urls.items() if v},
+                              read_timeout=TIMEOUT_S + 60, retries={"mode": "standard", "max_attempts": 1},
+                              max_pool_connections=256)
+
+
+def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext], ledger: cloud.Ledger,
+            clients: _Clients, out_dir: Path, push: Push) -> None:
+    name = res["name"]
+    repository = clients.ecr.create_repository(repositoryName=res["repository"],
+                                               imageScanningConfiguration={"scanOnPush": True})["repository"]
+    ledger.add("repository", res["repository"])
+    uris = {}
+    for image in images:
+        context = image.write(out_dir / "images" / image.name)
+        uri = f"{repository['repositoryUri']}:{image.tag}"
+        push(image, context, uri)
+        uris[image.name] = uri
+    ledger.details["images"] = {image.name: {"uri": uris[image.name], "stages": list(image.stages),
+                                             "context": f"images/{image.name}"} for image in images}
+
+    cloud.create_bucket(clients.s3, res["bucket"], res["region"])
+    ledger.add("bucket", res["bucket"])
+    cloud.configure_bucket(clients.s3, res["bucket"], res["run"])
+
+    clients.iam.create_role(RoleName=res["role"], AssumeRolePolicyDocument=json.dumps(trust_policy()),
+                            Description=f"flatpack deployment {name}: its functions' role")
+    ledger.add("role", res["role"])
+    clients.iam.put_role_policy(RoleName=res["role"], PolicyName=res["policy"],
+                                PolicyDocument=json.dumps(role_policy(res)))
+    ledger.add("role-policy", res["policy"], role=res["role"])
+
+    for function in res["functions"]:
+        uri = uris[_image_of(images, function["stage"]).name]
+        _create_function(clients.control, function, uri, res)
+        ledger.add("function", function["name"])
+    waiter = clients.control.get_waiter("function_active_v2")
+    for function in res["functions"]:
+        waiter.wait(FunctionName=function["name"], WaiterConfig={"Delay": 2, "MaxAttempts": 150})
+
+
+def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict[str, Any]) -> None:
+    from botocore.exceptions import ClientError
+
+    deadline = time.time() + ROLE_PROPAGATION_S
+    while True:
+        try:
+            control.create_function(
+                FunctionName=function["name"], PackageType="Image", Code={"ImageUri": uri}, Role=res["role_arn"],
+                MemorySize=function["memory_mb"], Timeout=function["timeout_s"],
+                Environment={"Variables": {STORE_ENV: res["store_url"]}},
+                Description=cloud.describe_function(res["name"], function), Architectures=["x86_64"])
+            return
+        except ClientError as err:
+            message = err.response.get("Error", {}).get("Message", "")
+            # IAM is eventually consistent: a role created a moment ago may not be assumable yet
+            if "cannot be assumed" not in message or time.time() > deadline:
+                raise
+            time.sleep(3)
+
+
+def _deleters(clients: _Clients) -> dict[str, Callable[[dict[str, str]], None]]:
+    from botocore.exceptions import ClientError
+
+    def gone_is_fine(call: Callable[[], Any], *codes: str) -> None:
+        try:
+            call()
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") not in codes:
+                raise
+
+    return {
+        "function": lambda e: gone_is_fine(lambda: clients.control.delete_function(FunctionName=e["name"]),
+                                           "ResourceNotFoundException"),
+        "role-policy": lambda e: gone_is_fine(lambda: clients.iam.delete_role_policy(RoleName=e["role"],
+                                                                                     PolicyName=e["name"]),
+                                              "NoSuchEntity"),
+        "role": lambda e: gone_is_fine(lambda: clients.iam.delete_role(RoleName=e["name"]), "NoSuchEntity"),
+        "bucket": lambda e: cloud.delete_bucket(clients.s3, e["name"]),
+        "repository": lambda e: gone_is_fine(lambda: clients.ecr.delete_repository(repositoryName=e["name"], force=True),
+                                             "RepositoryNotFoundException"),
+    }
+
+
+def invoke(deployment: "LambdaDeployment", role: Role) -> cloud.ThreadInvocation:
+    """Invokes the role's function synchronously on a thread (Lambda's Invoke API)."""
+    return deployment.launch(role)
+
+
+def teardown(deployment: "LambdaDeployment | str | os.PathLike", *, session: Any = None) -> list[str]:
+    """Removes everything the deployment created; a deployment record's directory works too
+    (``flatpack teardown DIR``). Returns what was removed."""
+    if isinstance(deployment, LambdaDeployment):
+        return deployment.teardown()
+    import boto3
+
+    ledger = cloud.Ledger.load(deployment)
+    session = session or boto3.Session()
+    check_credentials(session)
+    clients = _Clients(session, ledger.region, ledger.details.get("endpoint_urls", {}))
+    return _remove(ledger, clients, Path(deployment))
+
+
+def _remove(ledger: cloud.Ledger, clients: _Clients, record_dir: Path | None) -> list[str]:
+    removed, failed = ledger.undo(_deleters(clients))
+    if record_dir is not None:
+        ledger.save(record_dir)
+    if failed:
+        raise DeployError(f"teardown of {ledger.name} could not remove: {', '.join(failed)}. Removed: "
+                          f"{', '.join(removed) or 'nothing'}. Run flatpack teardown again once the cause is fixed",
+                          rolled_back=tuple(removed))
+    return removed
+
+
+class LambdaDeployment(FunctionDeployment):
+    """A deployment on Lambda: ``train`` and ``infer`` as on the local backend, each function
+    a synchronous invocation of the stage's Lambda function."""
+
+    platform = NAME
+    emulate_tiers = False        # Lambda enforces the memory, CPU share and bandwidth itself
+    time_limit_s = TIMEOUT_S - TIME_LIMIT_MARGIN_S
+
+    def __init__(self, compiled: Compiled, res: dict[str, Any], ledger: cloud.Ledger, clients: _Clients,
+                 session: Any, workdir: Path) -> None:
+        from flatpack.runtime.store import S3Store
+
+        credentials = session.get_credentials().get_frozen_credentials()
+        store_url = res["store_url"]
+        endpoint = ledger.details.get("endpoint_urls", {}).get("s3")
+        store = S3Store(res["bucket"], "", endpoint, res["region"], aws_access_key_id=credentials.access_key,
+                        aws_secret_access_key=credentials.secret_key, aws_session_token=credentials.token)
+        super().__init__(compiled, store_url, {}, RunKeys(res["run"]), workdir, store=store)
+        self.resources = res
+        self.ledger = ledger
+        self.clients = clients
+        self.record_dir = workdir.parent if workdir.name == "logs" else None
+
+    def launch(self, role: Role) -> cloud.ThreadInvocation:
+        function = cloud.function_name(self.resources["name"], role.kind, role.stage)
+        log = self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"
+
+        def call() -> int:
+            import base64
+
+            response = self.clients.invoke.invoke(FunctionName=function, InvocationType="RequestResponse",
+                                                   LogType="Tail", Payload=json.dumps({"role": role.dumps()}).encode())
+            payload = response["Payload"].read()
+            log.write_bytes(base64.b64decode(response.get("LogResult", "")) + b"\n" + payload)
+            if response.get("FunctionError"):
+                # the handler never raises; an error here is the runtime's: lost, as a killed process is
+                raise RuntimeError(f"{function} answered {response['FunctionError']}: {payload[:2000].decode(errors='replace')}")
+            return int(json.loads(payload)["exit"])
+
+        return cloud.ThreadInvocation(call, role.worker)
+
+    def teardown(self) -> list[str]:  # type: ignore[override]
+        """Stops waiting for functions, deletes the run's objects, then every resource."""
+        super().teardown()
+        return _remove(self.ledger, self.clients, self.record_dir)
+
+
+def backend() -> Any:
+    """This module, as the backend registry hands it out."""
+    return sys.modules[__name__]

@@ -1,0 +1,251 @@
+"""What the cloud function backends (``aws-lambda``, ``alibaba-fc``) share: checks that run
+before any API call, the ledger that rolls a failed deploy back and drives teardown, the
+deployment's bucket (S3, or OSS through its S3-compatible endpoint), and invocations as
+threads the invoker polls like processes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from flatpack.compiler import Compiled
+from flatpack.errors import DeployError, InputError
+
+# the run's tensors that are dead once their iteration (or request) is done; the invoker
+# deletes them as it goes, the lifecycle rule catches what a crashed invoker left behind
+INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "marker", "infer")
+INTERMEDIATE_EXPIRY_DAYS = 1     # S3 lifecycle rules count in whole days
+RECORD_FILE = "deployment.json"
+RECORD_FORMAT = "flatpack-deployment"
+
+
+def deployment_name(compiled: Compiled, prefix: str = "fp") -> str:
+    """``fp-<model>-<6 hex>``: valid as a function, role, repository and bucket name part."""
+    model_class = str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
+    model = re.sub(r"[^a-z0-9]+", "-", model_class.lower()).strip("-") or "model"
+    return f"{prefix}-{model[:24]}-{uuid.uuid4().hex[:6]}"
+
+
+def check_tiers(compiled: Compiled, target: str) -> None:
+    """Every stage has a memory tier the platform offers; caught before any API call."""
+    from flatpack.backends.catalog import get_platform
+
+    platform = get_platform(target)
+    for index, stage in enumerate(compiled.plan.stages):
+        if stage.memory_mb is None:
+            raise InputError(f"stage {index} has no memory tier; {target} functions need one. Compile with "
+                             f"target={target!r} and a solver that picks tiers (dp, miqp), or set memory_mb in the plan")
+        if not platform.min_memory_mb <= stage.memory_mb <= platform.max_memory_mb:
+            raise InputError(f"stage {index} asks for {stage.memory_mb} MB, but {target} functions have "
+                             f"{platform.min_memory_mb}-{platform.max_memory_mb} MB. Cut the model into more stages "
+                             f"or pick a tier of at most {platform.max_memory_mb} MB; nothing was deployed")
+
+
+def function_name(name: str, role_kind: str, index: int) -> str:
+    """A stage's function (``-sNNN``) or, for in-target profiling, a tier's (``-pMMMMM``, MB)."""
+    return f"{name}-p{index:05d}" if role_kind == "profile" else f"{name}-s{index:03d}"
+
+
+def functions(compiled: Compiled, name: str, target: str, profile_tiers: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """The deployment's functions: one per stage with the stage's tier, or for in-target
+    profiling one per memory tier (each holds every layer's artifact)."""
+    from flatpack.backends.catalog import get_platform
+
+    if not profile_tiers:
+        check_tiers(compiled, target)
+        return [{"name": function_name(name, "train", index), "stage": index, "memory_mb": stage.memory_mb}
+                for index, stage in enumerate(compiled.plan.stages)]
+    platform = get_platform(target)
+    for memory_mb in profile_tiers:
+        platform.tier(memory_mb)    # refuses a size the platform does not offer, naming its range
+    return [{"name": function_name(name, "profile", memory_mb), "stage": None, "memory_mb": memory_mb}
+            for memory_mb in profile_tiers]
+
+
+def describe_function(name: str, function: dict[str, Any]) -> str:
+    if function["stage"] is None:
+        return f"flatpack {name}: profiler for the {function['memory_mb']} MB tier"
+    return f"flatpack {name}: stage {function['stage']}"
+
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def check_bucket_name(name: str) -> None:
+    """S3's bucket naming rules (OSS's are the same subset, less dots)."""
+    problem = None
+    if not _BUCKET.match(name):
+        problem = "3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit"
+    elif ".." in name or ".-" in name or "-." in name:
+        problem = "no two adjacent periods, and no period next to a hyphen"
+    elif name.startswith(("xn--", "sthree-")) or name.endswith(("-s3alias", "--ol-s3")):
+        problem = "no reserved prefix (xn--, sthree-) or suffix (-s3alias, --ol-s3)"
+    else:
+        try:
+            ipaddress.IPv4Address(name)
+            problem = "not formatted as an IP address"
+        except ValueError:
+            pass
+    if problem:
+        raise InputError(f"bucket name {name!r} is not valid: bucket names must be {problem}. Pass another --bucket, "
+                         "or leave it out and flatpack names one; nothing was deployed")
+
+
+def lifecycle_rules(run: str) -> list[dict[str, Any]]:
+    return [{"ID": f"flatpack-expire-{kind}", "Status": "Enabled", "Filter": {"Prefix": f"{run}/{kind}/"},
+             "Expiration": {"Days": INTERMEDIATE_EXPIRY_DAYS}} for kind in INTERMEDIATE_KINDS]
+
+
+@dataclass
+class Ledger:
+    """What a deploy created, in order. A failed deploy undoes it in reverse; the record
+    (``deployment.json``) lets ``teardown`` remove everything later, from another process."""
+
+    target: str
+    name: str
+    region: str
+    created: list[dict[str, str]] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, kind: str, name: str, **extra: str) -> None:
+        self.created.append({"kind": kind, "name": name, **extra})
+
+    def undo(self, deleters: dict[str, Callable[[dict[str, str]], None]]) -> tuple[list[str], list[str]]:
+        """Deletes the created resources, newest first; returns (removed, failed to remove)."""
+        removed, failed, kept = [], [], []
+        for entry in reversed(self.created):
+            label = f"{entry['kind']} {entry['name']}"
+            try:
+                deleters[entry["kind"]](entry)
+                removed.append(label)
+            except Exception as err:  # noqa: BLE001 - keep removing the rest, then say what stayed
+                failed.append(f"{label} ({err})")
+                kept.insert(0, entry)
+        self.created = kept
+        return removed, failed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": RECORD_FORMAT, "target": self.target, "name": self.name, "region": self.region,
+                "created": self.created, "details": self.details}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str) -> "Ledger":
+        if data.get("format") != RECORD_FORMAT:
+            raise InputError(f"{where} is not a flatpack deployment record (format {data.get('format')!r})")
+        return cls(data["target"], data["name"], data["region"], list(data["created"]), dict(data.get("details", {})))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / RECORD_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".tmp")
+        staging.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        staging.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Ledger":
+        path = Path(directory)
+        path = path / RECORD_FILE if path.is_dir() else path
+        if not path.exists():
+            raise InputError(f"no deployment record at {path}; pass the --out directory flatpack deploy wrote")
+        return cls.from_json(json.loads(path.read_text()), str(path))
+
+
+def rollback(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None]], cause: BaseException,
+             what: str) -> DeployError:
+    """Undoes a failed deploy and returns the error to raise: the cause, and what was removed."""
+    removed, failed = ledger.undo(deleters)
+    message = f"{what} failed: {cause}"
+    if removed:
+        message += f"\nRolled back: {', '.join(removed)}."
+    if failed:
+        message += (f"\nCould NOT remove: {', '.join(failed)}; delete them by hand or run "
+                    "flatpack teardown on the deployment record.")
+    elif not removed:
+        message += "\nNothing had been created."
+    else:
+        message += "\nNothing is left behind."
+    return DeployError(message, rolled_back=tuple(removed))
+
+
+# the deployment's bucket -------------------------------------------------------------------
+def create_bucket(s3: Any, bucket: str, region: str) -> None:
+    # us-east-1 is S3's default location and refuses to be named as a constraint
+    if region == "us-east-1":
+        s3.create_bucket(Bucket=bucket)
+    else:
+        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+
+
+def configure_bucket(s3: Any, bucket: str, run: str) -> None:
+    """Private, encrypted, with a lifecycle rule that expires intermediate tensors."""
+    s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration={
+        "BlockPublicAcls": True, "IgnorePublicAcls": True, "BlockPublicPolicy": True, "RestrictPublicBuckets": True})
+    s3.put_bucket_encryption(Bucket=bucket, ServerSideEncryptionConfiguration={
+        "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}, "BucketKeyEnabled": True}]})
+    s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": lifecycle_rules(run)})
+
+
+def delete_bucket(s3: Any, bucket: str) -> None:
+    """Empties the bucket (it is the deployment's own) and deletes it; gone already is fine."""
+    from botocore.exceptions import ClientError
+
+    try:
+        paginator = s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        s3.delete_bucket(Bucket=bucket)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") not in ("NoSuchBucket", "404"):
+            raise
+
+
+# invocations -------------------------------------------------------------------------------
+class ThreadInvocation:
+    """A synchronous invocation run on a thread, seen by the invoker as a process: ``poll``
+    gives the function's exit code once the call returned. A cloud function cannot be
+    killed from outside; ``kill`` stops waiting for it (it ends at its own time limit, and
+    what it still writes is what its replacement writes: the runtime is deterministic)."""
+
+    LOST = -9
+
+    def __init__(self, call: Callable[[], int], name: str) -> None:
+        self._call = call
+        self.code: int | None = None
+        self.failure = ""
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._run, name=f"invoke-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.code = self._call()
+        except Exception as err:  # noqa: BLE001 - the invoker decides what a failed call means
+            self.failure = f"{type(err).__name__}: {err}"
+            self.code = self.LOST
+
+    def poll(self) -> int | None:
+        if self._abandoned:
+            return self.LOST
+        return None if self._thread.is_alive() else self.code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"the invocation did not return within {timeout} s")
+            self._thread.join(0.05)
+        return self.poll()  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        self._abandoned = True

@@ -1,0 +1,668 @@
+"""What every function backend shares: a deployment whose stage replicas are functions that
+share nothing but a store, and the invoker that runs training and fork-join inference on
+them (``runtime.worker`` is the function's side).
+
+A backend subclasses :class:`FunctionDeployment` and says how to start one function
+(:meth:`FunctionDeployment.launch`: a local process, a Lambda invocation, a Function Compute
+invocation); the invoker plays the platform's part everywhere else: it starts functions,
+restarts one that was lost (killed, a straggler relaunched), invokes again one that
+checkpointed near its time limit, and re-scales stages between epochs when an elasticity
+policy asks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from flatpack.compiler import Compiled
+from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
+from flatpack.ir.trace import Signature, flatten_inputs
+from flatpack.runtime import timeline, wire
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.optim import OptimizerSpec, check_loss
+from flatpack.runtime.spec import Role, RunSpec, StageSpec, routing
+from flatpack.runtime.store import Store, open_store
+from flatpack.runtime.training import TARGET, pack_values
+from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
+
+MB = 1 << 20
+POLL_S = 0.05
+DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
+MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
+
+Elastic = Callable[[int, tuple[int, ...]], Sequence[int] | None]
+
+
+class Invocation(Protocol):
+    """A running function as the invoker sees it (``subprocess.Popen`` is one): its exit
+    code once it ended, and a way to stop waiting for it."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass
+class Restart:
+    worker: str
+    iteration: int
+    reason: str            # "lost" (killed), "straggler", "time limit"
+    attempt: int
+    behind_s: float = 0.0  # straggler: how far behind its peers when relaunched
+    cost_s: float = 0.0    # seconds the iteration took beyond the peers' pace because of it
+
+    def describe(self) -> str:
+        if self.reason == "straggler":
+            return (f"{self.worker} straggled in iteration {self.iteration}: {self.behind_s:.2f} s behind its peers, "
+                    f"relaunched from the last checkpoint (attempt {self.attempt}); it cost {self.cost_s:.2f} s")
+        if self.reason == "time limit":
+            return f"{self.worker} checkpointed near its time limit and was invoked again at iteration {self.iteration}"
+        return (f"{self.worker} was lost in iteration {self.iteration} and restarted from the last checkpoint "
+                f"(attempt {self.attempt})")
+
+
+@dataclass
+class TrainResult:
+    parameters: dict[str, torch.Tensor]   # original parameter and buffer names -> final values
+    losses: list[float]                   # mean loss over the global batch, per iteration
+    events: list[timeline.Event]
+    restarts: list[Restart]
+    degrees: list[tuple[int, ...]]        # replica degrees of each segment (elasticity)
+    wall_s: float
+    samples: int
+    dollars: float                        # functions' memory x seconds at the platform's price
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class _Worker:
+    role: Role
+    process: Invocation
+
+
+class FunctionDeployment:
+    """A compiled model deployed as functions on ``platform``; ``train`` and ``infer`` run it.
+
+    ``store_url`` is the store the functions share (``env`` holds the credentials the
+    invoker's own client uses); ``emulate_tiers``: the functions hold themselves to their
+    tier's CPU share and bandwidth (the local backend), where a real platform enforces them.
+    """
+
+    platform = "local"
+    emulate_tiers = True
+    time_limit_s: float | None = None    # a function checkpoints and is invoked again before this (Lambda's 900 s)
+
+    def __init__(self, compiled: Compiled, store_url: str, env: dict[str, str], keys: RunKeys, workdir: Path,
+                 store: Store | None = None) -> None:
+        self.compiled = compiled
+        self.store_url = store_url
+        self.env = env
+        self.keys = keys
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.store: Store = store if store is not None else _open_with_env(store_url, env)
+        self.workers: dict[tuple, _Worker] = {}
+        self._inference: str | None = None
+        self._requests = 0
+        self.last_latency_s: float | None = None
+        self.manifests = [artifact.manifest for artifact in compiled.artifacts]
+
+    def launch(self, role: Role) -> Invocation:
+        """Starts the function for ``role``."""
+        raise NotImplementedError(f"{type(self).__name__} must say how to start a function")
+
+    # settings -----------------------------------------------------------------------------
+    def _stage_specs(self, degrees: Sequence[int]) -> tuple[StageSpec, ...]:
+        from flatpack.backends.catalog import get_platform
+
+        platform = get_platform(self.platform)
+        sources, consumers = routing(self.manifests, self.compiled.info["input_names"])
+        specs = []
+        for index, (stage, manifest) in enumerate(zip(self.compiled.plan.stages, self.manifests)):
+            tier = platform.tier(stage.memory_mb) if stage.memory_mb and self.emulate_tiers else None
+            specs.append(StageSpec(
+                index=index, replicas=degrees[index], memory_mb=stage.memory_mb,
+                vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
+                inputs=tuple(entry["name"] for entry in manifest["inputs"]),
+                outputs=tuple(entry["name"] for entry in manifest["outputs"]),
+                sources=sources[index], consumers=consumers[index]))
+        return tuple(specs)
+
+    def _shared(self) -> dict[str, tuple[int, ...]]:
+        shared: dict[str, set[int]] = {}
+        for index, manifest in enumerate(self.manifests):
+            for entry in manifest["parameters"]:
+                if entry.get("shared_with"):
+                    shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
+        return {name: tuple(sorted(holders)) for name, holders in shared.items()}
+
+    def dollars_per_second(self, degrees: Sequence[int]) -> float:
+        from flatpack.backends.catalog import get_platform
+
+        platform = get_platform(self.platform)
+        return sum(platform.tier(stage.memory_mb).price_per_s * degree
+                   for stage, degree in zip(self.compiled.plan.stages, degrees) if stage.memory_mb)
+
+    # data ---------------------------------------------------------------------------------
+    def _leaves(self, inputs: Any) -> list[Any]:
+        signature = Signature.from_json(self.compiled.info["signature"])
+        if isinstance(inputs, torch.Tensor):
+            args, kwargs = (inputs,), {}
+        elif isinstance(inputs, dict):
+            args, kwargs = (), inputs
+        else:
+            args, kwargs = tuple(inputs), {}
+        leaves, _ = flatten_inputs(signature, args, kwargs)
+        return leaves
+
+    def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
+        inputs, target = _inputs_and_target(batch, iteration)
+        leaves = self._leaves(inputs)
+        names = self.compiled.info["input_names"]
+        size = _batch_size(leaves)
+        if size is None or size < micro_batches:
+            raise InputError(f"batch {iteration} has {size} samples; it cannot be cut into {micro_batches} "
+                             "micro-batches. Use a larger batch or fewer micro-batches")
+        pieces = [_split(leaf, size, micro_batches) for leaf in leaves]
+        targets = _split(target, size, micro_batches) if isinstance(target, torch.Tensor) else None
+        for m in range(micro_batches):
+            self.store.put(self.keys.data(iteration, m), pack_values({name: piece[m] for name, piece in zip(names, pieces)}))
+            if targets is not None:
+                self.store.put(self.keys.target(iteration, m), wire.dumps({TARGET: targets[m].contiguous()}))
+        return int(size)
+
+    # training -----------------------------------------------------------------------------
+    def train(self, batches: Sequence[Any] | Callable[[int], Any], *, iterations: int | None = None,
+              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
+              micro_batches: int | None = None, schedule: str = "sync", sync: str | None = None,
+              threads: int = 1, checkpoint_every: int = 1, time_limit_s: float | None = None,
+              elastic: Elastic | None = None, epoch_iterations: int | None = None,
+              straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
+              timeout_s: float = 600.0, wait_timeout_s: float = 120.0) -> TrainResult:
+        """Trains ``iterations`` global batches through the pipeline and returns the final
+        parameters (read from the last checkpoints), the losses and the timeline.
+
+        ``batches``: a sequence of ``(inputs, target)`` global batches (or a function of the
+        iteration). ``elastic(epoch, degrees) -> new degrees | None`` is asked at every epoch
+        boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a replica that has not
+        finished its micro-batches ``ratio`` × the peers' compute time after they did.
+        """
+        check_loss(loss)
+        plan = self.compiled.plan
+        batch_for = batches if callable(batches) else batches.__getitem__
+        iterations = iterations if iterations is not None else len(batches)  # type: ignore[arg-type]
+        if iterations < 1:
+            raise InputError(f"train needs at least one iteration, got {iterations}")
+        if not callable(batches) and iterations > len(batches):
+            raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; pass "
+                             "more batches, fewer iterations, or a function of the iteration")
+        workload = self.compiled.problem.workload if self.compiled.problem is not None else None
+        micro_batches = micro_batches or plan.micro_batches or (workload.micro_batches if workload else 1)
+        sync = sync or (workload.sync if workload else "pipelined")
+        output_names = self.compiled.info["output_names"]
+        last_outputs = [entry["name"] for entry in self.manifests[-1]["outputs"]]
+        if output_names[0] not in last_outputs:
+            raise InputError(f"the model's first output {output_names[0]!r} is not produced by the last stage; "
+                             "the loss runs in the last stage")
+        degrees = tuple(stage.replicas for stage in plan.stages)
+        spec = RunSpec(run=self.keys.run, stages=self._stage_specs(degrees), micro_batches=micro_batches, batch=1,
+                       optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=output_names[0],
+                       schedule=schedule, sync=sync, threads=threads, wait_timeout_s=wait_timeout_s,
+                       checkpoint_every=checkpoint_every,
+                       time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
+                       shared=self._shared(),
+                       faults=tuple(faults))
+        batch_size = _batch_size(self._leaves(_inputs_and_target(batch_for(0), 0)[0]))
+        if batch_size is None:
+            raise InputError("the first batch's inputs have no batch dimension (no tensor with one)")
+        spec = dataclasses.replace(spec, batch=batch_size)
+        run = _Run(self, spec, batch_for, iterations, elastic, epoch_iterations or iterations, straggler_ratio,
+                   progress, timeout_s)
+        return run.execute()
+
+    def measure_latency(self, samples: int = 21) -> float:
+        """Median seconds of one small store access (a put or a get) from this process: the
+        t_lat the cost models add per transfer, measured instead of assumed."""
+        key = f"{self.keys.run}/probe/latency"
+        times = []
+        for index in range(samples):
+            started = time.perf_counter()
+            if index % 2:
+                self.store.get(key)
+            else:
+                self.store.put(key, b"x" * 64)
+            times.append(time.perf_counter() - started)
+        self.store.delete(key)
+        return sorted(times)[len(times) // 2]
+
+    # inference ----------------------------------------------------------------------------
+    def infer(self, inputs: Any, *, threads: int = 1, wait_timeout_s: float = 120.0) -> Any:
+        """Serves one request through Gillis's fork-join (``runtime.forkjoin``) and returns
+        the model's outputs, structured as the model returns them. The first call starts
+        the master and the workers; they stay warm for later requests."""
+        from flatpack.ir import structure
+        from flatpack.runtime import forkjoin
+
+        if self._inference is None:
+            self._inference = self._start_inference(threads, wait_timeout_s)
+        request = self._requests
+        self._requests += 1
+        names = self.compiled.info["input_names"]
+        values = dict(zip(names, self._leaves(inputs)))
+        started = time.time()
+        self.store.put(self.keys.infer(str(request), 0, 0, "request"), pack_values(values))
+        raw = self._wait_response(request, wait_timeout_s)
+        self.last_latency_s = time.time() - started
+        outputs = forkjoin.unpack_values(raw)
+        output_names = self.compiled.info["output_names"]
+        return structure.rebuild(self.compiled.info["output_structure"], lambda index: outputs[output_names[index]])
+
+    def _wait_response(self, request: int, timeout_s: float) -> bytes:
+        key = self.keys.infer(str(request), 0, 0, "response")
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.store.exists(key):
+                return self.store.get(key)
+            for worker in self.workers.values():
+                code = worker.process.poll()
+                if code is not None:
+                    status = read_status(self.store, self.keys, worker.role)
+                    if code == OUT_OF_MEMORY:
+                        raise oom_error(worker.role, status)
+                    raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
+                                     f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
+            time.sleep(0.002)
+        raise RunFailure(f"request {request} got no response within {timeout_s:.0f} s; logs in {self.workdir}")
+
+    def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
+        from flatpack.backends.catalog import get_platform
+        from flatpack.partitioner.cost.gillis import ForkJoinPlan
+        from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec
+
+        plan = ForkJoinPlan.from_plan(self.compiled.plan)
+        tier = get_platform(self.platform).tier(plan.memory_mb) if plan.memory_mb and self.emulate_tiers else None
+        groups = tuple(GroupSpec(index, group.workers, group.on_master,
+                                 tuple(entry["name"] for entry in manifest["inputs"]),
+                                 tuple(entry["name"] for entry in manifest["outputs"]))
+                       for index, (group, manifest) in enumerate(zip(plan.groups, self.manifests)))
+        spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
+                            tier.bandwidth_bytes_s if tier else None, tuple(self.compiled.info["input_names"]),
+                            tuple(self.compiled.info["output_names"]), threads, wait_timeout_s)
+        spec_key = self.keys.inference_spec()
+        self.store.put(spec_key, spec.dumps())
+        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master")]
+        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker")
+                  for group in groups for partition in range(group.workers)]
+        for role in roles:
+            self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, self.launch(role))
+        return spec_key
+
+    def stop_inference(self) -> None:
+        """Tells the warm inference functions to end (they exit after their current request)."""
+        from flatpack.runtime.forkjoin import stop_message
+
+        if self._inference is None:
+            return
+        request = str(self._requests)
+        for worker in self.workers.values():
+            role = worker.role
+            if role.kind == "infer-worker":
+                self.store.put(self.keys.infer(request, role.stage, role.replica, "in"), stop_message())
+        self.store.put(self.keys.infer(request, 0, 0, "request"), stop_message())
+        for key, worker in list(self.workers.items()):
+            if worker.role.kind.startswith("infer"):
+                try:
+                    worker.process.wait(timeout=10)
+                except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a platform's own timeout
+                    worker.process.kill()
+                del self.workers[key]
+        self._inference = None
+
+    # lifecycle ----------------------------------------------------------------------------
+    def stop_workers(self) -> None:
+        for worker in self.workers.values():
+            if worker.process.poll() is None:
+                worker.process.kill()
+        for worker in self.workers.values():
+            worker.process.wait()
+        self.workers.clear()
+
+    def teardown(self) -> None:
+        """Stops every function and deletes the run's objects."""
+        self.stop_inference()
+        self.stop_workers()
+        try:
+            self.store.delete_prefix(self.keys.prefix)
+        except Exception:  # noqa: BLE001 - the server may already be gone; nothing else to clean
+            pass
+
+    def __enter__(self) -> "FunctionDeployment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+
+def _open_with_env(url: str, env: dict[str, str]) -> Store:
+    """The invoker's own client of the store its functions use; the credentials the
+    functions get through their environment are handed to it in-process."""
+    if url.startswith("s3://") and "AWS_ACCESS_KEY_ID" in env:
+        return open_store(url, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+                          aws_session_token=env.get("AWS_SESSION_TOKEN"))
+    return open_store(url)
+
+
+def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
+    """A function's final status record; empty when it left none (it was lost)."""
+    try:
+        return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt)))
+    except Exception:  # noqa: BLE001 - a lost function leaves no status
+        return {}
+
+
+def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
+    """The error for a function whose status says it passed its memory tier."""
+    peak, limit = int(status["peak_bytes"]), int(status["limit_bytes"])
+    over = peak - limit
+    suggestion = -(-(peak + MB * 64) // (MB * 64)) * 64
+    what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
+    return FunctionOutOfMemory(
+        f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
+        f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
+        f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages. The artifacts and "
+        "checkpoints are still in the store.",
+        stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
+
+
+def _inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
+    return batch[0], batch[1]
+
+
+def _batch_size(leaves: list[Any]) -> int | None:
+    """Rows of the first input tensor with a batch dimension."""
+    return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+
+
+def _split(value: Any, size: int, parts: int) -> list[Any]:
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
+        return [piece.contiguous() for piece in torch.tensor_split(value, parts)]
+    return [value] * parts
+
+
+class _Run:
+    """The invoker's side of one training run: launches the functions of each segment,
+    watches them, restarts lost ones and relaunches stragglers, feeds data ahead of them,
+    deletes finished iterations' tensors and prints the progress line."""
+
+    def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], iterations: int,
+                 elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None, progress: Any,
+                 timeout_s: float) -> None:
+        self.deployment = deployment
+        self.store = deployment.store
+        self.keys = deployment.keys
+        self.spec = spec
+        self.batch_for = batch_for
+        self.iterations = iterations
+        self.elastic = elastic
+        self.epoch_iterations = epoch_iterations
+        self.straggler_ratio = straggler_ratio
+        self.progress = progress
+        self.timeout_s = timeout_s
+        self.restarts: list[Restart] = []
+        self.uploaded = 0
+        self.collected = -1
+        self.losses: dict[int, float] = {}
+        self.samples = 0
+        self.peaks: dict[str, int] = {}
+        self.segment_started = 0.0
+        self.dollars = 0.0
+        self.line = None
+        self.watching: dict[tuple[int, int, str], float] = {}      # a stage's phase -> its peers' pace
+        self.late_since: dict[tuple[int, int, int, str], float] = {}
+        self.relaunched: set[tuple[int, int, int]] = set()
+
+    def execute(self) -> TrainResult:
+        started = time.time()
+        degrees_seen = []
+        segment, begin = 0, 0
+        if self.progress:
+            from flatpack.runtime.progress import ProgressLine
+            self.line = ProgressLine(self.iterations, self.spec.batch,
+                                     self.deployment.dollars_per_second([s.replicas for s in self.spec.stages]),
+                                     stream=None if self.progress is True else self.progress)
+        try:
+            while begin < self.iterations:
+                end = min(begin + self.epoch_iterations, self.iterations)
+                degrees_seen.append(tuple(stage.replicas for stage in self.spec.stages))
+                self._segment(segment, begin, end)
+                begin = end
+                segment += 1
+                if begin < self.iterations and self.elastic is not None:
+                    wanted = self.elastic(segment, degrees_seen[-1])
+                    if wanted is not None:
+                        self.spec = self.spec.with_replicas(list(wanted))
+        except BaseException:
+            self.deployment.stop_workers()
+            raise
+        finally:
+            if self.line is not None:
+                self.line.close()
+        wall = time.time() - started
+        events = self._events()
+        self._price_stragglers(events)
+        return TrainResult(parameters=self._final_parameters(), losses=[self.losses[i] for i in sorted(self.losses)],
+                           events=events, restarts=self.restarts, degrees=degrees_seen, wall_s=wall,
+                           samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks)
+
+    def _price_stragglers(self, events: list[timeline.Event]) -> None:
+        """What a straggler cost: its iteration's span beyond the median of the others."""
+        spans = {summary.iteration: summary.seconds for summary in timeline.summarize(events, skip_first=0).iterations}
+        for restart in self.restarts:
+            if restart.reason != "straggler" or restart.iteration not in spans:
+                continue
+            others = sorted(span for iteration, span in spans.items() if iteration != restart.iteration)
+            typical = others[len(others) // 2] if others else 0.0
+            restart.cost_s = max(spans[restart.iteration] - typical, 0.0)
+
+    # one segment: fixed degrees -------------------------------------------------------------
+    def _segment(self, segment: int, begin: int, end: int) -> None:
+        spec_key = self.keys.spec(segment)
+        self.store.put(spec_key, self.spec.dumps())
+        self.segment_started = time.time()
+        self._feed(begin, end)
+        workers = self.deployment.workers
+        for stage in self.spec.stages:
+            for replica in range(stage.replicas):
+                role = Role(spec_key, stage.index, replica, begin, end)
+                workers[(stage.index, replica)] = _Worker(role, self.deployment.launch(role))
+        price = self.deployment.dollars_per_second([s.replicas for s in self.spec.stages])
+        deadline = time.time() + self.timeout_s
+        last_tick = time.time()
+        while workers:
+            time.sleep(POLL_S)
+            now = time.time()
+            self.dollars += price * (now - last_tick)
+            last_tick = now
+            if now > deadline:
+                raise RunFailure(f"the run did not finish within {self.timeout_s:.0f} s (iterations {begin}..{end - 1}); "
+                                 f"worker logs are in {self.deployment.workdir}. Raise timeout_s for bigger models")
+            for key, worker in list(workers.items()):
+                code = worker.process.poll()
+                if code is not None:
+                    self._finished(key, worker, code, end)
+            self._collect(end)
+            self._feed(begin, end)
+            if self.straggler_ratio is not None:
+                self._watch_stragglers(end)
+
+    def _finished(self, key: tuple[int, int], worker: _Worker, code: int, end: int) -> None:
+        workers = self.deployment.workers
+        status = read_status(self.store, self.keys, worker.role)
+        if status.get("peak_bytes"):
+            self.peaks[worker.role.worker] = max(self.peaks.get(worker.role.worker, 0), status["peak_bytes"])
+        if code == 0:
+            del workers[key]
+            return
+        if code == OUT_OF_MEMORY or status.get("status") == "oom":
+            raise oom_error(worker.role, status)
+        if code == REINVOKE:
+            next_iteration = int(status["next_iteration"])
+            self._relaunch(key, worker, next_iteration, "time limit")
+            return
+        if status.get("status") == "error":
+            raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
+                             f"failed:\n{status['traceback']}")
+        # no status: the process was lost (SIGKILL, a crash of the host): restart from the checkpoint
+        self._relaunch(key, worker, self._resume_point(worker.role), "lost")
+
+    def _relaunch(self, key: tuple[int, int], worker: _Worker, start: int, reason: str, behind_s: float = 0.0) -> None:
+        role = worker.role
+        restarts = sum(1 for r in self.restarts if r.worker == role.worker and r.reason != "time limit")
+        if reason != "time limit" and restarts >= MAX_RESTARTS:
+            failure = getattr(worker.process, "failure", "")
+            raise RunFailure(f"function {role.worker} was lost {restarts + 1} times (last in iteration {start}); "
+                             f"giving up. Its logs are in {self.deployment.workdir}"
+                             + (f". The last invocation failed with {failure}" if failure else ""))
+        new_role = dataclasses.replace(role, start_iteration=start, attempt=role.attempt + 1)
+        self.restarts.append(Restart(role.worker, start, reason, new_role.attempt, behind_s=behind_s))
+        self.deployment.workers[key] = _Worker(new_role, self.deployment.launch(new_role))
+
+    def _resume_point(self, role: Role) -> int:
+        done = [int(key.split("/")[-3][1:]) for key in self.store.list(self.keys.progresses())
+                if key.endswith(f"/s{role.stage:06d}/r{role.replica:06d}")]
+        finished = [i for i in done if role.start_iteration <= i < role.end_iteration]
+        return max(finished) + 1 if finished else role.start_iteration
+
+    # data, progress, garbage ----------------------------------------------------------------
+    def _feed(self, begin: int, end: int) -> None:
+        horizon = min(end, max(self.collected + 1, begin) + DATA_WINDOW)
+        while self.uploaded < horizon:
+            self._upload(self.uploaded)
+            self.uploaded += 1
+
+    def _upload(self, iteration: int) -> None:
+        self.samples += self.deployment._upload_batch(iteration, self.batch_for(iteration), self.spec.micro_batches)
+
+    def _collect(self, end: int) -> None:
+        """Iterations every worker reported: record their losses and delete their tensors.
+        Lists only the next iteration's reports, so a poll costs the same at iteration 10,000."""
+        everyone = {(stage.index, r) for stage in self.spec.stages for r in range(stage.replicas)}
+        while self.collected + 1 < end:
+            iteration = self.collected + 1
+            reported = {(int(key.split("/")[-2][1:]), int(key.split("/")[-1][1:]))
+                        for key in self.store.list(self.keys.progresses_of(iteration))}
+            if not reported >= everyone:
+                return
+            last = len(self.spec.stages) - 1
+            loss = 0.0
+            for replica in range(self.spec.stages[last].replicas):
+                record = json.loads(self.store.get(self.keys.progress(iteration, last, replica)))
+                loss += record["loss"] or 0.0
+            self.losses[iteration] = loss
+            for prefix in self.keys.iteration_prefixes(iteration):
+                self.store.delete_prefix(prefix)
+            self.collected = iteration
+            if self.line is not None:
+                self.line.update(iteration + 1, loss, time.time() - self.segment_started)
+
+    def _watch_stragglers(self, end: int) -> None:
+        """Dorylus's rule, per phase: once some replicas of a stage have finished an
+        iteration's forwards (or forwards and backwards), a peer still at it ``ratio`` ×
+        their time later is relaunched from the last checkpoint. A replica that waits on a
+        late one is excused: in the forward phase on the replicas that feed its
+        micro-batches, in the backward phase on those that send its gradients."""
+        iteration = self.collected + 1
+        if iteration >= end:
+            return
+        done: dict[str, dict[int, set[int]]] = {"forwarded": {}, "computed": {}}
+        for key in self.store.list(self.keys.markers(iteration)):
+            parts = key.split("/")
+            done[parts[-1]].setdefault(int(parts[-3][1:]), set()).add(int(parts[-2][1:]))
+        for phase in ("forwarded", "computed"):
+            for stage in self.spec.stages:
+                finished = done[phase].get(stage.index, set())
+                if stage.replicas < 2 or not finished or len(finished) == stage.replicas:
+                    continue
+                watch = (iteration, stage.index, phase)
+                if watch not in self.watching:
+                    self.watching[watch] = self._pace(iteration, stage.index, finished)
+                pace = self.watching[watch]
+                for replica in range(stage.replicas):
+                    clock = (iteration, stage.index, replica, phase)
+                    if (replica in finished or (iteration, stage.index, replica) in self.relaunched
+                            or self._waits_on_late_peer(stage, replica, phase, done)):
+                        self.late_since.pop(clock, None)
+                        continue
+                    # the clock runs from when nothing it waits for is late any more
+                    behind = time.time() - self.late_since.setdefault(clock, time.time())
+                    if behind > self.straggler_ratio * pace:
+                        self.relaunched.add((iteration, stage.index, replica))
+                        self._relaunch_straggler(stage.index, replica, iteration, behind)
+
+    def _waits_on_late_peer(self, stage: StageSpec, replica: int, phase: str, done: dict) -> bool:
+        owned = stage.owned(self.spec.micro_batches, replica)
+        if phase == "forwarded":
+            neighbours = sorted({p for p in stage.sources.values() if p >= 0})
+        else:
+            if replica not in done["forwarded"].get(stage.index, set()):
+                return True    # still in its forwards: the forward phase judges it
+            neighbours = list(stage.consumers)
+        for other in neighbours:
+            degree = self.spec.stages[other].replicas
+            if any(m % degree not in done[phase].get(other, set()) for m in owned):
+                return True
+        return False
+
+    def _relaunch_straggler(self, stage: int, replica: int, iteration: int, behind: float) -> None:
+        key = (stage, replica)
+        worker = self.deployment.workers.get(key)
+        if worker is None or worker.role.start_iteration > iteration:
+            return
+        worker.process.kill()
+        worker.process.wait()
+        self._relaunch(key, worker, self._resume_point(worker.role), "straggler", behind_s=behind)
+
+    def _pace(self, iteration: int, stage: int, finished: set[int]) -> float:
+        """Seconds the finished peers took for this iteration's micro-batches: from their
+        previous report (or the segment's start) to now, when their finish was first seen."""
+        starts = []
+        for replica in finished:
+            try:
+                record = json.loads(self.store.get(self.keys.progress(iteration - 1, stage, replica)))
+                starts.append(record["end"])
+            except Exception:  # noqa: BLE001 - the first iteration has no previous report
+                starts.append(self.segment_started)
+        return max(time.time() - max(starts), 0.05)
+
+    # results --------------------------------------------------------------------------------
+    def _final_parameters(self) -> dict[str, torch.Tensor]:
+        parameters: dict[str, torch.Tensor] = {}
+        last = self.iterations - 1
+        for stage in self.spec.stages:
+            tensors, _ = wire.loads(self.store.wait(self.keys.checkpoint(stage.index, last), 60))
+            for key, tensor in tensors.items():
+                if key.startswith("w/"):
+                    parameters.setdefault(key[2:], tensor)
+        return parameters
+
+    def _events(self) -> list[timeline.Event]:
+        events = []
+        for key in self.store.list(self.keys.timelines()):
+            events.extend(timeline.loads(self.store.get(key)))
+        return sorted(events, key=lambda event: event.start)

@@ -1,0 +1,755 @@
+"""The ``gpu-container`` backend: Hydrozoa's setting. Every stage replica is a container
+with a GPU (one ``torch.distributed`` rank), the containers talk to each other directly —
+point-to-point sends of activations and gradients, ring all-reduce of gradients among a
+stage's replicas — and the plan's A stages × B replicas become ``sum(degrees)`` ranks
+(``flatpack.runtime.distributed`` is the rank program).
+
+``package(compiled)`` is a build context: a Dockerfile, the flatpack source, the stage
+artifacts, ``run.json``, a ``torchrun`` launcher and Kubernetes manifests (an Indexed Job
+and a headless Service for the rendezvous); ``check_package`` validates one statically.
+``deploy`` writes the context to a work directory, and the deployment's ``train`` runs it
+on this machine — one process per rank on 127.0.0.1, gloo on the CPU or NCCL on GPUs —
+returning the same :class:`~flatpack.backends.local.TrainResult` as the ``local`` backend.
+
+Base image: ``python:3.11-slim-bookworm`` with ``torch==2.13.0`` from PyPI. The PyPI
+wheel of torch for Linux x86-64 is the CUDA build (the CUDA runtime, cuDNN and NCCL come as
+``nvidia-*`` wheels), so the node needs only the NVIDIA driver and container toolkit; the
+torch in the image is then exactly the one flatpack compiles with, which a
+``pytorch/pytorch:*-runtime`` tag would not pin (and no tag of that image could be checked
+from here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+import flatpack
+from flatpack.codegen.artifact import parse_stage, serialize
+from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
+from flatpack.compiler import Compiled
+from flatpack.errors import ArtifactError, InputError, RunFailure
+from flatpack.ir.trace import Signature, flatten_inputs
+from flatpack.backends.catalog import Tier, get_platform
+from flatpack.backends.functions import _batch_size, _inputs_and_target
+from flatpack.backends.local import TrainResult
+from flatpack.runtime import timeline
+from flatpack.runtime.distributed import (DATA_DIR, RUN_FILE, STAGES_DIR, DistributedRun, Layout, RankRole,
+                                          data_file, error_file, iter_reports, parameters_file, shared_holders,
+                                          timeline_file)
+from flatpack.runtime.optim import OptimizerSpec, check_loss
+from flatpack.runtime.spec import RunSpec, StageSpec, routing
+from flatpack.runtime.training import TARGET, pack_values
+
+NAME = "gpu-container"
+BASE_IMAGE = "python:3.11-slim-bookworm"
+TORCH_REQUIREMENT = "torch==2.13.0"
+REQUIREMENTS = (TORCH_REQUIREMENT, "numpy>=1.26", "safetensors>=0.4")
+APP_DIR = "/app"
+MASTER_PORT = 29500
+GPU_RESOURCE = "nvidia.com/gpu"
+JOB_FILE = "k8s/job.yaml"
+LAUNCH_FILE = "launch.sh"
+POLL_S = 0.05
+FAILURE_GRACE_S = 3.0   # how long the peers of a failed rank get to fail too, before the first is named
+LOG_TAIL_LINES = 40
+SCHEMA_NOTE = "JSON documents separated by '---': JSON is YAML, so kubectl reads this file as it is"
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def stage_specs(compiled: Compiled) -> tuple[StageSpec, ...]:
+    """The runtime's view of the plan's stages: routing (``spec.routing``), degrees, tiers."""
+    manifests = [artifact.manifest for artifact in compiled.artifacts]
+    sources, consumers = routing(manifests, compiled.info["input_names"])
+    specs = []
+    for index, (stage, manifest) in enumerate(zip(compiled.plan.stages, manifests)):
+        tier = _tier(stage.memory_mb)
+        specs.append(StageSpec(
+            index=index, replicas=stage.replicas, memory_mb=stage.memory_mb,
+            vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
+            inputs=tuple(entry["name"] for entry in manifest["inputs"]),
+            outputs=tuple(entry["name"] for entry in manifest["outputs"]),
+            sources=sources[index], consumers=consumers[index]))
+    return tuple(specs)
+
+
+def _tier(memory_mb: int | None) -> Tier | None:
+    """The gpu-container configuration of a stage; None when the plan names none (or one of
+    another platform's sizes: the plan was solved for another target)."""
+    if not memory_mb:
+        return None
+    try:
+        return get_platform(NAME).tier(memory_mb)
+    except InputError:
+        return None
+
+
+def example_batch(compiled: Compiled) -> int | None:
+    """Rows of the first data input at compile time: what ``--synthetic`` scales from."""
+    names = set(compiled.info["input_names"])
+    for artifact in compiled.artifacts:
+        for entry in artifact.manifest["inputs"]:
+            if entry["name"] in names and entry.get("kind") == "tensor" and entry.get("shape"):
+                return int(entry["shape"][0])
+    return None
+
+
+def default_micro_batches(compiled: Compiled) -> int:
+    """The plan's M, else the workload's (as the local backend chooses)."""
+    workload = compiled.problem.workload if compiled.problem is not None else None
+    return compiled.plan.micro_batches or (workload.micro_batches if workload else None) or 1
+
+
+def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
+              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
+              backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
+              run: str | None = None) -> DistributedRun:
+    """The ``run.json`` document of a run of ``compiled``."""
+    check_loss(loss)
+    output_names = compiled.info["output_names"]
+    last_outputs = [entry["name"] for entry in compiled.artifacts[-1].manifest["outputs"]]
+    if output_names[0] not in last_outputs:
+        raise InputError(f"the model's first output {output_names[0]!r} is not produced by the last stage; "
+                         "the loss runs in the last stage")
+    micro_batches = micro_batches or default_micro_batches(compiled)
+    if batch < micro_batches:
+        raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "
+                         "larger batch or fewer micro-batches")
+    spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stage_specs(compiled),
+                   micro_batches=micro_batches, batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss,
+                   loss_output=output_names[0], schedule=schedule, wait_timeout_s=timeout_s,
+                   shared=shared_holders([artifact.manifest for artifact in compiled.artifacts]))
+    return DistributedRun(spec=spec, iterations=iterations, backend=backend,
+                          device=device or ("cuda" if backend == "nccl" else "cpu"),
+                          example_batch=example_batch(compiled), seed=seed, timeout_s=timeout_s)
+
+
+# -- the build context -----------------------------------------------------------------------
+
+def torchrun_command(*, nnodes: int | str, nproc_per_node: int | str, node_rank: int | str, master_addr: str,
+                     master_port: int | str, data: str | None, out: str, context: str = APP_DIR) -> list[str]:
+    """The command every node runs: torchrun's static rendezvous (rank = node rank × nproc +
+    local rank, so ranks follow the Layout) around the rank program."""
+    command = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", f"--node-rank={node_rank}",
+               f"--master-addr={master_addr}", f"--master-port={master_port}",
+               "-m", "flatpack.runtime.distributed", "--context", context, "--out", out]
+    return command + (["--data", data] if data else ["--synthetic"])
+
+
+def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100, batch: int | None = None,
+            micro_batches: int | None = None, optimizer: OptimizerSpec | str | dict = "sgd",
+            loss: str = "cross_entropy", schedule: str = "sync", gpus_per_pod: int = 1, name: str = "flatpack-train",
+            image: str | None = None, data: str | None = None, timeout_s: float = 1800.0) -> dict[str, bytes]:
+    """The build context, by relative path: ``Dockerfile``, ``requirements.txt``, the
+    ``flatpack/`` source, ``stages/stage_NNN/``, ``run.json``, ``launch.sh`` and
+    ``k8s/job.yaml``.
+
+    ``batch``: the global batch of a synthetic run (default: the workload's, else the
+    compile-time batch). ``gpus_per_pod``: ranks (GPUs) per pod; it must divide the world
+    size. ``data``: a directory in the container holding ``iter_NNNNNN.safetensors``
+    batches (mount it); without it the Job trains on synthetic batches (a throughput run).
+    """
+    _check_name(name)
+    layout = Layout(tuple(stage.replicas for stage in compiled.plan.stages))
+    world = layout.world_size
+    if gpus_per_pod < 1 or world % gpus_per_pod:
+        raise InputError(f"gpus_per_pod={gpus_per_pod} does not divide the world of {world} ranks (degrees "
+                         f"{list(layout.degrees)}); use a divisor of {world}")
+    workload = compiled.problem.workload if compiled.problem is not None else None
+    batch = batch or (workload.batch if workload else None) or example_batch(compiled)
+    if batch is None:
+        raise InputError("the model has no batched tensor input to size a synthetic batch by; pass batch=")
+    run = build_run(compiled, iterations=iterations, batch=batch, micro_batches=micro_batches, optimizer=optimizer,
+                    loss=loss, schedule=schedule, backend=backend, timeout_s=timeout_s, run=name)
+    pods = world // gpus_per_pod
+    image = image or f"{name}:latest"
+    files: dict[str, bytes] = {
+        "Dockerfile": _dockerfile().encode(),
+        "requirements.txt": ("\n".join(REQUIREMENTS) + "\n").encode(),
+        RUN_FILE: run.dumps(),
+        LAUNCH_FILE: _launch_script(world, data).encode(),
+        JOB_FILE: _job_yaml(compiled, name=name, image=image, pods=pods, nproc=gpus_per_pod, backend=backend,
+                            data=data).encode(),
+    }
+    for artifact in compiled.artifacts:
+        for file_name, content in serialize(artifact).items():
+            files[f"{STAGES_DIR}/stage_{artifact.index:03d}/{file_name}"] = content
+    files.update(_source_tree())
+    return files
+
+
+def write_context(files: Mapping[str, bytes], directory: str | os.PathLike) -> Path:
+    """Writes a build context from :func:`package` into ``directory`` (``launch.sh`` executable)."""
+    directory = Path(directory)
+    for relative, content in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    if LAUNCH_FILE in files:
+        (directory / LAUNCH_FILE).chmod(0o755)
+    return directory
+
+
+def _check_name(name: str) -> None:
+    # a Job's pods are named NAME-INDEX and the Service NAME: both must be DNS labels
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?", name):
+        raise InputError(f"{name!r} cannot name a Kubernetes Job and Service: use lowercase letters, digits and "
+                         "'-', starting with a letter, at most 42 characters")
+
+
+def _source_tree() -> dict[str, bytes]:
+    """flatpack's own Python source, as the container imports it (PYTHONPATH=/app)."""
+    root = Path(flatpack.__file__).resolve().parent
+    return {f"flatpack/{path.relative_to(root).as_posix()}": path.read_bytes()
+            for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts}
+
+
+def _dockerfile() -> str:
+    return f"""\
+# Generated by flatpack {flatpack.__version__}: one image for every rank of a gpu-container run.
+# Base: {BASE_IMAGE} with {TORCH_REQUIREMENT} from PyPI, whose Linux x86-64 wheel is the CUDA build
+# (CUDA runtime, cuDNN and NCCL arrive as nvidia-* wheels); the node supplies only the NVIDIA driver.
+FROM {BASE_IMAGE}
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={APP_DIR}
+WORKDIR {APP_DIR}
+COPY requirements.txt {APP_DIR}/requirements.txt
+RUN pip install --no-cache-dir -r {APP_DIR}/requirements.txt
+COPY flatpack {APP_DIR}/flatpack
+COPY {STAGES_DIR} {APP_DIR}/{STAGES_DIR}
+COPY {RUN_FILE} {LAUNCH_FILE} {APP_DIR}/
+RUN chmod +x {APP_DIR}/{LAUNCH_FILE}
+ENTRYPOINT ["{APP_DIR}/{LAUNCH_FILE}"]
+"""
+
+
+def _launch_script(world: int, data: str | None) -> str:
+    # the data option is chosen at run time (FLATPACK_DATA), so it is left off here
+    command = torchrun_command(nnodes='"$NNODES"', nproc_per_node='"$NPROC_PER_NODE"', node_rank='"$NODE_RANK"',
+                               master_addr='"$MASTER_ADDR"', master_port='"$MASTER_PORT"', data=None,
+                               out='"$OUT"', context=".")[:-1]
+    return f"""\
+#!/bin/sh
+# Generated by flatpack {flatpack.__version__}: starts this node's ranks of the run ({world} in all).
+# NNODES, NPROC_PER_NODE, NODE_RANK (else JOB_COMPLETION_INDEX), MASTER_ADDR and MASTER_PORT come
+# from the environment (the Kubernetes Job sets them); alone, every rank starts on this machine.
+# FLATPACK_DATA: a directory of iter_NNNNNN.safetensors batches; unset, batches are synthetic.
+# Extra arguments go to the rank program (--iterations N, --batch B, --warmup K).
+set -eu
+cd "$(dirname "$0")"
+export PYTHONPATH="$PWD${{PYTHONPATH:+:$PYTHONPATH}}"
+NNODES="${{NNODES:-1}}"
+NPROC_PER_NODE="${{NPROC_PER_NODE:-{world}}}"
+NODE_RANK="${{NODE_RANK:-${{JOB_COMPLETION_INDEX:-0}}}}"
+MASTER_ADDR="${{MASTER_ADDR:-127.0.0.1}}"
+MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}"
+OUT="${{FLATPACK_OUT:-out}}"
+DATA="${{FLATPACK_DATA:-{data or ''}}}"
+if [ "$((NNODES * NPROC_PER_NODE))" -ne {world} ]; then
+  echo "launch.sh: NNODES x NPROC_PER_NODE = $((NNODES * NPROC_PER_NODE)), but the plan has {world} stage replicas" >&2
+  exit 2
+fi
+if [ -n "$DATA" ]; then set -- --data "$DATA" "$@"; else set -- --synthetic "$@"; fi
+exec {" ".join(command)} "$@"
+"""
+
+
+def _pod_tier(compiled: Compiled) -> Tier | None:
+    """One pod template serves every stage, so it asks for the largest stage tier."""
+    tiers = [tier for tier in (_tier(stage.memory_mb) for stage in compiled.plan.stages) if tier is not None]
+    return max(tiers, key=lambda tier: (tier.memory_mb, tier.vcpus)) if tiers else None
+
+
+def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: int, backend: str,
+              data: str | None) -> str:
+    labels = {"app.kubernetes.io/name": "flatpack", "flatpack.io/run": name}
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        # headless: each pod of the Job gets a DNS name NAME-INDEX.NAME; rank 0's is the rendezvous
+        "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": True,
+                 "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}]},
+    }
+    tier = _pod_tier(compiled)
+    limits: dict[str, Any] = {}
+    if backend == "nccl":
+        limits[GPU_RESOURCE] = nproc
+    if tier is not None:
+        limits["cpu"] = f"{tier.vcpus * nproc:g}"
+        limits["memory"] = f"{tier.memory_mb * nproc}Mi"
+    env = [
+        {"name": "NNODES", "value": str(pods)},
+        {"name": "NPROC_PER_NODE", "value": str(nproc)},
+        {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
+        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+    ]
+    command = torchrun_command(nnodes="$(NNODES)", nproc_per_node="$(NPROC_PER_NODE)", node_rank="$(NODE_RANK)",
+                               master_addr="$(MASTER_ADDR)", master_port="$(MASTER_PORT)", data=data,
+                               out=f"{APP_DIR}/out")
+    annotations = {"flatpack.io/degrees": json.dumps([stage.replicas for stage in compiled.plan.stages]),
+                   "flatpack.io/backend": backend}
+    if tier is not None and tier.gpu_model:
+        annotations["flatpack.io/gpu-model"] = tier.gpu_model
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "completionMode": "Indexed", "completions": pods, "parallelism": pods,
+            # one lost rank stalls all of them: fail the Job rather than restart a lone pod
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "subdomain": name, "restartPolicy": "Never",
+                    "containers": [{
+                        "name": "rank", "image": image, "command": command, "env": env,
+                        "ports": [{"containerPort": MASTER_PORT, "name": "rendezvous"}],
+                        "resources": {"limits": limits, "requests": dict(limits)},
+                        # NCCL moves intra-pod traffic through shared memory; the default 64 MB is too small
+                        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                    }],
+                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                },
+            },
+        },
+    }
+    documents = [json.dumps(document, indent=2) for document in (service, job)]
+    return f"# Generated by flatpack {flatpack.__version__}. {SCHEMA_NOTE}.\n---\n" + "\n---\n".join(documents) + "\n"
+
+
+# -- static check ----------------------------------------------------------------------------
+
+def parse_yaml_documents(text: str) -> list[dict[str, Any]]:
+    """The documents of a ``job.yaml`` written by :func:`package` (JSON documents)."""
+    documents = []
+    for chunk in re.split(r"^---\s*$", text, flags=re.MULTILINE):
+        body = "\n".join(line for line in chunk.splitlines() if not line.lstrip().startswith("#")).strip()
+        if body:
+            documents.append(json.loads(body))
+    return documents
+
+
+def check_package(files: Mapping[str, bytes]) -> None:
+    """Validates a build context from :func:`package`: everything the Dockerfile COPYs is
+    there, every stage verifies, ``run.json`` and the manifests parse, the world size is the
+    sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
+    ArtifactError listing every problem."""
+    problems: list[str] = []
+    problems += _check_dockerfile(files)
+    try:
+        run = DistributedRun.loads(files[RUN_FILE])
+    except (KeyError, ValueError, InputError) as err:
+        raise ArtifactError(f"the context's {RUN_FILE} is missing or unreadable: {err}") from None
+    layout = run.layout
+    for index in range(len(layout.degrees)):
+        where = f"{STAGES_DIR}/stage_{index:03d}"
+        contents = {name: files[f"{where}/{name}"] for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
+                    if f"{where}/{name}" in files}
+        try:
+            parse_stage(contents, where)
+        except ArtifactError as err:
+            problems.append(str(err))
+    if not any(path == "flatpack/runtime/distributed.py" for path in files):
+        problems.append("the flatpack source lacks flatpack/runtime/distributed.py, the rank program")
+    launch = files.get(LAUNCH_FILE, b"").decode()
+    if "torchrun" not in launch or "flatpack.runtime.distributed" not in launch:
+        problems.append(f"{LAUNCH_FILE} does not start flatpack.runtime.distributed under torchrun")
+    if f"-ne {layout.world_size} ]" not in launch:
+        problems.append(f"{LAUNCH_FILE} does not check for the world size {layout.world_size}")
+    problems += _check_job(files, run)
+    if problems:
+        raise ArtifactError("the gpu-container context is inconsistent:\n  " + "\n  ".join(problems))
+
+
+def _check_dockerfile(files: Mapping[str, bytes]) -> list[str]:
+    if "Dockerfile" not in files:
+        return ["there is no Dockerfile"]
+    problems = []
+    for line in files["Dockerfile"].decode().splitlines():
+        words = line.split()
+        if not words or words[0].upper() != "COPY":
+            continue
+        sources = [word for word in words[1:-1] if not word.startswith("--")]
+        for source in sources:
+            source = source.rstrip("/")
+            if source not in files and not any(path.startswith(f"{source}/") for path in files):
+                problems.append(f"the Dockerfile copies {source!r}, which the context lacks")
+    return problems
+
+
+def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
+    try:
+        documents = parse_yaml_documents(files[JOB_FILE].decode())
+    except (KeyError, ValueError) as err:
+        return [f"{JOB_FILE} is missing or does not parse: {err}"]
+    by_kind = {document.get("kind"): document for document in documents}
+    if set(by_kind) != {"Service", "Job"}:
+        return [f"{JOB_FILE} should hold a Service and a Job, it holds {sorted(map(str, by_kind))}"]
+    service, job = by_kind["Service"], by_kind["Job"]
+    problems = []
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    env = {entry["name"]: entry.get("value") for entry in container.get("env", [])}
+    name = job["metadata"]["name"]
+    if spec.get("completionMode") != "Indexed" or spec.get("completions") != spec.get("parallelism"):
+        problems.append("the Job must be Indexed with completions = parallelism (every rank at once)")
+    pods, nproc = int(spec.get("completions", 0)), int(env.get("NPROC_PER_NODE") or 0)
+    if pods * nproc != run.layout.world_size:
+        problems.append(f"{pods} pods x {nproc} ranks per pod = {pods * nproc}, but the plan has "
+                        f"{run.layout.world_size} stage replicas (degrees {list(run.layout.degrees)})")
+    if env.get("NNODES") != str(pods):
+        problems.append(f"NNODES is {env.get('NNODES')} but the Job runs {pods} pods")
+    gpus = container.get("resources", {}).get("limits", {}).get(GPU_RESOURCE)
+    if run.backend == "nccl" and gpus != nproc:
+        problems.append(f"each pod runs {nproc} NCCL ranks, one GPU each, but asks for {gpus} {GPU_RESOURCE}")
+    if service["spec"].get("clusterIP") != "None" or pod.get("subdomain") != service["metadata"]["name"]:
+        problems.append("the Service must be headless and the pods' subdomain, so that pods have DNS names")
+    if service["spec"].get("selector", {}).items() - spec["template"]["metadata"].get("labels", {}).items():
+        problems.append("the Service's selector does not select the Job's pods")
+    if env.get("MASTER_ADDR") != f"{name}-0.{service['metadata']['name']}":
+        problems.append(f"MASTER_ADDR {env.get('MASTER_ADDR')!r} is not the index-0 pod's DNS name")
+    command = container.get("command", [])
+    if not command or command[0] != "torchrun" or "flatpack.runtime.distributed" not in command:
+        problems.append("the container does not run flatpack.runtime.distributed under torchrun")
+    return problems
+
+
+# -- running here ----------------------------------------------------------------------------
+
+@dataclass
+class RunLaunch:
+    """One prepared run: its directory (run.json, data/, out/, logs) and rendezvous."""
+
+    run: DistributedRun
+    directory: Path
+    master_port: int
+    synthetic: bool
+    warmup: int
+    threads: int
+    processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return self.directory / "out"
+
+    @property
+    def data(self) -> Path:
+        return self.directory / DATA_DIR
+
+    def log(self, rank: int) -> Path:
+        return self.directory / f"rank_{rank:05d}.log"
+
+
+def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
+           workdir: str | os.PathLike | None = None, python: str | None = None) -> "GpuContainerDeployment":
+    """Writes the build context to ``workdir`` (a fresh temporary directory when None, removed
+    by ``teardown``) for runs on this machine. ``backend``: "gloo", "nccl", or None for
+    NCCL when CUDA is available. ``device``: where ranks compute ("cuda" for NCCL; gloo
+    may use "cuda" too, ranks sharing the GPUs and transfers staged through the host)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = device or ("cuda" if backend == "nccl" else "cpu")
+    degrees = [stage.replicas for stage in compiled.plan.stages]
+    world = sum(degrees)
+    if backend not in ("gloo", "nccl"):
+        raise InputError(f"backend {backend!r} is not one of gloo, nccl")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"backend {backend} on device cuda needs a GPU, and torch sees none here "
+                         f"(torch {torch.__version__}); use backend='gloo' on the CPU")
+    if backend == "nccl":
+        available = torch.cuda.device_count()
+        if world > available:
+            raise InputError(f"the plan has {world} stage replicas (degrees {degrees}) and NCCL needs one GPU per "
+                             f"rank, but this machine has {available} GPU(s). Use a plan of at most {available} "
+                             "replicas in all, or backend='gloo' (device='cuda' shares the GPUs)")
+    created = workdir is None
+    directory = Path(tempfile.mkdtemp(prefix="flatpack-gpu-")) if created else Path(workdir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_context(package(compiled, backend=backend), directory)
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return GpuContainerDeployment(compiled, directory, created, backend, device, python or sys.executable)
+
+
+def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
+    """Starts one rank of ``launch`` (default: the deployment's last prepared run) as a fresh
+    interpreter that imports the packaged flatpack, the way a container would."""
+    launch = launch or deployment.current
+    if launch is None:
+        raise InputError("no run is prepared: call deployment.prepare(...) (or train) before invoking a rank")
+    layout = launch.run.layout
+    env = {**os.environ, "RANK": str(role.rank), "WORLD_SIZE": str(layout.world_size),
+           "LOCAL_RANK": str(role.rank), "LOCAL_WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(launch.master_port), "PYTHONPATH": str(deployment.workdir), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": str(launch.threads)}
+    command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
+               "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
+    command += ["--synthetic"] if launch.synthetic else ["--data", str(launch.data)]
+    log = open(launch.log(role.rank), "wb")
+    try:
+        process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    finally:
+        log.close()
+    launch.processes[role.rank] = process
+    return process
+
+
+def teardown(deployment: "GpuContainerDeployment") -> None:
+    deployment.teardown()
+
+
+@dataclass
+class RankReport:
+    """What one rank wrote: its losses (last stage), seconds per iteration, samples/s."""
+
+    role: RankRole
+    losses: list[float]
+    iteration_seconds: list[float]
+    samples_per_s: float
+    peak_bytes: int
+
+
+class GpuContainerDeployment:
+    def __init__(self, compiled: Compiled, workdir: Path, created: bool, backend: str, device: str,
+                 python: str) -> None:
+        self.compiled = compiled
+        self.workdir = workdir
+        self.created = created
+        self.backend = backend
+        self.device = device
+        self.python = python
+        self.current: RunLaunch | None = None
+        self.reports: list[RankReport] = []
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(stage.replicas for stage in self.compiled.plan.stages)
+
+    def launch(self, role: RankRole) -> subprocess.Popen:
+        return invoke(self, role)
+
+    # data -----------------------------------------------------------------------------------
+    def _leaves(self, inputs: Any) -> list[Any]:
+        signature = Signature.from_json(self.compiled.info["signature"])
+        if isinstance(inputs, torch.Tensor):
+            args, kwargs = (inputs,), {}
+        elif isinstance(inputs, dict):
+            args, kwargs = (), inputs
+        else:
+            args, kwargs = tuple(inputs), {}
+        return flatten_inputs(signature, args, kwargs)[0]
+
+    def _write_batches(self, directory: Path, batch_for: Callable[[int], Any], iterations: int) -> int:
+        """Writes every iteration's global batch; returns the batch size (equal for all)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        names = self.compiled.info["input_names"]
+        size = None
+        for iteration in range(iterations):
+            inputs, target = _inputs_and_target(batch_for(iteration), iteration)
+            leaves = self._leaves(inputs)
+            rows = _batch_size(leaves)
+            if rows is None:
+                raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one)")
+            if size is not None and rows != size:
+                raise InputError(f"batch {iteration} has {rows} samples, batch 0 has {size}; every iteration of a "
+                                 "run must have the same batch size (the loss is scaled by micro-batch / batch)")
+            size = rows
+            values = dict(zip(names, leaves))
+            if isinstance(target, torch.Tensor):
+                values[TARGET] = target
+            data_file(directory, iteration).write_bytes(pack_values(values))
+        return int(size or 0)
+
+    # running --------------------------------------------------------------------------------
+    def prepare(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
+                optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
+                micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
+                timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None) -> RunLaunch:
+        """Writes a run's ``run.json`` and data under ``runs/`` without starting it."""
+        if batches is None:
+            if not iterations or not batch:
+                raise InputError("a synthetic run (batches=None) needs iterations= and batch=")
+        else:
+            iterations = iterations if iterations is not None else len(batches)  # type: ignore[arg-type]
+            if not callable(batches) and iterations > len(batches):
+                raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; "
+                                 "pass more batches, fewer iterations, or a function of the iteration")
+        if iterations < 1:
+            raise InputError(f"train needs at least one iteration, got {iterations}")
+        directory = self.workdir / "runs" / f"run-{uuid.uuid4().hex[:10]}"
+        directory.mkdir(parents=True)
+        if batches is not None:
+            batch_for = batches if callable(batches) else batches.__getitem__
+            batch = self._write_batches(directory / DATA_DIR, batch_for, iterations)
+        run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
+                        optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
+                        seed=seed, timeout_s=timeout_s, run=directory.name)
+        (directory / RUN_FILE).write_bytes(run.dumps())
+        world = run.layout.world_size
+        threads = threads or max(1, (os.cpu_count() or 1) // world)
+        self.current = RunLaunch(run, directory, _free_port(), synthetic=batches is None, warmup=warmup,
+                                 threads=threads)
+        return self.current
+
+    def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
+              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
+              micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
+              timeout_s: float = 600.0, wait_timeout_s: float = 300.0, warmup: int = 1, seed: int = 0,
+              threads: int | None = None) -> TrainResult:
+        """Trains ``iterations`` global batches with one process per rank on this machine and
+        returns the final parameters, the losses and the timeline, as the local backend does.
+
+        ``batches``: ``(inputs, target)`` global batches (or a function of the iteration);
+        None trains on synthetic batches of ``batch`` samples (a throughput run; the losses
+        are of random data). ``timeout_s`` bounds the whole run, ``wait_timeout_s`` each
+        rank's wait on a peer. ``warmup``: iterations left out of each rank's median.
+        """
+        launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
+                              micro_batches=micro_batches, schedule=schedule, batch=batch,
+                              timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads)
+        started = time.time()
+        try:
+            for role in launch.run.layout.roles():
+                invoke(self, role, launch)
+            self._wait(launch, timeout_s)
+        finally:
+            self.stop(launch)
+        wall = time.time() - started
+        return self._result(launch, wall)
+
+    def _wait(self, launch: RunLaunch, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        layout = launch.run.layout
+        running = dict(launch.processes)
+        while running:
+            time.sleep(POLL_S)
+            failed = [rank for rank, process in launch.processes.items() if process.poll() not in (None, 0)]
+            if failed:
+                raise self._failure(launch, failed)
+            running = {rank: process for rank, process in running.items() if process.poll() is None}
+            if running and time.time() > deadline:
+                late = ", ".join(f"rank {rank} ({layout.role(rank).worker})" for rank in sorted(running))
+                first = min(running)
+                raise RunFailure(f"the run did not finish within {timeout_s:.0f} s: {late} still running. The end of "
+                                 f"rank {first}'s log {launch.log(first)}:\n{_tail(launch.log(first))}")
+
+    def _failure(self, launch: RunLaunch, failed: list[int]) -> RunFailure:
+        """Names the rank that failed first: its peers then fail too, on closed connections,
+        so the ranks are given a moment and the earliest recorded failure is the cause."""
+        grace = time.time() + FAILURE_GRACE_S
+        while time.time() < grace and any(process.poll() is None for process in launch.processes.values()):
+            time.sleep(POLL_S)
+        failed = sorted(rank for rank, process in launch.processes.items() if process.poll() not in (None, 0))
+        times = {}
+        for rank in failed:
+            try:
+                times[rank] = json.loads(error_file(launch.out, rank).read_text())["time"]
+            except (OSError, ValueError, KeyError):
+                times[rank] = float("inf")   # killed without a record (a signal, out of memory)
+        codes = {rank: launch.processes[rank].poll() for rank in failed}
+        # a rank killed by a signal (SIGKILL when out of memory) left no record but is the likelier cause
+        first = min(failed, key=lambda rank: (codes[rank] >= 0, times[rank], rank))
+        role = launch.run.layout.role(first)
+        code = codes[first]
+        others = [rank for rank in failed if rank != first]
+        echo = f" Ranks {', '.join(map(str, others))} failed after it." if others else ""
+        return RunFailure(f"rank {first} (stage {role.stage}, replica {role.replica}) exited with code {code}.{echo} "
+                          f"The end of its log {launch.log(first)}:\n{_tail(launch.log(first))}")
+
+    def _result(self, launch: RunLaunch, wall: float) -> TrainResult:
+        run = launch.run
+        layout = run.layout
+        reports = list(iter_reports(launch.out))
+        if len(reports) != layout.world_size:
+            raise RunFailure(f"{len(reports)} of {layout.world_size} ranks wrote a report to {launch.out}")
+        self.reports = [RankReport(layout.role(report["rank"]), report["losses"], report["iteration_seconds"],
+                                   report["samples_per_s"], report["peak_bytes"]) for report in reports]
+        last = len(layout.degrees) - 1
+        losses = [0.0] * run.iterations
+        for report in self.reports:
+            if report.role.stage == last:
+                losses = [total + value for total, value in zip(losses, report.losses)]
+        from safetensors.torch import load_file
+
+        parameters: dict[str, torch.Tensor] = {}
+        for stage in range(len(layout.degrees)):
+            for name, tensor in load_file(str(parameters_file(launch.out, stage))).items():
+                parameters.setdefault(name, tensor)   # a tied parameter: every holder's copy is equal
+        events = []
+        for rank in range(layout.world_size):
+            events.extend(timeline.loads(timeline_file(launch.out, rank).read_bytes()))
+        events.sort(key=lambda event: event.start)
+        price = sum(tier.price_per_s * degree for tier, degree in
+                    ((_tier(stage.memory_mb), stage.replicas) for stage in self.compiled.plan.stages) if tier)
+        return TrainResult(parameters=parameters, losses=losses, events=events, restarts=[],
+                           degrees=[layout.degrees], wall_s=wall, samples=run.spec.batch * run.iterations,
+                           dollars=price * wall,
+                           peak_bytes={report.role.worker: report.peak_bytes for report in self.reports})
+
+    def steady_samples_per_s(self) -> float:
+        """The last run's throughput: the global batch over the slowest rank's median
+        seconds per iteration after warm-up (every rank runs at the pipeline's period)."""
+        if not self.reports:
+            raise InputError("no run has finished on this deployment yet")
+        return min(report.samples_per_s for report in self.reports)
+
+    # lifecycle ------------------------------------------------------------------------------
+    def stop(self, launch: RunLaunch | None = None) -> None:
+        launch = launch or self.current
+        if launch is None:
+            return
+        for process in launch.processes.values():
+            if process.poll() is None:
+                process.kill()
+        for process in launch.processes.values():
+            process.wait()
+
+    def teardown(self) -> None:
+        """Stops the ranks and removes the work directory if ``deploy`` created it."""
+        self.stop()
+        if self.created:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "GpuContainerDeployment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
+
+
+def backend() -> Any:
+    """This module, as the backend registry hands it out."""
+    return sys.modules[__name__]

@@ -1,0 +1,278 @@
+"""Container images for function platforms: one build context per image, with a Dockerfile,
+pinned requirements, the flatpack runtime, the stage artifacts baked in, and the handler.
+
+torch alone is past Lambda's 250 MB unzipped limit for zip packages (slsML stripped
+TensorFlow by hand; BentoML#614 and gluonts#2845 hit the same wall), so every stage ships as
+a container image (10 GB on Lambda and on Function Compute). Stages share an image while
+their artifacts together stay under ``share_below_bytes``: a small model is one image that
+every function runs (one build, one push), and a large one gets an image per stage, so a
+function pulls only its own weights. A function finds its stage under
+``$FLATPACK_ARTIFACTS/stage_XXX``.
+
+No Docker engine runs where flatpack is tested, so a context is checked statically
+(:func:`check_context`): every COPY source exists, the base image is pinned, the handler
+the CMD names exists and every Python file compiles.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import flatpack
+from flatpack.codegen.artifact import serialize
+from flatpack.compiler import Compiled
+from flatpack.errors import InputError
+
+MIB = 1 << 20
+GIB = 1 << 30
+TORCH_REQUIREMENT = "torch==2.13.0"
+# the CPU wheels: the default index's torch pulls gigabytes of CUDA libraries
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+# what the function's runtime imports; the rest of flatpack's dependencies (solvers) are not needed
+RUNTIME_DISTRIBUTIONS = ("numpy", "safetensors", "boto3")
+SHARE_IMAGE_BELOW_BYTES = 512 * MIB
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """How one platform builds and starts a function image."""
+
+    platform: str
+    base_image: str
+    base_image_bytes: int      # uncompressed, with its source below
+    task_root: str
+    command: tuple[str, ...]
+    pip_target: bool           # install into the task root (Lambda's base image convention)
+
+
+# Base image sizes are what `docker image ls` reports for these tags (uncompressed); the
+# estimate errs high so that an image it passes fits.
+FLAVORS = {
+    "aws-lambda": Flavor("aws-lambda", "public.ecr.aws/lambda/python:3.12", 600 * MIB, "/var/task",
+                         ("handler.handler",), pip_target=True),
+    "alibaba-fc": Flavor("alibaba-fc", "python:3.12-slim", 160 * MIB, "/code",
+                         ("python", "-m", "flatpack.runtime.fc_server"), pip_target=False),
+}
+
+
+@dataclass(frozen=True)
+class ImageContext:
+    """One image's build context: files by path relative to the context root."""
+
+    stages: tuple[int, ...]
+    files: dict[str, bytes]
+    estimated_bytes: int
+
+    @property
+    def tag(self) -> str:
+        """A content hash: equal contexts get equal tags, so an unchanged image is not pushed again."""
+        digest = hashlib.sha256()
+        for path in sorted(self.files):
+            digest.update(path.encode() + b"\0" + hashlib.sha256(self.files[path]).digest())
+        return digest.hexdigest()[:20]
+
+    @property
+    def name(self) -> str:
+        first, last = self.stages[0], self.stages[-1]
+        return f"stages-{first:03d}-{last:03d}" if len(self.stages) > 1 else f"stage-{first:03d}"
+
+    def write(self, directory: str | Path) -> Path:
+        root = Path(directory)
+        for path, data in self.files.items():
+            target = root / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        return root
+
+
+def function_images(compiled: Compiled, target: str, *,
+                    share_below_bytes: int = SHARE_IMAGE_BELOW_BYTES) -> list[ImageContext]:
+    """The images a deployment of ``compiled`` on ``target`` needs, checked against the
+    platform's image limit before anything is built or pushed."""
+    if target not in FLAVORS:
+        raise InputError(f"no function image flavour for target {target!r}; known: {', '.join(FLAVORS)}")
+    flavor = FLAVORS[target]
+    artifacts = {artifact.index: {f"artifacts/stage_{artifact.index:03d}/{name}": data
+                                  for name, data in serialize(artifact).items()}
+                 for artifact in compiled.artifacts}
+    groups = _share(artifacts, share_below_bytes)
+    common = _common_files(flavor)
+    images = []
+    for stages in groups:
+        files = dict(common)
+        for index in stages:
+            files.update(artifacts[index])
+        files["Dockerfile"] = dockerfile(flavor, stages, compiled.info.get("model_class", "model")).encode()
+        images.append(ImageContext(tuple(stages), files, estimate_image_bytes(flavor, files)))
+    check_image_sizes(images, target)
+    return images
+
+
+def _share(artifacts: dict[int, dict[str, bytes]], share_below_bytes: int) -> list[list[int]]:
+    total = sum(len(data) for files in artifacts.values() for data in files.values())
+    if total <= share_below_bytes:
+        return [sorted(artifacts)]
+    return [[index] for index in sorted(artifacts)]
+
+
+def check_image_sizes(images: Sequence[ImageContext], target: str) -> None:
+    from flatpack.backends.catalog import get_platform
+
+    limit = get_platform(target).image_limit_bytes
+    if limit is None:
+        return
+    for image in images:
+        if image.estimated_bytes > limit:
+            baked = sum(len(data) for path, data in image.files.items() if path.startswith("artifacts/"))
+            raise InputError(
+                f"the image for stage(s) {', '.join(map(str, image.stages))} would be about "
+                f"{image.estimated_bytes / GIB:.2f} GB ({baked / GIB:.2f} GB of them stage weights), over "
+                f"{target}'s {limit / GIB:.0f} GB container image limit. Cut the model into more stages "
+                f"(compile with a larger stages= or a plan whose stages hold less than "
+                f"{(limit - (image.estimated_bytes - baked)) / GIB:.1f} GB of weights each). Nothing was deployed")
+
+
+def estimate_image_bytes(flavor: Flavor, files: dict[str, bytes]) -> int:
+    """Base image + installed runtime dependencies + the context's own files."""
+    return flavor.base_image_bytes + runtime_dependency_bytes() + sum(len(data) for data in files.values())
+
+
+def runtime_dependency_bytes() -> int:
+    """What torch and the runtime's other dependencies occupy once installed, measured from
+    this interpreter's installation of the same versions (the CPU build of torch is what
+    both this machine and the image install)."""
+    total = 0
+    names = ["torch", *RUNTIME_DISTRIBUTIONS, "botocore", "s3transfer", "jmespath", "urllib3", "python-dateutil"]
+    for name in names:
+        try:
+            files = importlib.metadata.distribution(name).files or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for file in files:
+            try:
+                total += file.locate().stat().st_size
+            except OSError:
+                continue
+    return total
+
+
+def requirements() -> str:
+    """Pinned to the versions installed here, so the image runs what was tested."""
+    lines = [f"--extra-index-url {TORCH_INDEX}", TORCH_REQUIREMENT]
+    for name in RUNTIME_DISTRIBUTIONS:
+        try:
+            lines.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            lines.append(name)
+    return "\n".join(lines) + "\n"
+
+
+def handler_source(flavor: Flavor) -> str:
+    return (f'"""Generated by flatpack {flatpack.__version__}: the {flavor.platform} entry point. The body is the\n'
+            'local function\'s (flatpack.runtime.worker), so a stage computes the same on every backend."""\n\n'
+            "from flatpack.runtime.handler import handle as handler\n\n"
+            '__all__ = ["handler"]\n')
+
+
+def dockerfile(flavor: Flavor, stages: Sequence[int], model: str) -> str:
+    root = flavor.task_root
+    pip_target = f' --target "{root}"' if flavor.pip_target else ""
+    lines = [
+        f"# generated by flatpack {flatpack.__version__}: {flavor.platform} image for stage(s) "
+        f"{', '.join(map(str, stages))} of {model}",
+        f"FROM {flavor.base_image}",
+    ]
+    if not flavor.pip_target:
+        lines.append(f"WORKDIR {root}")
+    lines += [
+        f"COPY requirements.txt {root}/",
+        f"RUN pip install --no-cache-dir -r {root}/requirements.txt{pip_target}",
+        f"COPY flatpack/ {root}/flatpack/",
+        f"COPY artifacts/ {root}/artifacts/",
+        f"COPY handler.py {root}/",
+        f"ENV FLATPACK_ARTIFACTS={root}/artifacts PYTHONPATH={root}",
+    ]
+    if not flavor.pip_target:
+        lines.append("EXPOSE 9000")
+    lines.append("CMD [" + ", ".join(f'"{part}"' for part in flavor.command) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def _common_files(flavor: Flavor) -> dict[str, bytes]:
+    files = {"requirements.txt": requirements().encode(), "handler.py": handler_source(flavor).encode()}
+    package_root = Path(flatpack.__file__).parent
+    for path in sorted(package_root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        files[f"flatpack/{path.relative_to(package_root).as_posix()}"] = path.read_bytes()
+    return files
+
+
+_COPY = re.compile(r"^COPY\s+(\S+)\s+(\S+)\s*$")
+
+
+def check_context(files: dict[str, bytes]) -> list[str]:
+    """What would make ``docker build`` of this context fail or build the wrong thing; empty
+    when the context is sound. Checked statically: no Docker engine is needed."""
+    problems = []
+    if "Dockerfile" not in files:
+        return ["the context has no Dockerfile"]
+    lines = [line.strip() for line in files["Dockerfile"].decode().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    if not lines or not lines[0].startswith("FROM "):
+        problems.append("the Dockerfile does not start with FROM")
+    else:
+        image = lines[0].split()[1]
+        if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
+            problems.append(f"the base image {image} is not pinned to a tag")
+    for line in lines:
+        match = _COPY.match(line)
+        if match is None:
+            continue
+        source = match.group(1)
+        if source.endswith("/"):
+            if not any(path.startswith(source) for path in files):
+                problems.append(f"COPY {source}: the context has no such directory")
+        elif source not in files:
+            problems.append(f"COPY {source}: the context has no such file")
+    command = [line for line in lines if line.startswith("CMD ")]
+    if not command:
+        problems.append("the Dockerfile has no CMD")
+    else:
+        problems += _check_command(command[-1], files)
+    requirements_text = files.get("requirements.txt", b"").decode()
+    if TORCH_REQUIREMENT not in requirements_text.split():
+        problems.append(f"requirements.txt does not pin {TORCH_REQUIREMENT}")
+    for path, data in files.items():
+        if path.endswith(".py"):
+            try:
+                compile(data, path, "exec", dont_inherit=True)
+            except SyntaxError as err:
+                problems.append(f"{path} does not compile: {err}")
+    return problems
+
+
+def _check_command(line: str, files: dict[str, bytes]) -> list[str]:
+    try:
+        parts = ast.literal_eval(line[4:].strip())
+    except (ValueError, SyntaxError):
+        return [f"CMD is not an exec-form JSON list: {line}"]
+    if len(parts) == 1:   # Lambda: "module.function"
+        module, _, function = parts[0].rpartition(".")
+        source = files.get(f"{module.replace('.', '/')}.py")
+        if source is None:
+            return [f"CMD names handler {parts[0]} but the context has no {module}.py"]
+        if function not in source.decode():
+            return [f"CMD names handler {parts[0]} but {module}.py defines no {function}"]
+        return []
+    if parts[:2] == ["python", "-m"]:
+        module_path = f"{parts[2].replace('.', '/')}.py"
+        if module_path not in files:
+            return [f"CMD runs module {parts[2]} but the context has no {module_path}"]
+    return []

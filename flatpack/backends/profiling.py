@@ -1,0 +1,398 @@
+"""In-target profiling (FuncPipe §3.1 step 3): measure every layer on every memory tier
+inside the target and write the calibration file (:mod:`flatpack.backends.calibration`)
+that makes plans for that target use measured rather than scaled compute times.
+
+How: the model is compiled with the same passes a plan is made with, but one layer per
+stage, so every stage artifact is one layer of the very chain the calibration names. The
+artifacts are deployed with the target's backend, the example inputs and one profile spec
+per tier go to the store under the run's prefix, and one profiler function per tier
+(:mod:`flatpack.runtime.profile_function`, role kind ``"profile"``) measures every layer's
+forward and backward at several micro-batch sizes and writes its lines back. The
+deployment is torn down afterwards, on success or failure, leaving nothing in the store.
+
+On the local backend (``deployment.emulate_tiers``) each function holds itself to the tier's
+CPU share from the *target's* catalog, so ``target="aws-lambda", emulate=True`` emulates
+Lambda's tiers on this machine; the calibration's provenance says the share was emulated. A
+real platform's functions run at their own share; its backend must be able to start a
+function of each tier's memory holding every layer (see ``_default_deploy``).
+
+A tier on which some layer cannot run (its weights and gradients, with the runtime, pass
+the tier; or every micro-batch size does) is left out of the calibration, since the file
+holds one measured line per layer per tier and a stand-in would look measured; plans then
+use the catalog's model for that tier, whose memory check keeps such a layer off it. Why
+each tier was left out is in the provenance (``"tier <MB> MB"``) and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from flatpack.backends.calibration import Calibration, TierCalibration
+from flatpack.errors import InputError, RunFailure, StoreKeyError
+from flatpack.ir.profiler import ProfileOptions, example_batch_size, graph_hash
+from flatpack.partitioner.plan import Plan
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.profile_function import (DOES_NOT_FIT, OK, ProfileSpec, TierResult, inputs_key, profile_role,
+                                               result_key)
+from flatpack.runtime.spec import Role
+from flatpack.runtime.store import Store
+from flatpack.runtime.training import pack_values
+
+log = logging.getLogger("flatpack.profiling")
+
+DEFAULT_BATCH_SIZES = (1, 2, 4)
+DEFAULT_TIMEOUT_S = 900.0          # per function: Lambda's own limit
+BANDWIDTH_PROBE_BYTES = 16 << 20   # on a real platform; an emulated link would only echo the catalog
+POLL_S = 0.05
+MIB = 1 << 20
+
+
+class Invocation(Protocol):
+    """A running function (``subprocess.Popen`` is one)."""
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
+class Deployment(Protocol):
+    """What the profiler needs of a deployment: the store its functions share, the run's
+    keys, a way to start a function, and teardown. ``emulate_tiers`` (optional, default
+    False): the functions must hold themselves to their tier's CPU share."""
+
+    store: Store
+    keys: RunKeys
+
+    def launch(self, role: Role) -> Invocation: ...
+
+    def teardown(self) -> None: ...
+
+
+def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str,
+                      tiers: Sequence[int] | None = None, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                      repeats: int = 3, warmup: int = 1, threads: int = 1,
+                      passes: str | Sequence[Any] | None = None, profile: bool | ProfileOptions = False,
+                      example_kwargs: dict | None = None, emulate: bool = False,
+                      deploy: Callable[[Any], Deployment] | None = None,
+                      launch: Callable[[Role], Invocation] | None = None, parallel: int = 1,
+                      timeout_s: float = DEFAULT_TIMEOUT_S, bandwidth_probe_bytes: int | None = None,
+                      out: str | os.PathLike | None = None,
+                      report: Callable[[str], None] | None = None) -> Calibration:
+    """Measures every layer of ``model``'s chain on each memory tier of ``target`` inside
+    the target and returns the :class:`Calibration` (also written atomically to ``out``).
+
+    ``tiers``: memory sizes in MB (default: the target's default tiers). ``batch_sizes``,
+    ``repeats``, ``warmup``: the micro-batch sizes the lines are fitted over and the timed
+    runs per size (median). ``threads``: torch threads in each function, as the stages run
+    (``train(threads=...)``). ``passes`` and ``profile``: as given to ``compile`` for the
+    plans this calibration is for (``profile`` matters only when a pass reads profiles,
+    such as ``coarsen{by=time}``: the chain must come out the same). ``emulate``: run the
+    functions on the local backend, each held to the target's tier's CPU share, instead of
+    deploying to the target (always so for ``local``). ``deploy``: a function
+    ``Compiled -> deployment`` overriding both (default: the local backend when emulating,
+    else the target's backend's ``deploy``). ``launch``: how to start a function (default
+    ``deployment.launch``). ``parallel``: functions at a time (1 by default: emulated
+    tiers on one machine would slow each other). ``timeout_s``: per function.
+    ``bandwidth_probe_bytes``: also time moving this many bytes through the store per tier
+    (default: 16 MiB on a real platform, none when tiers are emulated: the figure would only
+    echo the emulation). ``report``: called with a line per step (the CLI prints them).
+    """
+    from flatpack.backends.catalog import get_platform
+
+    platform = get_platform(target)
+    memory_sizes = _tier_sizes(platform, tiers)
+    sizes = _positive_sizes(batch_sizes)
+    if repeats < 1 or warmup < 0 or threads < 1 or parallel < 1 or timeout_s <= 0:
+        raise InputError(f"profiling needs repeats >= 1, warmup >= 0, threads >= 1, parallel >= 1 and a positive "
+                         f"timeout; got {repeats}, {warmup}, {threads}, {parallel}, {timeout_s}")
+    say = report or (lambda line: None)
+    with contextlib.ExitStack() as cleanup:
+        if deploy is None:   # before compiling: a target that cannot profile is refused at once
+            deploy = _default_deploy(target, emulate, memory_sizes, cleanup)
+        compiled = _compile_one_layer_per_stage(model, example_inputs, target, passes, profile, example_kwargs)
+        graph = compiled.graph
+        layer_names = tuple(layer.name for layer in graph.layers)
+        leaves = _input_leaves(compiled, example_inputs, example_kwargs)
+        say(f"compiled {len(layer_names)} layers, one per stage; deploying")
+        deployment = deploy(compiled)
+        cleanup.callback(deployment.teardown)   # also on failure: nothing is left in the store
+        emulated = bool(getattr(deployment, "emulate_tiers", False))
+        probe = (0 if emulated else BANDWIDTH_PROBE_BYTES) if bandwidth_probe_bytes is None else bandwidth_probe_bytes
+        keys = deployment.keys
+        deployment.store.put(inputs_key(keys), pack_values(dict(zip(compiled.info["input_names"], leaves))))
+        grad_values = _grad_values(compiled)
+        layer_inputs = tuple(tuple(entry["name"] for entry in artifact.manifest["inputs"])
+                             for artifact in compiled.artifacts)
+        weights, gradients = zip(*(_weight_and_grad_bytes(artifact.manifest) for artifact in compiled.artifacts))
+        roles = []
+        for memory_mb in memory_sizes:
+            spec = ProfileSpec(run=keys.run, layers=layer_names, layer_inputs=layer_inputs, weight_bytes=weights,
+                               grad_bytes=gradients, input_names=tuple(compiled.info["input_names"]),
+                               grad_values=grad_values, batch_sizes=sizes, example_batch=example_batch_size(leaves),
+                               memory_mb=memory_mb, vcpus=platform.tier(memory_mb).vcpus, emulate_cpu=emulated,
+                               base_memory_bytes=int(platform.base_memory_bytes), repeats=repeats, warmup=warmup,
+                               threads=threads, bandwidth_probe_bytes=probe)
+            role = profile_role(keys, memory_mb)
+            deployment.store.put(role.spec_key, spec.dumps())
+            roles.append(role)
+        codes = _run_functions(roles, launch or deployment.launch, parallel, timeout_s, say)
+        results = {role.stage: _collect(deployment, role, codes[role.stage]) for role in roles}
+    calibration = _calibration(target, layer_names, graph_hash(graph), results, emulated, sizes, repeats, threads)
+    if out is not None:
+        calibration.save(out)
+        say(f"wrote {out}")
+    return calibration
+
+
+def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers: Sequence[int] | None = None,
+                    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
+                    passes: str | None = None, out: str | os.PathLike | None = None, parallel: int = 1,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False) -> int:
+    """``flatpack profile MODEL --target T``: profiles inside ``target``, prints a table of
+    the measured seconds and writes the calibration file (default
+    ``calibration-<target>.json``). ``emulate``: run the target's tiers as local processes
+    (the local backend) instead of deploying to the target; always so for ``local``."""
+    out = Path(out) if out is not None else Path(f"calibration-{target}.json")
+    calibration = profile_in_target(model, example_inputs, target=target, tiers=tiers, batch_sizes=batch_sizes,
+                                    repeats=repeats, passes=passes, emulate=emulate, parallel=parallel,
+                                    timeout_s=timeout_s, out=out, report=print)
+    print(calibration_table(calibration, max(batch_sizes)))
+    return 0
+
+
+def calibration_table(calibration: Calibration, micro_batch: int) -> str:
+    """Forward + backward milliseconds of one micro-batch, per layer (rows) and tier
+    (columns), then the tiers left out and why."""
+    tiers = calibration.tiers_mb
+    width = max(8, *(len(name) for name in calibration.layer_names))
+    where = (f"{calibration.platform}'s tiers emulated on this machine"
+             if calibration.provenance.get("cpu_share") == "emulated" else f"measured in {calibration.platform}")
+    lines = [f"fwd+bwd ms at micro-batch {micro_batch}, {where}",
+             f"{'layer':<{width}}  " + "  ".join(f"{f'{mb} MB':>10}" for mb in tiers)]
+    for index, name in enumerate(calibration.layer_names):
+        cells = []
+        for mb in tiers:
+            forward, backward = calibration.seconds(index, mb, micro_batch)
+            cells.append(f"{(forward + backward) * 1000:>10.3f}")
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    skipped = {key: value for key, value in calibration.provenance.items() if key.startswith("tier ")}
+    for key, value in skipped.items():
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+# --- steps ------------------------------------------------------------------------------------
+
+
+def _tier_sizes(platform: Any, tiers: Sequence[int] | None) -> tuple[int, ...]:
+    sizes = tuple(platform.memory_choices) if tiers is None else tuple(tiers)
+    if not sizes:
+        raise InputError(f"no tiers to profile on {platform.name}; pass memory sizes in MB, such as 512,1024,2048")
+    if len(set(sizes)) != len(sizes):
+        raise InputError(f"tiers {list(sizes)} name a memory size twice; give each once")
+    for memory_mb in sizes:
+        platform.tier(memory_mb)   # refuses a size the platform does not offer, saying which it does
+    return sizes
+
+
+def _positive_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    sizes = tuple(sorted(set(batch_sizes)))
+    if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size <= 0 for size in sizes):
+        raise InputError(f"micro-batch sizes must be positive integers, got {list(batch_sizes)!r}")
+    return sizes
+
+
+def _one_layer_per_stage(problem: Any) -> Plan:
+    """A solver: every layer its own stage, so every artifact is one layer."""
+    count = len(problem.chain)
+    return Plan.from_ranges([(index, index) for index in range(count)], count, solver="one-layer-per-stage")
+
+
+def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: str, passes: Any,
+                                 profile: bool | ProfileOptions, example_kwargs: dict | None) -> Any:
+    """The chain a plan for ``target`` is made on (same passes; a host profile only when a
+    pass reads one), emitted one layer per stage."""
+    from flatpack.compiler import compile as compile_model
+    from flatpack.ir.passes import resolve
+
+    reads_profile = any(getattr(graph_pass, "reads_profile", False) for graph_pass in resolve(passes))
+    return compile_model(model, example_inputs, target=target, passes=passes, example_kwargs=example_kwargs,
+                         solver=_one_layer_per_stage, profile=(profile or True) if reads_profile else False)
+
+
+def _input_leaves(compiled: Any, example_inputs: Any, example_kwargs: dict | None) -> list[Any]:
+    """The model's flat inputs, in the order of the graph's placeholders."""
+    from flatpack.compiler import _as_call
+    from flatpack.ir.trace import Signature, flatten_inputs
+
+    args, kwargs = _as_call(example_inputs, example_kwargs)
+    leaves, _ = flatten_inputs(Signature.from_json(compiled.info["signature"]), args, kwargs)
+    return [leaf.detach() if hasattr(leaf, "detach") else leaf for leaf in leaves]
+
+
+def _grad_values(compiled: Any) -> tuple[str, ...]:
+    """Values entering a layer whose gradient a stage computes: those that depend on a
+    parameter (the host profiler's rule, ``graph.analysis.param_dependent``)."""
+    entering = {entry["name"] for artifact in compiled.artifacts for entry in artifact.manifest["inputs"]}
+    return tuple(sorted(entering & compiled.graph.analysis.param_dependent))
+
+
+def _weight_and_grad_bytes(manifest: dict[str, Any]) -> tuple[int, int]:
+    """A stage's parameter and buffer bytes, and its trainable parameters' (their gradients),
+    from its manifest."""
+    weights = gradients = 0
+    for entry in manifest["parameters"]:
+        nbytes = math.prod(int(size) for size in entry["shape"]) * getattr(torch, entry["dtype"]).itemsize
+        weights += nbytes
+        if entry["kind"] == "parameter":
+            gradients += nbytes
+    return weights, gradients
+
+
+def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...],
+                    cleanup: contextlib.ExitStack) -> Callable[[Any], Deployment]:
+    """Emulating (and for ``local``): the local backend's deploy, into a scratch directory
+    for its functions' logs that ``cleanup`` removes. Otherwise the target's backend's,
+    which must say it can start profiler functions: a function of each tier's memory with
+    every layer's artifact (``PROFILE_FUNCTIONS = True``; ``deploy(compiled,
+    profile_tiers=...)``, and ``launch`` sizing a ``"profile"`` role by ``role.stage`` MB)."""
+    from flatpack.backends import get_backend
+
+    if emulate or target == "local":
+        workdir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flatpack-profile-"))
+        return partial(get_backend("local").deploy, workdir=workdir)
+    backend = get_backend(target)
+    if not getattr(backend, "PROFILE_FUNCTIONS", False):
+        raise InputError(f"the {target} backend cannot start profiler functions yet (one function per memory tier); "
+                         f"emulate its tiers on this machine instead: emulate=True (flatpack profile --emulate)")
+    return partial(backend.deploy, profile_tiers=memory_sizes)
+
+
+def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], parallel: int, timeout_s: float,
+                   say: Callable[[str], None]) -> dict[int, int | None]:
+    """Starts the functions, ``parallel`` at a time, and waits for each up to ``timeout_s``;
+    memory size -> exit code (None: killed at the timeout). Every function still running
+    when this returns or raises is killed."""
+    pending = list(roles)
+    running: dict[int, tuple[Invocation, float]] = {}
+    codes: dict[int, int | None] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                role = pending.pop(0)
+                say(f"profiling the {role.stage} MB tier")
+                running[role.stage] = (launch(role), time.monotonic())
+            for memory_mb, (handle, started) in list(running.items()):
+                code = handle.poll()
+                if code is None and time.monotonic() - started <= timeout_s:
+                    continue
+                if code is None:
+                    _stop(handle)
+                    log.warning("the profiler function of the %d MB tier ran past %g s and was stopped",
+                                memory_mb, timeout_s)
+                codes[memory_mb] = code
+                del running[memory_mb]
+                ending = {0: "done", None: "stopped at the timeout"}.get(code, f"ended with exit code {code}")
+                say(f"  {memory_mb} MB tier: {ending} after {time.monotonic() - started:.1f} s")
+            time.sleep(POLL_S)
+    finally:
+        for handle, _ in running.values():
+            _stop(handle)
+    return codes
+
+
+def _stop(handle: Invocation) -> None:
+    """Kills a function and, where the handle can, waits briefly so no zombie is left."""
+    handle.kill()
+    wait = getattr(handle, "wait", None)
+    if wait is None:
+        return
+    try:
+        wait(timeout=5)
+    except Exception:  # noqa: BLE001 - a function that will not end is the platform's to reap
+        pass
+
+
+def _collect(deployment: Deployment, role: Role, code: int | None) -> TierResult:
+    """The function's result; or, when it wrote none, an error result saying why (its
+    status record's traceback, or the exit code)."""
+    memory_mb = role.stage
+    try:
+        return TierResult.loads(deployment.store.get(result_key(deployment.keys, memory_mb)))
+    except StoreKeyError:
+        pass
+    if code is None:
+        reason = "the profiler function did not finish within the timeout"
+    else:
+        reason = f"the profiler function ended with exit code {code} and wrote no result"
+    detail = _status_detail(deployment, role)
+    return TierResult(memory_mb, 0.0, False, "error", reason=f"{reason}{': ' + detail if detail else ''}")
+
+
+def _status_detail(deployment: Deployment, role: Role) -> str:
+    try:
+        status = json.loads(deployment.store.get(deployment.keys.status(role.stage, role.replica, role.attempt)))
+    except Exception:  # noqa: BLE001 - a lost function leaves no status
+        return ""
+    lines = [line for line in str(status.get("traceback", "")).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else str(status.get("status", ""))
+
+
+def _calibration(target: str, layer_names: tuple[str, ...], digest: str, results: dict[int, TierResult],
+                 emulated: bool, batch_sizes: tuple[int, ...], repeats: int, threads: int) -> Calibration:
+    tiers: dict[int, TierCalibration] = {}
+    provenance = _provenance(target, emulated, batch_sizes, repeats, threads)
+    for memory_mb, result in sorted(results.items()):
+        if result.status != OK:
+            provenance[f"tier {memory_mb} MB"] = f"not calibrated ({result.status}): {result.reason}"
+            log.warning("tier %d MB not calibrated: %s", memory_mb, result.reason)
+            continue
+        tiers[memory_mb] = TierCalibration(tuple(layer.forward_s for layer in result.layers),
+                                           tuple(layer.backward_s for layer in result.layers),
+                                           result.bandwidth_bytes_s)
+        partial_fits = [f"{layer.name} from micro-batch {layer.over_tier_at}" for layer in result.layers
+                        if layer.over_tier_at is not None]
+        if partial_fits:
+            provenance[f"tier {memory_mb} MB"] = ("calibrated, but these layers do not fit the tier from the "
+                                                  "micro-batch size given, so their lines are fitted over the smaller "
+                                                  "sizes only: " + ", ".join(partial_fits))
+    if not tiers:
+        reasons = "; ".join(f"{mb} MB: {result.reason}" for mb, result in sorted(results.items()))
+        if all(result.status == DOES_NOT_FIT for result in results.values()):
+            raise InputError(f"no tier of {target} could be calibrated: {reasons}. Profile larger tiers, or cut "
+                             "the model into smaller layers (passes)")
+        raise RunFailure(f"no tier of {target} could be calibrated: {reasons}")
+    return Calibration(platform=target, layer_names=layer_names, tiers=tiers, graph_hash=digest,
+                       provenance=provenance)
+
+
+def _provenance(target: str, emulated: bool, batch_sizes: tuple[int, ...], repeats: int,
+                threads: int) -> dict[str, str]:
+    from flatpack.ir.profiler import host_info
+    from flatpack.version import __version__
+
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    if emulated:
+        where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share by "
+                 "runtime.worker.cpu_throttle: the tier CPU share was emulated on the local backend, not measured "
+                 f"on {target}")
+    else:
+        where = f"one profiler function per memory tier on {target}, at the platform's own CPU share"
+    return {"measured": now, "where": where, "cpu_share": "emulated" if emulated else "platform",
+            "method": (f"one layer per function run, forward and backward timed at micro-batch sizes "
+                       f"{', '.join(map(str, batch_sizes))} (median of {repeats}, {threads} torch thread"
+                       f"{'s' if threads != 1 else ''}), fitted as a*micro_batch + b"),
+            "flatpack": __version__, "torch": torch.__version__}

@@ -1,0 +1,707 @@
+"""The rank program of the ``gpu-container`` backend: Hydrozoa's A×B hybrid plan, where every
+stage replica is one ``torch.distributed`` rank and the ranks talk to each other directly.
+
+Ranks are laid out stage by stage: the d_0 replicas of stage 0 are ranks 0..d_0−1, then
+stage 1's, and so on (:class:`Layout`). Micro-batch m of an iteration runs on replica
+m mod d of every stage (``StageSpec.owned``), so an activation of micro-batch m goes from
+replica m mod d_src of its producing stage to replica m mod d_dst of each consuming stage —
+which may be any later stage (skip connections), not only the next — and its gradient comes
+back the same route. An iteration is FuncPipe's synchronous schedule (all forwards of the
+owned micro-batches, then their backwards) or 1F1B (``training.compute_order``, shared with
+the store-based runtime); then the stage's replicas all-reduce (sum) their gradients in a
+``dist.new_group`` of their own (a ring in gloo and NCCL), and the optimizer steps.
+
+Why the messages cannot deadlock or mismatch: every send is asynchronous (``isend``,
+waited at the end of the iteration) and only receives block, which is the store runtime's
+put/wait discipline, so any schedule that runs there runs here. Point-to-point messages
+between two ranks are matched in order, so activations and gradients travel on two
+different process groups: on each group a pair of ranks only ever talks one way, in an
+order both sides compute alike (forwards by increasing micro-batch; backwards in the
+schedule's order). Each message is a small header (names, dtypes, shapes and any
+non-tensor values as JSON) followed by its tensors, so shapes never have to be guessed from
+the manifest; under NCCL the headers go through a gloo group on the CPU.
+
+Tied parameters (manifest ``shared_with``) are all-reduced over every replica of every
+stage that holds them, so all copies take the same summed gradient (README, "Tied
+weights"), and are left out of the per-stage all-reduce.
+
+The loss of a micro-batch of b samples is scaled by b/B, as in ``training.py``, so the
+parameters after N iterations equal single-process training (``reference.py``).
+
+Run it under ``torchrun`` (or with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set)::
+
+    python -m flatpack.runtime.distributed --context DIR [--run FILE] [--data DIR | --synthetic] --out DIR
+
+``DIR`` is the packaged context: ``run.json`` (a :class:`DistributedRun`) and
+``stages/stage_NNN/``. Data are ``DIR/data/iter_NNNNNN.safetensors`` files of global batches
+(``training.pack_values`` of the input leaves by name and the target under ``TARGET``).
+At the end, replica 0 of each stage writes ``stage_NNN.safetensors`` (final parameters under
+their original names) and every rank writes ``rank_NNNNN.json`` (losses, seconds per
+iteration, samples/s) and ``timeline_rank_NNNNN.json`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from flatpack.codegen.artifact import load_stage
+from flatpack.errors import InputError
+from flatpack.runtime import timeline
+from flatpack.runtime.optim import loss_value
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec
+from flatpack.runtime.training import TARGET, _MicroBatch, compute_order, split_values, unpack_values
+
+RUN_FILE = "run.json"
+STAGES_DIR = "stages"
+DATA_DIR = "data"
+RUN_KIND = "flatpack-distributed-run"
+RUN_VERSION = 1
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+FORWARD, BACKWARD = 0, 1
+
+
+def stage_path(context: str | os.PathLike, stage: int) -> Path:
+    return Path(context) / STAGES_DIR / f"stage_{stage:03d}"
+
+
+def data_file(directory: str | os.PathLike, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:06d}.safetensors"
+
+
+def rank_report_file(out: str | os.PathLike, rank: int) -> Path:
+    return Path(out) / f"rank_{rank:05d}.json"
+
+
+def timeline_file(out: str | os.PathLike, rank: int) -> Path:
+    return Path(out) / f"timeline_rank_{rank:05d}.json"
+
+
+def parameters_file(out: str | os.PathLike, stage: int) -> Path:
+    return Path(out) / f"stage_{stage:03d}.safetensors"
+
+
+def error_file(out: str | os.PathLike, rank: int) -> Path:
+    return Path(out) / f"error_rank_{rank:05d}.json"
+
+
+# -- who is who ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankRole:
+    """One rank: stage ``stage``, replica ``replica``."""
+
+    rank: int
+    stage: int
+    replica: int
+
+    @property
+    def worker(self) -> str:
+        return f"s{self.stage}r{self.replica}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks in stage order: stage s's replicas are ranks offset(s) .. offset(s) + d_s − 1."""
+
+    degrees: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.degrees)
+
+    def offset(self, stage: int) -> int:
+        return sum(self.degrees[:stage])
+
+    def rank(self, stage: int, replica: int) -> int:
+        if not 0 <= replica < self.degrees[stage]:
+            raise InputError(f"stage {stage} has {self.degrees[stage]} replicas, not a replica {replica}")
+        return self.offset(stage) + replica
+
+    def ranks_of(self, stage: int) -> list[int]:
+        return list(range(self.offset(stage), self.offset(stage) + self.degrees[stage]))
+
+    def role(self, rank: int) -> RankRole:
+        if not 0 <= rank < self.world_size:
+            raise InputError(f"rank {rank} is outside a world of {self.world_size} ranks (degrees {self.degrees})")
+        stage = 0
+        while rank >= self.offset(stage + 1):
+            stage += 1
+        return RankRole(rank, stage, rank - self.offset(stage))
+
+    def roles(self) -> list[RankRole]:
+        return [self.role(rank) for rank in range(self.world_size)]
+
+
+# -- what a run is ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DistributedRun:
+    """``run.json``: the store runtime's :class:`RunSpec` (stages, routing, micro-batches,
+    optimizer, loss, schedule, tied parameters) plus what a rank needs beyond it.
+
+    ``example_batch``: the batch of the compile-time inputs, so that ``--synthetic`` can
+    scale the manifest's shapes to a micro-batch. ``timeout_s`` bounds every wait on a peer.
+    """
+
+    spec: RunSpec
+    iterations: int
+    backend: str = "gloo"
+    device: str = "cpu"
+    example_batch: int | None = None
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise InputError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.device not in DEVICES:
+            raise InputError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise InputError("the nccl backend moves CUDA tensors only; use device 'cuda' with it, or backend 'gloo'")
+        if self.iterations < 1:
+            raise InputError(f"a run needs at least one iteration, got {self.iterations}")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tuple(stage.replicas for stage in self.spec.stages))
+
+    def dumps(self) -> bytes:
+        document = {"kind": RUN_KIND, "version": RUN_VERSION, "spec": json.loads(self.spec.dumps()),
+                    "iterations": self.iterations, "backend": self.backend, "device": self.device,
+                    "example_batch": self.example_batch, "seed": self.seed, "timeout_s": self.timeout_s}
+        return (json.dumps(document, indent=2) + "\n").encode()
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "DistributedRun":
+        document = json.loads(raw)
+        if document.get("kind") != RUN_KIND or document.get("version") != RUN_VERSION:
+            raise InputError(f"this is not a {RUN_KIND} document of version {RUN_VERSION}; repackage the model "
+                             "with this flatpack")
+        return cls(spec=RunSpec.loads(json.dumps(document["spec"]).encode()), iterations=int(document["iterations"]),
+                   backend=document["backend"], device=document["device"], example_batch=document["example_batch"],
+                   seed=int(document["seed"]), timeout_s=float(document["timeout_s"]))
+
+
+def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+    """Tied parameter name -> the stages holding a copy (from the manifests' ``shared_with``)."""
+    shared: dict[str, set[int]] = {}
+    for index, manifest in enumerate(manifests):
+        for entry in manifest["parameters"]:
+            if entry.get("shared_with"):
+                shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
+    return {name: tuple(sorted(holders)) for name, holders in shared.items()}
+
+
+# -- micro-batches ---------------------------------------------------------------------------
+
+def micro_batch_size(batch: int, micro_batches: int, index: int) -> int:
+    """Samples in micro-batch ``index``, as ``torch.tensor_split`` cuts: the first B mod M get one more."""
+    base, extra = divmod(batch, micro_batches)
+    return base + (1 if index < extra else 0)
+
+
+def micro_batch_values(values: dict[str, Any], batch: int, micro_batches: int, index: int) -> dict[str, Any]:
+    """Micro-batch ``index`` of a global batch: tensors whose first dimension is the batch are
+    cut with ``tensor_split``; everything else (masks without a batch dimension, sizes) is
+    the same for every micro-batch."""
+    out = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            out[name] = torch.tensor_split(value, micro_batches)[index].contiguous()
+        else:
+            out[name] = value
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"unknown tensor dtype {name!r} in a stage manifest or message header")
+    return dtype
+
+
+def synthetic_tensor(entry: dict[str, Any], rows: int, example_batch: int | None,
+                     generator: torch.Generator) -> torch.Tensor:
+    """A random tensor of a manifest I/O entry's dtype and shape, its batch dimension (the
+    first, when it equals the compile-time batch) set to ``rows``, on the generator's device."""
+    if entry.get("kind") != "tensor":
+        raise InputError(f"--synthetic cannot make the input {entry['name']!r}: it is a {entry.get('type', 'value')}, "
+                         "not a tensor. Write the batches as files instead")
+    shape = list(entry["shape"])
+    if shape and example_batch is not None and shape[0] == example_batch:
+        shape[0] = rows
+    dtype = _dtype(entry["dtype"])
+    device = generator.device
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, device=device).to(dtype)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype, device=device)
+    # integer inputs are indices (token ids, positions): 0 is valid for any table
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def synthetic_target(loss: str, output: dict[str, Any], rows: int, example_batch: int | None,
+                     generator: torch.Generator) -> torch.Tensor | None:
+    """A target the loss accepts for an output of the manifest entry ``output``."""
+    if loss == "output":
+        return None
+    shape = list(output["shape"])
+    if shape and example_batch is not None and shape[0] == example_batch:
+        shape[0] = rows
+    if loss == "cross_entropy":
+        classes = shape[1] if len(shape) > 1 else 1
+        return torch.randint(0, classes, [shape[0], *shape[2:]], generator=generator, device=generator.device)
+    return torch.randn(shape, generator=generator, device=generator.device)
+
+
+# -- messages --------------------------------------------------------------------------------
+
+@dataclass
+class Channels:
+    """The process groups a rank sends on: ``activations`` and ``gradients`` carry tensors
+    (one direction per pair of ranks on each), ``control`` carries headers (a gloo group
+    under NCCL; the tensor groups themselves under gloo). ``stage`` is this rank's replica
+    group, ``shared`` the tied parameters' holder groups."""
+
+    activations: Any
+    gradients: Any
+    control_activations: Any
+    control_gradients: Any
+    stage: Any
+    shared: dict[tuple[int, ...], Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, run: DistributedRun, role: RankRole) -> "Channels":
+        """Every rank creates every group in the same order (``new_group`` is collective)."""
+        layout = run.layout
+        gradients = dist.new_group(list(range(layout.world_size)))
+        control = dist.new_group(list(range(layout.world_size)), backend="gloo") if run.backend == "nccl" else None
+        stage_group = None
+        for stage in range(len(layout.degrees)):
+            ranks = layout.ranks_of(stage)
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if stage == role.stage:
+                stage_group = group
+        shared = {}
+        for holders in sorted(set(run.spec.shared.values())):
+            ranks = [rank for stage in holders for rank in layout.ranks_of(stage)]
+            group = dist.new_group(ranks)
+            if role.stage in holders:
+                shared[holders] = group
+        return cls(activations=dist.group.WORLD, gradients=gradients,
+                   control_activations=control if control is not None else dist.group.WORLD,
+                   control_gradients=control if control is not None else gradients,
+                   stage=stage_group, shared=shared)
+
+
+class Messenger:
+    """Sends and receives named values between ranks: a JSON header, then the tensors."""
+
+    def __init__(self, channels: Channels, transport: torch.device, compute: torch.device,
+                 recorder: timeline.Recorder) -> None:
+        self.channels = channels
+        self.transport = transport   # where tensors must be for the backend (cuda for NCCL)
+        self.compute = compute
+        self.recorder = recorder
+        self.pending: list[tuple[Any, Any]] = []   # (work, tensor kept alive until it is sent)
+
+    def _groups(self, direction: int) -> tuple[Any, Any]:
+        if direction == FORWARD:
+            return self.channels.control_activations, self.channels.activations
+        return self.channels.control_gradients, self.channels.gradients
+
+    def send(self, values: dict[str, Any], dst: int, micro_batch: int, direction: int, iteration: int) -> None:
+        control, data = self._groups(direction)
+        tag = 2 * micro_batch + direction
+        tensors, others = split_values(values)
+        header = json.dumps({"tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                         for name, t in tensors.items()],
+                             "values": others}).encode()
+        header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self.recorder.task("upload", iteration, micro_batch=micro_batch, nbytes=nbytes, lane="upload"):
+            for tensor in (torch.tensor([len(header)], dtype=torch.int64), header_bytes):
+                self.pending.append((dist.isend(tensor, dst, group=control, tag=tag), tensor))
+            for tensor in tensors.values():
+                payload = tensor.detach().to(self.transport).contiguous()
+                self.pending.append((dist.isend(payload, dst, group=data, tag=tag), payload))
+
+    def recv(self, src: int, micro_batch: int, direction: int, iteration: int) -> dict[str, Any]:
+        control, data = self._groups(direction)
+        tag = 2 * micro_batch + direction
+        start = time.time()
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, src, group=control, tag=tag)
+        raw = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.recv(raw, src, group=control, tag=tag)
+        header = json.loads(raw.numpy().tobytes())
+        values: dict[str, Any] = dict(header["values"])
+        nbytes = 0
+        for name, dtype, shape in header["tensors"]:
+            tensor = torch.empty(shape, dtype=_dtype(dtype), device=self.transport)
+            dist.recv(tensor, src, group=data, tag=tag)
+            nbytes += tensor.numel() * tensor.element_size()
+            values[name] = tensor.to(self.compute)
+        self.recorder.add(timeline.Event(self.recorder.stage, self.recorder.replica, iteration, "download", start,
+                                         max(time.time(), start), micro_batch=micro_batch, nbytes=nbytes,
+                                         lane="download"))
+        return values
+
+    def flush(self) -> None:
+        """Waits for every send of the iteration, so their buffers may be freed."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+# -- one rank --------------------------------------------------------------------------------
+
+class StageRank:
+    """One replica of one stage, as one rank of the process group."""
+
+    def __init__(self, run: DistributedRun, role: RankRole, module: nn.Module, device: torch.device,
+                 channels: Channels, data_dir: Path | None) -> None:
+        self.run = run
+        self.spec = run.spec
+        self.role = role
+        self.layout = run.layout
+        self.stage: StageSpec = run.spec.stages[role.stage]
+        self.device = device
+        self.module = module.to(device).train()
+        self.manifest: dict[str, Any] = module.flatpack_manifest
+        attrs = {entry["name"]: entry["attr"] for entry in self.manifest["parameters"]}
+        self.state_tensors = {name: getattr(self.module, attr) for name, attr in attrs.items()}
+        self.trainable = {name: tensor for name, tensor in self.state_tensors.items()
+                          if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
+        self.optimizer = self.spec.optimizer.build(self.trainable.values())
+        self.channels = channels
+        self.recorder = timeline.Recorder(role.stage, role.replica)
+        transport = device if run.backend == "nccl" else torch.device("cpu")
+        self.messenger = Messenger(channels, transport, device, self.recorder)
+        self.data_dir = data_dir
+        self.is_last = role.stage == len(self.spec.stages) - 1
+        self.losses: dict[int, float] = {}
+        self._loss_total: torch.Tensor | float = 0.0
+        self._synthetic_cache: dict[int, dict[str, Any]] = {}
+        self.iteration_ends: list[float] = []
+        self.started = 0.0
+        self.reads_data = any(source == DATA_SOURCE for source in self.stage.sources.values())
+        self.producers = sorted({source for source in self.stage.sources.values() if source != DATA_SOURCE})
+        shared = {name for name in self.spec.shared}
+        self.local_parameters = [name for name in self.trainable if name not in shared]
+
+    # data -------------------------------------------------------------------------------------
+    def _data(self, iteration: int) -> dict[int, dict[str, Any]]:
+        """This rank's owned micro-batches of the iteration's data inputs (and target)."""
+        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
+        if not self.reads_data and not self.is_last:
+            return {}
+        names = [name for name, source in self.stage.sources.items() if source == DATA_SOURCE]
+        if self.data_dir is None:
+            for m in owned:
+                if m not in self._synthetic_cache:
+                    self._synthetic_cache[m] = self._synthetic(m, names)
+            return {m: self._synthetic_cache[m] for m in owned}
+        path = data_file(self.data_dir, iteration)
+        if not path.is_file():
+            raise InputError(f"rank {self.role.rank} (stage {self.role.stage}) found no data for iteration "
+                             f"{iteration}: {path} does not exist. Write the batches there, or run with --synthetic")
+        values = unpack_values(path.read_bytes())
+        wanted = {name: values[name] for name in names}
+        if self.is_last and TARGET in values:
+            wanted[TARGET] = values[TARGET]
+        return {m: micro_batch_values(wanted, self.spec.batch, self.spec.micro_batches, m) for m in owned}
+
+    def _synthetic(self, m: int, names: list[str]) -> dict[str, Any]:
+        """Micro-batch m of a throughput run: made once on the rank's device and reused every
+        iteration, so that the data path costs nothing (a real input pipeline is not what is
+        measured). Seeded by the micro-batch, so every stage reading an input sees the same values."""
+        generator = torch.Generator(device=self.device).manual_seed(self.run.seed * 1_000_003 + m)
+        rows = micro_batch_size(self.spec.batch, self.spec.micro_batches, m)
+        entries = {entry["name"]: entry for entry in self.manifest["inputs"]}
+        values: dict[str, Any] = {name: synthetic_tensor(entries[name], rows, self.run.example_batch, generator)
+                                  for name in names}
+        if self.is_last:
+            output = next(entry for entry in self.manifest["outputs"] if entry["name"] == self.spec.loss_output)
+            target = synthetic_target(self.spec.loss, output, rows, self.run.example_batch, generator)
+            if target is not None:
+                values[TARGET] = target
+        return values
+
+    # routes -----------------------------------------------------------------------------------
+    def _peer(self, stage: int, micro_batch: int) -> int:
+        return self.layout.rank(stage, micro_batch % self.spec.stages[stage].replicas)
+
+    def _names_read_by(self, consumer: int) -> list[str]:
+        reader = self.spec.stages[consumer]
+        return [name for name in reader.inputs if reader.sources[name] == self.role.stage]
+
+    # compute ----------------------------------------------------------------------------------
+    def _forward(self, iteration: int, m: int, data: dict[str, Any], states: dict[int, _MicroBatch]) -> None:
+        received: dict[str, Any] = {}
+        for producer in self.producers:
+            received.update(self.messenger.recv(self._peer(producer, m), m, FORWARD, iteration))
+        state = _MicroBatch()
+        args = []
+        for name in self.stage.inputs:
+            if self.stage.sources[name] == DATA_SOURCE:
+                value = data[name]
+                value = value.to(self.device) if isinstance(value, torch.Tensor) else value
+            else:
+                value = received[name]
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value = value.detach().requires_grad_(True)
+            state.inputs[name] = value
+            args.append(value)
+        with self.recorder.task("forward", iteration, micro_batch=m), torch.enable_grad():
+            outputs = self.module(*args)
+            state.outputs = dict(zip(self.stage.outputs, outputs))
+            if self.is_last:
+                target = data.get(TARGET)
+                target = target.to(self.device) if isinstance(target, torch.Tensor) else target
+                # b/B: the micro-batch losses add up to the mean over the global batch (training.py)
+                scale = micro_batch_size(self.spec.batch, self.spec.micro_batches, m) / self.spec.batch
+                state.loss = loss_value(self.spec.loss, state.outputs[self.spec.loss_output], target) * scale
+        states[m] = state
+        for consumer in self.stage.consumers:
+            values = {name: state.outputs[name] for name in self._names_read_by(consumer)}
+            self.messenger.send(values, self._peer(consumer, m), m, FORWARD, iteration)
+
+    def _backward(self, iteration: int, m: int, states: dict[int, _MicroBatch]) -> None:
+        state = states.pop(m)
+        grads: dict[str, torch.Tensor] = {}
+        for consumer in self.stage.consumers:
+            for name, grad in self.messenger.recv(self._peer(consumer, m), m, BACKWARD, iteration).items():
+                grads[name] = grads[name] + grad if name in grads else grad
+        with self.recorder.task("backward", iteration, micro_batch=m):
+            if self.is_last:
+                state.loss.backward()
+                self._loss_total = self._loss_total + state.loss.detach()   # read once per iteration: no sync here
+            else:
+                pairs = [(state.outputs[name], grad) for name, grad in grads.items()
+                         if isinstance(state.outputs.get(name), torch.Tensor) and state.outputs[name].requires_grad]
+                if pairs:
+                    torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        for producer in self.producers:
+            names = [name for name, source in self.stage.sources.items() if source == producer]
+            input_grads = {name: state.inputs[name].grad for name in names
+                           if isinstance(state.inputs[name], torch.Tensor) and state.inputs[name].requires_grad
+                           and state.inputs[name].grad is not None}
+            # always a message, possibly empty: the producer waits for one from every consumer
+            self.messenger.send(input_grads, self._peer(producer, m), m, BACKWARD, iteration)
+
+    def _all_reduce(self, names: list[str], group: Any) -> None:
+        """Sums the named parameters' gradients over ``group`` (one flat buffer, one collective)."""
+        if group is None or not names:
+            return
+        params = [self.trainable[name] for name in names]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params])
+        if self.run.backend == "gloo":
+            flat = flat.cpu()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat.to(self.device)
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.grad = flat[offset:offset + count].view_as(param).to(param.dtype).clone()
+            offset += count
+
+    def _synchronize(self, iteration: int) -> None:
+        with self.recorder.task("sync", iteration):
+            self._all_reduce(self.local_parameters, self.channels.stage)
+            # groups in sorted order on every rank: collectives on overlapping groups cannot cross
+            for holders, group in sorted(self.channels.shared.items()):
+                names = sorted(name for name, held in self.spec.shared.items()
+                               if held == holders and name in self.trainable)
+                self._all_reduce(names, group)
+
+    def run_iteration(self, iteration: int) -> None:
+        self._loss_total = 0.0
+        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
+        data = self._data(iteration)
+        states: dict[int, _MicroBatch] = {}
+        for kind, m in compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages)):
+            if kind == "F":
+                self._forward(iteration, m, data.get(m, {}), states)
+            else:
+                self._backward(iteration, m, states)
+        self.messenger.flush()
+        self._synchronize(iteration)
+        with self.recorder.task("update", iteration):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # the iteration's time is the device's, not the launches'
+        self.iteration_ends.append(time.time())
+        if self.is_last:
+            self.losses[iteration] = float(self._loss_total)
+
+    def train(self) -> None:
+        self.started = time.time()
+        for iteration in range(self.run.iterations):
+            self.run_iteration(iteration)
+
+    # results ----------------------------------------------------------------------------------
+    def iteration_seconds(self) -> list[float]:
+        """Seconds between consecutive iteration ends: in steady state, the pipeline's period."""
+        starts = [self.started, *self.iteration_ends[:-1]]
+        return [end - start for start, end in zip(starts, self.iteration_ends)]
+
+    def report(self, warmup: int) -> dict[str, Any]:
+        seconds = self.iteration_seconds()
+        steady = seconds[warmup:] or seconds
+        median = statistics.median(steady) if steady else 0.0
+        if self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux: KiB
+        return {"rank": self.role.rank, "stage": self.role.stage, "replica": self.role.replica,
+                "backend": self.run.backend, "device": str(self.device), "batch": self.spec.batch,
+                "micro_batches": self.spec.micro_batches, "degrees": list(self.layout.degrees),
+                "losses": [self.losses[i] for i in sorted(self.losses)] if self.is_last else [],
+                "iteration_seconds": seconds, "warmup": warmup, "median_iteration_s": median,
+                "samples_per_s": self.spec.batch / median if median > 0 else 0.0, "peak_bytes": peak}
+
+    def write_outputs(self, out: Path, warmup: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        if self.role.replica == 0:
+            tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_tensors.items()}
+            save_file(tensors, str(parameters_file(out, self.role.stage)), metadata={"stage": str(self.role.stage)})
+        timeline_file(out, self.role.rank).write_bytes(timeline.dumps(self.recorder.drain()))
+        _write_atomic(rank_report_file(out, self.role.rank), json.dumps(self.report(warmup), indent=2).encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_bytes(data)
+    staging.replace(path)
+
+
+# -- the process -----------------------------------------------------------------------------
+
+def device_for(run: DistributedRun, local_rank: int) -> torch.device:
+    """NCCL: one device per rank (cuda:LOCAL_RANK, which NCCL requires to be distinct).
+    gloo with device cuda: ranks share the node's GPUs round-robin and stage tensors through
+    the host for the transfers."""
+    if run.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InputError(f"the run asks for device cuda (backend {run.backend}) but this process sees no CUDA "
+                         "device; give the container a GPU, or run with backend gloo on the CPU")
+    count = torch.cuda.device_count()
+    if run.backend == "nccl" and local_rank >= count:
+        raise InputError(f"local rank {local_rank} needs its own GPU for NCCL, but this node has {count}; start at "
+                         f"most {count} ranks per node")
+    index = local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | None, rank: int, local_rank: int,
+             warmup: int = 1) -> None:
+    """Joins the process group (``env://``: MASTER_ADDR, MASTER_PORT), trains, writes outputs."""
+    layout = run.layout
+    world = int(os.environ.get("WORLD_SIZE", layout.world_size))
+    if world != layout.world_size:
+        raise InputError(f"the plan has {layout.world_size} stage replicas (degrees {list(layout.degrees)}), but "
+                         f"WORLD_SIZE is {world}; start exactly one rank per stage replica")
+    role = layout.role(rank)
+    device = device_for(run, local_rank)
+    module = load_stage(stage_path(context, role.stage))
+    kwargs: dict[str, Any] = {}
+    if run.backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(run.backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=run.timeout_s), **kwargs)
+    try:
+        channels = Channels.create(run, role)
+        worker = StageRank(run, role, module, device, channels, data_dir)
+        worker.train()
+        worker.write_outputs(out, warmup)
+        # nobody leaves before everyone has sent everything: a peer may still be reading
+        dist.barrier(group=channels.control_gradients)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m flatpack.runtime.distributed",
+                                     description="One rank of a gpu-container training run (start it with torchrun).")
+    parser.add_argument("--context", required=True, help="the packaged context: run.json and stages/")
+    parser.add_argument("--run", help=f"the run document (default: CONTEXT/{RUN_FILE})")
+    parser.add_argument("--data", help=f"directory of iter_NNNNNN.safetensors batches (default: CONTEXT/{DATA_DIR})")
+    parser.add_argument("--synthetic", action="store_true", help="generate batches from the manifest shapes")
+    parser.add_argument("--out", default="out", help="where ranks write parameters, reports and timelines")
+    parser.add_argument("--iterations", type=int, help="override the run document's iteration count")
+    parser.add_argument("--batch", type=int, help="override the global batch (synthetic throughput runs)")
+    parser.add_argument("--warmup", type=int, default=1, help="iterations left out of the median seconds")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    context = Path(args.context)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    try:
+        run = DistributedRun.loads(Path(args.run or context / RUN_FILE).read_bytes())
+        if args.iterations is not None or args.batch is not None:
+            run = replace(run, iterations=args.iterations or run.iterations,
+                          spec=replace(run.spec, batch=args.batch or run.spec.batch))
+        data_dir = None if args.synthetic else Path(args.data or context / DATA_DIR)
+        run_rank(run, context, Path(args.out), data_dir=data_dir, rank=rank, local_rank=local_rank,
+                 warmup=args.warmup)
+    except Exception:  # noqa: BLE001 - the launcher reads the traceback from this rank's log
+        failed_at = time.time()
+        role = _describe(rank, args)
+        print(f"flatpack rank {rank} ({role}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _record_failure(Path(args.out), rank, failed_at, traceback.format_exc())
+        return 1
+    return 0
+
+
+def _record_failure(out: Path, rank: int, failed_at: float, trace: str) -> None:
+    """When one rank fails its peers fail soon after (their connections close); the time
+    lets the launcher report the first failure, the cause, rather than the echoes."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(error_file(out, rank), json.dumps({"rank": rank, "time": failed_at, "traceback": trace}).encode())
+    except OSError:
+        pass   # the log still has the traceback
+
+
+def _describe(rank: int, args: argparse.Namespace) -> str:
+    try:
+        run = DistributedRun.loads(Path(args.run or Path(args.context) / RUN_FILE).read_bytes())
+        role = run.layout.role(rank)
+        return f"stage {role.stage}, replica {role.replica}"
+    except Exception:  # noqa: BLE001 - only for the message
+        return "stage unknown"
+
+
+def iter_reports(out: Path) -> Iterator[dict[str, Any]]:
+    for path in sorted(out.glob("rank_*.json")):
+        yield json.loads(path.read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The alibaba-fc backend with the real Function Compute 3.0 SDK against our local stand-in of
+the FC API (which checks the SDK's request signatures and runs each invocation's handler from
+the generated image build context), and moto's S3 standing in for OSS's S3-compatible
+endpoint. Checks the requests the SDK sends, training equivalence, rollback and teardown."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flatpack.backends import alibaba_fc
+from flatpack.backends.standins.fc_api import LocalFunctionCompute, context_resolver
+from flatpack.errors import DeployError, InputError
+from flatpack.runtime.reference import train_single_process
+
+from .test_local_training import assert_same_parameters, batches, compiled_with, make_model
+
+pytestmark = pytest.mark.slow
+
+KEY_ID, SECRET = "LTAI-flatpack-test", "test-secret"
+ACCOUNT = "1234567890123456"
+
+
+@pytest.fixture
+def fc(moto_server, monkeypatch):
+    """The FC stand-in, checking signatures with the test access key, and the default
+    credential chain finding that key in the environment."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_ID", KEY_ID)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_SECRET", SECRET)
+    contexts: dict[str, str] = {}
+    service = LocalFunctionCompute(context_resolver(contexts), access_keys={KEY_ID: SECRET})
+    service.start()
+    try:
+        yield service, contexts, {"fc": service.url, "oss": moto_server.url}
+    finally:
+        service.stop()
+
+
+def deploy(compiled, fc, tmp_path, **options):
+    service, contexts, endpoints = fc
+    deployment = alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, endpoint_urls=endpoints,
+                                   push=lambda image, context, uri: contexts.__setitem__(uri, str(context)),
+                                   role_arn=f"acs:ram::{ACCOUNT}:role/flatpack-fc", out=tmp_path, **options)
+    return deployment
+
+
+def test_deploy_train_and_teardown_through_the_fc_sdk(fc, tmp_path):
+    service, _, _ = fc
+    compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 2], 4, memory_mb=1024)
+    deployment = deploy(compiled, fc, tmp_path)
+    try:
+        creates = [request.json() for request in service.requests
+                   if request.method == "POST" and request.path == "/2023-03-30/functions"]
+        assert [body["functionName"] for body in creates] == [f["name"] for f in deployment.resources["functions"]]
+        for body in creates:
+            assert body["runtime"] == "custom-container"
+            assert body["memorySize"] == 1024 and 1 / 4 <= body["cpu"] <= 1.0
+            assert body["customContainerConfig"]["image"].startswith("registry.cn-hangzhou.aliyuncs.com/flatpack/")
+            assert body["customContainerConfig"]["port"] == alibaba_fc.CONTAINER_PORT
+            assert body["environmentVariables"]["FLATPACK_STORE"].startswith(f"s3://{deployment.resources['bucket']}/")
+            assert body["role"] == f"acs:ram::{ACCOUNT}:role/flatpack-fc"
+        assert all(request.headers.get("authorization", "").startswith(f"ACS3-HMAC-SHA256 Credential={KEY_ID}")
+                   for request in service.requests)
+
+        data = batches(2)
+        optimizer = {"name": "adam", "lr": 0.01}
+        reference, losses = train_single_process(make_model(), data, 2, optimizer=optimizer)
+        result = deployment.train(data, iterations=2, optimizer=optimizer, timeout_s=300)
+        assert_same_parameters(result, reference)
+        assert result.losses == pytest.approx(losses, rel=1e-4, abs=1e-5)
+        assert len(service.invocations) == 3      # one synchronous invocation per stage replica
+    finally:
+        removed = deployment.teardown()
+    assert service.functions == {}
+    assert sorted(entry.split()[0] for entry in removed) == ["bucket", "function", "function"]
+
+
+def test_a_failure_mid_deploy_rolls_back_only_what_it_created(fc, tmp_path):
+    from alibabacloud_fc20230330 import models
+
+    service, _, endpoints = fc
+    compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2, memory_mb=512)
+    name = "fp-clash-test"
+    # a function of that name already exists (someone else's): the second CreateFunction fails
+    credential_client, _ = alibaba_fc.credentials()
+    client = alibaba_fc._fc_client(credential_client, "cn-hangzhou", ACCOUNT, endpoints["fc"])
+    client.create_function(models.CreateFunctionRequest(body=models.CreateFunctionInput().from_map({
+        "functionName": f"{name}-s001", "runtime": "custom-container", "memorySize": 512, "handler": "index.handler",
+        "customContainerConfig": {"image": "registry.cn-hangzhou.aliyuncs.com/other/app:1"}})))
+    with pytest.raises(DeployError) as failure:
+        deploy(compiled, fc, tmp_path, name=name)
+    assert "FunctionAlreadyExists" in str(failure.value) and "Nothing is left behind" in str(failure.value)
+    assert sorted(failure.value.rolled_back) == [f"bucket {name}-{ACCOUNT}", f"function {name}-s000"]
+    assert list(service.functions) == [f"{name}-s001"]      # not ours: left alone
+
+
+def test_bad_input_fails_before_any_api_call(fc, tmp_path):
+    service, _, _ = fc
+    compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2, memory_mb=512)
+    with pytest.raises(InputError, match="'cn-hangzou' is not a Function Compute 3.0 region. Did you mean cn-hangzhou"):
+        alibaba_fc.deploy(compiled, region="cn-hangzou", account=ACCOUNT, push=lambda *a: None, out=tmp_path)
+    with pytest.raises(InputError, match="bucket name 'Flat_Pack' is not valid"):
+        alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, bucket="Flat_Pack", push=lambda *a: None)
+    assert service.requests == []
