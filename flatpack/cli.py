@@ -428,7 +428,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 CLOUD_OPTIONS = {
     "aws-lambda": ("name", "region", "bucket"),
     "alibaba-fc": ("name", "region", "bucket", "account", "namespace", "role_arn"),
-    "gpu-container": ("name",),
+    "gpu-container": ("name", "image"),
 }
 
 
@@ -465,17 +465,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                        for (start, end), stage in zip(compiled.plan.ranges, compiled.plan.stages))
     print(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
           f"{len(compiled.plan.stages)} stages, layers {stages}")
-    if args.dry_run:
+    if args.dry_run or args.target == "gpu-container":
+        # a gpu-container deployment is the user's kubectl apply of what this writes
         files = backend.package(compiled, **options)
         for path, data in sorted(files.items()):
             target = out / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
         _print_tree(out, files)
-        commands = files.get("commands.sh")
-        if commands:
-            print(f"\ndry run: nothing was created. The commands that create this deployment ({out / 'commands.sh'}):\n")
-            print(commands.decode())
+        what = ("dry run: nothing was created" if args.dry_run else
+                "flatpack calls no cluster API for gpu-container: apply the manifests yourself")
+        print(f"\n{what}. The commands that create this deployment ({out / 'commands.sh'}):\n")
+        print(files["commands.sh"].decode())
         return 0
     deployment = backend.deploy(compiled, out=out, **options)
     print(f"deployed {deployment.ledger.name} to {args.target} ({deployment.ledger.region}):")
@@ -643,6 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_parser.add_argument("--account", default=None, help="alibaba-fc: the account id")
     deploy_parser.add_argument("--namespace", default=None, help="alibaba-fc: the Container Registry namespace")
     deploy_parser.add_argument("--role-arn", dest="role_arn", default=None, help="alibaba-fc: the functions' RAM role")
+    deploy_parser.add_argument("--image", default=None, help="gpu-container: the image name to build and push "
+                                                             "(default <name>:latest)")
     deploy_parser.set_defaults(run=cmd_deploy)
 
     teardown_parser = sub.add_parser("teardown", help="remove everything a deployment created")

@@ -96,6 +96,15 @@ class Compiled:
         """Fresh ``nn.Module`` per stage, built from the generated source and weights."""
         return [build_module(artifact, f"<flatpack {stage_dirname(artifact.index)}>") for artifact in self.artifacts]
 
+    def input_leaves(self, inputs: Any, kwargs: dict | None = None) -> list[Any]:
+        """The model's flat inputs for a call like ``model(inputs)`` (a tensor, a tuple of
+        positional inputs or a dict of keyword inputs), in the graph's placeholder order:
+        what the stages' data inputs are named by (``info["input_names"]``)."""
+        from flatpack.ir.trace import Signature, flatten_inputs
+
+        args, keywords = _as_call(inputs, kwargs)
+        return flatten_inputs(Signature.from_json(self.info["signature"]), args, keywords)[0]
+
     def as_module(self) -> "StagedModule":
         """The stages chained in-process: call it like the original model, forward and backward."""
         return StagedModule(self.stage_modules(), self.info)

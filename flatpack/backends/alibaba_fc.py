@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import FunctionDeployment, TrainResult
+from flatpack.backends.functions import TrainResult
 from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
-from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.worker import STORE_ENV
 
@@ -255,7 +254,9 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
             raise
         raise error from err
     ledger.save(out_dir)
-    return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs")
+    return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
+                        (credential.get_access_key_id(), credential.get_access_key_secret(),
+                         credential.get_security_token()))
 
 
 class _Clients:
@@ -312,41 +313,16 @@ def teardown(deployment: "FcDeployment | str | os.PathLike") -> list[str]:
     ledger = cloud.Ledger.load(deployment)
     credential_client, credential = credentials()
     clients = _Clients(credential_client, credential, ledger.details["resources"], ledger.details.get("endpoint_urls", {}))
-    return _remove(ledger, clients, Path(deployment))
+    return cloud.remove(ledger, _deleters(clients), Path(deployment))
 
 
-def _remove(ledger: cloud.Ledger, clients: _Clients, record_dir: Path | None) -> list[str]:
-    removed, failed = ledger.undo(_deleters(clients))
-    if record_dir is not None:
-        ledger.save(record_dir)
-    if failed:
-        raise DeployError(f"teardown of {ledger.name} could not remove: {', '.join(failed)}. Removed: "
-                          f"{', '.join(removed) or 'nothing'}. Run flatpack teardown again once the cause is fixed",
-                          rolled_back=tuple(removed))
-    return removed
-
-
-class FcDeployment(FunctionDeployment):
-    """A deployment on Function Compute: ``train`` and ``infer`` as on the local backend,
-    each function a synchronous invocation of the stage's FC function."""
+class FcDeployment(cloud.CloudDeployment):
+    """A deployment on Function Compute: each function a synchronous invocation of the stage's FC function."""
 
     platform = NAME
-    emulate_tiers = False
 
-    def __init__(self, compiled: Compiled, res: dict[str, Any], ledger: cloud.Ledger, clients: _Clients,
-                 workdir: Path) -> None:
-        from flatpack.runtime.store import S3Store
-
-        credential = clients.credential
-        endpoint = res["store_url"].split("endpoint_url=", 1)[1]
-        store = S3Store(res["bucket"], "", endpoint, res["region"], aws_access_key_id=credential.get_access_key_id(),
-                        aws_secret_access_key=credential.get_access_key_secret(),
-                        aws_session_token=credential.get_security_token() or None)
-        super().__init__(compiled, res["store_url"], {}, RunKeys(res["run"]), workdir, store=store)
-        self.resources = res
-        self.ledger = ledger
-        self.clients = clients
-        self.record_dir = workdir.parent if workdir.name == "logs" else None
+    def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
+        return _deleters(self.clients)
 
     def launch(self, role: Role) -> cloud.ThreadInvocation:
         import io
@@ -370,10 +346,6 @@ class FcDeployment(FunctionDeployment):
             return int(json.loads(payload)["exit"])
 
         return cloud.ThreadInvocation(call, role.worker)
-
-    def teardown(self) -> list[str]:  # type: ignore[override]
-        super().teardown()
-        return _remove(self.ledger, self.clients, self.record_dir)
 
 
 def backend() -> Any:

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import FunctionDeployment, TrainResult
+from flatpack.backends.functions import TrainResult
 from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
-from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.worker import STORE_ENV
 
@@ -287,7 +286,9 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
             raise
         raise error from err
     ledger.save(out_dir)
-    return LambdaDeployment(compiled, res, ledger, clients, session, Path(workdir) if workdir else out_dir / "logs")
+    credentials = session.get_credentials().get_frozen_credentials()
+    return LambdaDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
+                            (credentials.access_key, credentials.secret_key, credentials.token))
 
 
 class _Clients:
@@ -397,42 +398,17 @@ def teardown(deployment: "LambdaDeployment | str | os.PathLike", *, session: Any
     session = session or boto3.Session()
     check_credentials(session)
     clients = _Clients(session, ledger.region, ledger.details.get("endpoint_urls", {}))
-    return _remove(ledger, clients, Path(deployment))
+    return cloud.remove(ledger, _deleters(clients), Path(deployment))
 
 
-def _remove(ledger: cloud.Ledger, clients: _Clients, record_dir: Path | None) -> list[str]:
-    removed, failed = ledger.undo(_deleters(clients))
-    if record_dir is not None:
-        ledger.save(record_dir)
-    if failed:
-        raise DeployError(f"teardown of {ledger.name} could not remove: {', '.join(failed)}. Removed: "
-                          f"{', '.join(removed) or 'nothing'}. Run flatpack teardown again once the cause is fixed",
-                          rolled_back=tuple(removed))
-    return removed
-
-
-class LambdaDeployment(FunctionDeployment):
-    """A deployment on Lambda: ``train`` and ``infer`` as on the local backend, each function
-    a synchronous invocation of the stage's Lambda function."""
+class LambdaDeployment(cloud.CloudDeployment):
+    """A deployment on Lambda: each function a synchronous invocation of the stage's Lambda function."""
 
     platform = NAME
-    emulate_tiers = False        # Lambda enforces the memory, CPU share and bandwidth itself
     time_limit_s = TIMEOUT_S - TIME_LIMIT_MARGIN_S
 
-    def __init__(self, compiled: Compiled, res: dict[str, Any], ledger: cloud.Ledger, clients: _Clients,
-                 session: Any, workdir: Path) -> None:
-        from flatpack.runtime.store import S3Store
-
-        credentials = session.get_credentials().get_frozen_credentials()
-        store_url = res["store_url"]
-        endpoint = ledger.details.get("endpoint_urls", {}).get("s3")
-        store = S3Store(res["bucket"], "", endpoint, res["region"], aws_access_key_id=credentials.access_key,
-                        aws_secret_access_key=credentials.secret_key, aws_session_token=credentials.token)
-        super().__init__(compiled, store_url, {}, RunKeys(res["run"]), workdir, store=store)
-        self.resources = res
-        self.ledger = ledger
-        self.clients = clients
-        self.record_dir = workdir.parent if workdir.name == "logs" else None
+    def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
+        return _deleters(self.clients)
 
     def launch(self, role: Role) -> cloud.ThreadInvocation:
         function = cloud.function_name(self.resources["name"], role.kind, role.stage)
@@ -451,11 +427,6 @@ class LambdaDeployment(FunctionDeployment):
             return int(json.loads(payload)["exit"])
 
         return cloud.ThreadInvocation(call, role.worker)
-
-    def teardown(self) -> list[str]:  # type: ignore[override]
-        """Stops waiting for functions, deletes the run's objects, then every resource."""
-        super().teardown()
-        return _remove(self.ledger, self.clients, self.record_dir)
 
 
 def backend() -> Any:

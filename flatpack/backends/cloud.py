@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from flatpack.backends.functions import FunctionDeployment
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
+from flatpack.runtime.keys import RunKeys
 
 # the run's tensors that are dead once their iteration (or request) is done; the invoker
 # deletes them as it goes, the lifecycle rule catches what a crashed invoker left behind
@@ -176,6 +178,19 @@ def rollback(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None
     return DeployError(message, rolled_back=tuple(removed))
 
 
+def remove(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None]],
+           record_dir: Path | None) -> list[str]:
+    """Teardown: removes what the ledger lists, updates the record, and says what stayed."""
+    removed, failed = ledger.undo(deleters)
+    if record_dir is not None:
+        ledger.save(record_dir)
+    if failed:
+        raise DeployError(f"teardown of {ledger.name} could not remove: {', '.join(failed)}. Removed: "
+                          f"{', '.join(removed) or 'nothing'}. Run flatpack teardown again once the cause is fixed",
+                          rolled_back=tuple(removed))
+    return removed
+
+
 # the deployment's bucket -------------------------------------------------------------------
 def create_bucket(s3: Any, bucket: str, region: str) -> None:
     # us-east-1 is S3's default location and refuses to be named as a constraint
@@ -249,3 +264,33 @@ class ThreadInvocation:
 
     def kill(self) -> None:
         self._abandoned = True
+
+
+class CloudDeployment(FunctionDeployment):
+    """A deployment on a cloud function platform: ``train`` and ``infer`` as on the local
+    backend (the platform enforces the tiers itself), its resources in ``ledger``. The
+    invoker's own store client uses the deploying user's credentials ``(key id, secret,
+    token)``; the functions use their role's."""
+
+    emulate_tiers = False
+
+    def __init__(self, compiled: Compiled, res: dict[str, Any], ledger: Ledger, clients: Any, workdir: Path,
+                 credentials: tuple[str, str, str | None]) -> None:
+        from flatpack.runtime.store import open_store
+
+        key, secret, token = credentials
+        store = open_store(res["store_url"], aws_access_key_id=key, aws_secret_access_key=secret,
+                           aws_session_token=token or None)
+        super().__init__(compiled, res["store_url"], {}, RunKeys(res["run"]), workdir, store=store)
+        self.resources = res
+        self.ledger = ledger
+        self.clients = clients
+        self.record_dir = workdir.parent if workdir.name == "logs" else None
+
+    def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
+        raise NotImplementedError(f"{type(self).__name__} must say how to delete each kind of resource")
+
+    def teardown(self) -> list[str]:  # type: ignore[override]
+        """Stops waiting for functions, deletes the run's objects, then every resource."""
+        super().teardown()
+        return remove(self.ledger, self.deleters(), self.record_dir)

@@ -23,11 +23,10 @@ import torch
 
 from flatpack.compiler import Compiled
 from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
-from flatpack.ir.trace import Signature, flatten_inputs
 from flatpack.runtime import timeline, wire
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.spec import Role, RunSpec, StageSpec, routing
+from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, stage_specs
 from flatpack.runtime.store import Store, open_store
 from flatpack.runtime.training import TARGET, pack_values
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
@@ -128,26 +127,12 @@ class FunctionDeployment:
     def _stage_specs(self, degrees: Sequence[int]) -> tuple[StageSpec, ...]:
         from flatpack.backends.catalog import get_platform
 
-        platform = get_platform(self.platform)
-        sources, consumers = routing(self.manifests, self.compiled.info["input_names"])
-        specs = []
-        for index, (stage, manifest) in enumerate(zip(self.compiled.plan.stages, self.manifests)):
-            tier = platform.tier(stage.memory_mb) if stage.memory_mb and self.emulate_tiers else None
-            specs.append(StageSpec(
-                index=index, replicas=degrees[index], memory_mb=stage.memory_mb,
-                vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
-                inputs=tuple(entry["name"] for entry in manifest["inputs"]),
-                outputs=tuple(entry["name"] for entry in manifest["outputs"]),
-                sources=sources[index], consumers=consumers[index]))
-        return tuple(specs)
+        return stage_specs(self.manifests, self.compiled.info["input_names"], degrees,
+                           [stage.memory_mb for stage in self.compiled.plan.stages],
+                           get_platform(self.platform).tier if self.emulate_tiers else None)
 
     def _shared(self) -> dict[str, tuple[int, ...]]:
-        shared: dict[str, set[int]] = {}
-        for index, manifest in enumerate(self.manifests):
-            for entry in manifest["parameters"]:
-                if entry.get("shared_with"):
-                    shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
-        return {name: tuple(sorted(holders)) for name, holders in shared.items()}
+        return shared_holders(self.manifests)
 
     def dollars_per_second(self, degrees: Sequence[int]) -> float:
         from flatpack.backends.catalog import get_platform
@@ -158,21 +143,13 @@ class FunctionDeployment:
 
     # data ---------------------------------------------------------------------------------
     def _leaves(self, inputs: Any) -> list[Any]:
-        signature = Signature.from_json(self.compiled.info["signature"])
-        if isinstance(inputs, torch.Tensor):
-            args, kwargs = (inputs,), {}
-        elif isinstance(inputs, dict):
-            args, kwargs = (), inputs
-        else:
-            args, kwargs = tuple(inputs), {}
-        leaves, _ = flatten_inputs(signature, args, kwargs)
-        return leaves
+        return self.compiled.input_leaves(inputs)
 
     def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
-        inputs, target = _inputs_and_target(batch, iteration)
+        inputs, target = inputs_and_target(batch, iteration)
         leaves = self._leaves(inputs)
         names = self.compiled.info["input_names"]
-        size = _batch_size(leaves)
+        size = batch_size_of(leaves)
         if size is None or size < micro_batches:
             raise InputError(f"batch {iteration} has {size} samples; it cannot be cut into {micro_batches} "
                              "micro-batches. Use a larger batch or fewer micro-batches")
@@ -225,7 +202,7 @@ class FunctionDeployment:
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
                        shared=self._shared(),
                        faults=tuple(faults))
-        batch_size = _batch_size(self._leaves(_inputs_and_target(batch_for(0), 0)[0]))
+        batch_size = batch_size_of(self._leaves(inputs_and_target(batch_for(0), 0)[0]))
         if batch_size is None:
             raise InputError("the first batch's inputs have no batch dimension (no tensor with one)")
         spec = dataclasses.replace(spec, batch=batch_size)
@@ -388,13 +365,13 @@ def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
         stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
 
 
-def _inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
+def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
     return batch[0], batch[1]
 
 
-def _batch_size(leaves: list[Any]) -> int | None:
+def batch_size_of(leaves: list[Any]) -> int | None:
     """Rows of the first input tensor with a batch dimension."""
     return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 

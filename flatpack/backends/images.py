@@ -205,13 +205,16 @@ def dockerfile(flavor: Flavor, stages: Sequence[int], model: str) -> str:
 
 
 def _common_files(flavor: Flavor) -> dict[str, bytes]:
-    files = {"requirements.txt": requirements().encode(), "handler.py": handler_source(flavor).encode()}
-    package_root = Path(flatpack.__file__).parent
-    for path in sorted(package_root.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        files[f"flatpack/{path.relative_to(package_root).as_posix()}"] = path.read_bytes()
-    return files
+    return {"requirements.txt": requirements().encode(), "handler.py": handler_source(flavor).encode(),
+            **runtime_sources()}
+
+
+def runtime_sources() -> dict[str, bytes]:
+    """flatpack's own Python source by ``flatpack/...`` path, as an image imports it: pure
+    Python, so a copy runs wherever torch does."""
+    root = Path(flatpack.__file__).resolve().parent
+    return {f"flatpack/{path.relative_to(root).as_posix()}": path.read_bytes()
+            for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts}
 
 
 _COPY = re.compile(r"^COPY\s+(\S+)\s+(\S+)\s*$")

@@ -125,7 +125,8 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         compiled = _compile_one_layer_per_stage(model, example_inputs, target, passes, profile, example_kwargs)
         graph = compiled.graph
         layer_names = tuple(layer.name for layer in graph.layers)
-        leaves = _input_leaves(compiled, example_inputs, example_kwargs)
+        leaves = [leaf.detach() if hasattr(leaf, "detach") else leaf
+                  for leaf in compiled.input_leaves(example_inputs, example_kwargs)]
         say(f"compiled {len(layer_names)} layers, one per stage; deploying")
         deployment = deploy(compiled)
         cleanup.callback(deployment.teardown)   # also on failure: nothing is left in the store
@@ -231,16 +232,6 @@ def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: 
     reads_profile = any(getattr(graph_pass, "reads_profile", False) for graph_pass in resolve(passes))
     return compile_model(model, example_inputs, target=target, passes=passes, example_kwargs=example_kwargs,
                          solver=_one_layer_per_stage, profile=(profile or True) if reads_profile else False)
-
-
-def _input_leaves(compiled: Any, example_inputs: Any, example_kwargs: dict | None) -> list[Any]:
-    """The model's flat inputs, in the order of the graph's placeholders."""
-    from flatpack.compiler import _as_call
-    from flatpack.ir.trace import Signature, flatten_inputs
-
-    args, kwargs = _as_call(example_inputs, example_kwargs)
-    leaves, _ = flatten_inputs(Signature.from_json(compiled.info["signature"]), args, kwargs)
-    return [leaf.detach() if hasattr(leaf, "detach") else leaf for leaf in leaves]
 
 
 def _grad_values(compiled: Any) -> tuple[str, ...]:

@@ -200,16 +200,6 @@ class DistributedRun:
                    seed=int(document["seed"]), timeout_s=float(document["timeout_s"]))
 
 
-def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
-    """Tied parameter name -> the stages holding a copy (from the manifests' ``shared_with``)."""
-    shared: dict[str, set[int]] = {}
-    for index, manifest in enumerate(manifests):
-        for entry in manifest["parameters"]:
-            if entry.get("shared_with"):
-                shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
-    return {name: tuple(sorted(holders)) for name, holders in shared.items()}
-
-
 # -- micro-batches ---------------------------------------------------------------------------
 
 def micro_batch_size(batch: int, micro_batches: int, index: int) -> int:

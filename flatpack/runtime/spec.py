@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from flatpack.errors import InputError
 from flatpack.runtime.collectives import SYNC_METHODS
@@ -129,3 +129,31 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
                 consumers[producer].add(index)
         sources.append(stage_sources)
     return sources, [tuple(sorted(c)) for c in consumers]
+
+
+def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees: Sequence[int],
+                memory_mb: Sequence[int | None], tier_of: Callable[[int], Any] | None = None) -> tuple[StageSpec, ...]:
+    """The runtime's view of a plan's stages: routing, degrees, and each stage's tier as the
+    functions emulate it (``tier_of(memory_mb)`` giving ``vcpus`` and ``bandwidth_bytes_s``;
+    None where the platform enforces its tiers itself)."""
+    sources, consumers = routing(manifests, input_names)
+    specs = []
+    for index, manifest in enumerate(manifests):
+        tier = tier_of(memory_mb[index]) if tier_of is not None and memory_mb[index] else None
+        specs.append(StageSpec(
+            index=index, replicas=degrees[index], memory_mb=memory_mb[index],
+            vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
+            inputs=tuple(entry["name"] for entry in manifest["inputs"]),
+            outputs=tuple(entry["name"] for entry in manifest["outputs"]),
+            sources=sources[index], consumers=consumers[index]))
+    return tuple(specs)
+
+
+def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+    """Tied parameter name -> the stages holding a copy (from the manifests' ``shared_with``)."""
+    shared: dict[str, set[int]] = {}
+    for index, manifest in enumerate(manifests):
+        for entry in manifest["parameters"]:
+            if entry.get("shared_with"):
+                shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
+    return {name: tuple(sorted(holders)) for name, holders in shared.items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flatpack import cli
-from flatpack.backends import aws_lambda, images
+from flatpack.backends import aws_lambda, gpu_container, images
 
 from .conftest import ecr_push
 from .test_local_training import compiled_with, make_model
@@ -31,6 +31,7 @@ def image_contexts(out: Path) -> dict[str, dict[str, bytes]]:
     ("aws-lambda", ["commands.sh", "functions.json", "iam/role-policy.json", "iam/trust-policy.json",
                     "s3/lifecycle.json"]),
     ("alibaba-fc", ["commands.sh", "functions.json", "ram/policy.json", "s3/lifecycle.json"]),
+    ("gpu-container", ["commands.sh", "Dockerfile", "launch.sh", "k8s/job.yaml", "run.json"]),
 ])
 def test_a_dry_run_writes_the_deployment_and_prints_the_commands(target, expected, tmp_path, capsys):
     out = tmp_path / "out"
@@ -39,8 +40,13 @@ def test_a_dry_run_writes_the_deployment_and_prints_the_commands(target, expecte
     assert "dry run: nothing was created" in printed
     for path in expected:
         assert (out / path).is_file(), path
-    contexts = image_contexts(out)
-    assert contexts and all(images.check_context(files) == [] for files in contexts.values())
+    if target == "gpu-container":
+        gpu_container.check_package({path.relative_to(out).as_posix(): path.read_bytes()
+                                     for path in out.rglob("*") if path.is_file()})
+        assert "kubectl apply -f k8s/job.yaml" in printed
+    else:
+        contexts = image_contexts(out)
+        assert contexts and all(images.check_context(files) == [] for files in contexts.values())
     assert "docker build" in printed and "docker push" in printed
     assert ("aws lambda create-function" in printed) == (target == "aws-lambda")
     assert ("aliyun fc POST /2023-03-30/functions" in printed) == (target == "alibaba-fc")
