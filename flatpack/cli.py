@@ -399,8 +399,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
                          verify=not args.no_verify, pick=args.pick)
     if args.target != "local":
-        raise InputError(f"flatpack run deploys to the local backend only for now; target {args.target!r} is "
-                         "compiled and planned by `flatpack plan`")
+        raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
+                         f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
+                         "deployment, see docs/cloud.md)")
     result = run_training(model, inputs, options, stream=sys.stdout)
     return 0 if result.equivalent in (None, True) else 1
 

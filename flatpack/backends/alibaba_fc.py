@@ -166,7 +166,12 @@ def check_region(region: str | None) -> str:
 def credentials() -> Any:
     """The default chain's credential (access key id, secret, token); without one, the
     error lists the chain that was searched."""
-    from alibabacloud_credentials.client import Client as CredentialClient
+    try:
+        from alibabacloud_credentials.client import Client as CredentialClient
+        import alibabacloud_fc20230330  # noqa: F401 - checked here, used by the clients
+    except ImportError:
+        raise InputError("the alibaba-fc backend needs the Function Compute SDK: "
+                         "pip install 'flatpack[alibaba]'. Nothing was deployed") from None
 
     try:
         client = CredentialClient()

@@ -22,6 +22,6 @@ def test_demo_trains_on_local_functions_and_checks_equivalence(tmp_path, capsys)
     assert (out / "compiled" / "stage_000" / "stage.py").is_file()
 
 
-def test_run_refuses_a_target_it_cannot_deploy_yet(capsys):
+def test_run_points_cloud_targets_at_deploy(capsys):
     assert main(["run", "mlp", "--target", "aws-lambda"]) == 2
-    assert "local backend only" in capsys.readouterr().err
+    assert "flatpack deploy MODEL --target aws-lambda --out DIR" in capsys.readouterr().err
