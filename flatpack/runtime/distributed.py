@@ -65,7 +65,7 @@ from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import loss_value
-from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size
 from flatpack.runtime.training import TARGET, _MicroBatch, compute_order, split_values, unpack_values
 
 RUN_FILE = "run.json"
@@ -201,12 +201,6 @@ class DistributedRun:
 
 
 # -- micro-batches ---------------------------------------------------------------------------
-
-def micro_batch_size(batch: int, micro_batches: int, index: int) -> int:
-    """Samples in micro-batch ``index``, as ``torch.tensor_split`` cuts: the first B mod M get one more."""
-    base, extra = divmod(batch, micro_batches)
-    return base + (1 if index < extra else 0)
-
 
 def micro_batch_values(values: dict[str, Any], batch: int, micro_batches: int, index: int) -> dict[str, Any]:
     """Micro-batch ``index`` of a global batch: tensors whose first dimension is the batch are

@@ -157,3 +157,9 @@ def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, 
             if entry.get("shared_with"):
                 shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
     return {name: tuple(sorted(holders)) for name, holders in shared.items()}
+
+
+def micro_batch_size(batch: int, micro_batches: int, index: int) -> int:
+    """Samples in micro-batch ``index``, as ``torch.tensor_split`` cuts: the first B mod M get one more."""
+    base, extra = divmod(batch, micro_batches)
+    return base + (1 if index < extra else 0)

@@ -28,7 +28,7 @@ from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec
+from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
 
@@ -193,7 +193,8 @@ class StageTrainer:
             if self.is_last:
                 target = values.get(TARGET)
                 output = state.outputs[self.spec.loss_output]
-                state.samples = int(output.shape[0]) if output.dim() else 0
+                # from the split, not the output: a model that returns its own (scalar) loss has no rows
+                state.samples = micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch)
                 scale = state.samples / self.spec.batch
                 state.loss = loss_value(self.spec.loss, output, target) * scale
 

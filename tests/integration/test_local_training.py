@@ -158,3 +158,30 @@ def test_fork_join_inference_equals_the_model(s3_server):
             x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(seed))
             torch.testing.assert_close(deployment.infer(x), model(x))
         assert deployment.last_latency_s is not None
+
+
+class ReturnsItsLoss(nn.Module):
+    """A model that returns its own scalar loss (as HuggingFace models given labels do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).pow(2).mean()
+
+
+def test_a_model_that_returns_its_own_scalar_loss_trains_as_in_one_process(s3_server):
+    torch.manual_seed(0)
+    model = ReturnsItsLoss()
+    base = flatpack.compile(model, (torch.randn(BATCH, 8),), stages=2)
+    plan = dataclasses.replace(base.plan, micro_batches=4, stages=tuple(
+        dataclasses.replace(stage, replicas=2) for stage in base.plan.stages))
+    compiled = flatpack.compile(model, (torch.randn(BATCH, 8),), plan=plan)
+    data = [(x, None) for x, _ in batches(2)]
+    optimizer = {"name": "sgd", "lr": 0.1}
+    reference, losses = train_single_process(model, data, 2, optimizer=optimizer, loss="output")
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        result = deployment.train(data, iterations=2, optimizer=optimizer, loss="output")
+    assert_same_parameters(result, reference)
+    assert result.losses == pytest.approx(losses, rel=1e-4, abs=1e-6)
