@@ -114,3 +114,22 @@ def test_in_target_profiling_deploys_a_profiler_function_per_tier(moto_server, t
     after = sorted(f["FunctionName"] for f in session.client("lambda", endpoint_url=moto_server.url)
                    .list_functions()["Functions"])
     assert after == before and deployed[0].ledger.created == []
+
+
+@pytest.mark.parametrize(("faults", "options", "reason"), [
+    # the runtime dies under the handler (Runtime.ExitError): invoked again from the last checkpoint
+    ([{"stage": 1, "replica": 0, "iteration": 1, "at": "backward", "action": "kill"}], {}, "lost"),
+    # near the time limit the handler returns 75 and the invoker invokes the function again
+    ([{"stage": s, "replica": 0, "iteration": 0, "at": "start", "action": "sleep", "seconds": 2.5} for s in (0, 1)],
+     {"time_limit_s": 2.0}, "time limit"),
+])
+def test_a_lost_or_timed_out_invocation_is_invoked_again(lambda_deployment, faults, options, reason):
+    deployment, endpoint = lambda_deployment
+    data = batches(3)
+    reference, losses = train_single_process(make_model(), data, 3, optimizer="adam")
+    result = deployment.train(data, iterations=3, optimizer="adam", faults=faults, timeout_s=300, **options)
+    assert_same_parameters(result, reference)
+    assert any(restart.reason == reason for restart in result.restarts)
+    if reason == "lost":
+        assert any(record.result is not None and record.result.error_type == "Runtime.ExitError"
+                   for record in endpoint.invocations)
