@@ -437,6 +437,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """Compiles MODEL for a target, then writes everything a deployment needs into --out and
     (without --dry-run) creates it in the account."""
     import flatpack
+    from flatpack.job import FastestOnFront
     from flatpack.backends import get_backend
     from flatpack.ir.profiler import ProfileOptions
     from flatpack.partitioner.workload import Workload
@@ -459,7 +460,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     model, inputs = load_factory(args.model, args.size)
     workload = Workload("train", batch=args.batch, micro_batches=args.micro_batches)
     started = time.perf_counter()
-    compiled = flatpack.compile(model, inputs, target=args.target, solver=args.solver, passes=pipeline_for(args),
+    if args.pick not in ("recommended", "fastest"):
+        raise InputError(f"--pick must be 'recommended' or 'fastest', got {args.pick!r}")
+    solver = FastestOnFront() if args.pick == "fastest" else args.solver
+    compiled = flatpack.compile(model, inputs, target=args.target, solver=solver, passes=pipeline_for(args),
                                 workload=workload, calibration=args.calibration,
                                 profile=ProfileOptions(batch_sizes=(1, 2), repeats=3), **extra)
     stages = ", ".join(f"{start}-{end} ({stage.memory_mb or '-'} MB x{stage.replicas})"
@@ -636,6 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_parser.add_argument("--batch", type=int, default=32, help="global batch the plan is made for")
     deploy_parser.add_argument("--micro-batches", type=int, default=4)
     deploy_parser.add_argument("--solver", default="dp")
+    deploy_parser.add_argument("--pick", default="recommended", help="recommended (the solver's choice) or fastest "
+                                                                      "(the fastest plan on dp's front)")
     deploy_parser.add_argument("--memory", default=None, help="memory tiers the solver may pick (MB, comma-separated)")
     deploy_parser.add_argument("--replicas", default=None, help="replica degrees the solver may pick")
     deploy_parser.add_argument("--calibration", default=None, help="calibration file (flatpack profile --target)")

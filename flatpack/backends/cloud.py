@@ -27,13 +27,25 @@ INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "marke
 INTERMEDIATE_EXPIRY_DAYS = 1     # S3 lifecycle rules count in whole days
 RECORD_FILE = "deployment.json"
 RECORD_FORMAT = "flatpack-deployment"
+ACCOUNT_PLACEHOLDER = "<ACCOUNT_ID>"     # what package() writes where the account id goes
+
+
+def model_label(compiled: Compiled) -> str:
+    """The model's class name, as the generated files name what they deploy."""
+    return str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
 
 
 def deployment_name(compiled: Compiled, prefix: str = "fp") -> str:
     """``fp-<model>-<6 hex>``: valid as a function, role, repository and bucket name part."""
-    model_class = str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
-    model = re.sub(r"[^a-z0-9]+", "-", model_class.lower()).strip("-") or "model"
+    model = re.sub(r"[^a-z0-9]+", "-", model_label(compiled).lower()).strip("-") or "model"
     return f"{prefix}-{model[:24]}-{uuid.uuid4().hex[:6]}"
+
+
+def default_bucket(name: str, account: str) -> str:
+    """``<name>-<account>``: bucket names are global, and the account id keeps two accounts'
+    deployments apart (left off while the account is a placeholder)."""
+    suffix = "" if account == ACCOUNT_PLACEHOLDER else f"-{account}"
+    return f"{name[:63 - len(suffix)]}{suffix}".lower()
 
 
 def check_tiers(compiled: Compiled, target: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 import flatpack
+from flatpack.backends.cloud import model_label
 from flatpack.codegen.artifact import serialize
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -108,7 +109,7 @@ def function_images(compiled: Compiled, target: str, *,
         files = dict(common)
         for index in stages:
             files.update(artifacts[index])
-        files["Dockerfile"] = dockerfile(flavor, stages, compiled.info.get("model_class", "model")).encode()
+        files["Dockerfile"] = dockerfile(flavor, stages, model_label(compiled)).encode()
         images.append(ImageContext(tuple(stages), files, estimate_image_bytes(flavor, files)))
     check_image_sizes(images, target)
     return images
