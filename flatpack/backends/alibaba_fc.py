@@ -242,6 +242,10 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
         raise InputError("no Alibaba Cloud account id: pass --account (account=...) or set ALIBABA_CLOUD_ACCOUNT_ID; "
                          "FC's endpoint is <account>.<region>.fc.aliyuncs.com. Nothing was deployed")
     credential_client, credential = credentials()
+    if not role_arn:
+        raise InputError("alibaba-fc functions reach the OSS bucket with their execution role's credentials: pass "
+                         "role_arn (--role-arn), a RAM role trusted by fc.aliyuncs.com with the policy of "
+                         "`flatpack deploy --dry-run`'s ram/policy.json attached. Nothing was deployed")
     if push is None and shutil.which("docker") is None:
         raise InputError("deploying to alibaba-fc builds container images, and no `docker` is on PATH. Install Docker, "
                          "or run `flatpack deploy --dry-run --out DIR` and push with DIR/commands.sh. Nothing was deployed")

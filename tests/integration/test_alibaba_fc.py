@@ -105,4 +105,7 @@ def test_bad_input_fails_before_any_api_call(fc, tmp_path):
         alibaba_fc.deploy(compiled, region="cn-hangzou", account=ACCOUNT, push=lambda *a: None, out=tmp_path)
     with pytest.raises(InputError, match="bucket name 'Flat_Pack' is not valid"):
         alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, bucket="Flat_Pack", push=lambda *a: None)
+    with pytest.raises(InputError, match="pass role_arn"):
+        alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, push=lambda *a: None,
+                          endpoint_urls=fc[2], out=tmp_path)
     assert service.requests == []
