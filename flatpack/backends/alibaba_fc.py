@@ -334,28 +334,17 @@ class FcDeployment(cloud.CloudDeployment):
     def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
         return _deleters(self.clients)
 
-    def launch(self, role: Role) -> cloud.ThreadInvocation:
+    def invoke_function(self, function: str, payload: bytes) -> tuple[bytes, str | None, bytes]:
         import io
 
         from alibabacloud_fc20230330 import models
         from alibabacloud_tea_util.models import RuntimeOptions
 
-        function = cloud.function_name(self.resources["name"], role.kind, role.stage)
-        log = self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"
-
-        def call() -> int:
-            request = models.InvokeFunctionRequest(body=io.BytesIO(json.dumps({"role": role.dumps()}).encode()))
-            headers = models.InvokeFunctionHeaders(x_fc_invocation_type="Sync")
-            runtime = RuntimeOptions(read_timeout=TIMEOUT_S * 1000, connect_timeout=10_000, autoretry=False)
-            response = self.clients.fc.invoke_function_with_options(function, request, headers, runtime)
-            payload = response.body.read()
-            log.write_bytes(payload)
-            error = (response.headers or {}).get("x-fc-error-type")
-            if error:
-                raise RuntimeError(f"{function} answered {error}: {payload[:2000].decode(errors='replace')}")
-            return int(json.loads(payload)["exit"])
-
-        return cloud.ThreadInvocation(call, role.worker)
+        request = models.InvokeFunctionRequest(body=io.BytesIO(payload))
+        headers = models.InvokeFunctionHeaders(x_fc_invocation_type="Sync")
+        runtime = RuntimeOptions(read_timeout=TIMEOUT_S * 1000, connect_timeout=10_000, autoretry=False)
+        response = self.clients.fc.invoke_function_with_options(function, request, headers, runtime)
+        return response.body.read(), (response.headers or {}).get("x-fc-error-type"), b""
 
 
 def backend() -> Any:

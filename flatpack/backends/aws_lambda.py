@@ -403,23 +403,13 @@ class LambdaDeployment(cloud.CloudDeployment):
     def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
         return _deleters(self.clients)
 
-    def launch(self, role: Role) -> cloud.ThreadInvocation:
-        function = cloud.function_name(self.resources["name"], role.kind, role.stage)
-        log = self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"
+    def invoke_function(self, function: str, payload: bytes) -> tuple[bytes, str | None, bytes]:
+        import base64
 
-        def call() -> int:
-            import base64
-
-            response = self.clients.invoke.invoke(FunctionName=function, InvocationType="RequestResponse",
-                                                   LogType="Tail", Payload=json.dumps({"role": role.dumps()}).encode())
-            payload = response["Payload"].read()
-            log.write_bytes(base64.b64decode(response.get("LogResult", "")) + b"\n" + payload)
-            if response.get("FunctionError"):
-                # the handler never raises; an error here is the runtime's: lost, as a killed process is
-                raise RuntimeError(f"{function} answered {response['FunctionError']}: {payload[:2000].decode(errors='replace')}")
-            return int(json.loads(payload)["exit"])
-
-        return cloud.ThreadInvocation(call, role.worker)
+        response = self.clients.invoke.invoke(FunctionName=function, InvocationType="RequestResponse",
+                                              LogType="Tail", Payload=payload)
+        return (response["Payload"].read(), response.get("FunctionError"),
+                base64.b64decode(response.get("LogResult", "")))
 
 
 def backend() -> Any:

@@ -20,6 +20,7 @@ from flatpack.backends.functions import FunctionDeployment
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.spec import Role
 
 # the run's tensors that are dead once their iteration (or request) is done; the invoker
 # deletes them as it goes, the lifecycle rule catches what a crashed invoker left behind
@@ -301,6 +302,27 @@ class CloudDeployment(FunctionDeployment):
 
     def deleters(self) -> dict[str, Callable[[dict[str, str]], None]]:
         raise NotImplementedError(f"{type(self).__name__} must say how to delete each kind of resource")
+
+    def invoke_function(self, function: str, payload: bytes) -> tuple[bytes, str | None, bytes]:
+        """One synchronous invocation: (the response payload, the platform's error type or
+        None, the log tail)."""
+        raise NotImplementedError(f"{type(self).__name__} must say how to invoke a function")
+
+    def launch(self, role: Role) -> ThreadInvocation:
+        """Invokes the role's function synchronously on a thread."""
+        function = function_name(self.resources["name"], role.kind, role.stage)
+        log = self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"
+        payload = json.dumps({"role": role.dumps()}).encode()
+
+        def call() -> int:
+            answer, error, logs = self.invoke_function(function, payload)
+            log.write_bytes(logs + b"\n" + answer)
+            if error:
+                # the handler never raises; an error here is the runtime's own: lost, as a killed process is
+                raise RuntimeError(f"{function} answered {error}: {answer[:2000].decode(errors='replace')}")
+            return int(json.loads(answer)["exit"])
+
+        return ThreadInvocation(call, role.worker)
 
     def teardown(self) -> list[str]:  # type: ignore[override]
         """Stops waiting for functions, deletes the run's objects, then every resource."""
