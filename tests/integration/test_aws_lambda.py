@@ -170,7 +170,7 @@ def test_missing_credentials_name_the_chain_searched(moto_server, compiled, tmp_
 
 
 def test_wrong_credentials_are_refused_with_nothing_created(moto_server, compiled, tmp_path):
-    session = moto_server.session(key="AKIAWRONGWRONGWRONG1", secret="wrong")
+    session = moto_server.session(key="unknown-key-id", secret="unknown-secret")
     before = account_state(moto_server.session(), moto_server.url)
     moto_server.require_authentication(True)
     try:
