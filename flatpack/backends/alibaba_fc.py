@@ -30,6 +30,7 @@ from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, func
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
+from flatpack.runtime.store import s3_addressing_style
 from flatpack.runtime.worker import STORE_ENV
 
 __all__ = ["NAME", "package", "deploy", "invoke", "teardown", "FcDeployment", "TrainResult"]
@@ -114,6 +115,7 @@ def package(compiled: Compiled, *, name: str | None = None, region: str = "cn-ha
     """Every file a deployment needs: ``images/<image>/`` build contexts, ``ram/policy.json``,
     ``functions.json`` (each CreateFunction body) and ``commands.sh``."""
     name = name or cloud.deployment_name(compiled)
+    cloud.check_name(name)
     res = resources(compiled, name, region, account, bucket=bucket, namespace=namespace, role_arn=role_arn)
     images = function_images(compiled, NAME)
     files: dict[str, bytes] = {}
@@ -207,7 +209,7 @@ def _s3_client(credential: Any, region: str, endpoint: str) -> Any:
                         aws_access_key_id=credential.get_access_key_id(),
                         aws_secret_access_key=credential.get_access_key_secret(),
                         aws_session_token=credential.get_security_token() or None,
-                        config=Config(s3={"addressing_style": "virtual" if "aliyuncs.com" in endpoint else "path"},
+                        config=Config(s3={"addressing_style": s3_addressing_style(endpoint)},
                                       retries={"mode": "standard", "max_attempts": 5}))
 
 
@@ -234,6 +236,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     cloud.functions(compiled, "check", NAME, profile_tiers)
     images = function_images(compiled, NAME, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
     name = name or cloud.deployment_name(compiled)
+    cloud.check_name(name)
     if bucket is not None:
         cloud.check_bucket_name(bucket)
     region = check_region(region or os.environ.get("ALIBABA_CLOUD_REGION_ID"))

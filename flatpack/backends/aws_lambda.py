@@ -38,6 +38,7 @@ from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, func
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
+from flatpack.runtime.store import s3_addressing_style
 from flatpack.runtime.worker import STORE_ENV
 
 __all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LambdaDeployment", "TrainResult"]
@@ -101,6 +102,7 @@ def package(compiled: Compiled, *, name: str | None = None, region: str = "us-ea
     """Every file a deployment needs, by path: ``images/<image>/`` build contexts, ``iam/``,
     ``s3/lifecycle.json``, ``functions.json`` and ``commands.sh`` (the same deployment by hand)."""
     name = name or cloud.deployment_name(compiled)
+    cloud.check_name(name)
     res = resources(compiled, name, region, account, bucket)
     images = function_images(compiled, NAME)
     files: dict[str, bytes] = {}
@@ -256,6 +258,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     cloud.functions(compiled, "check", NAME, profile_tiers)
     images = function_images(compiled, NAME, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
     name = name or cloud.deployment_name(compiled)
+    cloud.check_name(name)
     if bucket is not None:
         cloud.check_bucket_name(bucket)
     region = check_region(session, region or session.region_name)
@@ -287,7 +290,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
 class _Clients:
     def __init__(self, session: Any, region: str, endpoint_urls: dict[str, str]) -> None:
         self.ecr = _client(session, "ecr", region, endpoint_urls)
-        self.s3 = _client(session, "s3", region, endpoint_urls, s3={"addressing_style": "path"})
+        self.s3 = _client(session, "s3", region, endpoint_urls,
+                          s3={"addressing_style": s3_addressing_style(endpoint_urls.get("s3"))})
         self.iam = _client(session, "iam", region, endpoint_urls)
         self.control = _client(session, "lambda", region, endpoint_urls)
         invoke_urls = {"lambda": endpoint_urls.get(INVOKE_SERVICE, endpoint_urls.get("lambda"))}

@@ -39,7 +39,19 @@ def model_label(compiled: Compiled) -> str:
 def deployment_name(compiled: Compiled, prefix: str = "fp") -> str:
     """``fp-<model>-<6 hex>``: valid as a function, role, repository and bucket name part."""
     model = re.sub(r"[^a-z0-9]+", "-", model_label(compiled).lower()).strip("-") or "model"
-    return f"{prefix}-{model[:24]}-{uuid.uuid4().hex[:6]}"
+    return f"{prefix}-{model[:24].rstrip('-')}-{uuid.uuid4().hex[:6]}"
+
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]{1,38}[a-z0-9]$")
+
+
+def check_name(name: str) -> None:
+    """A deployment name that every resource can carry: the functions (``-s000``, ``-p01024``),
+    the role (``-role``), the repository (lowercase only) and the bucket (with the account id)."""
+    if not _NAME.match(name) or "--" in name:
+        raise InputError(f"deployment name {name!r} is not valid: use 3-40 lowercase letters, digits and single "
+                         "hyphens, starting with a letter (it names the functions, the role, the image repository "
+                         "and the bucket); nothing was deployed")
 
 
 def default_bucket(name: str, account: str) -> str:
@@ -99,8 +111,10 @@ def check_bucket_name(name: str) -> None:
     problem = None
     if not _BUCKET.match(name):
         problem = "3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit"
-    elif ".." in name or ".-" in name or "-." in name:
-        problem = "no two adjacent periods, and no period next to a hyphen"
+    elif "." in name:
+        # S3 allows them, but flatpack reaches buckets virtual-hosted over HTTPS, where a dot
+        # in the host name breaks the certificate match (OSS allows no dots at all)
+        problem = "without periods"
     elif name.startswith(("xn--", "sthree-")) or name.endswith(("-s3alias", "--ol-s3")):
         problem = "no reserved prefix (xn--, sthree-) or suffix (-s3alias, --ol-s3)"
     else:

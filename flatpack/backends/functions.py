@@ -142,12 +142,9 @@ class FunctionDeployment:
                    for stage, degree in zip(self.compiled.plan.stages, degrees) if stage.memory_mb)
 
     # data ---------------------------------------------------------------------------------
-    def _leaves(self, inputs: Any) -> list[Any]:
-        return self.compiled.input_leaves(inputs)
-
     def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
         inputs, target = inputs_and_target(batch, iteration)
-        leaves = self._leaves(inputs)
+        leaves = self.compiled.input_leaves(inputs)
         names = self.compiled.info["input_names"]
         size = batch_size_of(leaves)
         if size is None or size < micro_batches:
@@ -202,7 +199,7 @@ class FunctionDeployment:
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
                        shared=self._shared(),
                        faults=tuple(faults))
-        batch_size = batch_size_of(self._leaves(inputs_and_target(batch_for(0), 0)[0]))
+        batch_size = batch_size_of(self.compiled.input_leaves(inputs_and_target(batch_for(0), 0)[0]))
         if batch_size is None:
             raise InputError("the first batch's inputs have no batch dimension (no tensor with one)")
         spec = dataclasses.replace(spec, batch=batch_size)
@@ -238,7 +235,7 @@ class FunctionDeployment:
         request = self._requests
         self._requests += 1
         names = self.compiled.info["input_names"]
-        values = dict(zip(names, self._leaves(inputs)))
+        values = dict(zip(names, self.compiled.input_leaves(inputs)))
         started = time.time()
         self.store.put(self.keys.infer(str(request), 0, 0, "request"), pack_values(values))
         raw = self._wait_response(request, wait_timeout_s)

@@ -551,9 +551,6 @@ class GpuContainerDeployment:
         return invoke(self, role)
 
     # data -----------------------------------------------------------------------------------
-    def _leaves(self, inputs: Any) -> list[Any]:
-        return self.compiled.input_leaves(inputs)
-
     def _write_batches(self, directory: Path, batch_for: Callable[[int], Any], iterations: int) -> int:
         """Writes every iteration's global batch; returns the batch size (equal for all)."""
         directory.mkdir(parents=True, exist_ok=True)
@@ -561,7 +558,7 @@ class GpuContainerDeployment:
         size = None
         for iteration in range(iterations):
             inputs, target = inputs_and_target(batch_for(iteration), iteration)
-            leaves = self._leaves(inputs)
+            leaves = self.compiled.input_leaves(inputs)
             rows = batch_size_of(leaves)
             if rows is None:
                 raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one)")

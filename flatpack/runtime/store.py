@@ -474,6 +474,24 @@ class S3Store(Store):
         self._client.close()
 
 
+def s3_addressing_style(endpoint_url: str | None) -> str:
+    """Path-style for a server addressed by IP or as localhost (local S3 servers have no
+    per-bucket host names); virtual-hosted otherwise: AWS's default, and the only style
+    OSS's S3-compatible endpoint accepts."""
+    import ipaddress
+
+    host = urlsplit(endpoint_url).hostname if endpoint_url else None
+    if host is None:
+        return "virtual"
+    if host == "localhost":
+        return "path"
+    try:
+        ipaddress.ip_address(host)
+        return "path"
+    except ValueError:
+        return "virtual"
+
+
 def _s3_client(endpoint_url: str | None, region: str | None, key_id: str | None, secret: str | None,
                token: str | None, connect_timeout_s: float, read_timeout_s: float, max_pool_connections: int,
                where: str) -> Any:
@@ -489,7 +507,7 @@ def _s3_client(endpoint_url: str | None, region: str | None, key_id: str | None,
         read_timeout=read_timeout_s,
         max_pool_connections=max_pool_connections,
         retries={"total_max_attempts": 1, "mode": "standard"},  # retrying() is the one retry layer
-        s3={"addressing_style": "path"},
+        s3={"addressing_style": s3_addressing_style(endpoint_url)},
         # local S3 servers reject the CRC checksums newer botocore adds to every request
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",

@@ -84,16 +84,28 @@ def test_tiers_outside_the_platform_are_refused():
     cloud.check_tiers(compiled_model(memory_mb=16384), "alibaba-fc")
 
 
-@pytest.mark.parametrize("name", ["ab", "My-Bucket", "under_score", "-start", "end-", "a..b", "a.-b", "192.168.1.2",
-                                  "xn--bucket", "bucket-s3alias", "x" * 64])
+@pytest.mark.parametrize("name", ["ab", "My-Bucket", "under_score", "-start", "end-", "a.b", "logs.example.com",
+                                  "192.168.1.2", "xn--bucket", "bucket-s3alias", "x" * 64])
 def test_invalid_bucket_names_are_refused(name):
     with pytest.raises(InputError, match=f"bucket name '{name}' is not valid"):
         cloud.check_bucket_name(name)
 
 
-@pytest.mark.parametrize("name", ["abc", "fp-vgg16-1a2b3c-123456789012", "logs.example.com", "x" * 63])
+@pytest.mark.parametrize("name", ["abc", "fp-vgg16-1a2b3c-123456789012", "x" * 63])
 def test_valid_bucket_names_pass(name):
     cloud.check_bucket_name(name)
+
+
+@pytest.mark.parametrize("name", ["My_Model", "fp", "9lives", "double--hyphen", "trailing-", "x" * 41])
+def test_invalid_deployment_names_are_refused(name):
+    with pytest.raises(InputError, match=f"deployment name '{name}' is not valid"):
+        cloud.check_name(name)
+
+
+def test_generated_deployment_names_are_valid():
+    name = cloud.deployment_name(compiled_model())
+    cloud.check_name(name)
+    assert name.startswith("fp-sequential-")
 
 
 def test_the_ledger_rolls_back_newest_first_and_keeps_what_it_could_not_remove(tmp_path):
