@@ -16,6 +16,10 @@ Lambda's tiers on this machine; the calibration's provenance says the share was 
 real platform's functions run at their own share; its backend must be able to start a
 function of each tier's memory holding every layer (see ``_default_deploy``).
 
+Every layer is timed alone, in a loop of its own, so its weights stay warm in the caches
+between repeats, where the host profiler times the whole chain in turn as a stage runs it;
+the provenance's ``"method"`` says so.
+
 A tier on which some layer cannot run (its weights and gradients, with the runtime, pass
 the tier; or every micro-batch size does) is left out of the calibration, since the file
 holds one measured line per layer per tier and a stand-in would look measured; plans then
@@ -27,58 +31,45 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from flatpack.backends.calibration import Calibration, TierCalibration
+from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
 from flatpack.errors import InputError, RunFailure, StoreKeyError
-from flatpack.ir.profiler import ProfileOptions, example_batch_size, graph_hash
+from flatpack.ir.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, example_batch_size, graph_hash
 from flatpack.partitioner.plan import Plan
-from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.profile_function import (DOES_NOT_FIT, OK, ProfileSpec, TierResult, inputs_key, profile_role,
-                                               result_key)
+from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
 from flatpack.runtime.spec import Role
-from flatpack.runtime.store import Store
 from flatpack.runtime.training import pack_values
 
 log = logging.getLogger("flatpack.profiling")
 
-DEFAULT_BATCH_SIZES = (1, 2, 4)
 DEFAULT_TIMEOUT_S = 900.0          # per function: Lambda's own limit
-BANDWIDTH_PROBE_BYTES = 16 << 20   # on a real platform; an emulated link would only echo the catalog
+BANDWIDTH_PROBE_BYTES = 16 << 20   # on a real platform; an emulated tier's store is this machine's, unthrottled
 POLL_S = 0.05
-MIB = 1 << 20
+TRACEBACK_LINES = 20               # of a failed function's traceback, in the tier's reason
 
 
-class Invocation(Protocol):
-    """A running function (``subprocess.Popen`` is one)."""
+@dataclass(frozen=True)
+class _Ended:
+    """How a profiler function ended: its exit code (None: stopped at the timeout) and,
+    for a failed invocation, the platform's own reason (``ThreadInvocation.failure``, such
+    as Lambda's Runtime.OutOfMemory; "" where the handle has none)."""
 
-    def poll(self) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-
-class Deployment(Protocol):
-    """What the profiler needs of a deployment: the store its functions share, the run's
-    keys, a way to start a function, and teardown. ``emulate_tiers`` (optional, default
-    False): the functions must hold themselves to their tier's CPU share."""
-
-    store: Store
-    keys: RunKeys
-
-    def launch(self, role: Role) -> Invocation: ...
-
-    def teardown(self) -> None: ...
+    code: int | None
+    failure: str = ""
 
 
 def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str,
@@ -86,7 +77,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
                       repeats: int = 3, warmup: int = 1, threads: int = 1,
                       passes: str | Sequence[Any] | None = None, profile: bool | ProfileOptions = False,
                       example_kwargs: dict | None = None, emulate: bool = False,
-                      deploy: Callable[[Any], Deployment] | None = None,
+                      deploy: Callable[[Any], FunctionDeployment] | None = None,
                       launch: Callable[[Role], Invocation] | None = None, parallel: int = 1,
                       timeout_s: float = DEFAULT_TIMEOUT_S, bandwidth_probe_bytes: int | None = None,
                       out: str | os.PathLike | None = None,
@@ -107,21 +98,35 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
     ``deployment.launch``). ``parallel``: functions at a time (1 by default: emulated
     tiers on one machine would slow each other). ``timeout_s``: per function.
     ``bandwidth_probe_bytes``: also time moving this many bytes through the store per tier
-    (default: 16 MiB on a real platform, none when tiers are emulated: the figure would only
-    echo the emulation). ``report``: called with a line per step (the CLI prints them).
+    (default: 16 MiB on a real platform; none when tiers are emulated, where asking for a
+    probe is an error: an emulated function reaches this machine's store unthrottled, so the
+    figure would be localhost's, not the tier's). ``report``: called with a line per step
+    (the CLI prints them).
+
+    A function that fails leaves its tier out, with the platform's reason and the end of
+    its traceback in the provenance; when emulating, the scratch folder of the functions'
+    logs is then kept, and named. When no tier could be calibrated, :class:`RunFailure`
+    says where the logs are.
     """
     from flatpack.backends.catalog import get_platform
 
     platform = get_platform(target)
     memory_sizes = _tier_sizes(platform, tiers)
-    sizes = _positive_sizes(batch_sizes)
-    if repeats < 1 or warmup < 0 or threads < 1 or parallel < 1 or timeout_s <= 0:
-        raise InputError(f"profiling needs repeats >= 1, warmup >= 0, threads >= 1, parallel >= 1 and a positive "
-                         f"timeout; got {repeats}, {warmup}, {threads}, {parallel}, {timeout_s}")
+    # ProfileOptions checks the sizes (each a positive int), repeats and warmup as the host profiler does
+    options = ProfileOptions(batch_sizes=tuple(batch_sizes), repeats=repeats, warmup=warmup)
+    sizes = tuple(sorted(set(options.batch_sizes)))
+    if threads < 1 or parallel < 1 or timeout_s <= 0:
+        raise InputError(f"profiling needs threads >= 1, parallel >= 1 and a positive timeout; got {threads}, "
+                         f"{parallel}, {timeout_s}")
     say = report or (lambda line: None)
+    failed_tiers: list[int] = []   # filled once the functions ended; a failure keeps the scratch logs
     with contextlib.ExitStack() as cleanup:
-        if deploy is None:   # before compiling: a target that cannot profile is refused at once
-            deploy = _default_deploy(target, emulate, memory_sizes, cleanup)
+        if deploy is None:   # before compiling: a target that cannot profile, or a probe that
+            # would time localhost, is refused at once
+            _probe_size(emulate or target == "local", bandwidth_probe_bytes)
+            deploy, scratch = _default_deploy(target, emulate, memory_sizes)
+            if scratch is not None:
+                cleanup.callback(_remove_logs_unless_failed, scratch, failed_tiers)
         compiled = _compile_one_layer_per_stage(model, example_inputs, target, passes, profile, example_kwargs)
         graph = compiled.graph
         layer_names = tuple(layer.name for layer in graph.layers)
@@ -130,10 +135,11 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         say(f"compiled {len(layer_names)} layers, one per stage; deploying")
         deployment = deploy(compiled)
         cleanup.callback(deployment.teardown)   # also on failure: nothing is left in the store
+        # a deployment from a caller's ``deploy`` need not say; one that does not, does not emulate
         emulated = bool(getattr(deployment, "emulate_tiers", False))
-        probe = (0 if emulated else BANDWIDTH_PROBE_BYTES) if bandwidth_probe_bytes is None else bandwidth_probe_bytes
+        probe = _probe_size(emulated, bandwidth_probe_bytes)
         keys = deployment.keys
-        deployment.store.put(inputs_key(keys), pack_values(dict(zip(compiled.info["input_names"], leaves))))
+        deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info["input_names"], leaves))))
         grad_values = _grad_values(compiled)
         layer_inputs = tuple(tuple(entry["name"] for entry in artifact.manifest["inputs"])
                              for artifact in compiled.artifacts)
@@ -149,9 +155,16 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
             role = profile_role(keys, memory_mb)
             deployment.store.put(role.spec_key, spec.dumps())
             roles.append(role)
-        codes = _run_functions(roles, launch or deployment.launch, parallel, timeout_s, say)
-        results = {role.stage: _collect(deployment, role, codes[role.stage]) for role in roles}
-    calibration = _calibration(target, layer_names, graph_hash(graph), results, emulated, sizes, repeats, threads)
+        ended = _run_functions(roles, launch or deployment.launch, parallel, timeout_s, say)
+        results = {role.stage: _collect(deployment, role, ended[role.stage]) for role in roles}
+        failed_tiers.extend(memory_mb for memory_mb, result in results.items() if result.status == ERROR)
+        next_step = _next_step(deployment, emulated) if failed_tiers else ""
+        if failed_tiers:
+            failed = f"the profiler function failed on: {', '.join(f'{mb} MB' for mb in failed_tiers)}. {next_step}"
+            log.warning("%s", failed)
+            say(failed)
+    calibration = _calibration(target, layer_names, graph_hash(graph), results, emulated, sizes, repeats, threads,
+                               next_step)
     if out is not None:
         calibration.save(out)
         say(f"wrote {out}")
@@ -176,7 +189,8 @@ def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers
 
 def calibration_table(calibration: Calibration, micro_batch: int) -> str:
     """Forward + backward milliseconds of one micro-batch, per layer (rows) and tier
-    (columns), then the tiers left out and why."""
+    (columns), then what the provenance says of single tiers: why one was left out, notes
+    on one calibrated."""
     tiers = calibration.tiers_mb
     width = max(8, *(len(name) for name in calibration.layer_names))
     where = (f"{calibration.platform}'s tiers emulated on this machine"
@@ -189,9 +203,7 @@ def calibration_table(calibration: Calibration, micro_batch: int) -> str:
             forward, backward = calibration.seconds(index, mb, micro_batch)
             cells.append(f"{(forward + backward) * 1000:>10.3f}")
         lines.append(f"{name:<{width}}  " + "  ".join(cells))
-    skipped = {key: value for key, value in calibration.provenance.items() if key.startswith("tier ")}
-    for key, value in skipped.items():
-        lines.append(f"{key}: {value}")
+    lines.extend(f"{key}: {value}" for key, value in calibration.provenance.items() if key.startswith("tier "))
     return "\n".join(lines)
 
 
@@ -209,11 +221,20 @@ def _tier_sizes(platform: Any, tiers: Sequence[int] | None) -> tuple[int, ...]:
     return sizes
 
 
-def _positive_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
-    sizes = tuple(sorted(set(batch_sizes)))
-    if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size <= 0 for size in sizes):
-        raise InputError(f"micro-batch sizes must be positive integers, got {list(batch_sizes)!r}")
-    return sizes
+def _probe_size(emulated: bool, requested: int | None) -> int:
+    """Bytes each function moves through the store to time its bandwidth: as asked, else
+    ``BANDWIDTH_PROBE_BYTES`` on a real platform and none when the tiers are emulated."""
+    if requested is not None and requested < 0:
+        raise InputError(f"bandwidth_probe_bytes must be 0 (no probe) or more, got {requested}")
+    if not emulated:
+        return BANDWIDTH_PROBE_BYTES if requested is None else requested
+    if requested:
+        raise InputError(f"bandwidth_probe_bytes={requested} asks emulated tiers to time the store, but their "
+                         "functions reach this machine's store at local speed, not held to the tier's bandwidth, so "
+                         "the calibration would record localhost's bandwidth as the tier's. Leave it unset (or 0) "
+                         "when emulating, and plans use the catalog's bandwidth; to measure it, profile on the target "
+                         "itself (emulate=False)")
+    return 0
 
 
 def _one_layer_per_stage(problem: Any) -> Plan:
@@ -253,33 +274,54 @@ def _weight_and_grad_bytes(manifest: dict[str, Any]) -> tuple[int, int]:
     return weights, gradients
 
 
-def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...],
-                    cleanup: contextlib.ExitStack) -> Callable[[Any], Deployment]:
-    """Emulating (and for ``local``): the local backend's deploy, into a scratch directory
-    for its functions' logs that ``cleanup`` removes. Otherwise the target's backend's,
-    which must say it can start profiler functions: a function of each tier's memory with
-    every layer's artifact (``PROFILE_FUNCTIONS = True``; ``deploy(compiled,
-    profile_tiers=...)``, and ``launch`` sizing a ``"profile"`` role by ``role.stage`` MB)."""
+def _default_deploy(target: str, emulate: bool,
+                    memory_sizes: tuple[int, ...]) -> tuple[Callable[[Any], FunctionDeployment], Path | None]:
+    """The deploy function, and the scratch folder it keeps its functions' logs in (None:
+    the backend keeps them where it keeps its deployment record). Emulating (and for
+    ``local``): the local backend's deploy, into a new scratch folder. Otherwise the
+    target's backend's, which must say it can start profiler functions: a function of each
+    tier's memory with every layer's artifact (``PROFILE_FUNCTIONS = True``;
+    ``deploy(compiled, profile_tiers=...)``, and ``launch`` sizing a ``"profile"`` role by
+    ``role.stage`` MB)."""
     from flatpack.backends import get_backend
 
     if emulate or target == "local":
-        workdir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flatpack-profile-"))
-        return partial(get_backend("local").deploy, workdir=workdir)
+        scratch = Path(tempfile.mkdtemp(prefix="flatpack-profile-"))
+        return partial(get_backend("local").deploy, workdir=scratch), scratch
     backend = get_backend(target)
     if not getattr(backend, "PROFILE_FUNCTIONS", False):
         raise InputError(f"the {target} backend cannot start profiler functions yet (one function per memory tier); "
                          f"emulate its tiers on this machine instead: emulate=True (flatpack profile --emulate)")
-    return partial(backend.deploy, profile_tiers=memory_sizes)
+    return partial(backend.deploy, profile_tiers=memory_sizes), None
+
+
+def _remove_logs_unless_failed(scratch: Path, failed_tiers: list[int]) -> None:
+    """Removes the scratch folder of the functions' logs, unless a function failed: its log
+    is then the one full account of why."""
+    if not failed_tiers:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _next_step(deployment: FunctionDeployment, emulated: bool) -> str:
+    """Where a failed profiler function's log is, and how to look closer."""
+    # a deployment from a caller's ``deploy`` may keep no logs
+    workdir = getattr(deployment, "workdir", None)
+    logs = (f"The profiler functions' logs are in {workdir}" if workdir is not None
+            else "This deployment keeps no logs of its functions")
+    if emulated:
+        return f"{logs}: each function's output, its traceback included."
+    return (f"{logs}. To debug a failure on this machine, re-run with --emulate (emulate=True): the same "
+            "profiler functions then run as local processes, their full output kept.")
 
 
 def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], parallel: int, timeout_s: float,
-                   say: Callable[[str], None]) -> dict[int, int | None]:
+                   say: Callable[[str], None]) -> dict[int, _Ended]:
     """Starts the functions, ``parallel`` at a time, and waits for each up to ``timeout_s``;
-    memory size -> exit code (None: killed at the timeout). Every function still running
-    when this returns or raises is killed."""
+    memory size -> how it ended. Every function still running when this returns or raises
+    is killed."""
     pending = list(roles)
     running: dict[int, tuple[Invocation, float]] = {}
-    codes: dict[int, int | None] = {}
+    ended: dict[int, _Ended] = {}
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -294,7 +336,7 @@ def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], para
                     _stop(handle)
                     log.warning("the profiler function of the %d MB tier ran past %g s and was stopped",
                                 memory_mb, timeout_s)
-                codes[memory_mb] = code
+                ended[memory_mb] = _Ended(code, getattr(handle, "failure", ""))
                 del running[memory_mb]
                 ending = {0: "done", None: "stopped at the timeout"}.get(code, f"ended with exit code {code}")
                 say(f"  {memory_mb} MB tier: {ending} after {time.monotonic() - started:.1f} s")
@@ -302,48 +344,46 @@ def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], para
     finally:
         for handle, _ in running.values():
             _stop(handle)
-    return codes
+    return ended
 
 
 def _stop(handle: Invocation) -> None:
-    """Kills a function and, where the handle can, waits briefly so no zombie is left."""
+    """Kills a function and waits briefly, so no zombie is left."""
     handle.kill()
-    wait = getattr(handle, "wait", None)
-    if wait is None:
-        return
-    try:
-        wait(timeout=5)
-    except Exception:  # noqa: BLE001 - a function that will not end is the platform's to reap
-        pass
+    with contextlib.suppress(Exception):  # a function that will not end is the platform's to reap
+        handle.wait(timeout=5)
 
 
-def _collect(deployment: Deployment, role: Role, code: int | None) -> TierResult:
-    """The function's result; or, when it wrote none, an error result saying why (its
-    status record's traceback, or the exit code)."""
-    memory_mb = role.stage
-    try:
-        return TierResult.loads(deployment.store.get(result_key(deployment.keys, memory_mb)))
-    except StoreKeyError:
-        pass
-    if code is None:
+def _collect(deployment: FunctionDeployment, role: Role, ended: _Ended) -> TierResult:
+    """The function's result; or, when it wrote none, an error result saying why: how it
+    ended, the platform's reason, and the end of its status record's traceback."""
+    with contextlib.suppress(StoreKeyError):
+        return TierResult.loads(deployment.store.get(deployment.keys.profile("result", role.stage)))
+    if ended.code is None:
         reason = "the profiler function did not finish within the timeout"
     else:
-        reason = f"the profiler function ended with exit code {code} and wrote no result"
-    detail = _status_detail(deployment, role)
-    return TierResult(memory_mb, 0.0, False, "error", reason=f"{reason}{': ' + detail if detail else ''}")
+        reason = f"the profiler function ended with exit code {ended.code} and wrote no result"
+    if ended.failure:
+        reason += f"; the platform reported {ended.failure}"
+    detail = _status_detail(read_status(deployment.store, deployment.keys, role))
+    return TierResult(role.stage, ERROR, reason=f"{reason}:\n{detail}" if detail else reason)
 
 
-def _status_detail(deployment: Deployment, role: Role) -> str:
-    try:
-        status = json.loads(deployment.store.get(deployment.keys.status(role.stage, role.replica, role.attempt)))
-    except Exception:  # noqa: BLE001 - a lost function leaves no status
-        return ""
-    lines = [line for line in str(status.get("traceback", "")).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else str(status.get("status", ""))
+def _status_detail(status: dict) -> str:
+    """The last ``TRACEBACK_LINES`` lines of a status record's traceback (the frames nearest
+    the failure and the exception), else its status; "" when the function left none."""
+    lines = [line for line in str(status.get("traceback", "")).rstrip().splitlines() if line.strip()]
+    if lines:
+        return "\n".join(lines[-TRACEBACK_LINES:])
+    return str(status.get("status", ""))
 
 
 def _calibration(target: str, layer_names: tuple[str, ...], digest: str, results: dict[int, TierResult],
-                 emulated: bool, batch_sizes: tuple[int, ...], repeats: int, threads: int) -> Calibration:
+                 emulated: bool, batch_sizes: tuple[int, ...], repeats: int, threads: int,
+                 next_step: str) -> Calibration:
+    """The calibration of the tiers measured in full; the provenance says why any other
+    tier was left out, and notes on the calibrated ones. ``next_step``: what to do about a
+    failed function, said when no tier could be calibrated."""
     tiers: dict[int, TierCalibration] = {}
     provenance = _provenance(target, emulated, batch_sizes, repeats, threads)
     for memory_mb, result in sorted(results.items()):
@@ -354,20 +394,35 @@ def _calibration(target: str, layer_names: tuple[str, ...], digest: str, results
         tiers[memory_mb] = TierCalibration(tuple(layer.forward_s for layer in result.layers),
                                            tuple(layer.backward_s for layer in result.layers),
                                            result.bandwidth_bytes_s)
-        partial_fits = [f"{layer.name} from micro-batch {layer.over_tier_at}" for layer in result.layers
-                        if layer.over_tier_at is not None]
-        if partial_fits:
-            provenance[f"tier {memory_mb} MB"] = ("calibrated, but these layers do not fit the tier from the "
-                                                  "micro-batch size given, so their lines are fitted over the smaller "
-                                                  "sizes only: " + ", ".join(partial_fits))
+        remarks = _calibrated_tier_remarks(result)
+        if remarks:
+            provenance[f"tier {memory_mb} MB"] = remarks
     if not tiers:
         reasons = "; ".join(f"{mb} MB: {result.reason}" for mb, result in sorted(results.items()))
         if all(result.status == DOES_NOT_FIT for result in results.values()):
             raise InputError(f"no tier of {target} could be calibrated: {reasons}. Profile larger tiers, or cut "
                              "the model into smaller layers (passes)")
-        raise RunFailure(f"no tier of {target} could be calibrated: {reasons}")
+        raise RunFailure(f"no tier of {target} could be calibrated: {reasons}\n{next_step}")
     return Calibration(platform=target, layer_names=layer_names, tiers=tiers, graph_hash=digest,
                        provenance=provenance)
+
+
+def _calibrated_tier_remarks(result: TierResult) -> str:
+    """What the provenance says of a calibrated tier ("" for nothing): the layers whose
+    lines are fitted over the smaller micro-batch sizes only, then every note of the tier
+    and its layers (a size refused, a size dropped for the later layers)."""
+    partial_fits = [f"{layer.name} from micro-batch {layer.over_tier_at}" for layer in result.layers
+                    if layer.over_tier_at is not None]
+    notes = [*result.notes, *(f"{layer.name}: {note}" for layer in result.layers for note in layer.notes)]
+    if not partial_fits and not notes:
+        return ""
+    remarks = "calibrated"
+    if partial_fits:
+        remarks += (", but these layers do not fit the tier from the micro-batch size given, so their lines are "
+                    "fitted over the smaller sizes only: " + ", ".join(partial_fits))
+    if notes:
+        remarks += ". Notes: " + "; ".join(notes)
+    return remarks
 
 
 def _provenance(target: str, emulated: bool, batch_sizes: tuple[int, ...], repeats: int,
@@ -383,7 +438,11 @@ def _provenance(target: str, emulated: bool, batch_sizes: tuple[int, ...], repea
     else:
         where = f"one profiler function per memory tier on {target}, at the platform's own CPU share"
     return {"measured": now, "where": where, "cpu_share": "emulated" if emulated else "platform",
-            "method": (f"one layer per function run, forward and backward timed at micro-batch sizes "
-                       f"{', '.join(map(str, batch_sizes))} (median of {repeats}, {threads} torch thread"
-                       f"{'s' if threads != 1 else ''}), fitted as a*micro_batch + b"),
+            "method": (f"every layer in one profiler function per memory tier, one layer at a time: forward and "
+                       f"backward timed at micro-batch sizes {', '.join(map(str, batch_sizes))} (median of "
+                       f"{repeats}, {threads} torch thread{'s' if threads != 1 else ''}), fitted as "
+                       "a*micro_batch + b. Each layer is timed alone, in a loop of its own, so its weights stay "
+                       "warm in the CPU caches between repeats, unlike the host profiler, which times the whole "
+                       "chain in turn as a stage runs it: these times may be lower than a stage of many layers "
+                       "sees"),
             "flatpack": __version__, "torch": torch.__version__}

@@ -42,6 +42,7 @@ from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
+from flatpack.ir.trace import _first_line
 
 log = logging.getLogger("flatpack.profiler")
 
@@ -203,14 +204,17 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
             try:
                 env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
             except Exception as err:  # noqa: BLE001 - any refusal means: fit over the other sizes
-                refused[batch] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                refused[batch] = _first_line(err)
                 progress.skip(options.warmup + options.repeats + count)
                 continue
-            times = _time_chain(modules, env, grad_values, options, per_size, progress, batch)
+            training, inference = _time_chain(modules, env, grad_values, repeats=options.repeats,
+                                              warmup=options.warmup, budget_s=per_size, progress=progress,
+                                              batch=batch)
             for index, module in enumerate(modules):
                 progress.step(f"memory of layer {index} ({graph.layers[index].name}) at batch {batch}")
-                samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, grad_values), times[index],
-                                                      graph.crossing(index), env)
+                samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, grad_values),
+                                                      (*training[index], inference[index]), graph.crossing(index),
+                                                      env)
     finally:
         progress.close()
     measured = [batch for batch in sizes if batch not in refused]
@@ -241,25 +245,32 @@ def _direct(compute: Callable[[], Any]) -> Any:
     return compute()
 
 
-def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str],
-                options: ProfileOptions, budget_s: float | None, progress: "_Progress", batch: int,
-                execute: Callable[[Callable[[], Any]], Any] = _direct) -> list[tuple[float, float, float]]:
-    """Median forward, backward and no-grad (inference) forward seconds of every layer,
-    timed the way a stage runs them: forward through all layers in order (each on its
-    predecessors' fresh outputs, detached at the layer's inputs so its backward is its
-    own), then backward layer by layer in reverse, then a forward under ``no_grad``.
-    Timing each layer in a tight loop of its own instead would keep its weights and
-    activations in the CPU caches, which a stage running many layers in turn does not.
+def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,
+                warmup: int, budget_s: float | None = None, progress: "_Progress | None" = None, batch: int = 0,
+                execute: Callable[[Callable[[], Any]], Any] = _direct,
+                inference: bool = True) -> tuple[list[tuple[float, float]], list[float]]:
+    """Median forward and backward seconds of every layer, and with ``inference`` its no-grad
+    forward's, over ``repeats`` timed runs after ``warmup`` untimed ones, timed the way a
+    stage runs them: forward through all layers in order (each on its predecessors' fresh
+    outputs, detached at the layer's inputs so its backward is its own), then backward layer
+    by layer in reverse, then (``inference``) a forward under ``no_grad``. Timing each layer
+    in a tight loop of its own instead would keep its weights and activations in the CPU
+    caches, which a stage running many layers in turn does not.
     ``grad_values``: the value names whose gradient a stage computes (see ``_layer_inputs``).
-    ``execute`` runs each timed computation: directly, or through a tier's CPU throttle
-    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier."""
+    ``budget_s``: once spent, no further run starts (one timed run always happens).
+    ``progress`` (with ``batch`` for its messages): a bar to advance, if any. ``execute``
+    runs each timed computation: directly, or through a tier's CPU throttle
+    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier. Returns
+    (forward, backward) per layer, and the no-grad forward per layer (empty when not
+    ``inference``)."""
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
     inference_times: list[list[float]] = [[] for _ in modules]
     synchronize = _synchronizer(list(env.values()))
     started = time.perf_counter()
-    for run in range(options.warmup + options.repeats):
-        progress.step(f"{'warm-up' if run < options.warmup else 'timed'} run {run + 1} at batch {batch}")
+    for run in range(warmup + repeats):
+        if progress is not None:
+            progress.step(f"{'warm-up' if run < warmup else 'timed'} run {run + 1} at batch {batch}")
         values = dict(env)
         outputs = []
         for index, module in enumerate(modules):
@@ -282,13 +293,17 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
             outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
         for module in modules:
             module.zero_grad(set_to_none=True)
-        _serve_chain(modules, dict(env), inference_times, synchronize, execute)
-        timed = run + 1 - options.warmup
+        if inference:
+            _serve_chain(modules, dict(env), inference_times, synchronize, execute)
+        timed = run + 1 - warmup
         if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
-            progress.skip(options.warmup + options.repeats - run - 1)
+            if progress is not None:
+                progress.skip(warmup + repeats - run - 1)
             break
-    return [tuple(statistics.median(times[options.warmup:]) for times in per_layer)
-            for per_layer in zip(forward_times, backward_times, inference_times)]
+    training = [(statistics.median(forward[warmup:]), statistics.median(backward[warmup:]))
+                for forward, backward in zip(forward_times, backward_times)]
+    served = [statistics.median(times[warmup:]) for times in inference_times] if inference else []
+    return training, served
 
 
 def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float, float], crossing: list[str],
@@ -526,16 +541,17 @@ def layer_peak_bytes(module: nn.Module, values: Mapping[str, Any], grad_values: 
 
 
 def time_layer(module: nn.Module, values: Mapping[str, Any], grad_values: Collection[str], *, repeats: int,
-               warmup: int = 1, execute: Callable[[Callable[[], Any]], Any] = _direct) -> tuple[float, float, float]:
-    """Median forward, backward and no-grad forward seconds of the stage ``module`` on its
-    inputs read by name from ``values``, timed by the host profiler's code as a chain of one
-    (so, unlike a whole chain, the layer's weights stay in the caches between repeats). The
-    inputs named in ``grad_values`` (values that depend on a parameter) require grad, so
-    backward computes the gradient a stage sends back. ``execute`` wraps each timed
-    computation (``runtime.worker.cpu_throttle`` emulates a tier's CPU share)."""
-    options = ProfileOptions(batch_sizes=(1,), repeats=repeats, warmup=warmup, use_cache=False, progress=False)
-    progress = _Progress(0, enabled=False)
-    return _time_chain([module], dict(values), grad_values, options, None, progress, 0, execute)[0]
+               warmup: int = 1, execute: Callable[[Callable[[], Any]], Any] = _direct) -> tuple[float, float]:
+    """Median forward and backward seconds of the stage ``module`` on its inputs read by
+    name from ``values``, timed by the host profiler's code as a chain of one (so, unlike a
+    whole chain, the layer's weights stay in the caches between repeats). The inputs named
+    in ``grad_values`` (values that depend on a parameter) require grad, so backward
+    computes the gradient a stage sends back. ``execute`` wraps each timed computation
+    (``runtime.worker.cpu_throttle`` emulates a tier's CPU share). The no-grad forward is
+    not timed: a calibration holds training lines only."""
+    training, _ = _time_chain([module], dict(values), grad_values, repeats=repeats, warmup=warmup, execute=execute,
+                              inference=False)
+    return training[0]
 
 
 def forward_outputs(module: nn.Module, values: dict[str, Any]) -> None:

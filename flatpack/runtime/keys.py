@@ -18,9 +18,13 @@ Layout (``<run>`` is the run id)::
     <run>/status/s<stage>/r<replica>/a<attempt>       a worker's final status (ok, oom, error)
     <run>/progress/i<iter>                            loss and sample counts of an iteration
     <run>/infer/<request>/...                         fork-join inference partitions
+    <run>/profile/inputs                              in-target profiling: the model's example inputs
+    <run>/profile/spec/m<MB>                          in-target profiling: a tier's ProfileSpec
+    <run>/profile/result/m<MB>                        in-target profiling: a tier's TierResult
+    <run>/profile/probe/m<MB>                         in-target profiling: a tier's bandwidth probe
 
-Iterations, stages, replicas and micro-batches are zero-padded so that a prefix listing
-returns them in order.
+Iterations, stages, replicas, micro-batches and memory sizes are zero-padded so that a
+prefix listing returns them in order.
 """
 
 from __future__ import annotations
@@ -113,3 +117,13 @@ class RunKeys:
 
     def infer(self, request: str, group: int, partition: int, kind: str) -> str:
         return f"{self.run}/infer/{request}/g{_n(group)}/p{_n(partition)}/{kind}"
+
+    def profile(self, kind: str, memory_mb: int | None = None) -> str:
+        """In-target profiling: the ``memory_mb`` tier's ``spec``, ``result`` or bandwidth
+        ``probe``, or (no tier) the ``inputs`` every tier's function reads."""
+        if kind == "inputs" and memory_mb is None:
+            return f"{self.run}/profile/inputs"
+        if kind in ("spec", "result", "probe") and memory_mb is not None:
+            return f"{self.run}/profile/{kind}/m{_n(memory_mb)}"
+        raise ValueError(f"no profile key {kind!r} for memory size {memory_mb!r}: spec, result and probe are a "
+                         "tier's (give its memory size), inputs are every tier's (give none)")

@@ -5,7 +5,7 @@ since a tier's CPU share, not its memory, sets how fast a layer runs there).
 ``flatpack.backends.profiling`` deploys the chain with one layer per stage artifact and
 starts one function per tier with a role of kind ``"profile"`` whose ``stage`` field carries
 the tier's memory size in MB (a backend sizes the function by it). The function reads
-everything else from the store under the run's prefix:
+everything else from the store under the run's prefix (``RunKeys.profile``):
 
     <run>/profile/spec/m<MB>     the ProfileSpec (JSON)
     <run>/profile/inputs         the model's example inputs (wire format, no pickle)
@@ -28,25 +28,26 @@ of the fit and noted, so a real function is not run out of memory.
 CPU: on the local backend the tier's CPU share is emulated (``runtime.worker.cpu_throttle``);
 on a real platform the share is the platform's own and the spec says not to emulate.
 
-Entry points: ``run_profile(store, role, raw_spec)`` for ``runtime.worker``'s dispatch, and
-``python -m flatpack.runtime.profile_function`` (same environment as the worker:
-``FLATPACK_ROLE``, ``FLATPACK_STORE``).
+Entry point: ``run_profile(store, role, raw_spec)``, from ``runtime.worker``'s dispatch of a
+``"profile"`` role.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from flatpack.ir.profile import Linear
 from flatpack.ir.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
+from flatpack.ir.trace import _first_line
+# imported with the flatpack package anyway, and without the solvers' dependencies (ortools,
+# optuna, scipy), which a function's image does not install
+from flatpack.partitioner.cost.common import MIB, mb
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
@@ -54,7 +55,6 @@ from flatpack.runtime.store import Store
 PROFILE_KIND = "profile"
 SPEC_FORMAT = "flatpack-profile-spec"
 RESULT_FORMAT = "flatpack-profile-result"
-MIB = 1 << 20
 
 # Tier outcomes: every layer measured; some layer cannot fit the tier (nothing of the tier
 # goes into the calibration); the function failed (see ``reason``).
@@ -63,23 +63,11 @@ DOES_NOT_FIT = "does-not-fit"
 ERROR = "error"
 
 
-def spec_key(keys: RunKeys, memory_mb: int) -> str:
-    return f"{keys.run}/profile/spec/m{memory_mb:06d}"
-
-
-def result_key(keys: RunKeys, memory_mb: int) -> str:
-    return f"{keys.run}/profile/result/m{memory_mb:06d}"
-
-
-def inputs_key(keys: RunKeys) -> str:
-    return f"{keys.run}/profile/inputs"
-
-
 def profile_role(keys: RunKeys, memory_mb: int) -> Role:
     """The role of the function that profiles the ``memory_mb`` tier. ``stage`` carries the
     tier's memory size: a backend starts the function with that much memory, and the
     worker's status record for it lands under ``keys.status(memory_mb, 0, 0)``."""
-    return Role(spec_key=spec_key(keys, memory_mb), stage=memory_mb, replica=0, start_iteration=0,
+    return Role(spec_key=keys.profile("spec", memory_mb), stage=memory_mb, replica=0, start_iteration=0,
                 end_iteration=0, kind=PROFILE_KIND)
 
 
@@ -88,7 +76,8 @@ class ProfileSpec:
     """What one profiler function measures. Stage ``i`` of the run's artifacts is layer ``i``
     of ``layers``; ``layer_inputs[i]`` names the values it reads, ``weight_bytes[i]`` and
     ``grad_bytes[i]`` are its parameters and buffers and its trainable parameters' bytes
-    (from its manifest, so that the tier is checked before any artifact is loaded).
+    (from its manifest, so that the tier is checked before any artifact is loaded; the
+    weights also count in every micro-batch size's need).
     ``grad_values``: boundary values that depend on a parameter (their gradient is
     computed, as a stage computes the gradient it sends back). ``emulate_cpu``: hold the
     computation to ``vcpus`` (local backend); off where the platform enforces its own
@@ -130,16 +119,12 @@ class ProfileSpec:
 @dataclass(frozen=True)
 class LayerResult:
     """One layer on one tier: its lines (``None`` when no micro-batch size could be
-    measured), the sizes they were fitted over, the memory it needed at each size it was
-    measured or predicted at (runtime + weights + peak of forward and backward), the
-    smallest micro-batch size that does not fit the tier (``None``: all fit), and notes on
-    the sizes left out."""
+    measured), the smallest micro-batch size that does not fit the tier (``None``: all
+    fit), and notes on the sizes left out."""
 
     name: str
     forward_s: Linear | None = None
     backward_s: Linear | None = None
-    batch_sizes: tuple[int, ...] = ()
-    need_bytes: dict[int, int] = field(default_factory=dict)
     over_tier_at: int | None = None
     notes: tuple[str, ...] = ()
 
@@ -147,8 +132,6 @@ class LayerResult:
         return {"name": self.name,
                 "forward_s": self.forward_s.to_json() if self.forward_s else None,
                 "backward_s": self.backward_s.to_json() if self.backward_s else None,
-                "batch_sizes": list(self.batch_sizes),
-                "need_bytes": {str(size): need for size, need in self.need_bytes.items()},
                 "over_tier_at": self.over_tier_at, "notes": list(self.notes)}
 
     @classmethod
@@ -156,25 +139,19 @@ class LayerResult:
         return cls(name=data["name"],
                    forward_s=Linear.from_json(data["forward_s"]) if data.get("forward_s") else None,
                    backward_s=Linear.from_json(data["backward_s"]) if data.get("backward_s") else None,
-                   batch_sizes=tuple(data.get("batch_sizes", ())),
-                   need_bytes={int(size): int(need) for size, need in data.get("need_bytes", {}).items()},
                    over_tier_at=data.get("over_tier_at"), notes=tuple(data.get("notes", ())))
 
 
 @dataclass(frozen=True)
 class TierResult:
     """What one profiler function reports: ``status`` (``ok``, ``does-not-fit``, ``error``),
-    why when not ok, every layer measured so far, the function's own peak resident memory
-    and, when probed, its bandwidth to the store."""
+    why when not ok, every layer measured so far, when probed its bandwidth to the store,
+    and notes on the tier as a whole."""
 
     memory_mb: int
-    vcpus: float
-    cpu_emulated: bool
     status: str
     layers: tuple[LayerResult, ...] = ()
     reason: str = ""
-    peak_rss_bytes: int = 0
-    wall_s: float = 0.0
     bandwidth_bytes_s: float | None = None
     notes: tuple[str, ...] = ()
 
@@ -200,26 +177,25 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     """Profiles every layer on this function's tier and writes a :class:`TierResult` to the
     store; returns the exit code, 0 once a result is written, whatever it says (a layer
     that does not fit, or refuses every micro-batch size, is a result). A failure outside
-    the measurement (the store, an artifact) raises, for the worker to record in its status."""
+    the measurement (the store, an artifact) raises, for the worker to record in its status.
+    ``role`` is not read: the worker hands every kind its role, and this one's spec says
+    all the function needs (the tier is ``spec.memory_mb``, as ``role.stage`` is)."""
     from flatpack.runtime.worker import cpu_throttle, peak_rss_bytes
 
-    started = time.perf_counter()
     spec = ProfileSpec.loads(raw_spec)
     keys = RunKeys(spec.run)
     torch.set_num_threads(spec.threads)
 
-    def finish(status: str, layers: list[LayerResult], reason: str = "", notes: list[str] | None = None,
-               bandwidth: float | None = None) -> int:
+    def finish(status: str, layers: list[LayerResult], reason: str = "", bandwidth: float | None = None) -> int:
+        notes: list[str] = []
         peak = peak_rss_bytes()
-        notes = list(notes or [])
         if spec.emulate_cpu and peak > spec.memory_mb * MIB:
             # a local process is not a function's runtime (this host's interpreter, torch build
             # and allocator), so fits are judged with the platform's runtime size instead
-            notes.append(f"this local process peaked at {_mb(peak)} resident, over the tier; fits were judged with "
-                         f"the platform's runtime size ({_mb(spec.base_memory_bytes)}) instead")
-        result = TierResult(spec.memory_mb, spec.vcpus, spec.emulate_cpu, status, tuple(layers), reason, peak,
-                            time.perf_counter() - started, bandwidth, tuple(notes))
-        store.put(result_key(keys, spec.memory_mb), result.dumps())
+            notes.append(f"this local process peaked at {mb(peak)} resident, over the tier; fits were judged with "
+                         f"the platform's runtime size ({mb(spec.base_memory_bytes)}) instead")
+        result = TierResult(spec.memory_mb, status, tuple(layers), reason, bandwidth, tuple(notes))
+        store.put(keys.profile("result", spec.memory_mb), result.dumps())
         return 0
 
     too_big = [_static_misfit(spec, index) for index in range(len(spec.layers))]
@@ -233,7 +209,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     from flatpack.runtime.training import unpack_values
     from flatpack.runtime.worker import load_module
 
-    given = unpack_values(store.get(inputs_key(keys)))
+    given = unpack_values(store.get(keys.profile("inputs")))
     leaves = [given[name] for name in spec.input_names]
     envs = {batch: dict(zip(spec.input_names, resize_inputs(leaves, batch, spec.example_batch)))
             for batch in sorted(set(spec.batch_sizes))}
@@ -245,7 +221,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
         if module.flatpack_manifest["layer_names"] != [name]:
             raise ValueError(f"stage {index} of the run holds layers {module.flatpack_manifest['layer_names']}, not "
                              f"the one layer {name!r}: the profiler needs the chain compiled one layer per stage")
-        layer = _profile_layer(module, name, envs, spec, throttle)
+        layer = _profile_layer(module, index, envs, spec, throttle)
         measured.append(layer)
         if layer.forward_s is None:
             status = DOES_NOT_FIT if layer.over_tier_at is not None else ERROR
@@ -262,30 +238,29 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
         for values in envs.values():   # free what no later layer reads
             for value_name in [key for key in values if last_reader.get(key, -1) <= index]:
                 del values[value_name]
-    bandwidth = _probe_bandwidth(store, keys, spec.bandwidth_probe_bytes) if spec.bandwidth_probe_bytes > 0 else None
+    bandwidth = (_probe_bandwidth(store, keys.profile("probe", spec.memory_mb), spec.bandwidth_probe_bytes)
+                 if spec.bandwidth_probe_bytes > 0 else None)
     return finish(OK, measured, bandwidth=bandwidth)
 
 
-def _profile_layer(module: torch.nn.Module, name: str, envs: dict[int, dict[str, Any]], spec: ProfileSpec,
+def _profile_layer(module: torch.nn.Module, index: int, envs: dict[int, dict[str, Any]], spec: ProfileSpec,
                    throttle: Any) -> LayerResult:
-    """One layer at each micro-batch size, smallest first: predicted need (extrapolated
-    from the sizes already measured) and measured need against the tier, then the timing.
-    A size over the tier, and every larger one, is left out of the fit and noted."""
+    """Layer ``index`` at each micro-batch size, smallest first: predicted need
+    (extrapolated from the sizes already measured) and measured need against the tier, then
+    the timing. A size over the tier, and every larger one, is left out of the fit and noted."""
     limit = spec.memory_mb * MIB
-    weights = _unique_bytes([*module.parameters(), *module.buffers()])
+    weights = spec.weight_bytes[index]
     sizes: list[int] = []
     peaks: list[int] = []
     forward: list[float] = []
     backward: list[float] = []
-    need: dict[int, int] = {}
     notes: list[str] = []
     over_tier_at = None
     for batch in sorted(envs):
         if peaks:
             predicted = spec.base_memory_bytes + weights + int(Linear.fit(sizes, peaks).at(batch))
             if predicted > limit:
-                need[batch] = predicted
-                notes.append(f"micro-batch {batch} and larger not run: predicted need {_mb(predicted)} does not fit "
+                notes.append(f"micro-batch {batch} and larger not run: predicted need {mb(predicted)} does not fit "
                              f"the {spec.memory_mb} MB tier")
                 over_tier_at = batch
                 break
@@ -295,23 +270,23 @@ def _profile_layer(module: torch.nn.Module, name: str, envs: dict[int, dict[str,
         except Exception as err:  # noqa: BLE001 - a size the layer refuses: fit over the others, as the host does
             notes.append(f"micro-batch {batch} refused: {_first_line(err)}")
             continue
-        need[batch] = spec.base_memory_bytes + weights + peak
-        if need[batch] > limit:
-            notes.append(f"micro-batch {batch} and larger not timed: needs {_mb(need[batch])} (runtime "
-                         f"{_mb(spec.base_memory_bytes)}, weights {_mb(weights)}, forward+backward peak {_mb(peak)}), "
+        need = spec.base_memory_bytes + weights + peak
+        if need > limit:
+            notes.append(f"micro-batch {batch} and larger not timed: needs {mb(need)} (runtime "
+                         f"{mb(spec.base_memory_bytes)}, weights {mb(weights)}, forward+backward peak {mb(peak)}), "
                          f"which does not fit the {spec.memory_mb} MB tier")
             over_tier_at = batch
             break
-        fwd, bwd, _ = time_layer(module, values, spec.grad_values, repeats=spec.repeats, warmup=spec.warmup,
-                                 execute=throttle)
+        fwd, bwd = time_layer(module, values, spec.grad_values, repeats=spec.repeats, warmup=spec.warmup,
+                              execute=throttle)
         sizes.append(batch)
         peaks.append(peak)
         forward.append(fwd)
         backward.append(bwd)
+    name = spec.layers[index]
     if not sizes:
-        return LayerResult(name, need_bytes=need, over_tier_at=over_tier_at, notes=tuple(notes))
-    return LayerResult(name, Linear.fit(sizes, forward), Linear.fit(sizes, backward), tuple(sizes), need,
-                       over_tier_at, tuple(notes))
+        return LayerResult(name, over_tier_at=over_tier_at, notes=tuple(notes))
+    return LayerResult(name, Linear.fit(sizes, forward), Linear.fit(sizes, backward), over_tier_at, tuple(notes))
 
 
 def _static_misfit(spec: ProfileSpec, index: int) -> str:
@@ -321,13 +296,13 @@ def _static_misfit(spec: ProfileSpec, index: int) -> str:
     need = spec.base_memory_bytes + weights + gradients
     if need <= spec.memory_mb * MIB:
         return ""
-    return (f"layer {index} ({spec.layers[index]}), which needs at least {_mb(need)} (runtime "
-            f"{_mb(spec.base_memory_bytes)}, weights {_mb(weights)}, gradients {_mb(gradients)}) before any activation")
+    return (f"layer {index} ({spec.layers[index]}), which needs at least {mb(need)} (runtime "
+            f"{mb(spec.base_memory_bytes)}, weights {mb(weights)}, gradients {mb(gradients)}) before any activation")
 
 
-def _probe_bandwidth(store: Store, keys: RunKeys, nbytes: int) -> float:
-    """Bytes per second of one put and one get of ``nbytes`` (the mean of the two ways)."""
-    key = f"{keys.run}/profile/probe/{os.getpid()}"
+def _probe_bandwidth(store: Store, key: str, nbytes: int) -> float:
+    """Bytes per second of one put and one get of ``nbytes`` at ``key`` (the mean of the
+    two ways); the object is deleted after."""
     payload = os.urandom(nbytes)
     began = time.perf_counter()
     store.put(key, payload)
@@ -339,39 +314,3 @@ def _probe_bandwidth(store: Store, keys: RunKeys, nbytes: int) -> float:
 
 def _with_note(layer: LayerResult, note: str) -> LayerResult:
     return replace(layer, notes=(*layer.notes, note))
-
-
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    seen = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
-    return sum(seen.values())
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / MIB:,.1f} MB"
-
-
-def main() -> None:
-    """``python -m flatpack.runtime.profile_function``: the worker's entry for profile roles
-    alone, for launchers that start this module directly."""
-    from flatpack.runtime.store import open_store
-    from flatpack.runtime.worker import ROLE_ENV, STORE_ENV, write_status
-
-    role = Role.loads(os.environ[ROLE_ENV])
-    store = open_store(os.environ[STORE_ENV])
-    keys = RunKeys(role.spec_key.split("/", 1)[0])
-    code = 1
-    try:
-        code = run_profile(store, role, store.wait(role.spec_key, 120))
-    except BaseException:  # noqa: BLE001 - a function reports every failure to its invoker
-        write_status(store, keys, role, {"status": "error", "traceback": traceback.format_exc()})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,12 @@ has a margin far inside the 3.5x the emulated shares imply."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +24,7 @@ import flatpack
 from flatpack.backends import local
 from flatpack.backends.calibration import Calibration
 from flatpack.backends.profiling import profile_in_target
-from flatpack.errors import InputError
+from flatpack.errors import InputError, RunFailure
 from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.objective import evaluate
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -27,6 +32,7 @@ from flatpack.partitioner.workload import Workload
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.profile_function import run_profile
 from flatpack.runtime.store import FileStore
+from flatpack.runtime.worker import write_status
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +96,7 @@ def test_the_calibration_file_loads_and_has_a_line_per_layer_per_tier(profiled):
         assert all(line.at(MICRO_BATCH) > 0 for line in (*tier.forward_s, *tier.backward_s))
     assert loaded.provenance["cpu_share"] == "emulated"
     assert "emulated on the local backend" in loaded.provenance["where"]
+    assert "timed alone" in loaded.provenance["method"]
 
 
 def test_a_tier_too_small_for_a_layer_is_left_out_and_says_which_layer(profiled):
@@ -156,8 +163,26 @@ class Activations(nn.Module):
         return self.lin(x).repeat(1, 40 * 2**20 // 64).sum(dim=1)
 
 
+class Ended:
+    """A function that has ended, as the profiler sees one (``functions.Invocation``);
+    ``failure``: what the platform said of the invocation, as ``ThreadInvocation`` keeps it."""
+
+    def __init__(self, code: int, failure: str = "") -> None:
+        self.code = code
+        self.failure = failure
+
+    def poll(self) -> int:
+        return self.code
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.code
+
+    def kill(self) -> None:
+        pass
+
+
 class InProcess:
-    """A deployment the profiler sees only through its protocol (store, keys, launch,
+    """A deployment the profiler sees only through what it uses (store, keys, launch,
     teardown): a directory store, and each function run in this process."""
 
     def __init__(self, compiled, root) -> None:
@@ -167,11 +192,24 @@ class InProcess:
             self.store.put(f"{self.keys.run}/{key}", data)
 
     def launch(self, role):
-        code = run_profile(self.store, role, self.store.get(role.spec_key))
-        return type("Ended", (), {"poll": lambda self: code, "kill": lambda self: None})()
+        return Ended(run_profile(self.store, role, self.store.get(role.spec_key)))
 
     def teardown(self) -> None:
         self.store.delete_prefix(self.keys.prefix)
+
+
+class OutOfMemoryOnThePlatform(InProcess):
+    """Every function dies as Lambda kills one over its memory: a status record with a long
+    traceback (as the worker writes it), no result, and the platform's own reason."""
+
+    TRACEBACK = "Traceback (most recent call last):\n" + "".join(
+        f'  File "frame{index}.py", line {index}, in f{index}\n    step({index})\n' for index in range(30)
+    ) + "MemoryError: the last line"
+
+    def launch(self, role):
+        write_status(self.store, self.keys, role, {"status": "error", "traceback": self.TRACEBACK})
+        return Ended(-9, "RuntimeError: flatpack-p00512 answered Unhandled: "
+                         '{"errorType": "Runtime.OutOfMemory", "errorMessage": "signal: killed"}')
 
 
 def test_sizes_whose_activations_pass_the_tier_are_left_out_of_the_fit(tmp_path):
@@ -190,4 +228,46 @@ def test_sizes_whose_activations_pass_the_tier_are_left_out_of_the_fit(tmp_path)
     assert calibration.tiers[512].bandwidth_bytes_s > 0
     note = calibration.provenance["tier 512 MB"]
     assert "fitted over the smaller sizes only" in note and "from micro-batch 8" in note, note
+    assert "micro-batch 8 and larger not run: predicted need" in note, note   # the layer's own note
     assert deployments[0].store.list(f"{deployments[0].keys.run}/") == []
+
+
+def test_a_failed_function_says_the_platforms_reason_its_traceback_and_what_to_do(tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(RunFailure) as error:
+        profile_in_target(Activations(), (torch.randn(2, 16),), target="local", tiers=(512,), batch_sizes=(1,),
+                          repeats=1, deploy=lambda compiled: OutOfMemoryOnThePlatform(compiled, tmp_path / "store"))
+    message = str(error.value)
+    assert "exit code -9" in message and "Runtime.OutOfMemory" in message, message
+    assert "MemoryError: the last line" in message and "frame29.py" in message and "frame0.py" not in message
+    assert message.rstrip().endswith("re-run with --emulate (emulate=True): the same profiler functions then run "
+                                     "as local processes, their full output kept."), message
+
+
+def test_an_emulated_tiers_failed_function_keeps_its_log_folder_and_names_it():
+    def fail(role):   # stands in for a function that dies before writing anything
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+
+    with pytest.raises(RunFailure) as error:
+        profile_in_target(Activations(), (torch.randn(2, 16),), target="local", tiers=(512,), batch_sizes=(1,),
+                          repeats=1, launch=fail, timeout_s=60)
+    message = str(error.value)
+    assert "exit code 3" in message, message
+    folder = re.search(r"The profiler functions' logs are in (\S+): ", message)
+    assert folder is not None, message
+    try:
+        assert Path(folder[1]).is_dir() and Path(folder[1]).name.startswith("flatpack-profile-")
+    finally:
+        shutil.rmtree(folder[1], ignore_errors=True)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"batch_sizes": (1, "2")}, "batch sizes must be positive integers"),
+    ({"batch_sizes": ()}, "batch sizes must be positive integers"),
+    ({"repeats": 0}, "repeats >= 1"),
+    ({"bandwidth_probe_bytes": 1 << 20}, "localhost's bandwidth"),
+])
+def test_bad_settings_are_refused_before_anything_is_deployed(options, words):
+    # the local target emulates its tiers: a bandwidth probe there would time localhost
+    with pytest.raises(InputError, match=words):
+        profile_in_target(Activations(), (torch.randn(2, 16),), target="local", tiers=(512,), **options)

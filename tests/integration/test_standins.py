@@ -176,6 +176,18 @@ def test_runner_fails_a_function_above_its_memory_size(code_dir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_runner_measures_a_function_that_closed_its_channel_and_ran_past_its_timeout(code_dir: Path) -> None:
+    # the channel closed without a result, so no peak came over it: read before the kill
+    (code_dir / "stray.py").write_text("import json, os, sys, time\n\ndef handler(event, context):\n"
+                                       "    block = bytearray(200 << 20)\n"
+                                       "    os.close(json.loads(sys.argv[1])['channel_fd'])\n"
+                                       "    time.sleep(30)\n")
+    result = run_invocation(FunctionCode(code_dir, handler="stray.handler", memory_mb=512, timeout_s=0.5), b"{}")
+    assert result.error_type == runner.TIMED_OUT and result.duration_s < 5
+    assert result.max_memory_mb is not None and result.max_memory_mb > 200
+
+
+@pytest.mark.slow
 def test_runner_speaks_fc_on_fc(code_dir: Path) -> None:
     code = FunctionCode(code_dir, platform=FC, name="stage-0", memory_mb=512)
     body = invoke_json(run_invocation(code, b'{"x": 2}'))
@@ -205,7 +217,8 @@ def lambda_endpoint(code_dir: Path) -> Iterator[LocalLambdaEndpoint]:
 
 def test_lambda_unknown_functions_and_bad_requests_raise_botocore_errors() -> None:
     calls = []
-    endpoint = LocalLambdaEndpoint({"known": FunctionCode(Path("."))}.get, runner=lambda *a: calls.append(a))
+    endpoint = LocalLambdaEndpoint({"known": FunctionCode(Path("."))}.get,
+                                   runner=lambda *args, **options: calls.append(args))
     with endpoint:
         client = _lambda_client(endpoint.url)
         with pytest.raises(client.exceptions.ResourceNotFoundException, match="function:nope"):
@@ -215,6 +228,21 @@ def test_lambda_unknown_functions_and_bad_requests_raise_botocore_errors() -> No
         assert client.invoke(FunctionName="known", InvocationType="DryRun")["StatusCode"] == 204
     assert calls == []  # none of these ran the function
     assert [(r.function, r.invocation_type, r.status) for r in endpoint.invocations] == [("known", "DryRun", 204)]
+
+
+def test_lambda_passes_the_qualifier_to_the_runner() -> None:
+    qualifiers = []
+
+    def record(code, payload, request_id=None, *, qualifier=None):
+        qualifiers.append(qualifier)
+        return InvocationResult(b"{}", None, "", 0.0, request_id or "")
+
+    with LocalLambdaEndpoint({"fn": FunctionCode(Path("."))}.get, runner=record) as endpoint:
+        client = _lambda_client(endpoint.url)
+        client.invoke(FunctionName="fn", Qualifier="prod")
+        client.invoke(FunctionName="fn:7")
+        client.invoke(FunctionName="fn")
+    assert qualifiers == ["prod", "7", None]
 
 
 @pytest.mark.slow
@@ -371,3 +399,18 @@ def test_fc_rejects_unsigned_requests() -> None:
             urllib.request.urlopen(f"{fc.url}/2023-03-30/functions")
     assert unsigned.value.code == 400
     assert json.loads(unsigned.value.read())["Code"] == "MissingRequiredHeader"
+
+
+@pytest.mark.parametrize("limit", ["ten", "0"])
+def test_fc_answers_a_bad_list_limit_as_the_callers_error(limit: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    # without access keys the stand-in takes any signed-looking request
+    signed = {"Authorization": f"ACS3-HMAC-SHA256 Credential={ACCESS_KEY_ID},SignedHeaders=host,Signature=00"}
+    with LocalFunctionCompute(lambda function: None) as fc:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{fc.url}/2023-03-30/functions?limit={limit}",
+                                                          headers=signed))
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["Code"] == "InvalidArgument"

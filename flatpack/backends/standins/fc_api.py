@@ -83,6 +83,20 @@ def _json_object(request: Request) -> dict:
     return body
 
 
+def _list_limit(value: str | None) -> int:
+    """ListFunctions' ``limit``: the page size, LIST_LIMIT when not given. A bad one is the
+    caller's error (400 InvalidArgument), not the service's."""
+    if not value:
+        return LIST_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        raise FCError(400, "InvalidArgument", f"limit must be a positive integer, got {value!r}") from None
+    if limit < 1:
+        raise FCError(400, "InvalidArgument", f"limit must be a positive integer, got {value!r}")
+    return limit
+
+
 def canonical_request(request: Request, signed_headers: list[str]) -> str:
     """The ACS3 canonical request, as ``alibabacloud_tea_openapi.utils.Utils.get_authorization`` builds it."""
     query = "&".join(f"{key}={quote(request.query[key], safe='~')}" for key in sorted(request.query))
@@ -235,7 +249,7 @@ class LocalFunctionCompute(InvokingService):
 
     def _list(self, query: dict[str, str]) -> dict:
         prefix, start = query.get("prefix", ""), query.get("nextToken", "")
-        limit = int(query.get("limit") or LIST_LIMIT)
+        limit = _list_limit(query.get("limit"))
         with self._functions_lock:
             names = sorted(n for n in self.functions if n.startswith(prefix) and n >= start)
             page = [self.functions[n] for n in names[:limit]]

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from flatpack.backends.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, FunctionCode, InvocationResult,
@@ -34,7 +34,15 @@ from flatpack.backends.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, Function
 
 Resolver = Callable[[str], "FunctionCode | None"]
 _Service = TypeVar("_Service", bound="LocalHTTPService")
-Runner = Callable[[FunctionCode, bytes, str], InvocationResult]
+
+
+class Runner(Protocol):
+    """How a service runs one invocation: :func:`~flatpack.backends.standins.runner.run_invocation`'s
+    shape, the qualifier it was invoked with included (it ends the invoked ARN)."""
+
+    def __call__(self, code: FunctionCode, payload: bytes, request_id: str | None = None, *,
+                 qualifier: str | None = None) -> InvocationResult: ...
+
 
 INVOCATION_TYPES = ("RequestResponse", "Event", "DryRun")
 # Lambda's payload quotas (botocore's Invoke docs): 6 MB synchronous, 1 MB asynchronous
@@ -227,7 +235,7 @@ class InvokingService(LocalHTTPService):
 
     def _run(self, code: FunctionCode, record: InvocationRecord) -> InvocationResult:
         start = time.monotonic()
-        record.result = self.runner(code, record.payload, record.request_id)
+        record.result = self.runner(code, record.payload, record.request_id, qualifier=record.qualifier)
         record.duration_s = time.monotonic() - start
         return record.result
 

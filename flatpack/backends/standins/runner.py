@@ -184,17 +184,17 @@ def run_invocation(code: FunctionCode, payload: bytes, request_id: str | None = 
             raise
         finally:
             os.close(read_fd)
-        timed_out = outcome.tag is None and outcome.timed_out
-        if timed_out:
-            outcome.peak_kib = peak_rss_kib(process.pid) or outcome.peak_kib
-        elif outcome.tag is None:
-            # the channel closed without a result: the process is ending, or it closed the
-            # pipe and runs on, which the deadline still bounds
-            timed_out = not _wait_exit(process.pid, outcome.deadline - time.monotonic())
+        if outcome.tag is None:
+            # no result: the deadline passed, or the channel closed and the process is ending
+            # or (it closed the pipe) runs on, which the deadline still bounds
+            timed_out = outcome.timed_out or not _wait_exit(process.pid, outcome.deadline - time.monotonic())
         else:
+            timed_out = False
             _wait_exit(process.pid, EXIT_GRACE_S)
+        if timed_out:   # still running: its peak so far is the one the kill below would lose
+            outcome.peak_kib = peak_rss_kib(process.pid) or outcome.peak_kib
         _kill_group(process.pid)
-        exit_code = _reap(process)
+        exit_code = process.wait()   # the group was just killed: this returns at once
         duration_s = time.monotonic() - start
         output = _tail(log, LOG_TAIL_BYTES)
 
@@ -281,11 +281,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _reap(process: subprocess.Popen) -> int:
-    """The exit code of ``process``, whose group was just killed."""
-    return process.wait()
 
 
 def _tail(file: IO[bytes], size: int) -> bytes:
