@@ -9,10 +9,10 @@ to the same model trained in one process on one device.
 
 What runs. The zoo model (``flatpack.zoo.build``; default ResNet-34, 21.8M parameters =
 87 MB in fp32) is compiled into ``--stages`` stages by the ``balanced`` solver and given
-``--replicas`` (one number for every stage, or one per stage). ``deploy`` writes the build
-context and ``train(None, batch=...)`` starts one process per rank on 127.0.0.1, each
-training on synthetic batches generated from the stage manifests' shapes (so the data path
-costs nothing). A rank's seconds per iteration are the gaps between its iteration ends,
+``--replicas`` (one number for every stage, or one per stage). ``deploy`` writes what the
+ranks load (the flatpack source and the stages) and ``train(None, batch=...)`` starts one
+process per rank on 127.0.0.1, each training on synthetic batches generated from the stage
+manifests' shapes (so the data path costs nothing). A rank's seconds per iteration are the gaps between its iteration ends,
 and the pipeline's samples/s is the global batch over the slowest rank's median after
 ``--warmup`` iterations. The single-process row trains the original model on the same
 device with the same optimizer (SGD with momentum) and batch, timed the same way.

@@ -23,10 +23,11 @@ import torch
 
 from flatpack.compiler import Compiled
 from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
+from flatpack.partitioner.workload import Workload
 from flatpack.runtime import timeline, wire
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, stage_specs
+from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, split_value, stage_specs
 from flatpack.runtime.store import Store, open_store
 from flatpack.runtime.training import TARGET, pack_values
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
@@ -143,20 +144,18 @@ class FunctionDeployment:
 
     # data ---------------------------------------------------------------------------------
     def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
-        inputs, target = inputs_and_target(batch, iteration)
-        leaves = self.compiled.input_leaves(inputs)
-        names = self.compiled.info["input_names"]
-        size = batch_size_of(leaves)
-        if size is None or size < micro_batches:
+        values, target, size = batch_values(self.compiled, batch, iteration)
+        if size < micro_batches:
             raise InputError(f"batch {iteration} has {size} samples; it cannot be cut into {micro_batches} "
                              "micro-batches. Use a larger batch or fewer micro-batches")
-        pieces = [_split(leaf, size, micro_batches) for leaf in leaves]
-        targets = _split(target, size, micro_batches) if isinstance(target, torch.Tensor) else None
+        pieces = {name: split_value(value, size, micro_batches) for name, value in values.items()}
+        targets = split_value(target, size, micro_batches) if isinstance(target, torch.Tensor) else None
         for m in range(micro_batches):
-            self.store.put(self.keys.data(iteration, m), pack_values({name: piece[m] for name, piece in zip(names, pieces)}))
+            self.store.put(self.keys.data(iteration, m),
+                           pack_values({name: piece[m] for name, piece in pieces.items()}))
             if targets is not None:
                 self.store.put(self.keys.target(iteration, m), wire.dumps({TARGET: targets[m].contiguous()}))
-        return int(size)
+        return size
 
     # training -----------------------------------------------------------------------------
     def train(self, batches: Sequence[Any] | Callable[[int], Any], *, iterations: int | None = None,
@@ -177,32 +176,19 @@ class FunctionDeployment:
         check_loss(loss)
         plan = self.compiled.plan
         batch_for = batches if callable(batches) else batches.__getitem__
-        iterations = iterations if iterations is not None else len(batches)  # type: ignore[arg-type]
-        if iterations < 1:
-            raise InputError(f"train needs at least one iteration, got {iterations}")
-        if not callable(batches) and iterations > len(batches):
-            raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; pass "
-                             "more batches, fewer iterations, or a function of the iteration")
-        workload = self.compiled.problem.workload if self.compiled.problem is not None else None
-        micro_batches = micro_batches or plan.micro_batches or (workload.micro_batches if workload else 1)
+        iterations = iteration_count(batches, iterations)
+        workload = workload_of(self.compiled)
+        micro_batches = micro_batches or default_micro_batches(self.compiled)
         sync = sync or (workload.sync if workload else "pipelined")
-        output_names = self.compiled.info["output_names"]
-        last_outputs = [entry["name"] for entry in self.manifests[-1]["outputs"]]
-        if output_names[0] not in last_outputs:
-            raise InputError(f"the model's first output {output_names[0]!r} is not produced by the last stage; "
-                             "the loss runs in the last stage")
         degrees = tuple(stage.replicas for stage in plan.stages)
         spec = RunSpec(run=self.keys.run, stages=self._stage_specs(degrees), micro_batches=micro_batches, batch=1,
-                       optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=output_names[0],
+                       optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(self.compiled),
                        schedule=schedule, sync=sync, threads=threads, wait_timeout_s=wait_timeout_s,
                        checkpoint_every=checkpoint_every,
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
                        shared=self._shared(),
                        faults=tuple(faults))
-        batch_size = batch_size_of(self.compiled.input_leaves(inputs_and_target(batch_for(0), 0)[0]))
-        if batch_size is None:
-            raise InputError("the first batch's inputs have no batch dimension (no tensor with one)")
-        spec = dataclasses.replace(spec, batch=batch_size)
+        spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
         run = _Run(self, spec, batch_for, iterations, elastic, epoch_iterations or iterations, straggler_ratio,
                    progress, timeout_s)
         return run.execute()
@@ -373,10 +359,51 @@ def batch_size_of(leaves: list[Any]) -> int | None:
     return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 
 
-def _split(value: Any, size: int, parts: int) -> list[Any]:
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
-        return [piece.contiguous() for piece in torch.tensor_split(value, parts)]
-    return [value] * parts
+def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[str, Any], Any, int]:
+    """A global ``(inputs, target)`` batch as the runtimes take it: the input leaves by input
+    name, the target, and the batch's rows (its first batched input's)."""
+    inputs, target = inputs_and_target(batch, iteration)
+    leaves = compiled.input_leaves(inputs)
+    rows = batch_size_of(leaves)
+    if rows is None:
+        raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
+                         "the batch into micro-batches along the first dimension of its inputs")
+    return dict(zip(compiled.info["input_names"], leaves)), target, rows
+
+
+def iteration_count(batches: Sequence[Any] | Callable[[int], Any], iterations: int | None) -> int:
+    """How many iterations ``train`` runs: ``iterations``, else one per batch given."""
+    if iterations is None:
+        if callable(batches):
+            raise InputError("train was given a function of the iteration but no iterations=; say how many")
+        iterations = len(batches)
+    if iterations < 1:
+        raise InputError(f"train needs at least one iteration, got {iterations}")
+    if not callable(batches) and iterations > len(batches):
+        raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; pass "
+                         "more batches, fewer iterations, or a function of the iteration")
+    return iterations
+
+
+def workload_of(compiled: Compiled) -> Workload | None:
+    """The workload the plan was solved for; None for a model compiled without a problem."""
+    return compiled.problem.workload if compiled.problem is not None else None
+
+
+def default_micro_batches(compiled: Compiled) -> int:
+    """M when ``train`` is not given one: the plan's, else the workload's, else 1."""
+    workload = workload_of(compiled)
+    return compiled.plan.micro_batches or (workload.micro_batches if workload else None) or 1
+
+
+def loss_output(compiled: Compiled) -> str:
+    """The output the loss reads: the model's first, which must come out of the last stage
+    (the loss runs there)."""
+    first = compiled.info["output_names"][0]
+    if first not in {entry["name"] for entry in compiled.artifacts[-1].manifest["outputs"]}:
+        raise InputError(f"the model's first output {first!r} is not produced by the last stage; the loss runs in "
+                         "the last stage")
+    return first
 
 
 class _Run:

@@ -7,9 +7,10 @@ stage's replicas — and the plan's A stages × B replicas become ``sum(degrees)
 ``package(compiled)`` is a build context: a Dockerfile, the flatpack source, the stage
 artifacts, ``run.json``, a ``torchrun`` launcher and Kubernetes manifests (an Indexed Job
 and a headless Service for the rendezvous); ``check_package`` validates one statically.
-``deploy`` writes the context to a work directory, and the deployment's ``train`` runs it
-on this machine — one process per rank on 127.0.0.1, gloo on the CPU or NCCL on GPUs —
-returning the same :class:`~flatpack.backends.local.TrainResult` as the ``local`` backend.
+``deploy`` writes what the ranks load (the flatpack source and the stage artifacts) to a
+work directory, and the deployment's ``train`` runs there on this machine — one process
+per rank on 127.0.0.1, gloo on the CPU or NCCL on GPUs — returning the same
+:class:`~flatpack.backends.functions.TrainResult` as the ``local`` backend.
 
 Base image: ``python:3.11-slim-bookworm`` with ``torch==2.13.0`` from PyPI. The PyPI
 wheel of torch for Linux x86-64 is the CUDA build (the CUDA runtime, cuDNN and NCCL come as
@@ -39,25 +40,26 @@ import torch
 
 import flatpack
 from flatpack.backends.catalog import Tier, get_platform
-from flatpack.backends.functions import TrainResult, batch_size_of, inputs_and_target
-from flatpack.backends.images import runtime_sources
+from flatpack.backends.functions import (TrainResult, batch_values, default_micro_batches, iteration_count,
+                                         loss_output, workload_of)
+from flatpack.backends.images import TORCH_REQUIREMENT, copy_problems, requirements, runtime_sources, write_files
 from flatpack.codegen.artifact import parse_stage, serialize
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.runtime import timeline
-from flatpack.runtime.distributed import (DATA_DIR, RUN_FILE, STAGES_DIR, DistributedRun, Layout, RankRole,
-                                          data_file, error_file, iter_reports, parameters_file,
-                                          timeline_file)
-from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.spec import RunSpec, StageSpec, shared_holders
-from flatpack.runtime.spec import stage_specs as spec_stages   # this module's stage_specs takes a Compiled
+from flatpack.runtime.distributed import (DATA_DIR, RUN_FILE, STAGES_DIR, DistributedRun, Layout, RankRole, data_file,
+                                          error_file, iter_reports, parameters_file, stage_path, timeline_file)
+from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.spec import RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
 
 NAME = "gpu-container"
 BASE_IMAGE = "python:3.11-slim-bookworm"
-TORCH_REQUIREMENT = "torch==2.13.0"
-REQUIREMENTS = (TORCH_REQUIREMENT, "numpy>=1.26", "safetensors>=0.4")
+# No extra index, unlike the function images (images.TORCH_INDEX, the CPU wheels): PyPI's own
+# torch wheel for Linux x86-64 is the CUDA build, which is what the GPUs need.
+TORCH_INDEX = None
+RUNTIME_DISTRIBUTIONS = ("numpy", "safetensors")   # what the rank program imports beside torch
 APP_DIR = "/app"
 MASTER_PORT = 29500
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -71,13 +73,6 @@ SCHEMA_NOTE = "JSON documents separated by '---': JSON is YAML, so kubectl reads
 
 
 # -- the run ---------------------------------------------------------------------------------
-
-def stage_specs(compiled: Compiled) -> tuple[StageSpec, ...]:
-    """The runtime's view of the plan's stages: routing (``spec.routing``), degrees, tiers."""
-    return spec_stages([artifact.manifest for artifact in compiled.artifacts], compiled.info["input_names"],
-                       [stage.replicas for stage in compiled.plan.stages],
-                       [stage.memory_mb for stage in compiled.plan.stages], _tier)
-
 
 def _tier(memory_mb: int | None) -> Tier | None:
     """The gpu-container configuration of a stage; None when the plan names none (or one of
@@ -100,46 +95,54 @@ def example_batch(compiled: Compiled) -> int | None:
     return None
 
 
-def default_micro_batches(compiled: Compiled) -> int:
-    """The plan's M, else the workload's (as the local backend chooses)."""
-    workload = compiled.problem.workload if compiled.problem is not None else None
-    return compiled.plan.micro_batches or (workload.micro_batches if workload else None) or 1
-
-
 def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
               backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
               run: str | None = None) -> DistributedRun:
-    """The ``run.json`` document of a run of ``compiled``."""
-    check_loss(loss)
-    output_names = compiled.info["output_names"]
-    last_outputs = [entry["name"] for entry in compiled.artifacts[-1].manifest["outputs"]]
-    if output_names[0] not in last_outputs:
-        raise InputError(f"the model's first output {output_names[0]!r} is not produced by the last stage; "
-                         "the loss runs in the last stage")
+    """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
+    peer. The loss is checked by ``RunSpec``."""
     micro_batches = micro_batches or default_micro_batches(compiled)
     if batch < micro_batches:
         raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "
                          "larger batch or fewer micro-batches")
-    spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stage_specs(compiled),
-                   micro_batches=micro_batches, batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss,
-                   loss_output=output_names[0], schedule=schedule, wait_timeout_s=timeout_s,
-                   shared=shared_holders([artifact.manifest for artifact in compiled.artifacts]))
+    manifests = [artifact.manifest for artifact in compiled.artifacts]
+    # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
+    stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],
+                         [stage.memory_mb for stage in compiled.plan.stages], None)
+    spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
+                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(compiled),
+                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests))
     return DistributedRun(spec=spec, iterations=iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
-                          example_batch=example_batch(compiled), seed=seed, timeout_s=timeout_s)
+                          example_batch=example_batch(compiled), seed=seed)
 
 
 # -- the build context -----------------------------------------------------------------------
 
 def torchrun_command(*, nnodes: int | str, nproc_per_node: int | str, node_rank: int | str, master_addr: str,
-                     master_port: int | str, data: str | None, out: str, context: str = APP_DIR) -> list[str]:
+                     master_port: int | str, data: str | None, out: str, context: str = APP_DIR,
+                     data_option: bool = True) -> list[str]:
     """The command every node runs: torchrun's static rendezvous (rank = node rank × nproc +
-    local rank, so ranks follow the Layout) around the rank program."""
+    local rank, so ranks follow the Layout) around the rank program. ``data``: the batches'
+    directory (None: synthetic batches); ``data_option=False`` leaves both options off, for a
+    launcher that chooses at run time."""
     command = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", f"--node-rank={node_rank}",
                f"--master-addr={master_addr}", f"--master-port={master_port}",
                "-m", "flatpack.runtime.distributed", "--context", context, "--out", out]
+    if not data_option:
+        return command
     return command + (["--data", data] if data else ["--synthetic"])
+
+
+def stage_files(compiled: Compiled) -> dict[str, bytes]:
+    """Each stage's artifact files, by path relative to the context, where the rank program
+    loads them (``distributed.stage_path``)."""
+    return {f"{_stage_dir(artifact.index)}/{name}": content
+            for artifact in compiled.artifacts for name, content in serialize(artifact).items()}
+
+
+def _stage_dir(index: int) -> str:
+    return stage_path(".", index).as_posix()
 
 
 def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100, batch: int | None = None,
@@ -161,7 +164,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     if gpus_per_pod < 1 or world % gpus_per_pod:
         raise InputError(f"gpus_per_pod={gpus_per_pod} does not divide the world of {world} ranks (degrees "
                          f"{list(layout.degrees)}); use a divisor of {world}")
-    workload = compiled.problem.workload if compiled.problem is not None else None
+    workload = workload_of(compiled)
     batch = batch or (workload.batch if workload else None) or example_batch(compiled)
     if batch is None:
         raise InputError("the model has no batched tensor input to size a synthetic batch by; pass batch=")
@@ -171,15 +174,13 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     image = image or f"{name}:latest"
     files: dict[str, bytes] = {
         "Dockerfile": _dockerfile().encode(),
-        "requirements.txt": ("\n".join(REQUIREMENTS) + "\n").encode(),
+        "requirements.txt": requirements(TORCH_INDEX, RUNTIME_DISTRIBUTIONS).encode(),
         RUN_FILE: run.dumps(),
         LAUNCH_FILE: _launch_script(world, data).encode(),
         JOB_FILE: _job_yaml(compiled, name=name, image=image, pods=pods, nproc=gpus_per_pod, backend=backend,
                             data=data).encode(),
     }
-    for artifact in compiled.artifacts:
-        for file_name, content in serialize(artifact).items():
-            files[f"{STAGES_DIR}/stage_{artifact.index:03d}/{file_name}"] = content
+    files.update(stage_files(compiled))
     files.update(runtime_sources())
     files[COMMANDS_FILE] = _commands(name, image, world, pods).encode()
     return files
@@ -204,11 +205,7 @@ kubectl logs -l job-name={name} --prefix --tail=20
 
 def write_context(files: Mapping[str, bytes], directory: str | os.PathLike) -> Path:
     """Writes a build context from :func:`package` into ``directory`` (``launch.sh`` executable)."""
-    directory = Path(directory)
-    for relative, content in files.items():
-        path = directory / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
+    directory = write_files(files, directory)
     if LAUNCH_FILE in files:
         (directory / LAUNCH_FILE).chmod(0o755)
     return directory
@@ -243,7 +240,7 @@ def _launch_script(world: int, data: str | None) -> str:
     # the data option is chosen at run time (FLATPACK_DATA), so it is left off here
     command = torchrun_command(nnodes='"$NNODES"', nproc_per_node='"$NPROC_PER_NODE"', node_rank='"$NODE_RANK"',
                                master_addr='"$MASTER_ADDR"', master_port='"$MASTER_PORT"', data=None,
-                               out='"$OUT"', context=".")[:-1]
+                               out='"$OUT"', context=".", data_option=False)
     return f"""\
 #!/bin/sh
 # Generated by flatpack {flatpack.__version__}: starts this node's ranks of the run ({world} in all).
@@ -352,15 +349,14 @@ def check_package(files: Mapping[str, bytes]) -> None:
     there, every stage verifies, ``run.json`` and the manifests parse, the world size is the
     sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
-    problems: list[str] = []
-    problems += _check_dockerfile(files)
+    problems = copy_problems(files)
     try:
         run = DistributedRun.loads(files[RUN_FILE])
     except (KeyError, ValueError, InputError) as err:
         raise ArtifactError(f"the context's {RUN_FILE} is missing or unreadable: {err}") from None
     layout = run.layout
     for index in range(len(layout.degrees)):
-        where = f"{STAGES_DIR}/stage_{index:03d}"
+        where = _stage_dir(index)
         contents = {name: files[f"{where}/{name}"] for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
                     if f"{where}/{name}" in files}
         try:
@@ -377,22 +373,6 @@ def check_package(files: Mapping[str, bytes]) -> None:
     problems += _check_job(files, run)
     if problems:
         raise ArtifactError("the gpu-container context is inconsistent:\n  " + "\n  ".join(problems))
-
-
-def _check_dockerfile(files: Mapping[str, bytes]) -> list[str]:
-    if "Dockerfile" not in files:
-        return ["there is no Dockerfile"]
-    problems = []
-    for line in files["Dockerfile"].decode().splitlines():
-        words = line.split()
-        if not words or words[0].upper() != "COPY":
-            continue
-        sources = [word for word in words[1:-1] if not word.startswith("--")]
-        for source in sources:
-            source = source.rstrip("/")
-            if source not in files and not any(path.startswith(f"{source}/") for path in files):
-                problems.append(f"the Dockerfile copies {source!r}, which the context lacks")
-    return problems
 
 
 def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
@@ -437,12 +417,13 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
 
 @dataclass
 class RunLaunch:
-    """One prepared run: its directory (run.json, data/, out/, logs) and rendezvous."""
+    """One prepared run: its directory (run.json, out/, logs), its batches' directory (None
+    for synthetic batches) and rendezvous."""
 
     run: DistributedRun
     directory: Path
     master_port: int
-    synthetic: bool
+    data: Path | None
     warmup: int
     threads: int
     processes: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -451,19 +432,16 @@ class RunLaunch:
     def out(self) -> Path:
         return self.directory / "out"
 
-    @property
-    def data(self) -> Path:
-        return self.directory / DATA_DIR
-
     def log(self, rank: int) -> Path:
         return self.directory / f"rank_{rank:05d}.log"
 
 
 def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
            workdir: str | os.PathLike | None = None, python: str | None = None) -> "GpuContainerDeployment":
-    """Writes the build context to ``workdir`` (a fresh temporary directory when None, removed
-    by ``teardown``) for runs on this machine. ``backend``: "gloo", "nccl", or None for
-    NCCL when CUDA is available. ``device``: where ranks compute ("cuda" for NCCL; gloo
+    """Writes what the ranks load — the flatpack source and the stage artifacts, not the
+    cluster's build context (:func:`package`) — to ``workdir`` (a fresh temporary directory
+    when None, removed by ``teardown``) for runs on this machine. ``backend``: "gloo",
+    "nccl", or None for NCCL when CUDA is available. ``device``: where ranks compute ("cuda" for NCCL; gloo
     may use "cuda" too, ranks sharing the GPUs and transfers staged through the host)."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = device or ("cuda" if backend == "nccl" else "cpu")
@@ -484,7 +462,7 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     directory = Path(tempfile.mkdtemp(prefix="flatpack-gpu-")) if created else Path(workdir)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_context(package(compiled, backend=backend), directory)
+        write_files({**runtime_sources(), **stage_files(compiled)}, directory)
     except BaseException:
         if created:
             shutil.rmtree(directory, ignore_errors=True)
@@ -505,7 +483,7 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
            "OMP_NUM_THREADS": str(launch.threads)}
     command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
-    command += ["--synthetic"] if launch.synthetic else ["--data", str(launch.data)]
+    command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
     log = open(launch.log(role.rank), "wb")
     try:
         process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -522,11 +500,10 @@ def teardown(deployment: "GpuContainerDeployment") -> None:
 
 @dataclass
 class RankReport:
-    """What one rank wrote: its losses (last stage), seconds per iteration, samples/s."""
+    """What one rank wrote: its losses (last stage), samples/s and peak memory."""
 
     role: RankRole
     losses: list[float]
-    iteration_seconds: list[float]
     samples_per_s: float
     peak_bytes: int
 
@@ -543,64 +520,56 @@ class GpuContainerDeployment:
         self.current: RunLaunch | None = None
         self.reports: list[RankReport] = []
 
-    @property
-    def degrees(self) -> tuple[int, ...]:
-        return tuple(stage.replicas for stage in self.compiled.plan.stages)
-
-    def launch(self, role: RankRole) -> subprocess.Popen:
-        return invoke(self, role)
-
     # data -----------------------------------------------------------------------------------
-    def _write_batches(self, directory: Path, batch_for: Callable[[int], Any], iterations: int) -> int:
-        """Writes every iteration's global batch; returns the batch size (equal for all)."""
+    def _write_batches(self, directory: Path, first: tuple[dict[str, Any], Any, int],
+                       batch_for: Callable[[int], Any], iterations: int) -> None:
+        """Writes every iteration's global batch; ``first`` is batch 0's, already read (its
+        rows are the run's batch)."""
         directory.mkdir(parents=True, exist_ok=True)
-        names = self.compiled.info["input_names"]
-        size = None
+        rows = first[2]
         for iteration in range(iterations):
-            inputs, target = inputs_and_target(batch_for(iteration), iteration)
-            leaves = self.compiled.input_leaves(inputs)
-            rows = batch_size_of(leaves)
-            if rows is None:
-                raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one)")
-            if size is not None and rows != size:
-                raise InputError(f"batch {iteration} has {rows} samples, batch 0 has {size}; every iteration of a "
+            values, target, size = first if iteration == 0 else batch_values(self.compiled, batch_for(iteration),
+                                                                               iteration)
+            if size != rows:
+                raise InputError(f"batch {iteration} has {size} samples, batch 0 has {rows}; every iteration of a "
                                  "run must have the same batch size (the loss is scaled by micro-batch / batch)")
-            size = rows
-            values = dict(zip(names, leaves))
             if isinstance(target, torch.Tensor):
-                values[TARGET] = target
+                values = {**values, TARGET: target}
             data_file(directory, iteration).write_bytes(pack_values(values))
-        return int(size or 0)
 
     # running --------------------------------------------------------------------------------
     def prepare(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
                 optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                 micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
                 timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None) -> RunLaunch:
-        """Writes a run's ``run.json`` and data under ``runs/`` without starting it."""
+        """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
+        checked (batch 0's size included) before any data is written, and a run that fails
+        to be written leaves nothing behind."""
+        first = None
+        batch_for: Callable[[int], Any] | None = None
         if batches is None:
             if not iterations or not batch:
                 raise InputError("a synthetic run (batches=None) needs iterations= and batch=")
         else:
-            iterations = iterations if iterations is not None else len(batches)  # type: ignore[arg-type]
-            if not callable(batches) and iterations > len(batches):
-                raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; "
-                                 "pass more batches, fewer iterations, or a function of the iteration")
-        if iterations < 1:
-            raise InputError(f"train needs at least one iteration, got {iterations}")
-        directory = self.workdir / "runs" / f"run-{uuid.uuid4().hex[:10]}"
-        directory.mkdir(parents=True)
-        if batches is not None:
+            iterations = iteration_count(batches, iterations)
             batch_for = batches if callable(batches) else batches.__getitem__
-            batch = self._write_batches(directory / DATA_DIR, batch_for, iterations)
+            first = batch_values(self.compiled, batch_for(0), 0)
+            batch = first[2]
         run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
                         optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s, run=directory.name)
-        (directory / RUN_FILE).write_bytes(run.dumps())
-        world = run.layout.world_size
-        threads = threads or max(1, (os.cpu_count() or 1) // world)
-        self.current = RunLaunch(run, directory, _free_port(), synthetic=batches is None, warmup=warmup,
-                                 threads=threads)
+                        seed=seed, timeout_s=timeout_s)
+        directory = self.workdir / "runs" / run.spec.run
+        directory.mkdir(parents=True)
+        data = directory / DATA_DIR if first is not None else None
+        try:
+            if data is not None:
+                self._write_batches(data, first, batch_for, iterations)
+            (directory / RUN_FILE).write_bytes(run.dumps())
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        threads = threads or max(1, (os.cpu_count() or 1) // run.layout.world_size)
+        self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads)
         return self.current
 
     def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
@@ -614,7 +583,9 @@ class GpuContainerDeployment:
         ``batches``: ``(inputs, target)`` global batches (or a function of the iteration);
         None trains on synthetic batches of ``batch`` samples (a throughput run; the losses
         are of random data). ``timeout_s`` bounds the whole run, ``wait_timeout_s`` each
-        rank's wait on a peer. ``warmup``: iterations left out of each rank's median.
+        rank's wait on a peer. ``warmup``: iterations left out of each rank's median. The
+        batches written for the run are removed when it ends; its logs and outputs stay
+        under the work directory until ``teardown``.
         """
         launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
@@ -626,6 +597,9 @@ class GpuContainerDeployment:
             self._wait(launch, timeout_s)
         finally:
             self.stop(launch)
+            if launch.data is not None:
+                # every iteration's global batch: as large as the data trained on
+                shutil.rmtree(launch.data, ignore_errors=True)
         wall = time.time() - started
         return self._result(launch, wall)
 
@@ -642,7 +616,8 @@ class GpuContainerDeployment:
             if running and time.time() > deadline:
                 late = ", ".join(f"rank {rank} ({layout.role(rank).worker})" for rank in sorted(running))
                 first = min(running)
-                raise RunFailure(f"the run did not finish within {timeout_s:.0f} s: {late} still running. The end of "
+                raise RunFailure(f"the run did not finish within {timeout_s:.0f} s: {late} still running; raise "
+                                 "timeout_s= (whole run) or wait_timeout_s= (per peer) for a longer run. The end of "
                                  f"rank {first}'s log {launch.log(first)}:\n{_tail(launch.log(first))}")
 
     def _failure(self, launch: RunLaunch, failed: list[int]) -> RunFailure:
@@ -672,10 +647,14 @@ class GpuContainerDeployment:
         run = launch.run
         layout = run.layout
         reports = list(iter_reports(launch.out))
-        if len(reports) != layout.world_size:
-            raise RunFailure(f"{len(reports)} of {layout.world_size} ranks wrote a report to {launch.out}")
-        self.reports = [RankReport(layout.role(report["rank"]), report["losses"], report["iteration_seconds"],
-                                   report["samples_per_s"], report["peak_bytes"]) for report in reports]
+        reported = {report["rank"] for report in reports}
+        missing = [rank for rank in range(layout.world_size) if rank not in reported]
+        if missing:
+            logs = "; ".join(f"rank {rank} ({layout.role(rank).worker}): {launch.log(rank)}" for rank in missing)
+            raise RunFailure(f"{len(reports)} of {layout.world_size} ranks wrote a report to {launch.out}; none from "
+                             f"{logs}. The end of rank {missing[0]}'s log:\n{_tail(launch.log(missing[0]))}")
+        self.reports = [RankReport(layout.role(report["rank"]), report["losses"], report["samples_per_s"],
+                                    report["peak_bytes"]) for report in reports]
         last = len(layout.degrees) - 1
         losses = [0.0] * run.iterations
         for report in self.reports:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import flatpack
 from flatpack.backends.cloud import model_label
@@ -84,12 +83,17 @@ class ImageContext:
         return f"stages-{first:03d}-{last:03d}" if len(self.stages) > 1 else f"stage-{first:03d}"
 
     def write(self, directory: str | Path) -> Path:
-        root = Path(directory)
-        for path, data in self.files.items():
-            target = root / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        return root
+        return write_files(self.files, directory)
+
+
+def write_files(files: Mapping[str, bytes], directory: str | Path) -> Path:
+    """Writes a build context (files by relative path) under ``directory``; returns it."""
+    root = Path(directory)
+    for path, data in files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return root
 
 
 def function_images(compiled: Compiled, target: str, *,
@@ -163,10 +167,13 @@ def runtime_dependency_bytes() -> int:
     return total
 
 
-def requirements() -> str:
-    """Pinned to the versions installed here, so the image runs what was tested."""
-    lines = [f"--extra-index-url {TORCH_INDEX}", TORCH_REQUIREMENT]
-    for name in RUNTIME_DISTRIBUTIONS:
+def requirements(torch_index: str | None = TORCH_INDEX,
+                 distributions: Sequence[str] = RUNTIME_DISTRIBUTIONS) -> str:
+    """``requirements.txt``: torch pinned to the version flatpack compiles with, from
+    ``torch_index`` as an extra index (None: PyPI alone), and ``distributions`` pinned to
+    the versions installed here, so the image runs what was tested."""
+    lines = [*([f"--extra-index-url {torch_index}"] if torch_index else []), TORCH_REQUIREMENT]
+    for name in distributions:
         try:
             lines.append(f"{name}=={importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -218,9 +225,6 @@ def runtime_sources() -> dict[str, bytes]:
             for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts}
 
 
-_COPY = re.compile(r"^COPY\s+(\S+)\s+(\S+)\s*$")
-
-
 def check_context(files: dict[str, bytes]) -> list[str]:
     """What would make ``docker build`` of this context fail or build the wrong thing; empty
     when the context is sound. Checked statically: no Docker engine is needed."""
@@ -235,16 +239,7 @@ def check_context(files: dict[str, bytes]) -> list[str]:
         image = lines[0].split()[1]
         if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
             problems.append(f"the base image {image} is not pinned to a tag")
-    for line in lines:
-        match = _COPY.match(line)
-        if match is None:
-            continue
-        source = match.group(1)
-        if source.endswith("/"):
-            if not any(path.startswith(source) for path in files):
-                problems.append(f"COPY {source}: the context has no such directory")
-        elif source not in files:
-            problems.append(f"COPY {source}: the context has no such file")
+    problems += copy_problems(files)
     command = [line for line in lines if line.startswith("CMD ")]
     if not command:
         problems.append("the Dockerfile has no CMD")
@@ -259,6 +254,27 @@ def check_context(files: dict[str, bytes]) -> list[str]:
                 compile(data, path, "exec", dont_inherit=True)
             except SyntaxError as err:
                 problems.append(f"{path} does not compile: {err}")
+    return problems
+
+
+def copy_problems(files: Mapping[str, bytes]) -> list[str]:
+    """The sources the Dockerfile's COPY instructions name (any number per instruction, flags
+    such as ``--chown`` aside) that the context lacks. A source ending in ``/`` must be a
+    directory; any other may be a file or a directory, as Docker takes either."""
+    if "Dockerfile" not in files:
+        return ["the context has no Dockerfile"]
+    problems = []
+    for line in files["Dockerfile"].decode().splitlines():
+        words = line.split()
+        if not words or words[0].upper() != "COPY":
+            continue
+        for source in (word for word in words[1:-1] if not word.startswith("--")):
+            directory = source.rstrip("/") + "/"
+            if source.endswith("/"):
+                if not any(path.startswith(directory) for path in files):
+                    problems.append(f"COPY {source}: the context has no such directory")
+            elif source not in files and not any(path.startswith(directory) for path in files):
+                problems.append(f"COPY {source}: the context has no such file or directory")
     return problems
 
 

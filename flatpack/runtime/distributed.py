@@ -25,8 +25,11 @@ Tied parameters (manifest ``shared_with``) are all-reduced over every replica of
 stage that holds them, so all copies take the same summed gradient (README, "Tied
 weights"), and are left out of the per-stage all-reduce.
 
-The loss of a micro-batch of b samples is scaled by b/B, as in ``training.py``, so the
-parameters after N iterations equal single-process training (``reference.py``).
+The micro-batch compute — parameter discovery, the loss scaled by b/B for a micro-batch of
+b samples, the backward through the outputs, the flat gradient buffer — is
+``training.py``'s own (``stage_tensors``, ``scaled_loss``, ``backward_outputs``,
+``flat_grads``), so the parameters after N iterations equal the store runtime's and
+single-process training (``reference.py``).
 
 Run it under ``torchrun`` (or with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT set)::
@@ -35,7 +38,9 @@ MASTER_PORT set)::
 
 ``DIR`` is the packaged context: ``run.json`` (a :class:`DistributedRun`) and
 ``stages/stage_NNN/``. Data are ``DIR/data/iter_NNNNNN.safetensors`` files of global batches
-(``training.pack_values`` of the input leaves by name and the target under ``TARGET``).
+(``training.pack_values`` of the input leaves by name and the target under ``TARGET``) of
+exactly the run's batch (``--batch``) samples; a rank reads only the tensors its stage
+takes from the data, and cuts them into its micro-batches (``spec.split_value``).
 At the end, replica 0 of each stage writes ``stage_NNN.safetensors`` (final parameters under
 their original names) and every rank writes ``rank_NNNNN.json`` (losses, seconds per
 iteration, samples/s) and ``timeline_rank_NNNNN.json`` into the output directory.
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import resource
@@ -58,15 +64,17 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
 from flatpack.runtime import timeline
-from flatpack.runtime.optim import loss_value
-from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size
-from flatpack.runtime.training import TARGET, _MicroBatch, compute_order, split_values, unpack_values
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
+from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, backward_outputs, compute_order,
+                                       flat_grads, input_gradients, scaled_loss, split_values, stage_tensors)
+from flatpack.runtime.wire import META_KEY
 
 RUN_FILE = "run.json"
 STAGES_DIR = "stages"
@@ -158,7 +166,8 @@ class DistributedRun:
     optimizer, loss, schedule, tied parameters) plus what a rank needs beyond it.
 
     ``example_batch``: the batch of the compile-time inputs, so that ``--synthetic`` can
-    scale the manifest's shapes to a micro-batch. ``timeout_s`` bounds every wait on a peer.
+    scale the manifest's shapes to a micro-batch. Every wait on a peer is bounded by the
+    spec's ``wait_timeout_s``.
     """
 
     spec: RunSpec
@@ -167,7 +176,6 @@ class DistributedRun:
     device: str = "cpu"
     example_batch: int | None = None
     seed: int = 0
-    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -186,7 +194,7 @@ class DistributedRun:
     def dumps(self) -> bytes:
         document = {"kind": RUN_KIND, "version": RUN_VERSION, "spec": json.loads(self.spec.dumps()),
                     "iterations": self.iterations, "backend": self.backend, "device": self.device,
-                    "example_batch": self.example_batch, "seed": self.seed, "timeout_s": self.timeout_s}
+                    "example_batch": self.example_batch, "seed": self.seed}
         return (json.dumps(document, indent=2) + "\n").encode()
 
     @classmethod
@@ -197,22 +205,27 @@ class DistributedRun:
                              "with this flatpack")
         return cls(spec=RunSpec.loads(json.dumps(document["spec"]).encode()), iterations=int(document["iterations"]),
                    backend=document["backend"], device=document["device"], example_batch=document["example_batch"],
-                   seed=int(document["seed"]), timeout_s=float(document["timeout_s"]))
+                   seed=int(document["seed"]))
 
 
 # -- micro-batches ---------------------------------------------------------------------------
 
-def micro_batch_values(values: dict[str, Any], batch: int, micro_batches: int, index: int) -> dict[str, Any]:
-    """Micro-batch ``index`` of a global batch: tensors whose first dimension is the batch are
-    cut with ``tensor_split``; everything else (masks without a batch dimension, sizes) is
-    the same for every micro-batch."""
-    out = {}
-    for name, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-            out[name] = torch.tensor_split(value, micro_batches)[index].contiguous()
-        else:
-            out[name] = value
-    return out
+def data_input_names(spec: RunSpec) -> list[str]:
+    """The inputs stages read from the data, in stage order: every rank sizes a batch file
+    by the first of them that is a batched tensor, so all ranks agree (``example_batch``
+    takes the same order)."""
+    names: list[str] = []
+    for stage in spec.stages:
+        names += [name for name in stage.inputs if stage.sources[name] == DATA_SOURCE and name not in names]
+    return names
+
+
+def synthetic_generator(seed: int, micro_batch: int, name: str, device: torch.device) -> torch.Generator:
+    """The generator of ``name`` (an input, or ``TARGET``) in micro-batch ``micro_batch``:
+    seeded by all three, so every stage that reads an input draws the same values however
+    many other inputs it draws."""
+    digest = hashlib.sha256(f"{seed}/{micro_batch}/{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -371,10 +384,7 @@ class StageRank:
         self.device = device
         self.module = module.to(device).train()
         self.manifest: dict[str, Any] = module.flatpack_manifest
-        attrs = {entry["name"]: entry["attr"] for entry in self.manifest["parameters"]}
-        self.state_tensors = {name: getattr(self.module, attr) for name, attr in attrs.items()}
-        self.trainable = {name: tensor for name, tensor in self.state_tensors.items()
-                          if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
+        self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
         self.channels = channels
         self.recorder = timeline.Recorder(role.stage, role.replica)
@@ -384,48 +394,84 @@ class StageRank:
         self.is_last = role.stage == len(self.spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._loss_total: torch.Tensor | float = 0.0
-        self._synthetic_cache: dict[int, dict[str, Any]] = {}
         self.iteration_ends: list[float] = []
         self.started = 0.0
-        self.reads_data = any(source == DATA_SOURCE for source in self.stage.sources.values())
+        # what the iterations look up, worked out once
+        self.owned = self.stage.owned(self.spec.micro_batches, role.replica)
+        self.data_inputs = [name for name in self.stage.inputs if self.stage.sources[name] == DATA_SOURCE]
+        self.batched_inputs = data_input_names(self.spec)
         self.producers = sorted({source for source in self.stage.sources.values() if source != DATA_SOURCE})
-        shared = {name for name in self.spec.shared}
-        self.local_parameters = [name for name in self.trainable if name not in shared]
+        self.inputs_from = {producer: [name for name in self.stage.inputs if self.stage.sources[name] == producer]
+                            for producer in self.producers}
+        self.local_parameters = [name for name in self.trainable if name not in self.spec.shared]
+        self.synthetic_batches: dict[int, dict[str, Any]] = {}
+        if data_dir is None and (self.data_inputs or self.is_last):
+            self.synthetic_batches = {m: self._synthetic(m) for m in self.owned}
 
     # data -------------------------------------------------------------------------------------
     def _data(self, iteration: int) -> dict[int, dict[str, Any]]:
         """This rank's owned micro-batches of the iteration's data inputs (and target)."""
-        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
-        if not self.reads_data and not self.is_last:
+        if not self.data_inputs and not self.is_last:
             return {}
-        names = [name for name, source in self.stage.sources.items() if source == DATA_SOURCE]
         if self.data_dir is None:
-            for m in owned:
-                if m not in self._synthetic_cache:
-                    self._synthetic_cache[m] = self._synthetic(m, names)
-            return {m: self._synthetic_cache[m] for m in owned}
-        path = data_file(self.data_dir, iteration)
+            return self.synthetic_batches
+        values = self._read_batch(data_file(self.data_dir, iteration), iteration)
+        pieces = {name: split_value(value, self.spec.batch, self.spec.micro_batches) for name, value in values.items()}
+        return {m: {name: piece[m] for name, piece in pieces.items()} for m in self.owned}
+
+    def _read_batch(self, path: Path, iteration: int) -> dict[str, Any]:
+        """The data inputs this rank's stage reads (and the target, on the last stage) from one
+        global batch file. Only those tensors are read from disk; the file's size is checked
+        first, since a batch of another size would not be cut (every micro-batch would get
+        all of it)."""
         if not path.is_file():
             raise InputError(f"rank {self.role.rank} (stage {self.role.stage}) found no data for iteration "
                              f"{iteration}: {path} does not exist. Write the batches there, or run with --synthetic")
-        values = unpack_values(path.read_bytes())
-        wanted = {name: values[name] for name in names}
-        if self.is_last and TARGET in values:
-            wanted[TARGET] = values[TARGET]
-        return {m: micro_batch_values(wanted, self.spec.batch, self.spec.micro_batches, m) for m in owned}
+        with safe_open(str(path), framework="pt", device="cpu") as batch_file:
+            meta = json.loads((batch_file.metadata() or {}).get(META_KEY, "{}"))
+            others: dict[str, Any] = meta.get("values", {})
+            tensors = set(batch_file.keys())
+            shapes = (batch_file.get_slice(name).get_shape() for name in self.batched_inputs if name in tensors)
+            rows = next((int(shape[0]) for shape in shapes if shape), None)
+            if rows is None:
+                raise InputError(f"{path} holds no batched tensor among the data inputs "
+                                 f"{', '.join(self.batched_inputs)}: a batch file holds each input's global batch "
+                                 "by input name (training.pack_values)")
+            if rows != self.spec.batch:
+                raise InputError(f"{path} holds a batch of {rows} samples, but the run's batch is {self.spec.batch}; "
+                                 f"pass --batch {rows} (or package(batch={rows})), or write batches of "
+                                 f"{self.spec.batch} samples")
+            values: dict[str, Any] = {}
+            for name in self.data_inputs:
+                if name in tensors:
+                    values[name] = batch_file.get_tensor(name)
+                elif name in others:
+                    values[name] = others[name]
+                else:
+                    raise InputError(f"{path} has no input {name!r}, which stage {self.role.stage} reads from the "
+                                     f"data (the file holds {', '.join(sorted(tensors | set(others))) or 'nothing'}); "
+                                     "write every model input into each batch file, by input name")
+            if self.is_last and TARGET in tensors:
+                values[TARGET] = batch_file.get_tensor(TARGET)
+            elif self.is_last and TARGET in others:
+                values[TARGET] = others[TARGET]
+        return values
 
-    def _synthetic(self, m: int, names: list[str]) -> dict[str, Any]:
+    def _synthetic(self, m: int) -> dict[str, Any]:
         """Micro-batch m of a throughput run: made once on the rank's device and reused every
         iteration, so that the data path costs nothing (a real input pipeline is not what is
-        measured). Seeded by the micro-batch, so every stage reading an input sees the same values."""
-        generator = torch.Generator(device=self.device).manual_seed(self.run.seed * 1_000_003 + m)
+        measured). Each input is drawn from its own generator (``synthetic_generator``), so
+        every stage reading an input sees the same values."""
         rows = micro_batch_size(self.spec.batch, self.spec.micro_batches, m)
         entries = {entry["name"]: entry for entry in self.manifest["inputs"]}
-        values: dict[str, Any] = {name: synthetic_tensor(entries[name], rows, self.run.example_batch, generator)
-                                  for name in names}
+        values: dict[str, Any] = {
+            name: synthetic_tensor(entries[name], rows, self.run.example_batch,
+                                   synthetic_generator(self.run.seed, m, name, self.device))
+            for name in self.data_inputs}
         if self.is_last:
             output = next(entry for entry in self.manifest["outputs"] if entry["name"] == self.spec.loss_output)
-            target = synthetic_target(self.spec.loss, output, rows, self.run.example_batch, generator)
+            target = synthetic_target(self.spec.loss, output, rows, self.run.example_batch,
+                                      synthetic_generator(self.run.seed, m, TARGET, self.device))
             if target is not None:
                 values[TARGET] = target
         return values
@@ -439,11 +485,11 @@ class StageRank:
         return [name for name in reader.inputs if reader.sources[name] == self.role.stage]
 
     # compute ----------------------------------------------------------------------------------
-    def _forward(self, iteration: int, m: int, data: dict[str, Any], states: dict[int, _MicroBatch]) -> None:
+    def _forward(self, iteration: int, m: int, data: dict[str, Any], states: dict[int, MicroBatchState]) -> None:
         received: dict[str, Any] = {}
         for producer in self.producers:
             received.update(self.messenger.recv(self._peer(producer, m), m, FORWARD, iteration))
-        state = _MicroBatch()
+        state = MicroBatchState()
         args = []
         for name in self.stage.inputs:
             if self.stage.sources[name] == DATA_SOURCE:
@@ -461,15 +507,13 @@ class StageRank:
             if self.is_last:
                 target = data.get(TARGET)
                 target = target.to(self.device) if isinstance(target, torch.Tensor) else target
-                # b/B: the micro-batch losses add up to the mean over the global batch (training.py)
-                scale = micro_batch_size(self.spec.batch, self.spec.micro_batches, m) / self.spec.batch
-                state.loss = loss_value(self.spec.loss, state.outputs[self.spec.loss_output], target) * scale
+                state.loss = scaled_loss(self.spec, m, state.outputs[self.spec.loss_output], target)
         states[m] = state
         for consumer in self.stage.consumers:
             values = {name: state.outputs[name] for name in self._names_read_by(consumer)}
             self.messenger.send(values, self._peer(consumer, m), m, FORWARD, iteration)
 
-    def _backward(self, iteration: int, m: int, states: dict[int, _MicroBatch]) -> None:
+    def _backward(self, iteration: int, m: int, states: dict[int, MicroBatchState]) -> None:
         state = states.pop(m)
         grads: dict[str, torch.Tensor] = {}
         for consumer in self.stage.consumers:
@@ -480,34 +524,23 @@ class StageRank:
                 state.loss.backward()
                 self._loss_total = self._loss_total + state.loss.detach()   # read once per iteration: no sync here
             else:
-                pairs = [(state.outputs[name], grad) for name, grad in grads.items()
-                         if isinstance(state.outputs.get(name), torch.Tensor) and state.outputs[name].requires_grad]
-                if pairs:
-                    torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+                backward_outputs(state.outputs, grads)
+        input_grads = input_gradients(state.inputs)
         for producer in self.producers:
-            names = [name for name, source in self.stage.sources.items() if source == producer]
-            input_grads = {name: state.inputs[name].grad for name in names
-                           if isinstance(state.inputs[name], torch.Tensor) and state.inputs[name].requires_grad
-                           and state.inputs[name].grad is not None}
             # always a message, possibly empty: the producer waits for one from every consumer
-            self.messenger.send(input_grads, self._peer(producer, m), m, BACKWARD, iteration)
+            self.messenger.send({name: input_grads[name] for name in self.inputs_from[producer] if name in input_grads},
+                                self._peer(producer, m), m, BACKWARD, iteration)
 
     def _all_reduce(self, names: list[str], group: Any) -> None:
         """Sums the named parameters' gradients over ``group`` (one flat buffer, one collective)."""
         if group is None or not names:
             return
         params = [self.trainable[name] for name in names]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in params])
+        flat = flat_grads(params)
         if self.run.backend == "gloo":
             flat = flat.cpu()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat = flat.to(self.device)
-        offset = 0
-        for param in params:
-            count = param.numel()
-            param.grad = flat[offset:offset + count].view_as(param).to(param.dtype).clone()
-            offset += count
+        assign_flat_grads(params, flat.to(self.device))
 
     def _synchronize(self, iteration: int) -> None:
         with self.recorder.task("sync", iteration):
@@ -520,10 +553,9 @@ class StageRank:
 
     def run_iteration(self, iteration: int) -> None:
         self._loss_total = 0.0
-        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
         data = self._data(iteration)
-        states: dict[int, _MicroBatch] = {}
-        for kind, m in compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages)):
+        states: dict[int, MicroBatchState] = {}
+        for kind, m in compute_order(self.spec.schedule, self.owned, self.role.stage, len(self.spec.stages)):
             if kind == "F":
                 self._forward(iteration, m, data.get(m, {}), states)
             else:
@@ -615,7 +647,7 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
     if run.backend == "nccl":
         kwargs["device_id"] = device
     dist.init_process_group(run.backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=run.timeout_s), **kwargs)
+                            timeout=datetime.timedelta(seconds=run.spec.wait_timeout_s), **kwargs)
     try:
         channels = Channels.create(run, role)
         worker = StageRank(run, role, module, device, channels, data_dir)
@@ -646,21 +678,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     context = Path(args.context)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    run: DistributedRun | None = None
     try:
         run = DistributedRun.loads(Path(args.run or context / RUN_FILE).read_bytes())
-        if args.iterations is not None or args.batch is not None:
-            run = replace(run, iterations=args.iterations or run.iterations,
-                          spec=replace(run.spec, batch=args.batch or run.spec.batch))
+        run = with_overrides(run, iterations=args.iterations, batch=args.batch)
         data_dir = None if args.synthetic else Path(args.data or context / DATA_DIR)
         run_rank(run, context, Path(args.out), data_dir=data_dir, rank=rank, local_rank=local_rank,
                  warmup=args.warmup)
     except Exception:  # noqa: BLE001 - the launcher reads the traceback from this rank's log
         failed_at = time.time()
-        role = _describe(rank, args)
-        print(f"flatpack rank {rank} ({role}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        _record_failure(Path(args.out), rank, failed_at, traceback.format_exc())
+        trace = traceback.format_exc()
+        print(f"flatpack rank {rank} ({_describe(run, rank)}) failed:\n{trace}", file=sys.stderr, flush=True)
+        _record_failure(Path(args.out), rank, failed_at, trace)
         return 1
     return 0
+
+
+def with_overrides(run: DistributedRun, *, iterations: int | None, batch: int | None) -> DistributedRun:
+    """``run`` with the command line's ``--iterations`` and ``--batch``, where given."""
+    if batch is not None and batch < run.spec.micro_batches:
+        raise InputError(f"--batch {batch} is smaller than the run's {run.spec.micro_batches} micro-batches, and "
+                         f"every micro-batch needs a sample: pass --batch {run.spec.micro_batches} or more")
+    if iterations is None and batch is None:
+        return run
+    return replace(run, iterations=run.iterations if iterations is None else iterations,
+                   spec=run.spec if batch is None else replace(run.spec, batch=batch))
 
 
 def _record_failure(out: Path, rank: int, failed_at: float, trace: str) -> None:
@@ -673,13 +715,15 @@ def _record_failure(out: Path, rank: int, failed_at: float, trace: str) -> None:
         pass   # the log still has the traceback
 
 
-def _describe(rank: int, args: argparse.Namespace) -> str:
-    try:
-        run = DistributedRun.loads(Path(args.run or Path(args.context) / RUN_FILE).read_bytes())
-        role = run.layout.role(rank)
-        return f"stage {role.stage}, replica {role.replica}"
-    except Exception:  # noqa: BLE001 - only for the message
+def _describe(run: DistributedRun | None, rank: int) -> str:
+    """The rank's stage and replica, for the failure message; the run may not have loaded."""
+    if run is None:
         return "stage unknown"
+    try:
+        role = run.layout.role(rank)
+    except InputError:
+        return "stage unknown"
+    return f"stage {role.stage}, replica {role.replica}"
 
 
 def iter_reports(out: Path) -> Iterator[dict[str, Any]]:

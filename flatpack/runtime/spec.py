@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import torch
+
 from flatpack.errors import InputError
 from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
@@ -163,3 +165,13 @@ def micro_batch_size(batch: int, micro_batches: int, index: int) -> int:
     """Samples in micro-batch ``index``, as ``torch.tensor_split`` cuts: the first B mod M get one more."""
     base, extra = divmod(batch, micro_batches)
     return base + (1 if index < extra else 0)
+
+
+def split_value(value: Any, batch: int, micro_batches: int) -> list[Any]:
+    """``value`` of a global batch of ``batch`` samples, cut into its micro-batches as
+    :func:`micro_batch_size` counts: a tensor whose first dimension is the batch is cut with
+    ``tensor_split``; anything else (a mask without a batch dimension, a size) is the same
+    for every micro-batch."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        return [piece.contiguous() for piece in torch.tensor_split(value, micro_batches)]
+    return [value] * micro_batches

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -67,12 +67,63 @@ def unpack_values(data: bytes) -> dict[str, Any]:
     return {**meta.get("values", {}), **tensors}
 
 
+# -- the micro-batch compute, shared with the gpu-container ranks (runtime.distributed) -------
+# Both runtimes must compute exactly this, so that both equal single-process training.
+
+def stage_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
+    """A stage module's parameters and buffers by their original names, and the trainable
+    parameters among them (the optimizer's, in manifest order)."""
+    attrs = {entry["name"]: entry["attr"] for entry in module.flatpack_manifest["parameters"]}
+    state = {name: getattr(module, attr) for name, attr in attrs.items()}
+    trainable = {name: tensor for name, tensor in state.items()
+                 if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
+    return state, trainable
+
+
+def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> torch.Tensor:
+    """Micro-batch ``micro_batch``'s loss scaled by b/B, so that the micro-batch losses add
+    up to the mean over the global batch. b comes from the split, not the output: a model
+    that returns its own (scalar) loss has no rows."""
+    samples = micro_batch_size(spec.batch, spec.micro_batches, micro_batch)
+    return loss_value(spec.loss, output, target) * (samples / spec.batch)
+
+
+def backward_outputs(outputs: dict[str, Any], grads: dict[str, torch.Tensor]) -> None:
+    """Back-propagates the consumers' gradients ``grads`` through the stage's ``outputs``
+    (those that take a gradient) in one autograd call."""
+    pairs = [(outputs[name], grad) for name, grad in grads.items()
+             if isinstance(outputs.get(name), torch.Tensor) and outputs[name].requires_grad]
+    if pairs:
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def input_gradients(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The gradients a backward left on the stage's inputs, by input name."""
+    return {name: value.grad for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.grad is not None}
+
+
+def flat_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters' gradients (zeros where there is none) as one float32 vector."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+
+
+def assign_flat_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Sets each parameter's gradient from its slice of ``flat`` (the inverse of :func:`flat_grads`)."""
+    offset = 0
+    for param in params:
+        count = param.numel()
+        param.grad = flat[offset:offset + count].view_as(param).to(param.dtype).clone()
+        offset += count
+
+
 @dataclass
-class _MicroBatch:
+class MicroBatchState:
+    """One micro-batch between its forward and its backward: what autograd needs."""
+
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
-    samples: int = 0
 
 
 class StageTrainer:
@@ -91,12 +142,7 @@ class StageTrainer:
         self.recorder = recorder
         self.after_task = after_task or (lambda kind, iteration, micro_batch: None)
         self.throttle_compute = throttle_compute or (lambda fn: fn())
-        manifest = module.flatpack_manifest
-        attrs = {entry["name"]: entry["attr"] for entry in manifest["parameters"]}
-        self.trainable = {name: getattr(module, attrs[name]) for name in attrs
-                          if isinstance(getattr(module, attrs[name]), nn.Parameter)
-                          and getattr(module, attrs[name]).requires_grad}
-        self.state_tensors = {name: getattr(module, attrs[name]) for name in attrs}
+        self.state_tensors, self.trainable = stage_tensors(module)
         self.optimizer = spec.optimizer.build(self.trainable.values())
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
@@ -174,9 +220,9 @@ class StageTrainer:
                                 attempt=self.role.attempt))
 
     # compute --------------------------------------------------------------------------------
-    def _forward(self, iteration: int, micro_batch: int, fetched: Future, states: dict[int, _MicroBatch]) -> None:
+    def _forward(self, iteration: int, micro_batch: int, fetched: Future, states: dict[int, MicroBatchState]) -> None:
         values = fetched.result()
-        state = _MicroBatch()
+        state = MicroBatchState()
         args = []
         for name in self.stage.inputs:
             value = values[name]
@@ -191,12 +237,8 @@ class StageTrainer:
             outputs = self.module(*args)
             state.outputs = dict(zip(self.stage.outputs, outputs))
             if self.is_last:
-                target = values.get(TARGET)
-                output = state.outputs[self.spec.loss_output]
-                # from the split, not the output: a model that returns its own (scalar) loss has no rows
-                state.samples = micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch)
-                scale = state.samples / self.spec.batch
-                state.loss = loss_value(self.spec.loss, output, target) * scale
+                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output],
+                                         values.get(TARGET))
 
         with torch.enable_grad():
             self.throttle_compute(run)
@@ -204,7 +246,8 @@ class StageTrainer:
         self._record("forward", iteration, micro_batch, start, 0, "compute")
         self.after_task("forward", iteration, micro_batch)
 
-    def _backward(self, iteration: int, micro_batch: int, fetched: Future | None, states: dict[int, _MicroBatch]) -> bytes | None:
+    def _backward(self, iteration: int, micro_batch: int, fetched: Future | None,
+                  states: dict[int, MicroBatchState]) -> bytes | None:
         state = states[micro_batch]
         grads = fetched.result() if fetched is not None else {}
         start = time.time()
@@ -213,14 +256,10 @@ class StageTrainer:
             if self.is_last:
                 state.loss.backward()
                 return
-            pairs = [(state.outputs[name], grad) for name, grad in grads.items()
-                     if isinstance(state.outputs.get(name), torch.Tensor) and state.outputs[name].requires_grad]
-            if pairs:
-                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            backward_outputs(state.outputs, grads)
 
         self.throttle_compute(run)
-        input_grads = {name: value.grad for name, value in state.inputs.items()
-                       if isinstance(value, torch.Tensor) and value.requires_grad and value.grad is not None}
+        input_grads = input_gradients(state.inputs)
         if self.is_last and state.loss is not None:
             self._loss_total += float(state.loss.detach())
         states.pop(micro_batch)
@@ -238,7 +277,7 @@ class StageTrainer:
         owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
         order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
         prefetched, self._prefetched = self._prefetched, {}
-        states: dict[int, _MicroBatch] = {}
+        states: dict[int, MicroBatchState] = {}
         forwards: dict[int, Future] = {}
         pending: list[Future] = []
         for kind, m in order:
@@ -276,7 +315,7 @@ class StageTrainer:
     def _mark(self, iteration: int, phase: str) -> None:
         self.store.put(self.keys.marker(iteration, self.role.stage, self.role.replica, phase), b"1")
 
-    def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, _MicroBatch]) -> None:
+    def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, MicroBatchState]) -> None:
         outputs = states[micro_batch].outputs
         self._put(self.keys.activation(iteration, self.role.stage, micro_batch), pack_values(outputs),
                   iteration, micro_batch)
@@ -288,8 +327,7 @@ class StageTrainer:
         start = time.time()
         params = list(self.trainable.values())
         if self.stage.replicas > 1 and params:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p in params])
+            flat = flat_grads(params)
 
             def record(lane: str, kind: str, nbytes: int):
                 return self.recorder.task(kind, iteration, nbytes=nbytes, lane=lane)
@@ -298,11 +336,7 @@ class StageTrainer:
                                    stage=self.role.stage, replica=self.role.replica, replicas=self.stage.replicas,
                                    method=self.spec.sync, lanes=lanes, timeout_s=self.spec.wait_timeout_s,
                                    record=record)
-            offset = 0
-            for param in params:
-                count = param.numel()
-                param.grad = total[offset:offset + count].view_as(param).to(param.dtype).clone()
-                offset += count
+            assign_flat_grads(params, total)
         self._exchange_shared(iteration)
         self._record("sync", iteration, None, start, 0, "compute")
         self.after_task("sync", iteration, None)

@@ -20,8 +20,11 @@ import flatpack
 from flatpack.backends import gpu_container
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
-from flatpack.runtime.distributed import Layout, iter_reports
+from flatpack.codegen.artifact import load_stage
+from flatpack.runtime.distributed import (Layout, StageRank, data_file, iter_reports, stage_path, synthetic_generator,
+                                          synthetic_tensor, with_overrides)
 from flatpack.runtime.reference import train_single_process
+from flatpack.runtime.training import TARGET, pack_values
 
 BATCH = 12
 PASSES = "fuse-elementwise"   # keeps the layers apart, so cuts carry the skip and the mask
@@ -160,6 +163,59 @@ def test_nccl_without_cuda_is_refused(hybrid):
         gpu_container.deploy(hybrid, backend="nccl")
 
 
+def stage_rank(compiled: flatpack.Compiled, run, stage: int, context, data_dir) -> StageRank:
+    """Replica 0 of ``stage`` as its rank builds itself, without a process group (nothing is sent)."""
+    gpu_container.write_context(gpu_container.stage_files(compiled), context)
+    role = run.layout.role(run.layout.rank(stage, 0))
+    return StageRank(run, role, load_stage(stage_path(context, stage)), torch.device("cpu"), None, data_dir)
+
+
+def test_a_rank_reads_its_micro_batches_and_refuses_a_wrong_batch_file(hybrid, tmp_path):
+    run = gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo")
+    data = tmp_path / "data"
+    data.mkdir()
+    rank = stage_rank(hybrid, run, 0, tmp_path / "context", data)
+    [((x, mask), target)] = batches(1)
+
+    data_file(data, 0).write_bytes(pack_values({"x": x, "mask": mask, TARGET: target}))
+    micro_batches = rank._data(0)
+    assert sorted(micro_batches) == [0, 2]            # replica 0 of 2 owns micro-batches 0 and 2 of 4
+    torch.testing.assert_close(micro_batches[2]["x"], x[6:9])
+    assert TARGET not in micro_batches[2]             # only the last stage reads the target
+
+    data_file(data, 0).write_bytes(pack_values({"x": torch.cat([x, x]), "mask": torch.cat([mask, mask])}))
+    with pytest.raises(InputError, match=r"holds a batch of 24 samples, but the run's batch is 12; pass --batch 24"):
+        rank._data(0)
+    data_file(data, 0).write_bytes(pack_values({"x": x}))
+    with pytest.raises(InputError, match=r"iter_000000.safetensors has no input 'mask', which stage 0 reads"):
+        rank._data(0)
+    with pytest.raises(InputError, match=r"--batch 3 is smaller than the run's 4 micro-batches"):
+        with_overrides(run, iterations=None, batch=3)
+
+
+def test_synthetic_inputs_are_drawn_per_input_so_every_stage_sees_the_same(hybrid, tmp_path):
+    run = gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo", seed=3)
+    rank = stage_rank(hybrid, run, 0, tmp_path, None)
+    entry = next(entry for entry in rank.manifest["inputs"] if entry["name"] == "mask")
+    # what a stage reading only the mask would draw: it does not depend on x being drawn too
+    alone = synthetic_tensor(entry, BATCH // 4, run.example_batch, synthetic_generator(3, 2, "mask", rank.device))
+    torch.testing.assert_close(rank.synthetic_batches[2]["mask"], alone)
+    assert not torch.equal(rank.synthetic_batches[0]["mask"], rank.synthetic_batches[2]["mask"])
+
+
+def test_prepare_checks_before_writing_and_leaves_nothing_when_it_fails(hybrid, tmp_path):
+    with gpu_container.deploy(hybrid, backend="gloo", workdir=tmp_path / "work") as deployment:
+        assert not (tmp_path / "work" / "Dockerfile").exists(), "a local deploy writes only what the ranks load"
+        data = batches(2)
+        with pytest.raises(InputError, match="loss"):
+            deployment.prepare(data, loss="no-such-loss")
+        (x, mask), target = data[1]
+        data[1] = ((x[:6], mask[:6]), target[:6])
+        with pytest.raises(InputError, match="batch 1 has 6 samples, batch 0 has 12"):
+            deployment.prepare(data)
+        assert not list((tmp_path / "work" / "runs").glob("*")), "a failed prepare removes its run directory"
+
+
 @pytest.mark.slow
 def test_gloo_pipeline_equals_single_process(hybrid):
     data = batches(3)
@@ -172,6 +228,7 @@ def test_gloo_pipeline_equals_single_process(hybrid):
             assert {"forward", "backward", "upload", "download", "sync", "update"} <= {e.kind for e in result.events}
             assert result.degrees == [(2, 1, 2)] and result.samples == 3 * BATCH
             assert set(result.peak_bytes) == {"s0r0", "s0r1", "s1r0", "s2r0", "s2r1"}
+        assert not list(deployment.workdir.glob("runs/*/data")), "train removes the batches it wrote"
         workdir = deployment.workdir
     assert not workdir.exists(), "teardown removes the work directory deploy created"
 
