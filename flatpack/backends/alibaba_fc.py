@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
 from flatpack.backends.functions import TrainResult
-from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images
+from flatpack.backends.images import ImageContext, function_images
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
@@ -233,12 +233,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     ``endpoint_urls``: ``{"fc": ..., "oss": ...}`` to point at other endpoints (the tests'
     stand-ins). ``profile_tiers``: a profiler function per memory tier instead of one per stage."""
     endpoint_urls = dict(endpoint_urls or {})
-    cloud.functions(compiled, "check", NAME, profile_tiers)
-    images = function_images(compiled, NAME, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
-    name = name or cloud.deployment_name(compiled)
-    cloud.check_name(name)
-    if bucket is not None:
-        cloud.check_bucket_name(bucket)
+    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers)
     region = check_region(region or os.environ.get("ALIBABA_CLOUD_REGION_ID"))
     account = account or os.environ.get("ALIBABA_CLOUD_ACCOUNT_ID")
     if not account:
@@ -258,15 +253,9 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"flatpack-{name}-"))
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
     clients = _Clients(credential_client, credential, res, endpoint_urls)
-    try:
-        _create(res, images, ledger, clients, out_dir, push or docker_push())
-    except BaseException as err:
-        error = cloud.rollback(ledger, _deleters(clients), err, f"deploying {name} to alibaba-fc ({region})")
-        ledger.save(out_dir)
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        raise error from err
-    ledger.save(out_dir)
+    cloud.create_recorded(ledger, _deleters(clients),
+                          lambda: _create(res, images, ledger, clients, out_dir, push or docker_push()),
+                          out_dir, f"deploying {name} to alibaba-fc ({region})")
     return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                         (credential.get_access_key_id(), credential.get_access_key_secret(),
                          credential.get_security_token()))

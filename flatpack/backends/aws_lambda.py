@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
 from flatpack.backends.functions import TrainResult
-from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images
+from flatpack.backends.images import ImageContext, function_images
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
@@ -254,13 +254,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
 
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
-    # checks that need no API call, so that bad input leaves nothing behind
-    cloud.functions(compiled, "check", NAME, profile_tiers)
-    images = function_images(compiled, NAME, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
-    name = name or cloud.deployment_name(compiled)
-    cloud.check_name(name)
-    if bucket is not None:
-        cloud.check_bucket_name(bucket)
+    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers)
     region = check_region(session, region or session.region_name)
     check_credentials(session)
     if push is None and shutil.which("docker") is None:
@@ -273,15 +267,9 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"flatpack-{name}-"))
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
     clients = _Clients(session, region, endpoint_urls)
-    try:
-        _create(compiled, res, images, ledger, clients, out_dir, push or docker_push(clients.ecr))
-    except BaseException as err:
-        error = cloud.rollback(ledger, _deleters(clients), err, f"deploying {name} to aws-lambda ({region})")
-        ledger.save(out_dir)
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        raise error from err
-    ledger.save(out_dir)
+    cloud.create_recorded(ledger, _deleters(clients),
+                          lambda: _create(compiled, res, images, ledger, clients, out_dir, push or docker_push(clients.ecr)),
+                          out_dir, f"deploying {name} to aws-lambda ({region})")
     credentials = session.get_credentials().get_frozen_credentials()
     return LambdaDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                             (credentials.access_key, credentials.secret_key, credentials.token))

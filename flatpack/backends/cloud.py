@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends.functions import FunctionDeployment
+from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images, model_label
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.keys import RunKeys
@@ -29,11 +31,6 @@ INTERMEDIATE_EXPIRY_DAYS = 1     # S3 lifecycle rules count in whole days
 RECORD_FILE = "deployment.json"
 RECORD_FORMAT = "flatpack-deployment"
 ACCOUNT_PLACEHOLDER = "<ACCOUNT_ID>"     # what package() writes where the account id goes
-
-
-def model_label(compiled: Compiled) -> str:
-    """The model's class name, as the generated files name what they deploy."""
-    return str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
 
 
 def deployment_name(compiled: Compiled, prefix: str = "fp") -> str:
@@ -59,6 +56,20 @@ def default_bucket(name: str, account: str) -> str:
     deployments apart (left off while the account is a placeholder)."""
     suffix = "" if account == ACCOUNT_PLACEHOLDER else f"-{account}"
     return f"{name[:63 - len(suffix)]}{suffix}".lower()
+
+
+def preflight(compiled: Compiled, target: str, name: str | None, bucket: str | None,
+              profile_tiers: Sequence[int] | None) -> tuple[str, list[ImageContext]]:
+    """The checks every cloud deploy makes before any API call (tiers, image sizes, names),
+    so that bad input leaves nothing behind; returns the deployment's name and its images."""
+    functions(compiled, "check", target, profile_tiers)
+    # a profiler function needs every layer: one image holds them all
+    images = function_images(compiled, target, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
+    name = name or deployment_name(compiled)
+    check_name(name)
+    if bucket is not None:
+        check_bucket_name(bucket)
+    return name, images
 
 
 def check_tiers(compiled: Compiled, target: str) -> None:
@@ -203,6 +214,22 @@ def rollback(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None
     else:
         message += "\nNothing is left behind."
     return DeployError(message, rolled_back=tuple(removed))
+
+
+def create_recorded(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None]],
+                    create: Callable[[], None], record_dir: Path, what: str) -> None:
+    """Runs ``create`` (which adds each resource to ``ledger`` as it makes it); a failure
+    rolls back what was made and raises the :class:`DeployError` that says so. The record
+    is saved either way."""
+    try:
+        create()
+    except BaseException as err:
+        error = rollback(ledger, deleters, err, what)
+        ledger.save(record_dir)
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise error from err
+    ledger.save(record_dir)
 
 
 def remove(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None]],

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import flatpack
-from flatpack.backends.cloud import model_label
 from flatpack.codegen.artifact import serialize
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -117,6 +116,11 @@ def function_images(compiled: Compiled, target: str, *,
         images.append(ImageContext(tuple(stages), files, estimate_image_bytes(flavor, files)))
     check_image_sizes(images, target)
     return images
+
+
+def model_label(compiled: Compiled) -> str:
+    """The model's class name, as the generated files name what they deploy."""
+    return str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
 
 
 def _share(artifacts: dict[int, dict[str, bytes]], share_below_bytes: int) -> list[list[int]]:
