@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
 from flatpack.backends.functions import TrainResult
-from flatpack.backends.images import ImageContext, function_images
+from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
@@ -104,11 +103,6 @@ def function_body(function: dict[str, Any], image_uri: str, res: dict[str, Any])
     return body
 
 
-def _image_of(images: list[ImageContext], stage: int | None) -> ImageContext:
-    """The image holding the stage's artifact; a profiler function's image holds them all."""
-    return images[0] if stage is None else next(image for image in images if stage in image.stages)
-
-
 def package(compiled: Compiled, *, name: str | None = None, region: str = "cn-hangzhou",
             account: str = cloud.ACCOUNT_PLACEHOLDER, bucket: str | None = None, namespace: str = "flatpack",
             role_arn: str | None = None) -> dict[str, bytes]:
@@ -121,10 +115,10 @@ def package(compiled: Compiled, *, name: str | None = None, region: str = "cn-ha
     files: dict[str, bytes] = {}
     for image in images:
         files.update({f"images/{image.name}/{path}": data for path, data in image.files.items()})
-    bodies = [function_body(f, f"{res['registry']}:{_image_of(images, f['stage']).tag}", res) for f in res["functions"]]
-    files["ram/policy.json"] = _json(ram_policy(res))
-    files["s3/lifecycle.json"] = _json({"Rules": cloud.lifecycle_rules(res["run"])})
-    files["functions.json"] = _json({"resources": res, "create_function": bodies})
+    bodies = [function_body(f, f"{res['registry']}:{image_of(images, f['stage']).tag}", res) for f in res["functions"]]
+    files["ram/policy.json"] = cloud.json_bytes(ram_policy(res))
+    files["s3/lifecycle.json"] = cloud.json_bytes({"Rules": cloud.lifecycle_rules(res["run"])})
+    files["functions.json"] = cloud.json_bytes({"resources": res, "create_function": bodies})
     files["commands.sh"] = commands(compiled, res, images, bodies).encode()
     return files
 
@@ -147,10 +141,6 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
                      f"\"Content-Type=application/json\" --body '{json.dumps(body)}'")
     lines += ["", "# to remove everything: flatpack teardown <this directory>", ""]
     return "\n".join(lines)
-
-
-def _json(data: Any) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode()
 
 
 # checks before any API call ---------------------------------------------------------------------
@@ -213,14 +203,6 @@ def _s3_client(credential: Any, region: str, endpoint: str) -> Any:
                                       retries={"mode": "standard", "max_attempts": 5}))
 
 
-def docker_push() -> Push:
-    def push(image: ImageContext, context: Path, uri: str) -> None:
-        subprocess.run(["docker", "build", "--platform", "linux/amd64", "-t", uri, str(context)], check=True)
-        subprocess.run(["docker", "push", uri], check=True)
-
-    return push
-
-
 # deploy -----------------------------------------------------------------------------------------
 def deploy(compiled: Compiled, *, region: str | None = None, account: str | None = None, name: str | None = None,
            bucket: str | None = None, namespace: str = "flatpack", role_arn: str | None = None,
@@ -254,7 +236,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
     clients = _Clients(credential_client, credential, res, endpoint_urls)
     cloud.create_recorded(ledger, _deleters(clients),
-                          lambda: _create(res, images, ledger, clients, out_dir, push or docker_push()),
+                          lambda: _create(res, images, ledger, clients, out_dir, push or (lambda image, context, uri: docker_build_and_push(context, uri))),
                           out_dir, f"deploying {name} to alibaba-fc ({region})")
     return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                         (credential.get_access_key_id(), credential.get_access_key_secret(),
@@ -273,20 +255,11 @@ def _create(res: dict[str, Any], images: list[ImageContext], ledger: cloud.Ledge
             out_dir: Path, push: Push) -> None:
     from alibabacloud_fc20230330 import models
 
-    uris = {}
-    for image in images:
-        context = image.write(out_dir / "images" / image.name)
-        uri = f"{res['registry']}:{image.tag}"
-        push(image, context, uri)
-        uris[image.name] = uri
-    ledger.details["images"] = {image.name: {"uri": uris[image.name], "stages": list(image.stages)} for image in images}
-
-    cloud.create_bucket(clients.s3, res["bucket"], res["region"])
-    ledger.add("bucket", res["bucket"])
-    cloud.configure_bucket(clients.s3, res["bucket"], res["run"])
+    uris = cloud.push_images(images, res["registry"], out_dir, push, ledger)
+    cloud.make_bucket(clients.s3, res, ledger)
 
     for function in res["functions"]:
-        body = function_body(function, uris[_image_of(images, function["stage"]).name], res)
+        body = function_body(function, uris[image_of(images, function["stage"]).name], res)
         clients.fc.create_function(models.CreateFunctionRequest(body=models.CreateFunctionInput().from_map(body)))
         ledger.add("function", function["name"])
 

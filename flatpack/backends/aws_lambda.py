@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
 from flatpack.backends.functions import TrainResult
-from flatpack.backends.images import ImageContext, function_images
+from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
@@ -92,11 +92,6 @@ def role_policy(res: dict[str, Any]) -> dict[str, Any]:
     ]}
 
 
-def _image_of(images: list[ImageContext], stage: int | None) -> ImageContext:
-    """The image holding the stage's artifact; a profiler function's image holds them all."""
-    return images[0] if stage is None else next(image for image in images if stage in image.stages)
-
-
 def package(compiled: Compiled, *, name: str | None = None, region: str = "us-east-1",
             account: str = cloud.ACCOUNT_PLACEHOLDER, bucket: str | None = None) -> dict[str, bytes]:
     """Every file a deployment needs, by path: ``images/<image>/`` build contexts, ``iam/``,
@@ -108,10 +103,10 @@ def package(compiled: Compiled, *, name: str | None = None, region: str = "us-ea
     files: dict[str, bytes] = {}
     for image in images:
         files.update({f"images/{image.name}/{path}": data for path, data in image.files.items()})
-    files["iam/trust-policy.json"] = _json(trust_policy())
-    files["iam/role-policy.json"] = _json(role_policy(res))
-    files["s3/lifecycle.json"] = _json({"Rules": cloud.lifecycle_rules(res["run"])})
-    files["functions.json"] = _json({"resources": res, "images": [
+    files["iam/trust-policy.json"] = cloud.json_bytes(trust_policy())
+    files["iam/role-policy.json"] = cloud.json_bytes(role_policy(res))
+    files["s3/lifecycle.json"] = cloud.json_bytes({"Rules": cloud.lifecycle_rules(res["run"])})
+    files["functions.json"] = cloud.json_bytes({"resources": res, "images": [
         {"name": image.name, "tag": image.tag, "stages": list(image.stages), "estimated_bytes": image.estimated_bytes}
         for image in images]})
     files["commands.sh"] = commands(compiled, res, images).encode()
@@ -144,17 +139,13 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
               f"aws iam put-role-policy --role-name {res['role']} --policy-name {res['policy']} "
               "--policy-document file://iam/role-policy.json", "", "# 4. one function per stage"]
     for function in res["functions"]:
-        uri = f"{res['repository_uri']}:{_image_of(images, function['stage']).tag}"
+        uri = f"{res['repository_uri']}:{image_of(images, function['stage']).tag}"
         lines.append(f"aws lambda create-function --region {region} --function-name {function['name']} "
                      f"--package-type Image --code ImageUri={uri} --role {res['role_arn']} "
                      f"--memory-size {function['memory_mb']} --timeout {function['timeout_s']} "
                      f"--environment 'Variables={{{STORE_ENV}={res['store_url']}}}'")
     lines += ["", "# to remove everything: flatpack teardown <this directory>", ""]
     return "\n".join(lines)
-
-
-def _json(data: Any) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode()
 
 
 # checks before any API call ------------------------------------------------------------------
@@ -232,9 +223,7 @@ def docker_push(ecr: Any) -> Push:
             subprocess.run(["docker", "login", "--username", user, "--password-stdin", registry],
                            input=password.encode(), check=True, capture_output=True)
             logged_in.add(registry)
-        subprocess.run(["docker", "build", "--platform", "linux/amd64", "--provenance=false", "-t", uri, str(context)],
-                       check=True)
-        subprocess.run(["docker", "push", uri], check=True)
+        docker_build_and_push(context, uri, "--provenance=false")
 
     return push
 
@@ -295,18 +284,8 @@ def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext],
     repository = clients.ecr.create_repository(repositoryName=res["repository"],
                                                imageScanningConfiguration={"scanOnPush": True})["repository"]
     ledger.add("repository", res["repository"])
-    uris = {}
-    for image in images:
-        context = image.write(out_dir / "images" / image.name)
-        uri = f"{repository['repositoryUri']}:{image.tag}"
-        push(image, context, uri)
-        uris[image.name] = uri
-    ledger.details["images"] = {image.name: {"uri": uris[image.name], "stages": list(image.stages),
-                                             "context": f"images/{image.name}"} for image in images}
-
-    cloud.create_bucket(clients.s3, res["bucket"], res["region"])
-    ledger.add("bucket", res["bucket"])
-    cloud.configure_bucket(clients.s3, res["bucket"], res["run"])
+    uris = cloud.push_images(images, repository["repositoryUri"], out_dir, push, ledger)
+    cloud.make_bucket(clients.s3, res, ledger)
 
     clients.iam.create_role(RoleName=res["role"], AssumeRolePolicyDocument=json.dumps(trust_policy()),
                             Description=f"flatpack deployment {name}: its functions' role")
@@ -316,7 +295,7 @@ def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext],
     ledger.add("role-policy", res["policy"], role=res["role"])
 
     for function in res["functions"]:
-        uri = uris[_image_of(images, function["stage"]).name]
+        uri = uris[image_of(images, function["stage"]).name]
         _create_function(clients.control, function, uri, res)
         ledger.add("function", function["name"])
     waiter = clients.control.get_waiter("function_active_v2")

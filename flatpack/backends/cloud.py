@@ -72,6 +72,25 @@ def preflight(compiled: Compiled, target: str, name: str | None, bucket: str | N
     return name, images
 
 
+def json_bytes(data: Any) -> bytes:
+    """A generated JSON file (policies, function settings): indented, newline-terminated."""
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+def push_images(images: Sequence[ImageContext], repository_uri: str, out_dir: Path,
+                push: Callable[[ImageContext, Path, str], None], ledger: Ledger) -> dict[str, str]:
+    """Writes each image's build context under ``out_dir/images/``, pushes it as
+    ``repository_uri:<content tag>`` and records it; image name -> URI."""
+    uris = {}
+    for image in images:
+        context = image.write(out_dir / "images" / image.name)
+        uris[image.name] = f"{repository_uri}:{image.tag}"
+        push(image, context, uris[image.name])
+    ledger.details["images"] = {image.name: {"uri": uris[image.name], "stages": list(image.stages),
+                                             "context": f"images/{image.name}"} for image in images}
+    return uris
+
+
 def check_tiers(compiled: Compiled, target: str) -> None:
     """Every stage has a memory tier the platform offers; caught before any API call."""
     from flatpack.backends.catalog import get_platform
@@ -252,6 +271,13 @@ def create_bucket(s3: Any, bucket: str, region: str) -> None:
         s3.create_bucket(Bucket=bucket)
     else:
         s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+
+
+def make_bucket(s3: Any, res: dict[str, Any], ledger: Ledger) -> None:
+    """The deployment's bucket, recorded as soon as it exists, then configured."""
+    create_bucket(s3, res["bucket"], res["region"])
+    ledger.add("bucket", res["bucket"])
+    configure_bucket(s3, res["bucket"], res["run"])
 
 
 def configure_bucket(s3: Any, bucket: str, run: str) -> None:

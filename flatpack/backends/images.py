@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -116,6 +117,17 @@ def function_images(compiled: Compiled, target: str, *,
         images.append(ImageContext(tuple(stages), files, estimate_image_bytes(flavor, files)))
     check_image_sizes(images, target)
     return images
+
+
+def image_of(images: Sequence[ImageContext], stage: int | None) -> ImageContext:
+    """The image holding the stage's artifact; a profiler function's (stage None) holds them all."""
+    return images[0] if stage is None else next(image for image in images if stage in image.stages)
+
+
+def docker_build_and_push(context: Path, uri: str, *build_flags: str) -> None:
+    """``docker build`` for the functions' x86-64 platform, then ``docker push``."""
+    subprocess.run(["docker", "build", "--platform", "linux/amd64", *build_flags, "-t", uri, str(context)], check=True)
+    subprocess.run(["docker", "push", uri], check=True)
 
 
 def model_label(compiled: Compiled) -> str:

@@ -5,6 +5,8 @@ back newest first and says what it could not remove."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -164,3 +166,17 @@ def test_the_fc_container_server_wraps_the_handler(monkeypatch):
             urllib.request.urlopen(urllib.request.Request(f"{url}/other", data=b"{}", method="POST"), timeout=10)
     finally:
         server.shutdown()
+
+
+def test_the_default_push_builds_for_x86_64_then_pushes(tmp_path, monkeypatch):
+    """No Docker engine here: a `docker` on PATH that records its arguments stands in."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "docker"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    images.docker_build_and_push(tmp_path, "registry.example.com/repo:tag", "--provenance=false")
+    assert calls.read_text().splitlines() == [
+        f"build --platform linux/amd64 --provenance=false -t registry.example.com/repo:tag {tmp_path}",
+        "push registry.example.com/repo:tag"]
