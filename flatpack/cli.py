@@ -8,7 +8,6 @@ import importlib
 import importlib.util
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -392,18 +391,26 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flatpack.job import JobOptions, run_training
 
-    model, inputs = load_factory(args.model, args.size)
     options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=args.iterations,
                          optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
-                         verify=not args.no_verify, pick=args.pick)
+                         verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
                          "deployment, see docs/cloud.md)")
+    # every option is checked before the model is built and before any process starts
+    options.check()
+    model, inputs = load_factory(args.model, args.size)
     result = run_training(model, inputs, options, stream=sys.stdout)
     return 0 if result.equivalent in (None, True) else 1
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from flatpack.job import resume_training
+
+    return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -416,12 +423,12 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def cmd_demo(args: argparse.Namespace) -> int:
     from flatpack.job import JobOptions, run_training
 
-    model, inputs = load_factory(args.model, "tiny")
-    print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
     options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                          passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
-                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out) if args.out else
-                         Path(tempfile.mkdtemp(prefix="flatpack-demo-")))
+                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out))
+    options.check()
+    model, inputs = load_factory(args.model, "tiny")
+    print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
     result = run_training(model, inputs, options, stream=sys.stdout)
     return 0 if result.equivalent else 1
 
@@ -613,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--batch", type=int, default=32)
     run_parser.add_argument("--micro-batches", type=int, default=4)
     run_parser.add_argument("--iterations", type=int, default=4)
-    run_parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    run_parser.add_argument("--optimizer", default="adam", help="adam (default) or sgd (with momentum 0.9)")
     run_parser.add_argument("--lr", type=float, default=0.01)
     run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],
                             help="FuncPipe's synchronous schedule or PipeDream's 1F1B with a flush")
@@ -627,7 +634,16 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--pick", default="recommended", choices=["recommended", "fastest"],
                             help="FuncPipe's recommended plan from the front, or its fastest")
     run_parser.add_argument("--no-verify", action="store_true", help="skip the single-process equivalence check")
+    run_parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                            help="checkpoint every N iterations (0, the default: only after the last); a lost "
+                                 "function recovers with any N, and `flatpack resume` restarts after the last one")
     run_parser.set_defaults(run=cmd_run)
+    resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
+                                                  "server) from its last checkpoint, to the same weights")
+    resume_parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
+    resume_parser.add_argument("--clean", action="store_true",
+                               help="remove the run's store data instead of resuming it")
+    resume_parser.set_defaults(run=cmd_resume)
 
     deploy_parser = sub.add_parser("deploy", help="compile a model for a cloud target and deploy it (or, with "
                                                   "--dry-run, write everything and print the commands)")
@@ -663,21 +679,44 @@ def build_parser() -> argparse.ArgumentParser:
                                               "functions through a local S3 server, report and verify")
     demo_parser.add_argument("--model", default="vgg16", help="a zoo model (built at reduced size)")
     demo_parser.add_argument("--iterations", type=int, default=4)
-    demo_parser.add_argument("--out", default=None, help="output directory (default: a new temporary one)")
+    demo_parser.add_argument("--out", default="flatpack-demo",
+                             help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
     demo_parser.set_defaults(run=cmd_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from flatpack.interrupts import Interrupted, clean_shutdown
+
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        # SIGINT, SIGTERM and SIGHUP take the KeyboardInterrupt path: the commands' own
+        # with/finally blocks stop the functions and the S3 server; see flatpack/interrupts.py
+        with clean_shutdown():
+            return args.run(args)
     except FlatpackError as err:
         print(f"flatpack: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt as interrupt:
+        code = interrupt.exit_code if isinstance(interrupt, Interrupted) else 130
+        _say_interrupted(getattr(args, "out", None), "SIGINT" if code == 130 else str(interrupt))
+        return code
+
+
+def _say_interrupted(out: str | None, how: str) -> None:
+    """After a stop signal (part of ``main``): where the run's files are and how to go on."""
+    lines = [f"flatpack: stopped by {how}; every process it started has been stopped"]
+    if out and (Path(out) / "run.json").is_file():
+        lines.append(f"the run directory is {out}; continue the run with: flatpack resume {out}")
+    elif out and Path(out).is_dir():
+        lines.append(f"what it wrote so far is in {out}")
+    try:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - stderr may be gone with the terminal (SIGHUP)
+        pass
 
 
 if __name__ == "__main__":

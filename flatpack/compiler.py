@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -28,7 +29,7 @@ from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
 from flatpack.ir.profile import ChainProfile
 from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
-from flatpack.ir.trace import Signature, flatten_inputs, trace
+from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.space import SearchSpace
@@ -222,6 +223,21 @@ class StagedModule(nn.Module):
                         stage.register_buffer(attr, shared)
                 else:
                     self._by_name[name] = (index, attr)
+        # the mode the model was compiled in (the stages start in it); train()/eval() switch
+        # every stage, as they would every submodule of the original
+        self.training = bool(info.get("training", stages[0].training if stages else True))
+        self._mode_fixed: list[str] = list(info.get("mode_fixed", []))
+
+    def train(self, mode: bool = True) -> "StagedModule":
+        if self._mode_fixed and bool(mode) != bool(self._compiled_training):
+            warnings.warn(f"switching the staged model to {'train' if mode else 'eval'} mode, but it was compiled in "
+                          f"{'train' if self._compiled_training else 'eval'} mode and these parts cannot switch: "
+                          f"{'; '.join(self._mode_fixed[:6])}", ModeWarning, stacklevel=2)
+        return super().train(mode)
+
+    @property
+    def _compiled_training(self) -> bool:
+        return bool(self.stages[0].flatpack_manifest.get("training", True)) if len(self.stages) else True
 
     def tensor(self, name: str) -> torch.Tensor:
         """The stages' tensor for an original parameter or buffer name (any alias of a tied one)."""
@@ -311,6 +327,8 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         "target": target,
         "frontend": traced.frontend,
         "trace_notes": traced.notes,
+        "training": traced.training,
+        "mode_fixed": traced.mode_fixed,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "passes": [pass_spec(p) for p in pipeline],
         "signature": traced.signature.to_json(),

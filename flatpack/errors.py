@@ -33,7 +33,10 @@ class ArtifactError(FlatpackError):
 
 class RunFailure(FlatpackError):
     """A deployed run could not finish: a function failed for good (the message says which
-    stage and replica, why, and what to change). Artifacts and checkpoints stay in the store."""
+    stage and replica, why, and what to change). The run's checkpoints stay in the store until
+    the deployment is torn down, and a local deployment given a ``data_dir`` (a ``flatpack run``
+    directory's ``store/``) keeps them through teardown: ``deployment.resume(batches)`` and
+    ``flatpack resume RUN_DIR`` continue the call (``tests/integration/test_recovery.py``)."""
 
 
 class FunctionOutOfMemory(RunFailure):

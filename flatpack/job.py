@@ -5,17 +5,25 @@ training and leave the plots. ``flatpack run`` and ``flatpack demo`` call :func:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import difflib
+import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 import torch
 from torch import nn
 
-from flatpack.errors import InputError
-from flatpack.runtime.reference import call, first_output, train_single_process
+from flatpack.errors import FlatpackError, InputError
+from flatpack.rundir import RunDirectory, RunRecord
+from flatpack.runtime.optim import OPTIMIZERS
+from flatpack.runtime.reference import call, first_output
+from flatpack.verdict import pipeline_optimizer_state, verdict
 
 
 @dataclass
@@ -39,6 +47,88 @@ class JobOptions:
     # "recommended": the solver's choice (FuncPipe's recommendation for dp); "fastest": the
     # fastest plan on dp's Pareto front
     pick: str = "recommended"
+
+    def check(self) -> None:
+        """Refuses options no run can use, each with its cause and fix, before anything is
+        loaded, compiled or started (``flatpack run``/``demo`` call it first)."""
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise InputError(message)
+
+        need(isinstance(self.batch, int) and self.batch >= 1,
+             f"--batch must be a positive number of samples per iteration, got {self.batch}; use e.g. --batch 32")
+        need(isinstance(self.micro_batches, int) and self.micro_batches >= 1,
+             f"--micro-batches must be at least 1, got {self.micro_batches}; use e.g. --micro-batches 4")
+        need(self.micro_batches <= self.batch,
+             f"--micro-batches {self.micro_batches} is more than the {self.batch} samples of a batch, so some "
+             f"micro-batches would be empty; use at most --micro-batches {self.batch} or a larger --batch")
+        if self.batch % self.micro_batches:
+            fits = [m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0][0]
+            raise InputError(f"--batch {self.batch} does not divide into {self.micro_batches} equal micro-batches "
+                             f"(the plan and the cost model assume equal ones); use --micro-batches {fits} or a "
+                             f"--batch that is a multiple of {self.micro_batches}, e.g. "
+                             f"{self.batch + self.micro_batches - self.batch % self.micro_batches}")
+        need(isinstance(self.iterations, int) and self.iterations >= 1,
+             f"--iterations must be at least 1 (the number of global batches to train), got {self.iterations}")
+        if self.optimizer not in OPTIMIZERS:
+            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS, n=1, cutoff=0.4)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise InputError(f"unknown optimizer {self.optimizer!r}; {hint}choose one of {', '.join(OPTIMIZERS)}")
+        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
+             f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
+        need(bool(self.replicas) and all(isinstance(d, int) and d >= 1 for d in self.replicas),
+             f"--replicas lists data-parallel degrees, each at least 1, got {','.join(map(str, self.replicas))}; "
+             "use e.g. --replicas 1,2")
+        need(min(self.replicas) <= self.micro_batches,
+             f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {self.micro_batches} "
+             "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
+        if self.memory_mb:
+            from flatpack.backends.catalog import get_platform
+
+            platform = get_platform("local")
+            for size in self.memory_mb:
+                need(isinstance(size, int) and size >= 1, f"--memory takes tiers in MB, each positive, got {size}")
+                platform.tier(size)   # names the sizes the local platform offers
+        need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+             f"checkpoint_every must be 0 (only the last iteration) or a positive count, got {self.checkpoint_every}")
+        need(self.pick in ("recommended", "fastest"), f"pick must be 'recommended' or 'fastest', got {self.pick!r}")
+        need(not self.out.exists() or self.out.is_dir(),
+             f"--out {self.out} is a file; give a directory (it is created if missing)")
+        if self.pick != "fastest":
+            solver_for(self.solver)
+
+
+def solver_for(name: Any) -> Any:
+    """The solver ``flatpack run`` compiles with: the named one, and for a solver that only
+    cuts (``balanced`` leaves every stage without a memory tier) the smallest tier that fits
+    each stage, so the cost model can predict the run (:func:`funcpipe.with_tiers`). An
+    unknown name is refused with the close matches."""
+    from flatpack.partitioner.solvers import available_solvers, get_solver
+
+    if isinstance(name, str):
+        base = name.split("{", 1)[0].strip()
+        names = list(available_solvers())
+        if base not in names:
+            close = difflib.get_close_matches(base, names, n=2, cutoff=0.5)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            raise InputError(f"unknown solver {base!r}; {hint}the solvers are: {', '.join(names)}")
+    return WithTiers(get_solver(name))
+
+
+@dataclass(frozen=True)
+class WithTiers:
+    """A solver whose plans get a memory tier for every stage left without one."""
+
+    solver: Any
+
+    @property
+    def name(self) -> str:
+        return getattr(self.solver, "name", str(self.solver))
+
+    def __call__(self, problem: Any) -> Any:
+        from flatpack.partitioner.cost.funcpipe import with_tiers
+
+        return with_tiers(problem, self.solver(problem))
 
 
 @dataclass(frozen=True)
@@ -64,13 +154,18 @@ class JobResult:
     files: list[Path]
 
 
-def without_dropout(model: nn.Module) -> nn.Module:
-    """Dropout draws a fresh mask in every stage and micro-batch, so a pipelined run can match
-    single-process training only without it; the equivalence check sets p = 0."""
+def without_dropout(model: nn.Module) -> int:
+    """Dropout draws a fresh mask in every stage and micro-batch (seeded per iteration, stage
+    and micro-batch: ``training.micro_batch_seed``), which single-process training of the
+    original module cannot reproduce, so ``flatpack run`` trains with p = 0 in every
+    ``nn.Dropout*`` module, the run and the reference alike, and its verdict says so. Returns
+    how many modules had p > 0."""
+    count = 0
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
+            count += module.p > 0
             module.p = 0.0
-    return model
+    return count
 
 
 def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
@@ -112,10 +207,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
+    options.check()
     if isinstance(example, dict):
         raise InputError("flatpack run trains models called with positional inputs; wrap a keyword-input model")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InputError(f"{type(model).__name__} has no trainable parameters (none, or all with requires_grad="
+                         "False), so there is nothing to train; give a model with parameters, or use flatpack "
+                         "compile/deploy to serve it")
     torch.manual_seed(options.seed)
-    without_dropout(model)
+    dropouts = without_dropout(model)
     options.out.mkdir(parents=True, exist_ok=True)
     # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
     threads = torch.get_num_threads()
@@ -135,7 +235,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
         if options.pick not in ("recommended", "fastest"):
             raise InputError(f"pick must be 'recommended' or 'fastest', got {options.pick!r}")
-        solver = FastestOnFront() if options.pick == "fastest" else options.solver
+        solver = FastestOnFront() if options.pick == "fastest" else solver_for(options.solver)
+        # the weights and buffers training starts from (profiling runs the model in train
+        # mode, which moves BatchNorm's running statistics): the reference starts here too
+        initial = copy.deepcopy(model)
         compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
                                     profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
         say(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
@@ -145,7 +248,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         cost = funcpipe.iteration(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
-        with local.deploy(compiled, workdir=options.out / "logs") as deployment:
+        # the run directory keeps what `flatpack resume` needs until the run succeeds: the
+        # batches, the run record and the S3 server's data (checkpoints included)
+        directory = RunDirectory(options.out)
+        directory.remove_store()      # an earlier run's in the same directory: this run replaces it
+        directory.save_batches(batches)
+        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations)
+        directory.write(record)
+        with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
+                                                      run=record.run) as deployment:
             say(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
                 f"local S3 server at {deployment.store_url.split('?')[0]}")
             problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
@@ -157,6 +268,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                       loss=loss, schedule=options.schedule, sync=options.sync,
                                       threads=1, progress=stream,
                                       checkpoint_every=options.checkpoint_every or options.iterations)
+            pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
+        _finish(directory, record, result.parameters, say)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
@@ -167,8 +280,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
         say(comparison.table())
         calibrated = None
-        if skip == 2:
-            tuned, beta, latency = report.calibrate(problem, compiled.plan, result.events, iteration=1)
+        try:
+            tuned, beta, latency = (report.calibrate(problem, compiled.plan, result.events, iteration=1)
+                                    if skip == 2 else (None, None, None))
+        except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
+            say(f"(no calibration on iteration 1: {err})")
+            tuned = None
+        if tuned is not None:
             calibrated = report.compare(tuned, compiled.plan, result.events, skip_first=skip)
             say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
@@ -182,26 +300,87 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured) and the stage artifacts in {files[0]}")
         max_diff = equivalent = None
         if options.verify:
-            reference, _ = train_single_process(model, batches, options.iterations, loss=loss,
-                                                optimizer={"name": options.optimizer, "lr": options.lr})
-            max_diff, equivalent = _compare_parameters(result.parameters, reference)
-            verdict = "passed" if equivalent else "FAILED"
-            say(f"equivalence with single-process training: {verdict} (max |parameter difference| {max_diff:.3g} "
-                f"after {options.iterations} iterations)")
+            found = verdict(initial, compiled, batches, options, loss, result.parameters, pipelined_state,
+                            dropouts=dropouts, example=example_batch)
+            say(found.describe())
+            max_diff, equivalent = found.max_weight_diff, found.equivalent
         return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
     finally:
         torch.set_num_threads(threads)
 
 
-def _compare_parameters(parameters: dict[str, torch.Tensor], reference: nn.Module) -> tuple[float, bool]:
-    worst, close = 0.0, True
-    for name, expected in reference.state_dict().items():
-        got = parameters.get(name)
-        if got is None:
-            return float("inf"), False
-        worst = max(worst, float((got.float() - expected.float()).abs().max()) if got.numel() else 0.0)
-        close = close and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
-    return worst, close
+# -- the run directory: resume after any crash --------------------------------------------------
+
+@contextlib.contextmanager
+def _resumable(directory: RunDirectory, say: Any) -> Iterator[None]:
+    """Says how to resume when training stops early for any reason (a failure, Ctrl-C, SIGTERM):
+    the run directory keeps the store's data and checkpoints."""
+    try:
+        yield
+    except BaseException as err:
+        why = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by an error"
+        say(f"\ntraining {why}; the run directory {directory.root} keeps its checkpoints. Continue it with:\n"
+            f"    flatpack resume {directory.root}")
+        raise
+
+
+def _finish(directory: RunDirectory, record: RunRecord, parameters: dict[str, torch.Tensor], say: Any) -> None:
+    """A finished run: its trained weights in the run directory, the store's data removed."""
+    trained = directory.save_trained(parameters)
+    directory.write(dataclasses.replace(record, state="done"))
+    directory.remove_store()
+    say(f"trained weights (by the model's parameter names) in {trained}")
+
+
+def resume_training(root: Path, *, stream: TextIO, clean: bool = False) -> int:
+    """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
+    from the last checkpoint every stage took, on the run's own batches, to the weights the
+    uninterrupted run would have reached. ``clean``: discard the run's store data instead."""
+    import flatpack
+    from flatpack.backends import local
+
+    def say(text: str = "") -> None:
+        print(text, file=stream, flush=True)
+
+    directory = RunDirectory(root)
+    record = directory.read()
+    if record.state == "done":
+        say(f"{root}: the run finished; its trained weights are in {directory.trained_path}. Nothing to resume")
+        return 0
+    if clean:
+        directory.remove_store()
+        directory.write(dataclasses.replace(record, state="abandoned"))
+        say(f"removed the store data of {root}; the run cannot be resumed any more")
+        return 0
+    if record.state != "running":
+        raise InputError(f"{root} is a run in state {record.state!r}; only a running one can be resumed")
+    if not directory.store.is_dir():
+        raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
+                         "Start it again with flatpack run")
+    compiled = flatpack.load(directory.compiled)
+    batches = directory.load_batches()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
+                                                      run=record.run) as deployment:
+            done = deployment.consistent_checkpoint()
+            calls = deployment.calls()
+            if not calls:
+                say("the run had not started training; training it from the start")
+                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream)
+            else:
+                say(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
+                    if done is not None else f"resuming run {record.run} from its first iteration")
+                result = deployment.resume(batches, progress=stream)
+            parameters = deployment.parameters()
+        if result is not None:
+            say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "
+                f"{result.losses[-1]:.4f}")
+        _finish(directory, record, parameters, say)
+        return 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _print_front(compiled: Any, say: Any) -> None:

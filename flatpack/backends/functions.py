@@ -24,7 +24,7 @@ import torch
 from flatpack.compiler import Compiled
 from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
-from flatpack.runtime import timeline, wire
+from flatpack.runtime import chaos, timeline, wire
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, split_value, stage_specs
@@ -55,7 +55,7 @@ class Invocation(Protocol):
 class Restart:
     worker: str
     iteration: int
-    reason: str            # "lost" (killed), "straggler", "time limit"
+    reason: str            # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
     attempt: int
     behind_s: float = 0.0  # straggler: how far behind its peers when relaunched
     cost_s: float = 0.0    # seconds the iteration took beyond the peers' pace because of it
@@ -66,7 +66,10 @@ class Restart:
                     f"relaunched from the last checkpoint (attempt {self.attempt}); it cost {self.cost_s:.2f} s")
         if self.reason == "time limit":
             return f"{self.worker} checkpointed near its time limit and was invoked again at iteration {self.iteration}"
-        return (f"{self.worker} was lost in iteration {self.iteration} and restarted from the last checkpoint "
+        if self.reason == "transient":
+            return (f"{self.worker} gave up on a transient fault and was restarted at iteration {self.iteration} "
+                    f"from the last checkpoint (attempt {self.attempt})")
+        return (f"{self.worker} was lost and restarted at iteration {self.iteration} from the last checkpoint "
                 f"(attempt {self.attempt})")
 
 
@@ -85,6 +88,26 @@ class TrainResult:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One train() call as the store keeps it (``RunKeys.call``), so that another process
+    can resume it: its iteration numbers, the checkpoint it started from, where its first
+    batch sits in the caller's data, and its settings (plain data)."""
+
+    first_iteration: int
+    iterations: int
+    initial_checkpoint: int | None
+    batch_offset: int
+    options: dict[str, Any]
+
+    def dumps(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "CallRecord":
+        return cls(**json.loads(raw))
 
 
 @dataclass
@@ -164,7 +187,8 @@ class FunctionDeployment:
               threads: int = 1, checkpoint_every: int = 1, time_limit_s: float | None = None,
               elastic: Elastic | None = None, epoch_iterations: int | None = None,
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
-              timeout_s: float = 600.0, wait_timeout_s: float = 120.0) -> TrainResult:
+              timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
+              store_faults: dict | None = None) -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -172,26 +196,96 @@ class FunctionDeployment:
         iteration). ``elastic(epoch, degrees) -> new degrees | None`` is asked at every epoch
         boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a replica that has not
         finished its micro-batches ``ratio`` × the peers' compute time after they did.
+
+        A second call continues from the weights the first one left (its last checkpoint),
+        and so does a call after a failed one (from the last checkpoint every stage took).
+        ``batch_offset``: the index of this call's first batch in the caller's data (what
+        :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
+        store errors and stalls injected into the functions' store clients for chaos runs
+        (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
         """
         check_loss(loss)
+        from flatpack.backends import batch_checks  # data and settings, checked before any function starts
+        self._batch_size = batch_checks.check_training_call(
+            self.compiled, batches, iterations=iteration_count(batches, iterations), optimizer=optimizer,
+            micro_batches=micro_batches or default_micro_batches(self.compiled),
+            previous_batch_size=getattr(self, "_batch_size", None))
         plan = self.compiled.plan
         batch_for = batches if callable(batches) else batches.__getitem__
         iterations = iteration_count(batches, iterations)
         workload = workload_of(self.compiled)
         micro_batches = micro_batches or default_micro_batches(self.compiled)
         sync = sync or (workload.sync if workload else "pipelined")
+        if checkpoint_every < 1:
+            raise InputError(f"checkpoint_every must be at least 1 (a checkpoint every that many iterations), got "
+                             f"{checkpoint_every}")
         degrees = tuple(stage.replicas for stage in plan.stages)
+        # inference functions hold the weights they loaded; the next request restarts them
+        self.stop_inference()
+        first = self.next_iteration()
         spec = RunSpec(run=self.keys.run, stages=self._stage_specs(degrees), micro_batches=micro_batches, batch=1,
                        optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(self.compiled),
                        schedule=schedule, sync=sync, threads=threads, wait_timeout_s=wait_timeout_s,
                        checkpoint_every=checkpoint_every,
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
+                       first_iteration=first, initial_checkpoint=self.consistent_checkpoint(),
                        shared=self._shared(),
-                       faults=tuple(faults))
+                       faults=tuple(faults), store_faults=store_faults)
         spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
-        run = _Run(self, spec, batch_for, iterations, elastic, epoch_iterations or iterations, straggler_ratio,
-                   progress, timeout_s)
+        record = CallRecord(first, iterations, spec.initial_checkpoint, batch_offset,
+                            {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
+                             "schedule": schedule, "sync": sync, "threads": threads,
+                             "checkpoint_every": checkpoint_every})
+        self.store.put(self.keys.call(first), record.dumps())
+        run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
+                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s)
         return run.execute()
+
+    # calls and checkpoints ------------------------------------------------------------------
+    def calls(self) -> list["CallRecord"]:
+        """The run's train() calls so far, oldest first (read from the store: a deployment
+        opened by another process sees them too)."""
+        return [CallRecord.loads(self.store.get(key)) for key in sorted(self.store.list(self.keys.calls()))]
+
+    def next_iteration(self) -> int:
+        """The first iteration number no call of this run has used (numbers are never reused)."""
+        return max((call.first_iteration + call.iterations for call in self.calls()), default=0)
+
+    def consistent_checkpoint(self) -> int | None:
+        """The latest iteration after which every stage has a checkpoint: the weights a new
+        call, a resumed call and inference start from (None: the compiled weights)."""
+        common: set[int] | None = None
+        for stage in range(len(self.compiled.plan.stages)):
+            taken = {int(key.rsplit("/i", 1)[1]) for key in self.store.list(self.keys.checkpoints(stage))}
+            common = taken if common is None else common & taken
+        return max(common) if common else None
+
+    def parameters(self, iteration: int | None = None) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers (original names) after ``iteration``, by default
+        the latest iteration every stage checkpointed; the compiled weights before any."""
+        iteration = self.consistent_checkpoint() if iteration is None else iteration
+        if iteration is None:
+            return {name: tensor.detach().clone() for artifact in self.compiled.artifacts
+                    for name, tensor in artifact.tensors.items()}
+        return checkpoint_parameters(self.store, self.keys, len(self.compiled.plan.stages), iteration)
+
+    def resume(self, batches: Sequence[Any] | Callable[[int], Any], **options: Any) -> TrainResult | None:
+        """Continues the run's last train() call after any crash (a worker, the invoker, the
+        store server) from the last checkpoint every stage has, with the same settings, on the
+        same ``batches`` the call was given. Returns None when that call had finished."""
+        calls = self.calls()
+        if not calls:
+            raise InputError(f"run {self.keys.run} has no train() call to resume; call train() first")
+        last = calls[-1]
+        done = self.consistent_checkpoint()
+        trained = 0 if done is None or done < last.first_iteration else done + 1 - last.first_iteration
+        if trained >= last.iterations:
+            return None
+        batch_for = batches if callable(batches) else batches.__getitem__
+        offset = last.batch_offset + trained
+        settings = {**last.options, **options}
+        return self.train(lambda index: batch_for(offset + index), iterations=last.iterations - trained,
+                          batch_offset=offset, **settings)
 
     def measure_latency(self, samples: int = 21) -> float:
         """Median seconds of one small store access (a put or a get) from this process: the
@@ -260,7 +354,8 @@ class FunctionDeployment:
                        for index, (group, manifest) in enumerate(zip(plan.groups, self.manifests)))
         spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
                             tier.bandwidth_bytes_s if tier else None, tuple(self.compiled.info["input_names"]),
-                            tuple(self.compiled.info["output_names"]), threads, wait_timeout_s)
+                            tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,
+                            checkpoint=self.consistent_checkpoint())
         spec_key = self.keys.inference_spec()
         self.store.put(spec_key, spec.dumps())
         roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master")]
@@ -290,6 +385,10 @@ class FunctionDeployment:
                     worker.process.kill()
                 del self.workers[key]
         self._inference = None
+        # the next inference functions count requests from 0 again: they must not find this
+        # session's requests (or its stop messages) under the same keys
+        self.store.delete_prefix(f"{self.keys.run}/infer/")
+        self._requests = 0
 
     # lifecycle ----------------------------------------------------------------------------
     def stop_workers(self) -> None:
@@ -326,10 +425,22 @@ def _open_with_env(url: str, env: dict[str, str]) -> Store:
     return open_store(url)
 
 
+def checkpoint_parameters(store: Store, keys: RunKeys, stages: int, iteration: int) -> dict[str, torch.Tensor]:
+    """The weights in every stage's checkpoint after ``iteration``, by original name (a tied
+    parameter several stages hold appears once)."""
+    parameters: dict[str, torch.Tensor] = {}
+    for stage in range(stages):
+        tensors, _ = wire.loads(store.wait(keys.checkpoint(stage, iteration), 60))
+        for key, tensor in tensors.items():
+            if key.startswith("w/"):
+                parameters.setdefault(key[2:], tensor)
+    return parameters
+
+
 def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
     """A function's final status record; empty when it left none (it was lost)."""
     try:
-        return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt)))
+        return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt, role.start_iteration)))
     except Exception:  # noqa: BLE001 - a lost function leaves no status
         return {}
 
@@ -343,8 +454,8 @@ def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
     return FunctionOutOfMemory(
         f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
         f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
-        f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages. The artifacts and "
-        "checkpoints are still in the store.",
+        f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages (a new plan starts "
+        "a new run: the checkpoints of this one fit its stages only).",
         stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
 
 
@@ -411,23 +522,27 @@ class _Run:
     watches them, restarts lost ones and relaunches stragglers, feeds data ahead of them,
     deletes finished iterations' tensors and prints the progress line."""
 
-    def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], iterations: int,
-                 elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None, progress: Any,
-                 timeout_s: float) -> None:
+    def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], first: int,
+                 end: int, elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None,
+                 progress: Any, timeout_s: float) -> None:
         self.deployment = deployment
-        self.store = deployment.store
+        # a chaos run's faults reach the invoker's own requests too (data, progress, garbage)
+        self.store = chaos.wrap(deployment.store, spec.store_faults, salt="invoker")
         self.keys = deployment.keys
         self.spec = spec
-        self.batch_for = batch_for
-        self.iterations = iterations
+        self.batch_for = batch_for     # of the iteration number
+        self.first = first             # the call's iterations are first..end-1 (numbers unique in the run)
+        self.end = end
         self.elastic = elastic
         self.epoch_iterations = epoch_iterations
         self.straggler_ratio = straggler_ratio
         self.progress = progress
         self.timeout_s = timeout_s
         self.restarts: list[Restart] = []
-        self.uploaded = 0
-        self.collected = -1
+        self.uploaded = first
+        self.collected = first - 1     # every worker reported up to here (losses recorded)
+        self.released = first - 1      # tensors deleted up to here: a checkpoint every stage has covers them
+        self.segment_begin = first
         self.losses: dict[int, float] = {}
         self.samples = 0
         self.peaks: dict[str, int] = {}
@@ -441,20 +556,20 @@ class _Run:
     def execute(self) -> TrainResult:
         started = time.time()
         degrees_seen = []
-        segment, begin = 0, 0
+        segment, begin = 0, self.first
         if self.progress:
             from flatpack.runtime.progress import ProgressLine
-            self.line = ProgressLine(self.iterations, self.spec.batch,
+            self.line = ProgressLine(self.end - self.first, self.spec.batch,
                                      self.deployment.dollars_per_second([s.replicas for s in self.spec.stages]),
                                      stream=None if self.progress is True else self.progress)
         try:
-            while begin < self.iterations:
-                end = min(begin + self.epoch_iterations, self.iterations)
+            while begin < self.end:
+                end = min(begin + self.epoch_iterations, self.end)
                 degrees_seen.append(tuple(stage.replicas for stage in self.spec.stages))
-                self._segment(segment, begin, end)
+                self._segment(begin, end)
                 begin = end
                 segment += 1
-                if begin < self.iterations and self.elastic is not None:
+                if begin < self.end and self.elastic is not None:
                     wanted = self.elastic(segment, degrees_seen[-1])
                     if wanted is not None:
                         self.spec = self.spec.with_replicas(list(wanted))
@@ -482,10 +597,11 @@ class _Run:
             restart.cost_s = max(spans[restart.iteration] - typical, 0.0)
 
     # one segment: fixed degrees -------------------------------------------------------------
-    def _segment(self, segment: int, begin: int, end: int) -> None:
-        spec_key = self.keys.spec(segment)
+    def _segment(self, begin: int, end: int) -> None:
+        spec_key = self.keys.spec(begin)
         self.store.put(spec_key, self.spec.dumps())
         self.segment_started = time.time()
+        self.segment_begin = begin
         self._feed(begin, end)
         workers = self.deployment.workers
         for stage in self.spec.stages:
@@ -526,6 +642,10 @@ class _Run:
             next_iteration = int(status["next_iteration"])
             self._relaunch(key, worker, next_iteration, "time limit")
             return
+        if status.get("status") == "transient":
+            # the function gave up on a store (or platform) fault that outlasted its retry budget
+            self._relaunch(key, worker, self._resume_point(worker.role), "transient")
+            return
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")
@@ -545,10 +665,19 @@ class _Run:
         self.deployment.workers[key] = _Worker(new_role, self.deployment.launch(new_role))
 
     def _resume_point(self, role: Role) -> int:
-        done = [int(key.split("/")[-3][1:]) for key in self.store.list(self.keys.progresses())
-                if key.endswith(f"/s{role.stage:06d}/r{role.replica:06d}")]
-        finished = [i for i in done if role.start_iteration <= i < role.end_iteration]
-        return max(finished) + 1 if finished else role.start_iteration
+        """Where a lost function restarts: after the latest checkpoint of its stage in this
+        segment (any replica's: they hold the same state) that it had itself reported past,
+        else at the segment's start. The tensors its neighbours sent since are still in the
+        store (``_release``), so it replays the iterations after the checkpoint, each replayed
+        write the same bytes again, and reports every iteration it had not reported yet."""
+        taken = sorted((int(key.rsplit("/i", 1)[1]) for key in self.store.list(self.keys.checkpoints(role.stage))),
+                       reverse=True)
+        for checkpoint in taken:
+            if not self.segment_begin <= checkpoint < role.end_iteration:
+                continue
+            if self.store.exists(self.keys.progress(checkpoint, role.stage, role.replica)):
+                return checkpoint + 1
+        return self.segment_begin
 
     # data, progress, garbage ----------------------------------------------------------------
     def _feed(self, begin: int, end: int) -> None:
@@ -576,11 +705,27 @@ class _Run:
                 record = json.loads(self.store.get(self.keys.progress(iteration, last, replica)))
                 loss += record["loss"] or 0.0
             self.losses[iteration] = loss
-            for prefix in self.keys.iteration_prefixes(iteration):
-                self.store.delete_prefix(prefix)
             self.collected = iteration
             if self.line is not None:
-                self.line.update(iteration + 1, loss, time.time() - self.segment_started)
+                self.line.update(iteration + 1 - self.first, loss, time.time() - self.segment_started)
+            self._release(end)
+
+    def _release(self, end: int) -> None:
+        """Deletes the tensors of the iterations up to the last checkpoint every stage has
+        taken (all workers reported it, and replica 0 of a stage writes its checkpoint before
+        its report), and the checkpoints before it: a lost function never restarts earlier."""
+        covered = [i for i in range(self.released + 1, self.collected + 1) if self.spec.checkpoints_after(i, end)]
+        if not covered:
+            return
+        checkpoint = covered[-1]
+        for iteration in range(self.released + 1, checkpoint + 1):
+            for prefix in self.keys.iteration_prefixes(iteration):
+                self.store.delete_prefix(prefix)
+        for stage in self.spec.stages:
+            for key in self.store.list(self.keys.checkpoints(stage.index)):
+                if int(key.rsplit("/i", 1)[1]) < checkpoint:
+                    self.store.delete(key)
+        self.released = checkpoint
 
     def _watch_stragglers(self, end: int) -> None:
         """Dorylus's rule, per phase: once some replicas of a stage have finished an
@@ -653,14 +798,7 @@ class _Run:
 
     # results --------------------------------------------------------------------------------
     def _final_parameters(self) -> dict[str, torch.Tensor]:
-        parameters: dict[str, torch.Tensor] = {}
-        last = self.iterations - 1
-        for stage in self.spec.stages:
-            tensors, _ = wire.loads(self.store.wait(self.keys.checkpoint(stage.index, last), 60))
-            for key, tensor in tensors.items():
-                if key.startswith("w/"):
-                    parameters.setdefault(key[2:], tensor)
-        return parameters
+        return checkpoint_parameters(self.store, self.keys, len(self.spec.stages), self.end - 1)
 
     def _events(self) -> list[timeline.Event]:
         events = []

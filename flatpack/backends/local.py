@@ -5,11 +5,19 @@ backend starts and stops itself (SeaweedFS, ``runtime.s3server``).
 Like every backend module it exports ``package``, ``deploy``, ``invoke`` and ``teardown``;
 ``deploy`` returns a :class:`LocalDeployment` whose ``train`` and ``infer`` run the model
 (the invoker they use is :mod:`flatpack.backends.functions`, shared with the cloud backends).
+
+Nothing of a deployment lands in the system temp directory for longer than the deployment:
+the server's data lives in ``data_dir`` (kept at teardown, for a resumed run) or in a
+temporary directory removed at teardown, and the functions' logs in ``workdir`` (default: the
+server's directory's ``logs/``, or a temporary directory when the store is someone else's).
+Each function runs in its own session (a terminal's Ctrl-C reaches only the invoker, which
+stops them) and dies with the invoker (``flatpack.interrupts``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +28,8 @@ from typing import Any
 from flatpack.backends.functions import FunctionDeployment, Restart, TrainResult, oom_error, read_status
 from flatpack.codegen.artifact import serialize
 from flatpack.compiler import Compiled
+from flatpack.errors import InputError
+from flatpack.interrupts import die_with_parent, stopping, track
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.worker import ROLE_ENV, STORE_ENV
@@ -40,19 +50,41 @@ def package(compiled: Compiled) -> dict[str, bytes]:
 
 
 def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, str] | None = None,
-           workdir: str | os.PathLike | None = None, run: str | None = None) -> "LocalDeployment":
+           workdir: str | os.PathLike | None = None, run: str | None = None,
+           data_dir: str | os.PathLike | None = None) -> "LocalDeployment":
     """Starts the local S3 server (unless ``store_url`` names a store to use, with ``env``
-    holding its credentials) and uploads the stage artifacts under a fresh run prefix."""
+    holding its credentials) and uploads the stage artifacts under a fresh run prefix.
+
+    ``data_dir``: the server's directory (a run directory's ``store/``); it survives a crash
+    and teardown keeps it unless ``teardown(clean=True)``. Without it the server's data, and
+    the logs unless ``workdir`` says where, go to a temporary directory removed at teardown.
+    """
+    if data_dir is not None and store_url is not None:
+        raise InputError("data_dir is where deploy's own S3 server keeps its data; with store_url there is none "
+                         "(give one or the other)")
     server = None
-    if store_url is None:
-        from flatpack.runtime.s3server import LocalS3Server
-        server = LocalS3Server().start()
-        store_url, env = server.url(""), server.env()
-    run = run or f"run-{uuid.uuid4().hex[:10]}"
-    deployment = LocalDeployment(compiled, store_url, dict(env or {}), RunKeys(run),
-                                 Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flatpack-local-")),
-                                 store=server.store() if server is not None else None)
+    temporary: Path | None = None
+    try:
+        if store_url is None:
+            from flatpack.runtime.s3server import LocalS3Server
+            server = LocalS3Server(data_dir=data_dir).start()
+            store_url, env = server.url(""), server.env()
+        if workdir is None:
+            if server is not None:
+                workdir = server.directory / "logs"
+            else:
+                workdir = temporary = Path(tempfile.mkdtemp(prefix="flatpack-local-"))
+        run = run or f"run-{uuid.uuid4().hex[:10]}"
+        deployment = LocalDeployment(compiled, store_url, dict(env or {}), RunKeys(run), Path(workdir),
+                                     store=server.store() if server is not None else None)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
     deployment.server = server
+    deployment.temporary_workdir = temporary
     try:
         for key, data in package(compiled).items():
             deployment.store.put(f"{run}/{key}", data)
@@ -64,18 +96,23 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
 
 def invoke(deployment: "LocalDeployment", role: Role) -> subprocess.Popen:
     """Starts one function: a fresh interpreter given only its role and the store's address."""
+    if stopping():
+        raise KeyboardInterrupt("flatpack is stopping: no new function starts")
     env = {**os.environ, **deployment.env, ROLE_ENV: role.dumps(), STORE_ENV: deployment.store_url,
            "PYTHONUNBUFFERED": "1"}
     log = open(deployment.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log", "wb")
     try:
-        return subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # own session: a terminal's Ctrl-C reaches the invoker only, which kills its functions;
+        # and a function dies with the invoker even when that is SIGKILLed (Linux)
+        return track(subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent()))
     finally:
         log.close()
 
 
-def teardown(deployment: "LocalDeployment") -> None:
-    deployment.teardown()
+def teardown(deployment: "LocalDeployment", clean: bool | None = None) -> None:
+    deployment.teardown(clean=clean)
 
 
 class LocalDeployment(FunctionDeployment):
@@ -84,16 +121,37 @@ class LocalDeployment(FunctionDeployment):
     platform = NAME
     emulate_tiers = True
     server: Any = None      # the S3 server deploy started, stopped at teardown
+    temporary_workdir: Path | None = None   # a log directory deploy made, removed at teardown
 
     def launch(self, role: Role) -> subprocess.Popen:
         return invoke(self, role)
 
-    def teardown(self) -> None:
-        """Stops every function, deletes the run's objects and stops the server deploy started."""
-        super().teardown()
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+    def teardown(self, clean: bool | None = None) -> None:
+        """Stops every function and the server deploy started; safe to call twice.
+
+        ``clean``: also delete the run's data. By default a deployment whose server keeps its
+        data in a caller's ``data_dir`` keeps it (and the run's objects), so the run can be
+        resumed; every other deployment is cleaned: its temporary directories are removed,
+        and on a store it does not own, the run's objects are deleted.
+        """
+        server = self.server
+        if clean is None:
+            clean = not (server is not None and server.keeps_data)
+        try:
+            if server is None and clean:
+                super().teardown()          # someone else's store: delete this run's objects from it
+            else:
+                # the server's data is either kept whole or removed with its directory: no
+                # deletes through it (a dead server would make them wait out the retries)
+                self.stop_workers()
+                self._inference = None
+        finally:
+            if server is not None:
+                self.server = None
+                server.stop(clean=clean)
+            if self.temporary_workdir is not None:
+                shutil.rmtree(self.temporary_workdir, ignore_errors=True)
+                self.temporary_workdir = None
 
 
 def backend() -> Any:

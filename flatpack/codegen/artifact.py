@@ -101,6 +101,9 @@ def build_module(artifact: StageArtifact, filename: str = "<flatpack stage>") ->
         else:
             module.register_buffer(entry["attr"], tensor.clone())
     module.flatpack_manifest = artifact.manifest
+    # a stage starts in the mode its model was compiled in; .train()/.eval() switch it
+    # (emitted code reads self.training wherever the model's ops depend on the mode)
+    module.train(bool(artifact.manifest.get("training", True)))
     return module
 
 

@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import keyword
 import math
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from torch import nn
 
 from flatpack.errors import CodegenError
 from flatpack.ir.graph import LayerGraph
-from flatpack.ir.trace import fetch_attr
+from flatpack.ir.trace import MODE_ARGS, fetch_attr
 from flatpack.ir.values import value_info
 from flatpack.partitioner.plan import Plan
 from flatpack.version import STAGE_SCHEMA_VERSION, __version__
@@ -104,6 +105,8 @@ def _emit_stage(graph: LayerGraph, plan: Plan, index: int, holders: dict[str, li
             raise CodegenError(f"stage {index}: node {name} calls submodule {node.target!r}; flatpack "
                                "inlines modules when tracing, so this graph did not come from flatpack.trace")
         env[node] = new_graph.node_copy(node, lambda n: env[n])
+        if node.meta.get(MODE_ARGS):
+            _follow_mode(new_graph, env[node], node.meta[MODE_ARGS])
     outputs = tuple(env[analysis.nodes[name]] for name in output_names)
     new_graph.output(outputs)
     new_graph.lint()
@@ -121,6 +124,10 @@ def _emit_stage(graph: LayerGraph, plan: Plan, index: int, holders: dict[str, li
         "layer_names": [layer.name for layer in graph.layers[stage.start:stage.end + 1]],
         "frontend": graph.traced.frontend,
         "dynamic_batch": graph.traced.dynamic_batch,
+        # the mode the model was traced in, which the stage starts in; ``mode_fixed``: what
+        # keeps that mode's behaviour after .train()/.eval() (see ir.trace.switch_modes)
+        "training": graph.traced.training,
+        "mode_fixed": list(graph.traced.mode_fixed),
         "inputs": [_io_entry(graph, name) for name in input_names],
         "outputs": [_io_entry(graph, name) for name in output_names],
         "parameters": [
@@ -138,6 +145,29 @@ def _emit_stage(graph: LayerGraph, plan: Plan, index: int, holders: dict[str, li
     }
     source = _render_source(python_code.src, imports, manifest)
     return StageArtifact(index, source, tensors, manifest)
+
+
+def _follow_mode(graph: torch.fx.Graph, node: torch.fx.Node, mode_args: dict) -> None:
+    """Replaces the node's mode-dependent constants with functions of ``self.training``:
+    ``training`` itself for a ``True``/``False`` flag, ``(eval_value, train_value)[training]``
+    otherwise. The emitted stage reads ``self.training`` once, at the top of forward."""
+    training = next((n for n in graph.nodes if n.op == "get_attr" and n.target == "training"), None)
+    if training is None:
+        first = next(n for n in graph.nodes if n.op != "placeholder")  # ``node`` at the latest
+        with graph.inserting_before(first):
+            training = graph.get_attr("training")
+    args, kwargs = list(node.args), dict(node.kwargs)
+    with graph.inserting_before(node):
+        for key, (train_value, eval_value) in mode_args.items():
+            if train_value is True and eval_value is False:
+                value: Any = training
+            else:
+                value = graph.call_function(operator.getitem, ((eval_value, train_value), training))
+            if isinstance(key, int):
+                args[key] = value
+            else:
+                kwargs[key] = value
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def _io_entry(graph: LayerGraph, name: str) -> dict:

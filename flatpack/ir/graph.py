@@ -32,7 +32,7 @@ import torch.fx
 from flatpack.errors import PlanError
 from flatpack.ir import meta, ops
 from flatpack.ir.profile import merge_layer_profiles
-from flatpack.ir.trace import Traced
+from flatpack.ir.trace import MODE_ARGS, Traced
 from flatpack.ir.values import OTHER, ValueInfo, ValueProp, value_info
 
 CALL_OPS = ("call_function", "call_method", "call_module")
@@ -92,7 +92,7 @@ class GraphAnalysis:
         self.alias_root = self._alias_classes()
         self.writes_by_class: dict[str, list[torch.fx.Node]] = {}
         for node in self.graph.nodes:
-            for written in ops.mutated_inputs(node):
+            for written in _written_in_some_mode(node):
                 self.writes_by_class.setdefault(self.alias_root[written.name], []).append(node)
         self.free = self._find_free()
         self.param_dependent = self._find_param_dependent()
@@ -396,6 +396,24 @@ class LayerGraph:
         kinds = self.traced.param_kinds
         return sum(value_info(node).nbytes for target, node in self.analysis.attributes.items()
                    if kinds.get(target) == "parameter")
+
+
+def _written_in_some_mode(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """What the node writes in place in the traced mode or, once the stage is switched, in the
+    other: a batch norm traced in eval mode updates its running statistics in train mode
+    (its ``training`` flag is in ``MODE_ARGS``), so the readers of those buffers are ordered
+    and kept in one stage as in a train-mode trace."""
+    written = ops.mutated_inputs(node)
+    switched = node.meta.get(MODE_ARGS)
+    if written or not switched or node.op != "call_function" or ops.op_name(node) not in ("batch_norm",
+                                                                                         "native_batch_norm"):
+        return written
+    names = ops._FUNCTIONAL_BATCH_NORM if node.target is torch.nn.functional.batch_norm else ops._ATEN_BATCH_NORM
+    position = names.index("training")
+    if switched.get(position, switched.get("training", (None, None)))[0] is not True:
+        return written
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    return [bound[key] for key in ("running_mean", "running_var") if isinstance(bound.get(key), torch.fx.Node)]
 
 
 def _group_by_spans(names: list[str], positions: list[int], spans: list[tuple[int, int]]) -> list[list[str]]:

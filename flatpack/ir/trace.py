@@ -9,11 +9,14 @@ flat tuple. The nesting of inputs and outputs is kept beside it as JSON (``ir.st
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import io
 import logging
+import math
 import operator
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -28,6 +31,16 @@ from flatpack.ir import ops, structure
 
 FX = "fx"
 EXPORT = "export"
+
+# node.meta key: {argument index or keyword name: (value in train mode, value in eval mode)}
+# for the constant arguments of an op that depend on the module's mode (dropout's ``train``,
+# batch_norm's ``training``, attention's ``dropout_p``, a BatchNorm step counter's increment).
+# Codegen emits them as functions of the stage's ``self.training`` (see ``ir.trace.switch_modes``).
+MODE_ARGS = "flatpack_mode_args"
+
+
+class ModeWarning(UserWarning):
+    """The compiled stages cannot follow ``.train()`` / ``.eval()`` for some part of the model."""
 
 
 @dataclass
@@ -84,6 +97,8 @@ class Traced:
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> every name of that tensor
     dynamic_batch: bool = False
     notes: list[str] = field(default_factory=list)
+    training: bool = True  # the model's mode when it was traced: the stages start in it
+    mode_fixed: list[str] = field(default_factory=list)  # what stays in ``training`` mode after switching
 
 
 class _InliningTracer(torch.fx.Tracer):
@@ -156,6 +171,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     traced.input_structure = input_structure
     traced.example_leaves = tensor_leaves
     traced.notes = notes + traced.notes
+    switch_modes(model, traced, signature, bound_args, bound_kwargs, spec)
     _record_parameters(model, traced)
     return traced
 
@@ -380,6 +396,256 @@ def _inline_grad_mode_regions(gm: torch.fx.GraphModule) -> None:
         if not body_node.users:
             graph.erase_node(body_node)
             delattr(gm, str(body_node.target))
+
+
+def switch_modes(model: nn.Module, traced: Traced, signature: Signature, args: tuple, kwargs: dict,
+                 spec: pytree.TreeSpec) -> None:
+    """Lets the stages follow ``.train()`` / ``.eval()`` like the original module.
+
+    Python reads ``self.training`` while tracing, so each graph is one mode's. The model is
+    traced a second time in the other mode (``model.train(not model.training)``, restored
+    afterwards) by the same frontend and the two graphs are aligned node by node:
+
+    - an op whose constant arguments differ between the modes (dropout's ``train``,
+      batch_norm's ``training``, attention's ``dropout_p``) gets ``MODE_ARGS`` in its meta:
+      codegen emits those arguments as functions of the stage's ``self.training``;
+    - a BatchNorm step counter (``num_batches_tracked.add_(1)``, present in train mode only)
+      becomes ``add_(1 if training else 0)``, inserted into an eval-mode graph if need be;
+    - anything else that differs (a Python branch on ``self.training`` that adds or drops
+      ops, such as timm's drop-path) cannot switch: the stages keep the traced mode there,
+      ``traced.mode_fixed`` names the modules and a :class:`ModeWarning` is issued.
+    """
+    traced.training = bool(model.training)
+    other_mode = not model.training
+    states = [(module, module.training) for module in model.modules()]
+    try:
+        model.train(other_mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if traced.frontend == FX:
+                other = _trace_fx(model, signature, args, kwargs)
+            else:
+                other = _trace_export(model, signature, args, kwargs, spec)
+    except Exception as err:  # noqa: BLE001 - the traced mode still works; say what cannot switch
+        reason = f"it cannot be traced in {_mode(other_mode)} mode: {_first_line(err)}"
+        traced.mode_fixed = [f"the whole model ({reason})"]
+    else:
+        traced.mode_fixed = _align_modes(traced, other, primary_is_train=traced.training)
+    finally:
+        for module, mode in states:
+            module.training = mode
+    if traced.mode_fixed:
+        shown = "; ".join(traced.mode_fixed[:6]) + ("; …" if len(traced.mode_fixed) > 6 else "")
+        message = (f"{type(model).__name__} was traced in {_mode(traced.training)} mode, and its stages keep "
+                   f"{_mode(traced.training)}-mode behaviour after .{'eval' if traced.training else 'train'}() "
+                   f"in: {shown}. Compile the model in the mode you will run it in.")
+        traced.notes.append(f"mode fixed: {shown}")
+        warnings.warn(message, ModeWarning, stacklevel=3)
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def _node_key(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        name = target
+    elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = str(target)
+    else:
+        name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+    return f"{node.op}:{name}"
+
+
+def _align_modes(primary: Traced, other: Traced, primary_is_train: bool) -> list[str]:
+    """Marks the mode-dependent arguments of ``primary``'s nodes (``MODE_ARGS``) from the
+    trace of the other mode; returns what cannot switch, by module."""
+    p_nodes = list(primary.gm.graph.nodes)
+    o_nodes = list(other.gm.graph.nodes)
+    p_keys = [_node_key(node) for node in p_nodes]
+    o_keys = [_node_key(node) for node in o_nodes]
+    pairs: dict[torch.fx.Node, torch.fx.Node] = {}  # other node -> primary node
+    p_only: list[torch.fx.Node] = []
+    o_only: list[torch.fx.Node] = []
+    if p_keys == o_keys:
+        pairs = dict(zip(o_nodes, p_nodes))
+    else:
+        matcher = difflib.SequenceMatcher(None, p_keys, o_keys, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                pairs.update(zip(o_nodes[j1:j2], p_nodes[i1:i2]))
+            else:
+                p_only.extend(p_nodes[i1:i2])
+                o_only.extend(o_nodes[j1:j2])
+    # ops that only copy their input (``contiguous`` when one mode's kernel already returns a
+    # contiguous tensor) may appear in one mode alone; readers look through them
+    copies = {node for node in (*p_only, *o_only) if _is_transparent(node)}
+    p_only = [node for node in p_only if node not in copies]
+    o_only = [node for node in o_only if node not in copies]
+    fixed: list[torch.fx.Node] = []
+    for o_node, p_node in list(pairs.items()):
+        if o_node.op not in ("call_function", "call_method", "call_module", "output"):
+            continue
+        p_call, o_call = (p_node.args, dict(p_node.kwargs)), (o_node.args, dict(o_node.kwargs))
+        if isinstance(p_node.target, torch._ops.OpOverload) and (
+                len(p_node.args) != len(o_node.args) or p_node.kwargs.keys() != o_node.kwargs.keys()):
+            p_call, o_call = _with_defaults(p_node), _with_defaults(o_node)
+        differing = _differing_constants(p_call, o_call, pairs, copies)
+        if differing is None:
+            fixed.append(p_node)
+        elif differing:
+            p_node.args, p_node.kwargs = p_call
+            p_node.meta[MODE_ARGS] = {key: (p, o) if primary_is_train else (o, p)
+                                      for key, (p, o) in differing.items()}
+    inserted: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in (p_only if primary_is_train else o_only):
+        if node.op == "get_attr":
+            continue  # matters only through its users
+        if not _is_step_counter(node):
+            fixed.append(node)
+        elif primary_is_train:
+            node.meta[MODE_ARGS] = {1: (node.args[1], type(node.args[1])(0))}
+        else:
+            inserted[node] = _insert_step_counter(primary, other, node, o_nodes, pairs, inserted)
+    fixed.extend(node for node in (o_only if primary_is_train else p_only) if node.op != "get_attr")
+    if inserted:
+        primary.gm.recompile()
+    return _describe_fixed(fixed)
+
+
+_TRANSPARENT = {"contiguous", "clone", "alias"}
+
+
+def _is_transparent(node: torch.fx.Node) -> bool:
+    return (node.op in ("call_function", "call_method") and ops.op_name(node) in _TRANSPARENT
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node))
+
+
+def _with_defaults(node: torch.fx.Node) -> tuple[tuple, dict]:
+    """An ATen call's arguments with the omitted ones spelled out (torch.export drops those
+    equal to their defaults, so attention's ``dropout_p=0.0`` vanishes in eval mode)."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for index, argument in enumerate(node.target._schema.arguments):
+        if not argument.has_default_value():
+            continue
+        if argument.kwarg_only:
+            kwargs.setdefault(argument.name, argument.default_value)
+        elif index == len(args) and argument.name not in kwargs:
+            args.append(argument.default_value)
+    return tuple(args), kwargs
+
+
+def _differing_constants(p_call: tuple[tuple, dict], o_call: tuple[tuple, dict],
+                         pairs: dict[torch.fx.Node, torch.fx.Node],
+                         copies: set[torch.fx.Node]) -> dict[int | str, tuple] | None:
+    """The top-level scalar arguments that differ between two aligned calls ``(args, kwargs)``,
+    or None when they differ otherwise (another input, another structure)."""
+    (p_args, p_kwargs), (o_args, o_kwargs) = p_call, o_call
+    if len(p_args) != len(o_args) or p_kwargs.keys() != o_kwargs.keys():
+        return None
+    differing: dict[int | str, tuple] = {}
+    keyed = [*((i, p, o) for i, (p, o) in enumerate(zip(p_args, o_args))),
+             *((k, p_kwargs[k], o_kwargs[k]) for k in p_kwargs)]
+    for key, p_arg, o_arg in keyed:
+        if _same_argument(p_arg, o_arg, pairs, copies):
+            continue
+        if _is_scalar(p_arg) and _is_scalar(o_arg):
+            differing[key] = (p_arg, o_arg)
+            continue
+        return None
+    return differing
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float))
+
+
+def _same_argument(p_arg: Any, o_arg: Any, pairs: dict[torch.fx.Node, torch.fx.Node],
+                   copies: set[torch.fx.Node]) -> bool:
+    """Whether two aligned arguments are the same value; nodes compare through ``pairs``,
+    looking through ``copies`` (value-preserving ops present in one mode only)."""
+    if isinstance(p_arg, torch.fx.Node) or isinstance(o_arg, torch.fx.Node):
+        if not (isinstance(p_arg, torch.fx.Node) and isinstance(o_arg, torch.fx.Node)):
+            return False
+        while o_arg in copies:
+            o_arg = o_arg.args[0]
+        while p_arg in copies:
+            p_arg = p_arg.args[0]
+        return pairs.get(o_arg) is p_arg
+    if type(p_arg) is not type(o_arg):
+        return False
+    if isinstance(p_arg, (tuple, list)):
+        return len(p_arg) == len(o_arg) and all(_same_argument(p, o, pairs, copies) for p, o in zip(p_arg, o_arg))
+    if isinstance(p_arg, dict):
+        return p_arg.keys() == o_arg.keys() and all(_same_argument(p_arg[k], o_arg[k], pairs, copies)
+                                                    for k in p_arg)
+    if isinstance(p_arg, torch.Tensor):
+        return p_arg is o_arg or (p_arg.shape == o_arg.shape and bool(torch.equal(p_arg, o_arg)))
+    if isinstance(p_arg, float) and math.isnan(p_arg):
+        return math.isnan(o_arg)
+    try:
+        return bool(p_arg == o_arg)
+    except Exception:  # noqa: BLE001 - an object without a usable ==
+        return p_arg is o_arg
+
+
+def _is_step_counter(node: torch.fx.Node) -> bool:
+    """``num_batches_tracked.add_(1)``: an in-place add of a constant to a buffer, read by
+    nothing but the next such add (torch.export chains a BatchNorm called twice)."""
+    return (node.op in ("call_method", "call_function") and ops.op_name(node) == "add_" and len(node.args) == 2
+            and not node.kwargs and isinstance(node.args[0], torch.fx.Node)
+            and (node.args[0].op == "get_attr" or _is_step_counter(node.args[0]))
+            and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool)
+            and all(user.op in ("call_method", "call_function") and ops.op_name(user) == "add_"
+                    and user.args[0] is node for user in node.users))
+
+
+def _insert_step_counter(primary: Traced, other: Traced, node: torch.fx.Node, o_nodes: list[torch.fx.Node],
+                         pairs: dict[torch.fx.Node, torch.fx.Node],
+                         inserted: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
+    """Copies a train-only step counter into the eval-mode graph as ``add_(0)`` (eval) / ``add_(1)`` (train)."""
+    graph = primary.gm.graph
+    after = o_nodes[o_nodes.index(node) + 1:]
+    anchor = next(pairs[o] for o in after if o in pairs)
+    step = node.args[1]
+    with graph.inserting_before(anchor):
+        written = inserted.get(node.args[0])
+        if written is None:
+            root = node.args[0]
+            while root.op != "get_attr":
+                root = root.args[0]
+            target = str(root.target)
+            try:
+                fetch_attr(primary.gm, target)
+            except AttributeError:
+                torch.fx.graph_module._copy_attr(other.gm, primary.gm, target)
+            written = graph.get_attr(target)
+            written.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+        counter = graph.create_node(node.op, node.target, (written, type(step)(0)), {})
+    counter.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+    counter.meta[MODE_ARGS] = {1: (step, type(step)(0))}
+    return counter
+
+
+def _describe_fixed(nodes: list[torch.fx.Node]) -> list[str]:
+    """One entry per module whose ops differ between the modes in a way that cannot switch."""
+    by_module: dict[str, list[str]] = {}
+    for node in nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        where = "forward of the top module"
+        if stack:
+            path, owner = list(stack.values())[-1]
+            path = str(path)
+            for prefix in ("L['self'].", "L__self__."):
+                path = path.removeprefix(prefix)
+            path = path.replace("._modules['", ".").replace("']", "")
+            where = f"'{path}' ({getattr(owner, '__name__', owner)})"
+        names = by_module.setdefault(where, [])
+        op = "output" if node.op == "output" else ops.op_name(node)
+        if op not in names:
+            names.append(op)
+    return [f"{where}: {', '.join(names[:4])}" for where, names in by_module.items()]
 
 
 def _batch_dynamic_shapes(given: dict[str, Any]) -> dict:

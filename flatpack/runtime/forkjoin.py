@@ -27,7 +27,7 @@ from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
-from flatpack.runtime.training import pack_values, unpack_values
+from flatpack.runtime.training import load_weights, pack_values, unpack_values
 
 STOP = "stop"
 
@@ -56,6 +56,9 @@ class ForkJoinSpec:
     output_names: tuple[str, ...]
     threads: int = 1
     wait_timeout_s: float = 300.0
+    # the iteration whose checkpoints hold the weights to serve (the latest training every
+    # stage finished); None: the compiled weights
+    checkpoint: int | None = None
 
     def dumps(self) -> bytes:
         return json.dumps({"kind": "forkjoin", **asdict(self)}).encode()
@@ -117,6 +120,9 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
     else:
         groups = [g for g in spec.groups if g.workers == 0 or g.on_master]
     modules = {g.index: load_module(store, keys, g.index).eval() for g in groups}
+    if spec.checkpoint is not None:
+        for index, module in modules.items():
+            load_weights(module, store.wait(keys.checkpoint(index, spec.checkpoint), spec.wait_timeout_s))
     after_task("load", 0, None)
     request = 0
     while True:

@@ -5,7 +5,7 @@ micro-batch and kind, under the run's own prefix, so that a run lists only its o
 Layout (``<run>`` is the run id)::
 
     <run>/artifacts/stage_NNN/<file>                  stage artifacts (source, weights, manifest)
-    <run>/spec/g<segment>                             the run's settings (a new segment per re-scaling)
+    <run>/spec/g<first>                               the settings of the segment starting at iteration <first>
     <run>/marker/i<iter>/s<stage>/r<replica>/<phase>  a worker reached a phase (straggler watch)
     <run>/data/i<iter>/m<mb>                          a micro-batch's inputs
     <run>/data/i<iter>/t<mb>                          a micro-batch's targets (read by the last stage)
@@ -15,8 +15,9 @@ Layout (``<run>`` is the run id)::
     <run>/reduced/i<iter>/s<stage>/c<chunk>           scatter-reduce: a summed chunk
     <run>/ckpt/s<stage>/i<iter>                       stage state after iteration <iter>
     <run>/timeline/s<stage>/r<replica>/i<iter>/a<attempt>   task start and end times
-    <run>/status/s<stage>/r<replica>/a<attempt>       a worker's final status (ok, oom, error)
-    <run>/progress/i<iter>                            loss and sample counts of an iteration
+    <run>/status/s<stage>/r<replica>/i<start>/a<attempt>  a worker's final status (ok, oom, error, transient)
+    <run>/progress/i<iter>/s<stage>/r<replica>        a worker finished an iteration: its loss and end time
+    <run>/calls/i<first>                              one train() call: its first iteration, length, initial checkpoint
     <run>/infer/<request>/...                         fork-join inference partitions
     <run>/profile/inputs                              in-target profiling: the model's example inputs
     <run>/profile/spec/m<MB>                          in-target profiling: a tier's ProfileSpec
@@ -25,6 +26,11 @@ Layout (``<run>`` is the run id)::
 
 Iterations, stages, replicas, micro-batches and memory sizes are zero-padded so that a
 prefix listing returns them in order.
+
+Iteration numbers are never reused within a run: a second ``train()`` call, or one that
+resumes a failed call, takes the numbers after every number an earlier call used, so no
+call can read another's tensors, progress or status records (it starts from a checkpoint
+named by its call record instead).
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ class RunKeys:
     def artifacts(self, stage: int) -> str:
         return f"{self.run}/artifacts/stage_{stage:03d}/"
 
-    def spec(self, segment: int) -> str:
-        return f"{self.run}/spec/g{_n(segment)}"
+    def spec(self, first_iteration: int) -> str:
+        """The settings of the segment (fixed replica degrees) that starts at ``first_iteration``."""
+        return f"{self.run}/spec/g{_n(first_iteration)}"
 
     def inference_spec(self) -> str:
         return f"{self.run}/spec/inference"
@@ -98,8 +105,19 @@ class RunKeys:
     def timelines(self) -> str:
         return f"{self.run}/timeline/"
 
-    def status(self, stage: int, replica: int, attempt: int) -> str:
-        return f"{self.run}/status/s{_n(stage)}/r{_n(replica)}/a{_n(attempt)}"
+    def status(self, stage: int, replica: int, attempt: int, start_iteration: int = 0) -> str:
+        """A worker's final status; the start iteration is in the key because attempts count
+        from 0 again in every call (a call's first launch is attempt 0)."""
+        return f"{self.run}/status/s{_n(stage)}/r{_n(replica)}/i{_n(start_iteration)}/a{_n(attempt)}"
+
+    def checkpoints(self, stage: int) -> str:
+        return f"{self.run}/ckpt/s{_n(stage)}/"
+
+    def call(self, first_iteration: int) -> str:
+        return f"{self.run}/calls/i{_n(first_iteration)}"
+
+    def calls(self) -> str:
+        return f"{self.run}/calls/"
 
     def progress(self, iteration: int, stage: int, replica: int) -> str:
         return f"{self.run}/progress/i{_n(iteration)}/s{_n(stage)}/r{_n(replica)}"

@@ -4,6 +4,7 @@ applies the same loss (no pickled callables cross a process boundary)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
@@ -30,9 +31,17 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise InputError(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            raise InputError(f"the learning rate must be positive, got {self.lr}")
+            import difflib
+
+            close = difflib.get_close_matches(str(self.name), OPTIMIZERS, n=1, cutoff=0.4)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise InputError(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}{hint}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise InputError(f"the learning rate must be positive and finite, got {self.lr}")
+        for key in ("momentum", "weight_decay", "eps"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InputError(f"optimizer option {key!r} must be a finite number >= 0, got {value!r}")
 
     def build(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = list(parameters)
@@ -45,7 +54,29 @@ class OptimizerSpec:
 
     @classmethod
     def from_json(cls, data: dict) -> "OptimizerSpec":
-        return cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.999)))})
+        """The spec of an option dict; a key the spec has no field for, or a value of the
+        wrong kind, is an InputError naming it and the valid ones (not a TypeError)."""
+        import difflib
+        from dataclasses import fields
+
+        valid = [f.name for f in fields(cls)]
+        unknown = [key for key in data if key not in valid]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise InputError(f"optimizer option {', '.join(hints)} is not known; the options are: "
+                             f"{', '.join(valid)}")
+        for key in ("lr", "momentum", "weight_decay", "eps"):
+            value = data.get(key)
+            if key in data and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise InputError(f"optimizer option {key!r} must be a number, got {value!r}")
+        betas = data.get("betas", (0.9, 0.999))
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise InputError(f"optimizer option 'betas' must be two numbers in [0, 1), got {betas!r}")
+        return cls(**{**data, "betas": tuple(betas)})
 
     @classmethod
     def of(cls, value: "OptimizerSpec | str | dict") -> "OptimizerSpec":

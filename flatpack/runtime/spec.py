@@ -50,8 +50,16 @@ class RunSpec:
     wait_timeout_s: float = 300.0
     checkpoint_every: int = 1
     time_limit_s: float | None = None  # a function re-invokes itself before this (Lambda: 900 s)
+    # the call's first iteration and the checkpoint (an iteration number) its first iteration
+    # starts from; None: the artifacts' weights (keys.py: numbers are never reused in a run)
+    first_iteration: int = 0
+    initial_checkpoint: int | None = None
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied parameter -> holder stages
     faults: tuple[dict, ...] = ()      # injected failures (tests, chaos runs): see worker.apply_fault
+    # transient store errors and stalls injected into every worker's store (chaos runs, the
+    # fault benchmark), e.g. {"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2.0, "seed": 7}:
+    # see runtime.chaos; None: none
+    store_faults: dict | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -64,6 +72,18 @@ class RunSpec:
                 raise InputError(f"stage {stage.index} has {stage.replicas} replicas but an iteration has only "
                                  f"{self.micro_batches} micro-batches; some replicas would idle. Use at most "
                                  f"{self.micro_batches} replicas or more micro-batches")
+
+    def checkpoints_after(self, iteration: int, segment_end: int) -> bool:
+        """Whether replica 0 of every stage checkpoints after ``iteration``: every
+        ``checkpoint_every``-th iteration of the call and the last of each segment. The
+        invoker keeps an iteration's tensors until the next such checkpoint, so a lost
+        stage replays from its last checkpoint with its neighbours' tensors still there."""
+        return (iteration + 1 - self.first_iteration) % self.checkpoint_every == 0 or iteration == segment_end - 1
+
+    def checkpoint_before(self, start_iteration: int) -> int | None:
+        """The checkpoint a worker starting at ``start_iteration`` loads: the one after the
+        previous iteration, or at the call's first iteration the call's initial one."""
+        return self.initial_checkpoint if start_iteration == self.first_iteration else start_iteration - 1
 
     def with_replicas(self, degrees: list[int]) -> "RunSpec":
         stages = tuple(replace(stage, replicas=degree) for stage, degree in zip(self.stages, degrees))

@@ -13,8 +13,14 @@ objects pass through it. Every backend keeps the same contract:
   Credentials come from each platform's own chain (env vars, profiles, instance roles).
 
 Every network call goes through :func:`retrying`: transient failures (connection errors,
-read timeouts, 5xx, throttling) back off with full jitter; anything else is translated at
-once into a :class:`StoreError` that names the bucket or key and the fix.
+read timeouts and stalled reads, 5xx, throttling; see :func:`is_transient`) back off
+exponentially with full jitter for a budget in *time* (``retry_s``: the store's argument,
+the url's ``?retry_s=``, else the ``FLATPACK_STORE_RETRY_S`` env var, else
+:data:`DEFAULT_RETRY_S`); anything else (a 4xx other than throttling: access denied, no such
+bucket, bad credentials, a bad request) is translated at once into a :class:`StoreError`
+that names the bucket or key and the fix. A budget spent on transient failures raises
+:class:`StoreUnavailable`, which a worker reports as a transient failure (the invoker
+relaunches it) rather than as an error of the user's code.
 """
 
 from __future__ import annotations
@@ -45,11 +51,42 @@ _WAIT_MAX_S = 0.005   # polling, as FuncPipe does: a key that appears is seen wi
 # S3 DeleteObjects and Redis DEL take at most this many keys per call.
 _DELETE_BATCH = 1000
 
-# S3 error codes worth retrying; anything else from the server is final.
+# The retry budget of one store call, in seconds from its first attempt. 120 s rides out what
+# object stores really do: S3's 60-second stragglers (slsML; cut by the read timeout and
+# retried), throttling bursts while S3 repartitions a hot prefix (503 SlowDown for tens of
+# seconds), and a local or regional server restarting; yet a store that is down for good
+# is reported within about two minutes, and a Lambda function (900 s) keeps most of its time.
+# A worker that spends its budget reports a transient failure and is relaunched.
+RETRY_ENV = "FLATPACK_STORE_RETRY_S"
+DEFAULT_RETRY_S = 120.0
+# Exponential backoff with full jitter: sleep U(0, min(cap, base * 2**attempt)). The first
+# retries come within 50-100 ms (a dropped connection), the cap keeps a caller from sleeping
+# long past the end of an outage (at most 5 s, 2.5 s on average) while a fleet of throttled
+# workers still spreads its retries out (AWS architecture blog, "Exponential backoff and jitter").
+RETRY_BASE_S = 0.05
+RETRY_CAP_S = 5.0
+# A read (S3, OSS) or socket (Redis) timeout: the longest silence tolerated between bytes of
+# a response (botocore's read_timeout is a per-recv socket timeout, not a total). 10 s is far
+# above any healthy gap (S3's first byte comes in 10-100 ms, a loaded local server answers a
+# large PUT within a second or two), so a 2 s stall is simply waited out and never costs a
+# retry; and it is 6x below S3's 60 s stragglers, which it cuts and retries on a fresh
+# connection (the retry usually answers at once).
+READ_TIMEOUT_S = 10.0
+
+# S3 (and other AWS-style) error codes worth retrying whatever their HTTP status; any code
+# containing "Throttl" is retried too. Anything else from the server is final, except a 5xx
+# other than 501/505 (not implemented, HTTP version) and a 429.
 _S3_TRANSIENT_CODES = frozenset({
-    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-    "ThrottlingException", "RequestThrottled", "TooManyRequestsException", "RequestTimeTooSkewed",
+    "SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError", "InternalFailure",
+    "ServiceUnavailable", "ServiceUnavailableException", "Throttling", "ThrottlingException",
+    "ThrottledException", "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
+    "RequestLimitExceeded", "BandwidthLimitExceeded", "ProvisionedThroughputExceededException",
+    "EC2ThrottledException", "PriorRequestNotComplete", "OperationAborted", "RequestTimeTooSkewed",
+    "IDPCommunicationError",
+    # Alibaba OSS's names for the same conditions
+    "QpsLimitExceeded", "ServerBusy", "TooManyRequests",
 })
+_HTTP_FINAL_5XX = frozenset({501, 505})   # a retry cannot make the server implement something
 _S3_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _S3_AUTH_CODES = frozenset({
     "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -108,36 +145,114 @@ def _normalize_root_prefix(prefix: str) -> str:
 # --------------------------------------------------------------------------- retries
 
 
+class StoreUnavailable(StoreError):
+    """A store call failed with transient errors only (throttling, 5xx, timeouts, stalled
+    reads, dropped or refused connections) until its retry budget ran out. The same call may
+    well succeed later: a worker that dies of this reports ``{"status": "transient"}`` and
+    its invoker relaunches it, where any other error is fatal. Never retried again by an
+    outer :func:`retrying` (it is a StoreError), so budgets do not multiply."""
+
+    def __init__(self, message: str, *, what: str = "", attempts: int = 0, elapsed_s: float = 0.0,
+                 budget_s: float = 0.0, last: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.what, self.attempts, self.elapsed_s, self.budget_s = what, attempts, elapsed_s, budget_s
+        self.last = last
+
+
 def is_transient(exc: BaseException) -> bool:
-    """True for errors a retry can cure: connection drops, timeouts, 5xx and throttling."""
+    """True for errors a retry can cure, which :func:`retrying` retries:
+
+    - throttling: S3 ``SlowDown``/503, HTTP 429, ``RequestLimitExceeded``, any
+      ``Throttl*`` code, OSS ``QpsLimitExceeded``/``ServerBusy``; Redis ``BUSY``/``LOADING``/
+      ``TRYAGAIN``;
+    - server errors: any 5xx but 501 and 505, S3 ``InternalError``/``RequestTimeout``;
+    - timeouts and stalled reads: connect and read timeouts (a response that goes silent for
+      the read timeout), a body cut short (``IncompleteRead``, ``ResponseStreamingError``);
+    - connections reset, refused, aborted or closed (a server restarting).
+
+    False for everything else, and at once: a 4xx other than throttling (AccessDenied, 403,
+    NoSuchBucket, NoSuchKey, bad credentials, InvalidArgument/bad request, 412), a missing
+    SDK, a bad key, and any :class:`StoreError` (already translated, including
+    :class:`StoreUnavailable`: its budget is spent).
+    """
     if isinstance(exc, StoreError):
         return False  # already translated: final
     if _is_botocore_transient(exc) or _is_redis_transient(exc) or _is_oss_transient(exc):
         return True
-    return isinstance(exc, (ConnectionError, TimeoutError))
+    if _is_urllib3_transient(exc):
+        return True
+    import http.client
+
+    return isinstance(exc, (ConnectionError, TimeoutError, http.client.IncompleteRead))
+
+
+def is_transient_failure(exc: BaseException) -> bool:
+    """Whether a failed worker died of a transient cause (relaunch it) rather than of a
+    fatal one (a code error in the user's model, bad input, a refused request): its error or
+    an error it was explicitly raised ``from`` is a :class:`StoreUnavailable` or a
+    transient error that escaped the retry layer."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StoreUnavailable) or is_transient(current):
+            return True
+        current = current.__cause__
+    return False
+
+
+def _is_throttling_code(code: str) -> bool:
+    return code in _S3_TRANSIENT_CODES or "throttl" in code.lower()
+
+
+def _is_transient_status(status: int) -> bool:
+    return status == 429 or (500 <= status <= 599 and status not in _HTTP_FINAL_5XX)
 
 
 def _is_botocore_transient(exc: BaseException) -> bool:
     botocore_exceptions = sys.modules.get("botocore.exceptions")
     if botocore_exceptions is None:
         return False  # botocore not imported: exc cannot be one of its errors
+    # ConnectionError covers EndpointConnectionError (refused, unreachable), ConnectionClosedError
+    # (reset), ConnectTimeoutError and ReadTimeoutError (a stalled response or body read)
+    streaming = tuple(getattr(botocore_exceptions, name) for name in ("ResponseStreamingError",)
+                      if hasattr(botocore_exceptions, name))
     if isinstance(exc, (botocore_exceptions.ConnectionError, botocore_exceptions.HTTPClientError,
-                        botocore_exceptions.IncompleteReadError)):
+                        botocore_exceptions.IncompleteReadError, *streaming)):
         return True
     if isinstance(exc, botocore_exceptions.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return code in _S3_TRANSIENT_CODES or status >= 500 or status == 429
+        return _is_throttling_code(code) or _is_transient_status(int(status))
     return False
+
+
+def _is_urllib3_transient(exc: BaseException) -> bool:
+    """urllib3's own errors, should one escape the SDK (a body read outside botocore's wrapper)."""
+    urllib3_exceptions = sys.modules.get("urllib3.exceptions")
+    if urllib3_exceptions is None:
+        return False
+    return isinstance(exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.TimeoutError,
+                            urllib3_exceptions.NewConnectionError))
 
 
 def _is_redis_transient(exc: BaseException) -> bool:
     redis_exceptions = sys.modules.get("redis.exceptions")
     if redis_exceptions is None:
         return False
-    if isinstance(exc, (redis_exceptions.AuthenticationError, redis_exceptions.AuthorizationError)):
+    fatal = tuple(getattr(redis_exceptions, name) for name in ("AuthenticationError", "AuthorizationError")
+                  if hasattr(redis_exceptions, name))
+    if fatal and isinstance(exc, fatal):
         return False  # redis-py files these under ConnectionError, but a retry cannot fix a wrong password
-    return isinstance(exc, (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError))
+    # BusyLoadingError (LOADING) is a ConnectionError; TRYAGAIN, CLUSTERDOWN, MASTERDOWN and
+    # READONLY (a replica during failover) clear by themselves
+    retryable = tuple(getattr(redis_exceptions, name) for name in (
+        "ConnectionError", "TimeoutError", "BusyLoadingError", "TryAgainError", "ClusterDownError",
+        "MasterDownError", "ReadOnlyError") if hasattr(redis_exceptions, name))
+    if isinstance(exc, retryable):
+        return True
+    response_error = getattr(redis_exceptions, "ResponseError", None)
+    return response_error is not None and isinstance(exc, response_error) and str(exc).startswith("BUSY ")
 
 
 def _is_oss_transient(exc: BaseException) -> bool:
@@ -148,31 +263,63 @@ def _is_oss_transient(exc: BaseException) -> bool:
                       if hasattr(oss_exceptions, name))
     if isinstance(exc, retryable):
         return True  # oss2's wrappers for connection errors, timeouts and CRC mismatches of a download
-    return isinstance(exc, oss_exceptions.ServerError) and (exc.status >= 500 or exc.status == 429)
+    server_error = getattr(oss_exceptions, "ServerError", None)
+    if server_error is None or not isinstance(exc, server_error):
+        return False
+    return _is_throttling_code(str(getattr(exc, "code", "") or "")) or _is_transient_status(int(exc.status or 0))
+
+
+def check_retry_s(value: Any, source: str = "retry_s") -> float:
+    """A retry budget in seconds: a finite number >= 0 (0: a single attempt)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise StoreError(f"{source}={value!r} is not a number of seconds; give it in seconds, "
+                         f"e.g. {source}=300") from None
+    if not 0.0 <= seconds < float("inf"):
+        raise StoreError(f"{source}={value!r} must be a finite number of seconds >= 0 (0 retries nothing); "
+                         f"the default is {DEFAULT_RETRY_S:g}")
+    return seconds
+
+
+def default_retry_s() -> float:
+    """The retry budget of a store given none: ``$FLATPACK_STORE_RETRY_S``, else :data:`DEFAULT_RETRY_S`."""
+    raw = os.environ.get(RETRY_ENV, "").strip()
+    return check_retry_s(raw, RETRY_ENV) if raw else DEFAULT_RETRY_S
 
 
 def retrying(
     call: Callable[[], T],
     what: str,
-    attempts: int = 5,
-    base_s: float = 0.05,
-    cap_s: float = 2.0,
+    attempts: int | None = None,
+    base_s: float = RETRY_BASE_S,
+    cap_s: float = RETRY_CAP_S,
     *,
+    budget_s: float | None = None,
     translate: Callable[[BaseException], BaseException] | None = None,
     transient: Callable[[BaseException], bool] = is_transient,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    jitter: Callable[[float, float], float] = random.uniform,
 ) -> T:
-    """Run ``call``; retry transient errors with exponential backoff and full jitter.
+    """Run ``call``; retry transient errors with exponential backoff and full jitter until
+    ``budget_s`` seconds have passed since the first attempt (None: :func:`default_retry_s`).
 
     ``what`` names the operation and key for messages ("S3 get s3://b/p/k"). A non-transient
     error is passed to ``translate`` (which returns the StoreError to raise) and raised at
-    once; after ``attempts`` transient failures a StoreError names the operation, the count
-    and the last error.
+    once. Sleep ``n`` is ``jitter(0, min(cap_s, base_s * 2**n))``, cut to what is left of the
+    budget, so the last attempt comes at the deadline (an attempt in flight may overrun it
+    by up to its own timeout). ``attempts``, if given, also caps the number of attempts.
+    When the budget or the attempts run out, :class:`StoreUnavailable` says that every
+    failure was transient, how long and how often it retried, the last error, and how to
+    raise the budget. ``sleep``, ``clock`` and ``jitter`` are injectable for tests.
     """
-    if attempts < 1:
+    if attempts is not None and attempts < 1:
         raise StoreError(f"retrying({what}) needs attempts >= 1, got {attempts}")
-    last: BaseException | None = None
-    for attempt in range(attempts):
+    budget = default_retry_s() if budget_s is None else check_retry_s(budget_s)
+    start = clock()
+    tried = 0
+    while True:
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - classified right below
@@ -181,12 +328,22 @@ def retrying(
                     raise
                 raise translate(exc) from exc
             last = exc
-        if attempt + 1 < attempts:
-            # full jitter (AWS architecture blog): spreads retries of many workers apart
-            sleep(random.uniform(0.0, min(cap_s, base_s * 2 ** attempt)))
-    raise StoreError(
-        f"{what} failed after {attempts} attempts; last error: {type(last).__name__}: {last}. "
-        "The server kept failing or was unreachable: check that it is up and reachable, or raise the attempts"
+        tried += 1
+        elapsed = clock() - start
+        out_of_attempts = attempts is not None and tried >= attempts
+        if out_of_attempts or elapsed >= budget:
+            break
+        # full jitter (AWS architecture blog): spreads retries of many workers apart
+        sleep(min(jitter(0.0, min(cap_s, base_s * 2 ** min(tried - 1, 60))), budget - elapsed))
+    limit = (f"the {attempts}-attempt limit" if out_of_attempts and elapsed < budget
+             else f"its {budget:g} s budget")
+    raise StoreUnavailable(
+        f"{what} failed after {tried} attempts; last error: {type(last).__name__}: {last}. Every failure was "
+        f"transient (throttling, a 5xx, a timeout or stalled read, a dropped or refused connection) and flatpack "
+        f"retried for {elapsed:.1f} s, until {limit} ran out: the store was unreachable or overloaded all that "
+        f"time. Check that it is up and reachable; to wait longer, raise the budget with {RETRY_ENV}=<seconds> in "
+        "the environment (or retry_s= on the store, ?retry_s= in its url)",
+        what=what, attempts=tried, elapsed_s=elapsed, budget_s=budget, last=last,
     ) from last
 
 
@@ -197,6 +354,10 @@ class Store(abc.ABC):
     """Bytes under string keys, shared by processes that open the same :attr:`url`."""
 
     url: str
+    # the clock and sleep of retries and of wait(): tests replace them on an instance, so that
+    # budgets and backoff run in simulated time
+    _clock: Callable[[], float] = staticmethod(time.monotonic)
+    _sleep: Callable[[float], None] = staticmethod(time.sleep)
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -224,20 +385,25 @@ class Store(abc.ABC):
             self.delete(key)
 
     def wait(self, key: str, timeout_s: float) -> bytes:
-        """Poll until ``key`` is present and return its bytes; StoreTimeout after ``timeout_s``."""
+        """Poll until ``key`` is present and return its bytes; StoreTimeout after ``timeout_s``.
+
+        Only an absent key (StoreKeyError) means "not there yet, poll again". A transient
+        error of a poll is retried inside ``get`` under the retry budget (a StoreUnavailable
+        if it outlasts it); any other error is raised at once.
+        """
         check_key(key)
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        deadline = self._clock() + max(0.0, timeout_s)
         delay = _WAIT_FIRST_S
         while True:
             try:
                 return self.get(key)
             except StoreKeyError:
                 pass
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 raise StoreTimeout(f"{key!r} did not appear in {self.url} within {timeout_s:g} s; the producer "
                                    "failed or is slower than expected: check its status, or raise timeout_s")
-            time.sleep(min(delay, remaining))
+            self._sleep(min(delay, remaining))
             delay = min(delay * 2, _WAIT_MAX_S)
 
     def list(self, prefix: str) -> list[str]:
@@ -372,8 +538,11 @@ class S3Store(Store):
     Credentials come from boto3's standard chain, or in-process from the explicit
     ``aws_access_key_id``/``aws_secret_access_key`` arguments; they never enter :attr:`url`.
     Retries are done by :func:`retrying` (botocore's own are switched off so they do not
-    multiply). A read that stalls past ``read_timeout_s`` raises ReadTimeoutError and is
-    retried: slsML measured 60-second S3 outliers that a fresh request avoids.
+    multiply). A read that stalls past ``read_timeout_s`` (silence between bytes; see
+    :data:`READ_TIMEOUT_S`) raises ReadTimeoutError and is retried: slsML measured 60-second
+    S3 outliers that a fresh request avoids. ``retry_s`` is the retry budget of each call
+    (None: ``$FLATPACK_STORE_RETRY_S`` or :data:`DEFAULT_RETRY_S`); ``attempts`` optionally
+    caps the attempts too. An explicit ``retry_s`` or ``read_timeout_s`` travels in :attr:`url`.
     """
 
     def __init__(
@@ -387,9 +556,10 @@ class S3Store(Store):
         aws_secret_access_key: str | None = None,
         aws_session_token: str | None = None,
         connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 30.0,
+        read_timeout_s: float | None = None,
         max_pool_connections: int = 16,
-        attempts: int = 5,
+        attempts: int | None = None,
+        retry_s: float | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
             raise StoreError(f"S3 bucket name {bucket!r} is empty or has a '/'; put key prefixes in prefix=")
@@ -397,12 +567,16 @@ class S3Store(Store):
         self.prefix = _normalize_root_prefix(prefix)
         self.endpoint_url = endpoint_url
         self.attempts = attempts
+        self.retry_s = default_retry_s() if retry_s is None else check_retry_s(retry_s)
+        self.read_timeout_s = READ_TIMEOUT_S if read_timeout_s is None else float(read_timeout_s)
         self._client = _s3_client(
             endpoint_url, region, aws_access_key_id, aws_secret_access_key, aws_session_token,
-            connect_timeout_s, read_timeout_s, max_pool_connections, self._where(),
+            connect_timeout_s, self.read_timeout_s, max_pool_connections, self._where(),
         )
         self.region = self._client.meta.region_name
-        self.url = _s3_url("s3", bucket, self.prefix, {"endpoint_url": endpoint_url, "region": region})
+        self.url = _s3_url("s3", bucket, self.prefix, {
+            "endpoint_url": endpoint_url, "region": region, **_retry_query(retry_s),
+            "read_timeout_s": None if read_timeout_s is None else f"{float(read_timeout_s):g}"})
 
     def _where(self) -> str:
         at = f" at {self.endpoint_url}" if self.endpoint_url else ""
@@ -410,8 +584,8 @@ class S3Store(Store):
 
     def _call(self, verb: str, key: str | None, call: Callable[[], T]) -> T:
         name = f"s3://{self.bucket}/{self.prefix}{key or ''}"
-        return retrying(call, what=f"S3 {verb} {name}", attempts=self.attempts,
-                        translate=lambda exc: self._translate(exc, verb, key))
+        return retrying(call, what=f"S3 {verb} {name}", attempts=self.attempts, budget_s=self.retry_s,
+                        sleep=self._sleep, clock=self._clock, translate=lambda exc: self._translate(exc, verb, key))
 
     def _translate(self, exc: BaseException, verb: str, key: str | None) -> BaseException:
         from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
@@ -554,9 +728,12 @@ def _s3_error(code: str, status: int | None, message: str, verb: str, key: str |
         return StoreError(f"bucket {bucket!r} does not exist ({where}); create it (aws s3 mb s3://{bucket}) "
                           "or fix the bucket in the store url")
     if code in _S3_AUTH_CODES or status == 403:
+        missing = (" (S3 also answers 403 instead of 404 for a missing key when the credentials lack "
+                   "s3:ListBucket on the bucket)" if verb in ("get", "head") else "")
         return StoreError(
             f"S3 denied {verb} of {key!r} in {where}: {code or status} {message}. The credentials are wrong or "
             "lack permission: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the profile) and the bucket policy"
+            + missing
         )
     return StoreError(f"S3 {verb} of {key!r} in {where} failed: {code} (HTTP {status}) {message}")
 
@@ -565,6 +742,11 @@ def _s3_url(scheme: str, bucket: str, prefix: str, query: dict[str, str | None])
     params = {k: v for k, v in query.items() if v}
     tail = "?" + urlencode(params, quote_via=quote, safe="/") if params else ""
     return f"{scheme}://{bucket}/{quote(prefix, safe='/')}{tail}"
+
+
+def _retry_query(retry_s: float | None) -> dict[str, str]:
+    """An explicit retry budget goes into a store's url, so a worker opening it retries as long."""
+    return {} if retry_s is None else {"retry_s": f"{check_retry_s(retry_s):g}"}
 
 
 # --------------------------------------------------------------------------- Redis
@@ -579,12 +761,14 @@ class RedisStore(Store):
     """A Redis database, keys under an optional prefix (the KNIX-style fast store).
 
     The password, if any, comes from the ``password`` argument or the REDIS_PASSWORD env var,
-    never from the url.
+    never from the url. ``retry_s``/``attempts`` as for :class:`S3Store`; a socket silent
+    for ``socket_timeout_s`` (default :data:`READ_TIMEOUT_S`) is cut and retried.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, prefix: str = "", *,
-                 password: str | None = None, socket_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 5.0, attempts: int = 5) -> None:
+                 password: str | None = None, socket_timeout_s: float = READ_TIMEOUT_S,
+                 connect_timeout_s: float = 5.0, attempts: int | None = None,
+                 retry_s: float | None = None) -> None:
         try:
             import redis
         except ImportError as exc:
@@ -592,15 +776,17 @@ class RedisStore(Store):
         self.host, self.port, self.db = host, int(port), int(db)
         self.prefix = _normalize_root_prefix(prefix)
         self.attempts = attempts
+        self.retry_s = default_retry_s() if retry_s is None else check_retry_s(retry_s)
         self._client = redis.Redis(host=host, port=self.port, db=self.db,
                                    password=password or os.environ.get("REDIS_PASSWORD"),
                                    socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s)
-        query = "?" + urlencode({"prefix": self.prefix}, quote_via=quote, safe="/") if self.prefix else ""
+        params = {**({"prefix": self.prefix} if self.prefix else {}), **_retry_query(retry_s)}
+        query = "?" + urlencode(params, quote_via=quote, safe="/") if params else ""
         self.url = f"redis://{host}:{self.port}/{self.db}{query}"
 
     def _call(self, verb: str, key: str, call: Callable[[], T]) -> T:
         return retrying(call, what=f"Redis {verb} {self.url} key {key!r}", attempts=self.attempts,
-                        translate=lambda exc: StoreError(
+                        budget_s=self.retry_s, sleep=self._sleep, clock=self._clock, translate=lambda exc: StoreError(
                             f"Redis {verb} of {key!r} at {self.url} failed: {type(exc).__name__}: {exc}; "
                             "check the password (REDIS_PASSWORD) and that the server accepts this command"))
 
@@ -646,12 +832,14 @@ class OssStore(Store):
 
     Credentials come from OSS_ACCESS_KEY_ID / OSS_ACCESS_KEY_SECRET (or the explicit
     arguments in-process), never from the url. ``endpoint`` is e.g.
-    ``https://oss-cn-hangzhou.aliyuncs.com``.
+    ``https://oss-cn-hangzhou.aliyuncs.com``. ``timeout_s`` is oss2's connect and read
+    timeout (default :data:`READ_TIMEOUT_S`); ``retry_s``/``attempts`` as for :class:`S3Store`.
     """
 
     def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, *,
                  access_key_id: str | None = None, access_key_secret: str | None = None,
-                 timeout_s: float = 30.0, attempts: int = 5) -> None:
+                 timeout_s: float = READ_TIMEOUT_S, attempts: int | None = None,
+                 retry_s: float | None = None) -> None:
         try:
             import oss2
         except ImportError as exc:
@@ -664,13 +852,15 @@ class OssStore(Store):
             raise StoreError(f"no OSS credentials for oss://{bucket}: set the env vars OSS_ACCESS_KEY_ID and "
                              "OSS_ACCESS_KEY_SECRET (a RAM user's AccessKey pair)")
         self.bucket, self.endpoint, self.attempts = bucket, endpoint, attempts
+        self.retry_s = default_retry_s() if retry_s is None else check_retry_s(retry_s)
         self.prefix = _normalize_root_prefix(prefix)
         self._oss2 = oss2
         self._bucket = oss2.Bucket(oss2.Auth(key_id, secret), endpoint, bucket, connect_timeout=timeout_s)
-        self.url = _s3_url("oss", bucket, self.prefix, {"endpoint": endpoint})
+        self.url = _s3_url("oss", bucket, self.prefix, {"endpoint": endpoint, **_retry_query(retry_s)})
 
     def _call(self, verb: str, key: str, call: Callable[[], T]) -> T:
         return retrying(call, what=f"OSS {verb} oss://{self.bucket}/{self.prefix}{key}", attempts=self.attempts,
+                        budget_s=self.retry_s, sleep=self._sleep, clock=self._clock,
                         translate=lambda exc: self._translate(exc, verb, key))
 
     def _translate(self, exc: BaseException, verb: str, key: str) -> BaseException:
@@ -719,13 +909,17 @@ def open_store(url: str, **options: Any) -> Store:
     """Open the store a :attr:`Store.url` names.
 
     ``upload_bytes_s``/``download_bytes_s`` wrap it in :class:`~flatpack.runtime.throttle.Throttled`
-    (emulating a function's network bandwidth); other options go to the backend's constructor
-    (e.g. ``read_timeout_s`` for S3).
+    (emulating a function's network bandwidth); ``faults`` (a dict, see
+    :func:`flatpack.runtime.chaos.wrap`) in a :class:`~flatpack.runtime.chaos.FaultyStore`
+    that injects transient errors and stalls; other options go to the backend's constructor
+    (e.g. ``read_timeout_s`` for S3, ``retry_s`` for S3, Redis and OSS, which their urls
+    also accept as ``?retry_s=`` and ``?read_timeout_s=``; an option wins over the url).
     """
     if not isinstance(url, str) or "://" not in url:
         raise StoreError(f"store url {url!r} has no scheme; use one of {', '.join(s + '://' for s in SCHEMES)}")
     upload = options.pop("upload_bytes_s", None)
     download = options.pop("download_bytes_s", None)
+    faults = options.pop("faults", None)
     parts = urlsplit(url)
     if parts.username or parts.password:
         raise StoreError(f"store urls never carry credentials ({parts.scheme}://<user:secret>@...); "
@@ -734,6 +928,10 @@ def open_store(url: str, **options: Any) -> Store:
     if opener is None:
         raise StoreError(f"unknown store scheme {parts.scheme!r} in {url!r}; known schemes: {', '.join(SCHEMES)}")
     store = opener(parts, options)
+    if faults:
+        from flatpack.runtime.chaos import wrap
+
+        store = wrap(store, faults)
     if upload is None and download is None:
         return store
     from flatpack.runtime.throttle import Throttled
@@ -749,6 +947,18 @@ def _query(parts: Any, allowed: tuple[str, ...]) -> dict[str, str]:
     return query
 
 
+def _url_options(query: dict[str, str], options: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """Numeric options a url carries (``retry_s``, ``read_timeout_s``), under explicit ones."""
+    merged = dict(options)
+    for name in names:
+        if query.get(name) and name not in merged:
+            merged[name] = check_retry_s(query[name], name)
+            if name == "read_timeout_s" and merged[name] <= 0:
+                raise StoreError(f"read_timeout_s={query[name]!r} in the url must be > 0 seconds "
+                                 f"(the default is {READ_TIMEOUT_S:g})")
+    return merged
+
+
 def _open_file(parts: Any, options: dict[str, Any]) -> Store:
     if parts.netloc not in ("", "localhost"):
         raise StoreError(f"file:// urls name a local path (file:///abs/path), got host {parts.netloc!r}")
@@ -757,13 +967,14 @@ def _open_file(parts: Any, options: dict[str, Any]) -> Store:
 
 
 def _open_s3(parts: Any, options: dict[str, Any]) -> Store:
-    query = _query(parts, ("endpoint_url", "region"))
+    query = _query(parts, ("endpoint_url", "region", "retry_s", "read_timeout_s"))
     return S3Store(parts.netloc, unquote(parts.path.lstrip("/")), query.get("endpoint_url") or None,
-                   query.get("region") or None, **options)
+                   query.get("region") or None, **_url_options(query, options, ("retry_s", "read_timeout_s")))
 
 
 def _open_redis(parts: Any, options: dict[str, Any]) -> Store:
-    query = _query(parts, ("prefix",))
+    query = _query(parts, ("prefix", "retry_s"))
+    options = _url_options(query, options, ("retry_s",))
     db_text = parts.path.strip("/") or "0"
     if not db_text.isdigit():
         raise StoreError(f"redis url path must be a database number (redis://host:port/0), got {parts.path!r}")
@@ -771,8 +982,9 @@ def _open_redis(parts: Any, options: dict[str, Any]) -> Store:
 
 
 def _open_oss(parts: Any, options: dict[str, Any]) -> Store:
-    query = _query(parts, ("endpoint",))
-    return OssStore(parts.netloc, unquote(parts.path.lstrip("/")), query.get("endpoint"), **options)
+    query = _query(parts, ("endpoint", "retry_s"))
+    return OssStore(parts.netloc, unquote(parts.path.lstrip("/")), query.get("endpoint"),
+                    **_url_options(query, options, ("retry_s",)))
 
 
 _OPENERS: dict[str, Callable[[Any, dict[str, Any]], Store]] = {

@@ -80,6 +80,18 @@ def stage_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     return state, trainable
 
 
+def install_weights(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copies a checkpoint's weights (``w/<name>`` entries) into a stage's parameters and buffers."""
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(tensors[f"w/{name}"])
+
+
+def load_weights(module: nn.Module, checkpoint: bytes) -> None:
+    """Installs a stage checkpoint's weights in ``module`` (inference serves trained weights)."""
+    install_weights(stage_tensors(module)[0], wire.loads(checkpoint)[0])
+
+
 def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> torch.Tensor:
     """Micro-batch ``micro_batch``'s loss scaled by b/B, so that the micro-batch losses add
     up to the mean over the global batch. b comes from the split, not the output: a model
@@ -115,6 +127,13 @@ def assign_flat_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> Non
         count = param.numel()
         param.grad = flat[offset:offset + count].view_as(param).to(param.dtype).clone()
         offset += count
+
+
+def micro_batch_seed(iteration: int, stage: int, micro_batch: int) -> int:
+    """The seed of a stage's random draws (dropout) for one micro-batch of one iteration. A
+    replayed forward (a restarted function, a relaunched straggler) so draws the same masks
+    and produces the same activations its consumers may already have read."""
+    return (iteration * 1_000_003 + stage * 10_007 + micro_batch) % (1 << 63)
 
 
 @dataclass
@@ -165,9 +184,7 @@ class StageTrainer:
     def load_state(self, data: bytes) -> int:
         """Installs a checkpoint; returns the iteration it was taken after."""
         tensors, meta = wire.loads(data)
-        with torch.no_grad():
-            for name, tensor in self.state_tensors.items():
-                tensor.copy_(tensors[f"w/{name}"])
+        install_weights(self.state_tensors, tensors)
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
             if key.startswith("o/"):
@@ -234,7 +251,9 @@ class StageTrainer:
         start = time.time()
 
         def run() -> None:
-            outputs = self.module(*args)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
+                outputs = self.module(*args)
             state.outputs = dict(zip(self.stage.outputs, outputs))
             if self.is_last:
                 state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output],
@@ -279,18 +298,24 @@ class StageTrainer:
         prefetched, self._prefetched = self._prefetched, {}
         states: dict[int, MicroBatchState] = {}
         forwards: dict[int, Future] = {}
+        uploads: dict[int, Future] = {}
         pending: list[Future] = []
         for kind, m in order:
             if kind == "F":
                 fetched = prefetched.pop(m, None) or lanes.submit("download", self._fetch_inputs, iteration, m)
                 forwards[m] = lanes.submit("compute", self._forward, iteration, m, fetched, states, after=[fetched])
                 if not self.is_last:
-                    pending.append(lanes.submit("upload", self._upload_outputs, iteration, m, states,
-                                                after=[forwards[m]]))
+                    uploads[m] = lanes.submit("upload", self._upload_outputs, iteration, m, states,
+                                              after=[forwards[m]])
+                    pending.append(uploads[m])
             else:
                 fetched = None if self.is_last else lanes.submit("download", self._fetch_gradients, iteration, m)
+                # the backward releases the micro-batch's state, so it waits for every lane that
+                # reads it: its forward and the upload of its outputs. In a first run the
+                # gradients cannot arrive before that upload, but in a replayed iteration they
+                # are already in the store (at-least-once execution: any task may run twice)
                 done = lanes.submit("compute", self._backward, iteration, m, fetched, states,
-                                    after=[forwards[m], *([fetched] if fetched else [])])
+                                    after=[forwards[m], uploads.get(m), fetched])
                 if self._sends_gradients:
                     pending.append(lanes.submit("upload", self._upload_gradients, iteration, m, done, after=[done]))
                 else:

@@ -141,7 +141,7 @@ def tier_link(base: Store, bandwidth_bytes_s: float | None) -> Store:
 
 def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
     try:
-        store.put(keys.status(role.stage, role.replica, role.attempt),
+        store.put(keys.status(role.stage, role.replica, role.attempt, role.start_iteration),
                   json.dumps({**status, "role": json.loads(role.dumps())}).encode())
     except Exception:  # noqa: BLE001 - the exit code still tells the invoker
         pass
@@ -179,8 +179,9 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
         module = load_module(store, keys, role.stage)
         trainer = StageTrainer(spec, role, throttled, module, recorder, after_task=after_task,
                                throttle_compute=cpu_throttle(stage.vcpus, spec.threads))
-        if role.start_iteration > 0:
-            trainer.load_state(store.wait(keys.checkpoint(role.stage, role.start_iteration - 1), spec.wait_timeout_s))
+        checkpoint = spec.checkpoint_before(role.start_iteration)
+        if checkpoint is not None:
+            trainer.load_state(store.wait(keys.checkpoint(role.stage, checkpoint), spec.wait_timeout_s))
     after_task("load", role.start_iteration, None)
     # torch, boto3 and the stage are loaded: move those objects out of the collector's sight,
     # or its full collections (tens of ms) land inside compute tasks at random
@@ -196,7 +197,7 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
             reinvoke = (not last and spec.time_limit_s is not None
                         and time.time() - started + 1.5 * (time.time() - began) + 1.0 > spec.time_limit_s)
             checkpoint = None
-            if reinvoke or (role.replica == 0 and ((iteration + 1) % spec.checkpoint_every == 0 or last)):
+            if reinvoke or (role.replica == 0 and spec.checkpoints_after(iteration, role.end_iteration)):
                 checkpoint = trainer.state_bytes(iteration)   # a snapshot: the next iteration changes the weights
             # the reports go out on their own lane, in order, while the next iteration starts
             lanes.submit("report", report, iteration, checkpoint, trainer.progress(iteration))
@@ -227,7 +228,11 @@ def infer(store: Store, raw_spec: bytes, role: Role) -> int:
 
 def run_role(role: Role, store: Store, started: float) -> int:
     """Runs one function invocation to its end and returns its exit code; every failure is
-    reported in the role's status record (the invoker reads it), never raised."""
+    reported in the role's status record (the invoker reads it), never raised: ``oom``, or
+    ``transient`` when the cause was transient (a store unreachable or throttled for its
+    whole retry budget; the invoker relaunches the function), else ``error`` with the traceback."""
+    from flatpack.runtime.store import StoreUnavailable, is_transient_failure
+
     keys = RunKeys(role.spec_key.split("/", 1)[0])
     try:
         raw = store.wait(role.spec_key, 120)
@@ -236,6 +241,9 @@ def run_role(role: Role, store: Store, started: float) -> int:
             return run_profile(store, role, raw)
         if role.kind == "train":
             spec = RunSpec.loads(raw)
+            if spec.store_faults:   # a chaos run: this worker's store requests fail and stall at the spec's rates
+                from flatpack.runtime.chaos import for_role
+                store = for_role(store, spec.store_faults, role)
             torch.set_num_threads(spec.threads)
             return train(store, spec, role, started)
         return infer(store, raw, role)
@@ -243,7 +251,19 @@ def run_role(role: Role, store: Store, started: float) -> int:
         write_status(store, keys, role, {"status": "oom", "peak_bytes": err.peak_bytes, "limit_bytes": err.limit_bytes,
                                          "task": err.task})
         return OUT_OF_MEMORY
-    except BaseException:  # noqa: BLE001 - a function reports every failure to its invoker
+    except BaseException as err:  # noqa: BLE001 - a function reports every failure to its invoker
+        if isinstance(err, Exception) and is_transient_failure(err):
+            link: BaseException | None = err
+            while link is not None and not isinstance(link, StoreUnavailable):
+                link = link.__cause__
+            spent = link if isinstance(link, StoreUnavailable) else None
+            write_status(store, keys, role, {
+                "status": "transient", "error": f"{type(err).__name__}: {err}",
+                "attempts": spent.attempts if spent else None,
+                "retried_s": round(spent.elapsed_s, 3) if spent else None,
+                "budget_s": spent.budget_s if spent else None,
+                "traceback": traceback.format_exc()})
+            return 1
         write_status(store, keys, role, {"status": "error", "traceback": traceback.format_exc()})
         return 1
 

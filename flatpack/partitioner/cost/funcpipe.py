@@ -182,6 +182,32 @@ def layer_memory(problem: Problem, index: int, tier: "Tier", replicas: int = 1) 
                         sync_buffer_copies=2 if replicas > 1 else 0)
 
 
+def with_tiers(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` with a memory tier for every stage that has none (solvers that only cut, such
+    as ``balanced``, leave ``memory_mb`` None, and no cost model can time or price such a
+    stage): the smallest tier of the search space (``memory_mb`` option, else the platform's
+    choices) whose eq. 3b need at the stage's degree fits, else the largest (the cost model
+    then reports the stage as unfit). Stages that have a tier keep it."""
+    import dataclasses
+
+    from flatpack.partitioner.space import SearchSpace
+
+    if all(stage.memory_mb is not None for stage in plan.stages) or not problem.profiled:
+        return plan   # unprofiled: no memory need to fit (and no cost model to feed)
+    choices = sorted(SearchSpace.of(problem).memory_mb)
+    stages = []
+    for stage in plan.stages:
+        if stage.memory_mb is None:
+            mu = micro_batches_per_replica(problem, stage.replicas)
+            copies = 2 if stage.replicas > 1 else 0
+            fitting = (size for size in choices
+                       if stage_memory(problem, stage.start, stage.end, problem.platform.tier(size),
+                                       micro_batches_in_flight=mu, sync_buffer_copies=copies).fits)
+            stage = dataclasses.replace(stage, memory_mb=next(fitting, choices[-1]))
+        stages.append(stage)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
 def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
     """Raise PlanError, before any solving, when some layer cannot fit even alone on the
     platform's largest tier — FuncPipe's stated limitation (000_2f8f665d06f7d6de.txt §4,

@@ -1,0 +1,209 @@
+"""How flatpack stops every process it started: on Ctrl-C, on SIGTERM and when it is killed.
+
+Three layers, each covering what the one before cannot:
+
+1. **Clean path** (:func:`clean_shutdown`, installed by ``flatpack.cli.main`` around every
+   command). SIGINT, SIGTERM and SIGHUP all become :class:`Interrupted` (a
+   ``KeyboardInterrupt``), so the ``with``/``finally`` blocks that tear a deployment down run
+   the same way for a signal as for Ctrl-C. The first signal also SIGKILLs every worker
+   process started through :func:`track` at once (they hold no state a resumed run needs:
+   the store and checkpoints do), so a runner cannot relaunch one while it unwinds.
+   Further signals during the shutdown are shielded (noted once, never raised into the
+   teardown), and if the teardown takes longer than ``force_after_s`` the process exits
+   hard: layer 2 then still takes the children down.
+2. **Killed parent** (:func:`die_with_parent`). SIGKILL of flatpack runs no handler at all.
+   On Linux every child (the SeaweedFS server, each worker) is started with
+   ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` set between fork and exec, so the kernel kills it
+   when its parent goes. The kernel's "parent" is the *thread* that started the child, so
+   only a child started from the main thread gets it (one started from a short-lived thread
+   would die with that thread: a warm inference function, say); the CLI starts everything
+   from the main thread. A watchdog pipe the child polls would cover threads and other OSes,
+   but needs the child's cooperation (weed is not ours). Elsewhere (macOS, Windows) there is
+   no such call: only layers 1 and 3 apply there.
+3. **Interpreter exit**: ``runtime.s3server`` stops every server still running at exit.
+
+Stdlib only: ``runtime`` and ``backends`` both import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import weakref
+from typing import IO, Callable, Iterator
+
+__all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "track", "kill_children", "stopping",
+           "FORCE_AFTER_S"]
+
+FORCE_AFTER_S = 20.0        # a teardown that takes longer than this after the first signal is cut short
+PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
+
+_workers: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+_servers: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+_stopping = threading.Event()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop request by signal: SIGINT (Ctrl-C), SIGTERM or SIGHUP; ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+# ---- layer 2: children die with their parent ------------------------------------------------
+
+_prctl: Callable[..., int] | None = None
+_prctl_loaded = False
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    global _prctl, _prctl_loaded
+    if not _prctl_loaded:
+        _prctl_loaded = True
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                function = ctypes.CDLL(None, use_errno=True).prctl
+                function.restype = ctypes.c_int
+                function.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+                _prctl = function
+            except (OSError, AttributeError):
+                _prctl = None
+    return _prctl
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child receive ``sig`` when this
+    process exits, however it exits (SIGKILL included); ``None`` where the OS has no such
+    call (anything but Linux) and outside the main thread (see the module's note).
+
+    Everything the child runs is resolved here, in the parent: between fork and exec the
+    child imports nothing and allocates almost nothing. If the parent died before the call
+    took effect, the child kills itself instead of running as an orphan.
+    """
+    prctl = _load_prctl()
+    if prctl is None or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+    getppid, kill, getpid = os.getppid, os.kill, os.getpid
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if getppid() != parent:
+            kill(getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+# ---- registry of children ---------------------------------------------------------------------
+
+def track(process: subprocess.Popen, *, server: bool = False) -> subprocess.Popen:
+    """Registers a child: a worker is SIGKILLed on the first stop signal; a ``server`` (a
+    process group) is left to its owner's orderly stop and killed only on a forced exit."""
+    (_servers if server else _workers).add(process)
+    return process
+
+
+def stopping() -> bool:
+    """True once a stop signal arrived: nothing new should be started."""
+    return _stopping.is_set()
+
+
+def kill_children(*, servers: bool = False) -> None:
+    """SIGKILLs every tracked worker still running (and with ``servers``, every server's
+    process group). Safe in a signal handler: only ``os.kill`` of children not yet reaped."""
+    for process in list(_workers):
+        _kill(process, group=False)
+    if servers:
+        for process in list(_servers):
+            _kill(process, group=True)
+
+
+def _kill(process: subprocess.Popen, *, group: bool) -> None:
+    # a process whose returncode is still None has not been reaped, so its pid is still ours
+    if process.returncode is not None:
+        return
+    try:
+        if group:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            os.kill(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---- layer 1: signals become one clean path ------------------------------------------------------
+
+class _Shutdown:
+    def __init__(self, stream: IO[str], force_after_s: float) -> None:
+        self.stream = stream
+        self.force_after_s = force_after_s
+        self.signum: int | None = None
+        self.noted = False
+        self.timer: threading.Timer | None = None
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+            _stopping.set()
+            kill_children()
+            self._say(f"flatpack: {signal.Signals(signum).name} received; stopping every process it started")
+            self.timer = threading.Timer(self.force_after_s, self.force)
+            self.timer.daemon = True
+            self.timer.start()
+            raise Interrupted(signum)
+        # a second Ctrl-C (or a SIGTERM after it) must not break the teardown half-way
+        kill_children()
+        if not self.noted:
+            self.noted = True
+            self._say(f"flatpack: still stopping (at most {self.force_after_s:.0f} s); "
+                      f"{signal.Signals(signum).name} ignored until it is done")
+
+    def force(self) -> None:
+        self._say(f"flatpack: stopping took longer than {self.force_after_s:.0f} s; exiting now")
+        kill_children(servers=True)
+        os._exit(128 + (self.signum or signal.SIGTERM))
+
+    def _say(self, text: str) -> None:
+        try:
+            print(text, file=self.stream, flush=True)
+        except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the shutdown
+            pass
+
+
+@contextlib.contextmanager
+def clean_shutdown(*, stream: IO[str] | None = None, force_after_s: float = FORCE_AFTER_S,
+                   signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Turns SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` inside the block (main thread
+    only; elsewhere it does nothing).
+
+    The previous handlers come back when the block ends, unless a signal arrived: then these
+    signals stay ignored (the process is on its way out: a Ctrl-C must neither interrupt the
+    at-exit stop of the servers nor, once the interpreter has reset its handlers while it
+    finalizes, kill it with the wrong exit status); the force timer still bounds the exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    shutdown = _Shutdown(stream if stream is not None else sys.stderr, force_after_s)
+    previous = {}
+    for sig in signals:
+        try:
+            previous[sig] = signal.signal(sig, shutdown.handle)
+        except (ValueError, OSError):  # a signal this OS lacks
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if shutdown.signum is None else signal.SIG_IGN)

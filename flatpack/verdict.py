@@ -1,0 +1,288 @@
+"""Is a pipelined run what single-process training computes? The verdict ``flatpack run`` and
+``flatpack demo`` print: the reference (single-process training of the original module with
+the same micro-batching), the tolerances that follow from the optimizer, and the checks."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from flatpack.runtime.reference import call, first_output, train_single_process
+
+if TYPE_CHECKING:
+    from flatpack.job import JobOptions
+
+# -- the verdict: is the pipelined run what single-process training computes? ---------------
+#
+# "Equivalent" means: the run's final weights, buffers and optimizer state are those of
+# single-process training of the original module with the SAME micro-batching (gradient
+# accumulation over the micro-batches the runtime cuts, each loss scaled by b/B, one step per
+# iteration; BatchNorm normalizes each micro-batch with its own statistics and a stage's
+# reported running statistics are replica 0's, updated by its micro-batches in order), up to
+# the rounding of summing the same gradients in another order (micro-batches accumulated per
+# replica, then reduced across replicas). The tolerances follow from the optimizer:
+#
+# * gradients, compared tightly through the optimizer state (SGD's momentum buffer, Adam's
+#   exp_avg and exp_avg_sq: weighted sums of every step's gradients and their squares),
+#   per tensor relative to its largest element: |Δ| <= tol * max|ref|. After ONE step both
+#   runs took their gradients at the same weights, so only float32 summation order differs
+#   (a few ulps of the summands; measured 2.7e-7 on zoo resnet50, M = 4): tol = 1e-4
+#   (STATE_RTOL_FIRST). After more steps the gradients are taken at weights that legitimately
+#   differ (by up to the Adam bound below; BatchNorm over 4-sample micro-batches then moves
+#   them by 1.2e-3 relative after 3 Adam steps, measured): tol = 1e-2 (STATE_RTOL), an
+#   empirical margin, not a derived bound. Either still catches a real gradient error: a
+#   dropped or doubled micro-batch, a missing b/B scale or a stale weight changes them by
+#   O(1/M) >= 0.1 for the M <= 8 of these runs. (A first-step check of a longer run would
+#   need the iteration-0 checkpoint, which the runtime deletes once a later one exists.)
+# * weights under SGD (linear in the gradients): |Δ| <= SGD_ATOL + SGD_RTOL * |w|, as
+#   torch.allclose.
+# * weights under Adam: its step divides by sqrt(v), so a gradient element near zero whose
+#   rounding differs can move the step by up to its full size; no relative bound on the
+#   gradients carries over to the weights. What does: Adam's step is bounded per element.
+#   With bias correction, m̂_t = Σ w_i g_i and v̂_t = Σ u_i g_i², and Cauchy-Schwarz gives
+#   |m̂_t| / sqrt(v̂_t) <= c_t = sqrt(Σ_i w_i² / u_i)
+#     = sqrt((1-β1)²(1-β2^t) / ((1-β1^t)²(1-β2)) · Σ_{k<t} (β1²/β2)^k)
+#   (c_1 = 1, c_t ~ 1 for the first steps with the default betas; eps and L2 weight decay
+#   only shrink or re-enter through g). Two runs from the same weights therefore differ after
+#   T steps by at most 2·lr·Σ_t c_t per element: the bound the weights are held to. It is
+#   rigorous but loose, which is why the gradients are compared tightly as well.
+# * buffers (BatchNorm running statistics, counters): functions of activations at those
+#   weights: floating ones as the weights under SGD (Adam: the state tolerance relative to
+#   each tensor's largest element), integer ones exactly.
+#
+# Dropout: ``without_dropout``; a model that draws random numbers some other way in train
+# mode cannot be checked and the verdict says so instead of guessing.
+
+STATE_RTOL_FIRST, STATE_RTOL = 1e-4, 1e-2
+ZERO_FLOOR = 1e-3
+SGD_RTOL, SGD_ATOL = 1e-4, 1e-5
+STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def adam_step_bound(betas: tuple[float, float], step: int) -> float:
+    """c_t: the largest |m̂_t| / sqrt(v̂_t) any gradients can give at step ``step`` (>= 1)."""
+    beta1, beta2 = betas
+    ratio = sum((beta1 * beta1 / beta2) ** k for k in range(step))
+    return math.sqrt((1 - beta1) ** 2 * (1 - beta2 ** step) / ((1 - beta1 ** step) ** 2 * (1 - beta2)) * ratio)
+
+
+def adam_weight_bound(lr: float, betas: tuple[float, float], iterations: int) -> float:
+    """The most two Adam runs from the same weights can differ per element after
+    ``iterations`` steps, whatever their gradients: 2·lr·Σ c_t (plus float slack)."""
+    return 2 * lr * sum(adam_step_bound(betas, t) for t in range(1, iterations + 1)) + 1e-6
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str          # "weights", "gradients (optimizer state)", "buffers"
+    worst: float       # the largest |Δ| (for relative checks: |Δ| / max|ref| of the tensor)
+    bound: str         # the bound, in words
+    passed: bool
+    where: str = ""    # the tensor with the worst |Δ| (or the first that failed)
+
+    def line(self) -> str:
+        where = f" at {self.where}" if self.where else ""
+        return (f"  {'ok    ' if self.passed else 'FAILED'} {self.what}: max {self.worst:.3g}{where} "
+                f"(bound {self.bound})")
+
+
+@dataclass
+class Verdict:
+    equivalent: bool | None       # None: not checkable (the reason is in ``note``)
+    stages: int
+    replicas: tuple[int, ...]
+    micro_batches: int
+    iterations: int
+    optimizer: str
+    checks: list[Check] = field(default_factory=list)
+    dropouts: int = 0
+    note: str = ""
+
+    @property
+    def max_weight_diff(self) -> float | None:
+        weights = [check.worst for check in self.checks if check.what == "weights"]
+        return max(weights) if weights else None
+
+    def coverage(self) -> str:
+        cut = ("" if self.stages > 1 else
+               "; 1 stage: no pipeline cut was exercised, only the micro-batching and the replicas")
+        return (f"{self.stages} stage{'s' * (self.stages != 1)}, replicas {','.join(map(str, self.replicas))}, "
+                f"{self.micro_batches} micro-batch{'es' * (self.micro_batches != 1)}, {self.iterations} "
+                f"iteration{'s' * (self.iterations != 1)}, {self.optimizer}{cut}")
+
+    def describe(self) -> str:
+        dropout = (f"dropout: p = 0 in {self.dropouts} module{'s' * (self.dropouts != 1)} for the run and the "
+                   "reference (per-stage masks cannot be reproduced), so dropout itself was not checked"
+                   if self.dropouts else "no dropout modules")
+        if self.equivalent is None:
+            head = f"equivalence with single-process training: NOT CHECKED ({self.coverage()}): {self.note}"
+        elif self.equivalent:
+            head = (f"equivalence with single-process training: passed: equivalent ({self.coverage()}) to "
+                    "single-process training with the same micro-batches")
+        else:
+            head = (f"equivalence with single-process training: FAILED: not equivalent ({self.coverage()})"
+                    + (f": {self.note}" if self.note else ""))
+        return "\n".join([head, *(check.line() for check in self.checks), f"  {dropout}"])
+
+
+def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
+                     reference_state: dict[str, dict[str, torch.Tensor]],
+                     pipelined_state: dict[str, dict[str, torch.Tensor]], optimizer: Any,
+                     iterations: int) -> tuple[list[Check], str]:
+    """The checks above of a run's final ``parameters`` and optimizer state against the
+    reference's; returns them and a note naming what is missing, if anything."""
+    from flatpack.runtime.optim import OptimizerSpec
+
+    spec = OptimizerSpec.of(optimizer)
+    trainable = {id(p) for p in reference.parameters() if p.requires_grad}
+    weights = {"worst": 0.0, "where": "", "ok": True}
+    buffers = {"worst": 0.0, "where": "", "ok": True}
+    missing = []
+    adam_bound = adam_weight_bound(spec.lr, spec.betas, iterations) if spec.name == "adam" else None
+    state_rtol = STATE_RTOL_FIRST if iterations == 1 else STATE_RTOL
+    state = reference.state_dict(keep_vars=True)
+    for name, expected in state.items():
+        got = parameters.get(name)
+        if got is None:
+            missing.append(name)
+            continue
+        expected = expected.detach()
+        if got.shape != expected.shape:
+            missing.append(f"{name} (shape {tuple(got.shape)}, expected {tuple(expected.shape)})")
+            continue
+        if not expected.numel():
+            continue
+        diff = (got.double() - expected.double()).abs()
+        if id(state[name]) in trainable:
+            record = weights
+            ok = (bool((diff <= adam_bound).all()) if adam_bound is not None
+                  else bool((diff <= SGD_ATOL + SGD_RTOL * expected.double().abs()).all()))
+        else:
+            record = buffers
+            if not expected.is_floating_point():
+                ok = bool((diff == 0).all())
+            elif adam_bound is not None:
+                ok = bool((diff <= state_rtol * float(expected.double().abs().max()) + SGD_ATOL).all())
+            else:
+                ok = bool((diff <= SGD_ATOL + SGD_RTOL * expected.double().abs()).all())
+        worst = float(diff.max())
+        if (record["ok"] and not ok) or (ok == record["ok"] and worst > record["worst"]):
+            record["where"] = name
+        record["worst"] = max(record["worst"], worst)
+        record["ok"] = record["ok"] and ok
+    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {iterations} steps" if adam_bound
+                    is not None else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|w|")
+    checks = [Check("weights", weights["worst"], weight_bound, weights["ok"], weights["where"])]
+    gradients = {"worst": 0.0, "where": "", "ok": True, "count": 0}
+    # a tensor whose gradient is zero in exact arithmetic (attention's key bias: softmax
+    # ignores a shift) holds only rounding noise; its scale is floored at ZERO_FLOOR of the
+    # largest tensor's of the same kind, the size that noise is relative to
+    largest = {}
+    for entries in reference_state.values():
+        for key, expected in entries.items():
+            if expected.numel():
+                largest[key] = max(largest.get(key, 0.0), float(expected.double().abs().max()))
+    for name, entries in reference_state.items():
+        for key, expected in entries.items():
+            if key not in STATE_KEYS:
+                continue
+            got = pipelined_state.get(name, {}).get(key)
+            if got is None:
+                missing.append(f"{key} of {name}")
+                continue
+            scale = max(float(expected.double().abs().max()) if expected.numel() else 0.0,
+                        ZERO_FLOOR * largest.get(key, 0.0))
+            worst = float((got.double() - expected.double()).abs().max()) / scale if scale else (
+                float(got.double().abs().max()) if got.numel() else 0.0)
+            ok = worst <= state_rtol
+            if (gradients["ok"] and not ok) or (ok == gradients["ok"] and worst > gradients["worst"]):
+                gradients["where"] = f"{key} of {name}"
+            gradients["worst"] = max(gradients["worst"], worst)
+            gradients["ok"] = gradients["ok"] and ok
+            gradients["count"] += 1
+    if gradients["count"]:
+        checks.append(Check("gradients (optimizer state, |Δ|/max|ref| per tensor)", gradients["worst"],
+                            f"{state_rtol:g}" + (" (one step: summation order only)" if iterations == 1 else
+                                                 f" (after {iterations} steps at drifting weights)"),
+                            gradients["ok"], gradients["where"]))
+    buffer_bound = (f"{state_rtol:g}·max|ref| + {SGD_ATOL:g}; integers exact" if adam_bound is not None
+                    else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|b|; integers exact")
+    if any(id(t) not in trainable for t in state.values()):
+        checks.append(Check("buffers", buffers["worst"], buffer_bound, buffers["ok"], buffers["where"]))
+    note = f"missing from the run: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
+    return checks, note
+
+
+def draws_random(model: nn.Module, example: Any) -> bool:
+    """Whether a train-mode forward of ``model`` (a copy) depends on the random seed."""
+    outputs = []
+    for seed in (1, 2):
+        probe = copy.deepcopy(model).train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                outputs.append(first_output(call(probe, example)))
+            except Exception:  # noqa: BLE001 - a model that cannot run this probe is trained anyway
+                return False
+    return not torch.equal(outputs[0], outputs[1])
+
+
+def fixed_buffers_of(compiled: Any) -> Any:
+    """For micro-batch m, the buffers the run's reported weights never saw m update: those of
+    stages with d replicas where m mod d != 0 (a stage reports replica 0's buffers)."""
+    by_stage = []
+    for artifact, stage in zip(compiled.artifacts, compiled.plan.stages):
+        names = {alias for entry in artifact.manifest["parameters"] if entry.get("kind") == "buffer"
+                 for alias in (entry.get("aliases") or [entry["name"]])}
+        by_stage.append((stage.replicas, names))
+    return lambda m: {name for replicas, names in by_stage if m % replicas for name in names}
+
+
+def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Each trainable parameter's optimizer tensors in the last checkpoint every stage took,
+    by every name the parameter has (stage optimizers index them in manifest order)."""
+    from flatpack.runtime import wire
+
+    iteration = deployment.consistent_checkpoint()
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    if iteration is None:
+        return found
+    for index, artifact in enumerate(compiled.artifacts):
+        tensors, _ = wire.loads(deployment.store.wait(deployment.keys.checkpoint(index, iteration), 60))
+        trainable = [entry for entry in artifact.manifest["parameters"] if entry.get("kind") == "parameter"]
+        for position, entry in enumerate(trainable):
+            entries = {key.rsplit("/", 1)[1]: tensor for key, tensor in tensors.items()
+                       if key.startswith(f"o/{position}/")}
+            for alias in {entry["name"], *(entry.get("aliases") or [])}:
+                found.setdefault(alias, entries)
+    return found
+
+
+def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptions", loss: str,
+            parameters: dict[str, torch.Tensor], pipelined_state: dict[str, dict[str, torch.Tensor]], *,
+            dropouts: int, example: Any) -> Verdict:
+    """Trains the reference from the run's initial weights with the run's micro-batches and
+    checks the run against it (see the tolerances above)."""
+    stages = compiled.plan.stages
+    micro_batches = compiled.plan.micro_batches or options.micro_batches
+    optimizer = {"name": options.optimizer, "lr": options.lr}
+    found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
+                    options.iterations, options.optimizer, dropouts=dropouts)
+    if draws_random(initial, example):
+        found.note = ("the model draws random numbers in train mode beyond nn.Dropout (which flatpack run "
+                      "switches off), so no run can be compared with single-process training; train it without "
+                      "them to check equivalence")
+        return found
+    reference_state: dict[str, dict[str, torch.Tensor]] = {}
+    reference, _ = train_single_process(initial, batches, options.iterations, loss=loss, optimizer=optimizer,
+                                        micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
+                                        optimizer_state=reference_state)
+    found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
+                                                optimizer, options.iterations)
+    found.equivalent = not found.note and all(check.passed for check in found.checks)
+    return found

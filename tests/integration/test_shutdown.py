@@ -1,0 +1,239 @@
+"""Stopping ``flatpack run`` mid-training leaves nothing behind (issue 16, finding 7).
+
+Each test starts ``python -m flatpack run`` with TMPDIR pointed at a fresh empty directory,
+waits until its functions are running, notes every process it started (its descendants, from
+/proc), signals it, and then checks: it exits (within 5 s for SIGTERM and SIGINT), none of
+those processes is alive, and the temp directory is still empty. Linux only (/proc, and
+PR_SET_PDEATHSIG for the SIGKILL case).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux's")]
+
+STARTUP_TIMEOUT_S = 300.0     # compile + profile + deploy on two busy cores
+EXIT_BOUND_S = 5.0            # the issue's promise for SIGINT/SIGTERM
+
+
+# ---- the process tree, from /proc -------------------------------------------------------------
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, start time) of a process, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root``: pid -> start time (to tell a reused pid apart)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(int(entry))
+            if info is not None and info[0] != "Z":
+                children.setdefault(info[1], []).append(int(entry))
+                starts[int(entry)] = info[2]
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = starts[child]
+            todo.append(child)
+    return found
+
+
+def _alive(processes: dict[int, int]) -> dict[int, str]:
+    """Those of ``processes`` still running (a zombie has finished), with their command lines."""
+    alive = {}
+    for pid, start in processes.items():
+        info = _stat(pid)
+        if info is not None and info[2] == start and info[0] != "Z":
+            try:
+                alive[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            except OSError:
+                alive[pid] = "?"
+    return alive
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+# ---- a run to stop ------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, tmp_path: Path) -> None:
+        self.temp = tmp_path / "tmp"
+        self.temp.mkdir()
+        self.out = tmp_path / "out"
+        self.log_path = tmp_path / "run.log"
+        self.log = open(self.log_path, "wb")
+        env = {**os.environ, "TMPDIR": str(self.temp), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flatpack", "run", "vgg16", "--batch", "16", "--micro-batches", "2",
+             "--iterations", "30", "--no-verify", "--out", str(self.out)],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.started: dict[int, int] = {}
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_training(self) -> dict[int, int]:
+        """Waits until the functions run; returns every process the run started."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the run ended before training:\n{self.output()[-3000:]}"
+            tree = _descendants(self.process.pid)
+            commands = [_cmdline(pid) for pid in tree]
+            workers = [c for c in commands if "flatpack.runtime.worker" in c]
+            if workers and any("weed" in c for c in commands):
+                time.sleep(1.0)      # into the iterations
+                self.started = _descendants(self.process.pid)
+                assert self.started, "the run's processes vanished"
+                return self.started
+            time.sleep(0.2)
+        pytest.fail(f"no function started within {STARTUP_TIMEOUT_S:.0f} s:\n{self.output()[-3000:]}")
+
+    def wait_exit(self, timeout_s: float) -> float:
+        """Seconds until the run process exited (fails past ``timeout_s``)."""
+        started = time.monotonic()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not exit within {timeout_s:.0f} s of the signal:\n{self.output()[-3000:]}")
+        return time.monotonic() - started
+
+    def wait_children_gone(self, timeout_s: float = 15.0) -> dict[int, str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = _alive(self.started)
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Whatever the test found, leave nothing running."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for pid in _alive(self.started):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    started = Run(tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def _temp_entries(run: Run) -> list[str]:
+    return sorted(str(path.relative_to(run.temp)) for path in run.temp.rglob("*"))
+
+
+# ---- the tests ------------------------------------------------------------------------------------
+
+def test_sigterm_stops_every_process_within_5_s_and_leaves_no_temp_entry(run):
+    run.wait_for_training()
+    run.process.send_signal(signal.SIGTERM)
+    took = run.wait_exit(timeout_s=60)
+    output = run.output()
+    assert took <= EXIT_BOUND_S, f"exit took {took:.1f} s:\n{output[-3000:]}"
+    assert run.process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert run.wait_children_gone(timeout_s=1.0) == {}
+    assert _temp_entries(run) == []
+    assert "stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
+    # the store data and logs of the run live under --out, not in the temp directory
+    assert (run.out / "logs").is_dir()
+
+
+def test_a_second_ctrl_c_during_the_shutdown_still_leaves_nothing_running(run):
+    run.wait_for_training()
+    first = time.monotonic()
+    # more Ctrl-C while it stops: some land in the teardown, some during the interpreter's exit
+    for pause in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4):
+        time.sleep(pause)
+        if run.process.poll() is None:
+            run.process.send_signal(signal.SIGINT)
+    run.wait_exit(timeout_s=60)
+    took = time.monotonic() - first
+    output = run.output()
+    assert took <= EXIT_BOUND_S, f"exit took {took:.1f} s:\n{output[-3000:]}"
+    assert run.process.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert run.wait_children_gone(timeout_s=1.0) == {}
+    assert _temp_entries(run) == []
+    assert "stopped by SIGINT" in output and "Traceback" not in output, output[-3000:]
+
+
+def test_sigkill_of_the_runner_takes_its_functions_and_server_with_it(run):
+    started = run.wait_for_training()
+    assert any("weed" in _cmdline(pid) for pid in started)
+    run.process.send_signal(signal.SIGKILL)
+    run.wait_exit(timeout_s=30)
+    assert run.wait_children_gone(timeout_s=15.0) == {}
+    # no handler ran: what survives is the run directory, never a temp entry
+    assert _temp_entries(run) == []
+
+
+# ---- where a deployment's files live ------------------------------------------------------------
+
+@pytest.fixture
+def fresh_tmpdir(tmp_path, monkeypatch):
+    import tempfile
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)      # re-read TMPDIR
+    yield temp
+
+
+def test_a_deployment_keeps_a_given_data_dir_and_removes_its_temporary_one(tmp_path, fresh_tmpdir):
+    import torch
+
+    import flatpack
+    from flatpack.backends import local
+    from tests.models import MLP
+
+    compiled = flatpack.compile(MLP(), (torch.randn(4, 8),), stages=2)
+    store_dir = tmp_path / "run" / "store"
+    deployment = local.deploy(compiled, data_dir=store_dir, workdir=tmp_path / "run" / "logs")
+    key = deployment.keys.artifact(0, "manifest.json")
+    assert deployment.store.exists(key)
+    assert list(fresh_tmpdir.iterdir()) == []
+    deployment.teardown()                         # kept: a resumed run reads it
+    assert (store_dir / "data").is_dir() and not (store_dir / "s3.json").exists()
+
+    from flatpack.runtime.s3server import LocalS3Server
+
+    with LocalS3Server(data_dir=store_dir) as server, server.store() as store:
+        assert store.exists(key)                  # a new server, new ports and keys, same objects
+    local.deploy(compiled, data_dir=store_dir).teardown(clean=True)
+    assert not store_dir.exists()
+
+    deployment = local.deploy(compiled)           # nobody gave a directory: a temporary one
+    assert deployment.server.directory.parent == fresh_tmpdir and deployment.workdir.is_relative_to(fresh_tmpdir)
+    deployment.teardown()
+    assert list(fresh_tmpdir.iterdir()) == []
