@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from flatpack.backends.batch_checks import check_training_call
 from flatpack.compiler import Compiled
 from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
@@ -140,6 +141,7 @@ class FunctionDeployment:
         self.workers: dict[tuple, _Worker] = {}
         self._inference: str | None = None
         self._requests = 0
+        self._batch_size: int | None = None     # every call trains on one batch size (replicas average shards)
         self.last_latency_s: float | None = None
         self.manifests = [artifact.manifest for artifact in compiled.artifacts]
 
@@ -188,7 +190,7 @@ class FunctionDeployment:
               elastic: Elastic | None = None, epoch_iterations: int | None = None,
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
               timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
-              store_faults: dict | None = None) -> TrainResult:
+              store_faults: dict | None = None, non_finite: str = "warn") -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -203,13 +205,15 @@ class FunctionDeployment:
         :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
         store errors and stalls injected into the functions' store clients for chaos runs
         (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
+        ``non_finite``: what a NaN or infinity in the inputs does before launch: "warn",
+        "error" or "ignore" (``backends.batch_checks``).
         """
         check_loss(loss)
-        from flatpack.backends import batch_checks  # data and settings, checked before any function starts
-        self._batch_size = batch_checks.check_training_call(
+        # the data and settings, checked before any function starts
+        self._batch_size = check_training_call(
             self.compiled, batches, iterations=iteration_count(batches, iterations), optimizer=optimizer,
             micro_batches=micro_batches or default_micro_batches(self.compiled),
-            previous_batch_size=getattr(self, "_batch_size", None))
+            previous_batch_size=self._batch_size, non_finite=non_finite)
         plan = self.compiled.plan
         batch_for = batches if callable(batches) else batches.__getitem__
         iterations = iteration_count(batches, iterations)
