@@ -231,7 +231,7 @@ def trial_server(config: Config, rng: random.Random, typical_s: float, workdir: 
         except subprocess.TimeoutExpired:
             pass
         hit = runner.poll() is None
-        os.killpg(server._proc.pid, signal.SIGKILL)   # the server's process group: weed and its helpers
+        os.killpg(server.pid, signal.SIGKILL)   # the server's process group: weed and its helpers
         time.sleep(0.5)
         kill_runner_and_its_workers(runner)
     finally:

@@ -395,7 +395,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
-                         verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every)
+                         verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
+                         non_finite=args.non_finite)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -634,9 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--pick", default="recommended", choices=["recommended", "fastest"],
                             help="FuncPipe's recommended plan from the front, or its fastest")
     run_parser.add_argument("--no-verify", action="store_true", help="skip the single-process equivalence check")
+    run_parser.add_argument("--non-finite", default="warn", choices=["warn", "error", "ignore"],
+                            help="a NaN or infinity in the data or in an iteration's loss: warn (default), stop the "
+                                 "run (error; it stays resumable), or ignore")
     run_parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                            help="checkpoint every N iterations (0, the default: only after the last); a lost "
-                                 "function recovers with any N, and `flatpack resume` restarts after the last one")
+                            help="checkpoint every N iterations (0, the default: the shortest interval whose "
+                                 "upload costs at most 5%% of an iteration, by the cost model); a lost function "
+                                 "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
     run_parser.set_defaults(run=cmd_run)
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")

@@ -19,7 +19,8 @@ from typing import Any, Iterator, TextIO
 import torch
 from torch import nn
 
-from flatpack.errors import FlatpackError, InputError
+from flatpack.errors import FlatpackError, FunctionOutOfMemory, InputError
+from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OPTIMIZERS
 from flatpack.runtime.reference import call, first_output
@@ -42,11 +43,15 @@ class JobOptions:
     out: Path = field(default_factory=lambda: Path("flatpack-run"))
     verify: bool = True
     seed: int = 0
-    # checkpoints are upload traffic the cost model does not count: by default only the last
+    # iterations between checkpoints; 0: the shortest interval whose upload costs at most 5%
+    # of an iteration's time (funcpipe.checkpoint_cost). A lost function recovers with any
+    # interval; `flatpack resume` after a crash of the runner restarts from the last one
     checkpoint_every: int = 0
     # "recommended": the solver's choice (FuncPipe's recommendation for dp); "fastest": the
     # fastest plan on dp's Pareto front
     pick: str = "recommended"
+    # a NaN or infinity in the data or an iteration's loss: "warn", "error" (stop) or "ignore"
+    non_finite: str = "warn"
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -92,6 +97,8 @@ class JobOptions:
         need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
              f"checkpoint_every must be 0 (only the last iteration) or a positive count, got {self.checkpoint_every}")
         need(self.pick in ("recommended", "fastest"), f"pick must be 'recommended' or 'fastest', got {self.pick!r}")
+        need(self.non_finite in NON_FINITE,
+             f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
         if self.pick != "fastest":
@@ -248,6 +255,17 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         cost = funcpipe.iteration(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
+        checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
+        every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, options.iterations)
+        if options.checkpoint_every:
+            why = "as asked"
+        elif checkpoints.overhead(cost.iteration_s, every) <= 0.05:
+            why = "the shortest interval whose upload costs at most 5% of an iteration"
+        else:
+            why = "a checkpoint costs more than 5% of the run's iterations: only the last is taken"
+        say(f"checkpoints every {every} iteration{'s' * (every != 1)} ({why}): {checkpoints.bytes / 2**20:.1f} MiB "
+            f"each, {checkpoints.upload_s * 1000:.0f} ms of upload, "
+            f"{checkpoints.overhead(cost.iteration_s, every) * 100:.1f}% of an iteration amortized")
         # the run directory keeps what `flatpack resume` needs until the run succeeds: the
         # batches, the run record and the S3 server's data (checkpoints included)
         directory = RunDirectory(options.out)
@@ -263,11 +281,14 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
             say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                 "(replaces the catalog's assumption in the prediction)\n")
-            result = deployment.train(batches, iterations=options.iterations,
-                                      optimizer={"name": options.optimizer, "lr": options.lr},
-                                      loss=loss, schedule=options.schedule, sync=options.sync,
-                                      threads=1, progress=stream,
-                                      checkpoint_every=options.checkpoint_every or options.iterations)
+            try:
+                result = deployment.train(batches, iterations=options.iterations,
+                                          optimizer={"name": options.optimizer, "lr": options.lr},
+                                          loss=loss, schedule=options.schedule, sync=options.sync,
+                                          threads=1, progress=stream,
+                                          checkpoint_every=every, non_finite=options.non_finite)
+            except FunctionOutOfMemory as err:
+                raise _with_memory_hint(err, compiled.problem.platform) from None
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
         _finish(directory, record, result.parameters, say)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
@@ -307,6 +328,18 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
     finally:
         torch.set_num_threads(threads)
+
+
+def _with_memory_hint(err: FunctionOutOfMemory, platform: Any) -> FunctionOutOfMemory:
+    """The out-of-memory error of a run, with the ``--memory`` option that gives the stage a
+    tier its measured peak fits (the plan's tier came from the cost model's estimate)."""
+    fitting = [tier.memory_mb for tier in platform.tiers if tier.memory_bytes >= err.peak_bytes * 1.1]
+    if not fitting:
+        return err
+    hint = (f" From the command line: run again with --memory {min(fitting)} (the tiers the solver may "
+            "choose from; the measured peak plus 10% fits this one).")
+    return FunctionOutOfMemory(str(err) + hint, stage=err.stage, replica=err.replica, peak_bytes=err.peak_bytes,
+                               limit_bytes=err.limit_bytes)
 
 
 # -- the run directory: resume after any crash --------------------------------------------------

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -205,8 +207,9 @@ class FunctionDeployment:
         :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
         store errors and stalls injected into the functions' store clients for chaos runs
         (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
-        ``non_finite``: what a NaN or infinity in the inputs does before launch: "warn",
-        "error" or "ignore" (``backends.batch_checks``).
+        ``non_finite``: what a NaN or infinity does, in the inputs (checked before launch,
+        ``backends.batch_checks``) and in an iteration's loss (checked as each iteration is
+        reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
         """
         check_loss(loss)
         # the data and settings, checked before any function starts
@@ -242,7 +245,7 @@ class FunctionDeployment:
                              "checkpoint_every": checkpoint_every})
         self.store.put(self.keys.call(first), record.dumps())
         run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
-                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s)
+                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite)
         return run.execute()
 
     # calls and checkpoints ------------------------------------------------------------------
@@ -528,7 +531,7 @@ class _Run:
 
     def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], first: int,
                  end: int, elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None,
-                 progress: Any, timeout_s: float) -> None:
+                 progress: Any, timeout_s: float, non_finite: str = "warn") -> None:
         self.deployment = deployment
         # a chaos run's faults reach the invoker's own requests too (data, progress, garbage)
         self.store = chaos.wrap(deployment.store, spec.store_faults, salt="invoker")
@@ -542,6 +545,8 @@ class _Run:
         self.straggler_ratio = straggler_ratio
         self.progress = progress
         self.timeout_s = timeout_s
+        self.non_finite = non_finite
+        self.warned_non_finite = False
         self.restarts: list[Restart] = []
         self.uploaded = first
         self.collected = first - 1     # every worker reported up to here (losses recorded)
@@ -710,9 +715,25 @@ class _Run:
                 loss += record["loss"] or 0.0
             self.losses[iteration] = loss
             self.collected = iteration
+            if not math.isfinite(loss):
+                self._non_finite_loss(iteration, loss)
             if self.line is not None:
                 self.line.update(iteration + 1 - self.first, loss, time.time() - self.segment_started)
             self._release(end)
+
+    def _non_finite_loss(self, iteration: int, loss: float) -> None:
+        """An iteration whose loss is NaN or infinite: its gradients have made (or will make)
+        the weights non-finite, and every later iteration trains on garbage."""
+        if self.non_finite == "ignore" or (self.non_finite == "warn" and self.warned_non_finite):
+            return
+        message = (f"iteration {iteration - self.first} of this call (run iteration {iteration}) has loss {loss}: "
+                   "the weights are no longer finite, so the iterations after it train nothing. Lower the learning "
+                   "rate, check the data and targets, or clip the gradients; non_finite='error' stops a call at the "
+                   "first such iteration (its last checkpoint stays), non_finite='ignore' trains on")
+        if self.non_finite == "error":
+            raise RunFailure(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self.warned_non_finite = True
 
     def _release(self, end: int) -> None:
         """Deletes the tensors of the iterations up to the last checkpoint every stage has

@@ -266,6 +266,11 @@ class LocalS3Server:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, which is also its process group's (None when stopped)."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
     def env(self) -> dict[str, str]:
         """Environment variables that let a child process's boto3 reach this server."""
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,

@@ -115,27 +115,41 @@ deployment.train(batches(8), optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.
 """
 
 
+def _start_runner(run: str, server, workdir: Path) -> subprocess.Popen:
+    """RUNNER in its own session: 8 iterations, checkpoints after 2, 5 and 7, stage 1 asleep at 4."""
+    arguments = {"run": run, "url": server.url(""), "env": server.env(), "workdir": str(workdir)}
+    return subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(arguments)], cwd=Path(__file__).resolve().parents[2],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_iteration_3(run: str, server, runner: subprocess.Popen) -> None:
+    """Until every stage reported iteration 3 (stage 1 then sleeps at the start of iteration 4,
+    and iterations 0-2 are checkpointed)."""
+    with server.store() as store:
+        deadline = time.time() + 120
+        while not store.exists(f"{run}/progress/i000003/s000001/r000000") and time.time() < deadline:
+            assert runner.poll() is None, "the runner ended before the fault could strike"
+            time.sleep(0.1)
+
+
+def _kill_group(runner: subprocess.Popen) -> None:
+    """SIGKILL of the runner and the functions it started (its session's process group)."""
+    try:
+        os.killpg(runner.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    runner.wait()
+
+
 def test_a_run_whose_invoker_was_killed_resumes_in_another_process(s3_server, tmp_path):
     """SIGKILL of the process running train() (its functions with it), then resume() from a
     new deployment object over the same store: the same weights as one uninterrupted call."""
     run = f"run-{uuid.uuid4().hex[:10]}"
-    arguments = {"run": run, "url": s3_server.url(""), "env": s3_server.env(), "workdir": str(tmp_path)}
-    root = Path(__file__).resolve().parents[2]
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(arguments)], cwd=root,
-                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runner = _start_runner(run, s3_server, tmp_path)
     try:
-        # stage 1 sleeps at the start of iteration 4: by then iterations 0-2 are checkpointed
-        with s3_server.store() as store:
-            deadline = time.time() + 120
-            while not store.exists(f"{run}/progress/i000003/s000001/r000000") and time.time() < deadline:
-                assert runner.poll() is None, "the runner ended before it could be killed"
-                time.sleep(0.1)
+        _wait_for_iteration_3(run, s3_server, runner)
     finally:
-        try:
-            os.killpg(runner.pid, signal.SIGKILL)   # the runner and the functions it started
-        except ProcessLookupError:
-            pass
-        runner.wait()
+        _kill_group(runner)
     data = batches(8)
     reference, losses = train_single_process(make_model(), data, 8, optimizer=SGD)
     compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2)
@@ -148,6 +162,31 @@ def test_a_run_whose_invoker_was_killed_resumes_in_another_process(s3_server, tm
     assert_same_parameters(resumed, reference)
     for name, value in parameters.items():
         torch.testing.assert_close(value, resumed.parameters[name], rtol=0, atol=0)
+
+
+def test_a_run_whose_s3_server_was_killed_resumes_on_a_new_server_over_the_same_data(tmp_path):
+    """SIGKILL of the S3 server (and of the runner, which can no longer reach it) mid-call,
+    then a new server on the same data directory and resume(): the same weights as one
+    uninterrupted call. The data directory is what `flatpack run` keeps under OUT/store/."""
+    from flatpack.runtime.s3server import LocalS3Server
+
+    run, data_dir = f"run-{uuid.uuid4().hex[:10]}", tmp_path / "store"
+    with LocalS3Server(data_dir=data_dir) as server:
+        runner = _start_runner(run, server, tmp_path)
+        try:
+            _wait_for_iteration_3(run, server, runner)
+            os.killpg(server.pid, signal.SIGKILL)
+        finally:
+            _kill_group(runner)
+    data = batches(8)
+    reference, _ = train_single_process(make_model(), data, 8, optimizer=SGD)
+    compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2)
+    with LocalS3Server(data_dir=data_dir) as again:
+        with local.deploy(compiled, store_url=again.url(""), env=again.env(), run=run) as deployment:
+            assert deployment.consistent_checkpoint() == 2
+            resumed = deployment.resume(data, wait_timeout_s=30, timeout_s=120)
+    assert resumed is not None and len(resumed.losses) == 5
+    assert_same_parameters(resumed, reference)
 
 
 def test_a_flatpack_run_stopped_by_sigterm_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):

@@ -160,6 +160,22 @@ def test_funcpipe_lambdaml_sync_and_optimizer_state():
     assert cost.stages[0].memory_needed_bytes == (1 * 15 + 4 * 150 + 300 + 100) * MIB
 
 
+def test_checkpoint_cost_uploads_weights_and_optimizer_state_and_picks_the_interval():
+    work = Workload("train", batch=8, micro_batches=4, optimizer="adam")
+    two = plan((0, 1, 1024, 1), (2, 2, 2048, 1))
+    checkpoints = funcpipe.checkpoint_cost(problem(work), two)
+    # weights + Adam's two moments: 3·150 MiB at 100 MiB/s, 3·200 MiB at 50 MiB/s, each + t_lat
+    assert checkpoints.stage_bytes == (450 * MIB, 600 * MIB)
+    assert checkpoints.stage_upload_s == pytest.approx((4.5 + LATENCY, 12.0 + LATENCY))
+    assert checkpoints.upload_s == pytest.approx(12.01)
+    # the shortest interval within 5% of a 40 s iteration: ceil(12.01 / 2) = 7, capped by the run
+    assert checkpoints.interval_for(40.0, iterations=100) == 7
+    assert checkpoints.overhead(40.0, 7) <= 0.05 < checkpoints.overhead(40.0, 6)
+    assert checkpoints.interval_for(40.0, iterations=4) == 4
+    # plain SGD keeps no state: the weights alone
+    assert funcpipe.checkpoint_cost(problem(), two).stage_bytes == (150 * MIB, 200 * MIB)
+
+
 def test_funcpipe_storage_cap_shares_bandwidth():
     # 100 MiB/s for the account, d·S = 4 workers: 25 MiB/s each
     cost = funcpipe.iteration(problem(target=platform(cap=100 * MIB)), TWO_STAGES)

@@ -26,14 +26,15 @@ Readings chosen where the text is loose:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
-                                              mb, memory_limit, micro_batches_per_replica, stage_memory, stage_tier,
-                                              to_json, uniform_replicas)
+                                              mb, memory_limit, micro_batches_per_replica, stage_memory,
+                                              stage_tensors, stage_tier, to_json, uniform_replicas)
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
@@ -173,6 +174,53 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
         forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
         dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit,
     )
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """What one checkpoint of a plan costs: each stage's replica 0 uploads its weights,
+    buffers and optimizer state (``training.StageTrainer.state_bytes``) at its bandwidth.
+    Not in FuncPipe's model (the paper does not checkpoint); the upload runs on the report
+    lane while the next iteration computes, so it delays no iteration while it is shorter
+    than one, and it is charged here as link time amortized over the checkpoint interval."""
+
+    stage_bytes: tuple[int, ...]
+    stage_upload_s: tuple[float, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.stage_bytes)
+
+    @property
+    def upload_s(self) -> float:
+        """The slowest stage's upload: the stages checkpoint in parallel."""
+        return max(self.stage_upload_s)
+
+    def overhead(self, iteration_s: float, every: int) -> float:
+        """The checkpoint's link time per iteration as a share of one iteration."""
+        return self.upload_s / (every * iteration_s) if iteration_s > 0 else 0.0
+
+    def interval_for(self, iteration_s: float, iterations: int, overhead: float = 0.05) -> int:
+        """The shortest checkpoint interval (in iterations, at most ``iterations``) whose
+        amortized upload stays within ``overhead`` of an iteration: the default of
+        ``flatpack run``, so a crash loses as little work as the link time allows."""
+        if iteration_s <= 0 or self.upload_s <= 0:
+            return 1
+        return max(1, min(iterations, math.ceil(self.upload_s / (overhead * iteration_s))))
+
+
+def checkpoint_cost(problem: Problem, plan: Plan) -> CheckpointCost:
+    """:class:`CheckpointCost` of ``plan`` (tiers and bandwidths as :func:`iteration` uses)."""
+    replicas = uniform_replicas(plan, "FuncPipe")
+    tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
+    bandwidth = _bandwidths(problem, tiers, replicas)
+    sizes, seconds = [], []
+    for stage, link in zip(plan.stages, bandwidth):
+        tensors = stage_tensors(problem, stage.start, stage.end)
+        size = int(tensors.weights + tensors.optimizer)
+        sizes.append(size)
+        seconds.append(size / link + problem.platform.storage_latency_s)
+    return CheckpointCost(tuple(sizes), tuple(seconds))
 
 
 def layer_memory(problem: Problem, index: int, tier: "Tier", replicas: int = 1) -> MemoryNeed:
