@@ -93,19 +93,23 @@ def role_policy(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def package(compiled: Compiled, *, name: str | None = None, region: str = "us-east-1",
-            account: str = cloud.ACCOUNT_PLACEHOLDER, bucket: str | None = None) -> dict[str, bytes]:
+            account: str = cloud.ACCOUNT_PLACEHOLDER, bucket: str | None = None, base_image: str | None = None,
+            lock: str | None = None) -> dict[str, bytes]:
     """Every file a deployment needs, by path: ``images/<image>/`` build contexts, ``iam/``,
-    ``s3/lifecycle.json``, ``functions.json`` and ``commands.sh`` (the same deployment by hand)."""
+    ``s3/lifecycle.json``, ``s3/bucket-policy.json``, ``functions.json`` and ``commands.sh``
+    (the same deployment by hand). ``base_image`` (``name:tag@sha256:...``) and ``lock`` (a
+    hash-locked requirements text) replace the catalog's base and the committed lock."""
     name = name or cloud.deployment_name(compiled)
     cloud.check_name(name)
     res = resources(compiled, name, region, account, bucket)
-    images = function_images(compiled, NAME)
+    images = function_images(compiled, NAME, base=base_image, lock=lock)
     files: dict[str, bytes] = {}
     for image in images:
         files.update({f"images/{image.name}/{path}": data for path, data in image.files.items()})
     files["iam/trust-policy.json"] = cloud.json_bytes(trust_policy())
     files["iam/role-policy.json"] = cloud.json_bytes(role_policy(res))
     files["s3/lifecycle.json"] = cloud.json_bytes({"Rules": cloud.lifecycle_rules(res["run"])})
+    files["s3/bucket-policy.json"] = cloud.json_bytes(cloud.tls_only_policy(res["bucket"]))
     files["functions.json"] = cloud.json_bytes({"resources": res, "images": [
         {"name": image.name, "tag": image.tag, "stages": list(image.stages), "estimated_bytes": image.estimated_bytes}
         for image in images]})
@@ -127,10 +131,11 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
                   f"docker push {uri}"]
     bucket = res["bucket"]
     location = "" if region == "us-east-1" else f" --create-bucket-configuration LocationConstraint={region}"
-    lines += ["", "# 2. the bucket: private, encrypted, intermediate tensors expire",
+    lines += ["", "# 2. the bucket: private, TLS-only, encrypted, intermediate tensors expire",
               f"aws s3api create-bucket --region {region} --bucket {bucket}{location}",
               f"aws s3api put-public-access-block --bucket {bucket} --public-access-block-configuration "
               "BlockPublicAcls=true,IgnorePublicAcls=true,BlockPublicPolicy=true,RestrictPublicBuckets=true",
+              f"aws s3api put-bucket-policy --bucket {bucket} --policy file://s3/bucket-policy.json",
               f"aws s3api put-bucket-encryption --bucket {bucket} --server-side-encryption-configuration "
               "'{\"Rules\":[{\"ApplyServerSideEncryptionByDefault\":{\"SSEAlgorithm\":\"AES256\"},\"BucketKeyEnabled\":true}]}'",
               f"aws s3api put-bucket-lifecycle-configuration --bucket {bucket} --lifecycle-configuration file://s3/lifecycle.json",
@@ -232,7 +237,8 @@ def docker_push(ecr: Any) -> Push:
 def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = None, bucket: str | None = None,
            session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
-           profile_tiers: Sequence[int] | None = None) -> "LambdaDeployment":
+           profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
+           lock: str | None = None) -> "LambdaDeployment":
     """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
     points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
     the tests' local stand-ins). ``out``: where the build contexts and the deployment record
@@ -243,7 +249,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
 
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
-    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers)
+    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock)
     region = check_region(session, region or session.region_name)
     check_credentials(session)
     if push is None and shutil.which("docker") is None:

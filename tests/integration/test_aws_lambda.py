@@ -59,9 +59,13 @@ def test_deploy_creates_least_privilege_resources_and_teardown_removes_them(moto
     assert images.check_context({p.relative_to(tmp_path / "images" / "stages-000-001").as_posix(): p.read_bytes()
                                  for p in (tmp_path / "images" / "stages-000-001").rglob("*") if p.is_file()}) == []
 
-    # the bucket: private, encrypted, intermediate tensors expire
+    # the bucket: private, TLS-only, encrypted, intermediate tensors expire
     block = s3.get_public_access_block(Bucket=res["bucket"])["PublicAccessBlockConfiguration"]
     assert all(block.values())
+    [deny] = json.loads(s3.get_bucket_policy(Bucket=res["bucket"])["Policy"])["Statement"]
+    assert deny["Effect"] == "Deny" and deny["Principal"] == "*" and deny["Action"] == "s3:*"
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert sorted(deny["Resource"]) == [f"arn:aws:s3:::{res['bucket']}", f"arn:aws:s3:::{res['bucket']}/*"]
     encryption = s3.get_bucket_encryption(Bucket=res["bucket"])["ServerSideEncryptionConfiguration"]
     assert encryption["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
     rules = s3.get_bucket_lifecycle_configuration(Bucket=res["bucket"])["Rules"]
