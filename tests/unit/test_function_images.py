@@ -48,6 +48,7 @@ def test_contexts_are_sound_and_shared_while_small(target):
     instructions = [line.split()[0] for line in dockerfile.splitlines() if line and not line.startswith("#")]
     assert instructions.index("USER") > max(i for i, word in enumerate(instructions) if word in ("RUN", "COPY"))
     assert "USER 10001:10001" in dockerfile and "--chown" not in dockerfile
+    assert f"RUN chmod -R go-w {images.FLAVORS[target].task_root}" in dockerfile   # whatever the context's modes
     if target == "alibaba-fc":
         assert 'CMD ["python", "-m", "flatpack.runtime.fc_server"]' in dockerfile and "EXPOSE 9000" in dockerfile
     else:
