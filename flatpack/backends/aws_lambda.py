@@ -238,13 +238,16 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
            session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None) -> "LambdaDeployment":
+           lock: str | None = None, tls_only: bool = True) -> "LambdaDeployment":
     """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
     points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
     the tests' local stand-ins). ``out``: where the build contexts and the deployment record
     go (default: a temporary directory; keep it for ``flatpack teardown``).
     ``profile_tiers``: instead of a function per stage, a profiler function per memory tier,
-    each with every stage's artifact (``flatpack profile --target aws-lambda``)."""
+    each with every stage's artifact (``flatpack profile --target aws-lambda``).
+    ``tls_only=False`` leaves out the bucket policy that refuses plain-HTTP requests: only for a
+    stand-in S3 reached over ``http://`` in ``endpoint_urls`` (moto enforces the policy there);
+    the record keeps which it was."""
     import boto3
 
     endpoint_urls = dict(endpoint_urls or {})
@@ -260,10 +263,12 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     res = resources(compiled, name, region, account, bucket, endpoint_urls.get("s3"), profile_tiers)
     cloud.check_bucket_name(res["bucket"])
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"flatpack-{name}-"))
-    ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
+    ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls,
+                                                       "tls_only": tls_only})
     clients = _Clients(session, region, endpoint_urls)
     cloud.create_recorded(ledger, _deleters(clients),
-                          lambda: _create(compiled, res, images, ledger, clients, out_dir, push or docker_push(clients.ecr)),
+                          lambda: _create(compiled, res, images, ledger, clients, out_dir, push or docker_push(clients.ecr),
+                                          tls_only),
                           out_dir, f"deploying {name} to aws-lambda ({region})")
     credentials = session.get_credentials().get_frozen_credentials()
     return LambdaDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
@@ -285,13 +290,14 @@ class _Clients:
 
 
 def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext], ledger: cloud.Ledger,
-            clients: _Clients, out_dir: Path, push: Push) -> None:
+            clients: _Clients, out_dir: Path, push: Push, tls_only: bool = True) -> None:
     name = res["name"]
     repository = clients.ecr.create_repository(repositoryName=res["repository"],
                                                imageScanningConfiguration={"scanOnPush": True})["repository"]
     ledger.add("repository", res["repository"])
     uris = cloud.push_images(images, repository["repositoryUri"], out_dir, push, ledger)
-    cloud.make_bucket(clients.s3, res, ledger)
+    cloud.make_bucket(clients.s3, res, ledger,
+                      lambda s3, bucket, run: cloud.configure_bucket(s3, bucket, run, tls_only=tls_only))
 
     clients.iam.create_role(RoleName=res["role"], AssumeRolePolicyDocument=json.dumps(trust_policy()),
                             Description=f"flatpack deployment {name}: its functions' role")

@@ -310,13 +310,15 @@ def tls_only_policy(bucket: str) -> dict[str, Any]:
         "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]}
 
 
-def configure_bucket(s3: Any, bucket: str, run: str) -> None:
+def configure_bucket(s3: Any, bucket: str, run: str, tls_only: bool = True) -> None:
     """Private, TLS-only, encrypted, with a lifecycle rule that expires intermediate tensors.
 
     The public access block goes first: the TLS-only policy is a Deny (not public), and a
-    later mistake cannot make the bucket public."""
+    later mistake cannot make the bucket public. ``tls_only=False`` leaves the policy off, for
+    a local stand-in reached over plain HTTP only (the policy would refuse every request)."""
     s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration=PUBLIC_ACCESS_BLOCK)
-    s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps(tls_only_policy(bucket)))
+    if tls_only:
+        s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps(tls_only_policy(bucket)))
     s3.put_bucket_encryption(Bucket=bucket, ServerSideEncryptionConfiguration=SSE_S3)
     s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": lifecycle_rules(run)})
 

@@ -387,19 +387,19 @@ class _RangeReader(io.RawIOBase):
 
 
 def hashes_of(text: str) -> dict[str, list[str]]:
-    """``{name: [sha256, ...]}`` of a requirements file; a pin without a hash maps to []."""
+    """``{requirement: [sha256, ...]}`` of a requirements file (continuation lines and inline
+    ``--hash`` options alike); a requirement without a hash maps to []."""
     found: dict[str, list[str]] = {}
     current = None
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("--hash") else raw.strip()
+    for raw in text.replace("\\\n", " ").splitlines():
+        line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
         if not line or line.startswith("--") and not line.startswith("--hash"):
             continue
-        if line.startswith("--hash"):
-            if current is not None:
-                found[current] += _HASH_LINE.findall(line)
-            continue
-        current = line.rstrip("\\").strip()
-        found[current] = []
+        if not line.startswith("--hash"):
+            current = line.split()[0]
+            found[current] = []
+        if current is not None:
+            found[current] += _HASH_LINE.findall(line)
     return found
 
 

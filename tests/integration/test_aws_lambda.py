@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from botocore.exceptions import ClientError
 
 from flatpack.backends import aws_lambda, cloud, images
 from flatpack.errors import DeployError, InputError
@@ -66,6 +67,17 @@ def test_deploy_creates_least_privilege_resources_and_teardown_removes_them(moto
     assert deny["Effect"] == "Deny" and deny["Principal"] == "*" and deny["Action"] == "s3:*"
     assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
     assert sorted(deny["Resource"]) == [f"arn:aws:s3:::{res['bucket']}", f"arn:aws:s3:::{res['bucket']}/*"]
+    # moto evaluates it: an object write over plain HTTP (this endpoint) is refused, credentials or
+    # not; without the policy the same write goes through (the policy is what refused it)
+    key = f"{res['run']}/ckpt/stage_000"
+    with pytest.raises(ClientError) as refused:
+        s3.put_object(Bucket=res["bucket"], Key=key, Body=b"overwritten")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    assert deployment.ledger.details["tls_only"] is True
+    s3.delete_bucket_policy(Bucket=res["bucket"])
+    s3.put_object(Bucket=res["bucket"], Key=key, Body=b"written")
+    s3.delete_object(Bucket=res["bucket"], Key=key)
+    s3.put_bucket_policy(Bucket=res["bucket"], Policy=json.dumps(cloud.tls_only_policy(res["bucket"])))
     encryption = s3.get_bucket_encryption(Bucket=res["bucket"])["ServerSideEncryptionConfiguration"]
     assert encryption["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
     rules = s3.get_bucket_lifecycle_configuration(Bucket=res["bucket"])["Rules"]
