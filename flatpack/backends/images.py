@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 import flatpack
 from flatpack.backends.catalog import BaseImage, base_image
-from flatpack.backends.lock import committed_lock, lock_problems
+from flatpack.backends.lock import TORCH_CPU_INDEX, committed_lock, lock_problems
 from flatpack.codegen.artifact import serialize
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -45,7 +45,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 TORCH_REQUIREMENT = "torch==2.13.0"
 # the CPU wheels: the default index's torch pulls gigabytes of CUDA libraries
-TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX = TORCH_CPU_INDEX
 # what the function's runtime imports; the rest of flatpack's dependencies (solvers) are not needed
 RUNTIME_DISTRIBUTIONS = ("numpy", "safetensors", "boto3")
 SHARE_IMAGE_BELOW_BYTES = 512 * MIB

@@ -308,7 +308,7 @@ def _choose(name: str, specifier: SpecifierSet, preferred: str | None, indexes: 
             continue
         finals = [v for v in versions if not v.is_prerelease]
         # the installed version; a local label (+cpu) may be absent on an index that has the build
-        wanted = {preferred, Version(preferred).public} if preferred is not None else set()
+        wanted = {preferred, _public(preferred)} if preferred is not None else set()
         pick = next((v for v in versions if str(v) in wanted), None) or max(finals or versions)
         files = by_version[pick]
         unhashed = [file.filename for file in files if not file.sha256 and file.filename not in known]
@@ -318,6 +318,13 @@ def _choose(name: str, specifier: SpecifierSet, preferred: str | None, indexes: 
         return pick, files, index
     where = ", ".join(seen_on) if seen_on else f"none of {', '.join(i.url for i in indexes)}"
     raise LockError(f"no wheel of {name}{specifier} for {target.describe()} on {where}; pin a version that has one")
+
+
+def _public(version: str) -> str:
+    try:
+        return Version(version).public
+    except InvalidVersion:              # an installed version no index could hold: prefer nothing
+        return version
 
 
 def _dependencies(name: str, version: Version, files: Sequence[IndexFile], index: Index) -> list[Requirement]:

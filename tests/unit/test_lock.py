@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import zipfile
-from pathlib import Path
 from typing import Iterator
 
 import pytest
