@@ -435,9 +435,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 CLOUD_OPTIONS = {
-    "aws-lambda": ("name", "region", "bucket"),
-    "alibaba-fc": ("name", "region", "bucket", "account", "namespace", "role_arn"),
-    "gpu-container": ("name", "image"),
+    "aws-lambda": ("name", "region", "bucket", "base_image", "lock"),
+    "alibaba-fc": ("name", "region", "bucket", "account", "namespace", "role_arn", "base_image", "lock"),
+    "gpu-container": ("name", "image", "base_image", "lock"),
 }
 
 
@@ -458,6 +458,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise InputError(f"--out {out} is not empty; deploy writes a fresh directory (its deployment record is what "
                          "flatpack teardown reads)")
     backend = get_backend(args.target)
+    if args.lock is not None:
+        lock_path = Path(args.lock)
+        if not lock_path.is_file():
+            raise InputError(f"--lock {lock_path}: no such file; generate one with python -m flatpack.backends.lock "
+                             "function|gpu --out FILE")
+        args.lock = lock_path.read_text()
     options = {key: getattr(args, key) for key in CLOUD_OPTIONS[args.target] if getattr(args, key, None) is not None}
     extra: dict[str, Any] = {}
     if args.memory:
@@ -674,6 +680,11 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_parser.add_argument("--role-arn", dest="role_arn", default=None, help="alibaba-fc: the functions' RAM role")
     deploy_parser.add_argument("--image", default=None, help="gpu-container: the image name to build and push "
                                                              "(default <name>:latest)")
+    deploy_parser.add_argument("--base-image", dest="base_image", default=None,
+                               help="the images' base as name:tag@sha256:<digest> (default: the catalog's, pinned by "
+                                    "digest; a tag alone is refused)")
+    deploy_parser.add_argument("--lock", default=None, help="a hash-locked requirements file for the images (default: "
+                                                            "flatpack's committed lock; every pin needs --hash)")
     deploy_parser.set_defaults(run=cmd_deploy)
 
     teardown_parser = sub.add_parser("teardown", help="remove everything a deployment created")

@@ -21,6 +21,7 @@ import bisect
 import math
 import numbers
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping
@@ -671,3 +672,75 @@ def platform_names() -> list[str]:
 def describe_platforms(names: list[str] | None = None) -> str:
     """The catalog as text, one card per platform (for the command line)."""
     return "\n\n".join(get_platform(name).describe() for name in (names or PLATFORMS.names()))
+
+
+# -- base images -----------------------------------------------------------------------------
+#
+# Every image flatpack generates starts FROM a digest, never a bare tag: a tag moves (a rebuilt
+# base silently changes what runs), a digest names one manifest. No registry can be reached where
+# flatpack is developed, so each digest below was read from a public repository that pins it
+# (Renovate keeps those pins current), with the date it was published there: an old digest is an
+# image without the OS fixes published since. Refresh with
+# ``docker buildx imagetools inspect <name>`` and pass ``--base-image <name>@sha256:<digest>``.
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """A base image pinned by digest, with where and when the digest was read."""
+
+    name: str                  # repository:tag, for people (Docker uses the digest)
+    digest: str                # sha256:<64 hex>, the multi-platform index's digest
+    observed: str              # YYYY-MM-DD: when the source recorded it
+    source: str
+    user: str                  # the unprivileged uid:gid the image runs as
+
+    def __post_init__(self) -> None:
+        if not _DIGEST.match(self.digest):
+            raise InputError(f"base image {self.name}: {self.digest!r} is not a sha256 digest (sha256:<64 hex>)")
+        if ":" not in self.name.rsplit("/", 1)[-1] or "@" in self.name:
+            raise InputError(f"base image {self.name!r} must be repository:tag (the digest goes in digest)")
+        if self.user.split(":")[0] in ("0", "root", ""):
+            raise InputError(f"base image {self.name}: the image must run as a non-root user, not {self.user!r}")
+
+    @property
+    def reference(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+
+_USER = "10001:10001"      # no account needed in /etc/passwd: a numeric uid:gid of no one else's
+BASE_IMAGES: dict[str, BaseImage] = {
+    "aws-lambda": BaseImage(
+        "public.ecr.aws/lambda/python:3.12",
+        "sha256:92c88c1adc374b073b07b12bd4045497af7da68230d47c2b330423115c5850dc", "2024-12-03",
+        "github.com/gkwa/itsfergus Dockerfile, commit 4a8b96fc (Renovate: 'Pin public.ecr.aws/lambda/python "
+        "Docker tag to 92c88c1', 2024-12-03)", _USER),
+    "alibaba-fc": BaseImage(
+        "python:3.12.3-slim-bookworm",
+        "sha256:541d45d3d675fb8197f534525a671e2f8d66c882b89491f9dda271f4f94dcd06", "2024-04-12",
+        "github.com/nalabelle/build images/digests.Dockerfile, commit b709b6a5 (Renovate: 'update all "
+        "non-major dependencies, including digests', 2024-04-12)", _USER),
+    "gpu-container": BaseImage(
+        "python:3.11.9-slim-bookworm",
+        "sha256:dad770592ab3582ab2dabcf0e18a863df9d86bd9d23efcfa614110ce49ac20e4", "2024-04-12",
+        "github.com/nalabelle/build images/digests.Dockerfile, commit b709b6a5 (Renovate: 'update all "
+        "non-major dependencies, including digests', 2024-04-12)", _USER),
+}
+
+
+def base_image(target: str, override: str | None = None) -> BaseImage:
+    """The pinned base image of ``target``'s images; ``override`` is ``name:tag@sha256:<digest>``
+    (a tag alone is refused: it says which image, not which build of it)."""
+    if target not in BASE_IMAGES:
+        raise InputError(f"no base image recorded for target {target!r}; known: {', '.join(BASE_IMAGES)}")
+    recorded = BASE_IMAGES[target]
+    if override is None:
+        return recorded
+    name, _, digest = override.partition("@")
+    if not digest:
+        raise InputError(
+            f"the base image {override!r} is a tag, not a digest: a tag can point at a different image tomorrow. "
+            f"Find its digest with `docker buildx imagetools inspect {override}` (the 'Digest:' line) and pass "
+            f"{override}@sha256:<digest>")
+    return BaseImage(name, digest, "given", "given on the command line (--base-image)", recorded.user)

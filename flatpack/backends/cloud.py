@@ -59,17 +59,29 @@ def default_bucket(name: str, account: str) -> str:
 
 
 def preflight(compiled: Compiled, target: str, name: str | None, bucket: str | None,
-              profile_tiers: Sequence[int] | None) -> tuple[str, list[ImageContext]]:
-    """The checks every cloud deploy makes before any API call (tiers, image sizes, names),
-    so that bad input leaves nothing behind; returns the deployment's name and its images."""
+              profile_tiers: Sequence[int] | None, base_image: str | None = None,
+              lock: str | None = None) -> tuple[str, list[ImageContext]]:
+    """The checks every cloud deploy makes before any API call (tiers, image sizes, names,
+    a digest-pinned base and a hash-locked requirements file), so that bad input leaves
+    nothing behind; returns the deployment's name and its images."""
     functions(compiled, "check", target, profile_tiers)
     # a profiler function needs every layer: one image holds them all
-    images = function_images(compiled, target, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES)
+    images = function_images(compiled, target, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES,
+                             base=base_image, lock=lock)
     name = name or deployment_name(compiled)
     check_name(name)
     if bucket is not None:
         check_bucket_name(bucket)
     return name, images
+
+
+def image_notes(images: Sequence[ImageContext]) -> list[str]:
+    """commands.sh's lines on what the images start from and install (the hardening a reader checks)."""
+    bases = sorted({line for image in images for line in image.files["Dockerfile"].decode().splitlines()
+                    if line.startswith(("# base:", "# refresh:"))})
+    return [*bases, "# requirements.txt is a hash lock: pip --require-hashes installs only those files "
+            "(regenerate: python -m flatpack.backends.lock function)",
+            "# each image runs as an unprivileged USER; its files are root's and read-only to it"]
 
 
 def json_bytes(data: Any) -> bytes:
@@ -267,25 +279,47 @@ def remove(ledger: Ledger, deleters: dict[str, Callable[[dict[str, str]], None]]
 # the deployment's bucket -------------------------------------------------------------------
 def create_bucket(s3: Any, bucket: str, region: str) -> None:
     # us-east-1 is S3's default location and refuses to be named as a constraint
+    # ACL private: said, not assumed (OSS's S3-compatible PutBucket takes it; AWS's default agrees)
     if region == "us-east-1":
-        s3.create_bucket(Bucket=bucket)
+        s3.create_bucket(Bucket=bucket, ACL="private")
     else:
-        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+        s3.create_bucket(Bucket=bucket, ACL="private", CreateBucketConfiguration={"LocationConstraint": region})
 
 
-def make_bucket(s3: Any, res: dict[str, Any], ledger: Ledger) -> None:
-    """The deployment's bucket, recorded as soon as it exists, then configured."""
+def make_bucket(s3: Any, res: dict[str, Any], ledger: Ledger,
+                configure: Callable[[Any, str, str], None] | None = None) -> None:
+    """The deployment's bucket, recorded as soon as it exists, then configured (by default
+    :func:`configure_bucket`; OSS passes its own, see ``alibaba_fc``)."""
     create_bucket(s3, res["bucket"], res["region"])
     ledger.add("bucket", res["bucket"])
-    configure_bucket(s3, res["bucket"], res["run"])
+    (configure or configure_bucket)(s3, res["bucket"], res["run"])
 
 
-def configure_bucket(s3: Any, bucket: str, run: str) -> None:
-    """Private, encrypted, with a lifecycle rule that expires intermediate tensors."""
-    s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration={
-        "BlockPublicAcls": True, "IgnorePublicAcls": True, "BlockPublicPolicy": True, "RestrictPublicBuckets": True})
-    s3.put_bucket_encryption(Bucket=bucket, ServerSideEncryptionConfiguration={
-        "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}, "BucketKeyEnabled": True}]})
+PUBLIC_ACCESS_BLOCK = {"BlockPublicAcls": True, "IgnorePublicAcls": True, "BlockPublicPolicy": True,
+                       "RestrictPublicBuckets": True}
+SSE_S3 = {"Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}, "BucketKeyEnabled": True}]}
+
+
+def tls_only_policy(bucket: str) -> dict[str, Any]:
+    """A bucket policy that refuses every request not made over TLS, to the bucket and its
+    objects, whoever makes it (AWS's ``aws:SecureTransport``): credentials sent over plain
+    HTTP are refused before they are of use to a listener, and so is a reply with data."""
+    return {"Version": "2012-10-17", "Statement": [{
+        "Sid": "DenyInsecureTransport", "Effect": "Deny", "Principal": "*", "Action": "s3:*",
+        "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"],
+        "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]}
+
+
+def configure_bucket(s3: Any, bucket: str, run: str, tls_only: bool = True) -> None:
+    """Private, TLS-only, encrypted, with a lifecycle rule that expires intermediate tensors.
+
+    The public access block goes first: the TLS-only policy is a Deny (not public), and a
+    later mistake cannot make the bucket public. ``tls_only=False`` leaves the policy off, for
+    a local stand-in reached over plain HTTP only (the policy would refuse every request)."""
+    s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration=PUBLIC_ACCESS_BLOCK)
+    if tls_only:
+        s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps(tls_only_policy(bucket)))
+    s3.put_bucket_encryption(Bucket=bucket, ServerSideEncryptionConfiguration=SSE_S3)
     s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": lifecycle_rules(run)})
 
 

@@ -12,6 +12,13 @@ work directory, and the deployment's ``train`` runs there on this machine — on
 per rank on 127.0.0.1, gloo on the CPU or NCCL on GPUs — returning the same
 :class:`~flatpack.backends.functions.TrainResult` as the ``local`` backend.
 
+Hardening (issue 17): the base is pinned by digest (``catalog.BASE_IMAGES``), pip installs the
+committed hash lock (``flatpack/backends/locks/gpu.txt``) with ``--require-hashes``, the image
+runs as an unprivileged user over root-owned files, and the Job's pods run non-root with a
+read-only root filesystem (``/tmp`` and ``out/`` are emptyDirs), no privilege escalation, every
+capability dropped, no service-account token, CPU, memory and GPU limits, and a NetworkPolicy
+that admits only the run's own pods (and DNS). :func:`check_package` checks all of it.
+
 Base image: ``python:3.11-slim-bookworm`` with ``torch==2.13.0`` from PyPI. The PyPI
 wheel of torch for Linux x86-64 is the CUDA build (the CUDA runtime, cuDNN and NCCL come as
 ``nvidia-*`` wheels), so the node needs only the NVIDIA driver and container toolkit; the
@@ -39,10 +46,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 import flatpack
-from flatpack.backends.catalog import Tier, get_platform
+from flatpack.backends.catalog import BaseImage, Tier, get_platform
+from flatpack.backends.catalog import base_image as pinned_base_image
 from flatpack.backends.functions import (TrainResult, batch_values, default_micro_batches, iteration_count,
                                          loss_output, workload_of)
-from flatpack.backends.images import TORCH_REQUIREMENT, copy_problems, requirements, runtime_sources, write_files
+from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
+                                     hardening_problems, runtime_sources, write_files)
+from flatpack.backends.lock import committed_lock, lock_problems
 from flatpack.codegen.artifact import parse_stage, serialize
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
@@ -55,17 +65,16 @@ from flatpack.runtime.spec import RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
 
 NAME = "gpu-container"
-BASE_IMAGE = "python:3.11-slim-bookworm"
-# No extra index, unlike the function images (images.TORCH_INDEX, the CPU wheels): PyPI's own
-# torch wheel for Linux x86-64 is the CUDA build, which is what the GPUs need.
-TORCH_INDEX = None
-RUNTIME_DISTRIBUTIONS = ("numpy", "safetensors")   # what the rank program imports beside torch
+# what the image installs: lock.LOCKS['gpu'] (PyPI's torch, the CUDA build, and the rank program's numpy and
+# safetensors), committed as flatpack/backends/locks/gpu.txt
 APP_DIR = "/app"
 MASTER_PORT = 29500
 GPU_RESOURCE = "nvidia.com/gpu"
 JOB_FILE = "k8s/job.yaml"
 LAUNCH_FILE = "launch.sh"
 COMMANDS_FILE = "commands.sh"
+POLICY_KIND = "NetworkPolicy"
+RUN_UID = 10001          # the image's USER and the pods' runAsUser (catalog.BASE_IMAGES' user)
 POLL_S = 0.05
 FAILURE_GRACE_S = 3.0   # how long the peers of a failed rank get to fail too, before the first is named
 LOG_TAIL_LINES = 40
@@ -148,7 +157,8 @@ def _stage_dir(index: int) -> str:
 def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100, batch: int | None = None,
             micro_batches: int | None = None, optimizer: OptimizerSpec | str | dict = "sgd",
             loss: str = "cross_entropy", schedule: str = "sync", gpus_per_pod: int = 1, name: str = "flatpack-train",
-            image: str | None = None, data: str | None = None, timeout_s: float = 1800.0) -> dict[str, bytes]:
+            image: str | None = None, data: str | None = None, timeout_s: float = 1800.0,
+            base_image: str | None = None, lock: str | None = None) -> dict[str, bytes]:
     """The build context, by relative path: ``Dockerfile``, ``requirements.txt``, the
     ``flatpack/`` source, ``stages/stage_NNN/``, ``run.json``, ``launch.sh`` and
     ``k8s/job.yaml``.
@@ -157,8 +167,13 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     compile-time batch). ``gpus_per_pod``: ranks (GPUs) per pod; it must divide the world
     size. ``data``: a directory in the container holding ``iter_NNNNNN.safetensors``
     batches (mount it); without it the Job trains on synthetic batches (a throughput run).
+    ``base_image``: ``name:tag@sha256:<digest>`` instead of the catalog's; ``lock``: a hash-locked
+    requirements text instead of the committed ``gpu`` lock (an unhashed pin is refused).
     """
     _check_name(name)
+    pinned = pinned_base_image(NAME, base_image)
+    lock_text = committed_lock("gpu") if lock is None else lock
+    check_lock(lock_text)
     layout = Layout(tuple(stage.replicas for stage in compiled.plan.stages))
     world = layout.world_size
     if gpus_per_pod < 1 or world % gpus_per_pod:
@@ -173,8 +188,8 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     pods = world // gpus_per_pod
     image = image or f"{name}:latest"
     files: dict[str, bytes] = {
-        "Dockerfile": _dockerfile().encode(),
-        "requirements.txt": requirements(TORCH_INDEX, RUNTIME_DISTRIBUTIONS).encode(),
+        "Dockerfile": _dockerfile(pinned).encode(),
+        "requirements.txt": lock_text.encode(),
         RUN_FILE: run.dumps(),
         LAUNCH_FILE: _launch_script(world, data).encode(),
         JOB_FILE: _job_yaml(compiled, name=name, image=image, pods=pods, nproc=gpus_per_pod, backend=backend,
@@ -218,20 +233,25 @@ def _check_name(name: str) -> None:
                          "'-', starting with a letter, at most 42 characters")
 
 
-def _dockerfile() -> str:
+def _dockerfile(base: BaseImage) -> str:
+    comments = "\n".join(base_comment(base))
     return f"""\
 # Generated by flatpack {flatpack.__version__}: one image for every rank of a gpu-container run.
-# Base: {BASE_IMAGE} with {TORCH_REQUIREMENT} from PyPI, whose Linux x86-64 wheel is the CUDA build
+# Base: {base.name} with {TORCH_REQUIREMENT} from PyPI, whose Linux x86-64 wheel is the CUDA build
 # (CUDA runtime, cuDNN and NCCL arrive as nvidia-* wheels); the node supplies only the NVIDIA driver.
-FROM {BASE_IMAGE}
-ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={APP_DIR}
+# requirements.txt is a hash lock: pip installs exactly those files or nothing.
+{comments}
+FROM {base.reference}
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={APP_DIR} HOME=/tmp
 WORKDIR {APP_DIR}
 COPY requirements.txt {APP_DIR}/requirements.txt
-RUN pip install --no-cache-dir -r {APP_DIR}/requirements.txt
+RUN {PIP_INSTALL} -r {APP_DIR}/requirements.txt
 COPY flatpack {APP_DIR}/flatpack
 COPY {STAGES_DIR} {APP_DIR}/{STAGES_DIR}
 COPY {RUN_FILE} {LAUNCH_FILE} {APP_DIR}/
-RUN chmod +x {APP_DIR}/{LAUNCH_FILE}
+# root owns the files (COPY without --chown); the ranks read them and write only to the mounted out/ and /tmp
+RUN chmod -R go-w {APP_DIR} && chmod 0755 {APP_DIR}/{LAUNCH_FILE}
+USER {base.user}
 ENTRYPOINT ["{APP_DIR}/{LAUNCH_FILE}"]
 """
 
@@ -284,12 +304,16 @@ def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: in
                  "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}]},
     }
     tier = _pod_tier(compiled)
-    limits: dict[str, Any] = {}
+    if tier is None:
+        # the plan names no gpu-container tier: bound the pod by the catalog's smallest, so that a
+        # runaway rank cannot take a node (the annotation below says the limit was not planned)
+        tier = min(get_platform(NAME).tiers, key=lambda t: (t.memory_mb, t.vcpus))
+        planned = False
+    else:
+        planned = True
+    limits: dict[str, Any] = {"cpu": f"{tier.vcpus * nproc:g}", "memory": f"{tier.memory_mb * nproc}Mi"}
     if backend == "nccl":
         limits[GPU_RESOURCE] = nproc
-    if tier is not None:
-        limits["cpu"] = f"{tier.vcpus * nproc:g}"
-        limits["memory"] = f"{tier.memory_mb * nproc}Mi"
     env = [
         {"name": "NNODES", "value": str(pods)},
         {"name": "NPROC_PER_NODE", "value": str(nproc)},
@@ -303,8 +327,10 @@ def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: in
                                out=f"{APP_DIR}/out")
     annotations = {"flatpack.io/degrees": json.dumps([stage.replicas for stage in compiled.plan.stages]),
                    "flatpack.io/backend": backend}
-    if tier is not None and tier.gpu_model:
+    if planned and tier.gpu_model:
         annotations["flatpack.io/gpu-model"] = tier.gpu_model
+    if not planned:
+        annotations["flatpack.io/limits"] = "the catalog's smallest gpu-container tier (the plan names none)"
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
@@ -316,20 +342,51 @@ def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: in
                 "metadata": {"labels": labels},
                 "spec": {
                     "subdomain": name, "restartPolicy": "Never",
+                    # a rank never calls the Kubernetes API: no token for a compromised one to use
+                    "automountServiceAccountToken": False, "enableServiceLinks": False,
+                    "securityContext": POD_SECURITY,
                     "containers": [{
                         "name": "rank", "image": image, "command": command, "env": env,
                         "ports": [{"containerPort": MASTER_PORT, "name": "rendezvous"}],
                         "resources": {"limits": limits, "requests": dict(limits)},
-                        # NCCL moves intra-pod traffic through shared memory; the default 64 MB is too small
-                        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                        "securityContext": CONTAINER_SECURITY,
+                        # NCCL moves intra-pod traffic through shared memory (the default 64 MB is too
+                        # small); the root filesystem is read-only, so /tmp and out/ are volumes
+                        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                                         {"name": "tmp", "mountPath": "/tmp"},
+                                         {"name": "out", "mountPath": f"{APP_DIR}/out"}],
                     }],
-                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                                {"name": "tmp", "emptyDir": {}}, {"name": "out", "emptyDir": {}}],
                 },
             },
         },
     }
-    documents = [json.dumps(document, indent=2) for document in (service, job)]
-    return f"# Generated by flatpack {flatpack.__version__}. {SCHEMA_NOTE}.\n---\n" + "\n---\n".join(documents) + "\n"
+    documents = [json.dumps(document, indent=2) for document in (service, job, network_policy(name, labels))]
+    return (f"# Generated by flatpack {flatpack.__version__}. {SCHEMA_NOTE}.\n# {POLICY_NOTE}\n---\n"
+            + "\n---\n".join(documents) + "\n")
+
+
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_UID, "runAsGroup": RUN_UID, "fsGroup": RUN_UID,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "privileged": False, "capabilities": {"drop": ["ALL"]}}
+POLICY_NOTE = ("The NetworkPolicy admits only the run's own pods: gloo's and NCCL's world-wide groups (the "
+               "control channel, the final barrier) connect every pair of ranks, so a pod cannot be limited to "
+               "its neighbouring stages without breaking them")
+DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+
+
+def network_policy(name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """Ingress only from the run's pods; egress only to them and to DNS (the rendezvous address
+    is a DNS name). A gpu-container run has no store: batches come from a mounted directory."""
+    peers = [{"podSelector": {"matchLabels": dict(labels)}}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": POLICY_KIND,
+            "metadata": {"name": f"{name}-peers", "labels": dict(labels)},
+            "spec": {"podSelector": {"matchLabels": dict(labels)}, "policyTypes": ["Ingress", "Egress"],
+                     "ingress": [{"from": peers}],
+                     "egress": [{"to": peers},
+                                {"to": [{"namespaceSelector": {}}], "ports": DNS_PORTS}]}}
 
 
 # -- static check ----------------------------------------------------------------------------
@@ -350,6 +407,10 @@ def check_package(files: Mapping[str, bytes]) -> None:
     sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
     problems = copy_problems(files)
+    dockerfile = [line.strip() for line in files.get("Dockerfile", b"").decode().splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")]
+    problems += hardening_problems(dockerfile)
+    problems += [f"requirements.txt: {problem}" for problem in lock_problems(files.get("requirements.txt", b"").decode())]
     try:
         run = DistributedRun.loads(files[RUN_FILE])
     except (KeyError, ValueError, InputError) as err:
@@ -381,10 +442,10 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
     except (KeyError, ValueError) as err:
         return [f"{JOB_FILE} is missing or does not parse: {err}"]
     by_kind = {document.get("kind"): document for document in documents}
-    if set(by_kind) != {"Service", "Job"}:
-        return [f"{JOB_FILE} should hold a Service and a Job, it holds {sorted(map(str, by_kind))}"]
+    if set(by_kind) != {"Service", "Job", POLICY_KIND}:
+        return [f"{JOB_FILE} should hold a Service, a Job and a {POLICY_KIND}, it holds {sorted(map(str, by_kind))}"]
     service, job = by_kind["Service"], by_kind["Job"]
-    problems = []
+    problems = _check_pod_security(job) + _check_network_policy(by_kind[POLICY_KIND], job)
     spec = job["spec"]
     pod = spec["template"]["spec"]
     container = pod["containers"][0]
@@ -410,6 +471,67 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
     command = container.get("command", [])
     if not command or command[0] != "torchrun" or "flatpack.runtime.distributed" not in command:
         problems.append("the container does not run flatpack.runtime.distributed under torchrun")
+    return problems
+
+
+def _check_pod_security(job: Mapping[str, Any]) -> list[str]:
+    """The pod runs non-root, read-only, unprivileged, without capabilities or an API token, and bounded."""
+    problems = []
+    pod = job["spec"]["template"]["spec"]
+    security = pod.get("securityContext", {})
+    if security.get("runAsNonRoot") is not True or security.get("runAsUser") in (None, 0):
+        problems.append("the pod's securityContext must set runAsNonRoot: true and a non-zero runAsUser")
+    if pod.get("automountServiceAccountToken") is not False:
+        problems.append("the pod must set automountServiceAccountToken: false (ranks never call the API server)")
+    mounts_by_pod = {volume["name"] for volume in pod.get("volumes", []) if "emptyDir" in volume}
+    for container in pod.get("containers", []):
+        where = f"container {container.get('name')!r}"
+        context = container.get("securityContext", {})
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{where}: allowPrivilegeEscalation must be false")
+        if context.get("readOnlyRootFilesystem") is not True:
+            problems.append(f"{where}: readOnlyRootFilesystem must be true")
+        if context.get("privileged"):
+            problems.append(f"{where}: must not be privileged")
+        if "ALL" not in context.get("capabilities", {}).get("drop", []) or context.get("capabilities", {}).get("add"):
+            problems.append(f"{where}: capabilities must drop ALL and add none")
+        limits = container.get("resources", {}).get("limits", {})
+        missing = [key for key in ("cpu", "memory") if key not in limits]
+        if missing:
+            problems.append(f"{where}: no resource limit for {', '.join(missing)}")
+        writable = {mount["mountPath"] for mount in container.get("volumeMounts", []) if mount["name"] in mounts_by_pod}
+        if "/tmp" not in writable:
+            problems.append(f"{where}: /tmp must be an emptyDir (the root filesystem is read-only)")
+    return problems
+
+
+def _check_network_policy(policy: Mapping[str, Any], job: Mapping[str, Any]) -> list[str]:
+    """The policy selects the run's pods, governs both directions, and lets in and out only
+    the run's pods (and DNS out): no empty peer, no address block, no namespace-wide ingress."""
+    problems = []
+    spec = policy.get("spec", {})
+    labels = job["spec"]["template"]["metadata"].get("labels", {})
+    selected = spec.get("podSelector", {}).get("matchLabels", {})
+    if not selected or selected.items() - labels.items():
+        problems.append(f"the {POLICY_KIND} does not select the Job's pods")
+    if sorted(spec.get("policyTypes", [])) != ["Egress", "Ingress"]:
+        problems.append(f"the {POLICY_KIND} must govern both Ingress and Egress")
+    for direction, key in (("ingress", "from"), ("egress", "to")):
+        for rule in spec.get(direction, []):
+            peers = rule.get(key)
+            if not peers:
+                problems.append(f"the {POLICY_KIND} has an {direction} rule open to everything")
+                continue
+            for peer in peers:
+                if "ipBlock" in peer:
+                    problems.append(f"the {POLICY_KIND}'s {direction} names an address block: {peer['ipBlock']}")
+                elif "namespaceSelector" in peer:
+                    dns = direction == "egress" and rule.get("ports") and all(
+                        port.get("port") == 53 for port in rule["ports"])
+                    if not dns:
+                        problems.append(f"the {POLICY_KIND}'s {direction} opens whole namespaces beyond DNS")
+                elif peer.get("podSelector", {}).get("matchLabels", {}) != selected:
+                    problems.append(f"the {POLICY_KIND}'s {direction} admits pods other than the run's")
     return problems
 
 

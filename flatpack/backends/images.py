@@ -10,8 +10,17 @@ function pulls only its own weights. A function finds its stage under
 ``$FLATPACK_ARTIFACTS/stage_XXX``.
 
 No Docker engine runs where flatpack is tested, so a context is checked statically
-(:func:`check_context`): every COPY source exists, the base image is pinned, the handler
-the CMD names exists and every Python file compiles.
+(:func:`check_context`): every COPY source exists, the base image is pinned by digest, pip
+installs a hash-locked ``requirements.txt`` with ``--require-hashes``, the image runs as a
+non-root user and its files are root's, the handler the CMD names exists and every Python
+file compiles.
+
+Hardening (issue 17): the base is ``catalog.BASE_IMAGES[target]`` by digest (or the user's
+``name:tag@sha256:...``), the requirements are the committed lock
+(``flatpack/backends/locks/function.txt``, :mod:`flatpack.backends.lock`), everything is
+installed and copied as root and made read-only for others, and ``USER`` drops to an
+unprivileged uid before ``CMD``. Lambda runs functions as its own unprivileged user whatever
+the image says; the USER line makes the image safe to run anywhere else too.
 """
 
 from __future__ import annotations
@@ -19,12 +28,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import flatpack
+from flatpack.backends.catalog import BaseImage, base_image
+from flatpack.backends.lock import TORCH_CPU_INDEX, committed_lock, lock_problems
 from flatpack.codegen.artifact import serialize
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -33,7 +45,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 TORCH_REQUIREMENT = "torch==2.13.0"
 # the CPU wheels: the default index's torch pulls gigabytes of CUDA libraries
-TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX = TORCH_CPU_INDEX
 # what the function's runtime imports; the rest of flatpack's dependencies (solvers) are not needed
 RUNTIME_DISTRIBUTIONS = ("numpy", "safetensors", "boto3")
 SHARE_IMAGE_BELOW_BYTES = 512 * MIB
@@ -44,7 +56,6 @@ class Flavor:
     """How one platform builds and starts a function image."""
 
     platform: str
-    base_image: str
     base_image_bytes: int      # uncompressed, with its source below
     task_root: str
     command: tuple[str, ...]
@@ -54,11 +65,12 @@ class Flavor:
 # Base image sizes are what `docker image ls` reports for these tags (uncompressed); the
 # estimate errs high so that an image it passes fits.
 FLAVORS = {
-    "aws-lambda": Flavor("aws-lambda", "public.ecr.aws/lambda/python:3.12", 600 * MIB, "/var/task",
-                         ("handler.handler",), pip_target=True),
-    "alibaba-fc": Flavor("alibaba-fc", "python:3.12-slim", 160 * MIB, "/code",
-                         ("python", "-m", "flatpack.runtime.fc_server"), pip_target=False),
+    "aws-lambda": Flavor("aws-lambda", 600 * MIB, "/var/task", ("handler.handler",), pip_target=True),
+    "alibaba-fc": Flavor("alibaba-fc", 160 * MIB, "/code", ("python", "-m", "flatpack.runtime.fc_server"),
+                         pip_target=False),
 }
+# pip's flags in every image: only the locked files (each checked against its sha256), never an sdist built
+PIP_INSTALL = "pip install --no-cache-dir --require-hashes --only-binary=:all:"
 
 
 @dataclass(frozen=True)
@@ -96,24 +108,32 @@ def write_files(files: Mapping[str, bytes], directory: str | Path) -> Path:
     return root
 
 
-def function_images(compiled: Compiled, target: str, *,
-                    share_below_bytes: int = SHARE_IMAGE_BELOW_BYTES) -> list[ImageContext]:
+def function_images(compiled: Compiled, target: str, *, share_below_bytes: int = SHARE_IMAGE_BELOW_BYTES,
+                    base: str | None = None, lock: str | None = None) -> list[ImageContext]:
     """The images a deployment of ``compiled`` on ``target`` needs, checked against the
-    platform's image limit before anything is built or pushed."""
+    platform's image limit before anything is built or pushed.
+
+    ``base``: ``name:tag@sha256:<digest>`` instead of the catalog's base image. ``lock``: a
+    hash-locked requirements file's text instead of the committed one; a pin without a hash is
+    refused here, before anything is written.
+    """
     if target not in FLAVORS:
         raise InputError(f"no function image flavour for target {target!r}; known: {', '.join(FLAVORS)}")
     flavor = FLAVORS[target]
+    pinned = base_image(target, base)
+    lock_text = committed_lock("function") if lock is None else lock
+    check_lock(lock_text)
     artifacts = {artifact.index: {f"artifacts/stage_{artifact.index:03d}/{name}": data
                                   for name, data in serialize(artifact).items()}
                  for artifact in compiled.artifacts}
     groups = _share(artifacts, share_below_bytes)
-    common = _common_files(flavor)
+    common = _common_files(flavor, lock_text)
     images = []
     for stages in groups:
         files = dict(common)
         for index in stages:
             files.update(artifacts[index])
-        files["Dockerfile"] = dockerfile(flavor, stages, model_label(compiled)).encode()
+        files["Dockerfile"] = dockerfile(flavor, stages, model_label(compiled), pinned).encode()
         images.append(ImageContext(tuple(stages), files, estimate_image_bytes(flavor, files)))
     check_image_sizes(images, target)
     return images
@@ -183,18 +203,13 @@ def runtime_dependency_bytes() -> int:
     return total
 
 
-def requirements(torch_index: str | None = TORCH_INDEX,
-                 distributions: Sequence[str] = RUNTIME_DISTRIBUTIONS) -> str:
-    """``requirements.txt``: torch pinned to the version flatpack compiles with, from
-    ``torch_index`` as an extra index (None: PyPI alone), and ``distributions`` pinned to
-    the versions installed here, so the image runs what was tested."""
-    lines = [*([f"--extra-index-url {torch_index}"] if torch_index else []), TORCH_REQUIREMENT]
-    for name in distributions:
-        try:
-            lines.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            lines.append(name)
-    return "\n".join(lines) + "\n"
+def check_lock(text: str) -> None:
+    """Refuses a requirements file pip's ``--require-hashes`` would refuse, naming each pin."""
+    problems = lock_problems(text)
+    if problems:
+        raise InputError("the image requirements are not hash-locked, so pip --require-hashes would refuse them:\n  "
+                         + "\n  ".join(problems) + "\nGenerate a lock with `python -m flatpack.backends.lock "
+                         "function` (or pass lock= a file where every pin has --hash=sha256:...). Nothing was written")
 
 
 def handler_source(flavor: Flavor) -> str:
@@ -204,23 +219,34 @@ def handler_source(flavor: Flavor) -> str:
             '__all__ = ["handler"]\n')
 
 
-def dockerfile(flavor: Flavor, stages: Sequence[int], model: str) -> str:
+def base_comment(base: BaseImage) -> list[str]:
+    """The Dockerfile lines that say which base image, read where and when, and how to refresh it."""
+    return [f"# base: {base.name}, digest as of {base.observed} from {base.source}",
+            f"# refresh: docker buildx imagetools inspect {base.name}  (then --base-image {base.name}@sha256:...)"]
+
+
+def dockerfile(flavor: Flavor, stages: Sequence[int], model: str, base: BaseImage) -> str:
     root = flavor.task_root
     pip_target = f' --target "{root}"' if flavor.pip_target else ""
     lines = [
         f"# generated by flatpack {flatpack.__version__}: {flavor.platform} image for stage(s) "
         f"{', '.join(map(str, stages))} of {model}",
-        f"FROM {flavor.base_image}",
+        *base_comment(base),
+        f"FROM {base.reference}",
     ]
     if not flavor.pip_target:
         lines.append(f"WORKDIR {root}")
     lines += [
         f"COPY requirements.txt {root}/",
-        f"RUN pip install --no-cache-dir -r {root}/requirements.txt{pip_target}",
+        f"RUN {PIP_INSTALL} -r {root}/requirements.txt{pip_target}",
         f"COPY flatpack/ {root}/flatpack/",
         f"COPY artifacts/ {root}/artifacts/",
         f"COPY handler.py {root}/",
-        f"ENV FLATPACK_ARTIFACTS={root}/artifacts PYTHONPATH={root}",
+        # COPY makes root the owner; whatever mode the context had, nobody else may write
+        f"RUN chmod -R go-w {root}",
+        # HOME: a writable place for anything that caches (the root filesystem may be read-only)
+        f"ENV FLATPACK_ARTIFACTS={root}/artifacts PYTHONPATH={root} HOME=/tmp",
+        f"USER {base.user}",
     ]
     if not flavor.pip_target:
         lines.append("EXPOSE 9000")
@@ -228,8 +254,8 @@ def dockerfile(flavor: Flavor, stages: Sequence[int], model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _common_files(flavor: Flavor) -> dict[str, bytes]:
-    return {"requirements.txt": requirements().encode(), "handler.py": handler_source(flavor).encode(),
+def _common_files(flavor: Flavor, lock_text: str) -> dict[str, bytes]:
+    return {"requirements.txt": lock_text.encode(), "handler.py": handler_source(flavor).encode(),
             **runtime_sources()}
 
 
@@ -251,10 +277,7 @@ def check_context(files: dict[str, bytes]) -> list[str]:
              if line.strip() and not line.lstrip().startswith("#")]
     if not lines or not lines[0].startswith("FROM "):
         problems.append("the Dockerfile does not start with FROM")
-    else:
-        image = lines[0].split()[1]
-        if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
-            problems.append(f"the base image {image} is not pinned to a tag")
+    problems += hardening_problems(lines)
     problems += copy_problems(files)
     command = [line for line in lines if line.startswith("CMD ")]
     if not command:
@@ -262,7 +285,8 @@ def check_context(files: dict[str, bytes]) -> list[str]:
     else:
         problems += _check_command(command[-1], files)
     requirements_text = files.get("requirements.txt", b"").decode()
-    if TORCH_REQUIREMENT not in requirements_text.split():
+    problems += [f"requirements.txt: {problem}" for problem in lock_problems(requirements_text)]
+    if not any(pin.split("+")[0] == TORCH_REQUIREMENT for pin in requirements_text.split()):
         problems.append(f"requirements.txt does not pin {TORCH_REQUIREMENT}")
     for path, data in files.items():
         if path.endswith(".py"):
@@ -270,6 +294,34 @@ def check_context(files: dict[str, bytes]) -> list[str]:
                 compile(data, path, "exec", dont_inherit=True)
             except SyntaxError as err:
                 problems.append(f"{path} does not compile: {err}")
+    return problems
+
+
+_DIGEST_REF = re.compile(r"^\S+@sha256:[0-9a-f]{64}$")
+
+
+def hardening_problems(lines: Sequence[str]) -> list[str]:
+    """What in a Dockerfile's instructions (comments dropped) breaks the image hardening:
+    a base not pinned by digest, pip without ``--require-hashes``, files handed to the runtime
+    user (``--chown``), or a final user that is root (or none: Docker's default is root)."""
+    problems = []
+    for line in lines:
+        words = line.split()
+        keyword = words[0].upper() if words else ""
+        if keyword == "FROM":
+            image = next((word for word in words[1:] if not word.startswith("--")), "")
+            if not _DIGEST_REF.match(image):
+                problems.append(f"the base image {image} is not pinned by digest (name@sha256:<64 hex>)")
+        if keyword == "RUN" and re.search(r"\bpip3? install\b", line) and "--require-hashes" not in line:
+            problems.append(f"pip installs without --require-hashes: {line}")
+        if keyword in ("COPY", "ADD") and any(word.startswith("--chown") for word in words):
+            problems.append(f"{line}: files must stay root's (no --chown), so the runtime user cannot change them")
+    users = [line.split(None, 1)[1].strip() if len(line.split()) > 1 else "" for line in lines
+             if line.split()[0].upper() == "USER"]
+    if not users:
+        problems.append("the Dockerfile sets no USER: the image would run as root")
+    elif users[-1].split(":")[0] in ("root", "0", ""):
+        problems.append(f"the image's final USER is {users[-1]!r}: it must be an unprivileged user")
     return problems
 
 

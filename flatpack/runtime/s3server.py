@@ -15,6 +15,20 @@ weed's local unix sockets. weed also opens one gRPC unix socket per service at a
 hard-coded ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` (no flag moves it): ``stop`` removes
 those of its own ports, and ``start`` removes dead ones of this user that a killed server
 left behind. The server dies with the process that started it (``interrupts.die_with_parent``).
+
+Only the S3 endpoint, with this server's keys, lets anyone in; every other listener is closed
+to a co-tenant (another user of the machine, who can reach any 127.0.0.1 port):
+
+- HTTP on the master, volume and filer ports: weed checks a JWT on every volume and filer read
+  and write, signed with four random keys made per start (``WEED_JWT_*``); only the server holds
+  them (they reach weed through its environment, which /proc shows to its own user alone).
+- gRPC on every ``*.port.grpc``: mutual TLS with a CA and certificate made per start
+  (``WEED_GRPC_*``); a client without the certificate fails the handshake.
+- the unix sockets (``filer.sock``, ``s3.sock`` and weed's ``/tmp/seaweedfs-*-grpc-*.sock``):
+  weed runs with umask 077, so each is ``srwx------`` and only this user can connect; the server
+  directory is 0700 (a caller's ``data_dir`` too), so nobody else reads the volumes.
+
+The keys, certificate and CA live in ``secrets/`` (0700, files 0600) and go at stop.
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from flatpack.errors import StoreError
 from flatpack.interrupts import die_with_parent, stopping, track
@@ -54,6 +68,14 @@ _PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
     "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
 )
+
+# weed reads these in place of security.toml's [jwt.*] keys (``weed scaffold -config=security``):
+# volume writes and reads (signed by the master for the filer), filer writes and reads (signed by the S3 gateway)
+_JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",
+             "WEED_JWT_FILER_SIGNING_KEY", "WEED_JWT_FILER_SIGNING_READ_KEY")
+# every weed component that serves or dials gRPC gets the same certificate ([grpc.<component>])
+_GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "client", "msg_broker", "msg_agent")
+_SECRETS = "secrets"
 
 _live: "weakref.WeakSet[LocalS3Server]" = weakref.WeakSet()
 
@@ -126,6 +148,7 @@ class LocalS3Server:
             self._dir = self._given_dir
         else:
             self._dir = Path(tempfile.mkdtemp(prefix="flatpack-s3-"))
+        _make_private(self._dir)
         self._write_identity_config()
         last: StoreError | None = None
         for _attempt in range(START_ATTEMPTS):
@@ -142,9 +165,36 @@ class LocalS3Server:
         assert self._dir is not None
         identity = {"name": "flatpack", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
-        path = self._dir / "s3.json"
-        path.write_text(json.dumps({"identities": [identity]}))
-        path.chmod(0o600)
+        _write_private(self._dir / "s3.json", json.dumps({"identities": [identity]}).encode())
+
+    def _security_env(self) -> dict[str, str]:
+        """Fresh JWT keys and a fresh gRPC certificate for one start, as weed's environment."""
+        assert self._dir is not None
+        secrets_dir = self._dir / _SECRETS
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+        secrets_dir.mkdir(mode=0o700)
+        ca, cert, key = _make_grpc_certificate()
+        for name, data in (("ca.crt", ca), ("weed.crt", cert), ("weed.key", key)):
+            _write_private(secrets_dir / name, data)
+        env = {name: secrets.token_hex(32) for name in _JWT_KEYS}
+        env["WEED_GRPC_CA"] = str(secrets_dir / "ca.crt")
+        for component in _GRPC_COMPONENTS:
+            env[f"WEED_GRPC_{component.upper()}_CERT"] = str(secrets_dir / "weed.crt")
+            env[f"WEED_GRPC_{component.upper()}_KEY"] = str(secrets_dir / "weed.key")
+        return env
+
+    @property
+    def grpc_credentials(self) -> tuple[Path, Path, Path]:
+        """(CA, certificate, key) that weed's gRPC ports accept, for tools of this user (tests)."""
+        if self._dir is None:
+            raise StoreError("the local S3 server is not started; call start() or use it as a context manager")
+        folder = self._dir / _SECRETS
+        return folder / "ca.crt", folder / "weed.crt", folder / "weed.key"
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every TCP port weed listens on, by its flag (``master.port``, ``filer.port.grpc``, ...)."""
+        return dict(self._ports)
 
     def _start_once(self, weed: str) -> None:
         assert self._dir is not None
@@ -162,14 +212,16 @@ class LocalS3Server:
                    # also stay under the 107-byte limit of a unix socket path however deep it is
                    "-filer.localSocket=filer.sock", "-s3.localSocket=s3.sock",
                    f"-s3.config={self._dir / 's3.json'}", f"-bucket={self.bucket}"]
-        self._log = open(self._dir / "weed.log", "ab")
+        security = self._security_env()
+        self._log = os.fdopen(os.open(self._dir / "weed.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
         # own session: stop() signals the whole group, whatever helpers weed spawns, and a
         # terminal's Ctrl-C reaches only flatpack, which stops it in order. It dies with its
         # parent (Linux), and any temporary file it makes goes to its own directory.
         self._proc = track(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
                                             stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
-                                            preexec_fn=die_with_parent(), env={**os.environ, "TMPDIR": str(self._dir)}),
+                                            preexec_fn=_private_child(die_with_parent()),
+                                            env={**os.environ, **security, "TMPDIR": str(self._dir)}),
                            server=True)
         self._wait_ready()
 
@@ -221,6 +273,7 @@ class LocalS3Server:
         else:
             for leftover in ("s3.json", "filer.sock", "s3.sock"):
                 (self._dir / leftover).unlink(missing_ok=True)
+            shutil.rmtree(self._dir / _SECRETS, ignore_errors=True)
         self._dir = None
 
     def _kill_process(self, grace_s: float = 0.0) -> None:
@@ -302,6 +355,73 @@ class LocalS3Server:
     def __repr__(self) -> str:
         state = self.endpoint_url if self.running else "stopped"
         return f"LocalS3Server(bucket={self.bucket!r}, {state})"
+
+
+def _make_private(directory: Path) -> None:
+    """0700 on the server's directory: the volumes, log, identity and sockets in it are this
+    user's alone (a caller's ``data_dir`` may have been made with a looser umask)."""
+    try:
+        directory.chmod(0o700)
+    except OSError as exc:
+        raise StoreError(f"cannot make the store directory {directory} private (chmod 0700): {exc}; "
+                         "give a data_dir this user owns") from exc
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a file created 0600 (never world-readable, not even for a moment)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _private_child(then: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn``: umask 077, so every socket weed binds (also its fixed ones in /tmp) and
+    every file it writes is its user's alone; then ``then`` (die_with_parent's hook)."""
+    umask = os.umask
+
+    def preexec() -> None:
+        umask(0o077)
+        if then is not None:
+            then()
+
+    return preexec
+
+
+def _make_grpc_certificate() -> tuple[bytes, bytes, bytes]:
+    """A throwaway CA and one certificate it signs (PEM: CA, certificate, key) for weed's
+    mutual TLS on gRPC; weed does not check host names, so one certificate serves every
+    component, as server and as client."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    # valid a little before now (clock steps) and for 30 days: a server is restarted long before
+    valid_from, valid_to = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flatpack local store CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(valid_from).not_valid_after(valid_to)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "weed")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(valid_from).not_valid_after(valid_to)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    return (ca.public_bytes(pem), cert.public_bytes(pem),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

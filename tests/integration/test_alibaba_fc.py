@@ -5,7 +5,11 @@ endpoint. Checks the requests the SDK sends, training equivalence, rollback and 
 
 from __future__ import annotations
 
+import http.server
+import json
 import logging
+import threading
+from typing import Iterator
 
 import pytest
 
@@ -22,8 +26,46 @@ KEY_ID, SECRET = "LTAI-flatpack-test", "test-secret"
 ACCOUNT = "1234567890123456"
 
 
+class OssApiRecorder:
+    """Stands in for OSS's own bucket API (policy, encryption, public access block: the calls its
+    S3-compatible endpoint lacks): records what oss2 sends and answers 200, as OSS does."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_PUT(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                recorder.requests.append(("PUT", self.path, dict(self.headers), body))
+                self.send_response(200)
+                self.send_header("x-oss-request-id", "flatpack-test")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.fixture
-def fc(moto_server, monkeypatch):
+def oss_api() -> Iterator[OssApiRecorder]:
+    recorder = OssApiRecorder()
+    try:
+        yield recorder
+    finally:
+        recorder.close()
+
+
+@pytest.fixture
+def fc(moto_server, monkeypatch, oss_api):
     """The FC stand-in, checking signatures with the test access key, and the default
     credential chain finding that key in the environment."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -35,7 +77,7 @@ def fc(moto_server, monkeypatch):
     service = LocalFunctionCompute(context_resolver(contexts), access_keys={KEY_ID: SECRET})
     service.start()
     try:
-        yield service, contexts, {"fc": service.url, "oss": moto_server.url}
+        yield service, contexts, {"fc": service.url, "oss": moto_server.url, "oss-api": oss_api.url}
     finally:
         service.stop()
 
@@ -48,11 +90,28 @@ def deploy(compiled, fc, tmp_path, **options):
     return deployment
 
 
-def test_deploy_train_and_teardown_through_the_fc_sdk(fc, tmp_path):
+def test_deploy_train_and_teardown_through_the_fc_sdk(fc, oss_api, moto_server, tmp_path):
     service, _, _ = fc
     compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 2], 4, memory_mb=1024)
     deployment = deploy(compiled, fc, tmp_path)
     try:
+        # the bucket through OSS's own API: public access blocked, HTTPS-only, AES256 (signed V4 with our key)
+        bucket = deployment.resources["bucket"]
+        sent = {path.split("?", 1)[1].rstrip("="): (headers, body) for _, path, headers, body in oss_api.requests}
+        assert sorted(sent) == ["encryption", "policy", "publicAccessBlock"]
+        assert all(path.startswith(f"/{bucket}/?") for _, path, _, _ in oss_api.requests)
+        assert all({k.lower(): v for k, v in headers.items()}["authorization"].startswith(f"OSS4-HMAC-SHA256 Credential={KEY_ID}/")
+                   for headers, _ in sent.values())
+        assert b"<BlockPublicAccess>true</BlockPublicAccess>" in sent["publicAccessBlock"][1]
+        assert b"<SSEAlgorithm>AES256</SSEAlgorithm>" in sent["encryption"][1]
+        assert json.loads(sent["policy"][1]) == alibaba_fc.oss_tls_only_policy(bucket)
+        [deny] = json.loads(sent["policy"][1])["Statement"]
+        assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"acs:SecureTransport": ["false"]}}
+        # and through the S3-compatible endpoint (moto here): the lifecycle rule expiring run data
+        s3 = moto_server.session().client("s3", endpoint_url=moto_server.url)
+        rules = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+        assert {rule["Filter"]["Prefix"] for rule in rules} >= {f"{deployment.resources['run']}/act/"}
+
         creates = [request.json() for request in service.requests
                    if request.method == "POST" and request.path == "/2023-03-30/functions"]
         assert [body["functionName"] for body in creates] == [f["name"] for f in deployment.resources["functions"]]
@@ -108,4 +167,16 @@ def test_bad_input_fails_before_any_api_call(fc, tmp_path):
     with pytest.raises(InputError, match="pass role_arn"):
         alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, push=lambda *a: None,
                           endpoint_urls=fc[2], out=tmp_path)
+    assert service.requests == []
+
+
+def test_without_oss2_the_deploy_stops_before_any_api_call(fc, tmp_path, monkeypatch):
+    """The bucket's policy, encryption and public access block need OSS's own API (oss2)."""
+    import sys
+
+    service, _, _ = fc
+    monkeypatch.setitem(sys.modules, "oss2", None)
+    compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2, memory_mb=512)
+    with pytest.raises(InputError, match=r"needs the oss2 SDK: pip install 'flatpack\[oss\]'"):
+        deploy(compiled, fc, tmp_path)
     assert service.requests == []

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from botocore.exceptions import ClientError
 
 from flatpack.backends import aws_lambda, cloud, images
 from flatpack.errors import DeployError, InputError
@@ -59,9 +60,24 @@ def test_deploy_creates_least_privilege_resources_and_teardown_removes_them(moto
     assert images.check_context({p.relative_to(tmp_path / "images" / "stages-000-001").as_posix(): p.read_bytes()
                                  for p in (tmp_path / "images" / "stages-000-001").rglob("*") if p.is_file()}) == []
 
-    # the bucket: private, encrypted, intermediate tensors expire
+    # the bucket: private, TLS-only, encrypted, intermediate tensors expire
     block = s3.get_public_access_block(Bucket=res["bucket"])["PublicAccessBlockConfiguration"]
     assert all(block.values())
+    [deny] = json.loads(s3.get_bucket_policy(Bucket=res["bucket"])["Policy"])["Statement"]
+    assert deny["Effect"] == "Deny" and deny["Principal"] == "*" and deny["Action"] == "s3:*"
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert sorted(deny["Resource"]) == [f"arn:aws:s3:::{res['bucket']}", f"arn:aws:s3:::{res['bucket']}/*"]
+    # moto evaluates it: an object write over plain HTTP (this endpoint) is refused, credentials or
+    # not; without the policy the same write goes through (the policy is what refused it)
+    key = f"{res['run']}/ckpt/stage_000"
+    with pytest.raises(ClientError) as refused:
+        s3.put_object(Bucket=res["bucket"], Key=key, Body=b"overwritten")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    assert deployment.ledger.details["tls_only"] is True
+    s3.delete_bucket_policy(Bucket=res["bucket"])
+    s3.put_object(Bucket=res["bucket"], Key=key, Body=b"written")
+    s3.delete_object(Bucket=res["bucket"], Key=key)
+    s3.put_bucket_policy(Bucket=res["bucket"], Policy=json.dumps(cloud.tls_only_policy(res["bucket"])))
     encryption = s3.get_bucket_encryption(Bucket=res["bucket"])["ServerSideEncryptionConfiguration"]
     assert encryption["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
     rules = s3.get_bucket_lifecycle_configuration(Bucket=res["bucket"])["Rules"]

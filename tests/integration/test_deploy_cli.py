@@ -4,8 +4,10 @@ teardown removes what a deployment's record lists."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from flatpack import cli
 from flatpack.backends import aws_lambda, gpu_container, images
+from flatpack.backends.lock import lock_problems
 
 from .conftest import ecr_push
 from .test_local_training import compiled_with, make_model
@@ -29,8 +32,9 @@ def image_contexts(out: Path) -> dict[str, dict[str, bytes]]:
 
 @pytest.mark.parametrize(("target", "expected"), [
     ("aws-lambda", ["commands.sh", "functions.json", "iam/role-policy.json", "iam/trust-policy.json",
-                    "s3/lifecycle.json"]),
-    ("alibaba-fc", ["commands.sh", "functions.json", "ram/policy.json", "s3/lifecycle.json"]),
+                    "s3/lifecycle.json", "s3/bucket-policy.json"]),
+    ("alibaba-fc", ["commands.sh", "functions.json", "ram/policy.json", "s3/lifecycle.json", "oss/bucket-policy.json",
+                    "oss/encryption.xml", "oss/public-access-block.xml"]),
     ("gpu-container", ["commands.sh", "Dockerfile", "launch.sh", "k8s/job.yaml", "run.json"]),
 ])
 def test_a_dry_run_writes_the_deployment_and_prints_the_commands(target, expected, tmp_path, capsys):
@@ -51,6 +55,65 @@ def test_a_dry_run_writes_the_deployment_and_prints_the_commands(target, expecte
     assert ("aws lambda create-function" in printed) == (target == "aws-lambda")
     assert ("aliyun fc POST /2023-03-30/functions" in printed) == (target == "alibaba-fc")
     assert not (out / "deployment.json").exists()        # nothing was deployed, so nothing to tear down
+    assert_hardened(target, out)
+
+
+def dockerfiles(target: str, out: Path) -> list[str]:
+    if target == "gpu-container":
+        return [(out / "Dockerfile").read_text()]
+    return [(context / "Dockerfile").read_text() for context in sorted((out / "images").iterdir())]
+
+
+def assert_hardened(target: str, out: Path) -> None:
+    """The static check of issue 17 on a dry-run bundle: non-root user, digest-pinned bases,
+    hashed requirements, pod security context, TLS-only and encrypted buckets with lifecycle rules."""
+    for dockerfile in dockerfiles(target, out):
+        instructions = [line for line in dockerfile.splitlines() if line.strip() and not line.startswith("#")]
+        assert images.hardening_problems(instructions) == []
+        assert re.search(r"^FROM \S+@sha256:[0-9a-f]{64}$", dockerfile, re.MULTILINE)
+        assert re.search(r"^USER 10001:10001$", dockerfile, re.MULTILINE)
+    requirements = [out / "requirements.txt"] if target == "gpu-container" else list(out.glob("images/*/requirements.txt"))
+    assert requirements and all(lock_problems(path.read_text()) == [] for path in requirements)
+    commands = (out / "commands.sh").read_text()
+    if target == "gpu-container":
+        _, job, policy = gpu_container.parse_yaml_documents((out / "k8s/job.yaml").read_text())
+        pod = job["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        container = pod["containers"][0]["securityContext"]
+        assert container["readOnlyRootFilesystem"] is True and container["allowPrivilegeEscalation"] is False
+        assert container["capabilities"]["drop"] == ["ALL"]
+        assert policy["kind"] == "NetworkPolicy" and sorted(policy["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+        return
+    assert "docker buildx imagetools inspect" in commands and "--require-hashes" in commands
+    lifecycle = json.loads((out / "s3/lifecycle.json").read_text())["Rules"]
+    assert {rule["Filter"]["Prefix"].split("/")[1] for rule in lifecycle} >= {"act", "grad", "data"}
+    if target == "aws-lambda":
+        [deny] = json.loads((out / "s3/bucket-policy.json").read_text())["Statement"]
+        assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+        for call in ("put-public-access-block", "put-bucket-policy --bucket fp-mlp-test",
+                     "put-bucket-encryption", "AES256", "put-bucket-lifecycle-configuration"):
+            assert call in commands, call
+    else:
+        [deny] = json.loads((out / "oss/bucket-policy.json").read_text())["Statement"]
+        assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"acs:SecureTransport": ["false"]}}
+        assert "<SSEAlgorithm>AES256</SSEAlgorithm>" in (out / "oss/encryption.xml").read_text()
+        assert "<BlockPublicAccess>true</BlockPublicAccess>" in (out / "oss/public-access-block.xml").read_text()
+        for call in ("create-bucket --endpoint-url https://s3.oss-", "--acl private", "put-bucket-public-access-block",
+                     "file://oss/public-access-block.xml", "put-bucket-policy", "file://oss/bucket-policy.json",
+                     "put-bucket-encryption", "file://oss/encryption.xml", "put-bucket-lifecycle-configuration"):
+            assert call in commands, call
+
+
+@pytest.mark.parametrize("target", ["aws-lambda", "alibaba-fc", "gpu-container"])
+def test_a_dry_run_refuses_a_tag_only_base_and_an_unhashed_lock(target, tmp_path, capsys):
+    arguments = ["deploy", "mlp", "--target", target, "--dry-run", "--name", "fp-mlp-test"]
+    assert cli.main([*arguments, "--out", str(tmp_path / "a"), "--base-image", "python:3.12-slim"]) == 2
+    assert "docker buildx imagetools inspect python:3.12-slim" in capsys.readouterr().err
+    (tmp_path / "lock.txt").write_text("torch==2.13.0\nnumpy==2.4.6\n")
+    assert cli.main([*arguments, "--out", str(tmp_path / "b"), "--lock", str(tmp_path / "lock.txt")]) == 2
+    assert "torch==2.13.0 has no --hash" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
 
 
 def test_deploy_refuses_the_local_target_and_a_used_directory(tmp_path, capsys):

@@ -37,7 +37,9 @@ def lambda_deployment(moto_server, tmp_path, monkeypatch):
     endpoint.start()
     deployment = aws_lambda.deploy(compiled, region="us-east-1", session=session, out=tmp_path,
                                    endpoint_urls=moto_server.endpoints(**{"lambda-invoke": endpoint.url}),
-                                   push=ecr_push(session, moto_server.url))
+                                   push=ecr_push(session, moto_server.url),
+                                   # moto speaks plain HTTP and enforces the TLS-only bucket policy
+                                   tls_only=False)
     for image in deployment.ledger.details["images"].values():
         contexts[image["uri"]] = str(tmp_path / image["context"])
     try:
@@ -90,7 +92,8 @@ def test_in_target_profiling_deploys_a_profiler_function_per_tier(moto_server, t
     def deploy(compiled):
         deployment = aws_lambda.deploy(compiled, region="us-east-1", session=session, out=tmp_path / "deploy",
                                        endpoint_urls=moto_server.endpoints(**{"lambda-invoke": endpoint.url}),
-                                       push=ecr_push(session, moto_server.url), profile_tiers=(512, 1024))
+                                       push=ecr_push(session, moto_server.url), profile_tiers=(512, 1024),
+                                       tls_only=False)   # moto: plain HTTP, and it enforces the TLS-only policy
         for image in deployment.ledger.details["images"].values():
             contexts[image["uri"]] = str(tmp_path / "deploy" / image["context"])
         deployed.append(deployment)

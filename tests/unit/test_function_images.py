@@ -6,6 +6,7 @@ back newest first and says what it could not remove."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import cloud, images
+from flatpack.backends.catalog import BASE_IMAGES
+from flatpack.backends.lock import committed_lock
 from flatpack.errors import DeployError, InputError
 from flatpack.partitioner.plan import Plan, StagePlan
 
@@ -35,9 +38,17 @@ def test_contexts_are_sound_and_shared_while_small(target):
         assert f"artifacts/stage_{stage:03d}/weights.safetensors" in image.files
     assert "flatpack/runtime/worker.py" in image.files and "flatpack/runtime/handler.py" in image.files
     requirements = image.files["requirements.txt"].decode()
-    assert images.TORCH_REQUIREMENT in requirements.split() and images.TORCH_INDEX in requirements
+    assert requirements == committed_lock("function")            # hashed: pip --require-hashes installs it
+    assert f"{images.TORCH_REQUIREMENT}+cpu" in requirements.split() and images.TORCH_INDEX in requirements
     dockerfile = image.files["Dockerfile"].decode()
-    assert dockerfile.splitlines()[1] == f"FROM {images.FLAVORS[target].base_image}"
+    base = BASE_IMAGES[target]
+    assert f"FROM {base.name}@sha256:" in dockerfile and base.observed in dockerfile
+    assert f"RUN {images.PIP_INSTALL} -r" in dockerfile
+    # everything is installed and copied as root, then the image drops to an unprivileged user
+    instructions = [line.split()[0] for line in dockerfile.splitlines() if line and not line.startswith("#")]
+    assert instructions.index("USER") > max(i for i, word in enumerate(instructions) if word in ("RUN", "COPY"))
+    assert "USER 10001:10001" in dockerfile and "--chown" not in dockerfile
+    assert f"RUN chmod -R go-w {images.FLAVORS[target].task_root}" in dockerfile   # whatever the context's modes
     if target == "alibaba-fc":
         assert 'CMD ["python", "-m", "flatpack.runtime.fc_server"]' in dockerfile and "EXPOSE 9000" in dockerfile
     else:
@@ -58,8 +69,17 @@ def test_large_stages_get_an_image_each_and_tags_follow_content():
 
 @pytest.mark.parametrize(("edit", "problem"), [
     (lambda files: files.pop("handler.py"), "COPY handler.py: the context has no such file"),
-    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b"python:3.12", b"python")),
-     "is not pinned to a tag"),
+    (lambda files: files.update(Dockerfile=re.sub(rb"@sha256:[0-9a-f]{64}", b"", files["Dockerfile"])),
+     "is not pinned by digest"),
+    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b"USER 10001:10001", b"USER root")),
+     "final USER is 'root'"),
+    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b"USER 10001:10001\n", b"")),
+     "sets no USER"),
+    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b" --require-hashes", b"")),
+     "pip installs without --require-hashes"),
+    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b"COPY handler.py", b"COPY --chown=10001 handler.py")),
+     "files must stay root's"),
+    (lambda files: files.update({"requirements.txt": b"torch==2.13.0+cpu\n"}), "has no --hash"),
     (lambda files: files.update({"handler.py": b"x = 1\n"}), "defines no handler"),
     (lambda files: files.update({"flatpack/broken.py": b"def (:\n"}), "flatpack/broken.py does not compile"),
     (lambda files: files.update({"requirements.txt": b"torch\n"}), "does not pin torch==2.13.0"),
@@ -69,6 +89,28 @@ def test_check_context_finds_what_would_break_the_build(edit, problem):
     files = dict(image.files)
     edit(files)
     assert any(problem in found for found in images.check_context(files))
+
+
+def test_a_tag_only_base_image_is_refused_saying_how_to_get_its_digest():
+    with pytest.raises(InputError, match=r"is a tag, not a digest.*docker buildx imagetools inspect python:3.12-slim"):
+        images.function_images(compiled_model(), "alibaba-fc", base="python:3.12-slim")
+    with pytest.raises(InputError, match="is not a sha256 digest"):
+        images.function_images(compiled_model(), "alibaba-fc", base="python:3.12-slim@sha256:abc")
+    digest = "sha256:" + "ab" * 32
+    [image] = images.function_images(compiled_model(), "alibaba-fc", base=f"python:3.12-slim@{digest}")
+    assert f"FROM python:3.12-slim@{digest}" in image.files["Dockerfile"].decode()
+    assert images.check_context(image.files) == []
+
+
+def test_an_unhashed_lock_is_refused_before_anything_is_written():
+    with pytest.raises(InputError, match=r"(?s)not hash-locked.*numpy==2.0 has no --hash.*python -m flatpack.backends.lock"):
+        images.function_images(compiled_model(), "aws-lambda", lock="numpy==2.0\n")
+
+
+def test_the_recorded_base_images_are_digests_with_a_date_and_source():
+    for target, base in BASE_IMAGES.items():
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", base.digest) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", base.observed)
+        assert "github.com/" in base.source and base.user.split(":")[0] not in ("0", "root")
 
 
 def test_an_image_over_the_limit_is_refused_naming_the_stage(monkeypatch):
