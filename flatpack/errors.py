@@ -39,6 +39,11 @@ class RunFailure(FlatpackError):
     ``flatpack resume RUN_DIR`` continue the call (``tests/integration/test_recovery.py``)."""
 
 
+class ArtifactRefused(RunFailure, ArtifactError):
+    """A function refused its stage artifact: the files it fetched do not match the digest the
+    deployment gave it (``tests/security/test_worker.py``). No code of that stage ran."""
+
+
 class FunctionOutOfMemory(RunFailure):
     """A function's peak memory passed its memory tier, as an out-of-memory function fails."""
 

@@ -23,7 +23,7 @@ import torch
 
 from flatpack.backends.batch_checks import check_training_call
 from flatpack.compiler import Compiled
-from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
+from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime import chaos, timeline, wire
 from flatpack.runtime.keys import RunKeys
@@ -144,6 +144,17 @@ class FunctionDeployment:
         self._batch_size: int | None = None     # every call trains on one batch size (replicas average shards)
         self.last_latency_s: float | None = None
         self.manifests = [artifact.manifest for artifact in compiled.artifacts]
+        # what every invocation carries for its worker to verify the artifact against
+        self.digest = compiled.digest
+        self._index_published = False
+
+    def publish_index(self) -> None:
+        """Puts the artifact's index in the store (once) before any function starts: a
+        function whose image holds its stage but not the index reads the index from there,
+        and trusts it only if its sha256 is the digest in the invocation."""
+        if not self._index_published:
+            self.store.put(self.keys.artifact_index(), self.compiled.index.raw)
+            self._index_published = True
 
     def launch(self, role: Role) -> Invocation:
         """Starts the function for ``role``."""
@@ -361,9 +372,10 @@ class FunctionDeployment:
                             tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,
                             checkpoint=self.consistent_checkpoint())
         spec_key = self.keys.inference_spec()
+        self.publish_index()
         self.store.put(spec_key, spec.dumps())
-        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master")]
-        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker")
+        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master", digest=self.digest)]
+        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker", digest=self.digest)
                   for group in groups for partition in range(group.workers)]
         for role in roles:
             self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, self.launch(role))
@@ -603,6 +615,7 @@ class _Run:
     # one segment: fixed degrees -------------------------------------------------------------
     def _segment(self, begin: int, end: int) -> None:
         spec_key = self.keys.spec(begin)
+        self.deployment.publish_index()
         self.store.put(spec_key, self.spec.dumps())
         self.segment_started = time.time()
         self.segment_begin = begin
@@ -610,7 +623,7 @@ class _Run:
         workers = self.deployment.workers
         for stage in self.spec.stages:
             for replica in range(stage.replicas):
-                role = Role(spec_key, stage.index, replica, begin, end)
+                role = Role(spec_key, stage.index, replica, begin, end, digest=self.deployment.digest)
                 workers[(stage.index, replica)] = _Worker(role, self.deployment.launch(role))
         price = self.deployment.dollars_per_second([s.replicas for s in self.spec.stages])
         deadline = time.time() + self.timeout_s
@@ -650,6 +663,12 @@ class _Run:
             # the function gave up on a store (or platform) fault that outlasted its retry budget
             self._relaunch(key, worker, self._resume_point(worker.role), "transient")
             return
+        if status.get("status") == "refused":
+            raise ArtifactRefused(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
+                                  f"{worker.role.replica}) refused its stage artifact, and ran none of it: "
+                                  f"{status.get('error')}. The artifact in the store no longer matches what was "
+                                  "deployed (digest " + worker.role.digest[:16] + "…): deploy again from a "
+                                  "verified artifact, and find out who can write the store.")
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")
