@@ -43,13 +43,15 @@ from flatpack.backends.catalog import Tier, get_platform
 from flatpack.backends.functions import (TrainResult, batch_values, default_micro_batches, iteration_count,
                                          loss_output, workload_of)
 from flatpack.backends.images import TORCH_REQUIREMENT, copy_problems, requirements, runtime_sources, write_files
-from flatpack.codegen.artifact import parse_stage, serialize
+from flatpack.codegen.artifact import parse_stage
+from flatpack.codegen.integrity import INDEX_FILE
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.runtime import timeline
-from flatpack.runtime.distributed import (DATA_DIR, RUN_FILE, STAGES_DIR, DistributedRun, Layout, RankRole, data_file,
-                                          error_file, iter_reports, parameters_file, stage_path, timeline_file)
+from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES_DIR, DistributedRun, Layout,
+                                          RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
+                                          timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
@@ -135,10 +137,12 @@ def torchrun_command(*, nnodes: int | str, nproc_per_node: int | str, node_rank:
 
 
 def stage_files(compiled: Compiled) -> dict[str, bytes]:
-    """Each stage's artifact files, by path relative to the context, where the rank program
-    loads them (``distributed.stage_path``)."""
-    return {f"{_stage_dir(artifact.index)}/{name}": content
-            for artifact in compiled.artifacts for name, content in serialize(artifact).items()}
+    """The whole artifact and its index below ``stages/``, by path relative to the context:
+    each stage where the rank program loads it (``distributed.stage_path``), verified against
+    ``stages/flatpack.index.json`` and the digest the rank is started with."""
+    files = {f"{STAGES_DIR}/{name}": content for name, content in compiled.files().items()}
+    files[f"{STAGES_DIR}/{INDEX_FILE}"] = compiled.index.raw
+    return files
 
 
 def _stage_dir(index: int) -> str:
@@ -480,7 +484,7 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
     env = {**os.environ, "RANK": str(role.rank), "WORLD_SIZE": str(layout.world_size),
            "LOCAL_RANK": str(role.rank), "LOCAL_WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(launch.master_port), "PYTHONPATH": str(deployment.workdir), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": str(launch.threads)}
+           "OMP_NUM_THREADS": str(launch.threads), DIGEST_ENV: deployment.compiled.digest}
     command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
