@@ -666,7 +666,7 @@ class _Run:
         if status.get("status") == "refused":
             raise ArtifactRefused(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
                                   f"{worker.role.replica}) refused its stage artifact, and ran none of it: "
-                                  f"{status.get('error')}. The artifact in the store no longer matches what was "
+                                  f"{str(status.get('error')).rstrip('.')}. The artifact in the store no longer matches what was "
                                   "deployed (digest " + worker.role.digest[:16] + "…): deploy again from a "
                                   "verified artifact, and find out who can write the store.")
         if status.get("status") == "error":
