@@ -176,8 +176,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                 target=args.target, out_dir=args.out)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
-    print(f"digest {compiled.digest}\n(pin it: flatpack.load({str(args.out)!r}, digest=...), flatpack check "
-          f"{args.out} --digest ...; or sign the artifact: flatpack sign {args.out} --key KEY)")
+    print(f"digest {compiled.digest}")
+    print("  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
+          "or sign it: flatpack sign DIR --key KEY")
     return 0
 
 
