@@ -188,7 +188,7 @@ def rebuild(structure: dict, leaf: Callable[[int], Any], where: str = "the outpu
         if structure.get("class") is None:
             return as_dict
         cls = resolve_class(structure["class"], dict, where)
-        return cls(**as_dict) if cls is not dict else as_dict
+        return _construct(cls, where, **as_dict) if cls is not dict else as_dict
     if "tuple" in structure:
         items = [rebuild(child, leaf, where) for child in _children(structure, "tuple", where)]
         if "namedtuple" in structure:
@@ -196,13 +196,22 @@ def rebuild(structure: dict, leaf: Callable[[int], Any], where: str = "the outpu
             live = _ALLOWED.get(structure.get("class")) if isinstance(structure.get("class"), str) else None
             # the model's own class when this process traced it, else one rebuilt from the description
             same = live is not None and getattr(live, "_fields", None) == described._fields
-            return (live if same else described)(*items)
+            return _construct(live if same else described, where, *items)
         if structure.get("class") is None:
             return tuple(items)
         cls = resolve_class(structure["class"], tuple, where)
-        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+        return _construct(cls, where, *items) if hasattr(cls, "_fields") else _construct(cls, where, items)
     raise ArtifactError(f"{where} has a node with keys {sorted(structure)[:5]}, which is none of leaf, const, "
                         "tuple, list or dict; recompile the model")
+
+
+def _construct(cls: type, where: str, *args: Any, **kwargs: Any) -> Any:
+    """An allowlisted class built from the structure's values; wrong fields are the artifact's fault."""
+    try:
+        return cls(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ArtifactError(f"{where}: the output class {cls.__qualname__} cannot be rebuilt from the recorded "
+                            f"fields ({err}); the artifact is corrupted or from another version. Recompile.") from None
 
 
 def _children(structure: dict, kind: str, where: str) -> list:

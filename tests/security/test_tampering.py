@@ -313,3 +313,21 @@ def test_control_a_fully_rewritten_directory_without_a_digest_runs_its_code(out,
     assert loaded.trust == "directory"
     loaded.stage_modules()
     assert sentinel.exists()
+
+
+def test_model_output_classes_are_rebuilt_from_transformers_only():
+    transformers = pytest.importorskip("transformers")
+    from flatpack.ir import structure
+
+    node = {"dict": [{"leaf": 0}], "keys": ["logits"]}
+    for path in ("transformers.modeling_outputs:CausalLMOutput",
+                 "transformers.models.gpt2.modeling_gpt2:GPT2DoubleHeadsModelOutput"):
+        rebuilt = structure.rebuild({**node, "class": path}, lambda index: torch.ones(1))
+        assert isinstance(rebuilt, transformers.utils.ModelOutput), path
+    # the right class with fields it does not have is an artifact error, not a crash
+    with pytest.raises(ArtifactError, match="cannot be rebuilt"):
+        structure.rebuild({**node, "keys": ["no_such_field"], "class": "transformers.modeling_outputs:CausalLMOutput"},
+                          lambda index: torch.ones(1))
+    # a transformers attribute that is a class but not a ModelOutput is refused
+    with pytest.raises(ArtifactError, match="will not rebuild"):
+        structure.rebuild({**node, "class": "transformers:PreTrainedModel"}, lambda index: torch.ones(1))
