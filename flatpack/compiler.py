@@ -228,8 +228,11 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
             or info.get("schema_version") != COMPILED_SCHEMA_VERSION:
         raise ArtifactError(f"{marker} is not a flatpack output of schema {COMPILED_SCHEMA_VERSION}; recompile")
     for key in ("output_structure", "input_structure"):
-        if key in info:
-            structure.check(info[key], f"{marker} ({key})")
+        if key not in info:
+            raise ArtifactError(f"{marker} has no {key}; the output is corrupted, recompile")
+        structure.check(info[key], f"{marker} ({key})")
+    if not isinstance(info.get("plan"), dict):
+        raise ArtifactError(f"{marker} has no plan; the output is corrupted, recompile")
     plan = Plan.from_json(info.pop("plan"))
     artifacts = []
     for index in range(len(plan.stages)):

@@ -664,11 +664,12 @@ class _Run:
             self._relaunch(key, worker, self._resume_point(worker.role), "transient")
             return
         if status.get("status") == "refused":
+            cause = str(status.get("error")).rstrip(".")
             raise ArtifactRefused(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
-                                  f"{worker.role.replica}) refused its stage artifact, and ran none of it: "
-                                  f"{str(status.get('error')).rstrip('.')}. The artifact in the store no longer matches what was "
-                                  "deployed (digest " + worker.role.digest[:16] + "…): deploy again from a "
-                                  "verified artifact, and find out who can write the store.")
+                                  f"{worker.role.replica}) refused its stage artifact, and ran none of it: {cause}. "
+                                  f"The artifact in the store no longer matches what was deployed (digest "
+                                  f"{worker.role.digest[:16]}…): deploy again from a verified artifact, and find out "
+                                  "who can write the store.")
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")

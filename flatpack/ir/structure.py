@@ -30,7 +30,8 @@ from flatpack.errors import ArtifactError
 _JSON_CONSTANTS = (type(None), bool, int, float, str)
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 # "module.path:Qual.Name" with public identifier parts only
-_CLASS_PATH = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
+_DOTTED = r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*"
+_CLASS_PATH = re.compile(f"{_DOTTED}:{_DOTTED}")
 _ALLOWED: dict[str, type] = {"collections:OrderedDict": collections.OrderedDict}
 _NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
 
@@ -161,12 +162,17 @@ def leaf_indices(structure: dict) -> list[int]:
 def check(structure: object, where: str) -> None:
     """Raises ArtifactError unless ``structure`` uses only the closed vocabulary (every class
     it names resolves on the allowlist). ``load`` calls it before any stage is built."""
-    rebuild(structure, lambda index: None, where=where)  # type: ignore[arg-type]
+    # resolve and validate only: constructing a class with placeholder values proves nothing
+    _rebuild(structure, lambda index: None, where, build=False)
 
 
 def rebuild(structure: dict, leaf: Callable[[int], Any], where: str = "the output structure") -> Any:
     """Rebuilds the nested value; ``leaf(i)`` supplies the i-th flat value. ``where`` names
     the structure's origin in errors."""
+    return _rebuild(structure, leaf, where, build=True)
+
+
+def _rebuild(structure: object, leaf: Callable[[int], Any], where: str, build: bool) -> Any:
     if not isinstance(structure, dict):
         raise ArtifactError(f"{where} has a node {str(structure)[:80]!r} that is not an object; recompile the model")
     if "leaf" in structure:
@@ -178,9 +184,9 @@ def rebuild(structure: dict, leaf: Callable[[int], Any], where: str = "the outpu
             raise ArtifactError(f"{where} has a constant that is not a JSON scalar; recompile the model")
         return structure["const"]
     if "list" in structure:
-        return [rebuild(child, leaf, where) for child in _children(structure, "list", where)]
+        return [_rebuild(child, leaf, where, build) for child in _children(structure, "list", where)]
     if "dict" in structure:
-        values = [rebuild(child, leaf, where) for child in _children(structure, "dict", where)]
+        values = [_rebuild(child, leaf, where, build) for child in _children(structure, "dict", where)]
         keys = structure.get("keys")
         if not isinstance(keys, list) or len(keys) != len(values) or not all(is_constant(k) for k in keys):
             raise ArtifactError(f"{where} has a dict whose keys do not match its values; recompile the model")
@@ -188,25 +194,29 @@ def rebuild(structure: dict, leaf: Callable[[int], Any], where: str = "the outpu
         if structure.get("class") is None:
             return as_dict
         cls = resolve_class(structure["class"], dict, where)
-        return _construct(cls, where, **as_dict) if cls is not dict else as_dict
+        return _construct(cls, where, build, **as_dict) if cls is not dict else as_dict
     if "tuple" in structure:
-        items = [rebuild(child, leaf, where) for child in _children(structure, "tuple", where)]
+        items = [_rebuild(child, leaf, where, build) for child in _children(structure, "tuple", where)]
         if "namedtuple" in structure:
             described = _namedtuple(structure["namedtuple"], where)
             live = _ALLOWED.get(structure.get("class")) if isinstance(structure.get("class"), str) else None
             # the model's own class when this process traced it, else one rebuilt from the description
             same = live is not None and getattr(live, "_fields", None) == described._fields
-            return _construct(live if same else described, where, *items)
+            return _construct(live if same else described, where, build, *items)
         if structure.get("class") is None:
             return tuple(items)
         cls = resolve_class(structure["class"], tuple, where)
-        return _construct(cls, where, *items) if hasattr(cls, "_fields") else _construct(cls, where, items)
+        # a named tuple takes its fields as arguments; a structseq (torch.return_types) one sequence
+        return _construct(cls, where, build, *items) if hasattr(cls, "_fields") else _construct(cls, where, build,
+                                                                                                 items)
     raise ArtifactError(f"{where} has a node with keys {sorted(structure)[:5]}, which is none of leaf, const, "
                         "tuple, list or dict; recompile the model")
 
 
-def _construct(cls: type, where: str, *args: Any, **kwargs: Any) -> Any:
+def _construct(cls: type, where: str, build: bool, *args: Any, **kwargs: Any) -> Any:
     """An allowlisted class built from the structure's values; wrong fields are the artifact's fault."""
+    if not build:
+        return None
     try:
         return cls(*args, **kwargs)
     except (TypeError, ValueError) as err:

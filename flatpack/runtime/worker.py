@@ -4,7 +4,8 @@ A function receives only its role (``FLATPACK_ROLE``, JSON, which carries the ar
 digest) and the store's address (``FLATPACK_STORE``, credentials from the standard
 environment); everything else — the run's settings, its stage artifact, checkpoints, data,
 the other stages' tensors — it reads from the store, and it runs no stage code before the
-artifact's index matches the digest and the stage's files match the index. Like a serverless function it is held to its tier:
+artifact's index matches the digest and the stage's files match the index. Like a
+serverless function it is held to its tier:
 
 * memory: the process's peak resident memory (``VmHWM``, what Lambda reports as "Max
   Memory Used") is checked after every task; past the tier the function fails as an

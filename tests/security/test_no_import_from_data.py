@@ -39,33 +39,40 @@ ALLOWED = {
 }
 
 
+class _Calls(ast.NodeVisitor):
+    """(file, enclosing function) of every dynamic import or evaluation in one module."""
+
+    def __init__(self, relative: str) -> None:
+        self.relative, self.function, self.found = relative, "<module>", set()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        outer, self.function = self.function, node.name
+        self.generic_visit(node)
+        self.function = outer
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        # x.eval() is nn.Module.eval, not the builtin
+        if name in DYNAMIC and not (name == "eval" and isinstance(node.func, ast.Attribute)):
+            self.found.add((self.relative, self.function))
+        self.generic_visit(node)
+
+
 def dynamic_calls() -> set[tuple[str, str]]:
-    found = set()
+    found: set[tuple[str, str]] = set()
     for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        relative = path.relative_to(ROOT).as_posix()
-        for function in [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-            for node in ast.walk(function):
-                if not isinstance(node, ast.Call):
-                    continue
-                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-                # x.eval() is nn.Module.eval (no arguments), not the builtin
-                if name == "eval" and isinstance(node.func, ast.Attribute):
-                    continue
-                if name in DYNAMIC:
-                    found.add((relative, function.name))
-        for node in tree.body:   # module level
-            for call in ast.walk(node):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    break
-                if isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(call.func, "id", None)) in DYNAMIC:
-                    found.add((relative, "<module>"))
+        calls = _Calls(path.relative_to(ROOT).as_posix())
+        calls.visit(ast.parse(path.read_text(), str(path)))
+        found |= calls.found
     return found
 
 
 def test_every_dynamic_import_or_exec_is_reviewed():
     unexpected = dynamic_calls() - set(ALLOWED)
-    assert not unexpected, f"dynamic imports/exec not on the reviewed list (they must read no artifact data): {unexpected}"
+    assert not unexpected, f"dynamic imports/exec not on the reviewed list (they must read no artifact data): " \
+                           f"{unexpected}"
 
 
 def test_the_reviewed_list_has_no_stale_entries():

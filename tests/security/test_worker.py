@@ -86,3 +86,22 @@ def test_the_digest_travels_in_the_role():
 def test_deploy_refuses_a_digest_that_is_not_the_artifacts(compiled):
     with pytest.raises(Exception, match="expected digest"):
         local.deploy(compiled, store_url="s3://unused/", digest="cd" * 32)
+
+
+def test_a_gpu_container_rank_checks_its_stage_against_the_context_index(compiled, sentinel, tmp_path):
+    """What a rank loads (``distributed.run_rank``): the stage from the context's ``stages/``,
+    verified against ``stages/flatpack.index.json`` and the digest it was started with."""
+    from flatpack.backends.gpu_container import stage_files
+    from flatpack.codegen.artifact import load_stage
+    from flatpack.errors import ArtifactError
+    from flatpack.runtime.distributed import stage_path
+
+    for name, data in stage_files(compiled).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    assert load_stage(stage_path(tmp_path, 1), digest=compiled.digest).flatpack_manifest["stage"] == 1
+    source = stage_path(tmp_path, 0) / "stage.py"
+    source.write_text(hostile_stage_source(source.read_text(), sentinel))
+    with pytest.raises(ArtifactError, match="stage_000/stage.py"):
+        load_stage(stage_path(tmp_path, 0), digest=compiled.digest)
+    assert not sentinel.exists()
