@@ -44,7 +44,7 @@ from flatpack.backends.functions import (TrainResult, batch_values, default_micr
                                          loss_output, workload_of)
 from flatpack.backends.images import TORCH_REQUIREMENT, copy_problems, requirements, runtime_sources, write_files
 from flatpack.codegen.artifact import parse_stage
-from flatpack.codegen.integrity import INDEX_FILE
+from flatpack.codegen.integrity import INDEX_FILE, check_digest
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
@@ -441,12 +441,17 @@ class RunLaunch:
 
 
 def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
-           workdir: str | os.PathLike | None = None, python: str | None = None) -> "GpuContainerDeployment":
+           workdir: str | os.PathLike | None = None, python: str | None = None,
+           digest: str | None = None) -> "GpuContainerDeployment":
     """Writes what the ranks load — the flatpack source and the stage artifacts, not the
     cluster's build context (:func:`package`) — to ``workdir`` (a fresh temporary directory
     when None, removed by ``teardown``) for runs on this machine. ``backend``: "gloo",
     "nccl", or None for NCCL when CUDA is available. ``device``: where ranks compute ("cuda" for NCCL; gloo
-    may use "cuda" too, ranks sharing the GPUs and transfers staged through the host)."""
+    may use "cuda" too, ranks sharing the GPUs and transfers staged through the host).
+    ``digest``: refuse unless ``compiled.digest`` is this; the ranks are started with
+    ``FLATPACK_DIGEST`` = ``compiled.digest`` and check their stage against it."""
+    if digest is not None:   # before anything is written: this must be the artifact that was compiled
+        check_digest(compiled.index.raw, digest, "the artifact to deploy")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = device or ("cuda" if backend == "nccl" else "cpu")
     degrees = [stage.replicas for stage in compiled.plan.stages]

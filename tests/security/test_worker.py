@@ -83,9 +83,14 @@ def test_the_digest_travels_in_the_role():
     assert Role.loads(role.dumps()).digest == "ab" * 32
 
 
-def test_deploy_refuses_a_digest_that_is_not_the_artifacts(compiled):
+def test_deploy_refuses_a_digest_that_is_not_the_artifacts(compiled, tmp_path):
+    from flatpack.backends import gpu_container
+
     with pytest.raises(Exception, match="expected digest"):
         local.deploy(compiled, store_url="s3://unused/", digest="cd" * 32)
+    with pytest.raises(Exception, match="expected digest"):
+        gpu_container.deploy(compiled, backend="gloo", workdir=tmp_path / "ranks", digest="cd" * 32)
+    assert not (tmp_path / "ranks").exists()
 
 
 def test_a_gpu_container_rank_checks_its_stage_against_the_context_index(compiled, sentinel, tmp_path):
