@@ -54,8 +54,8 @@ def read_stage(directory: str | os.PathLike, *, digest: str | None = None,
         raise ArtifactError(f"{directory} has no {MANIFEST_FILE}: it is not a flatpack stage directory "
                             "(compile one with `flatpack compile` or Compiled.save)")
     verified = read_verified(directory.parent, digest=digest, verify_key=verify_key, under=directory.name)
-    contents = {name: verified.files[f"{directory.name}/{name}"] for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
-                if f"{directory.name}/{name}" in verified.files}
+    prefix = f"{directory.name}/"
+    contents = {name[len(prefix):]: data for name, data in verified.files.items() if name.startswith(prefix)}
     return parse_stage(contents, str(directory))
 
 
