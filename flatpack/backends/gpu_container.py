@@ -44,7 +44,7 @@ from flatpack.backends.functions import (TrainResult, batch_values, default_micr
                                          loss_output, workload_of)
 from flatpack.backends.images import TORCH_REQUIREMENT, copy_problems, requirements, runtime_sources, write_files
 from flatpack.codegen.artifact import parse_stage
-from flatpack.codegen.integrity import INDEX_FILE, check_digest
+from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, verify_files
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
@@ -350,7 +350,7 @@ def parse_yaml_documents(text: str) -> list[dict[str, Any]]:
 
 def check_package(files: Mapping[str, bytes]) -> None:
     """Validates a build context from :func:`package`: everything the Dockerfile COPYs is
-    there, every stage verifies, ``run.json`` and the manifests parse, the world size is the
+    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the manifests parse, the world size is the
     sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
     problems = copy_problems(files)
@@ -359,11 +359,21 @@ def check_package(files: Mapping[str, bytes]) -> None:
     except (KeyError, ValueError, InputError) as err:
         raise ArtifactError(f"the context's {RUN_FILE} is missing or unreadable: {err}") from None
     layout = run.layout
-    for index in range(len(layout.degrees)):
-        where = _stage_dir(index)
+    index: Index | None = None
+    try:
+        index = Index.parse(files[f"{STAGES_DIR}/{INDEX_FILE}"], f"{STAGES_DIR}/{INDEX_FILE}")
+    except KeyError:
+        problems.append(f"the context lacks {STAGES_DIR}/{INDEX_FILE}, which the ranks verify their stages against")
+    except ArtifactError as err:
+        problems.append(str(err))
+    for stage in range(len(layout.degrees)):
+        where = _stage_dir(stage)
         contents = {name: files[f"{where}/{name}"] for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
                     if f"{where}/{name}" in files}
         try:
+            if index is not None:
+                verify_files(index, {f"{where.split('/', 1)[1]}/{name}": data for name, data in contents.items()},
+                             STAGES_DIR)
             parse_stage(contents, where)
         except ArtifactError as err:
             problems.append(str(err))

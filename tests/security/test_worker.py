@@ -110,3 +110,14 @@ def test_a_gpu_container_rank_checks_its_stage_against_the_context_index(compile
     with pytest.raises(ArtifactError, match="stage_000/stage.py"):
         load_stage(stage_path(tmp_path, 0), digest=compiled.digest)
     assert not sentinel.exists()
+
+
+def test_a_gpu_container_build_context_is_checked_against_its_index(compiled):
+    from flatpack.backends import gpu_container
+    from flatpack.errors import ArtifactError
+
+    files = gpu_container.package(compiled, backend="gloo", batch=BATCH)
+    gpu_container.check_package(files)
+    files["stages/stage_000/stage.py"] += b"\nimport os\n"
+    with pytest.raises(ArtifactError, match="stages/stage_000/stage.py has .* flatpack.index.json"):
+        gpu_container.check_package(files)
