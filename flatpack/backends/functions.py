@@ -351,6 +351,8 @@ class FunctionDeployment:
                     status = read_status(self.store, self.keys, worker.role)
                     if code == OUT_OF_MEMORY:
                         raise oom_error(worker.role, status)
+                    if status.get("status") == "refused":
+                        raise refused_error(worker.role, status)
                     raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
                                      f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
             time.sleep(0.002)
@@ -459,6 +461,17 @@ def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
         return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt, role.start_iteration)))
     except Exception:  # noqa: BLE001 - a lost function leaves no status
         return {}
+
+
+def refused_error(role: Role, status: dict) -> ArtifactRefused:
+    """The error for a function whose status says it refused its stage artifact (never retried:
+    the bytes in the store will not change back by themselves)."""
+    cause = str(status.get("error")).rstrip(".")
+    what = f"stage {role.stage}, replica {role.replica}" if role.kind == "train" else f"{role.kind}, stage {role.stage}"
+    return ArtifactRefused(f"function {role.worker} ({what}) refused its stage artifact, and ran none of it: {cause}. "
+                           f"The artifact in the store no longer matches what was deployed (digest "
+                           f"{role.digest[:16]}…): deploy again from a verified artifact, and find out who can write "
+                           "the store.")
 
 
 def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
@@ -664,12 +677,7 @@ class _Run:
             self._relaunch(key, worker, self._resume_point(worker.role), "transient")
             return
         if status.get("status") == "refused":
-            cause = str(status.get("error")).rstrip(".")
-            raise ArtifactRefused(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
-                                  f"{worker.role.replica}) refused its stage artifact, and ran none of it: {cause}. "
-                                  f"The artifact in the store no longer matches what was deployed (digest "
-                                  f"{worker.role.digest[:16]}…): deploy again from a verified artifact, and find out "
-                                  "who can write the store.")
+            raise refused_error(worker.role, status)
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")

@@ -121,3 +121,11 @@ def test_a_gpu_container_build_context_is_checked_against_its_index(compiled):
     files["stages/stage_000/stage.py"] += b"\nimport os\n"
     with pytest.raises(ArtifactError, match="stages/stage_000/stage.py has .* flatpack.index.json"):
         gpu_container.check_package(files)
+
+
+def test_an_inference_function_refuses_a_stage_changed_in_the_store(s3_server, compiled, sentinel):
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        _tamper_in_store(deployment, sentinel, rewrite_index=False)
+        with pytest.raises(ArtifactRefused, match="refused its stage artifact.*stage_000/"):
+            deployment.infer(torch.randn(BATCH, 8), wait_timeout_s=60)
+    assert not sentinel.exists()
