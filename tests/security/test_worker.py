@@ -129,3 +129,32 @@ def test_an_inference_function_refuses_a_stage_changed_in_the_store(s3_server, c
         with pytest.raises(ArtifactRefused, match="refused its stage artifact.*stage_000/"):
             deployment.infer(torch.randn(BATCH, 8), wait_timeout_s=60)
     assert not sentinel.exists()
+
+
+def test_a_function_checks_the_stages_baked_into_its_image(compiled, sentinel, tmp_path, monkeypatch):
+    """The cloud functions' path: the stages baked under ``$FLATPACK_ARTIFACTS`` (the image
+    holds no index yet), the index read from the store and checked against the role's digest."""
+    from flatpack.codegen.artifact import serialize
+    from flatpack.runtime.keys import RunKeys
+    from flatpack.runtime.store import FileStore
+    from flatpack.runtime.worker import ARTIFACTS_ENV
+
+    baked = tmp_path / "image" / "artifacts"
+    for artifact in compiled.artifacts:
+        for name, data in serialize(artifact).items():
+            (baked / f"stage_{artifact.index:03d}").mkdir(parents=True, exist_ok=True)
+            (baked / f"stage_{artifact.index:03d}" / name).write_bytes(data)
+    store, keys = FileStore(tmp_path / "store"), RunKeys("run-baked")
+    store.put(keys.artifact_index(), compiled.index.raw)
+    monkeypatch.setenv(ARTIFACTS_ENV, str(baked))
+    assert load_module(store, keys, 1, compiled.digest).flatpack_manifest["stage"] == 1
+    source = baked / "stage_000" / "stage.py"
+    source.write_text(hostile_stage_source(source.read_text(), sentinel))
+    with pytest.raises(Exception, match=f"{baked}/stage_000/stage.py"):
+        load_module(store, keys, 0, compiled.digest)
+    # an index in the store rewritten to match is no help: the digest comes from the role
+    files = {**compiled.files(), "stage_000/stage.py": source.read_bytes()}
+    store.put(keys.artifact_index(), Index.build(files).raw)
+    with pytest.raises(Exception, match="expected digest"):
+        load_module(store, keys, 0, compiled.digest)
+    assert not sentinel.exists()
