@@ -148,6 +148,14 @@ def _compile_args(parser: argparse.ArgumentParser) -> None:
                                                        'coarsen{max-layers=48,by=time}"')
 
 
+def _trust_args(parser: argparse.ArgumentParser) -> None:
+    """What a loaded artifact is checked against, beyond its own index."""
+    parser.add_argument("--digest", default=None, help="the artifact digest `flatpack compile` printed: the index "
+                                                       "must have this sha256")
+    parser.add_argument("--verify-key", default=None, help="the index must be signed (flatpack sign) under this key: "
+                                                           "an Ed25519 public key file (PEM), or env:NAME for HMAC")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import flatpack
 
@@ -168,6 +176,37 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                 target=args.target, out_dir=args.out)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
+    print(f"digest {compiled.digest}")
+    print("  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
+          "or sign it: flatpack sign DIR --key KEY")
+    return 0
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    """Signs an artifact's index after checking every file against it."""
+    from flatpack.codegen.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
+
+    verified = read_verified(args.dir, digest=args.digest)
+    signature = Path(args.dir) / SIGNATURE_FILE
+    signature.write_bytes(sign_index(verified.index.raw, args.key))
+    print(f"signed {Path(args.dir) / INDEX_FILE} (digest {verified.digest}) into {signature}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
+    from flatpack.codegen.integrity import read_verified
+    from flatpack.compiler import COMPILED_FILE
+    from flatpack.ir import structure
+
+    verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key)
+    info = json.loads(verified.files[COMPILED_FILE])
+    for key in ("output_structure", "input_structure"):
+        structure.check(info.get(key, {"tuple": []}), f"{Path(args.dir) / COMPILED_FILE} ({key})")
+    print(f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}")
+    if verified.trust == "directory":
+        print("the index itself was trusted only as far as this directory is: pass --digest (the digest compile "
+              "printed) or --verify-key to check it against something held elsewhere")
     return 0
 
 
@@ -411,7 +450,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     from flatpack.job import resume_training
 
-    return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean)
+    return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean, digest=args.digest,
+                           verify_key=args.verify_key)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -654,7 +694,22 @@ def build_parser() -> argparse.ArgumentParser:
     resume_parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
     resume_parser.add_argument("--clean", action="store_true",
                                help="remove the run's store data instead of resuming it")
+    _trust_args(resume_parser)
     resume_parser.set_defaults(run=cmd_resume)
+
+    sign_parser = sub.add_parser("sign", help="sign a compiled artifact's index (for teams that build and deploy on "
+                                              "different machines)")
+    sign_parser.add_argument("dir", metavar="DIR", help="the directory `flatpack compile --out` wrote")
+    sign_parser.add_argument("--key", required=True, help="an Ed25519 private key file (PEM: openssl genpkey "
+                                                          "-algorithm ed25519 -out key.pem), or env:NAME for "
+                                                          "HMAC-SHA256 with the key in environment variable NAME")
+    sign_parser.add_argument("--digest", default=None, help="refuse to sign unless the index has this digest")
+    sign_parser.set_defaults(run=cmd_sign)
+    check_parser = sub.add_parser("check", help="verify a compiled artifact (index, every file, signature) without "
+                                                "running it")
+    check_parser.add_argument("dir", metavar="DIR", help="the directory `flatpack compile --out` wrote")
+    _trust_args(check_parser)
+    check_parser.set_defaults(run=cmd_check)
 
     deploy_parser = sub.add_parser("deploy", help="compile a model for a cloud target and deploy it (or, with "
                                                   "--dry-run, write everything and print the commands)")

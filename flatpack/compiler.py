@@ -21,8 +21,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from flatpack.backends.catalog import platform_names
-from flatpack.codegen.artifact import build_module, read_stage, serialize
+from flatpack.codegen.artifact import build_module, parse_stage, serialize
 from flatpack.codegen.emit import StageArtifact, emit_stages
+from flatpack.codegen.integrity import INDEX_FILE, Index, read_verified
 from flatpack.errors import ArtifactError, InputError, PlanError
 from flatpack.ir import meta, structure
 from flatpack.ir.graph import LayerGraph
@@ -62,12 +63,16 @@ class Compiled:
     """
 
     def __init__(self, *, graph: LayerGraph | None, plan: Plan, artifacts: list[StageArtifact],
-                 info: dict[str, Any], problem: Problem | None = None) -> None:
+                 info: dict[str, Any], problem: Problem | None = None, trust: str = "compiled here") -> None:
         self.graph = graph
         self.plan = plan
         self.artifacts = artifacts
         self.info = info
         self.problem = problem
+        # what vouched for the artifact: "compiled here", or load()'s "digest", "signature" or
+        # "directory" (only the index in the directory itself: pin the digest to do better)
+        self.trust = trust
+        self._index: Index | None = None
 
     @functools.cached_property
     def profile(self) -> ChainProfile | None:
@@ -111,19 +116,41 @@ class Compiled:
         return StagedModule(self.stage_modules(), self.info)
 
     # storing ----------------------------------------------------------------------------
+    def files(self) -> dict[str, bytes]:
+        """Every file of the artifact by relative path, except the index that covers them."""
+        files = {COMPILED_FILE: _json_bytes({**self.info, "plan": self.plan.to_json()}),
+                 "plan.json": (self.plan.dumps() + "\n").encode()}
+        for artifact in self.artifacts:
+            for name, data in serialize(artifact).items():
+                files[f"{stage_dirname(artifact.index)}/{name}"] = data
+        return files
+
+    @property
+    def index(self) -> Index:
+        """The artifact's index (``flatpack.index.json``): every file's size and sha256."""
+        if self._index is None:
+            self._index = Index.build(self.files())
+        return self._index
+
+    @property
+    def digest(self) -> str:
+        """The sha256 of the artifact's index: pin it (``load(dir, digest=...)``,
+        ``deploy(..., digest=...)``) and no file of the artifact can change unnoticed."""
+        return self.index.digest
+
     def save(self, directory: str | os.PathLike) -> Path:
-        """Writes ``flatpack.json``, ``plan.json`` and one ``stage_NNN/`` per stage, atomically.
+        """Writes ``flatpack.json``, ``plan.json``, one ``stage_NNN/`` per stage and
+        ``flatpack.index.json`` (every file's size and sha256; its own sha256 is
+        ``self.digest``), atomically.
 
         Refuses a directory that exists, is not empty and was not written by flatpack; a
         previous flatpack output there is replaced whole.
         """
         target = Path(directory)
         check_out_dir(target)
-        files = {COMPILED_FILE: _json_bytes({**self.info, "plan": self.plan.to_json()}),
-                 "plan.json": (self.plan.dumps() + "\n").encode()}
-        for artifact in self.artifacts:
-            for name, data in serialize(artifact).items():
-                files[f"{stage_dirname(artifact.index)}/{name}"] = data
+        files = self.files()
+        self._index = Index.build(files)
+        files[INDEX_FILE] = self._index.raw
         staging = target.parent / f".{target.name}.flatpack-tmp-{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
@@ -174,21 +201,48 @@ def check_out_dir(directory: Path) -> None:
                             "directory, or remove this one.")
 
 
-def load(directory: str | os.PathLike) -> Compiled:
-    """Loads a directory written by ``Compiled.save``, verifying every stage's hashes."""
+def load(directory: str | os.PathLike, *, digest: str | None = None,
+         verify_key: str | os.PathLike | None = None) -> Compiled:
+    """Loads a directory written by ``Compiled.save``, verified before any of its code runs.
+
+    Every file is checked against ``flatpack.index.json`` (size, sha256, no unlisted files,
+    no symlinks, safetensors framing) and the output structures against the closed
+    vocabulary (``ir.structure``). ``digest``: the index must have this sha256 (what
+    ``compile`` printed, ``Compiled.digest``). ``verify_key``: the index must carry a valid
+    signature (``flatpack sign``) under this key: an Ed25519 public key file, or
+    ``env:NAME`` for HMAC with the key in that environment variable. With neither, the
+    index itself is trusted only as far as the directory is — whoever can write the
+    directory can rewrite the index too; ``compiled.trust`` says ``"directory"`` and
+    ``compiled.digest`` is the digest to pin. ``tests/security/test_tampering.py``.
+    """
     directory = Path(directory)
     marker = directory / COMPILED_FILE
     if not marker.is_file():
         raise ArtifactError(f"{directory} has no {COMPILED_FILE}: it is not a flatpack output directory")
+    verified = read_verified(directory, digest=digest, verify_key=verify_key)
     try:
-        info = json.loads(marker.read_text())
-    except ValueError as err:
-        raise ArtifactError(f"{marker} is not valid JSON ({err}); the output is corrupted, recompile") from None
-    if info.get("kind") != COMPILED_KIND or info.get("schema_version") != COMPILED_SCHEMA_VERSION:
+        info = json.loads(verified.files[COMPILED_FILE])
+    except (KeyError, ValueError) as err:
+        raise ArtifactError(f"{marker} is missing from the index or not valid JSON ({err}); recompile") from None
+    if not isinstance(info, dict) or info.get("kind") != COMPILED_KIND \
+            or info.get("schema_version") != COMPILED_SCHEMA_VERSION:
         raise ArtifactError(f"{marker} is not a flatpack output of schema {COMPILED_SCHEMA_VERSION}; recompile")
+    for key in ("output_structure", "input_structure"):
+        if key not in info:
+            raise ArtifactError(f"{marker} has no {key}; the output is corrupted, recompile")
+        structure.check(info[key], f"{marker} ({key})")
+    if not isinstance(info.get("plan"), dict):
+        raise ArtifactError(f"{marker} has no plan; the output is corrupted, recompile")
     plan = Plan.from_json(info.pop("plan"))
-    artifacts = [read_stage(directory / stage_dirname(index)) for index in range(len(plan.stages))]
-    return Compiled(graph=None, plan=plan, artifacts=artifacts, info=info)
+    artifacts = []
+    for index in range(len(plan.stages)):
+        prefix = stage_dirname(index)
+        contents = {name[len(prefix) + 1:]: data for name, data in verified.files.items()
+                    if name.startswith(f"{prefix}/")}
+        artifacts.append(parse_stage(contents, str(directory / prefix)))
+    compiled = Compiled(graph=None, plan=plan, artifacts=artifacts, info=info, trust=verified.trust)
+    compiled._index = verified.index
+    return compiled
 
 
 class StagedModule(nn.Module):

@@ -28,7 +28,11 @@ class CodegenError(FlatpackError):
 
 
 class ArtifactError(FlatpackError):
-    """A stage artifact or a compiled directory on disk is missing, foreign or tampered with."""
+    """An artifact (a compiled directory, a stage, the files a worker fetched) is missing or
+    foreign, or does not match its index, the pinned digest or its signature, or names code
+    in its data. Raised before any code of the artifact runs, naming the file
+    (``tests/security/test_tampering.py``). Without a pinned digest or a signature key only
+    the index in the artifact itself vouches for the files (docs/security.md)."""
 
 
 class RunFailure(FlatpackError):
@@ -37,6 +41,11 @@ class RunFailure(FlatpackError):
     the deployment is torn down, and a local deployment given a ``data_dir`` (a ``flatpack run``
     directory's ``store/``) keeps them through teardown: ``deployment.resume(batches)`` and
     ``flatpack resume RUN_DIR`` continue the call (``tests/integration/test_recovery.py``)."""
+
+
+class ArtifactRefused(RunFailure, ArtifactError):
+    """A function refused its stage artifact: the files it fetched do not match the digest the
+    deployment gave it (``tests/security/test_worker.py``). No code of that stage ran."""
 
 
 class FunctionOutOfMemory(RunFailure):

@@ -252,6 +252,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
+        say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
         cost = funcpipe.iteration(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
@@ -365,10 +366,13 @@ def _finish(directory: RunDirectory, record: RunRecord, parameters: dict[str, to
     say(f"trained weights (by the model's parameter names) in {trained}")
 
 
-def resume_training(root: Path, *, stream: TextIO, clean: bool = False) -> int:
+def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
+                    verify_key: str | None = None) -> int:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
-    uninterrupted run would have reached. ``clean``: discard the run's store data instead."""
+    uninterrupted run would have reached. ``clean``: discard the run's store data instead.
+    ``digest`` / ``verify_key``: what the run's compiled artifact is checked against
+    (``flatpack.load``)."""
     import flatpack
     from flatpack.backends import local
 
@@ -390,7 +394,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False) -> int:
     if not directory.store.is_dir():
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
-    compiled = flatpack.load(directory.compiled)
+    compiled = flatpack.load(directory.compiled, digest=digest, verify_key=verify_key)
     batches = directory.load_batches()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

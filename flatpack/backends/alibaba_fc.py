@@ -246,15 +246,16 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
            endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None) -> "FcDeployment":
+           lock: str | None = None, digest: str | None = None) -> "FcDeployment":
     """Creates the deployment and returns it. ``account``: the Alibaba Cloud account id (FC's
     endpoint is ``<account>.<region>.fc.aliyuncs.com``); ``role_arn``: the RAM role the
     functions run as (``ram/policy.json`` in the package is its least-privilege policy).
     ``endpoint_urls``: ``{"fc": ..., "oss": ...}`` to point at other endpoints (the tests'
     stand-ins; ``"oss-api"``: OSS's own API, which sets the bucket's policy, encryption and public
-    access block). ``profile_tiers``: a profiler function per memory tier instead of one per stage."""
+    access block). ``profile_tiers``: a profiler function per memory tier instead of one per stage.
+    ``digest``: refuse, before any API call, unless ``compiled.digest`` is this."""
     endpoint_urls = dict(endpoint_urls or {})
-    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock)
+    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
     _require_oss2()
     region = check_region(region or os.environ.get("ALIBABA_CLOUD_REGION_ID"))
     account = account or os.environ.get("ALIBABA_CLOUD_ACCOUNT_ID")

@@ -238,7 +238,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
            session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None, tls_only: bool = True) -> "LambdaDeployment":
+           lock: str | None = None, tls_only: bool = True, digest: str | None = None) -> "LambdaDeployment":
     """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
     points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
     the tests' local stand-ins). ``out``: where the build contexts and the deployment record
@@ -247,12 +247,14 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     each with every stage's artifact (``flatpack profile --target aws-lambda``).
     ``tls_only=False`` leaves out the bucket policy that refuses plain-HTTP requests: only for a
     stand-in S3 reached over ``http://`` in ``endpoint_urls`` (moto enforces the policy there);
-    the record keeps which it was."""
+    the record keeps which it was. ``digest``: refuse, before any API call, unless
+    ``compiled.digest`` is this; the functions check their stages against ``compiled.digest``
+    either way (it travels in each invocation)."""
     import boto3
 
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
-    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock)
+    name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
     region = check_region(session, region or session.region_name)
     check_credentials(session)
     if push is None and shutil.which("docker") is None:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends.functions import FunctionDeployment
 from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images, model_label
+from flatpack.codegen.integrity import check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.keys import RunKeys
@@ -60,10 +61,12 @@ def default_bucket(name: str, account: str) -> str:
 
 def preflight(compiled: Compiled, target: str, name: str | None, bucket: str | None,
               profile_tiers: Sequence[int] | None, base_image: str | None = None,
-              lock: str | None = None) -> tuple[str, list[ImageContext]]:
-    """The checks every cloud deploy makes before any API call (tiers, image sizes, names,
-    a digest-pinned base and a hash-locked requirements file), so that bad input leaves
-    nothing behind; returns the deployment's name and its images."""
+              lock: str | None = None, digest: str | None = None) -> tuple[str, list[ImageContext]]:
+    """The checks every cloud deploy makes before any API call (the artifact's digest when one
+    is pinned, tiers, image sizes, names, a digest-pinned base and a hash-locked requirements
+    file), so that bad input leaves nothing behind; returns the deployment's name and its images."""
+    if digest is not None:   # this must be the artifact that was compiled (docs/security.md)
+        check_digest(compiled.index.raw, digest, "the artifact to deploy")
     functions(compiled, "check", target, profile_tiers)
     # a profiler function needs every layer: one image holds them all
     images = function_images(compiled, target, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES,

@@ -25,7 +25,7 @@ import torch
 
 from flatpack.backends.batch_checks import check_training_call
 from flatpack.compiler import Compiled
-from flatpack.errors import FunctionOutOfMemory, InputError, RunFailure
+from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime import chaos, timeline, wire
 from flatpack.runtime.keys import RunKeys
@@ -146,6 +146,17 @@ class FunctionDeployment:
         self._batch_size: int | None = None     # every call trains on one batch size (replicas average shards)
         self.last_latency_s: float | None = None
         self.manifests = [artifact.manifest for artifact in compiled.artifacts]
+        # what every invocation carries for its worker to verify the artifact against
+        self.digest = compiled.digest
+        self._index_published = False
+
+    def publish_index(self) -> None:
+        """Puts the artifact's index in the store (once) before any function starts: a
+        function whose image holds its stage but not the index reads the index from there,
+        and trusts it only if its sha256 is the digest in the invocation."""
+        if not self._index_published:
+            self.store.put(self.keys.artifact_index(), self.compiled.index.raw)
+            self._index_published = True
 
     def launch(self, role: Role) -> Invocation:
         """Starts the function for ``role``."""
@@ -343,6 +354,8 @@ class FunctionDeployment:
                     status = read_status(self.store, self.keys, worker.role)
                     if code == OUT_OF_MEMORY:
                         raise oom_error(worker.role, status)
+                    if status.get("status") == "refused":
+                        raise refused_error(worker.role, status)
                     raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
                                      f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
             time.sleep(0.002)
@@ -364,9 +377,10 @@ class FunctionDeployment:
                             tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,
                             checkpoint=self.consistent_checkpoint())
         spec_key = self.keys.inference_spec()
+        self.publish_index()
         self.store.put(spec_key, spec.dumps())
-        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master")]
-        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker")
+        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master", digest=self.digest)]
+        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker", digest=self.digest)
                   for group in groups for partition in range(group.workers)]
         for role in roles:
             self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, self.launch(role))
@@ -450,6 +464,17 @@ def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
         return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt, role.start_iteration)))
     except Exception:  # noqa: BLE001 - a lost function leaves no status
         return {}
+
+
+def refused_error(role: Role, status: dict) -> ArtifactRefused:
+    """The error for a function whose status says it refused its stage artifact (never retried:
+    the bytes in the store will not change back by themselves)."""
+    cause = str(status.get("error")).rstrip(".")
+    what = f"stage {role.stage}, replica {role.replica}" if role.kind == "train" else f"{role.kind}, stage {role.stage}"
+    return ArtifactRefused(f"function {role.worker} ({what}) refused its stage artifact, and ran none of it: {cause}. "
+                           f"The artifact in the store no longer matches what was deployed (digest "
+                           f"{role.digest[:16]}…): deploy again from a verified artifact, and find out who can write "
+                           "the store.")
 
 
 def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
@@ -608,6 +633,7 @@ class _Run:
     # one segment: fixed degrees -------------------------------------------------------------
     def _segment(self, begin: int, end: int) -> None:
         spec_key = self.keys.spec(begin)
+        self.deployment.publish_index()
         self.store.put(spec_key, self.spec.dumps())
         self.segment_started = time.time()
         self.segment_begin = begin
@@ -615,7 +641,7 @@ class _Run:
         workers = self.deployment.workers
         for stage in self.spec.stages:
             for replica in range(stage.replicas):
-                role = Role(spec_key, stage.index, replica, begin, end)
+                role = Role(spec_key, stage.index, replica, begin, end, digest=self.deployment.digest)
                 workers[(stage.index, replica)] = _Worker(role, self.deployment.launch(role))
         price = self.deployment.dollars_per_second([s.replicas for s in self.spec.stages])
         deadline = time.time() + self.timeout_s
@@ -655,6 +681,8 @@ class _Run:
             # the function gave up on a store (or platform) fault that outlasted its retry budget
             self._relaunch(key, worker, self._resume_point(worker.role), "transient")
             return
+        if status.get("status") == "refused":
+            raise refused_error(worker.role, status)
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")

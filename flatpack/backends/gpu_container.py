@@ -53,13 +53,15 @@ from flatpack.backends.functions import (TrainResult, batch_values, default_micr
 from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
                                      hardening_problems, runtime_sources, write_files)
 from flatpack.backends.lock import committed_lock, lock_problems
-from flatpack.codegen.artifact import parse_stage, serialize
+from flatpack.codegen.artifact import parse_stage
+from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.runtime import timeline
-from flatpack.runtime.distributed import (DATA_DIR, RUN_FILE, STAGES_DIR, DistributedRun, Layout, RankRole, data_file,
-                                          error_file, iter_reports, parameters_file, stage_path, timeline_file)
+from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES_DIR, DistributedRun, Layout,
+                                          RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
+                                          timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
@@ -144,10 +146,12 @@ def torchrun_command(*, nnodes: int | str, nproc_per_node: int | str, node_rank:
 
 
 def stage_files(compiled: Compiled) -> dict[str, bytes]:
-    """Each stage's artifact files, by path relative to the context, where the rank program
-    loads them (``distributed.stage_path``)."""
-    return {f"{_stage_dir(artifact.index)}/{name}": content
-            for artifact in compiled.artifacts for name, content in serialize(artifact).items()}
+    """The whole artifact and its index below ``stages/``, by path relative to the context:
+    each stage where the rank program loads it (``distributed.stage_path``), verified against
+    ``stages/flatpack.index.json`` and the digest the rank is started with."""
+    files = {f"{STAGES_DIR}/{name}": content for name, content in compiled.files().items()}
+    files[f"{STAGES_DIR}/{INDEX_FILE}"] = compiled.index.raw
+    return files
 
 
 def _stage_dir(index: int) -> str:
@@ -321,6 +325,9 @@ def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: in
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+        # the artifact's digest reaches the ranks through the manifest kubectl applies, not
+        # through the image: a stage changed in the registry fails the rank's check
+        {"name": DIGEST_ENV, "value": compiled.digest},
     ]
     command = torchrun_command(nnodes="$(NNODES)", nproc_per_node="$(NPROC_PER_NODE)", node_rank="$(NODE_RANK)",
                                master_addr="$(MASTER_ADDR)", master_port="$(MASTER_PORT)", data=data,
@@ -403,7 +410,7 @@ def parse_yaml_documents(text: str) -> list[dict[str, Any]]:
 
 def check_package(files: Mapping[str, bytes]) -> None:
     """Validates a build context from :func:`package`: everything the Dockerfile COPYs is
-    there, every stage verifies, ``run.json`` and the manifests parse, the world size is the
+    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the manifests parse, the world size is the
     sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
     problems = copy_problems(files)
@@ -416,11 +423,21 @@ def check_package(files: Mapping[str, bytes]) -> None:
     except (KeyError, ValueError, InputError) as err:
         raise ArtifactError(f"the context's {RUN_FILE} is missing or unreadable: {err}") from None
     layout = run.layout
-    for index in range(len(layout.degrees)):
-        where = _stage_dir(index)
+    index: Index | None = None
+    try:
+        index = Index.parse(files[f"{STAGES_DIR}/{INDEX_FILE}"], f"{STAGES_DIR}/{INDEX_FILE}")
+    except KeyError:
+        problems.append(f"the context lacks {STAGES_DIR}/{INDEX_FILE}, which the ranks verify their stages against")
+    except ArtifactError as err:
+        problems.append(str(err))
+    for stage in range(len(layout.degrees)):
+        where = _stage_dir(stage)
         contents = {name: files[f"{where}/{name}"] for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
                     if f"{where}/{name}" in files}
         try:
+            if index is not None:
+                verify_files(index, {f"{where.split('/', 1)[1]}/{name}": data for name, data in contents.items()},
+                             STAGES_DIR)
             parse_stage(contents, where)
         except ArtifactError as err:
             problems.append(str(err))
@@ -466,6 +483,10 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
         problems.append("the Service must be headless and the pods' subdomain, so that pods have DNS names")
     if service["spec"].get("selector", {}).items() - spec["template"]["metadata"].get("labels", {}).items():
         problems.append("the Service's selector does not select the Job's pods")
+    index_bytes = files.get(f"{STAGES_DIR}/{INDEX_FILE}")
+    if index_bytes is not None and env.get(DIGEST_ENV) != sha256_hex(index_bytes):
+        problems.append(f"the Job's {DIGEST_ENV} ({env.get(DIGEST_ENV)!r}) is not the digest of "
+                        f"{STAGES_DIR}/{INDEX_FILE}: the ranks would refuse their stages, or check them against nothing")
     if env.get("MASTER_ADDR") != f"{name}-0.{service['metadata']['name']}":
         problems.append(f"MASTER_ADDR {env.get('MASTER_ADDR')!r} is not the index-0 pod's DNS name")
     command = container.get("command", [])
@@ -559,12 +580,17 @@ class RunLaunch:
 
 
 def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
-           workdir: str | os.PathLike | None = None, python: str | None = None) -> "GpuContainerDeployment":
+           workdir: str | os.PathLike | None = None, python: str | None = None,
+           digest: str | None = None) -> "GpuContainerDeployment":
     """Writes what the ranks load — the flatpack source and the stage artifacts, not the
     cluster's build context (:func:`package`) — to ``workdir`` (a fresh temporary directory
     when None, removed by ``teardown``) for runs on this machine. ``backend``: "gloo",
     "nccl", or None for NCCL when CUDA is available. ``device``: where ranks compute ("cuda" for NCCL; gloo
-    may use "cuda" too, ranks sharing the GPUs and transfers staged through the host)."""
+    may use "cuda" too, ranks sharing the GPUs and transfers staged through the host).
+    ``digest``: refuse unless ``compiled.digest`` is this; the ranks are started with
+    ``FLATPACK_DIGEST`` = ``compiled.digest`` and check their stage against it."""
+    if digest is not None:   # before anything is written: this must be the artifact that was compiled
+        check_digest(compiled.index.raw, digest, "the artifact to deploy")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = device or ("cuda" if backend == "nccl" else "cpu")
     degrees = [stage.replicas for stage in compiled.plan.stages]
@@ -602,7 +628,7 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
     env = {**os.environ, "RANK": str(role.rank), "WORLD_SIZE": str(layout.world_size),
            "LOCAL_RANK": str(role.rank), "LOCAL_WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(launch.master_port), "PYTHONPATH": str(deployment.workdir), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": str(launch.threads)}
+           "OMP_NUM_THREADS": str(launch.threads), DIGEST_ENV: deployment.compiled.digest}
     command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]

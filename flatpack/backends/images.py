@@ -38,6 +38,7 @@ import flatpack
 from flatpack.backends.catalog import BaseImage, base_image
 from flatpack.backends.lock import TORCH_CPU_INDEX, committed_lock, lock_problems
 from flatpack.codegen.artifact import serialize
+from flatpack.codegen.integrity import INDEX_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 
@@ -130,7 +131,9 @@ def function_images(compiled: Compiled, target: str, *, share_below_bytes: int =
     common = _common_files(flavor, lock_text)
     images = []
     for stages in groups:
-        files = dict(common)
+        # the index of the whole artifact: a function checks it against the digest in its
+        # invocation, then its stage's files against it (runtime/worker.py, docs/security.md)
+        files = {**common, f"artifacts/{INDEX_FILE}": compiled.index.raw}
         for index in stages:
             files.update(artifacts[index])
         files["Dockerfile"] = dockerfile(flavor, stages, model_label(compiled), pinned).encode()

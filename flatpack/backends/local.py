@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flatpack.backends.functions import FunctionDeployment, Restart, TrainResult, oom_error, read_status
-from flatpack.codegen.artifact import serialize
+from flatpack.codegen.integrity import INDEX_FILE, check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.interrupts import die_with_parent, stopping, track
@@ -41,24 +41,29 @@ NAME = "local"
 
 
 def package(compiled: Compiled) -> dict[str, bytes]:
-    """The deployment's files, by store key below the run prefix: each stage's artifact."""
-    files = {}
-    for artifact in compiled.artifacts:
-        for name, data in serialize(artifact).items():
-            files[f"artifacts/stage_{artifact.index:03d}/{name}"] = data
+    """The deployment's files, by store key below the run prefix: the whole artifact and its
+    index (``artifacts/flatpack.index.json``), which workers check against the digest in
+    their invocation."""
+    files = {f"artifacts/{name}": data for name, data in compiled.files().items()}
+    files[f"artifacts/{INDEX_FILE}"] = compiled.index.raw
     return files
 
 
 def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, str] | None = None,
            workdir: str | os.PathLike | None = None, run: str | None = None,
-           data_dir: str | os.PathLike | None = None) -> "LocalDeployment":
+           data_dir: str | os.PathLike | None = None, digest: str | None = None) -> "LocalDeployment":
     """Starts the local S3 server (unless ``store_url`` names a store to use, with ``env``
     holding its credentials) and uploads the stage artifacts under a fresh run prefix.
 
     ``data_dir``: the server's directory (a run directory's ``store/``); it survives a crash
     and teardown keeps it unless ``teardown(clean=True)``. Without it the server's data, and
     the logs unless ``workdir`` says where, go to a temporary directory removed at teardown.
+    ``digest``: refuse to deploy unless ``compiled.digest`` is this (the digest ``compile``
+    printed). Either way every function verifies its stage against ``compiled.digest``,
+    which it receives in its invocation (``tests/security/test_worker.py``).
     """
+    if digest is not None:
+        check_digest(compiled.index.raw, digest, "the artifact to deploy")
     if data_dir is not None and store_url is not None:
         raise InputError("data_dir is where deploy's own S3 server keeps its data; with store_url there is none "
                          "(give one or the other)")

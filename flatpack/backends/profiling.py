@@ -139,6 +139,9 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         emulated = bool(getattr(deployment, "emulate_tiers", False))
         probe = _probe_size(emulated, bandwidth_probe_bytes)
         keys = deployment.keys
+        # the index, for functions whose image holds the stages but not the index; each checks
+        # it against the digest in its role before trusting it
+        deployment.store.put(keys.artifact_index(), compiled.index.raw)
         deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info["input_names"], leaves))))
         grad_values = _grad_values(compiled)
         layer_inputs = tuple(tuple(entry["name"] for entry in artifact.manifest["inputs"])
@@ -152,7 +155,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
                                memory_mb=memory_mb, vcpus=platform.tier(memory_mb).vcpus, emulate_cpu=emulated,
                                base_memory_bytes=int(platform.base_memory_bytes), repeats=repeats, warmup=warmup,
                                threads=threads, bandwidth_probe_bytes=probe)
-            role = profile_role(keys, memory_mb)
+            role = profile_role(keys, memory_mb, compiled.digest)
             deployment.store.put(role.spec_key, spec.dumps())
             roles.append(role)
         ended = _run_functions(roles, launch or deployment.launch, parallel, timeout_s, say)

@@ -1,12 +1,16 @@
-"""Writing, verifying and loading stage directories (``stage.py``, weights, ``manifest.json``).
+"""Serializing, verifying and loading stages (``stage.py``, weights, ``manifest.json``).
 
 Loading never unpickles: the source is flatpack's own generated Python, the weights are
-safetensors, the manifest is JSON. Hashes are checked before anything is executed.
+safetensors, the manifest is JSON. A stage is verified against the artifact's index
+(``codegen.integrity``: sizes, sha256, the weights' safetensors framing) before its source is
+executed; the manifest's own hashes are a second, internal consistency check only, since
+whoever can rewrite a file can rewrite the manifest beside it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import types
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from torch import nn
 
 from flatpack.codegen.emit import (MANIFEST_FILE, SOURCE_FILE, STAGE_KIND, WEIGHTS_FILE, StageArtifact,
                                    sha256_bytes)
+from flatpack.codegen.integrity import check_safetensors, read_verified
 from flatpack.errors import ArtifactError
 from flatpack.version import STAGE_SCHEMA_VERSION
 
@@ -38,20 +43,19 @@ def serialize(artifact: StageArtifact) -> dict[str, bytes]:
     }
 
 
-def write_stage(artifact: StageArtifact, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=False)
-    for name, data in serialize(artifact).items():
-        (directory / name).write_bytes(data)
-
-
-def read_stage(directory: str | Path) -> StageArtifact:
-    """Reads and verifies a stage directory; raises ArtifactError naming what is wrong."""
+def read_stage(directory: str | os.PathLike, *, digest: str | None = None,
+               verify_key: str | os.PathLike | None = None) -> StageArtifact:
+    """Reads and verifies one stage directory of a saved artifact (``out/stage_NNN``): the
+    artifact's index (``out/flatpack.index.json``) against ``digest`` or the signature under
+    ``verify_key`` when given, then this stage's files against the index. Raises
+    ArtifactError naming what is wrong; nothing is executed."""
     directory = Path(directory)
     if not (directory / MANIFEST_FILE).is_file():
         raise ArtifactError(f"{directory} has no {MANIFEST_FILE}: it is not a flatpack stage directory "
                             "(compile one with `flatpack compile` or Compiled.save)")
-    contents = {name: (directory / name).read_bytes() for name in (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
-                if (directory / name).is_file()}
+    verified = read_verified(directory.parent, digest=digest, verify_key=verify_key, under=directory.name)
+    prefix = f"{directory.name}/"
+    contents = {name[len(prefix):]: data for name, data in verified.files.items() if name.startswith(prefix)}
     return parse_stage(contents, str(directory))
 
 
@@ -80,6 +84,8 @@ def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
             raise ArtifactError(f"{path} has sha256 {actual[:16]}… but the manifest records "
                                 f"{str(expected)[:16]}…: the file was modified or corrupted. "
                                 "Recompile the model, or restore the file from the original output.")
+    # the framing is checked before safetensors parses it (header size, tensor bounds)
+    check_safetensors(contents[WEIGHTS_FILE], f"{where}/{WEIGHTS_FILE}")
     tensors = load_safetensors(contents[WEIGHTS_FILE])
     missing = {entry["name"] for entry in manifest["parameters"]} - tensors.keys()
     if missing:
@@ -107,14 +113,16 @@ def build_module(artifact: StageArtifact, filename: str = "<flatpack stage>") ->
     return module
 
 
-def load_stage(path: str | Path) -> nn.Module:
-    """Loads a stage directory written by flatpack as an ``nn.Module``.
+def load_stage(path: str | os.PathLike, *, digest: str | None = None,
+               verify_key: str | os.PathLike | None = None) -> nn.Module:
+    """Loads one stage directory of a saved artifact as an ``nn.Module``, verified first
+    (see :func:`read_stage`).
 
     Works in a fresh interpreter with only torch and flatpack: the user's model code is
     never imported. ``module.flatpack_manifest`` describes its inputs, outputs and weights.
     """
     path = Path(path)
-    return build_module(read_stage(path), str(path / SOURCE_FILE))
+    return build_module(read_stage(path, digest=digest, verify_key=verify_key), str(path / SOURCE_FILE))
 
 
 def parameter_names(module: nn.Module) -> dict[str, str]:

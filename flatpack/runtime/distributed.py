@@ -78,6 +78,7 @@ from flatpack.runtime.wire import META_KEY
 
 RUN_FILE = "run.json"
 STAGES_DIR = "stages"
+DIGEST_ENV = "FLATPACK_DIGEST"   # the artifact digest a rank verifies its stage against
 DATA_DIR = "data"
 RUN_KIND = "flatpack-distributed-run"
 RUN_VERSION = 1
@@ -633,8 +634,12 @@ def device_for(run: DistributedRun, local_rank: int) -> torch.device:
 
 
 def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | None, rank: int, local_rank: int,
-             warmup: int = 1) -> None:
-    """Joins the process group (``env://``: MASTER_ADDR, MASTER_PORT), trains, writes outputs."""
+             warmup: int = 1, digest: str | None = None) -> None:
+    """Joins the process group (``env://``: MASTER_ADDR, MASTER_PORT), trains, writes outputs.
+
+    The rank's stage is verified before it is loaded: against the context's
+    ``stages/flatpack.index.json``, which must have sha256 ``digest`` when one is given
+    (``--digest`` or ``FLATPACK_DIGEST``, set where the rank is started, not in the context)."""
     layout = run.layout
     world = int(os.environ.get("WORLD_SIZE", layout.world_size))
     if world != layout.world_size:
@@ -642,7 +647,7 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
                          f"WORLD_SIZE is {world}; start exactly one rank per stage replica")
     role = layout.role(rank)
     device = device_for(run, local_rank)
-    module = load_stage(stage_path(context, role.stage))
+    module = load_stage(stage_path(context, role.stage), digest=digest)
     kwargs: dict[str, Any] = {}
     if run.backend == "nccl":
         kwargs["device_id"] = device
@@ -670,6 +675,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, help="override the run document's iteration count")
     parser.add_argument("--batch", type=int, help="override the global batch (synthetic throughput runs)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations left out of the median seconds")
+    parser.add_argument("--digest", help=f"the artifact digest the stages must match (default: ${DIGEST_ENV})")
     return parser.parse_args(argv)
 
 
@@ -684,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = with_overrides(run, iterations=args.iterations, batch=args.batch)
         data_dir = None if args.synthetic else Path(args.data or context / DATA_DIR)
         run_rank(run, context, Path(args.out), data_dir=data_dir, rank=rank, local_rank=local_rank,
-                 warmup=args.warmup)
+                 warmup=args.warmup, digest=args.digest or os.environ.get(DIGEST_ENV) or None)
     except Exception:  # noqa: BLE001 - the launcher reads the traceback from this rank's log
         failed_at = time.time()
         trace = traceback.format_exc()

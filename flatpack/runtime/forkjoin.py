@@ -119,7 +119,7 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
         groups = [spec.groups[role.stage]]
     else:
         groups = [g for g in spec.groups if g.workers == 0 or g.on_master]
-    modules = {g.index: load_module(store, keys, g.index).eval() for g in groups}
+    modules = {g.index: load_module(store, keys, g.index, role.digest).eval() for g in groups}
     if spec.checkpoint is not None:
         for index, module in modules.items():
             load_weights(module, store.wait(keys.checkpoint(index, spec.checkpoint), spec.wait_timeout_s))

@@ -59,6 +59,10 @@ class RunKeys:
     def artifact(self, stage: int, filename: str) -> str:
         return f"{self.run}/artifacts/stage_{stage:03d}/{filename}"
 
+    def artifact_index(self) -> str:
+        """The artifact's index (``flatpack.index.json``); workers check it against their digest."""
+        return f"{self.run}/artifacts/flatpack.index.json"
+
     def artifacts(self, stage: int) -> str:
         return f"{self.run}/artifacts/stage_{stage:03d}/"
 

@@ -63,12 +63,12 @@ DOES_NOT_FIT = "does-not-fit"
 ERROR = "error"
 
 
-def profile_role(keys: RunKeys, memory_mb: int) -> Role:
+def profile_role(keys: RunKeys, memory_mb: int, digest: str = "") -> Role:
     """The role of the function that profiles the ``memory_mb`` tier. ``stage`` carries the
     tier's memory size: a backend starts the function with that much memory, and the
     worker's status record for it lands under ``keys.status(memory_mb, 0, 0)``."""
     return Role(spec_key=keys.profile("spec", memory_mb), stage=memory_mb, replica=0, start_iteration=0,
-                end_iteration=0, kind=PROFILE_KIND)
+                end_iteration=0, kind=PROFILE_KIND, digest=digest)
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,8 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     store; returns the exit code, 0 once a result is written, whatever it says (a layer
     that does not fit, or refuses every micro-batch size, is a result). A failure outside
     the measurement (the store, an artifact) raises, for the worker to record in its status.
-    ``role`` is not read: the worker hands every kind its role, and this one's spec says
-    all the function needs (the tier is ``spec.memory_mb``, as ``role.stage`` is)."""
+    Of ``role`` only the artifact digest is read (each layer's stage is verified against it);
+    the spec says all else the function needs (the tier is ``spec.memory_mb``, as ``role.stage`` is)."""
     from flatpack.runtime.worker import cpu_throttle, peak_rss_bytes
 
     spec = ProfileSpec.loads(raw_spec)
@@ -217,7 +217,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     throttle = cpu_throttle(spec.vcpus if spec.emulate_cpu else None, spec.threads)
     measured: list[LayerResult] = []
     for index, name in enumerate(spec.layers):
-        module = load_module(store, keys, index)
+        module = load_module(store, keys, index, role.digest)
         if module.flatpack_manifest["layer_names"] != [name]:
             raise ValueError(f"stage {index} of the run holds layers {module.flatpack_manifest['layer_names']}, not "
                              f"the one layer {name!r}: the profiler needs the chain compiled one layer per stage")

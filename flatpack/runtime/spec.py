@@ -118,6 +118,10 @@ class Role:
     end_iteration: int
     attempt: int = 0
     kind: str = "train"      # "train" | "infer-master" | "infer-worker"
+    # the sha256 of the artifact's index (Compiled.digest): the worker checks what it loads
+    # against it. It travels in the invocation, never through the store, so that whoever can
+    # write the store cannot also vouch for what they wrote.
+    digest: str = ""
 
     def dumps(self) -> str:
         return json.dumps(asdict(self))

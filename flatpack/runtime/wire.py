@@ -2,8 +2,11 @@
 
 Tensors travel as one safetensors buffer: a JSON header (dtype, shape, byte offsets) and the
 raw bytes. Metadata rides in the header as one JSON string, because safetensors metadata is
-a flat str -> str map. A receiver decodes with nothing but safetensors and json, so a payload
-from an untrusted store can never execute code.
+a flat str -> str map. A receiver decodes with nothing but safetensors and json, after
+checking the header length against the payload, so decoding runs no code from the payload
+(``tests/integration/test_stores.py::test_wire_rejects_bad_input_and_bad_bytes``,
+``tests/security/test_no_import_from_data.py``). Decoding is not authentication: whoever can
+write the store can still change the tensors' values (docs/security.md).
 """
 
 from __future__ import annotations

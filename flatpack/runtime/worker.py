@@ -1,9 +1,11 @@
 """The function process: ``python -m flatpack.runtime.worker``.
 
-A function receives only its role (``FLATPACK_ROLE``, JSON) and the store's address
-(``FLATPACK_STORE``, credentials from the standard environment); everything else — the run's
-settings, its stage artifact, checkpoints, data, the other stages' tensors — it reads from
-the store. Like a serverless function it is held to its tier:
+A function receives only its role (``FLATPACK_ROLE``, JSON, which carries the artifact's
+digest) and the store's address (``FLATPACK_STORE``, credentials from the standard
+environment); everything else — the run's settings, its stage artifact, checkpoints, data,
+the other stages' tensors — it reads from the store, and it runs no stage code before the
+artifact's index matches the digest and the stage's files match the index. Like a
+serverless function it is held to its tier:
 
 * memory: the process's peak resident memory (``VmHWM``, what Lambda reports as "Max
   Memory Used") is checked after every task; past the tier the function fails as an
@@ -34,6 +36,8 @@ import torch
 
 from flatpack.codegen.artifact import build_module, parse_stage
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
+from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, verify_files
+from flatpack.errors import ArtifactError
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
@@ -113,21 +117,45 @@ def apply_fault(fault: dict) -> None:
         raise ValueError(f"unknown fault action {action!r}")
 
 
-def load_module(store: Store, keys: RunKeys, stage: int) -> torch.nn.Module:
+def artifact_index(store: Store, keys: RunKeys, digest: str, baked: str | None) -> Index:
+    """The artifact's index, checked against ``digest`` (from the invocation) before it is
+    parsed: from the image when one is baked there, else from the store."""
+    if not digest:
+        raise ArtifactError("this invocation carries no artifact digest (Role.digest), so the stage cannot be "
+                            "verified and will not be loaded; deploy with this flatpack version, which puts "
+                            "Compiled.digest in every invocation")
+    baked_index = os.path.join(baked, INDEX_FILE) if baked else None
+    if baked_index and os.path.isfile(baked_index):
+        with open(baked_index, "rb") as file:
+            raw, where = file.read(), baked_index
+    else:
+        raw, where = store.get(keys.artifact_index()), f"store:{keys.artifact_index()}"
+    check_digest(raw, digest, where)
+    return Index.parse(raw, where)
+
+
+def load_module(store: Store, keys: RunKeys, stage: int, digest: str) -> torch.nn.Module:
     """The stage's module, from the artifacts baked into the function's image
-    (``FLATPACK_ARTIFACTS``, the cloud backends) or else from the store (the local backend)."""
+    (``FLATPACK_ARTIFACTS``, the cloud backends) or else from the store (the local backend).
+
+    Verified before its source runs: the index against ``digest`` (the invocation's, never
+    the store's), then the stage's files against the index (``tests/security/test_worker.py``).
+    """
     baked = os.environ.get(ARTIFACTS_ENV)
+    prefix = f"stage_{stage:03d}"
     names = (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
-    if baked and os.path.isdir(os.path.join(baked, f"stage_{stage:03d}")):
-        directory = os.path.join(baked, f"stage_{stage:03d}")
+    index = artifact_index(store, keys, digest, baked)
+    if baked and os.path.isdir(os.path.join(baked, prefix)):
+        where = baked
         contents = {}
         for name in names:
-            with open(os.path.join(directory, name), "rb") as file:
+            with open(os.path.join(baked, prefix, name), "rb") as file:
                 contents[name] = file.read()
-        artifact = parse_stage(contents, directory)
     else:
+        where = f"store:{keys.run}/artifacts"
         contents = {name: store.get(keys.artifact(stage, name)) for name in names}
-        artifact = parse_stage(contents, f"store:{keys.artifacts(stage)}")
+    verify_files(index, {f"{prefix}/{name}": data for name, data in contents.items()}, where)
+    artifact = parse_stage(contents, f"{where}/{prefix}")
     return build_module(artifact, f"<flatpack stage {stage}>")
 
 
@@ -176,7 +204,7 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
                   timeline.dumps(recorder.drain(iteration)))
 
     with recorder.task("load", role.start_iteration):
-        module = load_module(store, keys, role.stage)
+        module = load_module(store, keys, role.stage, role.digest)
         trainer = StageTrainer(spec, role, throttled, module, recorder, after_task=after_task,
                                throttle_compute=cpu_throttle(stage.vcpus, spec.threads))
         checkpoint = spec.checkpoint_before(role.start_iteration)
@@ -228,7 +256,8 @@ def infer(store: Store, raw_spec: bytes, role: Role) -> int:
 
 def run_role(role: Role, store: Store, started: float) -> int:
     """Runs one function invocation to its end and returns its exit code; every failure is
-    reported in the role's status record (the invoker reads it), never raised: ``oom``, or
+    reported in the role's status record (the invoker reads it), never raised: ``refused``
+    when its stage artifact failed verification (nothing of it ran), ``oom``, or
     ``transient`` when the cause was transient (a store unreachable or throttled for its
     whole retry budget; the invoker relaunches the function), else ``error`` with the traceback."""
     from flatpack.runtime.store import StoreUnavailable, is_transient_failure
@@ -247,6 +276,10 @@ def run_role(role: Role, store: Store, started: float) -> int:
             torch.set_num_threads(spec.threads)
             return train(store, spec, role, started)
         return infer(store, raw, role)
+    except ArtifactError as err:
+        # a stage that fails verification is never retried: its bytes will not change by themselves
+        write_status(store, keys, role, {"status": "refused", "error": str(err)})
+        return 1
     except OutOfMemory as err:
         write_status(store, keys, role, {"status": "oom", "peak_bytes": err.peak_bytes, "limit_bytes": err.limit_bytes,
                                          "task": err.task})

@@ -168,6 +168,19 @@ def test_bad_input_fails_before_any_api_call(moto_server, compiled, tmp_path, mo
     assert not (tmp_path / "images").exists()
 
 
+def test_deploy_refuses_another_artifacts_digest_before_any_call(moto_server, compiled, tmp_path):
+    """deploy(digest=) pins the artifact: another one is refused before any API call or file."""
+    from flatpack.errors import ArtifactError
+
+    session = moto_server.session()
+    calls = calls_made(session)
+    with pytest.raises(ArtifactError, match="the artifact to deploy"):
+        aws_lambda.deploy(compiled, region="us-east-1", session=session, endpoint_urls=moto_server.endpoints(),
+                          push=ecr_push(session, moto_server.url), out=tmp_path, digest="0" * 64)
+    assert calls == []
+    assert not (tmp_path / "images").exists()
+
+
 def test_missing_credentials_name_the_chain_searched(moto_server, compiled, tmp_path, monkeypatch):
     import boto3
 

@@ -203,6 +203,21 @@ def test_check_package_refuses_a_weakened_pod_or_policy(hybrid, weaken, problem)
         gpu_container.check_package(files)
 
 
+def test_the_job_pins_the_artifact_digest(hybrid):
+    """The Job hands the ranks compiled.digest through the manifest kubectl applies (not the
+    image), and check_package refuses a Job whose digest is not the context index's."""
+    files = gpu_container.package(hybrid)
+    documents = gpu_container.parse_yaml_documents(files["k8s/job.yaml"].decode())
+    env = {entry["name"]: entry.get("value") for entry in _container(documents)["env"]}
+    assert env["FLATPACK_DIGEST"] == hybrid.digest
+    _container(documents)["env"] = [entry for entry in _container(documents)["env"]
+                                    if entry["name"] != "FLATPACK_DIGEST"] + [{"name": "FLATPACK_DIGEST",
+                                                                              "value": "0" * 64}]
+    files["k8s/job.yaml"] = "\n---\n".join(json.dumps(document) for document in documents).encode()
+    with pytest.raises(ArtifactError, match="is not the digest of stages/flatpack.index.json"):
+        gpu_container.check_package(files)
+
+
 @pytest.mark.parametrize(("path", "old", "new", "problem"), [
     ("Dockerfile", "USER 10001:10001", "USER 0", "final USER is '0'"),
     ("Dockerfile", " --require-hashes", "", "without --require-hashes"),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flatpack
+from flatpack.codegen.integrity import INDEX_FILE, Index
 from flatpack.errors import ArtifactError, InputError, PlanError
 from tests.models import MLP
 
@@ -53,7 +54,8 @@ def test_previous_flatpack_output_is_replaced(tmp_path):
     out = tmp_path / "out"
     flatpack.compile(MLP(), (torch.randn(2, 8),), stages=3, out_dir=out)
     flatpack.compile(MLP(), (torch.randn(2, 8),), stages=2, out_dir=out)
-    assert sorted(p.name for p in out.iterdir()) == ["flatpack.json", "plan.json", "stage_000", "stage_001"]
+    assert sorted(p.name for p in out.iterdir()) == ["flatpack.index.json", "flatpack.json", "plan.json", "stage_000",
+                                                     "stage_001"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -65,7 +67,8 @@ def test_tampered_artifact_is_detected(tmp_path, victim):
     data = bytearray(path.read_bytes())
     data[-2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=rf"stage_001/{victim} has sha256 .* modified or corrupted"):
+    with pytest.raises(ArtifactError, match=rf"stage_001/{victim} has sha256 .* but flatpack.index.json records "
+                                            ".* modified or corrupted"):
         flatpack.load(out)
 
 
@@ -76,6 +79,12 @@ def test_missing_and_foreign_manifests(tmp_path):
     flatpack.compile(MLP(), (torch.randn(2, 8),), stages=2, out_dir=out)
     manifest = out / "stage_000" / "manifest.json"
     manifest.write_text(json.dumps({"kind": "something-else"}))
+    with pytest.raises(ArtifactError, match="stage_000/manifest.json has .* bytes but flatpack.index.json records"):
+        flatpack.load(out)
+    # past the index (rewritten to match), the manifest's own checks still refuse it
+    files = {path.relative_to(out).as_posix(): path.read_bytes() for path in out.rglob("*")
+             if path.is_file() and path.name != INDEX_FILE}
+    (out / INDEX_FILE).write_bytes(Index.build(files).raw)
     with pytest.raises(ArtifactError, match="not a flatpack stage manifest"):
         flatpack.load(out)
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import flatpack
 from flatpack.cli import main
 
 FACTORY = '''
@@ -38,9 +39,15 @@ def test_inspect_prints_the_chain_and_writes_json(factory, tmp_path, capsys):
 def test_compile_writes_stage_directories(factory, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["compile", factory, "--stages", "3", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["flatpack.json", "plan.json", "stage_000", "stage_001",
-                                                      "stage_002"]
-    assert "wrote 3 stages" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["flatpack.index.json", "flatpack.json", "plan.json",
+                                                      "stage_000", "stage_001", "stage_002"]
+    printed = capsys.readouterr().out
+    assert "wrote 3 stages" in printed
+    digest = flatpack.load(out).digest
+    assert f"digest {digest}" in printed
+    assert main(["check", str(out), "--digest", digest]) == 0
+    assert main(["check", str(out), "--digest", "0" * 64]) == 2
+    assert "expected digest" in capsys.readouterr().err
 
 
 def test_errors_are_one_line_with_exit_code_2(factory, tmp_path, capsys):

@@ -56,6 +56,22 @@ def test_contexts_are_sound_and_shared_while_small(target):
     assert image.estimated_bytes > images.runtime_dependency_bytes() > 100 * images.MIB   # torch is in it
 
 
+def test_images_bake_the_artifact_index():
+    """Every image holds the whole artifact's index beside its stages, byte for byte the one
+    whose sha256 is compiled.digest, and each baked stage file matches its entry."""
+    from flatpack.codegen.integrity import INDEX_FILE, Index
+
+    compiled = compiled_model()
+    for image in images.function_images(compiled, "aws-lambda", share_below_bytes=1):
+        raw = image.files[f"artifacts/{INDEX_FILE}"]
+        assert raw == compiled.index.raw
+        index = Index.parse(raw, INDEX_FILE)
+        assert index.digest == compiled.digest
+        for path, data in image.files.items():
+            if path.startswith("artifacts/stage_"):
+                index.check(path.removeprefix("artifacts/"), data, path)
+
+
 def test_large_stages_get_an_image_each_and_tags_follow_content():
     compiled = compiled_model()
     separate = images.function_images(compiled, "aws-lambda", share_below_bytes=1)
