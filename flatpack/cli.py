@@ -222,7 +222,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                tiers=_positive_ints(args.tiers, "--tiers") if args.tiers else None,
                                batch_sizes=_positive_ints(args.batch_sizes), repeats=args.repeats,
                                passes=pipeline_for(args), out=args.out, parallel=args.parallel,
-                               timeout_s=args.timeout, emulate=args.emulate)
+                               timeout_s=args.timeout, emulate=args.emulate, region=args.region)
     options = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
                              max_seconds=args.max_seconds, use_cache=not args.no_cache, progress=True)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1, profile=options)
@@ -477,7 +477,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 CLOUD_OPTIONS = {
     "aws-lambda": ("name", "region", "bucket", "base_image", "lock"),
     "alibaba-fc": ("name", "region", "bucket", "account", "namespace", "role_arn", "base_image", "lock"),
-    "gpu-container": ("name", "image", "base_image", "lock"),
+    "gpu-container": ("name", "image", "base_image", "lock", "backend"),
 }
 
 
@@ -493,6 +493,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.target not in CLOUD_OPTIONS:
         raise InputError(f"flatpack deploy targets {', '.join(CLOUD_OPTIONS)}; the local target runs in-process "
                          "(flatpack run MODEL)")
+    if args.backend is not None and args.target != "gpu-container":
+        raise InputError(f"--backend chooses the gpu-container ranks' collective backend; {args.target} functions "
+                         "talk through the store. Leave --backend out, or use --target gpu-container")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out} is not empty; deploy writes a fresh directory (its deployment record is what "
@@ -526,11 +529,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
           f"{len(compiled.plan.stages)} stages, layers {stages}")
     if args.dry_run or args.target == "gpu-container":
         # a gpu-container deployment is the user's kubectl apply of what this writes
+        from flatpack.backends.gpu_container import write_context
+
         files = backend.package(compiled, **options)
-        for path, data in sorted(files.items()):
-            target = out / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        write_context(files, out)      # launch.sh (gpu-container) executable, as the Dockerfile expects
         _print_tree(out, files)
         what = ("dry run: nothing was created" if args.dry_run else
                 "flatpack calls no cluster API for gpu-container: apply the manifests yourself")
@@ -607,6 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.add_argument("--emulate", action="store_true", help="--target: run the target's tiers as local "
                                 "functions, each held to its tier's CPU share, instead of deploying")
     profile_parser.add_argument("--parallel", type=int, default=1, help="--target: functions at a time")
+    profile_parser.add_argument("--region", default=None,
+                                help="--target: the cloud region of the profiler functions (default: AWS_REGION, "
+                                     "AWS_DEFAULT_REGION or the boto3 profile's; ALIBABA_CLOUD_REGION_ID), "
+                                     "e.g. --region eu-west-1")
     profile_parser.add_argument("--timeout", type=float, default=900.0, help="--target: seconds per function")
     profile_parser.set_defaults(run=cmd_profile)
 
@@ -733,6 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_parser.add_argument("--account", default=None, help="alibaba-fc: the account id")
     deploy_parser.add_argument("--namespace", default=None, help="alibaba-fc: the Container Registry namespace")
     deploy_parser.add_argument("--role-arn", dest="role_arn", default=None, help="alibaba-fc: the functions' RAM role")
+    deploy_parser.add_argument("--backend", default=None, choices=["nccl", "gloo"],
+                               help="gpu-container: the collective backend of the ranks: nccl (default; one GPU per "
+                                    "rank) or gloo (CPU-only clusters), e.g. --backend gloo")
     deploy_parser.add_argument("--image", default=None, help="gpu-container: the image name to build and push "
                                                              "(default <name>:latest)")
     deploy_parser.add_argument("--base-image", dest="base_image", default=None,

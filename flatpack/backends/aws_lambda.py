@@ -161,6 +161,13 @@ def known_regions(session: Any) -> set[str]:
     return regions
 
 
+def default_region(session: Any) -> str | None:
+    """The region when none is given, as the AWS CLI v2 resolves it: ``AWS_REGION``, then
+    ``AWS_DEFAULT_REGION`` and the profile's ``region`` (boto3's ``session.region_name``,
+    which does not read ``AWS_REGION``)."""
+    return os.environ.get("AWS_REGION") or session.region_name
+
+
 def check_region(session: Any, region: str | None) -> str:
     import difflib
 
@@ -255,7 +262,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
     name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
-    region = check_region(session, region or session.region_name)
+    region = check_region(session, region or default_region(session))
     check_credentials(session)
     if push is None and shutil.which("docker") is None:
         raise InputError("deploying to aws-lambda builds container images, and no `docker` is on PATH. Install Docker, "

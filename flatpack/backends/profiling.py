@@ -81,7 +81,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
                       launch: Callable[[Role], Invocation] | None = None, parallel: int = 1,
                       timeout_s: float = DEFAULT_TIMEOUT_S, bandwidth_probe_bytes: int | None = None,
                       out: str | os.PathLike | None = None,
-                      report: Callable[[str], None] | None = None) -> Calibration:
+                      report: Callable[[str], None] | None = None, region: str | None = None) -> Calibration:
     """Measures every layer of ``model``'s chain on each memory tier of ``target`` inside
     the target and returns the :class:`Calibration` (also written atomically to ``out``).
 
@@ -101,7 +101,8 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
     (default: 16 MiB on a real platform; none when tiers are emulated, where asking for a
     probe is an error: an emulated function reaches this machine's store unthrottled, so the
     figure would be localhost's, not the tier's). ``report``: called with a line per step
-    (the CLI prints them).
+    (the CLI prints them). ``region``: the cloud region the profiler functions go to
+    (default: the backend's own resolution, e.g. ``AWS_REGION``).
 
     A function that fails leaves its tier out, with the platform's reason and the end of
     its traceback in the provenance; when emulating, the scratch folder of the functions'
@@ -124,7 +125,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         if deploy is None:   # before compiling: a target that cannot profile, or a probe that
             # would time localhost, is refused at once
             _probe_size(emulate or target == "local", bandwidth_probe_bytes)
-            deploy, scratch = _default_deploy(target, emulate, memory_sizes)
+            deploy, scratch = _default_deploy(target, emulate, memory_sizes, region)
             if scratch is not None:
                 cleanup.callback(_remove_logs_unless_failed, scratch, failed_tiers)
         compiled = _compile_one_layer_per_stage(model, example_inputs, target, passes, profile, example_kwargs)
@@ -177,15 +178,20 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
 def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers: Sequence[int] | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     passes: str | None = None, out: str | os.PathLike | None = None, parallel: int = 1,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False) -> int:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False, region: str | None = None) -> int:
     """``flatpack profile MODEL --target T``: profiles inside ``target``, prints a table of
     the measured seconds and writes the calibration file (default
     ``calibration-<target>.json``). ``emulate``: run the target's tiers as local processes
-    (the local backend) instead of deploying to the target; always so for ``local``."""
+    (the local backend) instead of deploying to the target; always so for ``local``.
+    ``region``: the cloud region the profiler functions are deployed in (default: the
+    backend's, from the environment or the SDK's profile)."""
+    if region is not None and (emulate or target == "local"):
+        raise InputError(f"--region places profiler functions in a cloud region; {'emulated tiers' if emulate else 'the local target'} "
+                         "run on this machine. Leave --region out")
     out = Path(out) if out is not None else Path(f"calibration-{target}.json")
     calibration = profile_in_target(model, example_inputs, target=target, tiers=tiers, batch_sizes=batch_sizes,
                                     repeats=repeats, passes=passes, emulate=emulate, parallel=parallel,
-                                    timeout_s=timeout_s, out=out, report=print)
+                                    timeout_s=timeout_s, out=out, report=print, region=region)
     print(calibration_table(calibration, max(batch_sizes)))
     return 0
 
@@ -277,8 +283,8 @@ def _weight_and_grad_bytes(manifest: dict[str, Any]) -> tuple[int, int]:
     return weights, gradients
 
 
-def _default_deploy(target: str, emulate: bool,
-                    memory_sizes: tuple[int, ...]) -> tuple[Callable[[Any], FunctionDeployment], Path | None]:
+def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...],
+                    region: str | None = None) -> tuple[Callable[[Any], FunctionDeployment], Path | None]:
     """The deploy function, and the scratch folder it keeps its functions' logs in (None:
     the backend keeps them where it keeps its deployment record). Emulating (and for
     ``local``): the local backend's deploy, into a new scratch folder. Otherwise the
@@ -295,7 +301,8 @@ def _default_deploy(target: str, emulate: bool,
     if not getattr(backend, "PROFILE_FUNCTIONS", False):
         raise InputError(f"the {target} backend cannot start profiler functions yet (one function per memory tier); "
                          f"emulate its tiers on this machine instead: emulate=True (flatpack profile --emulate)")
-    return partial(backend.deploy, profile_tiers=memory_sizes), None
+    options = {} if region is None else {"region": region}
+    return partial(backend.deploy, profile_tiers=memory_sizes, **options), None
 
 
 def _remove_logs_unless_failed(scratch: Path, failed_tiers: list[int]) -> None:

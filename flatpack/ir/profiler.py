@@ -248,7 +248,8 @@ def _direct(compute: Callable[[], Any]) -> Any:
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,
                 warmup: int, budget_s: float | None = None, progress: "_Progress | None" = None, batch: int = 0,
                 execute: Callable[[Callable[[], Any]], Any] = _direct,
-                inference: bool = True) -> tuple[list[tuple[float, float]], list[float]]:
+                inference: bool = True,
+                clock: Callable[[], float] = time.perf_counter) -> tuple[list[tuple[float, float]], list[float]]:
     """Median forward and backward seconds of every layer, and with ``inference`` its no-grad
     forward's, over ``repeats`` timed runs after ``warmup`` untimed ones, timed the way a
     stage runs them: forward through all layers in order (each on its predecessors' fresh
@@ -260,7 +261,9 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
     ``budget_s``: once spent, no further run starts (one timed run always happens).
     ``progress`` (with ``batch`` for its messages): a bar to advance, if any. ``execute``
     runs each timed computation: directly, or through a tier's CPU throttle
-    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier. Returns
+    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier, and ``clock``
+    times it: wall time, or an emulated tier's own clock (``runtime.worker.emulated_clock``:
+    CPU seconds over the tier's share, which the host's other load does not inflate). Returns
     (forward, backward) per layer, and the no-grad forward per layer (empty when not
     ``inference``)."""
     forward_times: list[list[float]] = [[] for _ in modules]
@@ -276,25 +279,25 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
         for index, module in enumerate(modules):
             args = _layer_inputs(module, values, grad_values)
             synchronize()
-            begin = time.perf_counter()
+            begin = clock()
             result = execute(lambda: module(*args))
             synchronize()
-            forward_times[index].append(time.perf_counter() - begin)
+            forward_times[index].append(clock() - begin)
             outputs.append(result)
             names = (entry["name"] for entry in module.flatpack_manifest["outputs"])
             values.update(zip(names, (value.detach() if isinstance(value, torch.Tensor) else value
                                       for value in result)))
         for index in reversed(range(len(modules))):
             synchronize()
-            begin = time.perf_counter()
+            begin = clock()
             execute(lambda: _backward(outputs[index]))
             synchronize()
-            backward_times[index].append(time.perf_counter() - begin)
+            backward_times[index].append(clock() - begin)
             outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
         for module in modules:
             module.zero_grad(set_to_none=True)
         if inference:
-            _serve_chain(modules, dict(env), inference_times, synchronize, execute)
+            _serve_chain(modules, dict(env), inference_times, synchronize, execute, clock)
         timed = run + 1 - warmup
         if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
             if progress is not None:
@@ -485,19 +488,21 @@ def _reference_values(modules: list[nn.Module], input_names: list[str], inputs: 
 
 def _serve_chain(modules: list[nn.Module], values: dict[str, Any], seconds: list[list[float]] | None = None,
                  synchronize: Callable[[], None] = lambda: None,
-                 execute: Callable[[Callable[[], Any]], Any] = _direct) -> None:
+                 execute: Callable[[Callable[[], Any]], Any] = _direct,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
     """One forward through the layers under ``no_grad``, as served: each layer reads its
-    inputs from ``values`` and adds its outputs there; ``seconds[i]`` gets layer i's time."""
+    inputs from ``values`` and adds its outputs there; ``seconds[i]`` gets layer i's time
+    by ``clock``."""
     with torch.no_grad():
         for index, module in enumerate(modules):
             manifest = module.flatpack_manifest
             args = [values[entry["name"]] for entry in manifest["inputs"]]
             synchronize()
-            begin = time.perf_counter()
+            begin = clock()
             outputs = execute(lambda: module(*args))
             synchronize()
             if seconds is not None:
-                seconds[index].append(time.perf_counter() - begin)
+                seconds[index].append(clock() - begin)
             values.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
 
 
@@ -541,16 +546,18 @@ def layer_peak_bytes(module: nn.Module, values: Mapping[str, Any], grad_values: 
 
 
 def time_layer(module: nn.Module, values: Mapping[str, Any], grad_values: Collection[str], *, repeats: int,
-               warmup: int = 1, execute: Callable[[Callable[[], Any]], Any] = _direct) -> tuple[float, float]:
+               warmup: int = 1, execute: Callable[[Callable[[], Any]], Any] = _direct,
+               clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """Median forward and backward seconds of the stage ``module`` on its inputs read by
     name from ``values``, timed by the host profiler's code as a chain of one (so, unlike a
     whole chain, the layer's weights stay in the caches between repeats). The inputs named
     in ``grad_values`` (values that depend on a parameter) require grad, so backward
     computes the gradient a stage sends back. ``execute`` wraps each timed computation
-    (``runtime.worker.cpu_throttle`` emulates a tier's CPU share). The no-grad forward is
-    not timed: a calibration holds training lines only."""
+    (``runtime.worker.cpu_throttle`` emulates a tier's CPU share) and ``clock`` times it
+    (see :func:`_time_chain`). The no-grad forward is not timed: a calibration holds
+    training lines only."""
     training, _ = _time_chain([module], dict(values), grad_values, repeats=repeats, warmup=warmup, execute=execute,
-                              inference=False)
+                              inference=False, clock=clock)
     return training[0]
 
 

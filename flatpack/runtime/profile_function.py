@@ -25,8 +25,11 @@ nothing. Micro-batch sizes whose need (runtime + weights + the measured peak of 
 backward, extrapolated from the smaller sizes before running) passes the tier are left out
 of the fit and noted, so a real function is not run out of memory.
 
-CPU: on the local backend the tier's CPU share is emulated (``runtime.worker.cpu_throttle``);
-on a real platform the share is the platform's own and the spec says not to emulate.
+CPU: on the local backend the tier's CPU share is emulated (``runtime.worker.cpu_throttle``)
+and its layers are timed by the tier's own clock, CPU seconds over its usable vCPUs
+(``runtime.worker.emulated_clock``), so the host's other load does not inflate them; on a
+real platform the share is the platform's own, the spec says not to emulate, and layers are
+timed by wall time.
 
 Entry point: ``run_profile(store, role, raw_spec)``, from ``runtime.worker``'s dispatch of a
 ``"profile"`` role.
@@ -38,7 +41,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -180,7 +183,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     the measurement (the store, an artifact) raises, for the worker to record in its status.
     Of ``role`` only the artifact digest is read (each layer's stage is verified against it);
     the spec says all else the function needs (the tier is ``spec.memory_mb``, as ``role.stage`` is)."""
-    from flatpack.runtime.worker import cpu_throttle, peak_rss_bytes
+    from flatpack.runtime.worker import cpu_throttle, emulated_clock, peak_rss_bytes
 
     spec = ProfileSpec.loads(raw_spec)
     keys = RunKeys(spec.run)
@@ -215,13 +218,16 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
             for batch in sorted(set(spec.batch_sizes))}
     last_reader = {name: index for index, names in enumerate(spec.layer_inputs) for name in names}
     throttle = cpu_throttle(spec.vcpus if spec.emulate_cpu else None, spec.threads)
+    # an emulated tier is timed by its own clock, so the host's other load does not bend its lines
+    clock = (emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu and spec.vcpus is not None
+             else time.perf_counter)
     measured: list[LayerResult] = []
     for index, name in enumerate(spec.layers):
         module = load_module(store, keys, index, role.digest)
         if module.flatpack_manifest["layer_names"] != [name]:
             raise ValueError(f"stage {index} of the run holds layers {module.flatpack_manifest['layer_names']}, not "
                              f"the one layer {name!r}: the profiler needs the chain compiled one layer per stage")
-        layer = _profile_layer(module, index, envs, spec, throttle)
+        layer = _profile_layer(module, index, envs, spec, throttle, clock)
         measured.append(layer)
         if layer.forward_s is None:
             status = DOES_NOT_FIT if layer.over_tier_at is not None else ERROR
@@ -244,7 +250,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
 
 
 def _profile_layer(module: torch.nn.Module, index: int, envs: dict[int, dict[str, Any]], spec: ProfileSpec,
-                   throttle: Any) -> LayerResult:
+                   throttle: Any, clock: Callable[[], float] = time.perf_counter) -> LayerResult:
     """Layer ``index`` at each micro-batch size, smallest first: predicted need
     (extrapolated from the sizes already measured) and measured need against the tier, then
     the timing. A size over the tier, and every larger one, is left out of the fit and noted."""
@@ -278,7 +284,7 @@ def _profile_layer(module: torch.nn.Module, index: int, envs: dict[int, dict[str
             over_tier_at = batch
             break
         fwd, bwd = time_layer(module, values, spec.grad_values, repeats=spec.repeats, warmup=spec.warmup,
-                              execute=throttle)
+                              execute=throttle, clock=clock)
         sizes.append(batch)
         peaks.append(peak)
         forward.append(fwd)

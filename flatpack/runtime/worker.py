@@ -90,6 +90,16 @@ def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], An
     return run
 
 
+def emulated_clock(vcpus: float, threads: int) -> Callable[[], float]:
+    """A clock of a tier with ``vcpus`` running ``threads`` compute threads: the process's CPU
+    seconds over the CPUs it may use, min(vcpus, threads) (the catalog's compute model). An
+    emulated tier profiles by it, not by wall time: the host's other processes (2 shared
+    cores) stretch wall time, but not the CPU time a computation needs, so a tier with a
+    whole vCPU is not measured slower than it is while the machine is busy."""
+    usable = min(vcpus, threads)
+    return lambda: time.process_time() / usable
+
+
 def matching_faults(spec: RunSpec, role: Role, iteration: int, at: str, micro_batch: int | None) -> list[dict]:
     return [fault for fault in spec.faults
             if fault.get("stage") == role.stage and fault.get("replica", 0) == role.replica

@@ -58,6 +58,22 @@ def test_a_dry_run_writes_the_deployment_and_prints_the_commands(target, expecte
     assert_hardened(target, out)
 
 
+def test_a_gpu_container_bundle_for_a_cpu_cluster_runs_gloo_with_an_executable_launcher(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["deploy", "mlp", "--target", "gpu-container", "--backend", "gloo", "--out", str(out),
+                     "--name", "fp-mlp-cpu"]) == 0
+    assert os.access(out / "launch.sh", os.X_OK)
+    _, job, _ = gpu_container.parse_yaml_documents((out / "k8s/job.yaml").read_text())
+    assert job["metadata"]["annotations"]["flatpack.io/backend"] == "gloo"
+    limits = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "nvidia.com/gpu" not in limits and {"cpu", "memory"} <= set(limits)
+    assert json.loads((out / "run.json").read_text())["backend"] == "gloo"
+    capsys.readouterr()
+    assert cli.main(["deploy", "mlp", "--target", "aws-lambda", "--backend", "gloo", "--dry-run",
+                     "--out", str(tmp_path / "other")]) == 2
+    assert "--backend chooses the gpu-container ranks' collective backend" in capsys.readouterr().err
+
+
 def dockerfiles(target: str, out: Path) -> list[str]:
     if target == "gpu-container":
         return [(out / "Dockerfile").read_text()]
