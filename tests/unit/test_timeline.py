@@ -358,3 +358,35 @@ def test_progress_line_rewrites_itself_on_a_terminal():
     first = "iter 3/5  loss 12.5000  10.0 samples/s  $0.000000 so far"
     second = "iter 4/5  loss -  5.0 samples/s  $0.000000 so far"
     assert text == "\r" + first + "\r" + second + " " * (len(first) - len(second)) + "\n"
+
+
+def test_the_chrome_trace_holds_every_task_as_a_complete_event_of_its_process(tmp_path):
+    """timeline.json follows the Trace Event Format: a JSON object with traceEvents; metadata
+    names each process and lane; every task is an "X" event with integer pid/tid and
+    microsecond ts/dur from its process's first task; measured and predicted apart."""
+    from flatpack.runtime import chrome_trace
+    from flatpack.runtime.timeline import Event
+
+    measured = [Event(0, 0, 0, "forward", 100.0, 100.5, micro_batch=0),
+                Event(0, 0, 0, "upload", 100.5, 100.75, micro_batch=0, nbytes=4096, lane="upload"),
+                Event(1, 0, 0, "download", 100.5, 100.8, micro_batch=0, nbytes=4096, lane="download"),
+                Event(1, 0, 0, "forward", 100.8, 101.0, micro_batch=0)]
+    predicted = [Event(0, 0, 0, "forward", 0.0, 0.4, micro_batch=0), Event(1, 0, 0, "forward", 0.6, 0.8, micro_batch=0)]
+    path = chrome_trace.write(measured, tmp_path / "timeline.json", predicted=predicted)
+    document = json.loads(path.read_text())
+    assert set(document) == {"traceEvents", "displayTimeUnit"}
+    events = document["traceEvents"]
+    for event in events:
+        assert event["ph"] in ("X", "M") and isinstance(event["pid"], int) and isinstance(event["tid"], int)
+        assert isinstance(event["name"], str)
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert processes == {1: "measured", 2: "predicted (cost model)"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    tasks = [e for e in events if e["ph"] == "X"]
+    assert len(tasks) == len(measured) + len(predicted)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in tasks)
+    upload = next(e for e in tasks if e["cat"] == "upload")
+    assert upload["ts"] == 500000.0 and upload["dur"] == 250000.0 and upload["args"]["bytes"] == 4096
+    assert threads[(1, upload["tid"])] == "s0 r0 upload"
+    second = next(e for e in tasks if e["pid"] == 2 and e["ts"] > 0)
+    assert second["ts"] == 600000.0 and threads[(2, second["tid"])] == "s1 r0 compute"
