@@ -430,12 +430,15 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flatpack.job import JobOptions, run_training
 
-    options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=args.iterations,
+    iterations = args.iterations if args.iterations is not None or args.data else 4
+    options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=iterations,
                          optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
                          verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
-                         non_finite=args.non_finite)
+                         non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
+                         epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
+                         save=Path(args.save) if args.save else None, seed=args.seed)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -659,14 +662,57 @@ def build_parser() -> argparse.ArgumentParser:
     platforms_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     platforms_parser.set_defaults(run=cmd_platforms)
 
-    run_parser = sub.add_parser("run", help="compile, plan, deploy to local functions, train, report predicted vs "
-                                            "measured and check equivalence with single-process training")
+    run_parser = sub.add_parser(
+        "run", help="compile, plan, deploy to local functions, train, report predicted vs measured and check "
+                    "equivalence with single-process training",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compiles MODEL, plans it, deploys it to local functions sharing a local S3 server, trains it "
+                    "(on --data, or on synthetic batches), reports predicted vs measured and checks the result "
+                    "against single-process training.",
+        epilog="examples:\n"
+               "  flatpack run mlp                                   synthetic batches, 4 iterations\n"
+               "  flatpack run bert --data shards/ --batch 8 --micro-batches 4 --epochs 2 \\\n"
+               "      --save bert.safetensors                        keyword inputs (input_ids, attention_mask,\n"
+               "                                                     labels): the model's own loss\n"
+               "  AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... flatpack run model.py:build \\\n"
+               "      --data s3://bucket/train/ --store-endpoint http://127.0.0.1:8333 --loss cross-entropy\n"
+               "  flatpack run model.py:build --data mydata.py:dataset --drop-last --loss mypkg.losses:focal\n"
+               "then: model.load_state_dict(flatpack.load_state_dict('bert.safetensors'))")
     run_parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
     run_parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
     run_parser.add_argument("--target", default="local")
     run_parser.add_argument("--batch", type=int, default=32)
     run_parser.add_argument("--micro-batches", type=int, default=4)
-    run_parser.add_argument("--iterations", type=int, default=4)
+    run_parser.add_argument("--iterations", type=int, default=None,
+                            help="global batches to train (default 4 on synthetic data; with --data, --epochs full "
+                                 "passes; past an epoch's end the data starts again, reshuffled)")
+    run_parser.add_argument("--data", default=None, metavar="SOURCE",
+                            help="the training data: a directory of shards (*.safetensors, *.pt saved with "
+                                 "torch.save, *.npz) holding the inputs by the model's argument names and the "
+                                 "target as 'target' (a HuggingFace model may take 'labels' instead), an "
+                                 "s3://bucket/prefix of such shards, or package.module:factory / file.py:factory "
+                                 "returning a torch Dataset or IterableDataset. e.g. --data shards/")
+    run_parser.add_argument("--store-endpoint", default=None, metavar="URL",
+                            help="the S3 endpoint of an s3:// --data (default AWS), e.g. http://127.0.0.1:8333; "
+                                 "credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile")
+    run_parser.add_argument("--epochs", type=int, default=1, help="full passes over --data (default 1)")
+    run_parser.add_argument("--no-shuffle", action="store_true",
+                            help="read --data in order (default: shard and sample order shuffled per epoch, "
+                                 "seeded by --seed)")
+    run_parser.add_argument("--drop-last", action="store_true",
+                            help="drop an epoch's final partial batch (without it, data whose size --batch does "
+                                 "not divide is refused: every batch is cut into the same micro-batches)")
+    run_parser.add_argument("--seed", type=int, default=0, help="seeds the shuffling, the synthetic data and the "
+                                                                 "initial weights' copy (default 0)")
+    run_parser.add_argument("--loss", default="auto",
+                            help="auto (default: the model output's 'loss' when it has one, as a HuggingFace model "
+                                 "given labels; else cross-entropy for (batch, classes) outputs, mse otherwise), "
+                                 "cross-entropy, mse, or package.module:function taking (output, target). "
+                                 "e.g. --loss cross-entropy")
+    run_parser.add_argument("--save", default=None, metavar="PATH.safetensors",
+                            help="also write the trained weights here, by the original model's state_dict names "
+                                 "(tied weights once); load with model.load_state_dict(flatpack.load_state_dict("
+                                 "PATH)). e.g. --save trained.safetensors")
     run_parser.add_argument("--optimizer", default="adam", help="adam (default) or sgd (with momentum 0.9)")
     run_parser.add_argument("--lr", type=float, default=0.01)
     run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],

@@ -287,6 +287,15 @@ class FunctionDeployment:
                     for name, tensor in artifact.tensors.items()}
         return checkpoint_parameters(self.store, self.keys, len(self.compiled.plan.stages), iteration)
 
+    def state_dict(self, iteration: int | None = None) -> dict[str, torch.Tensor]:
+        """What the original model's ``load_state_dict`` takes: every key of its state dict
+        (tied weights under each of their names, persistent buffers) after ``iteration``, by
+        default the latest every stage checkpointed (:func:`flatpack.weights.state_dict_of`).
+        Save it with :func:`flatpack.save_state_dict`."""
+        from flatpack.weights import state_dict_of
+
+        return state_dict_of(self.compiled, self.parameters(iteration))
+
     def resume(self, batches: Sequence[Any] | Callable[[int], Any], **options: Any) -> TrainResult | None:
         """Continues the run's last train() call after any crash (a worker, the invoker, the
         store server) from the last checkpoint every stage has, with the same settings, on the
