@@ -470,7 +470,9 @@ def make_batches(source: DataSource, model: torch.nn.Module | None, example: Any
             return box["layout"].split(named)
         if isinstance(named, (tuple, list)) and len(named) == 2:
             inputs, target = named
-            return (tuple(inputs) if isinstance(inputs, list) else inputs), target
+            # one positional input travels as a 1-tuple, as the compiled example does
+            return (tuple(inputs) if isinstance(inputs, list) else (inputs,) if isinstance(inputs, torch.Tensor)
+                    else inputs), target
         raise InputError(f"{source.describe()} yields {type(named).__name__} samples; give (inputs, target) pairs "
                          "or dicts of named tensors")
 

@@ -28,15 +28,7 @@ def state_dict_of(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict
     names, and buffers the model does not persist (``persistent=False``) are left out, so
     ``model.load_state_dict`` accepts the result with ``strict=True``. Artifacts compiled
     before the keys were recorded get every name the manifests know."""
-    found = dict(parameters)
-    for artifact in compiled.artifacts:
-        for entry in artifact.manifest["parameters"]:
-            names = [entry["name"], *(entry.get("aliases") or [])]
-            tensor = next((found[name] for name in names if name in found), None)
-            if tensor is None:
-                continue
-            for name in names:
-                found.setdefault(name, tensor)
+    found = with_aliases(compiled, parameters)
     keys = compiled.info.get("state_dict_keys")
     if keys is None:
         return found
@@ -46,6 +38,20 @@ def state_dict_of(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict
                          f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); the checkpoints are "
                          "incomplete: resume the run (flatpack resume) before saving")
     return {key: found[key] for key in keys}
+
+
+def with_aliases(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``parameters`` with every name the manifests give a tied weight (its aliases)."""
+    found = dict(parameters)
+    for artifact in compiled.artifacts:
+        for entry in artifact.manifest["parameters"]:
+            names = [entry["name"], *(entry.get("aliases") or [])]
+            tensor = next((found[name] for name in names if name in found), None)
+            if tensor is None:
+                continue
+            for name in names:
+                found.setdefault(name, tensor)
+    return found
 
 
 def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path:
