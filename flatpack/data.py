@@ -213,8 +213,10 @@ class S3Shards(ShardSource):
         super().__init__()
         rest = url.removeprefix("s3://")
         bucket, _, prefix = rest.partition("/")
-        if not url.startswith("s3://") or not bucket:
-            raise InputError(f"--data {url!r}: an S3 source is s3://bucket/prefix")
+        if not url.startswith("s3://") or not bucket or not prefix.strip("/"):
+            raise InputError(f"--data {url!r}: an S3 source is s3://bucket/prefix/ (a prefix is needed: the "
+                             "shards are the keys under it)")
+        prefix = prefix if prefix.endswith("/") else prefix + "/"   # train/, not train2/ too
         self.url, self.bucket, self.prefix, self.endpoint = url, bucket, prefix, endpoint
         self._credentials = credentials
         self._store: Any = None
@@ -225,11 +227,11 @@ class S3Shards(ShardSource):
             if self._store is None:
                 from flatpack.runtime.store import S3Store
 
-                self._store = S3Store(self.bucket, self.prefix, endpoint_url=self.endpoint, **self._credentials)
+                self._store = S3Store(self.bucket, "", endpoint_url=self.endpoint, **self._credentials)
             return self._store
 
     def names(self) -> list[str]:
-        names = sorted(key for key in self.store().list("") if key.endswith(SHARD_SUFFIXES))
+        names = sorted(key for key in self.store().list(self.prefix) if key.endswith(SHARD_SUFFIXES))
         if not names:
             raise InputError(f"--data {self.url}{f' at {self.endpoint}' if self.endpoint else ''} holds no shards "
                              f"({', '.join('*' + s for s in SHARD_SUFFIXES)})")

@@ -379,8 +379,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         data_record = _data_record(batches, options)
         if data_record is None:
             directory.save_batches(batches)
+        train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
+                         "sync": options.sync, "threads": 1, "checkpoint_every": every,
+                         "non_finite": options.non_finite}
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
-                           data=data_record)
+                           data=data_record, train_options=train_options)
         directory.write(record)
         with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                       run=record.run) as deployment:
@@ -391,11 +394,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                 "(replaces the catalog's assumption in the prediction)\n")
             try:
-                result = deployment.train(batches, iterations=options.iterations,
-                                          optimizer={"name": options.optimizer, "lr": options.lr},
-                                          loss=loss, schedule=options.schedule, sync=options.sync,
-                                          threads=1, progress=stream,
-                                          checkpoint_every=every, non_finite=options.non_finite)
+                result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
+                                          **train_options)
             except FunctionOutOfMemory as err:
                 raise _with_memory_hint(err, compiled.problem.platform) from None
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
@@ -540,7 +540,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
             calls = deployment.calls()
             if not calls:
                 say("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream)
+                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream,
+                                          **(record.train_options or {}))
             else:
                 say(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
                     if done is not None else f"resuming run {record.run} from its first iteration")

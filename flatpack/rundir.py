@@ -45,6 +45,9 @@ class RunRecord:
     # a --data run: its source and batching (flatpack.data.batches_from_record), read again on
     # resume instead of a copy in batches.safetensors; None: the batches are in the directory
     data: dict | None = None
+    # the train() settings (optimizer, schedule, sync, checkpoints), for a resume of a run
+    # that stopped before its first call was recorded in the store
+    train_options: dict | None = None
     version: int = RUN_VERSION
 
     def dumps(self) -> str:
