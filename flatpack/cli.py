@@ -343,11 +343,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
                              max_seconds=args.max_seconds, use_cache=not args.no_cache)
 
+    split_points = _names(args.split_points)
+    if (args.stages is not None or split_points) and (args.slo is not None or args.weights is not None):
+        raise InputError("--stages and --split-points fix the cuts; --slo and --weights choose them: give one or "
+                         "the other")
+    if args.stages is not None and split_points:
+        raise InputError("--stages and --split-points both fix the cuts; give one (N split points make N + 1 "
+                         "stages)")
+    if args.stages is not None and args.stages < 1:
+        raise InputError(f"--stages must be a positive number of stages, got {args.stages}")
     model, inputs = load_factory(args.model, args.size)
+    if split_points:
+        from flatpack.job import check_split_points
+
+        check_split_points(model, split_points)
     problem = build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
                             workload=workload, calibration=args.calibration, **options)
     started = time.perf_counter()
-    if workload.slo_s is not None:
+    if args.stages is not None or split_points:
+        from flatpack.job import FixedCuts
+        from flatpack.partitioner.cost.funcpipe import with_tiers
+
+        from flatpack.partitioner.objective import annotate, evaluate
+
+        cuts = FixedCuts(split_points, args.stages)
+        fixed = with_tiers(problem, cuts(problem))
+        selection = report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
+    elif workload.slo_s is not None:
         selection = report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
     elif args.weights is not None:
         selection = report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
@@ -438,7 +460,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
                          non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
-                         save=Path(args.save) if args.save else None, seed=args.seed)
+                         save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
+                         split_points=_names(args.split_points))
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -455,6 +478,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean, digest=args.digest,
                            verify_key=args.verify_key)
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """``--split-points a,b``: module names, blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else ()
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -645,6 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the cheapest plan whose time meets this bound")
     goal.add_argument("--weights", default=None, metavar="COST,TIME",
                       help="the one plan minimizing COST·MB·s + TIME·seconds, e.g. 1,65536 or 1,2^16")
+    plan_parser.add_argument("--stages", type=int, default=None, metavar="N",
+                             help="price one plan cut into N stages of balanced parameter bytes instead of "
+                                  "solving, e.g. --stages 4")
+    plan_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
+                             help="price one plan with a stage beginning at each named module (as "
+                                  "torch.distributed.pipelining's SplitPoint.BEGINNING), e.g. "
+                                  "--split-points bert.encoder.layer.2")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")
     plan_parser.add_argument("--json", default=None, metavar="FILE",
@@ -720,6 +755,13 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
                             help="pipelined scatter-reduce (FuncPipe) or LambdaML's three phases")
     run_parser.add_argument("--solver", default="dp")
+    run_parser.add_argument("--stages", type=int, default=None, metavar="N",
+                            help="cut into N stages of balanced parameter bytes instead of the solver's plan (one "
+                                 "replica each, the smallest memory tier that fits), e.g. --stages 2")
+    run_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
+                            help="begin a stage at each named module (as torch.distributed.pipelining's "
+                                 "SplitPoint.BEGINNING; names as model.named_modules() gives them), e.g. "
+                                 "--split-points bert.encoder.layer.2")
     run_parser.add_argument("--passes", default=None)
     run_parser.add_argument("--replicas", default="1,2", metavar="D[,D...]")
     run_parser.add_argument("--memory", default=None, metavar="MB[,MB...]")

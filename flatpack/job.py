@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 import torch
 from torch import nn
@@ -68,6 +68,10 @@ class JobOptions:
     # outputs and mean squared error otherwise; or cross-entropy, mse, package.module:function
     loss: str = "auto"
     save: Path | None = None             # also write the trained state dict here (.safetensors)
+    # fixed cuts instead of the solver's: N stages of balanced parameter bytes, or a stage
+    # beginning at each named module (torch.distributed.pipelining's split points)
+    stages: int | None = None
+    split_points: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -130,6 +134,12 @@ class JobOptions:
              f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
+        need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
+             f"--stages must be a positive number of stages, got {self.stages}")
+        need(self.stages is None or not self.split_points,
+             "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
+        need((self.stages is None and not self.split_points) or self.pick == "recommended",
+             "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
         if self.pick != "fastest":
             solver_for(self.solver)
 
@@ -165,6 +175,61 @@ class WithTiers:
         from flatpack.partitioner.cost.funcpipe import with_tiers
 
         return with_tiers(problem, self.solver(problem))
+
+
+@dataclass(frozen=True)
+class FixedCuts:
+    """A solver that cuts where the user says: before each module in ``split_points`` (as
+    torch.distributed.pipelining's ``SplitPoint.BEGINNING`` does), or into ``stages`` stages
+    of balanced parameter bytes. Every stage one replica; :class:`WithTiers` gives each the
+    smallest memory tier that fits."""
+
+    split_points: tuple[str, ...] = ()
+    stages: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"split-points {','.join(self.split_points)}" if self.split_points else f"{self.stages} stages"
+
+    def __call__(self, problem: Any) -> Any:
+        from flatpack.partitioner.plan import Plan
+        from flatpack.partitioner.solvers import get_solver
+
+        if not self.split_points:
+            return get_solver("balanced")(dataclasses.replace(problem, stages=self.stages))
+        starts = [split_layer(problem.chain, point) for point in self.split_points]
+        if sorted(set(starts)) != starts or 0 in starts:
+            raise InputError(f"--split-points {','.join(self.split_points)} cut at layers {starts}: they must name "
+                             "modules in the order the model runs them, none of them the first layer, each in a "
+                             "different layer (see flatpack inspect MODEL for the layers)")
+        bounds = [0, *starts, len(problem.chain)]
+        return Plan.from_ranges([(begin, end - 1) for begin, end in zip(bounds, bounds[1:])], len(problem.chain),
+                                "split-points")
+
+
+def split_layer(chain: Any, module: str) -> int:
+    """The index of the first layer of ``chain`` that runs module ``module`` (a layer is named
+    ``module.path:op``): the stage that begins there."""
+    names = [layer.name.split(":", 1)[0] for layer in chain]
+    for index, name in enumerate(names):
+        if name == module or name.startswith(module + "."):
+            return index
+    close = difflib.get_close_matches(module, sorted(set(names)), n=3, cutoff=0.5)
+    hint = f"; layers begin at {', '.join(close)}" if close else ""
+    raise InputError(f"--split-points: no layer begins at module {module!r} after the passes{hint}. A split point "
+                     "must start a layer: see the layer names with flatpack inspect MODEL, or keep more layers with "
+                     "--passes fuse-elementwise")
+
+
+def check_split_points(model: nn.Module, points: Sequence[str]) -> None:
+    """Refuses split points that name no module of ``model``, with the close matches."""
+    modules = dict(model.named_modules())
+    for point in points:
+        if point not in modules:
+            close = difflib.get_close_matches(point, list(modules), n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise InputError(f"--split-points: {type(model).__name__} has no module {point!r}; {hint}name modules as "
+                             "model.named_modules() does, e.g. bert.encoder.layer.2")
 
 
 @dataclass(frozen=True)
@@ -347,7 +412,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
         if options.pick not in ("recommended", "fastest"):
             raise InputError(f"pick must be 'recommended' or 'fastest', got {options.pick!r}")
-        solver = FastestOnFront() if options.pick == "fastest" else solver_for(options.solver)
+        if options.split_points:
+            check_split_points(model, options.split_points)
+        solver = (WithTiers(FixedCuts(options.split_points, options.stages))
+                  if options.stages or options.split_points
+                  else FastestOnFront() if options.pick == "fastest" else solver_for(options.solver))
         # the weights and buffers training starts from (profiling runs the model in train
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
