@@ -836,7 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
                                               "functions through a local S3 server, report and verify")
-    demo_parser.add_argument("--model", default="vgg16", help="a zoo model (built at reduced size)")
+    demo_parser.add_argument("--model", default="vgg16",
+                             help="a zoo model (built at reduced size) or a built-in example, keyword-input "
+                                  "HuggingFace ones included, e.g. --model bert")
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")

@@ -2,7 +2,8 @@
 HuggingFace model with keyword inputs (input_ids, attention_mask, labels: its own loss) on
 shards from a directory and from an ``s3://`` prefix of the local S3 server, saves the
 original model's state_dict, and the original model loads it; a DataLoader trains a
-deployment whose ``state_dict()`` makes the original model give the staged model's outputs."""
+deployment whose ``state_dict()`` makes the original model give the staged model's outputs.
+``plan``, ``profile`` and ``demo`` take the same keyword-input model."""
 
 from __future__ import annotations
 
@@ -130,3 +131,13 @@ def test_a_dataloader_trains_a_deployment_whose_state_dict_gives_the_original_mo
         expected = original.eval()(**probe, labels=probe["input_ids"])
     torch.testing.assert_close(staged["logits"], expected.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(staged["loss"], expected.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_profile_and_demo_take_a_keyword_input_model(tmp_path, capsys):
+    assert main(["profile", "bert", "--repeats", "1", "--batch-sizes", "1,2"]) == 0
+    assert "cls.predictions.decoder" in capsys.readouterr().out
+    assert main(["plan", "bert", "--target", "aws-lambda", "--split-points", "bert.encoder.layer.2", "--repeats", "1",
+                 "--batch-sizes", "1,2"]) == 0
+    assert "the cuts asked for (split-points bert.encoder.layer.2)" in capsys.readouterr().out
+    assert main(["demo", "--model", "bert", "--iterations", "2", "--out", str(tmp_path / "demo")]) == 0
+    assert "passed: equivalent" in capsys.readouterr().out
