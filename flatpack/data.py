@@ -391,6 +391,46 @@ def layout_for(model: torch.nn.Module, example: Any, columns: Sequence[str], whe
     return Layout(False, tuple(names), target)
 
 
+def keyword_layout(columns: Sequence[str]) -> Layout:
+    """Every column but the target a keyword input."""
+    target = next((key for key in TARGET_KEYS if key in columns), None)
+    return Layout(True, tuple(key for key in columns if key != target), target)
+
+
+def check_against_example(example: Any, inputs: Any, where: str) -> None:
+    """Refuses data whose inputs the model was not written for: a missing input, another
+    number of dimensions, or another kind of dtype (float64 from numpy where the example has
+    float32). Sizes beyond the batch may differ (a sequence length): the model is compiled
+    with the data's first batch."""
+    if isinstance(example, dict):
+        pairs = [(name, value, inputs.get(name) if isinstance(inputs, dict) else None)
+                 for name, value in example.items()]
+    else:
+        leaves = example if isinstance(example, (tuple, list)) else (example,)
+        given = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        pairs = [(f"input {position}", value, given[position] if position < len(given) else None)
+                 for position, value in enumerate(leaves)]
+    for name, expected, got in pairs:
+        if not isinstance(expected, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor):
+            raise InputError(f"{where}: the model's {name} ({tuple(expected.shape)}, {expected.dtype}) is missing "
+                             "from the data; add it to every shard or sample")
+        if got.dim() != expected.dim():
+            raise InputError(f"{where}: {name} has shape (rows, {', '.join(map(str, got.shape[1:]))}) but the model's "
+                             f"example has (batch, {', '.join(map(str, expected.shape[1:]))}); reshape the data")
+        if got.dtype != expected.dtype and (got.is_floating_point() or expected.is_floating_point()):
+            raise InputError(f"{where}: {name} has dtype {str(got.dtype).removeprefix('torch.')} but the model "
+                             f"takes {str(expected.dtype).removeprefix('torch.')}; convert the shards (numpy "
+                             f"arrays default to float64: .astype('float32'))")
+
+
+def loader_batches(loader: Any, iterations: int | None = None) -> "Batches":
+    """A DataLoader as what ``Deployment.train`` takes: its batches in order, again after
+    the last (``iterations`` past one epoch), dict samples bound to the model's inputs by name."""
+    return make_batches(LoaderSource(loader), None, None, batch=loader.batch_size or 1, iterations=iterations)
+
+
 # -- batches -----------------------------------------------------------------------------------
 
 class Batches:
@@ -466,9 +506,10 @@ def make_batches(source: DataSource, model: torch.nn.Module | None, example: Any
         layout, an ``(inputs, target)`` pair as it is."""
         if isinstance(named, dict):
             if box["layout"] is None:
-                if model is None:
-                    raise InputError(f"{source.describe()}: no record of which tensors are inputs")
-                box["layout"] = layout_for(model, example, list(named), f"--data {source.describe()}")
+                # without the model (a DataLoader given to Deployment.train): every tensor but the
+                # target is a keyword input, bound to the compiled signature by name
+                box["layout"] = (layout_for(model, example, list(named), f"--data {source.describe()}")
+                                 if model is not None else keyword_layout(list(named)))
             return box["layout"].split(named)
         if isinstance(named, (tuple, list)) and len(named) == 2:
             inputs, target = named

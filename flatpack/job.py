@@ -363,6 +363,9 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
                            iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
                            drop_last=options.drop_last)
     inputs, target = batches(0)
+    from flatpack.data import check_against_example
+
+    check_against_example(example, inputs, f"--data {batches.description}")
     if batches.batch != options.batch:
         raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {options.batch}; "
                          "give the run the loader's batch size")
@@ -447,6 +450,9 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         directory.remove_store()      # an earlier run's in the same directory: this run replaces it
         data_record = _data_record(batches, options)
         if data_record is None:
+            if options.data is not None:
+                say("the DataLoader cannot be reopened by name, so its batches are copied into the run directory "
+                    "for flatpack resume")
             directory.save_batches(batches)
         train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,

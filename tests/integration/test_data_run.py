@@ -116,12 +116,14 @@ def test_a_dataloader_trains_a_deployment_whose_state_dict_gives_the_original_mo
     model, example = bert()
     without_dropout(model)
     loader = DataLoader(Tokens(), batch_size=8, shuffle=False)
-    batches = make_batches(parse_source(loader), model, example, batch=8, epochs=2)
-    compiled = flatpack.compile(model, batches(0)[0], stages=2)
+    first = make_batches(parse_source(loader), model, example, batch=8)(0)[0]
+    compiled = flatpack.compile(model, first, stages=2)
     probe = {"input_ids": Tokens().ids[:4], "attention_mask": torch.ones(4, SEQ, dtype=torch.long)}
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
-        deployment.train(batches, iterations=len(batches), optimizer={"name": "adam", "lr": 0.01}, loss="output",
-                         micro_batches=2, wait_timeout_s=60, timeout_s=180)
+        # train() takes the DataLoader itself: two epochs of its two batches
+        result = deployment.train(loader, iterations=4, optimizer={"name": "adam", "lr": 0.01}, loss="output",
+                                  micro_batches=2, wait_timeout_s=60, timeout_s=180)
+        assert len(result.losses) == 4
         state = deployment.state_dict()
         staged = deployment.infer({**probe, "labels": probe["input_ids"]})
     original, _ = bert()

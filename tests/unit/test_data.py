@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import flatpack
-from flatpack.data import (Batches, DatasetFactory, ShardDirectory, batches_from_record, make_batches,
-                           parse_source)
+from flatpack.data import (Batches, DatasetFactory, ShardDirectory, batches_from_record, check_against_example,
+                           loader_batches, make_batches, parse_source)
 from flatpack.errors import InputError
 from flatpack.job import JobOptions, choose_loss
 
@@ -236,3 +236,35 @@ def test_tied_weights_are_saved_once_and_loaded_under_every_name(tmp_path):
     assert torch.equal(fresh.out.weight, model.out.weight)
     with pytest.raises(InputError, match="no weights file"):
         flatpack.load_state_dict(tmp_path / "missing.safetensors")
+
+
+def test_data_the_model_was_not_written_for_is_refused_before_compiling(tmp_path):
+    example = (torch.randn(2, 3),)
+    with pytest.raises(InputError, match=r"input 0 has dtype float64 but the model takes float32.*astype"):
+        check_against_example(example, (torch.randn(4, 3, dtype=torch.float64),), "--data x")
+    with pytest.raises(InputError, match=r"input 0 has shape \(rows, 3, 1\) but the model's example has \(batch, 3\)"):
+        check_against_example(example, (torch.randn(4, 3, 1),), "--data x")
+    with pytest.raises(InputError, match="'attention_mask'|attention_mask .* is missing"):
+        check_against_example(KEYWORD_EXAMPLE, {"input_ids": torch.zeros(4, 9, dtype=torch.long)}, "--data x")
+    # another sequence length is fine: the model is compiled with the data's first batch
+    check_against_example(KEYWORD_EXAMPLE, {"input_ids": torch.zeros(4, 9, dtype=torch.long),
+                                            "attention_mask": torch.ones(4, 9)}, "--data x")
+
+
+def test_a_dataloader_of_dict_samples_binds_them_by_name_without_the_model():
+    loader = DataLoader(Stream(), batch_size=2)
+    batches = loader_batches(loader, iterations=4)
+    inputs, target = batches(3)
+    assert set(inputs) == {"input_ids", "attention_mask", "labels"} and target is None
+    assert inputs["input_ids"][:, 0].tolist() == [0, 1]      # the fourth batch: the second epoch's first
+
+
+def test_a_loss_named_by_module_and_function_is_imported_and_applied():
+    from flatpack.runtime.optim import check_loss, loss_value
+
+    output, target = torch.randn(4, 3), torch.randn(4, 3)
+    assert check_loss("torch.nn.functional:l1_loss") == "torch.nn.functional:l1_loss"
+    torch.testing.assert_close(loss_value("torch.nn.functional:l1_loss", output, target),
+                               nn.functional.l1_loss(output, target))
+    with pytest.raises(InputError, match="torch.nn.functional has no function 'nope'"):
+        check_loss("torch.nn.functional:nope")
