@@ -100,7 +100,21 @@ def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
     raise InputError(f"shard {name} is not one of {', '.join(SHARD_SUFFIXES)}")
 
 
-def shard_schema(tensors: dict[str, torch.Tensor], name: str) -> tuple[int, Schema]:
+class _Shape:
+    """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
+
+    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+    def __init__(self, view: Any) -> None:
+        self.shape = tuple(view.get_shape())
+        self.dtype = "torch." + self._DTYPES.get(view.get_dtype(), view.get_dtype().lower())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def shard_schema(tensors: dict[str, Any], name: str) -> tuple[int, Schema]:
     """A shard's rows and columns; every tensor must have the same first dimension."""
     if not tensors:
         raise InputError(f"shard {name} holds no tensors")
@@ -143,6 +157,10 @@ class ShardSource(DataSource):
     @abstractmethod
     def read(self, name: str) -> dict[str, torch.Tensor]: ...
 
+    def columns(self, name: str) -> tuple[int, Schema]:
+        """A shard's rows and columns (by default from reading it whole)."""
+        return shard_schema(self.read(name), name)
+
     def scan(self) -> tuple[list[tuple[str, int]], Schema]:
         """Every shard's rows, after checking that all have the first shard's columns
         (names, shapes beyond the batch dimension, dtypes). Reads each shard once."""
@@ -152,7 +170,7 @@ class ShardSource(DataSource):
         shards: list[tuple[str, int]] = []
         schema: Schema | None = None
         for name in names:
-            rows, columns = shard_schema(self.read(name), name)
+            rows, columns = self.columns(name)
             if schema is None:
                 schema = columns
             elif columns != schema:
@@ -168,7 +186,7 @@ class ShardSource(DataSource):
 def _schema_difference(expected: Schema, got: Schema) -> str:
     if set(expected) != set(got):
         return f"tensors {sorted(got)} instead of {sorted(expected)}"
-    key = next(key for key in expected if expected[key] != got[key])
+    key = next(key for key in sorted(expected) if expected[key] != got[key])
     return (f"{key!r} has shape (rows, {', '.join(map(str, got[key].shape))}) and dtype {got[key].dtype}, expected "
             f"(rows, {', '.join(map(str, expected[key].shape))}) and dtype {expected[key].dtype}")
 
@@ -194,6 +212,25 @@ class ShardDirectory(ShardSource):
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         return read_shard(self.path / name, name)
+
+    def columns(self, name: str) -> tuple[int, Schema]:
+        """From the file's header where the format has one (safetensors: shapes and dtypes
+        without reading the data; .pt: memory-mapped), so checking a large directory is cheap."""
+        path = self.path / name
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as handle:
+                    return shard_schema({key: _Shape(handle.get_slice(key)) for key in handle.keys()}, name)
+            if name.endswith(".pt"):
+                return shard_schema(_as_named(torch.load(path, weights_only=True, mmap=True, map_location="cpu"),
+                                              name), name)
+        except InputError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a corrupt or foreign file: name it and the cause
+            raise InputError(f"cannot read shard {name}: {type(err).__name__}: {err}") from None
+        return super().columns(name)
 
     def describe(self) -> str:
         return f"shards in {self.path}"

@@ -398,8 +398,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         batches, loss, iterations = training_data(model, example, options)
         options = dataclasses.replace(options, iterations=iterations)
         if options.data is not None:
+            order = ("in the DataLoader's order" if batches.source.kind == "loader" else
+                     f"shuffled, seed {options.seed}" if options.shuffle else "in order")
             say(f"data: {batches.description}, {batches.per_epoch} batches of {options.batch} per epoch, "
-                f"{iterations} iterations ({'shuffled, seed ' + str(options.seed) if options.shuffle else 'in order'}"
+                f"{iterations} iterations ({order}"
                 f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
                 f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]

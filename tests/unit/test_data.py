@@ -105,7 +105,7 @@ def test_shard_errors_name_the_cause_and_the_fix(tmp_path):
     write_shards(tmp_path / "mixed", rows=(4,))
     save_file({"input_ids": torch.zeros(4, 6, dtype=torch.long), "attention_mask": torch.ones(4, 6),
                "labels": torch.zeros(4, dtype=torch.long)}, str(tmp_path / "mixed" / "part-9.safetensors"))
-    with pytest.raises(InputError, match=r"part-9.safetensors does not match.*'input_ids' has shape \(rows, 6\)"):
+    with pytest.raises(InputError, match=r"part-9.safetensors does not match.*'attention_mask' has shape \(rows, 6\)"):
         make_batches(parse_source(str(tmp_path / "mixed")), Keyword(), KEYWORD_EXAMPLE, batch=2)
     (tmp_path / "extra").mkdir()
     save_file({"input_ids": torch.zeros(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5),
