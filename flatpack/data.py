@@ -290,6 +290,10 @@ class DatasetFactory(DataSource):
     kind = "factory"
 
     def __init__(self, spec: str) -> None:
+        source, _, attribute = spec.rpartition(":")
+        if source.endswith(".py") and Path(source).is_file():
+            # absolute, so that `flatpack resume` finds the file from any directory
+            spec = f"{Path(source).resolve()}:{attribute}"
         self.spec = spec
         self.dataset = _call_factory(spec)
         from torch.utils.data import Dataset, IterableDataset

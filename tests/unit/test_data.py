@@ -268,3 +268,13 @@ def test_a_loss_named_by_module_and_function_is_imported_and_applied():
                                nn.functional.l1_loss(output, target))
     with pytest.raises(InputError, match="torch.nn.functional has no function 'nope'"):
         check_loss("torch.nn.functional:nope")
+
+
+def test_a_file_factory_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "mydata.py").write_text("import torch\nfrom torch.utils.data import TensorDataset\n"
+                                        "def make():\n    return TensorDataset(torch.randn(8, 3), torch.randn(8, 1))\n")
+    monkeypatch.chdir(tmp_path)
+    source = parse_source("mydata.py:make")
+    assert source.to_json() == {"kind": "factory", "spec": f"{tmp_path.resolve() / 'mydata.py'}:make"}
+    batches = make_batches(source, nn.Linear(3, 1), (torch.randn(2, 3),), batch=4)
+    assert len(batches) == 2 and batches(1)[1].shape == (4, 1)
