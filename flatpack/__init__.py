@@ -5,8 +5,10 @@ from flatpack.errors import (ArtifactError, CodegenError, FlatpackError, InputEr
                              TraceError)
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.version import __version__
+from flatpack.weights import load_state_dict, save_state_dict
 
 __all__ = [
     "ArtifactError", "CodegenError", "Compiled", "FlatpackError", "InputError", "PassError", "Plan",
     "PlanError", "StagePlan", "StagedModule", "TraceError", "__version__", "compile", "load",
+    "load_state_dict", "save_state_dict",
 ]

@@ -343,11 +343,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
                              max_seconds=args.max_seconds, use_cache=not args.no_cache)
 
+    split_points = _names(args.split_points)
+    if (args.stages is not None or split_points) and (args.slo is not None or args.weights is not None):
+        raise InputError("--stages and --split-points fix the cuts; --slo and --weights choose them: give one or "
+                         "the other")
+    if args.stages is not None and split_points:
+        raise InputError("--stages and --split-points both fix the cuts; give one (N split points make N + 1 "
+                         "stages)")
+    if args.stages is not None and args.stages < 1:
+        raise InputError(f"--stages must be a positive number of stages, got {args.stages}")
     model, inputs = load_factory(args.model, args.size)
+    if split_points:
+        from flatpack.job import check_split_points
+
+        check_split_points(model, split_points)
     problem = build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
                             workload=workload, calibration=args.calibration, **options)
     started = time.perf_counter()
-    if workload.slo_s is not None:
+    if args.stages is not None or split_points:
+        from flatpack.job import FixedCuts
+        from flatpack.partitioner.cost.funcpipe import with_tiers
+
+        from flatpack.partitioner.objective import annotate, evaluate
+
+        cuts = FixedCuts(split_points, args.stages)
+        fixed = with_tiers(problem, cuts(problem))
+        selection = report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
+    elif workload.slo_s is not None:
         selection = report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
     elif args.weights is not None:
         selection = report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
@@ -430,12 +452,16 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flatpack.job import JobOptions, run_training
 
-    options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=args.iterations,
+    iterations = args.iterations if args.iterations is not None or args.data else 4
+    options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=iterations,
                          optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
                          verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
-                         non_finite=args.non_finite)
+                         non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
+                         epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
+                         save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
+                         split_points=_names(args.split_points))
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -452,6 +478,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean, digest=args.digest,
                            verify_key=args.verify_key)
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """``--split-points a,b``: module names, blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else ()
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -648,6 +679,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the cheapest plan whose time meets this bound")
     goal.add_argument("--weights", default=None, metavar="COST,TIME",
                       help="the one plan minimizing COST·MB·s + TIME·seconds, e.g. 1,65536 or 1,2^16")
+    plan_parser.add_argument("--stages", type=int, default=None, metavar="N",
+                             help="price one plan cut into N stages of balanced parameter bytes instead of "
+                                  "solving, e.g. --stages 4")
+    plan_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
+                             help="price one plan with a stage beginning at each named module (as "
+                                  "torch.distributed.pipelining's SplitPoint.BEGINNING), e.g. "
+                                  "--split-points bert.encoder.layer.2")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")
     plan_parser.add_argument("--json", default=None, metavar="FILE",
@@ -665,14 +703,57 @@ def build_parser() -> argparse.ArgumentParser:
     platforms_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     platforms_parser.set_defaults(run=cmd_platforms)
 
-    run_parser = sub.add_parser("run", help="compile, plan, deploy to local functions, train, report predicted vs "
-                                            "measured and check equivalence with single-process training")
+    run_parser = sub.add_parser(
+        "run", help="compile, plan, deploy to local functions, train, report predicted vs measured and check "
+                    "equivalence with single-process training",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compiles MODEL, plans it, deploys it to local functions sharing a local S3 server, trains it "
+                    "(on --data, or on synthetic batches), reports predicted vs measured and checks the result "
+                    "against single-process training.",
+        epilog="examples:\n"
+               "  flatpack run mlp                                   synthetic batches, 4 iterations\n"
+               "  flatpack run bert --data shards/ --batch 8 --micro-batches 4 --epochs 2 \\\n"
+               "      --save bert.safetensors                        keyword inputs (input_ids, attention_mask,\n"
+               "                                                     labels): the model's own loss\n"
+               "  AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... flatpack run model.py:build \\\n"
+               "      --data s3://bucket/train/ --store-endpoint http://127.0.0.1:8333 --loss cross-entropy\n"
+               "  flatpack run model.py:build --data mydata.py:dataset --drop-last --loss mypkg.losses:focal\n"
+               "then: model.load_state_dict(flatpack.load_state_dict('bert.safetensors'))")
     run_parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
     run_parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
     run_parser.add_argument("--target", default="local")
     run_parser.add_argument("--batch", type=int, default=32)
     run_parser.add_argument("--micro-batches", type=int, default=4)
-    run_parser.add_argument("--iterations", type=int, default=4)
+    run_parser.add_argument("--iterations", type=int, default=None,
+                            help="global batches to train (default 4 on synthetic data; with --data, --epochs full "
+                                 "passes; past an epoch's end the data starts again, reshuffled)")
+    run_parser.add_argument("--data", default=None, metavar="SOURCE",
+                            help="the training data: a directory of shards (*.safetensors, *.pt saved with "
+                                 "torch.save, *.npz) holding the inputs by the model's argument names and the "
+                                 "target as 'target' (a HuggingFace model may take 'labels' instead), an "
+                                 "s3://bucket/prefix of such shards, or package.module:factory / file.py:factory "
+                                 "returning a torch Dataset or IterableDataset. e.g. --data shards/")
+    run_parser.add_argument("--store-endpoint", default=None, metavar="URL",
+                            help="the S3 endpoint of an s3:// --data (default AWS), e.g. http://127.0.0.1:8333; "
+                                 "credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile")
+    run_parser.add_argument("--epochs", type=int, default=1, help="full passes over --data (default 1)")
+    run_parser.add_argument("--no-shuffle", action="store_true",
+                            help="read --data in order (default: shard and sample order shuffled per epoch, "
+                                 "seeded by --seed)")
+    run_parser.add_argument("--drop-last", action="store_true",
+                            help="drop an epoch's final partial batch (without it, data whose size --batch does "
+                                 "not divide is refused: every batch is cut into the same micro-batches)")
+    run_parser.add_argument("--seed", type=int, default=0, help="seeds the shuffling, the synthetic data and the "
+                                                                 "initial weights' copy (default 0)")
+    run_parser.add_argument("--loss", default="auto",
+                            help="auto (default: the model output's 'loss' when it has one, as a HuggingFace model "
+                                 "given labels; else cross-entropy for (batch, classes) outputs, mse otherwise), "
+                                 "cross-entropy, mse, or package.module:function taking (output, target). "
+                                 "e.g. --loss cross-entropy")
+    run_parser.add_argument("--save", default=None, metavar="PATH.safetensors",
+                            help="also write the trained weights here, by the original model's state_dict names "
+                                 "(tied weights once); load with model.load_state_dict(flatpack.load_state_dict("
+                                 "PATH)). e.g. --save trained.safetensors")
     run_parser.add_argument("--optimizer", default="adam", help="adam (default) or sgd (with momentum 0.9)")
     run_parser.add_argument("--lr", type=float, default=0.01)
     run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],
@@ -680,6 +761,13 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
                             help="pipelined scatter-reduce (FuncPipe) or LambdaML's three phases")
     run_parser.add_argument("--solver", default="dp")
+    run_parser.add_argument("--stages", type=int, default=None, metavar="N",
+                            help="cut into N stages of balanced parameter bytes instead of the solver's plan (one "
+                                 "replica each, the smallest memory tier that fits), e.g. --stages 2")
+    run_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
+                            help="begin a stage at each named module (as torch.distributed.pipelining's "
+                                 "SplitPoint.BEGINNING; names as model.named_modules() gives them), e.g. "
+                                 "--split-points bert.encoder.layer.2")
     run_parser.add_argument("--passes", default=None)
     run_parser.add_argument("--replicas", default="1,2", metavar="D[,D...]")
     run_parser.add_argument("--memory", default=None, metavar="MB[,MB...]")
@@ -757,7 +845,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
                                               "functions through a local S3 server, report and verify")
-    demo_parser.add_argument("--model", default="vgg16", help="a zoo model (built at reduced size)")
+    demo_parser.add_argument("--model", default="vgg16",
+                             help="a zoo model (built at reduced size) or a built-in example, keyword-input "
+                                  "HuggingFace ones included, e.g. --model bert")
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")

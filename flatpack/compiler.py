@@ -390,6 +390,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         "output_structure": traced.output_structure,
         "input_names": [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"],
         "output_names": graph.output_names(),
+        # what ``Deployment.state_dict()`` returns: every key model.load_state_dict expects
+        # (tied weights under each name, persistent buffers only)
+        "state_dict_keys": list(model.state_dict().keys()),
         "stages": [stage_dirname(index) for index in range(len(plan.stages))],
         "chain": graph.to_json(),
     }

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 import torch
 from torch import nn
@@ -27,11 +27,16 @@ from flatpack.runtime.reference import call, first_output
 from flatpack.verdict import pipeline_optimizer_state, verdict
 
 
+# --loss names on the command line and what the runtime calls them
+LOSS_NAMES = {"cross-entropy": "cross_entropy", "cross_entropy": "cross_entropy", "mse": "mse",
+              "output": "output"}
+
+
 @dataclass
 class JobOptions:
     batch: int = 32
     micro_batches: int = 4
-    iterations: int = 4
+    iterations: int | None = 4     # None with --data: --epochs full passes over the data
     optimizer: str = "adam"
     lr: float = 0.01
     schedule: str = "sync"
@@ -52,6 +57,21 @@ class JobOptions:
     pick: str = "recommended"
     # a NaN or infinity in the data or an iteration's loss: "warn", "error" (stop) or "ignore"
     non_finite: str = "warn"
+    # --data: a directory or s3://bucket/prefix of shards, a module:factory returning a Dataset,
+    # or (Python) a DataLoader or flatpack.data.DataSource; None: synthetic batches
+    data: Any = None
+    store_endpoint: str | None = None   # the S3 endpoint of an s3:// --data (None: AWS)
+    epochs: int = 1
+    shuffle: bool = True
+    drop_last: bool = False
+    # "auto": the model output's `loss` when it has one, else cross-entropy for (batch, classes)
+    # outputs and mean squared error otherwise; or cross-entropy, mse, package.module:function
+    loss: str = "auto"
+    save: Path | None = None             # also write the trained state dict here (.safetensors)
+    # fixed cuts instead of the solver's: N stages of balanced parameter bytes, or a stage
+    # beginning at each named module (torch.distributed.pipelining's split points)
+    stages: int | None = None
+    split_points: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -73,8 +93,21 @@ class JobOptions:
                              f"(the plan and the cost model assume equal ones); use --micro-batches {fits} or a "
                              f"--batch that is a multiple of {self.micro_batches}, e.g. "
                              f"{self.batch + self.micro_batches - self.batch % self.micro_batches}")
-        need(isinstance(self.iterations, int) and self.iterations >= 1,
+        need((self.iterations is None and self.data is not None)
+             or (isinstance(self.iterations, int) and self.iterations >= 1),
              f"--iterations must be at least 1 (the number of global batches to train), got {self.iterations}")
+        need(isinstance(self.epochs, int) and self.epochs >= 1,
+             f"--epochs must be at least 1 (full passes over --data), got {self.epochs}")
+        need(self.data is not None or (self.epochs == 1 and not self.drop_last and self.store_endpoint is None),
+             "--epochs, --drop-last and --store-endpoint apply to --data; give --data SOURCE or leave them out")
+        need(self.loss == "auto" or self.loss in LOSS_NAMES or ":" in str(self.loss),
+             f"--loss must be auto, {', '.join(LOSS_NAMES)} or package.module:function, got {self.loss!r}")
+        if ":" in str(self.loss):
+            from flatpack.runtime.optim import check_loss
+
+            check_loss(self.loss)
+        need(self.save is None or Path(self.save).suffix == ".safetensors",
+             f"--save {self.save}: the weights are written as safetensors; name the file *.safetensors")
         if self.optimizer not in OPTIMIZERS:
             close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS, n=1, cutoff=0.4)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -101,6 +134,12 @@ class JobOptions:
              f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
+        need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
+             f"--stages must be a positive number of stages, got {self.stages}")
+        need(self.stages is None or not self.split_points,
+             "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
+        need((self.stages is None and not self.split_points) or self.pick == "recommended",
+             "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
         if self.pick != "fastest":
             solver_for(self.solver)
 
@@ -136,6 +175,61 @@ class WithTiers:
         from flatpack.partitioner.cost.funcpipe import with_tiers
 
         return with_tiers(problem, self.solver(problem))
+
+
+@dataclass(frozen=True)
+class FixedCuts:
+    """A solver that cuts where the user says: before each module in ``split_points`` (as
+    torch.distributed.pipelining's ``SplitPoint.BEGINNING`` does), or into ``stages`` stages
+    of balanced parameter bytes. Every stage one replica; :class:`WithTiers` gives each the
+    smallest memory tier that fits."""
+
+    split_points: tuple[str, ...] = ()
+    stages: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"split-points {','.join(self.split_points)}" if self.split_points else f"{self.stages} stages"
+
+    def __call__(self, problem: Any) -> Any:
+        from flatpack.partitioner.plan import Plan
+        from flatpack.partitioner.solvers import get_solver
+
+        if not self.split_points:
+            return get_solver("balanced")(dataclasses.replace(problem, stages=self.stages))
+        starts = [split_layer(problem.chain, point) for point in self.split_points]
+        if sorted(set(starts)) != starts or 0 in starts:
+            raise InputError(f"--split-points {','.join(self.split_points)} cut at layers {starts}: they must name "
+                             "modules in the order the model runs them, none of them the first layer, each in a "
+                             "different layer (see flatpack inspect MODEL for the layers)")
+        bounds = [0, *starts, len(problem.chain)]
+        return Plan.from_ranges([(begin, end - 1) for begin, end in zip(bounds, bounds[1:])], len(problem.chain),
+                                "split-points")
+
+
+def split_layer(chain: Any, module: str) -> int:
+    """The index of the first layer of ``chain`` that runs module ``module`` (a layer is named
+    ``module.path:op``): the stage that begins there."""
+    names = [layer.name.split(":", 1)[0] for layer in chain]
+    for index, name in enumerate(names):
+        if name == module or name.startswith(module + "."):
+            return index
+    close = difflib.get_close_matches(module, sorted(set(names)), n=3, cutoff=0.5)
+    hint = f"; layers begin at {', '.join(close)}" if close else ""
+    raise InputError(f"--split-points: no layer begins at module {module!r} after the passes{hint}. A split point "
+                     "must start a layer: see the layer names with flatpack inspect MODEL, or keep more layers with "
+                     "--passes fuse-elementwise")
+
+
+def check_split_points(model: nn.Module, points: Sequence[str]) -> None:
+    """Refuses split points that name no module of ``model``, with the close matches."""
+    modules = dict(model.named_modules())
+    for point in points:
+        if point not in modules:
+            close = difflib.get_close_matches(point, list(modules), n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise InputError(f"--split-points: {type(model).__name__} has no module {point!r}; {hint}name modules as "
+                             "model.named_modules() does, e.g. bert.encoder.layer.2")
 
 
 @dataclass(frozen=True)
@@ -181,11 +275,16 @@ def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
     class targets under cross-entropy when the model outputs (batch, classes), otherwise
     random targets of the output's shape under mean squared error."""
     generator = torch.Generator().manual_seed(seed)
-    leaves = example if isinstance(example, (tuple, list)) else (example,)
+    names = list(example) if isinstance(example, dict) else None
+    leaves = list(example.values()) if names is not None else example if isinstance(example, (tuple, list)) \
+        else (example,)
     with torch.no_grad():
         output = first_output(call(model.eval(), example))
     model.train()
     loss = "cross_entropy" if output.dim() == 2 else "mse"
+    if own_loss(call(model.eval(), example)):
+        loss = "output"       # a HuggingFace model given labels: its own loss, no targets
+    model.train()
     batches = []
     for _ in range(count):
         inputs = []
@@ -197,10 +296,80 @@ def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
             else:
                 high = int(leaf.max()) + 1 if leaf.numel() else 2
                 inputs.append(torch.randint(0, max(high, 2), (batch, *leaf.shape[1:]), generator=generator))
-        target = (torch.randint(0, output.shape[-1], (batch,), generator=generator) if loss == "cross_entropy"
-                  else torch.randn((batch, *output.shape[1:]), generator=generator, dtype=output.dtype))
-        batches.append((tuple(inputs), target))
+        if loss == "output":
+            target = None
+        elif loss == "cross_entropy":
+            target = torch.randint(0, output.shape[-1], (batch,), generator=generator)
+        else:
+            target = torch.randn((batch, *output.shape[1:]), generator=generator, dtype=output.dtype)
+        batches.append((dict(zip(names, inputs)) if names is not None else tuple(inputs), target))
     return batches, loss
+
+
+def own_loss(output: Any) -> bool:
+    """Does the model return its own loss first (a HuggingFace ModelOutput given labels)?"""
+    return isinstance(output, dict) and next(iter(output), None) == "loss" and output["loss"] is not None
+
+
+def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str) -> str:
+    """The loss a run trains with (``--loss``): the model output's ``loss`` when it has one,
+    else the one asked for, else cross-entropy for (batch, classes) outputs and integer
+    targets and mean squared error otherwise. Refuses what cannot work, before any process starts."""
+    with torch.no_grad():
+        output = call(model.eval(), inputs)
+    model.train()
+    if own_loss(output):
+        if asked not in ("auto", "output"):
+            raise InputError(f"the model returns its own loss (its output's 'loss', from the labels input), so "
+                             f"--loss {asked} cannot apply; leave --loss out, or drop 'labels' from the data and "
+                             "give a 'target' instead")
+        return "output"
+    if asked != "auto":
+        name = LOSS_NAMES.get(asked, asked)
+        if name == "output":
+            raise InputError("--loss output: the model's output has no 'loss'; give it labels or choose "
+                             "cross-entropy or mse")
+        if target is None:
+            raise InputError(f"--loss {asked} needs targets but the data has none; add a 'target' tensor to every "
+                             "shard (or the model's 'labels' input, for a model that computes its own loss)")
+        return name
+    if target is None:
+        raise InputError("the data has no targets ('target', 'targets' or 'y') and the model computes no loss of its "
+                         "own; add a 'target' tensor to every shard, or 'labels' for a HuggingFace model")
+    first = first_output(output)
+    if first.dim() == 2 and not target.is_floating_point() and target.dim() == 1:
+        return "cross_entropy"
+    if first.shape[1:] == target.shape[1:]:
+        return "mse"
+    raise InputError(f"cannot choose a loss for output of shape {tuple(first.shape)} and targets of shape "
+                     f"{tuple(target.shape)} ({target.dtype}); give --loss cross-entropy, mse or "
+                     "package.module:function")
+
+
+def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[Any, str, int]:
+    """The run's batches (a list, or :class:`flatpack.data.Batches` built on demand from
+    ``--data``), its loss and its iterations, checked before anything is compiled."""
+    if options.data is None:
+        count = options.iterations or 4
+        batches, loss = synthetic_batches(model, example, options.batch, count, options.seed)
+        if options.loss != "auto" and LOSS_NAMES.get(options.loss, options.loss) != loss:
+            raise InputError(f"--loss {options.loss} needs real targets; the synthetic batches (no --data) train "
+                             f"with {loss}. Give --data SOURCE, or leave --loss out")
+        return batches, loss, count
+    from flatpack.data import make_batches, parse_source
+
+    source = parse_source(options.data, endpoint=options.store_endpoint)
+    batches = make_batches(source, model, example, batch=options.batch, epochs=options.epochs,
+                           iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
+                           drop_last=options.drop_last)
+    inputs, target = batches(0)
+    from flatpack.data import check_against_example
+
+    check_against_example(example, inputs, f"--data {batches.description}")
+    if batches.batch != options.batch:
+        raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {options.batch}; "
+                         "give the run the loader's batch size")
+    return batches, choose_loss(model, inputs, target, options.loss), len(batches)
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
@@ -215,8 +384,6 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         print(text, file=stream, flush=True)
 
     options.check()
-    if isinstance(example, dict):
-        raise InputError("flatpack run trains models called with positional inputs; wrap a keyword-input model")
     if not any(p.requires_grad for p in model.parameters()):
         raise InputError(f"{type(model).__name__} has no trainable parameters (none, or all with requires_grad="
                          "False), so there is nothing to train; give a model with parameters, or use flatpack "
@@ -228,7 +395,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        batches, loss = synthetic_batches(model, example, options.batch, options.iterations, options.seed)
+        batches, loss, iterations = training_data(model, example, options)
+        options = dataclasses.replace(options, iterations=iterations)
+        if options.data is not None:
+            order = ("in the DataLoader's order" if batches.source.kind == "loader" else
+                     f"shuffled, seed {options.seed}" if options.shuffle else "in order")
+            say(f"data: {batches.description}, {batches.per_epoch} batches of {options.batch} per epoch, "
+                f"{iterations} iterations ({order}"
+                f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
+                f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
                             optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync)
@@ -242,7 +417,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
         if options.pick not in ("recommended", "fastest"):
             raise InputError(f"pick must be 'recommended' or 'fastest', got {options.pick!r}")
-        solver = FastestOnFront() if options.pick == "fastest" else solver_for(options.solver)
+        if options.split_points:
+            check_split_points(model, options.split_points)
+        solver = (WithTiers(FixedCuts(options.split_points, options.stages))
+                  if options.stages or options.split_points
+                  else FastestOnFront() if options.pick == "fastest" else solver_for(options.solver))
         # the weights and buffers training starts from (profiling runs the model in train
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
@@ -271,8 +450,17 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # batches, the run record and the S3 server's data (checkpoints included)
         directory = RunDirectory(options.out)
         directory.remove_store()      # an earlier run's in the same directory: this run replaces it
-        directory.save_batches(batches)
-        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations)
+        data_record = _data_record(batches, options)
+        if data_record is None:
+            if options.data is not None:
+                say("the DataLoader cannot be reopened by name, so its batches are copied into the run directory "
+                    "for flatpack resume")
+            directory.save_batches(batches)
+        train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
+                         "sync": options.sync, "threads": 1, "checkpoint_every": every,
+                         "non_finite": options.non_finite}
+        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
+                           data=data_record, train_options=train_options)
         directory.write(record)
         with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                       run=record.run) as deployment:
@@ -283,15 +471,12 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                 "(replaces the catalog's assumption in the prediction)\n")
             try:
-                result = deployment.train(batches, iterations=options.iterations,
-                                          optimizer={"name": options.optimizer, "lr": options.lr},
-                                          loss=loss, schedule=options.schedule, sync=options.sync,
-                                          threads=1, progress=stream,
-                                          checkpoint_every=every, non_finite=options.non_finite)
+                result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
+                                          **train_options)
             except FunctionOutOfMemory as err:
                 raise _with_memory_hint(err, compiled.problem.platform) from None
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
-        _finish(directory, record, result.parameters, say)
+        _finish(directory, record, compiled, result.parameters, say, options.save)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
@@ -358,12 +543,33 @@ def _resumable(directory: RunDirectory, say: Any) -> Iterator[None]:
         raise
 
 
-def _finish(directory: RunDirectory, record: RunRecord, parameters: dict[str, torch.Tensor], say: Any) -> None:
-    """A finished run: its trained weights in the run directory, the store's data removed."""
-    trained = directory.save_trained(parameters)
+def _data_record(batches: Any, options: JobOptions) -> dict | None:
+    """What ``run.json`` records of a ``--data`` source so that ``flatpack resume`` reads the
+    same batches again: the source and how it was batched (None: synthetic batches, or a
+    DataLoader, which cannot be reopened by name: the run directory keeps those batches)."""
+    from flatpack.data import Batches
+
+    if not isinstance(batches, Batches) or batches.source is None or batches.source.to_json() is None:
+        return None
+    return {"source": batches.source.to_json(), "batch": options.batch, "epochs": options.epochs,
+            "iterations": options.iterations, "shuffle": options.shuffle, "seed": options.seed,
+            "drop_last": options.drop_last, "layout": batches.layout_json()}
+
+
+def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameters: dict[str, torch.Tensor],
+            say: Any, save: Path | None = None) -> None:
+    """A finished run: its trained weights in the run directory (and at ``save``), the
+    store's data removed."""
+    from flatpack.weights import save_state_dict, state_dict_of
+
+    state = state_dict_of(compiled, parameters)
+    trained = save_state_dict(state, directory.trained_path)
     directory.write(dataclasses.replace(record, state="done"))
     directory.remove_store()
-    say(f"trained weights (by the model's parameter names) in {trained}")
+    say(f"trained weights (the model's state_dict: load with model.load_state_dict(flatpack.load_state_dict(path))) "
+        f"in {trained}")
+    if save is not None:
+        say(f"saved them to {save_state_dict(state, save)}")
 
 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
@@ -395,7 +601,13 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
     compiled = flatpack.load(directory.compiled, digest=digest, verify_key=verify_key)
-    batches = directory.load_batches()
+    if record.data is not None:
+        from flatpack.data import batches_from_record
+
+        batches = batches_from_record(record.data)
+        say(f"re-reading the run's data: {batches.description}")
+    else:
+        batches = directory.load_batches()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -405,7 +617,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
             calls = deployment.calls()
             if not calls:
                 say("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream)
+                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream,
+                                          **(record.train_options or {}))
             else:
                 say(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
                     if done is not None else f"resuming run {record.run} from its first iteration")
@@ -414,7 +627,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "
                 f"{result.losses[-1]:.4f}")
-        _finish(directory, record, parameters, say)
+        _finish(directory, record, compiled, parameters, say)
         return 0
     finally:
         torch.set_num_threads(threads)

@@ -42,6 +42,12 @@ class RunRecord:
     loss: str
     iterations: int
     state: str = "running"        # "running" until the last iteration is checkpointed, then "done"
+    # a --data run: its source and batching (flatpack.data.batches_from_record), read again on
+    # resume instead of a copy in batches.safetensors; None: the batches are in the directory
+    data: dict | None = None
+    # the train() settings (optimizer, schedule, sync, checkpoints), for a resume of a run
+    # that stopped before its first call was recorded in the store
+    train_options: dict | None = None
     version: int = RUN_VERSION
 
     def dumps(self) -> str:
@@ -121,18 +127,21 @@ def pack_batches(batches: Sequence[tuple[Any, Any]]) -> dict[str, torch.Tensor]:
     """Global ``(inputs, target)`` batches as safetensors entries ``b<i>/x<k>`` and ``b<i>/y``."""
     tensors: dict[str, torch.Tensor] = {}
     for index, (inputs, target) in enumerate(batches):
-        leaves = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        for position, leaf in enumerate(leaves):
+        # keyword inputs by name (k:<name>), positional ones by position (x<k>)
+        named = ({f"k:{name}": leaf for name, leaf in inputs.items()} if isinstance(inputs, dict) else
+                 {f"x{position:03d}": leaf for position, leaf in
+                  enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,))})
+        for part, leaf in named.items():
             if not isinstance(leaf, torch.Tensor):
-                raise InputError(f"batch {index}'s input {position} is a {type(leaf).__name__}; a run directory keeps "
+                raise InputError(f"batch {index}'s input {part} is a {type(leaf).__name__}; a run directory keeps "
                                  "tensor inputs only")
-            tensors[f"b{index:06d}/x{position:03d}"] = leaf.contiguous()
+            tensors[f"b{index:06d}/{part}"] = leaf.contiguous()
         if target is not None:
             tensors[f"b{index:06d}/y"] = target.contiguous()
     return tensors
 
 
-def unpack_batches(tensors: dict[str, torch.Tensor]) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]:
+def unpack_batches(tensors: dict[str, torch.Tensor]) -> list[tuple[Any, torch.Tensor | None]]:
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         batch, part = key.split("/", 1)
@@ -140,6 +149,7 @@ def unpack_batches(tensors: dict[str, torch.Tensor]) -> list[tuple[tuple[torch.T
     batches = []
     for batch in sorted(grouped):
         parts = grouped[batch]
-        inputs = tuple(parts[name] for name in sorted(name for name in parts if name.startswith("x")))
+        keywords = {name[2:]: tensor for name, tensor in parts.items() if name.startswith("k:")}
+        inputs = keywords or tuple(parts[name] for name in sorted(name for name in parts if name.startswith("x")))
         batches.append((inputs, parts.get("y")))
     return batches

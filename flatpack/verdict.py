@@ -278,6 +278,10 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptio
                       "switches off), so no run can be compared with single-process training; train it without "
                       "them to check equivalence")
         return found
+    from flatpack.weights import with_aliases
+
+    # a tied weight is checkpointed under one name; the reference's state_dict has each
+    parameters = with_aliases(compiled, parameters)
     reference_state: dict[str, dict[str, torch.Tensor]] = {}
     reference, _ = train_single_process(initial, batches, options.iterations, loss=loss, optimizer=optimizer,
                                         micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),

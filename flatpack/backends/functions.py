@@ -207,8 +207,10 @@ class FunctionDeployment:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
-        ``batches``: a sequence of ``(inputs, target)`` global batches (or a function of the
-        iteration). ``elastic(epoch, degrees) -> new degrees | None`` is asked at every epoch
+        ``batches``: a sequence of ``(inputs, target)`` global batches, a function of the
+        iteration, or a ``torch.utils.data.DataLoader`` (one epoch unless ``iterations`` says
+        more; dict samples go to the model's inputs by name, ``target`` to the loss:
+        :func:`flatpack.data.loader_batches`). ``elastic(epoch, degrees) -> new degrees | None`` is asked at every epoch
         boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a replica that has not
         finished its micro-batches ``ratio`` × the peers' compute time after they did.
 
@@ -223,6 +225,13 @@ class FunctionDeployment:
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
         """
         check_loss(loss)
+        from torch.utils.data import DataLoader
+
+        if isinstance(batches, DataLoader):
+            from flatpack.data import loader_batches
+
+            batches = loader_batches(batches, iterations)
+            iterations = iterations or len(batches)
         # the data and settings, checked before any function starts
         self._batch_size = check_training_call(
             self.compiled, batches, iterations=iteration_count(batches, iterations), optimizer=optimizer,
@@ -286,6 +295,15 @@ class FunctionDeployment:
             return {name: tensor.detach().clone() for artifact in self.compiled.artifacts
                     for name, tensor in artifact.tensors.items()}
         return checkpoint_parameters(self.store, self.keys, len(self.compiled.plan.stages), iteration)
+
+    def state_dict(self, iteration: int | None = None) -> dict[str, torch.Tensor]:
+        """What the original model's ``load_state_dict`` takes: every key of its state dict
+        (tied weights under each of their names, persistent buffers) after ``iteration``, by
+        default the latest every stage checkpointed (:func:`flatpack.weights.state_dict_of`).
+        Save it with :func:`flatpack.save_state_dict`."""
+        from flatpack.weights import state_dict_of
+
+        return state_dict_of(self.compiled, self.parameters(iteration))
 
     def resume(self, batches: Sequence[Any] | Callable[[int], Any], **options: Any) -> TrainResult | None:
         """Continues the run's last train() call after any crash (a worker, the invoker, the

@@ -26,7 +26,7 @@ from flatpack.partitioner.problem import Problem
 MARK = "★"
 REPORT_KIND = "flatpack-plans"
 REPORT_SCHEMA_VERSION = 1
-KINDS = ("front", "slo", "weights")
+KINDS = ("front", "slo", "weights", "fixed")
 MODEL_NAMES = {"funcpipe": "FuncPipe", "gillis": "Gillis", "hydrozoa": "Hydrozoa", "pipedream": "PipeDream"}
 
 
@@ -58,6 +58,11 @@ class Selection:
     @classmethod
     def of_weights(cls, plan: Plan, label: str) -> "Selection":
         return cls((plan,), 0, "weights", f"optimum of weights {label}")
+
+    @classmethod
+    def of_cuts(cls, plan: Plan, label: str) -> "Selection":
+        """The one plan whose cuts the user fixed (``--stages``, ``--split-points``)."""
+        return cls((plan,), 0, "fixed", label)
 
     @property
     def chosen_plan(self) -> Plan:
@@ -141,6 +146,9 @@ def explain(problem: Problem, selection: Selection) -> str:
     if selection.kind == "slo":
         return (f"{MARK} plan {selection.chosen}: the cheapest plan whose {unit_of(problem)} time meets the SLO of "
                 f"{selection.slo_s:g} s ({time_of(chosen):.4g} s, {_percent(time_of(chosen), selection.slo_s)} of it)")
+    if selection.kind == "fixed":
+        return (f"{MARK} plan {selection.chosen}: the cuts asked for ({selection.reason}), one replica per stage on "
+                "the smallest memory tier that fits, priced by the cost model")
     if selection.kind == "weights":
         return (f"{MARK} plan {selection.chosen}: the {selection.reason}, minimizing α₁·MB·s + α₂·seconds "
                 "(FuncPipe eq. 3a)")
@@ -322,7 +330,8 @@ def text_report(problem: Problem, selection: Selection, title: str) -> str:
     """Title, the table, what the marker means, then the chosen plan stage by stage."""
     chosen = selection.chosen_plan
     count = len(selection.plans)
-    what = {"front": f"Pareto front: {count} plan(s), fastest first", "slo": "SLO mode", "weights": "weighted mode"}
+    what = {"front": f"Pareto front: {count} plan(s), fastest first", "slo": "SLO mode", "weights": "weighted mode",
+            "fixed": "fixed cuts"}
     parts = [title, what[selection.kind], "", front_table(problem, selection), "", explain(problem, selection), "",
              f"plan {selection.chosen} ({selection.reason}) by stage — " + stage_breakdown(problem, chosen)]
     return "\n".join(parts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -91,10 +91,32 @@ class OptimizerSpec:
 
 
 def check_loss(name: str) -> str:
+    """A loss a run can name: one of :data:`LOSSES`, or ``package.module:function``, a
+    function ``(output, target) -> scalar mean loss`` that every worker imports by name (the
+    module must be importable there: on ``PYTHONPATH`` or installed), checked here by importing it."""
+    if isinstance(name, str) and ":" in name:
+        loss_function(name)
+        return name
     if name not in LOSSES:
         raise InputError(f"loss {name!r} is not one of {', '.join(LOSSES)} ('output': the model returns its own "
-                         "scalar loss)")
+                         "scalar loss) or package.module:function")
     return name
+
+
+def loss_function(name: str) -> Any:
+    """The function a ``package.module:function`` loss names."""
+    import importlib
+
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise InputError(f"loss {name!r}: cannot import {module_name!r} ({err}); the module must be importable "
+                         "(on PYTHONPATH or installed) here and in every worker") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise InputError(f"loss {name!r}: {module_name} has no function {attribute!r}")
+    return function
 
 
 def loss_value(name: str, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
@@ -103,6 +125,8 @@ def loss_value(name: str, output: torch.Tensor, target: torch.Tensor | None) -> 
         return output.mean()
     if target is None:
         raise InputError(f"loss {name!r} needs targets: give (inputs, target) batches")
+    if ":" in name:
+        return loss_function(name)(output, target)
     if name == "cross_entropy":
         return nn.functional.cross_entropy(output, target)
     return nn.functional.mse_loss(output, target)

@@ -1,0 +1,745 @@
+"""Data in: where a run's batches come from (``flatpack run --data SOURCE``, or a
+``DataLoader`` from Python), parsed once at the edge and checked before any process starts.
+
+A :class:`DataSource` is one of
+
+* :class:`ShardDirectory`: a directory of shards, ``*.safetensors``, ``*.pt`` (tensors saved
+  with ``torch.save``, read with ``torch.load(weights_only=True)``) or ``*.npz``;
+* :class:`S3Shards`: the same shards under an ``s3://bucket/prefix`` (any S3-compatible
+  endpoint; credentials from the standard AWS environment variables);
+* :class:`DatasetFactory`: ``package.module:factory`` or ``file.py:factory`` returning a
+  ``torch.utils.data.Dataset`` (map-style: shuffled by index) or ``IterableDataset``;
+* :class:`LoaderSource`: a ``torch.utils.data.DataLoader`` (the Python API), its batches as given.
+
+A shard holds named tensors with one row per sample: the target under ``target`` (or
+``targets``/``y``), the inputs under the model's argument names (``input_ids``,
+``attention_mask``, ``labels``... for a keyword-input model such as HuggingFace's; a
+one-input model may use any one name). A ``.pt`` shard may also be an ``(inputs, target)``
+pair of tensors. A shard without a target is accepted only when the model computes its own
+loss (``labels`` among the inputs).
+
+:func:`make_batches` turns a source into :class:`Batches`: a function of the iteration
+(what ``Deployment.train`` takes) that builds each global batch when it is asked for, so a
+dataset is never loaded whole: it keeps the shards of the current batch and loads the next
+batch's shards in a background thread while the pipeline trains (the runtime already uploads
+batches ahead of the first stage through the store, and each replica reads only its own
+micro-batches there). Epochs iterate the data again; ``shuffle`` permutes the shard order and
+the rows within each shard per epoch, seeded by ``seed`` and the epoch; ``drop_last`` drops
+the final partial batch of an epoch (a run's batches must all have one size: the plan cuts
+each into fixed micro-batches). Tests: ``tests/unit/test_data.py``,
+``tests/integration/test_data_run.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import importlib.util
+import inspect
+import io
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from flatpack.errors import InputError
+
+SHARD_SUFFIXES = (".safetensors", ".pt", ".npz")
+TARGET_KEYS = ("target", "targets", "y")
+# the model computes its own loss from these inputs (HuggingFace's convention)
+OWN_LOSS_INPUTS = ("labels",)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One named tensor of every sample: its shape without the batch dimension and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+Schema = dict[str, Column]
+
+
+# -- reading one shard -------------------------------------------------------------------------
+
+def _as_named(loaded: Any, where: str) -> dict[str, torch.Tensor]:
+    """A ``.pt`` shard's content as named tensors: a dict, or an ``(inputs, target)`` pair."""
+    if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+        return dict(loaded)
+    if isinstance(loaded, (tuple, list)) and len(loaded) == 2 and all(isinstance(v, torch.Tensor) for v in loaded):
+        return {"input": loaded[0], "target": loaded[1]}
+    raise InputError(f"shard {where} holds a {type(loaded).__name__}; a .pt shard must be a dict of named tensors "
+                     "(torch.save({'input_ids': ..., 'labels': ...}, path)) or an (inputs, target) pair of tensors")
+
+
+def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
+    """All tensors of a shard (a file or its bytes); ``name`` gives the format by its suffix."""
+    import numpy as np
+
+    source = str(data) if isinstance(data, Path) else io.BytesIO(data)
+    try:
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load, load_file
+
+            return load_file(source) if isinstance(data, Path) else load(data)
+        if name.endswith(".pt"):
+            return _as_named(torch.load(source, weights_only=True, map_location="cpu"), name)
+        if name.endswith(".npz"):
+            with np.load(source, allow_pickle=False) as archive:
+                return {key: torch.from_numpy(np.ascontiguousarray(archive[key])) for key in archive.files}
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a corrupt or foreign file: name it and the cause
+        raise InputError(f"cannot read shard {name}: {type(err).__name__}: {err}") from None
+    raise InputError(f"shard {name} is not one of {', '.join(SHARD_SUFFIXES)}")
+
+
+class _Shape:
+    """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
+
+    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+    def __init__(self, view: Any) -> None:
+        self.shape = tuple(view.get_shape())
+        self.dtype = "torch." + self._DTYPES.get(view.get_dtype(), view.get_dtype().lower())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def shard_schema(tensors: dict[str, Any], name: str) -> tuple[int, Schema]:
+    """A shard's rows and columns; every tensor must have the same first dimension."""
+    if not tensors:
+        raise InputError(f"shard {name} holds no tensors")
+    rows = {key: int(value.shape[0]) if value.dim() else None for key, value in tensors.items()}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        raise InputError(f"shard {name}: every tensor needs one row per sample (the same first dimension), got "
+                         + ", ".join(f"{key} {tuple(value.shape)}" for key, value in tensors.items()))
+    schema = {key: Column(tuple(value.shape[1:]), str(value.dtype).removeprefix("torch."))
+              for key, value in tensors.items()}
+    return next(iter(rows.values())), schema
+
+
+# -- sources -----------------------------------------------------------------------------------
+
+class DataSource(ABC):
+    """Where a run's samples come from. ``to_json`` is what the run directory records so
+    that ``flatpack resume`` reads the same data again instead of a copy of it."""
+
+    kind: str
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The source as ``run.json`` records it; None: it cannot be reopened by name (a
+        DataLoader), so the run directory keeps its batches."""
+        return None
+
+
+class ShardSource(DataSource):
+    """Shards of named tensors; subclasses list them and read one."""
+
+    def __init__(self) -> None:
+        self._shards: list[tuple[str, int]] | None = None
+        self._schema: Schema | None = None
+
+    @abstractmethod
+    def names(self) -> list[str]: ...
+
+    @abstractmethod
+    def read(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def columns(self, name: str) -> tuple[int, Schema]:
+        """A shard's rows and columns (by default from reading it whole)."""
+        return shard_schema(self.read(name), name)
+
+    def scan(self) -> tuple[list[tuple[str, int]], Schema]:
+        """Every shard's rows, after checking that all have the first shard's columns
+        (names, shapes beyond the batch dimension, dtypes). Reads each shard once."""
+        if self._shards is not None and self._schema is not None:
+            return self._shards, self._schema
+        names = self.names()
+        shards: list[tuple[str, int]] = []
+        schema: Schema | None = None
+        for name in names:
+            rows, columns = self.columns(name)
+            if schema is None:
+                schema = columns
+            elif columns != schema:
+                raise InputError(f"shard {name} does not match shard {names[0]}: "
+                                 f"{_schema_difference(schema, columns)}; every shard needs the same tensors, "
+                                 "shapes (beyond the batch dimension) and dtypes")
+            shards.append((name, rows))
+        assert schema is not None
+        self._shards, self._schema = shards, schema
+        return shards, schema
+
+
+def _schema_difference(expected: Schema, got: Schema) -> str:
+    if set(expected) != set(got):
+        return f"tensors {sorted(got)} instead of {sorted(expected)}"
+    key = next(key for key in sorted(expected) if expected[key] != got[key])
+    return (f"{key!r} has shape (rows, {', '.join(map(str, got[key].shape))}) and dtype {got[key].dtype}, expected "
+            f"(rows, {', '.join(map(str, expected[key].shape))}) and dtype {expected[key].dtype}")
+
+
+class ShardDirectory(ShardSource):
+    kind = "directory"
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        if not self.path.exists():
+            raise InputError(f"--data {self.path}: no such directory; give a directory of shards "
+                             f"({', '.join('*' + s for s in SHARD_SUFFIXES)}), an s3://bucket/prefix or "
+                             "package.module:factory")
+        if not self.path.is_dir():
+            raise InputError(f"--data {self.path} is a file; give the directory that holds the shards")
+
+    def names(self) -> list[str]:
+        names = sorted(p.name for p in self.path.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES))
+        if not names:
+            raise InputError(f"--data {self.path} holds no shards ({', '.join('*' + s for s in SHARD_SUFFIXES)})")
+        return names
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        return read_shard(self.path / name, name)
+
+    def columns(self, name: str) -> tuple[int, Schema]:
+        """From the file's header where the format has one (safetensors: shapes and dtypes
+        without reading the data; .pt: memory-mapped), so checking a large directory is cheap."""
+        path = self.path / name
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as handle:
+                    return shard_schema({key: _Shape(handle.get_slice(key)) for key in handle.keys()}, name)
+            if name.endswith(".pt"):
+                return shard_schema(_as_named(torch.load(path, weights_only=True, mmap=True, map_location="cpu"),
+                                              name), name)
+        except InputError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a corrupt or foreign file: name it and the cause
+            raise InputError(f"cannot read shard {name}: {type(err).__name__}: {err}") from None
+        return super().columns(name)
+
+    def describe(self) -> str:
+        return f"shards in {self.path}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": str(self.path.resolve())}
+
+
+class S3Shards(ShardSource):
+    """Shards under ``s3://bucket/prefix``: ``endpoint`` for an S3-compatible server (None:
+    AWS), credentials from the standard AWS chain (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, profiles), never from the url."""
+
+    kind = "s3"
+
+    def __init__(self, url: str, endpoint: str | None = None, **credentials: str) -> None:
+        super().__init__()
+        rest = url.removeprefix("s3://")
+        bucket, _, prefix = rest.partition("/")
+        if not url.startswith("s3://") or not bucket or not prefix.strip("/"):
+            raise InputError(f"--data {url!r}: an S3 source is s3://bucket/prefix/ (a prefix is needed: the "
+                             "shards are the keys under it)")
+        prefix = prefix if prefix.endswith("/") else prefix + "/"   # train/, not train2/ too
+        self.url, self.bucket, self.prefix, self.endpoint = url, bucket, prefix, endpoint
+        self._credentials = credentials
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    def store(self) -> Any:
+        with self._lock:
+            if self._store is None:
+                from flatpack.runtime.store import S3Store
+
+                self._store = S3Store(self.bucket, "", endpoint_url=self.endpoint, **self._credentials)
+            return self._store
+
+    def names(self) -> list[str]:
+        names = sorted(key for key in self.store().list(self.prefix) if key.endswith(SHARD_SUFFIXES))
+        if not names:
+            raise InputError(f"--data {self.url}{f' at {self.endpoint}' if self.endpoint else ''} holds no shards "
+                             f"({', '.join('*' + s for s in SHARD_SUFFIXES)})")
+        return names
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        return read_shard(self.store().get(name), name)
+
+    def describe(self) -> str:
+        return f"shards in {self.url}" + (f" at {self.endpoint}" if self.endpoint else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": self.url, "endpoint": self.endpoint}
+
+
+class DatasetFactory(DataSource):
+    """``package.module:factory`` or ``path/file.py:factory`` returning a Dataset."""
+
+    kind = "factory"
+
+    def __init__(self, spec: str) -> None:
+        source, _, attribute = spec.rpartition(":")
+        if source.endswith(".py") and Path(source).is_file():
+            # absolute, so that `flatpack resume` finds the file from any directory
+            spec = f"{Path(source).resolve()}:{attribute}"
+        self.spec = spec
+        self.dataset = _call_factory(spec)
+        from torch.utils.data import Dataset, IterableDataset
+
+        if not isinstance(self.dataset, (Dataset, IterableDataset)):
+            raise InputError(f"--data {spec} returned a {type(self.dataset).__name__}; the factory must return a "
+                             "torch.utils.data.Dataset or IterableDataset")
+
+    @property
+    def iterable(self) -> bool:
+        from torch.utils.data import IterableDataset
+
+        return isinstance(self.dataset, IterableDataset)
+
+    def describe(self) -> str:
+        return f"{type(self.dataset).__name__} from {self.spec}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "spec": self.spec}
+
+
+class LoaderSource(DataSource):
+    """A DataLoader's batches, as it yields them (its own batch size, order and shuffling)."""
+
+    kind = "loader"
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def describe(self) -> str:
+        return f"a DataLoader over {type(self.loader.dataset).__name__}"
+
+
+def _call_factory(spec: str) -> Any:
+    source, colon, attribute = spec.rpartition(":")
+    if not colon or not source or not attribute:
+        raise InputError(f"--data {spec!r} must be a directory, s3://bucket/prefix, or package.module:factory / "
+                         "path/to/file.py:factory returning a Dataset")
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise InputError(f"--data {spec}: no such file {path}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as err:
+            raise InputError(f"--data {spec}: cannot import {source!r} ({err})") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise InputError(f"--data {spec}: {source} has no callable {attribute!r}")
+    return factory()
+
+
+def parse_source(spec: Any, *, endpoint: str | None = None) -> DataSource:
+    """``--data SOURCE`` (or what the Python API was given) as a DataSource: a directory, an
+    ``s3://`` prefix, a ``module:factory``, a DataLoader, or a DataSource already."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(spec, DataSource):
+        return spec
+    if isinstance(spec, DataLoader):
+        return LoaderSource(spec)
+    if isinstance(spec, dict):
+        return source_from_json(spec)
+    if not isinstance(spec, (str, Path)):
+        raise InputError(f"data must be a directory, s3://bucket/prefix, package.module:factory or a DataLoader, "
+                         f"got {type(spec).__name__}")
+    text = str(spec)
+    if text.startswith("s3://"):
+        return S3Shards(text, endpoint)
+    if endpoint is not None:
+        raise InputError(f"--store-endpoint names the S3 server of an s3:// --data source; {text} is not one")
+    if Path(text).exists() or ":" not in text:
+        return ShardDirectory(text)
+    return DatasetFactory(text)
+
+
+def source_from_json(data: dict[str, Any]) -> DataSource:
+    kind = data.get("kind")
+    if kind == "directory":
+        return ShardDirectory(data["path"])
+    if kind == "s3":
+        return S3Shards(data["url"], data.get("endpoint"))
+    if kind == "factory":
+        return DatasetFactory(data["spec"])
+    raise InputError(f"unknown data source record {data!r}")
+
+
+# -- samples to model inputs -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """How a sample's named tensors become ``(inputs, target)``: keyword inputs by name (a
+    dict), or positional inputs in ``order``."""
+
+    keyword: bool
+    inputs: tuple[str, ...]
+    target: str | None
+
+    def split(self, named: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor | None]:
+        target = named.get(self.target) if self.target else None
+        if self.keyword:
+            return {name: named[name] for name in self.inputs}, target
+        return tuple(named[name] for name in self.inputs), target
+
+
+def layout_for(model: torch.nn.Module, example: Any, columns: Sequence[str], where: str) -> Layout:
+    """Which columns are inputs and which the target, from the model's signature: every
+    column a keyword-input model takes by name is an input (``labels`` too: the model then
+    computes its own loss); the target is ``target``/``targets``/``y``."""
+    parameters = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    target = next((key for key in TARGET_KEYS if key in columns), None)
+    rest = [key for key in columns if key != target]
+    if isinstance(example, dict):
+        unknown = [key for key in rest if key not in parameters and not takes_any]
+        if unknown:
+            raise InputError(f"{where} has tensors {unknown} that {type(model).__name__}.forward does not take; name "
+                             f"them after its arguments ({', '.join(p for p in parameters if p != 'self')}) or "
+                             f"'target' for the target")
+        missing = [key for key in example if key not in rest]
+        if missing:
+            raise InputError(f"{where} lacks the model input(s) {missing} the example has; add them to every shard")
+        return Layout(True, tuple(rest), target)
+    leaves = example if isinstance(example, (tuple, list)) else (example,)
+    if len(rest) == 1 and len(leaves) == 1:
+        return Layout(False, (rest[0],), target)
+    names = [p for p in parameters][: len(leaves)]
+    if sorted(rest) != sorted(names):
+        raise InputError(f"{where} has tensors {rest} besides the target; {type(model).__name__} takes "
+                         f"{len(leaves)} positional input(s), so name them {names} (its forward's arguments)")
+    return Layout(False, tuple(names), target)
+
+
+def keyword_layout(columns: Sequence[str]) -> Layout:
+    """Every column but the target a keyword input."""
+    target = next((key for key in TARGET_KEYS if key in columns), None)
+    return Layout(True, tuple(key for key in columns if key != target), target)
+
+
+def check_against_example(example: Any, inputs: Any, where: str) -> None:
+    """Refuses data whose inputs the model was not written for: a missing input, another
+    number of dimensions, or another kind of dtype (float64 from numpy where the example has
+    float32). Sizes beyond the batch may differ (a sequence length): the model is compiled
+    with the data's first batch."""
+    if isinstance(example, dict):
+        pairs = [(name, value, inputs.get(name) if isinstance(inputs, dict) else None)
+                 for name, value in example.items()]
+    else:
+        leaves = example if isinstance(example, (tuple, list)) else (example,)
+        given = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        pairs = [(f"input {position}", value, given[position] if position < len(given) else None)
+                 for position, value in enumerate(leaves)]
+    for name, expected, got in pairs:
+        if not isinstance(expected, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor):
+            raise InputError(f"{where}: the model's {name} ({tuple(expected.shape)}, {expected.dtype}) is missing "
+                             "from the data; add it to every shard or sample")
+        if got.dim() != expected.dim():
+            raise InputError(f"{where}: {name} has shape (rows, {', '.join(map(str, got.shape[1:]))}) but the model's "
+                             f"example has (batch, {', '.join(map(str, expected.shape[1:]))}); reshape the data")
+        if got.dtype != expected.dtype and (got.is_floating_point() or expected.is_floating_point()):
+            raise InputError(f"{where}: {name} has dtype {str(got.dtype).removeprefix('torch.')} but the model "
+                             f"takes {str(expected.dtype).removeprefix('torch.')}; convert the shards (numpy "
+                             f"arrays default to float64: .astype('float32'))")
+
+
+def loader_batches(loader: Any, iterations: int | None = None) -> "Batches":
+    """A DataLoader as what ``Deployment.train`` takes: its batches in order, again after
+    the last (``iterations`` past one epoch), dict samples bound to the model's inputs by name."""
+    return make_batches(LoaderSource(loader), None, None, batch=loader.batch_size or 1, iterations=iterations)
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+class Batches:
+    """Global ``(inputs, target)`` batches of a source, built when asked for: ``batches(i)``
+    (what ``Deployment.train`` takes as a function of the iteration); ``len(batches)`` is the
+    run's iterations (``epochs`` × the batches of an epoch, unless ``iterations`` caps it)."""
+
+    def __init__(self, count: int, per_epoch: int, batch: int, build: Callable[[int], tuple[Any, Any]],
+                 source: DataSource, layout: dict[str, Layout | None],
+                 prefetch: Callable[[int], None] | None = None) -> None:
+        self.count, self.per_epoch, self.batch = count, per_epoch, batch
+        self._build, self._prefetch, self.source = build, prefetch, source
+        self.description = source.describe()
+        self._layout = layout      # shared with the builder: dict samples fix it at the first batch
+
+    def layout_json(self) -> dict[str, Any] | None:
+        """How samples become inputs (what ``flatpack resume`` needs without the model)."""
+        layout = self._layout.get("layout")
+        return None if layout is None else {"keyword": layout.keyword, "inputs": list(layout.inputs),
+                                            "target": layout.target}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self(index)
+
+    def __call__(self, index: int) -> tuple[Any, Any]:
+        if not 0 <= index < self.count:
+            raise IndexError(f"batch {index} of {self.count}")
+        batch = self._build(index)
+        if self._prefetch is not None and index + 1 < self.count:
+            self._prefetch(index + 1)
+        return batch
+
+
+def _epoch_size(samples: int, batch: int, drop_last: bool, what: str) -> int:
+    if samples < batch:
+        raise InputError(f"{what} holds {samples} samples, fewer than one --batch of {batch}; use a smaller --batch "
+                         "or more data")
+    if samples % batch and not drop_last:
+        raise InputError(f"{what} holds {samples} samples, so the last batch of each epoch would have "
+                         f"{samples % batch} instead of {batch}; a run's batches all have one size (the plan cuts "
+                         f"each into fixed micro-batches). Pass --drop-last (drop_last=True) to skip it, or use a "
+                         f"--batch that divides {samples}")
+    return samples // batch
+
+
+def _iterations(per_epoch: int, epochs: int, iterations: int | None) -> int:
+    if epochs < 1:
+        raise InputError(f"--epochs must be at least 1, got {epochs}")
+    if iterations is None:
+        return per_epoch * epochs
+    if iterations < 1:
+        raise InputError(f"--iterations must be at least 1, got {iterations}")
+    return iterations
+
+
+def make_batches(source: DataSource, model: torch.nn.Module | None, example: Any, *, batch: int, epochs: int = 1,
+                 iterations: int | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, layout: Layout | None = None) -> Batches:
+    """The run's batches from ``source`` (see the module docstring). ``iterations``: with
+    one epoch, how many batches to train (the data repeats when it holds fewer); with more,
+    a cap. Everything that can be checked without training is checked here: the shards'
+    columns, the inputs against the model's signature, the sizes against ``batch``.
+    ``layout``: how samples become inputs, when there is no model to ask (a resume)."""
+    if not isinstance(batch, int) or batch < 1:
+        raise InputError(f"--batch must be a positive number of samples, got {batch}")
+    box: dict[str, Layout | None] = {"layout": layout}
+
+    def to_inputs(named: Any) -> tuple[Any, Any]:
+        """A collated sample batch as ``(inputs, target)``: named tensors through the
+        layout, an ``(inputs, target)`` pair as it is."""
+        if isinstance(named, dict):
+            if box["layout"] is None:
+                # without the model (a DataLoader given to Deployment.train): every tensor but the
+                # target is a keyword input, bound to the compiled signature by name
+                box["layout"] = (layout_for(model, example, list(named), f"--data {source.describe()}")
+                                 if model is not None else keyword_layout(list(named)))
+            return box["layout"].split(named)
+        if isinstance(named, (tuple, list)) and len(named) == 2:
+            inputs, target = named
+            # one positional input travels as a 1-tuple, as the compiled example does
+            return (tuple(inputs) if isinstance(inputs, list) else (inputs,) if isinstance(inputs, torch.Tensor)
+                    else inputs), target
+        raise InputError(f"{source.describe()} yields {type(named).__name__} samples; give (inputs, target) pairs "
+                         "or dicts of named tensors")
+
+    if isinstance(source, ShardSource):
+        return _shard_batches(source, to_inputs, box, batch=batch, epochs=epochs, iterations=iterations,
+                              shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if isinstance(source, DatasetFactory) and not source.iterable:
+        return _dataset_batches(source, to_inputs, box, batch=batch, epochs=epochs, iterations=iterations,
+                                shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return _stream_batches(source, to_inputs, box, batch=batch, epochs=epochs, iterations=iterations,
+                           drop_last=drop_last)
+
+
+def batches_from_record(record: dict[str, Any]) -> Batches:
+    """The batches a run recorded in ``run.json`` (``job._data_record``), read again."""
+    layout = Layout(record["layout"]["keyword"], tuple(record["layout"]["inputs"]), record["layout"]["target"]) \
+        if record.get("layout") else None
+    return make_batches(source_from_json(record["source"]), None, None, batch=record["batch"],
+                        epochs=record["epochs"], iterations=record["iterations"], shuffle=record["shuffle"],
+                        seed=record["seed"], drop_last=record["drop_last"], layout=layout)
+
+
+def _permutation(size: int, seed: int, *salt: int) -> list[int]:
+    generator = torch.Generator().manual_seed(hash((seed, *salt)) & 0x7FFF_FFFF_FFFF)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def _shard_batches(source: ShardSource, to_inputs: Callable[[Any], tuple[Any, Any]], box: dict, *, batch: int,
+                   epochs: int, iterations: int | None, shuffle: bool, seed: int, drop_last: bool) -> Batches:
+    shards, schema = source.scan()
+    # the layout is checked against the model now, from the shards' columns, not at batch 0
+    to_inputs({key: torch.zeros((1, *column.shape)) for key, column in schema.items()})
+    samples = sum(rows for _, rows in shards)
+    per_epoch = _epoch_size(samples, batch, drop_last, source.describe())
+    count = _iterations(per_epoch, epochs, iterations)
+    cache: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+    pending: dict[int, concurrent.futures.Future] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flatpack-data")
+    lock = threading.Lock()
+
+    def order(epoch: int) -> tuple[list[int], list[int]]:
+        """The epoch's shard order and each ordered shard's first sample position."""
+        ids = _permutation(len(shards), seed, epoch) if shuffle else list(range(len(shards)))
+        starts, at = [], 0
+        for shard in ids:
+            starts.append(at)
+            at += shards[shard][1]
+        return ids, starts
+
+    def rows_of(shard: int, epoch: int) -> list[int]:
+        size = shards[shard][1]
+        return _permutation(size, seed, epoch, shard) if shuffle else list(range(size))
+
+    def pieces(index: int) -> list[tuple[int, list[int]]]:
+        """Batch ``index`` as (shard, rows) pieces in sample order."""
+        epoch, within = divmod(index, per_epoch)
+        ids, starts = order(epoch)
+        begin, end = within * batch, (within + 1) * batch
+        found = []
+        for slot, shard in enumerate(ids):
+            first, last = starts[slot], starts[slot] + shards[shard][1]
+            if last <= begin or first >= end:
+                continue
+            permuted = rows_of(shard, epoch)
+            found.append((shard, permuted[max(begin, first) - first:min(end, last) - first]))
+        return found
+
+    def load(shard: int) -> dict[str, torch.Tensor]:
+        with lock:
+            if shard in cache:
+                cache.move_to_end(shard)
+                return cache[shard]
+            future = pending.pop(shard, None)
+        tensors = future.result() if future is not None else source.read(shards[shard][0])
+        with lock:
+            cache[shard] = tensors
+            while len(cache) > 3:
+                cache.popitem(last=False)
+        return tensors
+
+    def build(index: int) -> tuple[Any, Any]:
+        parts = [(load(shard), rows) for shard, rows in pieces(index)]
+        named = {key: torch.cat([tensors[key][torch.tensor(rows, dtype=torch.long)] for tensors, rows in parts])
+                 for key in schema}
+        return to_inputs(named)
+
+    def prefetch(index: int) -> None:
+        for shard, _ in pieces(index):
+            with lock:
+                if shard in cache or shard in pending:
+                    continue
+                pending[shard] = pool.submit(source.read, shards[shard][0])
+
+    return Batches(count, per_epoch, batch, build, source, box, prefetch)
+
+
+def _collate(samples: list[Any]) -> Any:
+    from torch.utils.data import default_collate
+
+    return default_collate(samples)
+
+
+def _dataset_batches(source: DatasetFactory, to_inputs: Callable[[Any], tuple[Any, Any]], box: dict, *, batch: int,
+                     epochs: int, iterations: int | None, shuffle: bool, seed: int, drop_last: bool) -> Batches:
+    dataset = source.dataset
+    try:
+        samples = len(dataset)
+    except TypeError:
+        raise InputError(f"--data {source.spec}: the Dataset has no len(); give it __len__ or make it an "
+                         "IterableDataset") from None
+    per_epoch = _epoch_size(samples, batch, drop_last, source.describe())
+    count = _iterations(per_epoch, epochs, iterations)
+
+    def build(index: int) -> tuple[Any, Any]:
+        epoch, within = divmod(index, per_epoch)
+        order = _permutation(samples, seed, epoch) if shuffle else range(samples)
+        picked = [dataset[order[i]] for i in range(within * batch, (within + 1) * batch)]
+        return to_inputs(_collate(picked))
+
+    return Batches(count, per_epoch, batch, build, source, box)
+
+
+def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, Any]], box: dict, *, batch: int,
+                    epochs: int, iterations: int | None, drop_last: bool) -> Batches:
+    """An IterableDataset (batched here) or a DataLoader (batched by it), read in order; an
+    earlier batch asked for again (the verdict's reference, a resume) restarts the stream."""
+    loader = source.loader if isinstance(source, LoaderSource) else None
+    rows = batch
+    if loader is not None and loader.batch_size is not None:
+        rows = loader.batch_size
+
+    def epoch_batches() -> Iterator[Any]:
+        if loader is not None:
+            for item in loader:
+                yield item
+            return
+        chunk: list[Any] = []
+        for sample in source.dataset:
+            chunk.append(sample)
+            if len(chunk) == batch:
+                yield _collate(chunk)
+                chunk = []
+        if chunk and not drop_last:
+            raise InputError(f"{source.describe()} ended with a partial batch of {len(chunk)} samples; a run's "
+                             f"batches all have {batch}. Pass --drop-last (drop_last=True), or give a --batch that "
+                             "divides the dataset")
+
+    try:
+        per_epoch = len(loader) if loader is not None else len(source.dataset) // batch
+    except TypeError:
+        per_epoch = None
+    if per_epoch is None:
+        if iterations is None:
+            raise InputError(f"{source.describe()} has no len(), so the number of iterations is unknown; give "
+                             "--iterations (iterations=)")
+        per_epoch = iterations
+    count = _iterations(per_epoch, epochs, iterations)
+    state: dict[str, Any] = {"next": 0, "iterator": None}
+
+    def stream() -> Iterator[Any]:
+        while True:
+            produced = 0
+            for item in epoch_batches():
+                produced += 1
+                yield item
+            if not produced:
+                raise InputError(f"{source.describe()} yielded no batches")
+
+    def build(index: int) -> tuple[Any, Any]:
+        if state["iterator"] is None or index < state["next"]:
+            state["iterator"], state["next"] = stream(), 0
+        while state["next"] < index:
+            next(state["iterator"])
+            state["next"] += 1
+        item = next(state["iterator"])
+        state["next"] += 1
+        return to_inputs(item)
+
+    return Batches(count, per_epoch, rows, build, source, box)
+
+
+def first_batch_rows(batch: tuple[Any, Any]) -> int:
+    import torch.utils._pytree as pytree
+
+    return next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(batch[0])
+                if isinstance(leaf, torch.Tensor) and leaf.dim())
