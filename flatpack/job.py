@@ -378,7 +378,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     from flatpack.ir.profiler import ProfileOptions
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload
-    from flatpack.runtime import gantt, report
+    from flatpack.runtime import chrome_trace, gantt, report
 
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
@@ -501,10 +501,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 "on the later iterations")
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
-        files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png",
-                            predicted=report.predicted_schedule(problem, compiled.plan),
-                            title=f"{type(model).__name__}: {len(compiled.plan.stages)} stages on local functions")]
-        say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured) and the stage artifacts in {files[0]}")
+        schedule = report.predicted_schedule(problem, compiled.plan)
+        files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png", predicted=schedule,
+                                                      title=f"{type(model).__name__}: {len(compiled.plan.stages)} "
+                                                            "stages on local functions"),
+                 chrome_trace.write(result.events, options.out / "timeline.json", predicted=schedule)]
+        say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured), {files[2]} (the same as a Chrome "
+            f"trace: open it in ui.perfetto.dev or chrome://tracing) and the stage artifacts in {files[0]}")
         max_diff = equivalent = None
         if options.verify:
             found = verdict(initial, compiled, batches, options, loss, result.parameters, pipelined_state,

@@ -3,6 +3,8 @@ train it on local functions through the local S3 server, report and verify."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flatpack.cli import main
@@ -19,6 +21,10 @@ def test_demo_trains_on_local_functions_and_checks_equivalence(tmp_path, capsys)
     assert "predicted (FuncPipe model) vs measured" in printed
     assert "equivalence with single-process training: passed" in printed
     assert (out / "timeline.png").stat().st_size > 10_000
+    trace = json.loads((out / "timeline.json").read_text())      # the Chrome trace beside it
+    processes = {event["args"]["name"] for event in trace["traceEvents"] if event["name"] == "process_name"}
+    assert processes == {"measured", "predicted (cost model)"}
+    assert sum(event["ph"] == "X" and event["pid"] == 1 for event in trace["traceEvents"]) > 10
     assert (out / "compiled" / "stage_000" / "stage.py").is_file()
 
 
