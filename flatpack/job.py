@@ -456,9 +456,12 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 say("the DataLoader cannot be reopened by name, so its batches are copied into the run directory "
                     "for flatpack resume")
             directory.save_batches(batches)
+        # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
+        # no workload to default them from), so `flatpack resume` retrains the same way
         train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
-                         "non_finite": options.non_finite}
+                         "non_finite": options.non_finite,
+                         "micro_batches": compiled.plan.micro_batches or options.micro_batches}
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
                            data=data_record, train_options=train_options)
         directory.write(record)
