@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flatpack.errors import FlatpackError, InputError
+from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
 
@@ -606,8 +606,21 @@ def cmd_teardown(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_CODES = """exit codes: 0 success; 1 a run failed (a function's error, out of memory, a refused artifact,
+an equivalence check that failed); 2 bad input (an option, a model, a file; nothing was started);
+128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM; the run directory stays resumable)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flatpack", description=__doc__)
+    from flatpack.version import __version__
+
+    parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
+    parser.add_argument("--config", metavar="FILE.toml",
+                        help="defaults for the verb's options from a TOML file whose keys are the option names "
+                             "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line "
+                             "win. Give it anywhere: flatpack run vgg16 --config run.toml")
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect_parser = sub.add_parser("inspect", help="print the layer chain of a model")
@@ -858,12 +871,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from flatpack.interrupts import Interrupted, clean_shutdown
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_arguments(build_parser(), argv)
+    except FlatpackError as err:       # a bad --config file
+        print(f"flatpack: error: {err}", file=sys.stderr)
+        return 2
     try:
         # SIGINT, SIGTERM and SIGHUP take the KeyboardInterrupt path: the commands' own
         # with/finally blocks stop the functions and the S3 server; see flatpack/interrupts.py
         with clean_shutdown():
             return args.run(args)
+    except RunFailure as err:          # it started and failed: exit 1 (EXIT_CODES)
+        print(f"flatpack: run failed: {err}", file=sys.stderr)
+        return 1
     except FlatpackError as err:
         print(f"flatpack: error: {err}", file=sys.stderr)
         return 2
@@ -874,6 +894,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = interrupt.exit_code if isinstance(interrupt, Interrupted) else 130
         _say_interrupted(getattr(args, "out", None), "SIGINT" if code == 130 else str(interrupt))
         return code
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; with ``--config FILE.toml`` (any verb that takes options) the file's
+    keys become the verb's defaults first, so options on the command line still win. Keys
+    are the options' names without dashes (``micro-batches`` or ``micro_batches``); an
+    unknown key is refused with the close matches."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv and not any(arg.startswith("--config=") for arg in argv):
+        return parser.parse_args(argv)
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--config")
+    known, rest = probe.parse_known_args(argv)
+    verb = next((arg for arg in rest if not arg.startswith("-")), None)
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    if verb not in subparsers.choices:
+        return parser.parse_args(rest)    # argparse names the missing or unknown verb
+    sub = subparsers.choices[verb]
+    sub.set_defaults(**config_defaults(known.config, sub))
+    return parser.parse_args(rest)
+
+
+def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
+    import difflib
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10
+        import tomli as tomllib
+
+    try:
+        with open(path, "rb") as file:
+            table = tomllib.load(file)
+    except FileNotFoundError:
+        raise InputError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise InputError(f"--config {path} is not valid TOML: {err}") from None
+    options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
+    defaults: dict[str, Any] = {}
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest not in options:
+            names = sorted(name.replace("_", "-") for name in options)
+            close = difflib.get_close_matches(key.replace("_", "-"), names, n=2)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise InputError(f"--config {path}: {key!r} is not an option of `flatpack {parser.prog.split()[-1]}`; "
+                             f"{hint}the options are: {', '.join(names)}")
+        action = options[dest]
+        if isinstance(value, list):   # lists as TOML arrays, for the comma-separated options
+            value = ",".join(str(item) for item in value)
+        wanted = action.type if action.type in (int, float) else None
+        if wanted is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                   or wanted is int and isinstance(value, float)):
+            raise InputError(f"--config {path}: {key!r} takes {'a whole number' if wanted is int else 'a number'}, "
+                             f"got {value!r}")
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and not isinstance(value, bool):
+            raise InputError(f"--config {path}: {key!r} is a switch; give true or false, got {value!r}")
+        if action.choices is not None and value not in action.choices:
+            raise InputError(f"--config {path}: {key!r} must be one of {', '.join(map(str, action.choices))}, "
+                             f"got {value!r}")
+        defaults[dest] = value
+    return defaults
 
 
 def _say_interrupted(out: str | None, how: str) -> None:

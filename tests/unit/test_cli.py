@@ -98,3 +98,54 @@ def test_zoo_models_use_their_own_pipeline_unless_passes_are_given():
 def test_inspect_builds_a_zoo_model(capsys):
     assert main(["inspect", "alexnet"]) == 0
     assert "features:conv2d" in capsys.readouterr().out
+
+
+def test_version_and_the_exit_codes_are_in_the_help(capsys):
+    from flatpack.version import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"flatpack {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    printed = capsys.readouterr().out
+    assert "exit codes: 0 success; 1 a run failed" in printed and "2 bad input" in printed and "--config" in printed
+
+
+def test_a_config_file_gives_the_verbs_defaults_and_the_command_line_wins(tmp_path):
+    from flatpack import cli
+
+    config = tmp_path / "run.toml"
+    config.write_text('batch = 64\nmicro-batches = 8\nreplicas = [1, 2]\nschedule = "1f1b"\nno_verify = true\n')
+    args = cli.parse_arguments(cli.build_parser(), ["run", "mlp", "--config", str(config), "--batch", "32"])
+    assert (args.batch, args.micro_batches, args.replicas, args.schedule, args.no_verify) == (32, 8, "1,2", "1f1b", True)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("micro-batchs = 8", "did you mean micro-batches"),
+    ("batch = 6.5", "'batch' takes a whole number"),
+    ('schedule = "gpipe"', "must be one of sync, 1f1b"),
+    ('no-verify = "yes"', "is a switch"),
+    ("batch = ", "is not valid TOML"),
+])
+def test_a_bad_config_file_exits_2_naming_the_key(text, words, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    assert main(["run", "mlp", "--config", str(config)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_run_that_fails_exits_1_and_bad_input_exits_2(monkeypatch, capsys):
+    from flatpack import cli
+    from flatpack.errors import FunctionOutOfMemory, InputError
+
+    def out_of_memory(args):
+        raise FunctionOutOfMemory("stage 0 replica 0 ran out of memory", stage=0, replica=0, peak_bytes=2,
+                                  limit_bytes=1)
+
+    monkeypatch.setattr(cli, "cmd_run", out_of_memory)
+    assert main(["run", "mlp"]) == 1
+    assert "flatpack: run failed: stage 0 replica 0 ran out of memory" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cmd_run", lambda args: (_ for _ in ()).throw(InputError("--batch must be positive")))
+    assert main(["run", "mlp"]) == 2
+    assert "flatpack: error: --batch must be positive" in capsys.readouterr().err
