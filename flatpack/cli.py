@@ -477,7 +477,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from flatpack.job import resume_training
 
     return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean, digest=args.digest,
-                           verify_key=args.verify_key)
+                           verify_key=args.verify_key, data=args.data)
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -761,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--loss", default="auto",
                             help="auto (default: the model output's 'loss' when it has one, as a HuggingFace model "
                                  "given labels; else cross-entropy for (batch, classes) outputs, mse otherwise), "
-                                 "cross-entropy, mse, or package.module:function taking (output, target). "
+                                 "cross-entropy or mse; any other loss: make the model return it. "
                                  "e.g. --loss cross-entropy")
     run_parser.add_argument("--save", default=None, metavar="PATH.safetensors",
                             help="also write the trained weights here, by the original model's state_dict names "
@@ -799,6 +799,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")
     resume_parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
+    resume_parser.add_argument("--data", default=None, metavar="MODULE:FACTORY",
+                               help="a run whose --data was a dataset factory names it again (run.json records it, "
+                                    "but never names code to import), e.g. --data mydata.py:make")
     resume_parser.add_argument("--clean", action="store_true",
                                help="remove the run's store data instead of resuming it")
     _trust_args(resume_parser)

@@ -289,13 +289,18 @@ class DatasetFactory(DataSource):
 
     kind = "factory"
 
-    def __init__(self, spec: str) -> None:
+    @staticmethod
+    def normalized(spec: str) -> str:
+        """``spec`` with a file's path made absolute (so that it names the same factory from
+        any directory); nothing is imported."""
         source, _, attribute = spec.rpartition(":")
         if source.endswith(".py") and Path(source).is_file():
-            # absolute, so that `flatpack resume` finds the file from any directory
-            spec = f"{Path(source).resolve()}:{attribute}"
-        self.spec = spec
-        self.dataset = _call_factory(spec)
+            return f"{Path(source).resolve()}:{attribute}"
+        return spec
+
+    def __init__(self, spec: str) -> None:
+        self.spec = self.normalized(spec)
+        self.dataset = _call_factory(self.spec)
         from torch.utils.data import Dataset, IterableDataset
 
         if not isinstance(self.dataset, (Dataset, IterableDataset)):
@@ -375,14 +380,24 @@ def parse_source(spec: Any, *, endpoint: str | None = None) -> DataSource:
     return DatasetFactory(text)
 
 
-def source_from_json(data: dict[str, Any]) -> DataSource:
+def source_from_json(data: dict[str, Any], *, factory: str | None = None) -> DataSource:
+    """The source a record describes. A dataset factory is code, and a record (``run.json``) is
+    data that never names code to import (docs/security.md): the caller names the factory
+    again (``factory``, from the command line), and it must be the one recorded."""
     kind = data.get("kind")
     if kind == "directory":
         return ShardDirectory(data["path"])
     if kind == "s3":
         return S3Shards(data["url"], data.get("endpoint"))
     if kind == "factory":
-        return DatasetFactory(data["spec"])
+        if factory is None:
+            raise InputError(f"this run's data came from the dataset factory {data['spec']}, and a run directory "
+                             "never names code to import (docs/security.md); name it again: flatpack resume "
+                             f"RUN_DIR --data {data['spec']}")
+        if DatasetFactory.normalized(factory) != data["spec"]:
+            raise InputError(f"--data {factory} is not the factory this run recorded ({data['spec']}); resume it "
+                             "on the data it started with")
+        return DatasetFactory(factory)
     raise InputError(f"unknown data source record {data!r}")
 
 
@@ -570,11 +585,12 @@ def make_batches(source: DataSource, model: torch.nn.Module | None, example: Any
                            drop_last=drop_last)
 
 
-def batches_from_record(record: dict[str, Any]) -> Batches:
-    """The batches a run recorded in ``run.json`` (``job._data_record``), read again."""
+def batches_from_record(record: dict[str, Any], *, factory: str | None = None) -> Batches:
+    """The batches a run recorded in ``run.json`` (``job._data_record``), read again;
+    ``factory``: a dataset factory source named again (see :func:`source_from_json`)."""
     layout = Layout(record["layout"]["keyword"], tuple(record["layout"]["inputs"]), record["layout"]["target"]) \
         if record.get("layout") else None
-    return make_batches(source_from_json(record["source"]), None, None, batch=record["batch"],
+    return make_batches(source_from_json(record["source"], factory=factory), None, None, batch=record["batch"],
                         epochs=record["epochs"], iterations=record["iterations"], shuffle=record["shuffle"],
                         seed=record["seed"], drop_last=record["drop_last"], layout=layout)
 

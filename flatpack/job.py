@@ -65,7 +65,7 @@ class JobOptions:
     shuffle: bool = True
     drop_last: bool = False
     # "auto": the model output's `loss` when it has one, else cross-entropy for (batch, classes)
-    # outputs and mean squared error otherwise; or cross-entropy, mse, package.module:function
+    # outputs and mean squared error otherwise; or cross-entropy, mse
     loss: str = "auto"
     save: Path | None = None             # also write the trained state dict here (.safetensors)
     # fixed cuts instead of the solver's: N stages of balanced parameter bytes, or a stage
@@ -100,12 +100,12 @@ class JobOptions:
              f"--epochs must be at least 1 (full passes over --data), got {self.epochs}")
         need(self.data is not None or (self.epochs == 1 and not self.drop_last and self.store_endpoint is None),
              "--epochs, --drop-last and --store-endpoint apply to --data; give --data SOURCE or leave them out")
-        need(self.loss == "auto" or self.loss in LOSS_NAMES or ":" in str(self.loss),
-             f"--loss must be auto, {', '.join(LOSS_NAMES)} or package.module:function, got {self.loss!r}")
         if ":" in str(self.loss):
             from flatpack.runtime.optim import check_loss
 
-            check_loss(self.loss)
+            check_loss(self.loss)      # refuses it, saying why (data never names code)
+        need(self.loss == "auto" or self.loss in LOSS_NAMES,
+             f"--loss must be auto or one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
         need(self.save is None or Path(self.save).suffix == ".safetensors",
              f"--save {self.save}: the weights are written as safetensors; name the file *.safetensors")
         if self.optimizer not in OPTIMIZERS:
@@ -342,8 +342,8 @@ def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str) -> str:
     if first.shape[1:] == target.shape[1:]:
         return "mse"
     raise InputError(f"cannot choose a loss for output of shape {tuple(first.shape)} and targets of shape "
-                     f"{tuple(target.shape)} ({target.dtype}); give --loss cross-entropy, mse or "
-                     "package.module:function")
+                     f"{tuple(target.shape)} ({target.dtype}); give --loss cross-entropy or mse, or make the "
+                     "model return its own loss")
 
 
 def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[Any, str, int]:
@@ -579,12 +579,13 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
 
 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
-                    verify_key: str | None = None) -> int:
+                    verify_key: str | None = None, data: str | None = None) -> int:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
     ``digest`` / ``verify_key``: what the run's compiled artifact is checked against
-    (``flatpack.load``)."""
+    (``flatpack.load``). ``data``: a run whose data came from a dataset factory names it
+    again (``run.json`` is data and never names code to import)."""
     import flatpack
     from flatpack.backends import local
 
@@ -610,7 +611,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     if record.data is not None:
         from flatpack.data import batches_from_record
 
-        batches = batches_from_record(record.data)
+        batches = batches_from_record(record.data, factory=data)
         say(f"re-reading the run's data: {batches.description}")
     else:
         batches = directory.load_batches()

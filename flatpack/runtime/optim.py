@@ -91,32 +91,19 @@ class OptimizerSpec:
 
 
 def check_loss(name: str) -> str:
-    """A loss a run can name: one of :data:`LOSSES`, or ``package.module:function``, a
-    function ``(output, target) -> scalar mean loss`` that every worker imports by name (the
-    module must be importable there: on ``PYTHONPATH`` or installed), checked here by importing it."""
+    """A loss a run can name: one of :data:`LOSSES`. A function named ``package.module:function``
+    is refused: the loss travels to the workers in the run's settings, which live in the
+    store, and a worker never imports code that data names (docs/security.md); a model that
+    computes its own loss (``"output"``) covers any other loss."""
     if isinstance(name, str) and ":" in name:
-        loss_function(name)
-        return name
+        raise InputError(f"loss {name!r}: a loss function named by module is not supported: the workers would "
+                         "import code named in the run's settings, which live in the store (docs/security.md). "
+                         f"Use one of {', '.join(LOSSES)}, or wrap the model so that its forward returns the loss "
+                         "('output')")
     if name not in LOSSES:
         raise InputError(f"loss {name!r} is not one of {', '.join(LOSSES)} ('output': the model returns its own "
-                         "scalar loss) or package.module:function")
+                         "scalar loss)")
     return name
-
-
-def loss_function(name: str) -> Any:
-    """The function a ``package.module:function`` loss names."""
-    import importlib
-
-    module_name, _, attribute = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise InputError(f"loss {name!r}: cannot import {module_name!r} ({err}); the module must be importable "
-                         "(on PYTHONPATH or installed) here and in every worker") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise InputError(f"loss {name!r}: {module_name} has no function {attribute!r}")
-    return function
 
 
 def loss_value(name: str, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
@@ -125,8 +112,6 @@ def loss_value(name: str, output: torch.Tensor, target: torch.Tensor | None) -> 
         return output.mean()
     if target is None:
         raise InputError(f"loss {name!r} needs targets: give (inputs, target) batches")
-    if ":" in name:
-        return loss_function(name)(output, target)
     if name == "cross_entropy":
         return nn.functional.cross_entropy(output, target)
     return nn.functional.mse_loss(output, target)

@@ -21,6 +21,9 @@ ALLOWED = {
     # the MODEL argument of the command line (path/to/file.py:factory or package.module:factory):
     # the user's own code, named by the user, never read from an artifact
     ("cli.py", "load_factory"): "the user's MODEL argument",
+    # the --data argument of `flatpack run` (and of `flatpack resume`, which must name it again:
+    # data.source_from_json never imports a factory a run.json names), the user's own code
+    ("data.py", "_call_factory"): "the user's --data argument",
     # the registries' built-in names map to constant "module:attribute" strings in flatpack's code
     ("registry.py", "factory"): "a constant table in registry users",
     # the dp solver picks its algorithm module from the constant ALGORITHMS table by cost model

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import flatpack
 from flatpack.data import (Batches, DatasetFactory, ShardDirectory, batches_from_record, check_against_example,
-                           loader_batches, make_batches, parse_source)
+                           loader_batches, make_batches, parse_source, source_from_json)
 from flatpack.errors import InputError
 from flatpack.job import JobOptions, choose_loss
 
@@ -205,7 +205,7 @@ def test_run_options_for_data_are_checked_before_anything_starts(tmp_path):
         JobOptions(save=tmp_path / "w.pt").check()
     with pytest.raises(InputError, match="--loss must be auto"):
         JobOptions(loss="hinge").check()
-    with pytest.raises(InputError, match="cannot import 'no_such_module_fp'"):
+    with pytest.raises(InputError, match="a loss function named by module is not supported"):
         JobOptions(loss="no_such_module_fp:focal").check()
     JobOptions(data=str(tmp_path), iterations=None, epochs=2, drop_last=True, loss="cross-entropy").check()
 
@@ -259,15 +259,17 @@ def test_a_dataloader_of_dict_samples_binds_them_by_name_without_the_model():
     assert inputs["input_ids"][:, 0].tolist() == [0, 1]      # the fourth batch: the second epoch's first
 
 
-def test_a_loss_named_by_module_and_function_is_imported_and_applied():
-    from flatpack.runtime.optim import check_loss, loss_value
+def test_a_loss_named_by_module_and_function_is_refused_before_anything_imports_it():
+    """The loss reaches the workers in the run's settings, which live in the store: a worker
+    never imports code that data names (docs/security.md), so only named losses exist."""
+    import sys
 
-    output, target = torch.randn(4, 3), torch.randn(4, 3)
-    assert check_loss("torch.nn.functional:l1_loss") == "torch.nn.functional:l1_loss"
-    torch.testing.assert_close(loss_value("torch.nn.functional:l1_loss", output, target),
-                               nn.functional.l1_loss(output, target))
-    with pytest.raises(InputError, match="torch.nn.functional has no function 'nope'"):
-        check_loss("torch.nn.functional:nope")
+    from flatpack.runtime.optim import check_loss
+
+    with pytest.raises(InputError, match="a loss function named by module is not supported.*'output'"):
+        check_loss("fp_never_imported_module:focal")
+    assert "fp_never_imported_module" not in sys.modules
+    assert check_loss("mse") == "mse"
 
 
 def test_a_file_factory_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
@@ -278,3 +280,17 @@ def test_a_file_factory_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
     assert source.to_json() == {"kind": "factory", "spec": f"{tmp_path.resolve() / 'mydata.py'}:make"}
     batches = make_batches(source, nn.Linear(3, 1), (torch.randn(2, 3),), batch=4)
     assert len(batches) == 2 and batches(1)[1].shape == (4, 1)
+
+
+def test_a_factory_source_is_never_imported_from_a_record(tmp_path, monkeypatch):
+    """run.json is data: a resume names the factory again, and it must be the recorded one."""
+    (tmp_path / "mydata.py").write_text("import torch\nfrom torch.utils.data import TensorDataset\n"
+                                        "def make():\n    return TensorDataset(torch.randn(8, 3), torch.randn(8, 1))\n")
+    (tmp_path / "other.py").write_text("raise SystemExit('other.py was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    record = parse_source("mydata.py:make").to_json()
+    with pytest.raises(InputError, match="name it again: flatpack resume RUN_DIR --data .*mydata.py:make"):
+        source_from_json(record)
+    with pytest.raises(InputError, match="is not the factory this run recorded"):
+        source_from_json(record, factory="other.py:make")
+    assert source_from_json(record, factory="mydata.py:make").to_json() == record
