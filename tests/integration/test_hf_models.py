@@ -84,8 +84,10 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
 
 def test_encoder_decoder_keeps_its_decoder_layers_with_max_crossing_two():
     """The encoder output is read by every decoder layer's cross-attention, so two branch
-    values cross each decoder boundary: the default folds BART into 3 layers,
-    merge-branches{max-crossing=2} keeps the cuts and ships both tensors."""
+    values cross each decoder boundary. The default counts the encoder output as a long-lived
+    value at block boundaries and keeps a cut between every two blocks (without that rule,
+    ``long-lived=0``, BART folds into 3 layers); merge-branches{max-crossing=2} keeps the cuts
+    inside the blocks too and ships both tensors."""
     import transformers
 
     torch.manual_seed(0)
@@ -95,7 +97,11 @@ def test_encoder_decoder_keeps_its_decoder_layers_with_max_crossing_two():
     model = transformers.BartForConditionalGeneration(config).eval()
     ids = torch.randint(0, 100, (2, 8))
     inputs = {"input_ids": ids, "decoder_input_ids": ids}
-    default = flatpack.compile(model, inputs, stages=1)
+    default = flatpack.compile(model, inputs, stages=4)
+    folded = flatpack.compile(model, inputs, stages=1, passes="fuse-elementwise,merge-branches{long-lived=0}")
     wide = flatpack.compile(model, inputs, stages=4, passes="fuse-elementwise,merge-branches{max-crossing=2}")
-    assert wide.plan.num_layers >= 3 * default.plan.num_layers
+    assert folded.plan.num_layers == 3
+    assert default.plan.num_layers >= config.encoder_layers + config.decoder_layers + 1
+    assert wide.plan.num_layers > default.plan.num_layers
+    assert_equivalent(model, inputs, compiled=default)
     assert_equivalent(model, inputs, compiled=wide)
