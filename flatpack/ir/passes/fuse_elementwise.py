@@ -100,8 +100,9 @@ class FuseElementwise:
 
         Only tensors read by two or more ops, every one of them inside the function, are
         listed: the function is the ops reachable from the tensor whose kind is fusable and
-        whose non-free inputs are the tensor or earlier ops of the function. One reader
-        outside it (a residual add, a linear) means the tensor forks, and it is not listed.
+        whose non-free inputs are the tensor or earlier ops of the function, and it has one
+        result (one op read from outside it). One reader outside it (a residual add, a
+        linear), or two results, means the tensor forks, and it is not listed.
         """
         analysis = graph.analysis
         compute = {node.name for node in analysis.compute}
@@ -122,7 +123,11 @@ class FuseElementwise:
                 inside.add(node.name)
                 frontier.extend(node.users)
                 frontier.sort(key=lambda user: analysis.position[user.name])
-            if all(user.name in inside for user in readers):
+            results = [name for name in inside
+                       if any(user.name not in inside for user in analysis.nodes[name].users)]
+            # one result: the ops reconverge (where(x > 0, x, 0.1 * x)); two readers that each
+            # go their own way (relu before two convolutions) are a fork, not a function
+            if all(user.name in inside for user in readers) and len(results) == 1:
                 functions[base.name] = inside
         return functions
 
