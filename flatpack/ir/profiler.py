@@ -560,6 +560,11 @@ def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collec
         value = env[entry["name"]]
         if isinstance(value, torch.Tensor):
             value = value.detach()
+            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                # a view into a larger tensor (position ids sliced from a buffer of the layer
+                # before): a stage receives it as a tensor of its own, and autograd's saved
+                # bytes count whole storages, so give it one
+                value = value.clone()
             if value.is_floating_point() and entry["name"] in grad_values:
                 value.requires_grad_(True)
         args.append(value)

@@ -775,6 +775,12 @@ def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) ->
         construct = ("BatchNorm(momentum=None) in training mode, which averages its running statistics "
                      "with the Python float 1/num_batches_tracked, a data-dependent value")
         fix = "give the BatchNorm a float momentum, or compile the model in eval mode"
+    elif "Cache" in texts and "not a known type" in texts:
+        # transformers returns its key/value cache (past_key_values) when use_cache is on,
+        # the default of BART, T5 and most decoders; stages carry tensors, not cache objects
+        construct = "a transformers Cache object (past_key_values) among the outputs"
+        fix = ("build the model with use_cache=False in its config, or pass use_cache=False with the "
+               "example inputs")
     elif any(marker in texts for marker in _DATA_DEPENDENT):
         construct = "data-dependent control flow (a Python branch or loop on a tensor's value)"
         fix = ("rewrite the branch with torch.cond or torch.where, make the value a concrete "

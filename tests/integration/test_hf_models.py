@@ -28,8 +28,9 @@ def test_bert_mask_crosses_boundaries_without_collapsing_the_encoder():
     layers = compiled.chain["layers"]
     # embeddings + (attention, feed-forward) per encoder layer + head: the mask did not merge them
     assert len(layers) >= 2 * model.config.num_hidden_layers
-    # boundaries after the embedding/attention/feed-forward layers up to the last attention
-    encoder_boundaries = [layer["boundary"] for layer in layers[2:2 * model.config.num_hidden_layers]]
+    # boundaries after each encoder layer's attention and feed-forward up to the last attention
+    # (found by name: the embeddings are 2 or 3 layers, as the sequence dimension is static or not)
+    encoder_boundaries = [layer["boundary"] for layer in layers if ".encoder.layer." in layer["name"]][:-2]
     for boundary in encoder_boundaries:
         dependent = [v for v in boundary["values"] if v["param_dependent"]]
         assert len(dependent) == 1, boundary
@@ -76,8 +77,12 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
         model(**inputs)
     whole = sum(saved.values())
     estimated = stage_saved_bytes(compiled.profile.layers, batch)
+    # BERT's position ids are sliced from a buffer to the (dynamic) sequence length in one layer
+    # and read by the next: in the model they are a view of the buffer, which is not an
+    # activation; in the stages they are a tensor of their own that the embedding keeps
+    position_ids = inputs["input_ids"].shape[1] * 8 if factory is bert else 0
     # dropout masks differ run to run only in values, not in size: the two must agree exactly
-    assert estimated == pytest.approx(whole, rel=1e-6)
+    assert estimated == pytest.approx(whole + position_ids, rel=1e-6)
     assert compiled.profile.input_bytes.at(batch) == pytest.approx(
         sum(t.numel() * t.element_size() for t in inputs.values()))
 
