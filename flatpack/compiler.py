@@ -260,6 +260,7 @@ class StagedModule(nn.Module):
         self._input_structure = info["input_structure"]
         self._output_structure = info["output_structure"]
         self._input_names: list[str] = info["input_names"]
+        self._input_specs: list[dict] | None = info.get("input_specs")
         self._output_names: list[str] = info["output_names"]
         self._by_name: dict[str, tuple[int, str]] = {}
         self._aliases: dict[str, str] = {}
@@ -311,12 +312,61 @@ class StagedModule(nn.Module):
             raise InputError(f"the inputs are structured as {given}, but the model was compiled for "
                              f"{self._input_structure} (constants are part of the structure: they "
                              "were fixed at compile time). Call it the way the example inputs did.")
+        check_inputs(self._input_specs, self._input_names, leaves)
         env = dict(zip(self._input_names, leaves))
         for stage in self.stages:
             manifest = stage.flatpack_manifest
             outputs = stage(*(env[entry["name"]] for entry in manifest["inputs"]))
             env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
         return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
+
+
+def input_specs(traced: Any) -> list[dict]:
+    """Per tensor input: the compiled example's shape and dtype, and which dimensions the graph
+    leaves free (``None`` when the frontend cannot tell: fx graphs accept what their code does)."""
+    dynamic = traced.dynamic_dims
+    return [{"shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix("torch."),
+             "dynamic": None if dynamic is None or index >= len(dynamic) else list(dynamic[index])}
+            for index, leaf in enumerate(traced.example_leaves)]
+
+
+def check_inputs(specs: list[dict] | None, names: list[str], leaves: list[Any]) -> None:
+    """Refuses a call whose tensors the stages were not compiled for, before any stage runs.
+
+    A stage traced by torch.export holds the example's size wherever export fixed it (a
+    sequence length the model's position table pinned, a batch of 1); called with another
+    size, it would fail deep inside generated code with an error naming no input. The error
+    here names the input, the compiled shape and the fix (``tests/unit/test_trace.py``).
+    """
+    if not specs or len(specs) != len(leaves):
+        return
+    for name, spec, leaf in zip(names, specs, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        shape, dtype, dynamic = spec.get("shape"), spec.get("dtype"), spec.get("dynamic")
+        got_dtype = str(leaf.dtype).removeprefix("torch.")
+        if dtype is not None and got_dtype != dtype:
+            raise InputError(f"input '{name}' has dtype {got_dtype}, but the model was compiled for {dtype}; "
+                             f"pass a {dtype} tensor (for example x.to(torch.{dtype})), or recompile with an "
+                             f"example input of dtype {got_dtype}.")
+        if shape is None:
+            continue
+        if leaf.dim() != len(shape):
+            raise InputError(f"input '{name}' has shape {tuple(leaf.shape)}, but the model was compiled for "
+                             f"{len(shape)} dimensions {tuple(shape)}; pass a tensor of that rank, or "
+                             "recompile with an example input of the shape you will call it with.")
+        if dynamic is None:
+            continue
+        fixed = [dim for dim in range(len(shape)) if dim not in dynamic and leaf.shape[dim] != shape[dim]]
+        if fixed:
+            free = ", ".join(str(dim) for dim in dynamic) or "none"
+            dims = ", ".join(f"dim {dim} must be {shape[dim]}, got {leaf.shape[dim]}" for dim in fixed)
+            raise InputError(
+                f"input '{name}' has shape {tuple(leaf.shape)}, but the model was compiled for {tuple(shape)} "
+                f"and torch.export fixed the sizes of every dimension but {free}: {dims}. Call it with "
+                f"those sizes, or recompile with example inputs of the shape you will call it with "
+                f"(flatpack.compile(model, example_inputs) with '{name}' of shape {tuple(leaf.shape)}); "
+                "compile's trace_notes say why export fixed them.")
 
 
 def _as_call(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
@@ -389,6 +439,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         "input_structure": traced.input_structure,
         "output_structure": traced.output_structure,
         "input_names": [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"],
+        "input_specs": input_specs(traced),
         "output_names": graph.output_names(),
         # what ``Deployment.state_dict()`` returns: every key model.load_state_dict expects
         # (tied weights under each name, persistent buffers only)

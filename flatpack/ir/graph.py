@@ -453,7 +453,8 @@ def _op_summary(nodes: list[torch.fx.Node], limit: int = 4) -> str:
     return ", ".join(parts)
 
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost submodule whose forward made ``node`` ('' for the top)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
@@ -469,7 +470,7 @@ def _module_path(node: torch.fx.Node) -> str:
 def _layer_name(nodes: list[torch.fx.Node]) -> str:
     """The module path shared by the layer's parameter-dependent nodes, and its heaviest op."""
     weighted = [n for n in nodes if n.meta.get(meta.PARAM_DEPENDENT)] or nodes
-    paths = [p for p in (_module_path(n) for n in weighted) if p]
+    paths = [p for p in (module_path(n) for n in weighted) if p]
     if not paths:
         return nodes[0].name if nodes else "empty"
     parts = [p.split(".") for p in paths]

@@ -195,6 +195,12 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
     )
 
 
+class ProfileWarning(UserWarning):
+    """A profile measured something a cost model should not trust blindly: layer times that
+    did not grow with the micro-batch (a fitted slope of zero, or a negative one clamped to
+    zero). ``ChainProfile.flat_slopes`` names them."""
+
+
 @dataclass(frozen=True)
 class HostInfo:
     """Where a profile was measured: the compute-time model maps these seconds to a tier."""
@@ -227,16 +233,24 @@ class ChainProfile:
     notes: tuple[str, ...] = field(default=(), compare=False)   # e.g. batch sizes the model refused
     wall_s: float = field(default=0.0, compare=False)
     cache_hit: bool = field(default=False, compare=False)
+    # "layer N (name): forward" for each time line whose fitted slope was zero or negative
+    # (clamped to zero): the micro-batch does not change those predictions; see ProfileWarning
+    flat_slopes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def slopes_trusted(self) -> bool:
+        """False when some layer's time did not grow with the micro-batch (``flat_slopes``)."""
+        return not self.flat_slopes
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": [layer.to_json() for layer in self.layers], "host": self.host.to_json(),
                 "batch_sizes": list(self.batch_sizes), "graph_hash": self.graph_hash, "dtype": self.dtype,
                 "repeats": self.repeats, "input_bytes": self.input_bytes.to_json(), "notes": list(self.notes),
-                "wall_s": self.wall_s}
+                "wall_s": self.wall_s, "flat_slopes": list(self.flat_slopes)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], cache_hit: bool = False) -> "ChainProfile":
         return cls(tuple(LayerProfile.from_json(layer) for layer in data["layers"]), HostInfo.from_json(data["host"]),
                    tuple(data["batch_sizes"]), data["graph_hash"], data["dtype"], int(data["repeats"]),
                    Linear.from_json(data["input_bytes"]), tuple(data.get("notes", ())), float(data.get("wall_s", 0.0)),
-                   cache_hit)
+                   cache_hit, tuple(data.get("flat_slopes", ())))

@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
-from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
-from flatpack.ir.trace import _first_line
+from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear, ProfileWarning
+from flatpack.ir.trace import EXPORT, _first_line
 
 log = logging.getLogger("flatpack.profiler")
 
@@ -100,6 +101,7 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
         raise InputError(f"the profiler runs on 'cpu' or 'cuda[:N]', not {options.device!r}")
     tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
     example_batch = _example_batch(tensors)
+    _refuse_static_batch(graph, options)
     graph_digest = graph_hash(graph)
     key = cache_key(graph_digest, tensors, options)
     path = cache_path(key, options.cache_dir)
@@ -110,18 +112,66 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
             if _progress_enabled(options):
                 print(f"flatpack: profile of {len(cached.layers)} layers loaded from cache ({path.name})",
                       file=sys.stderr)
+            _warn_flat_slopes(cached)
             return cached
     started = time.perf_counter()
     measured, sizes, notes = _measure(graph, list(inputs), example_batch, options)
     input_bytes = Linear.fit(sizes, [sum(_nbytes(value) for value in _resize(list(inputs), size, example_batch,
                                                                            torch.device("cpu")))
                                      for size in sizes])
+    flat = flat_slopes(measured, sizes)
     profile = ChainProfile(tuple(measured), host_info(options.device), tuple(sizes), graph_digest,
                            _dominant_dtype(graph), options.repeats, input_bytes, tuple(notes),
-                           wall_s=time.perf_counter() - started)
+                           wall_s=time.perf_counter() - started, flat_slopes=flat)
+    _warn_flat_slopes(profile)
     if options.use_cache:
         _write_cache(path, profile)
     return profile
+
+
+def _refuse_static_batch(graph: LayerGraph, options: ProfileOptions) -> None:
+    """A graph whose batch dimension torch.export fixed runs at one batch size only: a line
+    fitted over several sizes would be made of refusals and one point, so say why instead."""
+    traced = graph.traced
+    if traced.frontend != EXPORT or traced.dynamic_batch or len(set(options.batch_sizes)) < 2:
+        return
+    shapes = ", ".join(str(tuple(leaf.shape)) for leaf in traced.example_leaves[:4])
+    why = "; ".join(traced.notes) or "export specialized the batch dimension"
+    raise InputError(
+        f"cannot profile over batch sizes {sorted(set(options.batch_sizes))}: the traced graph fixes the batch "
+        f"dimension of its inputs ({shapes}; {why}), so every other batch size would be refused and the "
+        "fitted time per sample would be meaningless. Pass example inputs with a batch of 2 or more that the "
+        "model accepts at other batch sizes, or profile the one batch size it runs at "
+        f"(ProfileOptions(batch_sizes=({traced.example_leaves[0].shape[0] if traced.example_leaves else 1},)))."
+    )
+
+
+def flat_slopes(layers: Sequence[LayerProfile], sizes: Sequence[int]) -> tuple[str, ...]:
+    """The time lines (forward, backward) whose fitted per-sample slope is zero: measured
+    over two or more batch sizes, they did not grow with the batch (or fell, and were
+    clamped). One size cannot show a slope, so nothing is reported then."""
+    if len(set(sizes)) < 2:
+        return ()
+    flat = []
+    for index, layer in enumerate(layers):
+        for what, line in (("forward", layer.forward_s), ("backward", layer.backward_s)):
+            if line.per_sample <= 0.0 and line.fixed > 0.0:
+                flat.append(f"layer {index} ({layer.name}): {what}")
+    return tuple(flat)
+
+
+def _warn_flat_slopes(profile: ChainProfile) -> None:
+    if profile.slopes_trusted:
+        return
+    total = sum(layer.forward_s.per_sample for layer in profile.layers)
+    shown = "; ".join(profile.flat_slopes[:5]) + ("; …" if len(profile.flat_slopes) > 5 else "")
+    whole = (" The whole chain's forward time does not grow with the batch: the profile cannot tell micro-batch "
+             "sizes apart." if total <= 0.0 else "")
+    warnings.warn(
+        f"{len(profile.flat_slopes)} layer time(s) did not grow over batch sizes {list(profile.batch_sizes)}; "
+        f"their fitted time per sample is 0 and the micro-batch does not change their prediction: {shown}.{whole} "
+        "Profile larger batch sizes (ProfileOptions(batch_sizes=...)) or more repeats; "
+        "profile.flat_slopes lists them.", ProfileWarning, stacklevel=3)
 
 
 def attach(graph: LayerGraph, profile: ChainProfile) -> None:
@@ -515,6 +565,11 @@ def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collec
         value = env[entry["name"]]
         if isinstance(value, torch.Tensor):
             value = value.detach()
+            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                # a view into a larger tensor (position ids sliced from a buffer of the layer
+                # before): a stage receives it as a tensor of its own, and autograd's saved
+                # bytes count whole storages, so give it one
+                value = value.clone()
             if value.is_floating_point() and entry["name"] in grad_values:
                 value.requires_grad_(True)
         args.append(value)

@@ -96,6 +96,9 @@ class Traced:
     param_kinds: dict[str, str] = field(default_factory=dict)  # canonical name -> parameter|frozen|buffer|constant
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> every name of that tensor
     dynamic_batch: bool = False
+    # per tensor input, the dimensions the graph leaves free (export); None: not known (fx
+    # graphs run whatever shapes their Python code accepts)
+    dynamic_dims: list[list[int]] | None = None
     notes: list[str] = field(default_factory=list)
     training: bool = True  # the model's mode when it was traced: the stages start in it
     mode_fixed: list[str] = field(default_factory=list)  # what stays in ``training`` mode after switching
@@ -296,12 +299,23 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
                   spec: pytree.TreeSpec) -> Traced:
     notes: list[str] = []
     with _quiet_torch_logs():
-        try:
-            exported = torch.export.export(model, args, kwargs, strict=False,
-                                           dynamic_shapes=_batch_dynamic_shapes(signature.by_name(args, kwargs)))
-        except Exception as err:  # noqa: BLE001 - retry with static shapes before giving up
-            notes.append(f"dynamic batch dimension refused ({_first_line(err)}); traced with static shapes")
-            exported = torch.export.export(model, args, kwargs, strict=False)
+        exported = _export_dynamic(model, signature, args, kwargs, notes)
+        if _batch_of_one(args, kwargs) and not any(0 in dims for dims in _dynamic_dims(exported.graph_module.graph)):
+            # torch.export specializes every size-1 dimension, so an example of batch 1 gives a
+            # graph fixed to batch 1 (and a profile that cannot vary the batch): trace the
+            # example repeated to batch 2 instead; the graph is the same for every batch
+            repeated_args, repeated_kwargs = pytree.tree_map_only(torch.Tensor, _repeat_batch, (args, kwargs))
+            again: list[str] = []
+            try:
+                retraced = _export_dynamic(model, signature, repeated_args, repeated_kwargs, again)
+            except Exception as err:  # noqa: BLE001 - keep the batch-1 graph and say why
+                notes.append(f"the example has batch 1, which torch.export fixes; re-tracing at batch 2 failed "
+                             f"({_first_line(err)}): the graph runs at batch 1 only")
+            else:
+                if any(0 in dims for dims in _dynamic_dims(retraced.graph_module.graph)):
+                    exported = retraced
+                    notes[:] = again + ["the example has batch 1, which torch.export fixes; traced the example "
+                                        "repeated to batch 2 so that the batch dimension stays dynamic"]
     gm = exported.module()
     graph = gm.graph
     out_spec = gm._out_spec
@@ -331,12 +345,54 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
     gm._forward_pre_hooks.clear()
     gm._forward_hooks.clear()
     gm.recompile()
-    dynamic = any(
-        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
-        and not isinstance(n.meta["val"].shape[0], int)
-        for n in graph.nodes if n.op == "placeholder"
-    )
-    return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes)
+    dynamic_dims = _dynamic_dims(graph)
+    dynamic = any(0 in dims for dims in dynamic_dims)
+    return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes,
+                  dynamic_dims=dynamic_dims)
+
+
+def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs: dict,
+                    notes: list[str]) -> torch.export.ExportedProgram:
+    """torch.export with the batch and sequence dimensions dynamic, then the batch alone, then
+    static shapes: the first that the model allows. ``notes`` says what was given up and why."""
+    given = signature.by_name(args, kwargs)
+    attempts = [("batch and sequence", _batch_dynamic_shapes(given, sequence=True)),
+                ("batch", _batch_dynamic_shapes(given, sequence=False))]
+    if attempts[0][1] == attempts[1][1]:
+        attempts = attempts[1:]  # no sequence-like input: one dynamic attempt
+    for what, shapes in attempts:
+        try:
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+        except Exception as err:  # noqa: BLE001 - retry with fewer dynamic dimensions before giving up
+            notes.append(f"dynamic {what} dimensions refused ({_first_line(err)})")
+    notes.append("traced with static shapes")
+    return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _dynamic_dims(graph: torch.fx.Graph) -> list[list[int]]:
+    """For each tensor placeholder, in order, the dimensions export left symbolic."""
+    found = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            found.append([index for index, size in enumerate(value.shape) if _symbolic(size)])
+    return found
+
+
+def _symbolic(size: Any) -> bool:
+    """A size export left free; a SymInt that export pinned to a number is not."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    return size.node.maybe_as_int() is None
+
+
+def _batch_of_one(args: tuple, kwargs: dict) -> bool:
+    tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    return bool(tensors) and all(tensor.shape[0] == 1 for tensor in tensors)
+
+
+def _repeat_batch(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tensor, tensor]) if tensor.dim() > 0 else tensor
 
 
 @contextlib.contextmanager
@@ -648,13 +704,27 @@ def _describe_fixed(nodes: list[torch.fx.Node]) -> list[str]:
     return [f"{where}: {', '.join(names[:4])}" for where, names in by_module.items()]
 
 
-def _batch_dynamic_shapes(given: dict[str, Any]) -> dict:
-    """Marks dim 0 of every input tensor ``Dim.AUTO``: dynamic where the model allows it."""
+def _batch_dynamic_shapes(given: dict[str, Any], sequence: bool = True) -> dict:
+    """Marks dim 0 of every input tensor ``Dim.AUTO``: dynamic where the model allows it.
+
+    With ``sequence``, dim 1 of integer and boolean inputs of two or more dimensions (token
+    ids, attention masks, position ids) is ``Dim.AUTO`` too: a sequence model compiled at one
+    length runs at others. Where the model fixes the length (a learned position table sliced
+    to the example's length), export specializes it and the stages check it instead
+    (``StagedModule`` names the input, its compiled shape and how to recompile).
+    """
     auto = torch.export.Dim.AUTO
+
+    def dims(leaf: torch.Tensor) -> dict[int, Any]:
+        marked = {0: auto}
+        if sequence and leaf.dim() >= 2 and (leaf.dtype == torch.bool or not leaf.is_floating_point()) \
+                and not leaf.is_complex():
+            marked[1] = auto
+        return marked
 
     def spec_of(value: Any) -> Any:
         return pytree.tree_map(
-            lambda leaf: {0: auto} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None, value
+            lambda leaf: dims(leaf) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None, value
         )
 
     return {name: spec_of(value) for name, value in given.items()}
@@ -705,6 +775,12 @@ def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) ->
         construct = ("BatchNorm(momentum=None) in training mode, which averages its running statistics "
                      "with the Python float 1/num_batches_tracked, a data-dependent value")
         fix = "give the BatchNorm a float momentum, or compile the model in eval mode"
+    elif "Cache" in texts and "not a known type" in texts:
+        # transformers returns its key/value cache (past_key_values) when use_cache is on,
+        # the default of BART, T5 and most decoders; stages carry tensors, not cache objects
+        construct = "a transformers Cache object (past_key_values) among the outputs"
+        fix = ("build the model with use_cache=False in its config, or pass use_cache=False with the "
+               "example inputs")
     elif any(marker in texts for marker in _DATA_DEPENDENT):
         construct = "data-dependent control flow (a Python branch or loop on a tensor's value)"
         fix = ("rewrite the branch with torch.cond or torch.where, make the value a concrete "

@@ -108,6 +108,46 @@ def test_fuse_elementwise_is_numerically_neutral():
     assert_equivalent(MLP(), torch.randn(3, 8), passes="fuse-elementwise", stages=3)
 
 
+class LeakyWhereStack(nn.Module):
+    """Residual blocks whose activation is ``torch.where(x > 0, x, 0.1 * x)``: three ops on one
+    tensor, each reading it, after the residual add and inside the branch."""
+
+    def __init__(self, blocks: int = 4, width: int = 8, pre_norm: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(width), "first": nn.Linear(width, width),
+                                                   "second": nn.Linear(width, width)}) for _ in range(blocks))
+        self.pre_norm = pre_norm
+        self.head = nn.Linear(width, 2)
+
+    @staticmethod
+    def act(x):
+        return torch.where(x > 0, x, 0.1 * x)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            if self.pre_norm:
+                x = x + self.act(block["first"](block["norm"](x)))
+            else:
+                x = self.act(x + block["second"](self.act(block["first"](x))))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-act", "pre-norm"])
+def test_fuse_elementwise_keeps_a_multi_op_activation_with_its_producer(pre_norm):
+    model = LeakyWhereStack(pre_norm=pre_norm)
+    fused = chain(model, torch.randn(2, 8), passes="fuse-elementwise")
+    for index, layer in enumerate(fused.layers):
+        names = [flatpack.ir.ops.op_name(node) for node in ops_of(fused, index)]
+        # gt, mul and where of one activation sit in the same layer as the op they read
+        assert names.count("gt") == names.count("where") == names.count("mul"), names
+    merged = chain(model, torch.randn(2, 8), passes=DEFAULT_PIPELINE)
+    assert len(merged.layers) == 6  # stem, one layer per block, head
+    assert all(len(boundary.values) == 1 for boundary in merged.boundaries())
+    assert_equivalent(model, torch.randn(3, 8), stages=4)
+
+
 # merge-branches -----------------------------------------------------------------------------
 
 def test_merge_branches_makes_each_residual_block_one_layer():
@@ -211,3 +251,35 @@ def test_coarsen_is_a_no_op_below_the_limit():
 
 def test_coarsen_is_numerically_neutral():
     assert_equivalent(MLP(depth=6), torch.randn(3, 8), passes="fuse-elementwise,coarsen{max-layers=3}", stages=2)
+
+
+def test_merge_branches_cuts_an_encoder_decoder_between_blocks():
+    """BART: every decoder block reads the encoder output and the decoder's input ids wait
+    across the encoder; these long-lived values cross block boundaries beside the hidden state
+    and no longer fold the model into 3 layers, so the default plans 4 stages."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                     vocab_size=100, max_position_embeddings=64, use_cache=False)
+    model = transformers.BartModel(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    compiled = flatpack.compile(model, inputs, stages=4)
+    names = [layer["name"] for layer in compiled.chain["layers"]]
+    for block in ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1"):
+        assert any(block in name for name in names), (block, names)
+    assert len(names) >= 5 and len(compiled.plan.stages) == 4
+    old = flatpack.compile(model, inputs, stages=1, passes="fuse-elementwise,merge-branches{long-lived=0}")
+    assert len(old.chain["layers"]) < len(names)
+    assert_equivalent(model, inputs, compiled=compiled)
+
+
+def test_merge_branches_long_lived_values_do_not_split_parallel_towers():
+    graph = chain(Inception(), torch.randn(1, 4, 6, 6), passes="fuse-elementwise,merge-branches{long-lived=3}")
+    assert len(graph.layers) == 2
+
+
+def test_merge_branches_refuses_a_bad_long_lived():
+    with pytest.raises(PassError, match="long-lived"):
+        parse_pipeline("merge-branches{long-lived=-1}")

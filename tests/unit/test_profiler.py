@@ -344,3 +344,73 @@ def test_a_pass_that_drops_profiles_after_coarsen_gets_the_chain_profiled_again(
     compiled = compiled_with_profile(tmp_path, passes="coarsen{max-layers=1,by=time},fuse-elementwise")
     assert len(compiled.profile.layers) == len(compiled.graph.layers) == 1
     assert compiled.graph.layers[0].meta[meta.PROFILE] == compiled.profile.layers[0]
+
+
+# --- profiles that can be trusted ---------------------------------------------------------------
+
+
+def _layer(name: str, forward: Linear, backward: Linear) -> "LayerProfile":
+    from flatpack.ir.profile import LayerProfile
+
+    zero = Linear(0.0, 0.0)
+    return LayerProfile(name=name, forward_s=forward, backward_s=backward, param_bytes=0, grad_bytes=0,
+                        buffer_bytes=0, saved_bytes=zero, output_bytes=zero, peak_bytes=zero)
+
+
+def test_a_time_that_does_not_grow_with_the_batch_is_reported_not_used_silently():
+    from flatpack.ir.profile import HostInfo, ProfileWarning
+    from flatpack.ir.profiler import _warn_flat_slopes, flat_slopes
+
+    falling = Linear.fit([1, 2, 4], [3e-3, 2e-3, 1e-3])  # clamped to a zero slope
+    layers = [_layer("grows", Linear(1e-3, 1e-4), Linear(2e-3, 0.0)), _layer("flat", falling, Linear(1e-3, 0.0))]
+    flat = flat_slopes(layers, [1, 2, 4])
+    assert flat == ("layer 1 (flat): forward",)
+    assert flat_slopes(layers, [4]) == (), "one batch size cannot show a slope"
+    profile = ChainProfile(tuple(layers), HostInfo("cpu", 1, "cpu", torch.__version__), (1, 2, 4), "h", "float32", 1,
+                           flat_slopes=flat)
+    assert not profile.slopes_trusted
+    assert ChainProfile.from_json(json.loads(json.dumps(profile.to_json()))).flat_slopes == flat
+    with pytest.warns(ProfileWarning, match=r"layer 1 \(flat\): forward"):
+        _warn_flat_slopes(profile)
+    whole = ChainProfile((layers[1],), profile.host, (1, 2, 4), "h", "float32", 1, flat_slopes=flat)
+    with pytest.warns(ProfileWarning, match="whole chain"):
+        _warn_flat_slopes(whole)
+
+
+class FixedBatch(nn.Module):
+    """Flattens the whole batch into one row: it runs at the example's batch size only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, batch):
+        return self.linear(batch["x"].reshape(1, 8))
+
+
+def test_a_graph_with_a_fixed_batch_is_refused_with_the_reason(tmp_path):
+    model, inputs = FixedBatch(), ({"x": torch.randn(1, 8)},)
+    compiled = flatpack.compile(model, inputs, stages=1)
+    assert compiled.frontend == "export" and not compiled.graph.traced.dynamic_batch
+    assert any("batch 1" in note for note in compiled.info["trace_notes"])
+    with pytest.raises(InputError, match=r"fixes the batch.*batch_sizes=\(1,\)"):
+        flatpack.compile(model, inputs, stages=1, profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
+    one = flatpack.compile(model, inputs, stages=1,
+                           profile=ProfileOptions(cache_dir=str(tmp_path), **{**FAST, "batch_sizes": (1,)}))
+    assert one.profile.batch_sizes == (1,)
+
+
+def test_an_example_of_batch_one_is_traced_with_a_dynamic_batch_and_profiled_over_sizes(tmp_path):
+    """Zoo BERT's example has batch 1, which torch.export specializes: flatpack traces the
+    example repeated to batch 2, so the stages run at any batch and the profile varies it."""
+    pytest.importorskip("transformers")
+    from flatpack.zoo import build
+
+    model, inputs = build("bert-large", "tiny", batch=1)
+    compiled = flatpack.compile(model, inputs, stages=2,
+                                profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
+    assert compiled.graph.traced.dynamic_batch
+    assert any("repeated to batch 2" in note for note in compiled.info["trace_notes"])
+    assert compiled.profile.batch_sizes == (1, 2, 4)
+    ids = torch.randint(0, model.config.vocab_size, (3, 8))
+    torch.testing.assert_close(compiled.as_module()(ids).last_hidden_state, model(ids).last_hidden_state)

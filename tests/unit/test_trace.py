@@ -96,3 +96,76 @@ def test_tracing_leaves_the_model_as_it_was():
     assert first.chain == second.chain
     x = torch.randn(3, 2)
     torch.testing.assert_close(second.as_module()(x), model(x))
+
+
+# --- shapes: dynamic sequence length, batch 1, the input check -----------------------------------
+
+
+def test_an_hf_encoder_compiled_at_one_sequence_length_runs_at_others():
+    """torch.export marks the token inputs' dim 1 dynamic: BERT compiled at 16 tokens runs at 8 and 32."""
+    pytest.importorskip("transformers")
+    from flatpack.examples import bert
+
+    model, inputs = bert()
+    assert inputs["input_ids"].shape[1] == 16
+    compiled = flatpack.compile(model, inputs, stages=3)
+    assert compiled.frontend == "export"
+    assert all(spec["dynamic"] == [0, 1] for spec in compiled.info["input_specs"])
+    staged = compiled.as_module()
+    for length in (8, 16, 32):
+        ids = torch.randint(0, model.config.vocab_size, (3, length))
+        mask = torch.ones_like(ids)
+        mask[:, -2:] = 0
+        torch.testing.assert_close(staged(input_ids=ids, attention_mask=mask).logits,
+                                   model(input_ids=ids, attention_mask=mask).logits)
+
+
+class PositionTable(nn.Module):
+    """Adds a learned table of 16 positions: the sequence length is fixed by the model itself.
+    The dict input sends it through torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.positions = nn.Parameter(torch.randn(16, 8))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, batch):
+        return self.out(self.embed(batch["ids"]) + self.positions)
+
+
+def test_a_fixed_dimension_is_an_input_error_naming_the_input_shape_and_fix():
+    from flatpack.errors import InputError
+
+    model = PositionTable()
+    compiled = flatpack.compile(model, ({"ids": torch.randint(0, 50, (2, 16))},), stages=2)
+    assert compiled.frontend == "export" and compiled.info["input_specs"][0]["dynamic"] == [0]
+    staged = compiled.as_module()
+    ids = torch.randint(0, 50, (5, 16))
+    torch.testing.assert_close(staged({"ids": ids}), model({"ids": ids}))
+    with pytest.raises(InputError, match=r"input 'batch_ids' has shape \(5, 8\).*compiled for \(2, 16\).*"
+                                         r"dim 1 must be 16, got 8.*recompile"):
+        staged({"ids": torch.randint(0, 50, (5, 8))})
+    with pytest.raises(InputError, match=r"input 'batch_ids' has dtype int32.*compiled for int64"):
+        staged({"ids": ids.int()})
+
+
+def test_an_example_of_batch_one_keeps_the_batch_dynamic():
+    model = PositionTable()
+    compiled = flatpack.compile(model, ({"ids": torch.randint(0, 50, (1, 16))},), stages=2)
+    assert compiled.graph.traced.dynamic_batch
+    assert any("repeated to batch 2" in note for note in compiled.info["trace_notes"])
+    ids = torch.randint(0, 50, (4, 16))
+    torch.testing.assert_close(compiled.as_module()({"ids": ids}), model({"ids": ids}))
+
+
+def test_a_model_returning_a_transformers_cache_is_told_to_turn_it_off():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                     vocab_size=50, max_position_embeddings=32)
+    model = transformers.BartModel(config).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    with pytest.raises(TraceError, match="Cache object.*use_cache=False"):
+        trace(model, (), {"input_ids": ids})
+    assert trace(model, (), {"input_ids": ids, "use_cache": False}).frontend == "export"

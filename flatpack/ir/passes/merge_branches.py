@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from flatpack.ir import ops
-from flatpack.ir.graph import LayerGraph
+from flatpack.ir.graph import LayerGraph, module_path
 
 
 @dataclass(frozen=True)
@@ -38,21 +38,40 @@ class MergeBranches:
     branch values cross between every pair of cells (torchgpipe and FuncPipe cut there and
     ship both); ``merge-branches{max-crossing=2}`` keeps those cuts while still merging the
     cells' insides, where more values cross.
+
+    *Long-lived values* pass whole blocks by: the encoder output that every decoder block
+    of BART or T5 reads (its cross-attention), the decoder's input ids waiting across the
+    encoder, the cell before last that an AmoebaNet cell reads. A value is long-lived when
+    it crosses the boundary between two consecutive blocks of a stack (children ``N`` and
+    ``N+1`` of one module, ``decoder.layers.0`` → ``decoder.layers.1``, where block ``N+1``
+    reads what block ``N`` made) without having been made in block ``N``, and every later
+    reader applies parameters to it (a projection, an embedding: it is an input of the
+    blocks ahead, not a partial result waiting for a join). At a *module
+    boundary* — the layers on its two sides belong to two sibling submodules, and the later
+    one reads what the earlier made: consecutive blocks, ``encoder`` → ``decoder`` — up to
+    ``long_lived`` (default 1) long-lived values cross without counting, so these models
+    keep a cut between every two blocks, where ``torch.distributed.pipelining`` users cut
+    them (``tests/unit/test_passes.py::test_merge_branches_cuts_an_encoder_decoder_between_blocks``).
+    Inside a block, and between parallel branches (inception towers, attention heads), the
+    rule is unchanged. ``long-lived=0`` turns this off.
     """
 
     name: ClassVar[str] = "merge-branches"
     max_crossing: int = 1
+    long_lived: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_crossing, int) or isinstance(self.max_crossing, bool) or self.max_crossing < 1:
             raise ValueError(f"max-crossing must be a positive integer, got {self.max_crossing!r}")
+        if not isinstance(self.long_lived, int) or isinstance(self.long_lived, bool) or self.long_lived < 0:
+            raise ValueError(f"long-lived must be a non-negative integer, got {self.long_lived!r}")
 
     def __call__(self, graph: LayerGraph) -> LayerGraph:
         count = len(graph.layers)
         if count < 2:
             return graph
         analysis = graph.analysis
-        branches = [0] * (count + 1)
+        spans: list[tuple[str, int, int]] = []  # (branch value, producer layer, last reader layer)
         carries_data = self._carries_input_data(graph)
         for node in analysis.graph.nodes:
             if node.name in analysis.free or node.op == "get_attr" or node.op == "output":
@@ -67,19 +86,85 @@ class MergeBranches:
                            and self._applies_parameters(graph, user)]
             if not readers:
                 continue
-            start, end = max(producer, 0), max(readers)
-            branches[start] += 1
-            branches[end] -= 1
+            spans.append((node.name, max(producer, 0), max(readers)))
+        modules = self._module_boundaries(graph) if self.long_lived else {}
+        long_lived = self._long_lived(graph, spans, modules)
         ranges: list[tuple[int, int]] = []
-        crossing = 0
         start = 0
         for boundary in range(count - 1):
-            crossing += branches[boundary]
-            if crossing <= self.max_crossing:
+            crossing = [name for name, first, last in spans if first <= boundary < last]
+            exempt = min(self.long_lived, sum(name in long_lived for name in crossing)) if boundary in modules else 0
+            if len(crossing) - exempt <= self.max_crossing:
                 ranges.append((start, boundary))
                 start = boundary + 1
         ranges.append((start, count - 1))
         return graph.merged(ranges)
+
+    @staticmethod
+    def _module_boundaries(graph: LayerGraph) -> dict[int, tuple[str, str, str]]:
+        """Boundary -> (parent, earlier child, later child) where the boundary runs between two
+        sibling submodules and the later reads a value the earlier made.
+
+        A layer's side is the module of its last (earlier layer) or first (later layer)
+        parameter-dependent node: masks and sizes computed in the parent do not move it.
+        """
+        analysis = graph.analysis
+        dependent = [[analysis.nodes[name] for name in layer.nodes if name in analysis.param_dependent]
+                     for layer in graph.layers]
+        found: dict[int, tuple[str, str, str]] = {}
+        for boundary in range(len(graph.layers) - 1):
+            if not dependent[boundary] or not dependent[boundary + 1]:
+                continue
+            before = module_path(dependent[boundary][-1]).split(".")
+            after = module_path(dependent[boundary + 1][0]).split(".")
+            shared = 0
+            while shared < min(len(before), len(after)) and before[shared] == after[shared]:
+                shared += 1
+            if shared == len(before) or shared == len(after) or not before[shared] or not after[shared]:
+                continue  # one side is the other's parent: no sibling to cut between
+            parent = ".".join(before[:shared])
+            earlier = ".".join(before[:shared + 1])
+            later = ".".join(after[:shared + 1])
+            if MergeBranches._reads_from(graph, boundary, earlier, later):
+                found[boundary] = (parent, earlier, later)
+        return found
+
+    @staticmethod
+    def _reads_from(graph: LayerGraph, boundary: int, earlier: str, later: str) -> bool:
+        """Whether a value made under module ``earlier`` crosses ``boundary`` to a reader under ``later``."""
+        nodes = graph.analysis.nodes
+        for name in graph.crossing(boundary):
+            if not _under(module_path(nodes[name]), earlier):
+                continue
+            if any(_under(module_path(user), later) for user in nodes[name].users if user.op != "output"):
+                return True
+        return False
+
+    @staticmethod
+    def _long_lived(graph: LayerGraph, spans: list[tuple[str, int, int]],
+                    modules: dict[int, tuple[str, str, str]]) -> set[str]:
+        """Branch values that cross the boundary between blocks ``N`` and ``N+1`` of a stack
+        without having been made in block ``N``: they pass a whole block by."""
+        nodes = graph.analysis.nodes
+        found: set[str] = set()
+        for boundary, (parent, earlier, later) in modules.items():
+            first, second = earlier.rsplit(".", 1)[-1], later.rsplit(".", 1)[-1]
+            if not (first.isdigit() and second.isdigit() and int(second) == int(first) + 1):
+                continue
+            for name, start, end in spans:
+                if start <= boundary < end and not _under(module_path(nodes[name]), earlier) \
+                        and MergeBranches._feeds_parameters(graph, name, boundary):
+                    found.add(name)
+        return found
+
+    @staticmethod
+    def _feeds_parameters(graph: LayerGraph, name: str, boundary: int) -> bool:
+        """Whether every later reader of ``name`` applies parameters to it directly (a
+        cross-attention projection, an embedding): an input to the blocks ahead, not a partial
+        result waiting to be joined (an inception tower's output on its way to the concat)."""
+        readers = [user for user in graph.analysis.nodes[name].users
+                   if user.op != "output" and graph.layer_of.get(user.name, -1) > boundary]
+        return bool(readers) and all(MergeBranches._applies_parameters(graph, user) for user in readers)
 
     @staticmethod
     def _carries_input_data(graph: LayerGraph) -> set[str]:
@@ -97,3 +182,8 @@ class MergeBranches:
         analysis = graph.analysis
         return any(inp.name in analysis.free and inp.name in analysis.param_dependent
                    for inp in node.all_input_nodes)
+
+
+def _under(path: str, module: str) -> bool:
+    """Whether ``path`` is ``module`` or one of its submodules."""
+    return path == module or path.startswith(module + ".")
