@@ -137,6 +137,19 @@ def wait_for_training(server: LocalS3Server, run: str, runner: subprocess.Popen)
             time.sleep(0.05)
 
 
+def start_runner_until_a_random_moment(config: Config, server: LocalS3Server, run: str, workdir: str,
+                                       rng: random.Random, typical_s: float) -> subprocess.Popen:
+    """Starts the runner and returns once it is training and a random share of a typical run
+    has passed (or it ended): the moment a fault strikes."""
+    runner = start_runner(config, server, run, workdir)
+    wait_for_training(server, run, runner)
+    try:
+        runner.wait(timeout=rng.uniform(0.0, 1.0) * typical_s)
+    except subprocess.TimeoutExpired:
+        pass
+    return runner
+
+
 def resume_or_train(deployment: local.LocalDeployment, config: Config) -> None:
     """What a user does after the crash: resume the call, or start it if it never began."""
     if deployment.calls():
@@ -206,12 +219,7 @@ def trial_worker(config: Config, server: LocalS3Server, rng: random.Random, typi
 def trial_runner(config: Config, server: LocalS3Server, rng: random.Random, typical_s: float,
                  workdir: str) -> dict[str, torch.Tensor]:
     run = f"fault-{rng.getrandbits(40):010x}"
-    runner = start_runner(config, server, run, workdir)
-    wait_for_training(server, run, runner)
-    try:
-        runner.wait(timeout=rng.uniform(0.0, 1.0) * typical_s)
-    except subprocess.TimeoutExpired:
-        pass
+    runner = start_runner_until_a_random_moment(config, server, run, workdir, rng, typical_s)
     hit = kill_runner_and_its_workers(runner)
     with local.deploy(compiled_for(config), store_url=server.url(""), env=server.env(), run=run,
                       workdir=workdir) as deployment:
@@ -224,12 +232,7 @@ def trial_server(config: Config, rng: random.Random, typical_s: float, workdir: 
     run = f"fault-{rng.getrandbits(40):010x}"
     server = LocalS3Server(data_dir=data_dir).start()
     try:
-        runner = start_runner(config, server, run, workdir)
-        wait_for_training(server, run, runner)
-        try:
-            runner.wait(timeout=rng.uniform(0.0, 1.0) * typical_s)
-        except subprocess.TimeoutExpired:
-            pass
+        runner = start_runner_until_a_random_moment(config, server, run, workdir, rng, typical_s)
         hit = runner.poll() is None
         os.killpg(server.pid, signal.SIGKILL)   # the server's process group: weed and its helpers
         time.sleep(0.5)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
-import importlib.util
 import json
 import sys
 import time
@@ -39,19 +37,9 @@ def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
         raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
                          f"of the built-in examples ({', '.join(EXAMPLES)}) or a zoo model "
                          f"({', '.join(zoo.ZOO)})")
-    if source.endswith(".py"):
-        path = Path(source)
-        if not path.is_file():
-            raise InputError(f"no such file: {path}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.path.insert(0, str(path.parent.resolve()))
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(source)
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise InputError(f"{source} has no callable {attribute!r}")
+    from flatpack.factories import import_factory
+
+    factory = import_factory(spec, "MODEL")
     result = factory()
     if not (isinstance(result, tuple) and len(result) == 2):
         raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
@@ -611,6 +599,18 @@ an equivalence check that failed); 2 bad input (an option, a model, a file; noth
 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM; the run directory stays resumable)"""
 
 
+def _fixed_cut_args(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``--stages`` and ``--split-points``: one plan with fixed cuts instead of the solver's,
+    which ``plan`` prices and ``run`` trains (one replica each, the smallest tier that fits)."""
+    parser.add_argument("--stages", type=int, default=None, metavar="N",
+                        help=f"{verb} one plan cut into N stages of balanced parameter bytes instead of the "
+                             "solver's (one replica each, the smallest memory tier that fits), e.g. --stages 4")
+    parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
+                        help=f"{verb} one plan with a stage beginning at each named module (as "
+                             "torch.distributed.pipelining's SplitPoint.BEGINNING; names as model.named_modules() "
+                             "gives them), e.g. --split-points bert.encoder.layer.2")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flatpack.version import __version__
 
@@ -692,13 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the cheapest plan whose time meets this bound")
     goal.add_argument("--weights", default=None, metavar="COST,TIME",
                       help="the one plan minimizing COST·MB·s + TIME·seconds, e.g. 1,65536 or 1,2^16")
-    plan_parser.add_argument("--stages", type=int, default=None, metavar="N",
-                             help="price one plan cut into N stages of balanced parameter bytes instead of "
-                                  "solving, e.g. --stages 4")
-    plan_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
-                             help="price one plan with a stage beginning at each named module (as "
-                                  "torch.distributed.pipelining's SplitPoint.BEGINNING), e.g. "
-                                  "--split-points bert.encoder.layer.2")
+    _fixed_cut_args(plan_parser, "price")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")
     plan_parser.add_argument("--json", default=None, metavar="FILE",
@@ -774,13 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
                             help="pipelined scatter-reduce (FuncPipe) or LambdaML's three phases")
     run_parser.add_argument("--solver", default="dp")
-    run_parser.add_argument("--stages", type=int, default=None, metavar="N",
-                            help="cut into N stages of balanced parameter bytes instead of the solver's plan (one "
-                                 "replica each, the smallest memory tier that fits), e.g. --stages 2")
-    run_parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]",
-                            help="begin a stage at each named module (as torch.distributed.pipelining's "
-                                 "SplitPoint.BEGINNING; names as model.named_modules() gives them), e.g. "
-                                 "--split-points bert.encoder.layer.2")
+    _fixed_cut_args(run_parser, "train")
     run_parser.add_argument("--passes", default=None)
     run_parser.add_argument("--replicas", default="1,2", metavar="D[,D...]")
     run_parser.add_argument("--memory", default=None, metavar="MB[,MB...]")

@@ -33,11 +33,8 @@ each into fixed micro-batches). Tests: ``tests/unit/test_data.py``,
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
-import importlib.util
 import inspect
 import io
-import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -337,22 +334,9 @@ def _call_factory(spec: str) -> Any:
     if not colon or not source or not attribute:
         raise InputError(f"--data {spec!r} must be a directory, s3://bucket/prefix, or package.module:factory / "
                          "path/to/file.py:factory returning a Dataset")
-    if source.endswith(".py"):
-        path = Path(source)
-        if not path.is_file():
-            raise InputError(f"--data {spec}: no such file {path}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.path.insert(0, str(path.parent.resolve()))
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(source)
-        except ImportError as err:
-            raise InputError(f"--data {spec}: cannot import {source!r} ({err})") from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise InputError(f"--data {spec}: {source} has no callable {attribute!r}")
+    from flatpack.factories import import_factory
+
+    factory = import_factory(spec, "--data")
     return factory()
 
 

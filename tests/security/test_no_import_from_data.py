@@ -18,12 +18,11 @@ ROOT = Path(flatpack.__file__).parent
 DYNAMIC = {"import_module", "__import__", "spec_from_file_location", "exec", "eval"}
 
 ALLOWED = {
-    # the MODEL argument of the command line (path/to/file.py:factory or package.module:factory):
-    # the user's own code, named by the user, never read from an artifact
-    ("cli.py", "load_factory"): "the user's MODEL argument",
-    # the --data argument of `flatpack run` (and of `flatpack resume`, which must name it again:
-    # data.source_from_json never imports a factory a run.json names), the user's own code
-    ("data.py", "_call_factory"): "the user's --data argument",
+    # the MODEL and --data arguments of the command line (path/to/file.py:name or
+    # package.module:name): the user's own code, named by the user, never read from an artifact
+    # or a run record (`flatpack resume` must name a --data factory again:
+    # data.source_from_json never imports one a run.json names)
+    ("factories.py", "import_factory"): "the user's MODEL and --data arguments",
     # the registries' built-in names map to constant "module:attribute" strings in flatpack's code
     ("registry.py", "factory"): "a constant table in registry users",
     # the dp solver picks its algorithm module from the constant ALGORITHMS table by cost model
