@@ -279,12 +279,11 @@ def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
     leaves = list(example.values()) if names is not None else example if isinstance(example, (tuple, list)) \
         else (example,)
     with torch.no_grad():
-        output = first_output(call(model.eval(), example))
+        raw = call(model.eval(), example)
     model.train()
-    loss = "cross_entropy" if output.dim() == 2 else "mse"
-    if own_loss(call(model.eval(), example)):
-        loss = "output"       # a HuggingFace model given labels: its own loss, no targets
-    model.train()
+    output = first_output(raw)
+    # a HuggingFace model given labels computes its own loss and needs no targets
+    loss = "output" if own_loss(raw) else "cross_entropy" if output.dim() == 2 else "mse"
     batches = []
     for _ in range(count):
         inputs = []
@@ -415,8 +414,6 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # extrapolating a·batch+b from much smaller batches overestimates vectorized layers
         micro = max(1, options.batch // options.micro_batches)
         sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
-        if options.pick not in ("recommended", "fastest"):
-            raise InputError(f"pick must be 'recommended' or 'fastest', got {options.pick!r}")
         if options.split_points:
             check_split_points(model, options.split_points)
         solver = (WithTiers(FixedCuts(options.split_points, options.stages))

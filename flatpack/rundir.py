@@ -115,10 +115,6 @@ class RunDirectory:
                              "data")
         return unpack_batches(load_file(str(self.batches_path)))
 
-    def save_trained(self, parameters: dict[str, torch.Tensor]) -> Path:
-        save_file({name: tensor.detach().contiguous() for name, tensor in parameters.items()}, str(self.trained_path))
-        return self.trained_path
-
     def remove_store(self) -> None:
         shutil.rmtree(self.store, ignore_errors=True)
 
