@@ -246,14 +246,14 @@ def fixed_buffers_of(compiled: Any) -> Any:
 def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Each trainable parameter's optimizer tensors in the last checkpoint every stage took,
     by every name the parameter has (stage optimizers index them in manifest order)."""
-    from flatpack.runtime import wire
+    from flatpack.backends.functions import checkpoint_tensors
 
     iteration = deployment.consistent_checkpoint()
     found: dict[str, dict[str, torch.Tensor]] = {}
     if iteration is None:
         return found
     for index, artifact in enumerate(compiled.artifacts):
-        tensors, _ = wire.loads(deployment.store.wait(deployment.keys.checkpoint(index, iteration), 60))
+        tensors = checkpoint_tensors(deployment.store, deployment.keys, index, iteration)
         trainable = [entry for entry in artifact.manifest["parameters"] if entry.get("kind") == "parameter"]
         for position, entry in enumerate(trainable):
             entries = {key.rsplit("/", 1)[1]: tensor for key, tensor in tensors.items()

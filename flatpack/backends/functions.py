@@ -283,7 +283,7 @@ class FunctionDeployment:
         call, a resumed call and inference start from (None: the compiled weights)."""
         common: set[int] | None = None
         for stage in range(len(self.compiled.plan.stages)):
-            taken = {int(key.rsplit("/i", 1)[1]) for key in self.store.list(self.keys.checkpoints(stage))}
+            taken = set(checkpoints_taken(self.store, self.keys, stage))
             common = taken if common is None else common & taken
         return max(common) if common else None
 
@@ -464,13 +464,24 @@ def _open_with_env(url: str, env: dict[str, str]) -> Store:
     return open_store(url)
 
 
+def checkpoints_taken(store: Store, keys: RunKeys, stage: int) -> dict[int, str]:
+    """The iterations after which ``stage`` has a checkpoint in the store, each with its key."""
+    return {int(key.rsplit("/i", 1)[1]): key for key in store.list(keys.checkpoints(stage))}
+
+
+def checkpoint_tensors(store: Store, keys: RunKeys, stage: int, iteration: int) -> dict[str, torch.Tensor]:
+    """A stage's checkpoint after ``iteration``: its weights and buffers (``w/<name>``) and its
+    optimizer state (``o/<position>/<key>``, ``training.StageTrainer.state_bytes``)."""
+    tensors, _ = wire.loads(store.wait(keys.checkpoint(stage, iteration), 60))
+    return tensors
+
+
 def checkpoint_parameters(store: Store, keys: RunKeys, stages: int, iteration: int) -> dict[str, torch.Tensor]:
     """The weights in every stage's checkpoint after ``iteration``, by original name (a tied
     parameter several stages hold appears once)."""
     parameters: dict[str, torch.Tensor] = {}
     for stage in range(stages):
-        tensors, _ = wire.loads(store.wait(keys.checkpoint(stage, iteration), 60))
-        for key, tensor in tensors.items():
+        for key, tensor in checkpoint_tensors(store, keys, stage, iteration).items():
             if key.startswith("w/"):
                 parameters.setdefault(key[2:], tensor)
     return parameters
@@ -725,9 +736,7 @@ class _Run:
         else at the segment's start. The tensors its neighbours sent since are still in the
         store (``_release``), so it replays the iterations after the checkpoint, each replayed
         write the same bytes again, and reports every iteration it had not reported yet."""
-        taken = sorted((int(key.rsplit("/i", 1)[1]) for key in self.store.list(self.keys.checkpoints(role.stage))),
-                       reverse=True)
-        for checkpoint in taken:
+        for checkpoint in sorted(checkpoints_taken(self.store, self.keys, role.stage), reverse=True):
             if not self.segment_begin <= checkpoint < role.end_iteration:
                 continue
             if self.store.exists(self.keys.progress(checkpoint, role.stage, role.replica)):
@@ -793,8 +802,8 @@ class _Run:
             for prefix in self.keys.iteration_prefixes(iteration):
                 self.store.delete_prefix(prefix)
         for stage in self.spec.stages:
-            for key in self.store.list(self.keys.checkpoints(stage.index)):
-                if int(key.rsplit("/i", 1)[1]) < checkpoint:
+            for taken, key in checkpoints_taken(self.store, self.keys, stage.index).items():
+                if taken < checkpoint:
                     self.store.delete(key)
         self.released = checkpoint
 
