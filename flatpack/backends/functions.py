@@ -146,17 +146,10 @@ class FunctionDeployment:
         self._batch_size: int | None = None     # every call trains on one batch size (replicas average shards)
         self.last_latency_s: float | None = None
         self.manifests = [artifact.manifest for artifact in compiled.artifacts]
-        # what every invocation carries for its worker to verify the artifact against
+        # what every invocation carries for its worker to verify the artifact against; the
+        # index itself travels with the stages (the local store's artifacts/, an image's
+        # artifacts/: local.package, images.function_images)
         self.digest = compiled.digest
-        self._index_published = False
-
-    def publish_index(self) -> None:
-        """Puts the artifact's index in the store (once) before any function starts: a
-        function whose image holds its stage but not the index reads the index from there,
-        and trusts it only if its sha256 is the digest in the invocation."""
-        if not self._index_published:
-            self.store.put(self.keys.artifact_index(), self.compiled.index.raw)
-            self._index_published = True
 
     def launch(self, role: Role) -> Invocation:
         """Starts the function for ``role``."""
@@ -395,7 +388,6 @@ class FunctionDeployment:
                             tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,
                             checkpoint=self.consistent_checkpoint())
         spec_key = self.keys.inference_spec()
-        self.publish_index()
         self.store.put(spec_key, spec.dumps())
         roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master", digest=self.digest)]
         roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker", digest=self.digest)
@@ -662,7 +654,6 @@ class _Run:
     # one segment: fixed degrees -------------------------------------------------------------
     def _segment(self, begin: int, end: int) -> None:
         spec_key = self.keys.spec(begin)
-        self.deployment.publish_index()
         self.store.put(spec_key, self.spec.dumps())
         self.segment_started = time.time()
         self.segment_begin = begin

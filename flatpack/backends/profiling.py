@@ -140,9 +140,6 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         emulated = bool(getattr(deployment, "emulate_tiers", False))
         probe = _probe_size(emulated, bandwidth_probe_bytes)
         keys = deployment.keys
-        # the index, for functions whose image holds the stages but not the index; each checks
-        # it against the digest in its role before trusting it
-        deployment.store.put(keys.artifact_index(), compiled.index.raw)
         deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info["input_names"], leaves))))
         grad_values = _grad_values(compiled)
         layer_inputs = tuple(tuple(entry["name"] for entry in artifact.manifest["inputs"])
