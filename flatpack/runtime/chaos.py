@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import random
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from flatpack.errors import StoreError
-from flatpack.runtime.store import Store, default_retry_s, retrying
+from flatpack.runtime.store import Store, WrappedStore, default_retry_s, retrying
 
 T = TypeVar("T")
 
@@ -54,7 +53,7 @@ class InjectedStall(TimeoutError):
     """An injected stall cut by the read timeout, as a client's read timeout cuts a real one."""
 
 
-class FaultyStore(Store):
+class FaultyStore(WrappedStore):
     """``base`` with injected transient errors (``error_rate``) and stalls (``stall_rate``
     of ``stall_s`` seconds each), drawn deterministically from ``seed``; retried under
     ``retry_s`` (default: the base store's budget, else ``$FLATPACK_STORE_RETRY_S``).
@@ -64,8 +63,7 @@ class FaultyStore(Store):
                  seed: int = 0, *, read_timeout_s: float | None = None, retry_s: float | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(base, Store):
-            raise StoreError(f"FaultyStore wraps a Store, got {type(base).__name__}")
+        super().__init__(base, {"calls": 0, "errors": 0, "stalls": 0, "stalled_s": 0.0})
         for name, rate in (("error_rate", error_rate), ("stall_rate", stall_rate)):
             if not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
                 raise StoreError(f"store fault {name}={rate!r} must be a probability between 0 and 1")
@@ -73,17 +71,13 @@ class FaultyStore(Store):
             raise StoreError(f"store fault stall_s={stall_s!r} must be a number of seconds >= 0")
         if read_timeout_s is not None and not read_timeout_s > 0:
             raise StoreError(f"store fault read_timeout_s={read_timeout_s!r} must be > 0 seconds (None: the wrapped store's own, if it has one)")
-        self.inner = base
-        self.url = base.url   # a child process opens the same data and sets its own faults
         self.error_rate, self.stall_rate, self.stall_s = float(error_rate), float(stall_rate), float(stall_s)
         self.seed = int(seed)
         self.read_timeout_s = read_timeout_s if read_timeout_s is not None else getattr(base, "read_timeout_s", None)
         inner_budget = getattr(base, "retry_s", None)
         self.retry_s = retry_s if retry_s is not None else inner_budget if inner_budget is not None else default_retry_s()
         self._sleep, self._clock = sleep, clock
-        self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
-        self._stats = {"calls": 0, "errors": 0, "stalls": 0, "stalled_s": 0.0}
 
     # ------------------------------------------------------------------ the draws
     def _draw(self, verb: str, key: str) -> random.Random:
@@ -148,19 +142,8 @@ class FaultyStore(Store):
     def list(self, prefix: str) -> list[str]:
         return self._retried("list", prefix, lambda: self.inner.list(prefix))
 
-    def _list(self, prefix: str) -> Iterable[str]:
-        return self.list(prefix)
-
     def delete_prefix(self, prefix: str) -> int:
         return self._retried("delete-prefix", prefix, lambda: self.inner.delete_prefix(prefix))
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def stats(self) -> dict[str, float]:
-        """Attempts made, errors and stalls injected, seconds stalled."""
-        with self._lock:
-            return dict(self._stats)
 
     def __repr__(self) -> str:
         return (f"FaultyStore({self.inner!r}, error_rate={self.error_rate:g}, stall_rate={self.stall_rate:g}, "

@@ -430,6 +430,50 @@ class Store(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
+class WrappedStore(Store):
+    """A store that adds behaviour around another (``throttle.Throttled``, ``chaos.FaultyStore``):
+    it has the inner store's :attr:`url` (a child process opens the same data and sets up its
+    own wrapper), passes through whatever a subclass does not override, closes the inner
+    store, and counts what it did under a lock (:meth:`stats`)."""
+
+    def __init__(self, inner: Store, stats: dict[str, float]) -> None:
+        if not isinstance(inner, Store):
+            raise StoreError(f"{type(self).__name__} wraps a Store, got {type(inner).__name__}")
+        self.inner = inner
+        self.url = inner.url
+        self._lock = threading.Lock()
+        self._stats = stats
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def _list(self, prefix: str) -> Iterable[str]:
+        return self.list(prefix)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.inner.delete_prefix(prefix)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict[str, float]:
+        """What the wrapper counted (see the subclass)."""
+        with self._lock:
+            return dict(self._stats)
+
+
 # --------------------------------------------------------------------------- local files
 
 _TMP_MARK = ".fp-tmp-"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 from flatpack.errors import StoreError
-from flatpack.runtime.store import Store
+from flatpack.runtime.store import Store, WrappedStore
 
 # An idle link banks at most this much time's worth of bytes: small messages are not
 # delayed, and a long-idle link does not let a big transfer through unthrottled.
@@ -67,7 +67,7 @@ class TokenBucket:
         return wait
 
 
-class Throttled(Store):
+class Throttled(WrappedStore):
     """A store whose puts and gets are limited to given upload and download rates.
 
     The emulated link and the real transfer overlap, so a transfer takes about
@@ -76,22 +76,17 @@ class Throttled(Store):
     estimate of the server's seconds per byte), so the object appears when the emulated
     link would have delivered it. ``wait`` polls through ``get``. exists, list and delete
     are small control messages and pass untouched. A rate of None means unlimited.
+    :meth:`stats`: bytes moved each way and seconds spent sleeping for the limits.
     """
 
     def __init__(self, store: Store, upload_bytes_s: float | None = None, download_bytes_s: float | None = None,
                  *, burst_s: float = DEFAULT_BURST_S, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        if not isinstance(store, Store):
-            raise StoreError(f"Throttled wraps a Store, got {type(store).__name__}")
-        self.inner = store
-        # the inner url: a child process opens the same data and sets its own limits
-        self.url = store.url
+        super().__init__(store, {"bytes_up": 0, "bytes_down": 0, "throttled_up_s": 0.0, "throttled_down_s": 0.0})
         self._clock, self._sleep = clock, sleep
         self.upload = _bucket(upload_bytes_s, burst_s, clock, sleep)
         self.download = _bucket(download_bytes_s, burst_s, clock, sleep)
-        self._lock = threading.Lock()
         self._put_s_per_byte = 0.0
-        self._stats = {"bytes_up": 0, "bytes_down": 0, "throttled_up_s": 0.0, "throttled_down_s": 0.0}
 
     def _count(self, direction: str, n: int, waited: float) -> None:
         with self._lock:
@@ -118,29 +113,6 @@ class Throttled(Store):
         waited = self.download.consume(len(data), since=started) if self.download else 0.0
         self._count("down", len(data), waited)
         return data
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
-
-    def _list(self, prefix: str) -> Iterable[str]:
-        return self.inner.list(prefix)
-
-    def delete_prefix(self, prefix: str) -> int:
-        return self.inner.delete_prefix(prefix)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def stats(self) -> dict[str, float]:
-        """Bytes moved each way and seconds spent sleeping for the limits."""
-        with self._lock:
-            return dict(self._stats)
 
     def __repr__(self) -> str:
         up = self.upload.rate if self.upload else None
