@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 from torch import nn
 
-from flatpack.errors import FlatpackError, FunctionOutOfMemory, InputError
+from flatpack.errors import FlatpackError, InputError
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OPTIMIZERS
@@ -391,9 +391,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     dropouts = without_dropout(model)
     options.out.mkdir(parents=True, exist_ok=True)
     # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         batches, loss, iterations = training_data(model, example, options)
         options = dataclasses.replace(options, iterations=iterations)
         if options.data is not None:
@@ -470,11 +468,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
             say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                 "(replaces the catalog's assumption in the prediction)\n")
-            try:
-                result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
-                                          **train_options)
-            except FunctionOutOfMemory as err:
-                raise _with_memory_hint(err, compiled.problem.platform) from None
+            result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
+                                      **train_options)
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
         _finish(directory, record, compiled, result.parameters, say, options.save)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
@@ -515,20 +510,17 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
         return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
-
-
-def _with_memory_hint(err: FunctionOutOfMemory, platform: Any) -> FunctionOutOfMemory:
-    """The out-of-memory error of a run, with the ``--memory`` option that gives the stage a
-    tier its measured peak fits (the plan's tier came from the cost model's estimate)."""
-    fitting = [tier.memory_mb for tier in platform.tiers if tier.memory_bytes >= err.peak_bytes * 1.1]
-    if not fitting:
-        return err
-    hint = (f" From the command line: run again with --memory {min(fitting)} (the tiers the solver may "
-            "choose from; the measured peak plus 10% fits this one).")
-    return FunctionOutOfMemory(str(err) + hint, stage=err.stage, replica=err.replica, peak_bytes=err.peak_bytes,
-                               limit_bytes=err.limit_bytes)
+        torch.set_num_threads(before)
 
 
 # -- the run directory: resume after any crash --------------------------------------------------
@@ -612,9 +604,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         say(f"re-reading the run's data: {batches.description}")
     else:
         batches = directory.load_batches()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):   # as run_training trains
         with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                       run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
@@ -633,8 +623,6 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                 f"{result.losses[-1]:.4f}")
         _finish(directory, record, compiled, parameters, say)
         return 0
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _print_front(compiled: Any, say: Any) -> None:
