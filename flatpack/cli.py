@@ -18,25 +18,23 @@ from flatpack.partitioner.workload import MODES, SYNC_METHODS
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
-    """MODEL is ``path/to/file.py:factory``, ``package.module:factory``, a built-in example
-    name or a zoo model name (built at ``size``)."""
-    from flatpack import zoo
-    from flatpack.examples import EXAMPLES
+    """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a registered model
+    name (flatpack.models: a built-in example, or a zoo model built at ``size``)."""
+    from flatpack import models
 
-    if spec in EXAMPLES:
-        return EXAMPLES[spec]()
-    if spec in zoo.ZOO:
-        return zoo.build(spec, size)
+    named = models.find(spec)
+    if named is not None:
+        return named.build(size)
     source, colon, attribute = spec.rpartition(":")
     if not colon and not spec.endswith(".py"):
-        close = difflib.get_close_matches(spec, [*EXAMPLES, *zoo.ZOO], n=3)
+        close = models.close_matches(spec)
         if close:
             raise InputError(f"unknown model {spec!r}; did you mean {' or '.join(close)}? (see flatpack inspect "
                              "--help for what MODEL may be)")
     if not colon or not source or not attribute:
         raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
-                         f"of the built-in examples ({', '.join(EXAMPLES)}) or a zoo model "
-                         f"({', '.join(zoo.ZOO)})")
+                         f"of the built-in examples ({', '.join(models.model_names(models.EXAMPLE))}) or a zoo "
+                         f"model ({', '.join(models.model_names(models.ZOO))})")
     from flatpack.factories import import_factory
 
     factory = import_factory(spec, "MODEL")
@@ -118,17 +116,18 @@ def profile_table(profile: Any) -> str:
 
 
 def pipeline_for(args: argparse.Namespace) -> str | None:
-    """The --passes given, else a zoo model's own pipeline, else the default (None)."""
-    from flatpack import zoo
+    """The --passes given, else a named model's own pipeline, else the default (None)."""
+    from flatpack import models
 
-    if args.passes is None and args.model in zoo.ZOO:
-        return zoo.ZOO[args.model].passes
+    named = models.find(args.model)
+    if args.passes is None and named is not None:
+        return named.passes
     return args.passes
 
 
 def _compile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, a built-in "
-                                      "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet) or a "
+                                      "example (tiny-resnet, mlp, bert, hf-gpt2, llama, vit, hf-resnet) or a "
                                       "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
                         help="size of a zoo model: reduced for quick runs, or the papers' full size")
@@ -395,9 +394,10 @@ def _front_for_context(solver: Any, problem: Any) -> tuple:
 
 
 def _model_label(args: argparse.Namespace) -> str:
-    from flatpack import zoo
+    from flatpack import models
 
-    return f"{args.model} ({args.size})" if args.model in zoo.ZOO else args.model
+    named = models.find(args.model)
+    return named.label(args.size) if named is not None else args.model
 
 
 def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
