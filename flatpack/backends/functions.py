@@ -367,6 +367,8 @@ class FunctionDeployment:
                         raise oom_error(worker.role, status, platform_tiers_mb(self.compiled))
                     if status.get("status") == "refused":
                         raise refused_error(worker.role, status)
+                    if status.get("status") == "input":
+                        raise input_error(worker.role, status)
                     raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
                                      f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
             time.sleep(0.002)
@@ -485,6 +487,14 @@ def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
         return json.loads(store.get(keys.status(role.stage, role.replica, role.attempt, role.start_iteration)))
     except Exception:  # noqa: BLE001 - a lost function leaves no status
         return {}
+
+
+def input_error(role: Role, status: dict) -> RunFailure:
+    """The error for a function that refused a value its stage was not compiled for (the
+    worker's check names the input, the shape or dtype expected and the one given)."""
+    what = f"stage {role.stage}, replica {role.replica}" if role.kind == "train" else f"{role.kind}, stage {role.stage}"
+    return RunFailure(f"function {role.worker} ({what}) stopped before running its stage on a wrong input: "
+                      f"{status.get('error')}")
 
 
 def refused_error(role: Role, status: dict) -> ArtifactRefused:
@@ -726,6 +736,8 @@ class _Run:
             return
         if status.get("status") == "refused":
             raise refused_error(worker.role, status)
+        if status.get("status") == "input":
+            raise input_error(worker.role, status)
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")

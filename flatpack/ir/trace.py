@@ -392,12 +392,17 @@ def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs:
 
 def _dynamic_dims(graph: torch.fx.Graph) -> list[list[int]]:
     """For each tensor placeholder, in order, the dimensions export left symbolic."""
-    found = []
-    for node in graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
-            found.append([index for index, size in enumerate(value.shape) if _symbolic(size)])
-    return found
+    return [free_dims(node) for node in graph.nodes
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)]
+
+
+def free_dims(node: torch.fx.Node) -> list[int] | None:
+    """The dimensions of a tensor node that export left symbolic (None: not known, as for an
+    fx graph, whose nodes carry no symbolic shapes)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [index for index, size in enumerate(value.shape) if _symbolic(size)]
 
 
 def _symbolic(size: Any) -> bool:
