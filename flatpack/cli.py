@@ -15,6 +15,7 @@ import torch
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
+from flatpack.table import format_table
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
@@ -75,9 +76,7 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
         rows.append((str(layer["index"]), str(stage_of.get(layer["index"], "")), layer["name"][:44],
                      layer["ops"][:48], human_bytes(layer["param_bytes"]),
                      _describe_values(boundary["values"])[:80], human_bytes(boundary["bytes"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = format_table(rows[0], rows[1:]).splitlines()
     inputs = chain["inputs"]
     lines.insert(0, f"frontend: {chain['frontend']}   layers: {len(chain['layers'])}   parameters: "
                     f"{human_bytes(chain['total_param_bytes'])}   inputs: {_describe_values(inputs['values'])}")
@@ -98,9 +97,7 @@ def profile_table(profile: Any) -> str:
                      human_bytes(layer.param_bytes),
                      human_bytes(layer.saved_bytes.per_sample), human_bytes(layer.output_bytes.per_sample),
                      human_bytes(layer.peak_bytes.at(1))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = format_table(rows[0], rows[1:]).splitlines()
     host = profile.host
     source = "cache hit" if profile.cache_hit else f"measured in {profile.wall_s:.1f} s"
     lines.insert(0, f"profile: {source}   host: {host.cpu}, {host.threads} threads, torch {host.torch_version}   "
@@ -560,8 +557,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         return 0
     deployment = backend.deploy(compiled, out=out, **options)
     print(f"deployed {deployment.ledger.name} to {args.target} ({deployment.ledger.region}):")
-    for entry in deployment.ledger.created:
-        print(f"  {entry['kind']:<12} {entry['name']}")
+    print(format_table(["kind", "name"], [(entry["kind"], entry["name"]) for entry in deployment.ledger.created],
+                       indent="  "))
     print(f"the deployment record is {out / 'deployment.json'}; remove everything with: flatpack teardown {out}")
     return 0
 
@@ -570,6 +567,7 @@ def _print_tree(out: Path, files: dict[str, bytes]) -> None:
     """The files written, with the runtime's own sources summed up in one line per image."""
     print(f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:")
     runtime: dict[str, tuple[int, int]] = {}
+    rows = []
     for path, data in sorted(files.items()):
         parts = path.split("/")
         if "flatpack" in parts[:-1]:
@@ -577,9 +575,9 @@ def _print_tree(out: Path, files: dict[str, bytes]) -> None:
             count, size = runtime.get(root, (0, 0))
             runtime[root] = (count + 1, size + len(data))
             continue
-        print(f"  {path:<64} {len(data):>12,} bytes")
-    for root, (count, size) in runtime.items():
-        print(f"  {root + '/':<64} {size:>12,} bytes ({count} files: the flatpack runtime)")
+        rows.append((path, f"{len(data):,}", ""))
+    rows += [(root + "/", f"{size:,}", f"{count} files: the flatpack runtime") for root, (count, size) in runtime.items()]
+    print(format_table(["file", "bytes", ""], rows, numeric={1}, indent="  "))
 
 
 def cmd_teardown(args: argparse.Namespace) -> int:

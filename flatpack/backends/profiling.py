@@ -53,6 +53,7 @@ from flatpack.partitioner.plan import Plan
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
 from flatpack.runtime.spec import Role
 from flatpack.runtime.training import pack_values
+from flatpack.table import format_table
 
 log = logging.getLogger("flatpack.profiling")
 
@@ -198,17 +199,12 @@ def calibration_table(calibration: Calibration, micro_batch: int) -> str:
     (columns), then what the provenance says of single tiers: why one was left out, notes
     on one calibrated."""
     tiers = calibration.tiers_mb
-    width = max(8, *(len(name) for name in calibration.layer_names))
     where = (f"{calibration.platform}'s tiers emulated on this machine"
              if calibration.provenance.get("cpu_share") == "emulated" else f"measured in {calibration.platform}")
+    rows = [[name, *(f"{sum(calibration.seconds(index, mb, micro_batch)) * 1000:.3f}" for mb in tiers)]
+            for index, name in enumerate(calibration.layer_names)]
     lines = [f"fwd+bwd ms at micro-batch {micro_batch}, {where}",
-             f"{'layer':<{width}}  " + "  ".join(f"{f'{mb} MB':>10}" for mb in tiers)]
-    for index, name in enumerate(calibration.layer_names):
-        cells = []
-        for mb in tiers:
-            forward, backward = calibration.seconds(index, mb, micro_batch)
-            cells.append(f"{(forward + backward) * 1000:>10.3f}")
-        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+             format_table(["layer", *(f"{mb} MB" for mb in tiers)], rows, numeric=range(1, len(tiers) + 1))]
     lines.extend(f"{key}: {value}" for key, value in calibration.provenance.items() if key.startswith("tier "))
     return "\n".join(lines)
 

@@ -236,8 +236,9 @@ def test_compare_predicted_columns_are_funcpipes():
     table = comparison.table()
     lines = table.splitlines()
     assert all(name in lines[0] for name in ("forward", "backward", "upload", "download", "sync"))
-    assert lines[2].split()[:3] == ["0", f"{1e3 * first.forward_s:.1f}", "40.0"]   # stage 0 forward: pred, meas
-    assert lines[4].split()[0] == "2" and lines[4].split()[2] == "-"               # no third stage measured
+    assert lines[1].split()[:3] == ["stage", "pred", "meas"] and set(lines[2]) == {"-", " "}
+    assert lines[3].split()[:3] == ["0", f"{1e3 * first.forward_s:.1f}", "40.0"]   # stage 0 forward: pred, meas
+    assert lines[5].split()[0] == "2" and lines[5].split()[2] == "-"               # no third stage measured
     assert lines[-1].startswith("iteration: predicted") and f"{100 * expected:+.1f}%" in lines[-1]
     document = json.loads(json.dumps(comparison.to_json()))
     assert document["predicted"]["iteration_s"] == cost.iteration_s
