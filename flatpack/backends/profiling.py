@@ -176,21 +176,28 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
 def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers: Sequence[int] | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     passes: str | None = None, out: str | os.PathLike | None = None, parallel: int = 1,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False, region: str | None = None) -> int:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False, region: str | None = None,
+                    show: Callable[[str, dict[str, Any]], None] | None = None) -> int:
     """``flatpack profile MODEL --target T``: profiles inside ``target``, prints a table of
     the measured seconds and writes the calibration file (default
     ``calibration-<target>.json``). ``emulate``: run the target's tiers as local processes
     (the local backend) instead of deploying to the target; always so for ``local``.
     ``region``: the cloud region the profiler functions are deployed in (default: the
-    backend's, from the environment or the SDK's profile)."""
+    backend's, from the environment or the SDK's profile). ``show(text, document)`` prints the
+    report (the table, and the calibration as JSON for ``--json``); default: the text on stdout.
+    Progress goes to the ``flatpack.profiling`` logger."""
     if region is not None and (emulate or target == "local"):
         raise InputError(f"--region places profiler functions in a cloud region; {'emulated tiers' if emulate else 'the local target'} "
                          "run on this machine. Leave --region out")
     out = Path(out) if out is not None else Path(f"calibration-{target}.json")
     calibration = profile_in_target(model, example_inputs, target=target, tiers=tiers, batch_sizes=batch_sizes,
                                     repeats=repeats, passes=passes, emulate=emulate, parallel=parallel,
-                                    timeout_s=timeout_s, out=out, report=print, region=region)
-    print(calibration_table(calibration, max(batch_sizes)))
+                                    timeout_s=timeout_s, out=out, report=log.info, region=region)
+    table = calibration_table(calibration, max(batch_sizes))
+    if show is None:
+        print(table)
+    else:
+        show(table, calibration.to_json())
     return 0
 
 

@@ -108,10 +108,7 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
     if options.use_cache:
         cached = _read_cache(path)
         if cached is not None:
-            log.info("profile cache hit: %s", path)
-            if _progress_enabled(options):
-                print(f"flatpack: profile of {len(cached.layers)} layers loaded from cache ({path.name})",
-                      file=sys.stderr)
+            log.debug("profile of %d layers loaded from cache (%s)", len(cached.layers), path)
             _warn_flat_slopes(cached)
             return cached
     started = time.perf_counter()
