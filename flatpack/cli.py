@@ -364,7 +364,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot.require_matplotlib()
         plot.check_destination(args.plot)
     profile = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
-                             max_seconds=args.max_seconds, use_cache=not args.no_cache)
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache,
+                             progress=None if logs.progress_enabled() else False)   # None: on a terminal
 
     split_points = _names(args.split_points)
     if (args.stages is not None or split_points) and (args.slo is not None or args.weights is not None):

@@ -457,7 +457,9 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
         compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
-                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
+                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3,
+                                                           progress=None if logs.progress_enabled() else False),
+                                    workload=workload, **extra)
         LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
                  f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)

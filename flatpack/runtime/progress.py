@@ -6,10 +6,10 @@ draws one line on the stream it is given and leaves the rest of the output alone
 rich's live display takes over the console (and would redirect the ``flatpack`` logger's
 lines and the workers' output through itself). On anything else (a log file, a CI log, a
 pipe) it writes plain lines instead, never a ``\\r`` frame: one at the first update, then at
-most one every ``interval_s`` seconds, and the last one when it closes, so logs stay short
-and readable. Dollars accrue as ``dollars_per_second × elapsed``; the caller prices the
-deployed functions (every worker's memory tier at the platform's rate) and passes the sum
-per second.
+most one every ``interval_s`` seconds (the profiler's many short steps: 10 s; a training
+iteration: each), and the last one when it closes, so logs stay short and readable.
+Dollars accrue as ``dollars_per_second × elapsed``; the caller prices the deployed functions
+(every worker's memory tier at the platform's rate) and passes the sum per second.
 """
 
 from __future__ import annotations
@@ -89,10 +89,12 @@ class ProgressLine:
     iterations finished so far (1 after the first; pass index + 1 for a 0-based index),
     ``elapsed_s`` the seconds since the run (or this ProgressLine's share of it) began.
     Throughput is (iteration − start_iteration) × samples_per_iteration / elapsed_s, so a
-    resumed run passes the iteration it resumed from as ``start_iteration``."""
+    resumed run passes the iteration it resumed from as ``start_iteration``. Off a terminal,
+    every iteration gets its line by default (``interval_s`` 0): an iteration is coarse, and a
+    log is read for where a run stopped (tests/integration/test_recovery.py waits on one)."""
 
     def __init__(self, total_iterations: int, samples_per_iteration: int, dollars_per_second: float,
-                 stream: TextIO | None = None, *, start_iteration: int = 0, interval_s: float = PLAIN_INTERVAL_S,
+                 stream: TextIO | None = None, *, start_iteration: int = 0, interval_s: float = 0.0,
                  tty: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.total_iterations = total_iterations
         self.samples_per_iteration = samples_per_iteration
