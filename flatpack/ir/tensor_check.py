@@ -12,7 +12,7 @@ it would fail with an error naming neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -94,3 +94,22 @@ def check_tensor(name: str | int, value: Any, spec: TensorSpec, *, where: str = 
     if fixed:
         dims = ", ".join(f"dim {dim} must be {spec.shape[dim]}, got {got_shape[dim]}" for dim in fixed)
         raise InputError(f"{label} has shape {got_shape}, but {expected_by} {spec.describe()}: {dims}. {fix}")
+
+
+STAGE_FIX = ("Every batch must have the shapes and dtypes of the example the model was compiled with (a batch "
+             "function's later batches are checked only here).")
+
+
+def stage_input_specs(manifest: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """A stage's tensor inputs by name, from its manifest: the example's shape and dtype, and
+    the dimensions export left free (unknown for fx graphs: then only rank and dtype)."""
+    return {entry["name"]: TensorSpec.from_json(entry) for entry in manifest.get("inputs", ())
+            if entry.get("kind") == "tensor"}
+
+
+def check_stage_inputs(specs: Mapping[str, TensorSpec], values: Iterable[tuple[str, Any]], where: str) -> None:
+    """What a stage worker (a function or a gpu-container rank) checks before running its
+    stage on a micro-batch: every tensor input against :func:`stage_input_specs`."""
+    for name, value in values:
+        if name in specs:
+            check_tensor(name, value, specs[name], where=where, fix=STAGE_FIX)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from flatpack.ir.tensor_check import TensorSpec, check_tensor
+from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import wire
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
@@ -169,9 +169,7 @@ class StageTrainer:
         self._prefetched: dict[int, Future] = {}
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
-        manifest = getattr(module, "flatpack_manifest", {})
-        self.input_specs = {entry["name"]: TensorSpec.from_json(entry) for entry in manifest.get("inputs", ())
-                            if entry.get("kind") == "tensor"}
+        self.input_specs = stage_input_specs(getattr(module, "flatpack_manifest", {}))
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
@@ -247,13 +245,10 @@ class StageTrainer:
         values = fetched.result()
         state = MicroBatchState()
         args = []
+        check_stage_inputs(self.input_specs, ((name, values[name]) for name in self.stage.inputs),
+                           where=f"stage {self.role.stage}, iteration {iteration}, micro-batch {micro_batch}: ")
         for name in self.stage.inputs:
             value = values[name]
-            if name in self.input_specs:
-                check_tensor(name, value, self.input_specs[name],
-                             where=f"stage {self.role.stage}, iteration {iteration}, micro-batch {micro_batch}: ",
-                             fix="Every batch must have the shapes and dtypes of the example the model was compiled "
-                                 "with (a batch function's later batches are checked only here).")
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
                     and self.stage.sources[name] != DATA_SOURCE):
                 value = value.detach().requires_grad_(True)

@@ -56,3 +56,17 @@ def test_stage_manifests_record_the_dimensions_export_left_free():
     assert first["input_ids"]["dynamic"] == [0, 1]      # batch and sequence length
     hidden = [entry for entry in compiled.artifacts[1].manifest["inputs"] if len(entry.get("shape", ())) == 3]
     assert hidden and all(2 not in entry["dynamic"] for entry in hidden)   # the width is fixed
+
+
+def test_a_stage_checks_its_tensor_inputs_from_its_manifest():
+    from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
+
+    manifest = {"inputs": [{"name": "hidden", "kind": "tensor", "shape": [4, 16, 8], "dtype": "float32",
+                            "dynamic": [0, 1]},
+                           {"name": "size", "kind": "scalar", "type": "int"}]}
+    specs = stage_input_specs(manifest)
+    assert set(specs) == {"hidden"}           # scalars cross boundaries unchecked
+    check_stage_inputs(specs, [("hidden", torch.zeros(2, 7, 8)), ("size", 7)], where="stage 1: ")
+    with pytest.raises(InputError, match=r"^stage 1: input 'hidden' has shape \(2, 7, 3\).*dim 2 must be 8, got 3\. "
+                                         r"Every batch must have the shapes"):
+        check_stage_inputs(specs, [("hidden", torch.zeros(2, 7, 3))], where="stage 1: ")
