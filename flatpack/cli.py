@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
 from flatpack.table import format_table
 
-LOG = logging.getLogger("flatpack.cli")
+LOG = logs.get("cli")
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
