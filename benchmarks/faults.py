@@ -46,6 +46,7 @@ import flatpack
 from flatpack.backends import local
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.s3server import LocalS3Server
+from flatpack.table import format_table
 
 KINDS = ("worker", "runner", "server", "errors", "stalls")
 ITERATIONS = 6
@@ -315,10 +316,10 @@ def main() -> None:
             rows.append((kind, args.trials, hits, completed, identical, worst,
                          statistics.median(walls) if walls else float("nan"), failures))
     print()
-    print(f"{'fault':<8} {'trials':>6} {'fault hit':>9} {'completed':>9} {'identical':>9} {'max |diff|':>10} "
-          f"{'median wall':>11}")
-    for kind, trials, hits, completed, identical, worst, wall, _ in rows:
-        print(f"{kind:<8} {trials:>6} {hits:>9} {completed:>9} {identical:>9} {worst:>10.3g} {wall:>10.1f}s")
+    print(format_table(["fault", "trials", "fault hit", "completed", "identical", "max |diff|", "median wall"],
+                       [(kind, trials, hits, completed, identical, f"{worst:.3g}", f"{wall:.1f}s")
+                        for kind, trials, hits, completed, identical, worst, wall, _ in rows],
+                       numeric=range(1, 7)))
     for kind, *_, failures in rows:
         for failure in failures:
             print(f"{kind} failure: {failure}")

@@ -44,6 +44,7 @@ from flatpack import zoo
 from flatpack.backends import gpu_container
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.optim import OptimizerSpec
+from flatpack.table import format_table
 
 COMPILE_BATCH = 2     # the example batch the model is traced with; runs scale it to --batch
 
@@ -163,10 +164,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"{note + '; ' if note else ''}run {wall:.1f} s with start-up"))
 
     baseline = rows[0].samples_per_s
-    print(f"\n{'configuration':<44} {'backend':<7} {'device':<6} {'ranks':>5} {'samples/s':>10} {'vs single':>9}  note")
-    for row in rows:
-        print(f"{row.what:<44} {row.backend:<7} {row.device:<6} {row.ranks:>5} {row.samples_per_s:>10.1f} "
-              f"{row.samples_per_s / baseline:>8.2f}x  {row.note}")
+    print()
+    print(format_table(["configuration", "backend", "device", "ranks", "samples/s", "vs single", "note"],
+                       [(row.what, row.backend, row.device, row.ranks, f"{row.samples_per_s:.1f}",
+                         f"{row.samples_per_s / baseline:.2f}x", row.note) for row in rows],
+                       numeric={3, 4, 5}))
 
 
 if __name__ == "__main__":

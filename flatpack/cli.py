@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 import time
@@ -12,31 +11,33 @@ from typing import Any, Sequence
 
 import torch
 
+from flatpack import logs
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
+from flatpack.table import format_table
+
+LOG = logs.get("cli")
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
-    """MODEL is ``path/to/file.py:factory``, ``package.module:factory``, a built-in example
-    name or a zoo model name (built at ``size``)."""
-    from flatpack import zoo
-    from flatpack.examples import EXAMPLES
+    """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a registered model
+    name (flatpack.models: a built-in example, or a zoo model built at ``size``)."""
+    from flatpack import models
 
-    if spec in EXAMPLES:
-        return EXAMPLES[spec]()
-    if spec in zoo.ZOO:
-        return zoo.build(spec, size)
+    named = models.find(spec)
+    if named is not None:
+        return named.build(size)
     source, colon, attribute = spec.rpartition(":")
     if not colon and not spec.endswith(".py"):
-        close = difflib.get_close_matches(spec, [*EXAMPLES, *zoo.ZOO], n=3)
+        close = models.close_matches(spec)
         if close:
             raise InputError(f"unknown model {spec!r}; did you mean {' or '.join(close)}? (see flatpack inspect "
                              "--help for what MODEL may be)")
     if not colon or not source or not attribute:
         raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
-                         f"of the built-in examples ({', '.join(EXAMPLES)}) or a zoo model "
-                         f"({', '.join(zoo.ZOO)})")
+                         f"of the built-in examples ({', '.join(models.model_names(models.EXAMPLE))}) or a zoo "
+                         f"model ({', '.join(models.model_names(models.ZOO))})")
     from flatpack.factories import import_factory
 
     factory = import_factory(spec, "MODEL")
@@ -77,9 +78,7 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
         rows.append((str(layer["index"]), str(stage_of.get(layer["index"], "")), layer["name"][:44],
                      layer["ops"][:48], human_bytes(layer["param_bytes"]),
                      _describe_values(boundary["values"])[:80], human_bytes(boundary["bytes"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = format_table(rows[0], rows[1:]).splitlines()
     inputs = chain["inputs"]
     lines.insert(0, f"frontend: {chain['frontend']}   layers: {len(chain['layers'])}   parameters: "
                     f"{human_bytes(chain['total_param_bytes'])}   inputs: {_describe_values(inputs['values'])}")
@@ -100,9 +99,7 @@ def profile_table(profile: Any) -> str:
                      human_bytes(layer.param_bytes),
                      human_bytes(layer.saved_bytes.per_sample), human_bytes(layer.output_bytes.per_sample),
                      human_bytes(layer.peak_bytes.at(1))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = format_table(rows[0], rows[1:]).splitlines()
     host = profile.host
     source = "cache hit" if profile.cache_hit else f"measured in {profile.wall_s:.1f} s"
     lines.insert(0, f"profile: {source}   host: {host.cpu}, {host.threads} threads, torch {host.torch_version}   "
@@ -118,17 +115,18 @@ def profile_table(profile: Any) -> str:
 
 
 def pipeline_for(args: argparse.Namespace) -> str | None:
-    """The --passes given, else a zoo model's own pipeline, else the default (None)."""
-    from flatpack import zoo
+    """The --passes given, else a named model's own pipeline, else the default (None)."""
+    from flatpack import models
 
-    if args.passes is None and args.model in zoo.ZOO:
-        return zoo.ZOO[args.model].passes
+    named = models.find(args.model)
+    if args.passes is None and named is not None:
+        return named.passes
     return args.passes
 
 
 def _compile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, a built-in "
-                                      "example (tiny-resnet, mlp, bert, gpt2, llama, vit, hf-resnet) or a "
+                                      "example (tiny-resnet, mlp, bert, hf-gpt2, llama, vit, hf-resnet) or a "
                                       "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
                         help="size of a zoo model: reduced for quick runs, or the papers' full size")
@@ -144,15 +142,48 @@ def _trust_args(parser: argparse.ArgumentParser) -> None:
                                                            "an Ed25519 public key file (PEM), or env:NAME for HMAC")
 
 
+JSON_HELP = ("print a JSON document on stdout instead of the text report (diagnostics stay on stderr), e.g. "
+             "flatpack {verb} ... --json | jq .")
+
+
+def _json_flag(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``--json`` on a verb that reports: the JSON document on stdout instead of the text."""
+    parser.add_argument("--json", action="store_const", const="-", default=None, help=JSON_HELP.format(verb=verb))
+
+
+def _json_or_file(parser: argparse.ArgumentParser, verb: str, what: str) -> None:
+    """``--json [FILE]`` on inspect, profile and plan: alone (or ``-``), as :func:`_json_flag`;
+    with FILE, the text report on stdout and the document written to FILE."""
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help=f"{JSON_HELP.format(verb=verb)}; --json FILE prints the text report and writes "
+                             f"{what} to FILE")
+
+
+def report(args: argparse.Namespace, text: str | None, document: Any) -> None:
+    """A verb's report on stdout: ``text``, or with ``--json`` the JSON ``document`` (a value,
+    or a function giving it) instead; ``--json FILE`` writes the document to FILE as well as
+    printing the text. Text None: the verb printed its report as it went."""
+    destination = getattr(args, "json", None)
+    if destination in ("-", True):
+        print(_json_text(document))
+        return
+    if text is not None:
+        print(text)
+    if destination:
+        Path(destination).write_text(_json_text(document) + "\n")
+        LOG.info("wrote %s", destination)
+
+
+def _json_text(document: Any) -> str:
+    return json.dumps(document() if callable(document) else document, indent=2, default=str)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import flatpack
 
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1)
-    print(chain_table(compiled.chain))
-    if args.json:
-        Path(args.json).write_text(json.dumps(compiled.chain, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    report(args, chain_table(compiled.chain), compiled.chain)
     return 0
 
 
@@ -162,11 +193,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
                                 target=args.target, out_dir=args.out)
-    print(chain_table(compiled.chain, compiled.plan.ranges))
-    print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
-    print(f"digest {compiled.digest}")
-    print("  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
-          "or sign it: flatpack sign DIR --key KEY")
+    text = (f"{chain_table(compiled.chain, compiled.plan.ranges)}\n\n"
+            f"wrote {len(compiled.plan.stages)} stages to {args.out}\ndigest {compiled.digest}\n"
+            "  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
+            "or sign it: flatpack sign DIR --key KEY")
+    report(args, text, {"out": args.out, "digest": compiled.digest, "stages": len(compiled.plan.stages),
+                        "plan": compiled.plan.to_json(), "chain": compiled.chain})
     return 0
 
 
@@ -177,7 +209,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
     verified = read_verified(args.dir, digest=args.digest)
     signature = Path(args.dir) / SIGNATURE_FILE
     signature.write_bytes(sign_index(verified.index.raw, args.key))
-    print(f"signed {Path(args.dir) / INDEX_FILE} (digest {verified.digest}) into {signature}")
+    report(args, f"signed {Path(args.dir) / INDEX_FILE} (digest {verified.digest}) into {signature}",
+           {"index": str(Path(args.dir) / INDEX_FILE), "digest": verified.digest, "signature": str(signature)})
     return 0
 
 
@@ -191,10 +224,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     info = json.loads(verified.files[COMPILED_FILE])
     for key in ("output_structure", "input_structure"):
         structure.check(info.get(key, {"tuple": []}), f"{Path(args.dir) / COMPILED_FILE} ({key})")
-    print(f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}")
     if verified.trust == "directory":
-        print("the index itself was trusted only as far as this directory is: pass --digest (the digest compile "
-              "printed) or --verify-key to check it against something held elsewhere")
+        LOG.warning("the index itself was trusted only as far as this directory is: pass --digest (the digest "
+                    "compile printed) or --verify-key to check it against something held elsewhere")
+    report(args, f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}",
+           {"dir": args.dir, "files": len(verified.files), "digest": verified.digest, "trust": verified.trust})
     return 0
 
 
@@ -210,14 +244,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                tiers=_positive_ints(args.tiers, "--tiers") if args.tiers else None,
                                batch_sizes=_positive_ints(args.batch_sizes), repeats=args.repeats,
                                passes=pipeline_for(args), out=args.out, parallel=args.parallel,
-                               timeout_s=args.timeout, emulate=args.emulate, region=args.region)
+                               timeout_s=args.timeout, emulate=args.emulate, region=args.region,
+                               show=lambda text, document: report(args, text, document))
     options = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
-                             max_seconds=args.max_seconds, use_cache=not args.no_cache, progress=True)
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache,
+                             progress=logs.progress_enabled())
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1, profile=options)
-    print(profile_table(compiled.profile))
-    if args.json:
-        Path(args.json).write_text(json.dumps(compiled.profile.to_json(), indent=2) + "\n")
-        print(f"wrote {args.json}")
+    report(args, profile_table(compiled.profile), compiled.profile.to_json)
     return 0
 
 
@@ -317,7 +350,7 @@ def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     from flatpack.compiler import build_problem
     from flatpack.ir.profiler import ProfileOptions
-    from flatpack.partitioner import report
+    from flatpack.partitioner import report as plan_report
     from flatpack.partitioner.objective import Weights, cost_model_for
 
     solver = _cost_solver(args.solver)
@@ -329,7 +362,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot.require_matplotlib()
         plot.check_destination(args.plot)
     profile = ProfileOptions(batch_sizes=tuple(_positive_ints(args.batch_sizes)), repeats=args.repeats,
-                             max_seconds=args.max_seconds, use_cache=not args.no_cache)
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache,
+                             progress=None if logs.progress_enabled() else False)   # None: on a terminal
 
     split_points = _names(args.split_points)
     if (args.stages is not None or split_points) and (args.slo is not None or args.weights is not None):
@@ -356,30 +390,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cuts = FixedCuts(split_points, args.stages)
         fixed = with_tiers(problem, cuts(problem))
-        selection = report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
+        selection = plan_report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
     elif workload.slo_s is not None:
-        selection = report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
+        selection = plan_report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
     elif args.weights is not None:
-        selection = report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
+        selection = plan_report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
     else:
-        selection = report.Selection.of_front(solver.front(problem))
+        selection = plan_report.Selection.of_front(solver.front(problem))
     solve_s = time.perf_counter() - started
 
-    as_json = json.dumps(report.report_json(problem, selection, _plan_context(args, problem)), indent=2) \
-        if args.json else None
-    if args.json == "-":
-        print(as_json)
-    else:
-        print(report.text_report(problem, selection, _plan_title(args, problem, cost_model_for(problem), solve_s)))
-    if args.json and args.json != "-":
-        Path(args.json).write_text(as_json + "\n")
-        print(f"\nwrote {args.json}")
+    report(args, plan_report.text_report(problem, selection,
+                                         _plan_title(args, problem, cost_model_for(problem), solve_s)),
+           lambda: plan_report.report_json(problem, selection, _plan_context(args, problem)))
     if args.plot:
         # one pick alone says little on a plot: draw it against the front
         context = _front_for_context(solver, problem) if selection.kind != "front" else ()
         plot.plot_selection(selection, args.plot, title=_plot_title(args, problem), inference=workload.mode == "infer",
                             context=context)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+        LOG.info("wrote %s", args.plot)
     return 0
 
 
@@ -395,9 +423,10 @@ def _front_for_context(solver: Any, problem: Any) -> tuple:
 
 
 def _model_label(args: argparse.Namespace) -> str:
-    from flatpack import zoo
+    from flatpack import models
 
-    return f"{args.model} ({args.size})" if args.model in zoo.ZOO else args.model
+    named = models.find(args.model)
+    return named.label(args.size) if named is not None else args.model
 
 
 def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
@@ -430,10 +459,8 @@ def cmd_platforms(args: argparse.Namespace) -> int:
     from flatpack.backends.catalog import describe_platforms, get_platform, platform_names
 
     names = args.names or platform_names()
-    if args.json:
-        print(json.dumps([get_platform(name).to_json() for name in names], indent=2))
-    else:
-        print(describe_platforms(names))
+    report(args, None if args.json else describe_platforms(names),
+           lambda: [get_platform(name).to_json() for name in names])
     return 0
 
 
@@ -457,15 +484,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     # every option is checked before the model is built and before any process starts
     options.check()
     model, inputs = load_factory(args.model, args.size)
-    result = run_training(model, inputs, options, stream=sys.stdout)
+    result = run_training(model, inputs, options, stream=_text_stream(args))
+    report(args, None, result.to_json)
     return 0 if result.equivalent in (None, True) else 1
+
+
+def _text_stream(args: argparse.Namespace) -> Any:
+    """Where a verb that reports as it goes (run, resume, demo) prints its text report: stdout,
+    or stderr under --json, whose document is then stdout's only content."""
+    return sys.stderr if args.json else sys.stdout
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from flatpack.job import resume_training
 
-    return resume_training(Path(args.run_dir), stream=sys.stdout, clean=args.clean, digest=args.digest,
-                           verify_key=args.verify_key, data=args.data)
+    result = resume_training(Path(args.run_dir), stream=_text_stream(args), clean=args.clean, digest=args.digest,
+                             verify_key=args.verify_key, data=args.data)
+    report(args, None, result.to_json)
+    return 0
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -488,8 +524,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          memory_mb=(512, 1024), pick="fastest", out=Path(args.out))
     options.check()
     model, inputs = load_factory(args.model, "tiny")
-    print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
-    result = run_training(model, inputs, options, stream=sys.stdout)
+    LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
+    result = run_training(model, inputs, options, stream=_text_stream(args))
+    report(args, None, result.to_json)
     return 0 if result.equivalent else 1
 
 
@@ -544,32 +581,40 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                                 profile=ProfileOptions(batch_sizes=(1, 2), repeats=3), **extra)
     stages = ", ".join(f"{start}-{end} ({stage.memory_mb or '-'} MB x{stage.replicas})"
                        for (start, end), stage in zip(compiled.plan.ranges, compiled.plan.stages))
-    print(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
-          f"{len(compiled.plan.stages)} stages, layers {stages}")
+    LOG.info(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
+             f"{len(compiled.plan.stages)} stages, layers {stages}")
+    document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
+                "plan": compiled.plan.to_json()}
     if args.dry_run or args.target == "gpu-container":
         # a gpu-container deployment is the user's kubectl apply of what this writes
         from flatpack.backends.gpu_container import write_context
 
         files = backend.package(compiled, **options)
         write_context(files, out)      # launch.sh (gpu-container) executable, as the Dockerfile expects
-        _print_tree(out, files)
         what = ("dry run: nothing was created" if args.dry_run else
                 "flatpack calls no cluster API for gpu-container: apply the manifests yourself")
-        print(f"\n{what}. The commands that create this deployment ({out / 'commands.sh'}):\n")
-        print(files["commands.sh"].decode())
+        commands = files["commands.sh"].decode()
+        report(args, f"{_file_tree(out, files)}\n\n{what}. The commands that create this deployment "
+                     f"({out / 'commands.sh'}):\n\n{commands}",
+               {**document, "created": [], "files": {path: len(data) for path, data in sorted(files.items())},
+                "commands": commands})
         return 0
     deployment = backend.deploy(compiled, out=out, **options)
-    print(f"deployed {deployment.ledger.name} to {args.target} ({deployment.ledger.region}):")
-    for entry in deployment.ledger.created:
-        print(f"  {entry['kind']:<12} {entry['name']}")
-    print(f"the deployment record is {out / 'deployment.json'}; remove everything with: flatpack teardown {out}")
+    ledger = deployment.ledger
+    report(args, f"deployed {ledger.name} to {args.target} ({ledger.region}):\n"
+                 + format_table(["kind", "name"], [(entry["kind"], entry["name"]) for entry in ledger.created],
+                                indent="  ")
+                 + f"\nthe deployment record is {out / 'deployment.json'}; remove everything with: "
+                   f"flatpack teardown {out}",
+           {**document, "name": ledger.name, "region": ledger.region, "created": ledger.created,
+            "record": str(out / "deployment.json")})
     return 0
 
 
-def _print_tree(out: Path, files: dict[str, bytes]) -> None:
+def _file_tree(out: Path, files: dict[str, bytes]) -> str:
     """The files written, with the runtime's own sources summed up in one line per image."""
-    print(f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:")
     runtime: dict[str, tuple[int, int]] = {}
+    rows = []
     for path, data in sorted(files.items()):
         parts = path.split("/")
         if "flatpack" in parts[:-1]:
@@ -577,20 +622,24 @@ def _print_tree(out: Path, files: dict[str, bytes]) -> None:
             count, size = runtime.get(root, (0, 0))
             runtime[root] = (count + 1, size + len(data))
             continue
-        print(f"  {path:<64} {len(data):>12,} bytes")
-    for root, (count, size) in runtime.items():
-        print(f"  {root + '/':<64} {size:>12,} bytes ({count} files: the flatpack runtime)")
+        rows.append((path, f"{len(data):,}", ""))
+    rows += [(root + "/", f"{size:,}", f"{count} files: the flatpack runtime")
+             for root, (count, size) in runtime.items()]
+    return (f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:\n"
+            + format_table(["file", "bytes", ""], rows, numeric={1}, indent="  "))
 
 
 def cmd_teardown(args: argparse.Namespace) -> int:
     from flatpack.backends import cloud, get_backend
 
     ledger = cloud.Ledger.load(args.record)
+    document = {"name": ledger.name, "target": ledger.target, "region": ledger.region}
     if not ledger.created:
-        print(f"{ledger.name}: nothing left to remove")
+        report(args, f"{ledger.name}: nothing left to remove", {**document, "removed": []})
         return 0
     removed = get_backend(ledger.target).teardown(args.record)
-    print(f"removed from {ledger.target} ({ledger.region}): {', '.join(removed)}")
+    report(args, f"removed from {ledger.target} ({ledger.region}): {', '.join(removed)}",
+           {**document, "removed": list(removed)})
     return 0
 
 
@@ -611,12 +660,23 @@ def _fixed_cut_args(parser: argparse.ArgumentParser, verb: str) -> None:
                              "gives them), e.g. --split-points bert.encoder.layer.2")
 
 
+def _verbosity_args(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-q``: declared on the main parser (for --help) and on the probe that
+    :func:`parse_arguments` takes them from, anywhere on the command line."""
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more diagnostics on stderr (debug: every logger's name), e.g. flatpack run mlp -v; "
+                             "reports and --json output stay on stdout")
+    parser.add_argument("-q", "--quiet", action="count", default=0,
+                        help="only warnings and errors on stderr (no progress), e.g. flatpack plan bert -q")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flatpack.version import __version__
 
     parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
+    _verbosity_args(parser)
     parser.add_argument("--config", metavar="FILE.toml",
                         help="defaults for the verb's options from a TOML file whose keys are the option names "
                              "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line "
@@ -625,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect_parser = sub.add_parser("inspect", help="print the layer chain of a model")
     _compile_args(inspect_parser)
-    inspect_parser.add_argument("--json", metavar="FILE", help="also write the chain as JSON")
+    _json_or_file(inspect_parser, "inspect", "the chain")
     inspect_parser.set_defaults(run=cmd_inspect)
 
     compile_parser = sub.add_parser("compile", help="compile a model into stage artifacts")
@@ -635,6 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="a registered solver (default balanced), options in braces: 'rl{episodes=2000}'")
     compile_parser.add_argument("--target", default="local")
     compile_parser.add_argument("--out", required=True, help="output directory")
+    _json_flag(compile_parser, "compile")
     compile_parser.set_defaults(run=cmd_compile)
 
     profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host, or "
@@ -644,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median)")
     profile_parser.add_argument("--max-seconds", type=float, default=None, help="time budget for measuring")
     profile_parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
-    profile_parser.add_argument("--json", metavar="FILE", help="also write the profile as JSON")
+    _json_or_file(profile_parser, "profile", "the profile (with --target: the calibration)")
     profile_parser.add_argument("--target", default=None, help="profile inside this target: a profiler function "
                                 "per memory tier; writes the calibration file plans for the target use")
     profile_parser.add_argument("--tiers", default=None, help="--target: memory tiers in MB (default the target's)")
@@ -695,8 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     _fixed_cut_args(plan_parser, "price")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")
-    plan_parser.add_argument("--json", default=None, metavar="FILE",
-                             help="also write the plans with their breakdowns as JSON (- : print only JSON)")
+    _json_or_file(plan_parser, "plan", "the plans with their breakdowns")
     plan_parser.add_argument("--calibration", default=None, metavar="FILE",
                              help="seconds measured inside the target, overriding the host-to-tier model")
     plan_parser.add_argument("--batch-sizes", default="1,2,4", help="profile: micro-batch sizes to fit a·batch+b over")
@@ -707,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     platforms_parser = sub.add_parser("platforms", help="print the platform catalog (--json adds each number's source)")
     platforms_parser.add_argument("names", nargs="*", help="platforms to show (default: all)")
-    platforms_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    platforms_parser.add_argument("--json", action="store_true", help=JSON_HELP.format(verb="platforms"))
     platforms_parser.set_defaults(run=cmd_platforms)
 
     run_parser = sub.add_parser(
@@ -783,6 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="checkpoint every N iterations (0, the default: the shortest interval whose "
                                  "upload costs at most 5%% of an iteration, by the cost model); a lost function "
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
+    _json_flag(run_parser, "run")
     run_parser.set_defaults(run=cmd_run)
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")
@@ -793,6 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume_parser.add_argument("--clean", action="store_true",
                                help="remove the run's store data instead of resuming it")
     _trust_args(resume_parser)
+    _json_flag(resume_parser, "resume")
     resume_parser.set_defaults(run=cmd_resume)
 
     sign_parser = sub.add_parser("sign", help="sign a compiled artifact's index (for teams that build and deploy on "
@@ -802,11 +864,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "-algorithm ed25519 -out key.pem), or env:NAME for "
                                                           "HMAC-SHA256 with the key in environment variable NAME")
     sign_parser.add_argument("--digest", default=None, help="refuse to sign unless the index has this digest")
+    _json_flag(sign_parser, "sign")
     sign_parser.set_defaults(run=cmd_sign)
     check_parser = sub.add_parser("check", help="verify a compiled artifact (index, every file, signature) without "
                                                 "running it")
     check_parser.add_argument("dir", metavar="DIR", help="the directory `flatpack compile --out` wrote")
     _trust_args(check_parser)
+    _json_flag(check_parser, "check")
     check_parser.set_defaults(run=cmd_check)
 
     deploy_parser = sub.add_parser("deploy", help="compile a model for a cloud target and deploy it (or, with "
@@ -841,10 +905,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "digest; a tag alone is refused)")
     deploy_parser.add_argument("--lock", default=None, help="a hash-locked requirements file for the images (default: "
                                                             "flatpack's committed lock; every pin needs --hash)")
+    _json_flag(deploy_parser, "deploy")
     deploy_parser.set_defaults(run=cmd_deploy)
 
     teardown_parser = sub.add_parser("teardown", help="remove everything a deployment created")
     teardown_parser.add_argument("record", help="the --out directory of flatpack deploy (or its deployment.json)")
+    _json_flag(teardown_parser, "teardown")
     teardown_parser.set_defaults(run=cmd_teardown)
 
     demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
@@ -855,6 +921,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
+    _json_flag(demo_parser, "demo")
     demo_parser.set_defaults(run=cmd_demo)
     return parser
 
@@ -862,21 +929,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from flatpack.interrupts import Interrupted, clean_shutdown
 
+    logs.configure(0)
     try:
         args = parse_arguments(build_parser(), argv)
     except FlatpackError as err:       # a bad --config file
-        print(f"flatpack: error: {err}", file=sys.stderr)
+        LOG.error("%s", err)
         return 2
+    logs.configure(args.verbosity)
     try:
         # SIGINT, SIGTERM and SIGHUP take the KeyboardInterrupt path: the commands' own
         # with/finally blocks stop the functions and the S3 server; see flatpack/interrupts.py
         with clean_shutdown():
             return args.run(args)
     except RunFailure as err:          # it started and failed: exit 1 (EXIT_CODES)
-        print(f"flatpack: run failed: {err}", file=sys.stderr)
+        LOG.error("run failed: %s", err)
         return 1
     except FlatpackError as err:
-        print(f"flatpack: error: {err}", file=sys.stderr)
+        LOG.error("%s", err)
         return 2
     except BrokenPipeError:  # output piped into `head`
         sys.stderr.close()
@@ -893,6 +962,21 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     are the options' names without dashes (``micro-batches`` or ``micro_batches``); an
     unknown key is refused with the close matches."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, verbosity = _take_verbosity(argv)
+    args = _parse_with_config(parser, argv)
+    args.verbosity = verbosity
+    return args
+
+
+def _take_verbosity(argv: list[str]) -> tuple[list[str], int]:
+    """``-v``/``-q`` wherever they stand (before or after the verb), and the rest of argv."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _verbosity_args(probe)
+    known, rest = probe.parse_known_args(argv)
+    return rest, known.verbose - known.quiet
+
+
+def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     if "--config" not in argv and not any(arg.startswith("--config=") for arg in argv):
         return parser.parse_args(argv)
     probe = argparse.ArgumentParser(add_help=False)
@@ -958,7 +1042,7 @@ def _say_interrupted(out: str | None, how: str) -> None:
     elif out and Path(out).is_dir():
         lines.append(f"what it wrote so far is in {out}")
     try:
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        LOG.warning("%s", "\n".join(lines).removeprefix("flatpack: "))
     except Exception:  # noqa: BLE001 - stderr may be gone with the terminal (SIGHUP)
         pass
 

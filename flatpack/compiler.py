@@ -30,6 +30,7 @@ from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
 from flatpack.ir.profile import ChainProfile
 from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
+from flatpack.ir.tensor_check import TensorSpec, check_tensor
 from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
@@ -343,30 +344,10 @@ def check_inputs(specs: list[dict] | None, names: list[str], leaves: list[Any]) 
     for name, spec, leaf in zip(names, specs, leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        shape, dtype, dynamic = spec.get("shape"), spec.get("dtype"), spec.get("dynamic")
-        got_dtype = str(leaf.dtype).removeprefix("torch.")
-        if dtype is not None and got_dtype != dtype:
-            raise InputError(f"input '{name}' has dtype {got_dtype}, but the model was compiled for {dtype}; "
-                             f"pass a {dtype} tensor (for example x.to(torch.{dtype})), or recompile with an "
-                             f"example input of dtype {got_dtype}.")
-        if shape is None:
-            continue
-        if leaf.dim() != len(shape):
-            raise InputError(f"input '{name}' has shape {tuple(leaf.shape)}, but the model was compiled for "
-                             f"{len(shape)} dimensions {tuple(shape)}; pass a tensor of that rank, or "
-                             "recompile with an example input of the shape you will call it with.")
-        if dynamic is None:
-            continue
-        fixed = [dim for dim in range(len(shape)) if dim not in dynamic and leaf.shape[dim] != shape[dim]]
-        if fixed:
-            free = ", ".join(str(dim) for dim in dynamic) or "none"
-            dims = ", ".join(f"dim {dim} must be {shape[dim]}, got {leaf.shape[dim]}" for dim in fixed)
-            raise InputError(
-                f"input '{name}' has shape {tuple(leaf.shape)}, but the model was compiled for {tuple(shape)} "
-                f"and torch.export fixed the sizes of every dimension but {free}: {dims}. Call it with "
-                f"those sizes, or recompile with example inputs of the shape you will call it with "
-                f"(flatpack.compile(model, example_inputs) with '{name}' of shape {tuple(leaf.shape)}); "
-                "compile's trace_notes say why export fixed them.")
+        check_tensor(name, leaf, TensorSpec.from_json(spec),
+                     fix=f"Call it with those sizes, or recompile with example inputs of the shape you will call it "
+                         f"with (flatpack.compile(model, example_inputs) with '{name}' of shape {tuple(leaf.shape)}); "
+                         "compile's trace_notes say why export fixed a size.")
 
 
 def _as_call(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from flatpack.errors import InputError
+from flatpack.ir.tensor_check import TensorSpec, check_tensor
 
 SHARD_SUFFIXES = (".safetensors", ".pt", ".npz")
 TARGET_KEYS = ("target", "targets", "y")
@@ -440,29 +441,21 @@ def keyword_layout(columns: Sequence[str]) -> Layout:
 def check_against_example(example: Any, inputs: Any, where: str) -> None:
     """Refuses data whose inputs the model was not written for: a missing input, another
     number of dimensions, or another kind of dtype (float64 from numpy where the example has
-    float32). Sizes beyond the batch may differ (a sequence length): the model is compiled
-    with the data's first batch."""
+    float32). Sizes may differ (a sequence length): the model is compiled with the data's
+    first batch."""
     if isinstance(example, dict):
         pairs = [(name, value, inputs.get(name) if isinstance(inputs, dict) else None)
                  for name, value in example.items()]
     else:
         leaves = example if isinstance(example, (tuple, list)) else (example,)
         given = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        pairs = [(f"input {position}", value, given[position] if position < len(given) else None)
+        pairs = [(position, value, given[position] if position < len(given) else None)
                  for position, value in enumerate(leaves)]
     for name, expected, got in pairs:
-        if not isinstance(expected, torch.Tensor):
-            continue
-        if not isinstance(got, torch.Tensor):
-            raise InputError(f"{where}: the model's {name} ({tuple(expected.shape)}, {expected.dtype}) is missing "
-                             "from the data; add it to every shard or sample")
-        if got.dim() != expected.dim():
-            raise InputError(f"{where}: {name} has shape (rows, {', '.join(map(str, got.shape[1:]))}) but the model's "
-                             f"example has (batch, {', '.join(map(str, expected.shape[1:]))}); reshape the data")
-        if got.dtype != expected.dtype and (got.is_floating_point() or expected.is_floating_point()):
-            raise InputError(f"{where}: {name} has dtype {str(got.dtype).removeprefix('torch.')} but the model "
-                             f"takes {str(expected.dtype).removeprefix('torch.')}; convert the shards (numpy "
-                             f"arrays default to float64: .astype('float32'))")
+        if isinstance(expected, torch.Tensor):
+            check_tensor(name, got, TensorSpec.of(expected), where=f"{where}: ", expected_by="the model's example has",
+                         exact_dtype=False, fix="Add it to every shard or sample, or reshape or convert the data "
+                                                "to what the model takes.")
 
 
 def loader_batches(loader: Any, iterations: int | None = None) -> "Batches":

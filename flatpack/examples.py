@@ -79,6 +79,7 @@ def bert() -> tuple[nn.Module, dict]:
 
 
 def gpt2() -> tuple[nn.Module, dict]:
+    """GPT2LMHeadModel, 4 layers of width 64, keyword input_ids, random weights."""
     tf = _transformers()
     torch.manual_seed(0)
     config = tf.GPT2Config(vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=64, use_cache=False)
@@ -116,7 +117,7 @@ EXAMPLES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
     "tiny-resnet": tiny_resnet,
     "mlp": mlp,
     "bert": bert,
-    "gpt2": gpt2,
+    "hf-gpt2": gpt2,      # the zoo's "gpt2" is GPT-2 at tiny or full (124M) size, called positionally
     "llama": llama,
     "vit": vit,
     "hf-resnet": hf_resnet,

@@ -175,6 +175,8 @@ class _Shutdown:
         os._exit(128 + (self.signum or signal.SIGTERM))
 
     def _say(self, text: str) -> None:
+        # print, not the flatpack logger: this runs in a signal handler, and a logging handler's
+        # lock may be held by the very code the signal interrupted
         try:
             print(text, file=self.stream, flush=True)
         except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the shutdown

@@ -19,12 +19,15 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 from torch import nn
 
-from flatpack.errors import FlatpackError, FunctionOutOfMemory, InputError
+from flatpack import logs
+from flatpack.errors import FlatpackError, InputError
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OPTIMIZERS
 from flatpack.runtime.reference import call, first_output
 from flatpack.verdict import pipeline_optimizer_state, verdict
+
+LOG = logs.get("job")
 
 
 # --loss names on the command line and what the runtime calls them
@@ -254,6 +257,39 @@ class JobResult:
     equivalent: bool | None
     files: list[Path]
 
+    def to_json(self) -> dict[str, Any]:
+        """What ``flatpack run --json`` prints: the plan, the training's figures, predicted vs
+        measured, the verdict and the files written."""
+        train = self.train
+        return {"digest": self.compiled.digest, "plan": self.compiled.plan.to_json(),
+                "iterations": len(train.losses), "losses": list(train.losses), "wall_s": train.wall_s,
+                "samples_per_s": train.samples_per_s, "dollars": train.dollars,
+                "restarts": [restart.describe() for restart in train.restarts],
+                "comparison": self.comparison.to_json(),
+                "calibrated": self.calibrated.to_json() if self.calibrated is not None else None,
+                "equivalent": self.equivalent, "max_param_diff": self.max_param_diff,
+                "files": [str(path) for path in self.files]}
+
+
+@dataclass
+class ResumeResult:
+    """What ``flatpack resume`` did: ``state`` is the run's state after it ("done", or
+    "abandoned" with --clean); ``resumed_after`` the checkpoint's iteration it continued
+    after (None: from the first iteration, or nothing to resume); ``iterations`` how many it
+    trained; ``trained_path`` the weights of a finished run."""
+
+    run_dir: Path
+    state: str
+    resumed_after: int | None = None
+    iterations: int = 0
+    final_loss: float | None = None
+    trained_path: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "state": self.state, "resumed_after": self.resumed_after,
+                "iterations": self.iterations, "final_loss": self.final_loss,
+                "trained_path": str(self.trained_path) if self.trained_path is not None else None}
+
 
 def without_dropout(model: nn.Module) -> int:
     """Dropout draws a fresh mask in every stage and micro-batch (seeded per iteration, stage
@@ -391,18 +427,16 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     dropouts = without_dropout(model)
     options.out.mkdir(parents=True, exist_ok=True)
     # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         batches, loss, iterations = training_data(model, example, options)
         options = dataclasses.replace(options, iterations=iterations)
         if options.data is not None:
             order = ("in the DataLoader's order" if batches.source.kind == "loader" else
                      f"shuffled, seed {options.seed}" if options.shuffle else "in order")
-            say(f"data: {batches.description}, {batches.per_epoch} batches of {options.batch} per epoch, "
-                f"{iterations} iterations ({order}"
-                f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
-                f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
+            LOG.info(f"data: {batches.description}, {batches.per_epoch} batches of {options.batch} per epoch, "
+                     f"{iterations} iterations ({order}"
+                     f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
+                     f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
                             optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync)
@@ -423,9 +457,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
         compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
-                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
-        say(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
-            f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
+                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3,
+                                                           progress=None if logs.progress_enabled() else False),
+                                    workload=workload, **extra)
+        LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
+                 f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
@@ -440,9 +476,9 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             why = "the shortest interval whose upload costs at most 5% of an iteration"
         else:
             why = "a checkpoint costs more than 5% of the run's iterations: only the last is taken"
-        say(f"checkpoints every {every} iteration{'s' * (every != 1)} ({why}): {checkpoints.bytes / 2**20:.1f} MiB "
-            f"each, {checkpoints.upload_s * 1000:.0f} ms of upload, "
-            f"{checkpoints.overhead(cost.iteration_s, every) * 100:.1f}% of an iteration amortized")
+        LOG.info(f"checkpoints every {every} iteration{'s' * (every != 1)} ({why}): "
+                 f"{checkpoints.bytes / 2**20:.1f} MiB each, {checkpoints.upload_s * 1000:.0f} ms of upload, "
+                 f"{checkpoints.overhead(cost.iteration_s, every) * 100:.1f}% of an iteration amortized")
         # the run directory keeps what `flatpack resume` needs until the run succeeds: the
         # batches, the run record and the S3 server's data (checkpoints included)
         directory = RunDirectory(options.out)
@@ -450,8 +486,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         data_record = _data_record(batches, options)
         if data_record is None:
             if options.data is not None:
-                say("the DataLoader cannot be reopened by name, so its batches are copied into the run directory "
-                    "for flatpack resume")
+                LOG.info("the DataLoader cannot be reopened by name, so its batches are copied into the run "
+                         "directory for flatpack resume")
             directory.save_batches(batches)
         # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
         # no workload to default them from), so `flatpack resume` retrains the same way
@@ -462,19 +498,17 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
                            data=data_record, train_options=train_options)
         directory.write(record)
-        with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                      run=record.run) as deployment:
-            say(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
-                f"local S3 server at {deployment.store_url.split('?')[0]}")
+        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
+                                                 run=record.run) as deployment:
+            LOG.info(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
+                     f"local S3 server at {deployment.store_url.split('?')[0]}")
             problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
                 compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
-            say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
-                "(replaces the catalog's assumption in the prediction)\n")
-            try:
-                result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
-                                          **train_options)
-            except FunctionOutOfMemory as err:
-                raise _with_memory_hint(err, compiled.problem.platform) from None
+            LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
+                     "(replaces the catalog's assumption in the prediction)")
+            result = deployment.train(batches, iterations=options.iterations, loss=loss,
+                                      progress=logs.progress_enabled(),
+                                      **train_options)
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
         _finish(directory, record, compiled, result.parameters, say, options.save)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
@@ -491,7 +525,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             tuned, beta, latency = (report.calibrate(problem, compiled.plan, result.events, iteration=1)
                                     if skip == 2 else (None, None, None))
         except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
-            say(f"(no calibration on iteration 1: {err})")
+            LOG.info(f"no calibration on iteration 1: {err}")
             tuned = None
         if tuned is not None:
             calibrated = report.compare(tuned, compiled.plan, result.events, skip_first=skip)
@@ -515,34 +549,31 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
         return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
-
-
-def _with_memory_hint(err: FunctionOutOfMemory, platform: Any) -> FunctionOutOfMemory:
-    """The out-of-memory error of a run, with the ``--memory`` option that gives the stage a
-    tier its measured peak fits (the plan's tier came from the cost model's estimate)."""
-    fitting = [tier.memory_mb for tier in platform.tiers if tier.memory_bytes >= err.peak_bytes * 1.1]
-    if not fitting:
-        return err
-    hint = (f" From the command line: run again with --memory {min(fitting)} (the tiers the solver may "
-            "choose from; the measured peak plus 10% fits this one).")
-    return FunctionOutOfMemory(str(err) + hint, stage=err.stage, replica=err.replica, peak_bytes=err.peak_bytes,
-                               limit_bytes=err.limit_bytes)
+        torch.set_num_threads(before)
 
 
 # -- the run directory: resume after any crash --------------------------------------------------
 
 @contextlib.contextmanager
-def _resumable(directory: RunDirectory, say: Any) -> Iterator[None]:
+def _resumable(directory: RunDirectory) -> Iterator[None]:
     """Says how to resume when training stops early for any reason (a failure, Ctrl-C, SIGTERM):
     the run directory keeps the store's data and checkpoints."""
     try:
         yield
     except BaseException as err:
         why = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by an error"
-        say(f"\ntraining {why}; the run directory {directory.root} keeps its checkpoints. Continue it with:\n"
-            f"    flatpack resume {directory.root}")
+        LOG.warning(f"training {why}; the run directory {directory.root} keeps its checkpoints. Continue it with:\n"
+                    f"    flatpack resume {directory.root}")
         raise
 
 
@@ -576,7 +607,7 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
 
 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
-                    verify_key: str | None = None, data: str | None = None) -> int:
+                    verify_key: str | None = None, data: str | None = None) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
@@ -593,12 +624,12 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     record = directory.read()
     if record.state == "done":
         say(f"{root}: the run finished; its trained weights are in {directory.trained_path}. Nothing to resume")
-        return 0
+        return ResumeResult(root, "done", trained_path=directory.trained_path)
     if clean:
         directory.remove_store()
         directory.write(dataclasses.replace(record, state="abandoned"))
         say(f"removed the store data of {root}; the run cannot be resumed any more")
-        return 0
+        return ResumeResult(root, "abandoned")
     if record.state != "running":
         raise InputError(f"{root} is a run in state {record.state!r}; only a running one can be resumed")
     if not directory.store.is_dir():
@@ -609,32 +640,32 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         from flatpack.data import batches_from_record
 
         batches = batches_from_record(record.data, factory=data)
-        say(f"re-reading the run's data: {batches.description}")
+        LOG.info(f"re-reading the run's data: {batches.description}")
     else:
         batches = directory.load_batches()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _resumable(directory, say), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                      run=record.run) as deployment:
+    with torch_threads(1):   # as run_training trains
+        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
+                                                 run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
             calls = deployment.calls()
+            resumed_after = done if calls else None
             if not calls:
-                say("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss, progress=stream,
+                LOG.info("the run had not started training; training it from the start")
+                result = deployment.train(batches, iterations=record.iterations, loss=record.loss,
+                                          progress=logs.progress_enabled(),
                                           **(record.train_options or {}))
             else:
-                say(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
-                    if done is not None else f"resuming run {record.run} from its first iteration")
-                result = deployment.resume(batches, progress=stream)
+                LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
+                         if done is not None else f"resuming run {record.run} from its first iteration")
+                result = deployment.resume(batches, progress=logs.progress_enabled())
             parameters = deployment.parameters()
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "
                 f"{result.losses[-1]:.4f}")
         _finish(directory, record, compiled, parameters, say)
-        return 0
-    finally:
-        torch.set_num_threads(threads)
+        return ResumeResult(root, "done", resumed_after, len(result.losses) if result is not None else 0,
+                            result.losses[-1] if result is not None and result.losses else None,
+                            directory.trained_path)
 
 
 def _print_front(compiled: Any, say: Any) -> None:
@@ -644,6 +675,6 @@ def _print_front(compiled: Any, say: Any) -> None:
     try:
         front = get_solver("dp").front(compiled.problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs
-        say(f"(no front: {err})")
+        LOG.warning(f"no front: {err}")
         return
     say(plan_report.text_report(compiled.problem, plan_report.Selection.of_front(front), "plan front (dp)"))

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flatpack.errors import InputError
+from flatpack.ir.tensor_check import TensorSpec, check_tensor
 from flatpack.runtime.optim import OptimizerSpec
 
 NON_FINITE = ("warn", "error", "ignore")
@@ -55,19 +56,9 @@ def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None
         entry = expected.get(name)
         if entry is None or entry.get("kind", "tensor") != "tensor":
             continue
-        if not isinstance(value, torch.Tensor):
-            raise InputError(f"batch {index}: input {name!r} must be a tensor of shape (batch, "
-                             f"{', '.join(map(str, entry['shape'][1:]))}) and dtype {entry['dtype']}, got "
-                             f"{type(value).__name__}")
-        want_shape, want_dtype = list(entry["shape"]), str(entry["dtype"])
-        got_dtype = str(value.dtype).removeprefix("torch.")
-        if value.dim() != len(want_shape) or list(value.shape[1:]) != want_shape[1:]:
-            raise InputError(f"batch {index}: input {name!r} has shape {tuple(value.shape)}; the model was compiled "
-                             f"for (batch, {', '.join(map(str, want_shape[1:]))}) (example "
-                             f"{tuple(want_shape)}). Reshape the input, or compile with an example of this shape")
-        if got_dtype != want_dtype:
-            raise InputError(f"batch {index}: input {name!r} has dtype {got_dtype}; the model was compiled for "
-                             f"{want_dtype}. Convert it with .to(torch.{want_dtype})")
+        # the batch dimension is free; so are the others a graph traced with dynamic shapes leaves free
+        check_tensor(name, value, TensorSpec.from_json(entry, default_free=(0,)), where=f"batch {index}: ",
+                     fix="Reshape or convert the input, or compile with an example of this shape.")
         if value.dim() and value.shape[0] != rows:
             raise InputError(f"batch {index}: input {name!r} has {value.shape[0]} rows but the batch has {rows}; "
                              "every batched input needs the same first dimension")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from flatpack.errors import InputError
 from flatpack.registry import Registry
+from flatpack.table import format_table
 
 if TYPE_CHECKING:
     from flatpack.ir.profile import HostInfo
@@ -391,11 +392,12 @@ class Platform:
                  + (", direct networking" if self.direct_networking else "")
                  + ("" if self.aggregate_bandwidth_bytes_s is None
                     else f", aggregate cap {self.aggregate_bandwidth_bytes_s / MB_S:g} MB/s")]
-        lines.append(f"  {'memory MB':>9}  {'vCPU':>6}  {'MB/s':>7}  {'$/hour':>9}  gpu")
-        for tier in self.tiers:
-            gpu = f"{tier.gpus}x {tier.gpu_model} ({tier.gpu_memory_mb} MB)" if tier.gpus else "-"
-            lines.append(f"  {tier.memory_mb:>9}  {tier.vcpus:>6.3g}  {tier.bandwidth_bytes_s / MB_S:>7.3g}  "
-                         f"{tier.price_per_hour:>9.4g}  {gpu}")
+        rows = [(tier.memory_mb, f"{tier.vcpus:.3g}", f"{tier.bandwidth_bytes_s / MB_S:.3g}",
+                 f"{tier.price_per_hour:.4g}",
+                 f"{tier.gpus}x {tier.gpu_model} ({tier.gpu_memory_mb} MB)" if tier.gpus else "-")
+                for tier in self.tiers]
+        lines.append(format_table(["memory MB", "vCPU", "MB/s", "$/hour", "gpu"], rows, numeric={0, 1, 2, 3},
+                                  indent="  "))
         return "\n".join(lines)
 
 

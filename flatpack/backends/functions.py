@@ -364,9 +364,11 @@ class FunctionDeployment:
                 if code is not None:
                     status = read_status(self.store, self.keys, worker.role)
                     if code == OUT_OF_MEMORY:
-                        raise oom_error(worker.role, status)
+                        raise oom_error(worker.role, status, platform_tiers_mb(self.compiled))
                     if status.get("status") == "refused":
                         raise refused_error(worker.role, status)
+                    if status.get("status") == "input":
+                        raise input_error(worker.role, status)
                     raise RunFailure(f"inference function {worker.role.worker} ({worker.role.kind}) exited with code "
                                      f"{code}:\n{status.get('traceback', 'no status; see ' + str(self.workdir))}")
             time.sleep(0.002)
@@ -487,6 +489,14 @@ def read_status(store: Store, keys: RunKeys, role: Role) -> dict:
         return {}
 
 
+def input_error(role: Role, status: dict) -> RunFailure:
+    """The error for a function that refused a value its stage was not compiled for (the
+    worker's check names the input, the shape or dtype expected and the one given)."""
+    what = f"stage {role.stage}, replica {role.replica}" if role.kind == "train" else f"{role.kind}, stage {role.stage}"
+    return RunFailure(f"function {role.worker} ({what}) stopped before running its stage on a wrong input: "
+                      f"{status.get('error')}")
+
+
 def refused_error(role: Role, status: dict) -> ArtifactRefused:
     """The error for a function whose status says it refused its stage artifact (never retried:
     the bytes in the store will not change back by themselves)."""
@@ -498,18 +508,41 @@ def refused_error(role: Role, status: dict) -> ArtifactRefused:
                            "the store.")
 
 
-def oom_error(role: Role, status: dict) -> FunctionOutOfMemory:
-    """The error for a function whose status says it passed its memory tier."""
+MEMORY_HEADROOM = 1.1   # a measured peak varies run to run: the suggested tier holds 10% more
+
+
+def memory_suggestion_mb(peak_bytes: int, tiers_mb: Sequence[int] = ()) -> int:
+    """The memory tier to suggest for a function whose measured peak was ``peak_bytes``: the
+    smallest of ``tiers_mb`` (the platform's) holding the peak plus headroom; without tiers,
+    or when none holds it, that amount rounded up to 64 MB."""
+    needed = peak_bytes * MEMORY_HEADROOM
+    fitting = [tier for tier in tiers_mb if tier * MB >= needed]
+    if fitting:
+        return min(fitting)
+    return int(math.ceil(needed / (64 * MB))) * 64
+
+
+def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> FunctionOutOfMemory:
+    """The error for a function whose status says it passed its memory tier, with the tier to
+    give it (:func:`memory_suggestion_mb` over the platform's ``tiers_mb``)."""
     peak, limit = int(status["peak_bytes"]), int(status["limit_bytes"])
     over = peak - limit
-    suggestion = -(-(peak + MB * 64) // (MB * 64)) * 64
+    suggestion = memory_suggestion_mb(peak, tiers_mb)
     what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
     return FunctionOutOfMemory(
         f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
         f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
-        f"{role.stage} a tier of at least {suggestion} MB, or cut it into smaller stages (a new plan starts "
+        f"{role.stage} a tier of at least {suggestion} MB (from the command line: run again with --memory "
+        f"{suggestion}, the tiers the solver may choose from), or cut it into smaller stages (a new plan starts "
         "a new run: the checkpoints of this one fit its stages only).",
         stage=role.stage, replica=role.replica, peak_bytes=peak, limit_bytes=limit)
+
+
+def platform_tiers_mb(compiled: Compiled) -> tuple[int, ...]:
+    """The memory tiers of the platform ``compiled`` was planned for (none for an artifact
+    loaded without its problem)."""
+    problem = compiled.problem
+    return tuple(tier.memory_mb for tier in problem.platform.tiers) if problem is not None else ()
 
 
 def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
@@ -692,7 +725,7 @@ class _Run:
             del workers[key]
             return
         if code == OUT_OF_MEMORY or status.get("status") == "oom":
-            raise oom_error(worker.role, status)
+            raise oom_error(worker.role, status, platform_tiers_mb(self.deployment.compiled))
         if code == REINVOKE:
             next_iteration = int(status["next_iteration"])
             self._relaunch(key, worker, next_iteration, "time limit")
@@ -703,6 +736,8 @@ class _Run:
             return
         if status.get("status") == "refused":
             raise refused_error(worker.role, status)
+        if status.get("status") == "input":
+            raise input_error(worker.role, status)
         if status.get("status") == "error":
             raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
                              f"failed:\n{status['traceback']}")

@@ -53,6 +53,7 @@ from flatpack.partitioner.plan import Plan
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
 from flatpack.runtime.spec import Role
 from flatpack.runtime.training import pack_values
+from flatpack.table import format_table
 
 log = logging.getLogger("flatpack.profiling")
 
@@ -175,21 +176,28 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
 def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers: Sequence[int] | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     passes: str | None = None, out: str | os.PathLike | None = None, parallel: int = 1,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False, region: str | None = None) -> int:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, emulate: bool = False, region: str | None = None,
+                    show: Callable[[str, dict[str, Any]], None] | None = None) -> int:
     """``flatpack profile MODEL --target T``: profiles inside ``target``, prints a table of
     the measured seconds and writes the calibration file (default
     ``calibration-<target>.json``). ``emulate``: run the target's tiers as local processes
     (the local backend) instead of deploying to the target; always so for ``local``.
     ``region``: the cloud region the profiler functions are deployed in (default: the
-    backend's, from the environment or the SDK's profile)."""
+    backend's, from the environment or the SDK's profile). ``show(text, document)`` prints the
+    report (the table, and the calibration as JSON for ``--json``); default: the text on stdout.
+    Progress goes to the ``flatpack.profiling`` logger."""
     if region is not None and (emulate or target == "local"):
         raise InputError(f"--region places profiler functions in a cloud region; {'emulated tiers' if emulate else 'the local target'} "
                          "run on this machine. Leave --region out")
     out = Path(out) if out is not None else Path(f"calibration-{target}.json")
     calibration = profile_in_target(model, example_inputs, target=target, tiers=tiers, batch_sizes=batch_sizes,
                                     repeats=repeats, passes=passes, emulate=emulate, parallel=parallel,
-                                    timeout_s=timeout_s, out=out, report=print, region=region)
-    print(calibration_table(calibration, max(batch_sizes)))
+                                    timeout_s=timeout_s, out=out, report=log.info, region=region)
+    table = calibration_table(calibration, max(batch_sizes))
+    if show is None:
+        print(table)
+    else:
+        show(table, calibration.to_json())
     return 0
 
 
@@ -198,17 +206,12 @@ def calibration_table(calibration: Calibration, micro_batch: int) -> str:
     (columns), then what the provenance says of single tiers: why one was left out, notes
     on one calibrated."""
     tiers = calibration.tiers_mb
-    width = max(8, *(len(name) for name in calibration.layer_names))
     where = (f"{calibration.platform}'s tiers emulated on this machine"
              if calibration.provenance.get("cpu_share") == "emulated" else f"measured in {calibration.platform}")
+    rows = [[name, *(f"{sum(calibration.seconds(index, mb, micro_batch)) * 1000:.3f}" for mb in tiers)]
+            for index, name in enumerate(calibration.layer_names)]
     lines = [f"fwd+bwd ms at micro-batch {micro_batch}, {where}",
-             f"{'layer':<{width}}  " + "  ".join(f"{f'{mb} MB':>10}" for mb in tiers)]
-    for index, name in enumerate(calibration.layer_names):
-        cells = []
-        for mb in tiers:
-            forward, backward = calibration.seconds(index, mb, micro_batch)
-            cells.append(f"{(forward + backward) * 1000:>10.3f}")
-        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+             format_table(["layer", *(f"{mb} MB" for mb in tiers)], rows, numeric=range(1, len(tiers) + 1))]
     lines.extend(f"{key}: {value}" for key, value in calibration.provenance.items() if key.startswith("tier "))
     return "\n".join(lines)
 

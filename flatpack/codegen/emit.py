@@ -26,7 +26,7 @@ from torch import nn
 
 from flatpack.errors import CodegenError
 from flatpack.ir.graph import LayerGraph
-from flatpack.ir.trace import MODE_ARGS, fetch_attr
+from flatpack.ir.trace import MODE_ARGS, fetch_attr, free_dims
 from flatpack.ir.values import value_info
 from flatpack.partitioner.plan import Plan
 from flatpack.version import STAGE_SCHEMA_VERSION, __version__
@@ -171,7 +171,15 @@ def _follow_mode(graph: torch.fx.Graph, node: torch.fx.Node, mode_args: dict) ->
 
 
 def _io_entry(graph: LayerGraph, name: str) -> dict:
-    return {"name": name, **value_info(graph.analysis.nodes[name]).to_json()}
+    """A stage input's or output's name, kind, shape and dtype; for a tensor of a graph traced
+    with a dynamic batch, ``dynamic``: the dimensions whose size may differ from the example's
+    (the stage worker checks what it is given against it, flatpack/ir/tensor_check.py)."""
+    node = graph.analysis.nodes[name]
+    entry = {"name": name, **value_info(node).to_json()}
+    dynamic = free_dims(node) if graph.traced.dynamic_batch and entry.get("kind") == "tensor" else None
+    if dynamic is not None:
+        entry["dynamic"] = dynamic
+    return entry
 
 
 def _fetch_tensor(root: nn.Module, target: str) -> torch.Tensor:

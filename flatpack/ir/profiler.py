@@ -30,7 +30,7 @@ import sys
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
@@ -108,10 +108,7 @@ def profile_graph(graph: LayerGraph, inputs: Sequence[Any], options: ProfileOpti
     if options.use_cache:
         cached = _read_cache(path)
         if cached is not None:
-            log.info("profile cache hit: %s", path)
-            if _progress_enabled(options):
-                print(f"flatpack: profile of {len(cached.layers)} layers loaded from cache ({path.name})",
-                      file=sys.stderr)
+            log.debug("profile of %d layers loaded from cache (%s)", len(cached.layers), path)
             _warn_flat_slopes(cached)
             return cached
     started = time.perf_counter()
@@ -689,32 +686,28 @@ def _write_cache(path: Path, profile: ChainProfile) -> None:
         log.warning("could not write the profile cache %s: %s", path, err)
 
 
-@dataclass
 class _Progress:
-    """A one-line progress bar on stderr: steps done, elapsed time and what runs now."""
+    """The profiler's steps as a progress display on stderr (flatpack.runtime.progress: a bar
+    on a terminal, periodic plain lines elsewhere): steps done, elapsed time, what runs now."""
 
-    total: int
-    enabled: bool
-    done: int = 0
-    started: float = field(default_factory=time.perf_counter)
+    def __init__(self, total: int, enabled: bool) -> None:
+        from flatpack.runtime.progress import Progress
+
+        self.total, self.done = total, 0
+        self.started = time.perf_counter()
+        self.display = Progress(total, "profiling ", sys.stderr) if enabled else None
 
     def step(self, what: str) -> None:
-        if not self.enabled:
-            return
-        width = 24
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.started
-        sys.stderr.write(f"\rprofiling [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"{elapsed:6.1f} s  {what[:48]:<48}")
-        sys.stderr.flush()
+        if self.display is not None:
+            elapsed = time.perf_counter() - self.started
+            self.display.update(self.done, f"{self.done}/{self.total} {elapsed:.1f} s  {what[:48]}")
         self.done += 1
 
     def skip(self, steps: int) -> None:
         self.done += steps
 
     def close(self) -> None:
-        if self.enabled:
+        if self.display is not None:
             elapsed = time.perf_counter() - self.started
-            sys.stderr.write(f"\rprofiling [{'#' * 24}] {self.done}/{self.total} {elapsed:6.1f} s  done"
-                             f"{' ' * 44}\n")
-            sys.stderr.flush()
+            self.display.update(self.done, f"{self.done}/{self.total} {elapsed:.1f} s  done")
+            self.display.close()

@@ -156,6 +156,12 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
 
     failures: list[tuple[str, BaseException]] = []
     notes: list[str] = []
+    if _returns_transformers_cache(model, signature, bound_args, bound_kwargs):
+        # the graph is traced with use_cache=False, a constant the caller never passes: the
+        # compiled model keeps the input structure of the user's own call
+        bound_kwargs = {**bound_kwargs, "use_cache": False}
+        spec = pytree.tree_flatten((bound_args, bound_kwargs))[1]
+        notes.append(CACHE_NOTE)
     traced = None
     if not _fx_applicable(signature, bound_args, bound_kwargs):
         notes.append("fx skipped: forward takes *args/**kwargs or nested inputs, which fx cannot bind")
@@ -177,6 +183,21 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     switch_modes(model, traced, signature, bound_args, bound_kwargs, spec)
     _record_parameters(model, traced)
     return traced
+
+
+CACHE_NOTE = ("traced with use_cache=False: the model's config turns transformers' key/value cache "
+              "(past_key_values) on, and stages carry tensors, not cache objects; the compiled model returns "
+              "every other output, as the model called with use_cache=False does")
+
+
+def _returns_transformers_cache(model: nn.Module, signature: Signature, args: tuple, kwargs: dict) -> bool:
+    """A transformers model whose config has ``use_cache`` on (BART's, T5's and most decoders'
+    default) called without ``use_cache``: it would return a Cache object among its outputs."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return False
+    names = [name for name, _, _ in signature.parameters]
+    return "use_cache" in names and "use_cache" not in signature.by_name(args, kwargs)
 
 
 def _fx_applicable(signature: Signature, args: tuple, kwargs: dict) -> bool:
@@ -371,12 +392,17 @@ def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs:
 
 def _dynamic_dims(graph: torch.fx.Graph) -> list[list[int]]:
     """For each tensor placeholder, in order, the dimensions export left symbolic."""
-    found = []
-    for node in graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
-            found.append([index for index, size in enumerate(value.shape) if _symbolic(size)])
-    return found
+    return [free_dims(node) for node in graph.nodes
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)]
+
+
+def free_dims(node: torch.fx.Node) -> list[int] | None:
+    """The dimensions of a tensor node that export left symbolic (None: not known, as for an
+    fx graph, whose nodes carry no symbolic shapes)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [index for index, size in enumerate(value.shape) if _symbolic(size)]
 
 
 def _symbolic(size: Any) -> bool:

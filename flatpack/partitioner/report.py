@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.common import MIB
@@ -19,6 +19,7 @@ from flatpack.partitioner.cost.gillis import ForkJoinCost
 from flatpack.partitioner.cost.hydrozoa import HybridCost
 from flatpack.partitioner.cost.pipedream import PipeDreamCost
 from flatpack.partitioner.objective import Evaluation, evaluate
+from flatpack.table import format_table
 from flatpack.partitioner.pareto import RECOMMEND_EFFICIENCY, Front, dollars_of, efficiency, time_of
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -125,19 +126,6 @@ def _efficiency(plan: Plan, cheapest: Plan) -> str:
         return "-"
     value = efficiency(plan, cheapest)
     return "∞" if math.isinf(value) else f"{value:.2f}"
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: Collection[int] = ()) -> str:
-    """Columns padded to their widest cell, numbers right-aligned, a rule under the header."""
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = [cell.rjust(width) if i in numeric else cell.ljust(width)
-                  for i, (cell, width) in enumerate(zip(cells, widths))]
-        return "  ".join(padded).rstrip()
-
-    rule = "  ".join(("-" if title else " ") * width for title, width in zip(header, widths)).rstrip()
-    return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
 def explain(problem: Problem, selection: Selection) -> str:

@@ -70,6 +70,7 @@ from torch import nn
 
 from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
+from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import timeline
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, backward_outputs, compute_order,
@@ -385,6 +386,7 @@ class StageRank:
         self.device = device
         self.module = module.to(device).train()
         self.manifest: dict[str, Any] = module.flatpack_manifest
+        self.input_specs = stage_input_specs(self.manifest)
         self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
         self.channels = channels
@@ -502,6 +504,8 @@ class StageRank:
                     value = value.detach().requires_grad_(True)
             state.inputs[name] = value
             args.append(value)
+        check_stage_inputs(self.input_specs, state.inputs.items(),
+                           where=f"stage {self.role.stage} rank, iteration {iteration}, micro-batch {m}: ")
         with self.recorder.task("forward", iteration, micro_batch=m), torch.enable_grad():
             outputs = self.module(*args)
             state.outputs = dict(zip(self.stage.outputs, outputs))

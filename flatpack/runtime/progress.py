@@ -1,23 +1,87 @@
-"""A live progress line for a training run:
-``iter 3/10  loss 0.4213  52.1 samples/s  $0.000123 so far``.
+"""Progress displays: a training run's ``iter 3/10  loss 0.4213  52.1 samples/s  $0.000123 so
+far`` (:class:`ProgressLine`) and the profiler's steps, both through :class:`Progress`.
 
-On a terminal the line is rewritten in place (``\\r``); on anything else (a log file, a CI
-log, a pipe) each update is its own line, so logs stay readable. Dollars accrue as
-``dollars_per_second × elapsed``; the caller prices the deployed functions (every
-worker's memory tier at the platform's rate) and passes the sum per second.
+On a terminal, :class:`Progress` is a ``tqdm`` bar rewritten in place. tqdm, not rich: it
+draws one line on the stream it is given and leaves the rest of the output alone, where
+rich's live display takes over the console (and would redirect the ``flatpack`` logger's
+lines and the workers' output through itself). On anything else (a log file, a CI log, a
+pipe) it writes plain lines instead, never a ``\\r`` frame: one at the first update, then at
+most one every ``interval_s`` seconds (the profiler's many short steps: 10 s; a training
+iteration: each), and the last one when it closes, so logs stay short and readable.
+Dollars accrue as ``dollars_per_second × elapsed``; the caller prices the deployed functions
+(every worker's memory tier at the platform's rate) and passes the sum per second.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+import time
+from typing import Callable, TextIO
+
+from tqdm import tqdm
+
+PLAIN_INTERVAL_S = 10.0   # off a terminal: at most one line per this many seconds (and the last)
 
 
-def _is_tty(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):   # no isatty, or a closed stream
         return False
+
+
+class Progress:
+    """Progress over ``total`` steps on ``stream`` (default stderr): ``update(done, text)``
+    with the steps done so far and what to show (the bar's postfix on a terminal; elsewhere
+    the line, after ``desc``, which ends with its own separator: ``"profiling "``);
+    ``close()`` ends it. ``tty`` overrides the terminal test; ``clock`` is
+    what the plain lines are spaced by (a test passes its own)."""
+
+    def __init__(self, total: int, desc: str, stream: TextIO | None = None, *, initial: int = 0,
+                 interval_s: float = PLAIN_INTERVAL_S, tty: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = is_terminal(self.stream) if tty is None else tty
+        self.interval_s = interval_s
+        self.clock = clock
+        self.desc = desc
+        self._bar = (tqdm(total=total, initial=initial, desc=desc, file=self.stream, leave=True,
+                          bar_format="{desc}{bar:20} {postfix}", dynamic_ncols=True) if self.tty else None)
+        self._pending: str | None = None      # a plain line not written yet (the interval had not passed)
+        self._last_written: float | None = None
+        self._closed = False
+
+    def update(self, done: int, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(done - self._bar.n)
+            return
+        now = self.clock()
+        if self._last_written is not None and now - self._last_written < self.interval_s:
+            self._pending = text
+            return
+        self._write(text, now)
+
+    def _write(self, text: str, now: float) -> None:
+        self.stream.write(self.desc + text + "\n")
+        self.stream.flush()
+        self._pending, self._last_written = None, now
+
+    def close(self) -> None:
+        """Ends the bar, or writes the last plain line if the interval held it back."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        elif self._pending is not None:
+            self._write(self._pending, self.clock())
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
 
 class ProgressLine:
@@ -25,19 +89,21 @@ class ProgressLine:
     iterations finished so far (1 after the first; pass index + 1 for a 0-based index),
     ``elapsed_s`` the seconds since the run (or this ProgressLine's share of it) began.
     Throughput is (iteration − start_iteration) × samples_per_iteration / elapsed_s, so a
-    resumed run passes the iteration it resumed from as ``start_iteration``."""
+    resumed run passes the iteration it resumed from as ``start_iteration``. Off a terminal,
+    every iteration gets its line by default (``interval_s`` 0): an iteration is coarse, and a
+    log is read for where a run stopped (tests/integration/test_recovery.py waits on one)."""
 
     def __init__(self, total_iterations: int, samples_per_iteration: int, dollars_per_second: float,
-                 stream: TextIO | None = None, *, start_iteration: int = 0) -> None:
+                 stream: TextIO | None = None, *, start_iteration: int = 0, interval_s: float = 0.0,
+                 tty: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.total_iterations = total_iterations
         self.samples_per_iteration = samples_per_iteration
         self.dollars_per_second = dollars_per_second
-        self.stream = sys.stderr if stream is None else stream
         self.start_iteration = start_iteration
-        self.tty = _is_tty(self.stream)
         self.dollars = 0.0
-        self._width = 0      # length of the line now on screen (TTY), to blank a longer one
-        self._open = False   # a TTY line without its newline yet
+        self.progress = Progress(total_iterations, "", stream, initial=start_iteration, interval_s=interval_s,
+                                 tty=tty, clock=clock)
+        self.tty = self.progress.tty
 
     def format(self, iteration: int, loss: float | None, elapsed_s: float) -> str:
         done = iteration - self.start_iteration
@@ -47,23 +113,11 @@ class ProgressLine:
                 f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far")
 
     def update(self, iteration: int, loss: float | None, elapsed_s: float) -> None:
-        text = self.format(iteration, loss, elapsed_s)
         self.dollars = self.dollars_per_second * max(elapsed_s, 0.0)
-        if self.tty:
-            self.stream.write("\r" + text + " " * max(0, self._width - len(text)))
-            self._width = len(text)
-            self._open = True
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        self.progress.update(iteration, self.format(iteration, loss, elapsed_s))
 
     def close(self) -> None:
-        """Ends the line (on a terminal; other streams already end every update)."""
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
-            self._width = 0
+        self.progress.close()
 
     def __enter__(self) -> "ProgressLine":
         return self

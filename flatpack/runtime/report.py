@@ -23,6 +23,7 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.runtime.timeline import Event, Measured, summarize
+from flatpack.table import format_table
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class Comparison:
 
     def table(self) -> str:
         """One row per stage, predicted and measured side by side (ms); then the iteration."""
-        header_top = ["stage"] + [f"{name} ms" for name, _, _ in COLUMNS]
-        rows = [["", *(["pred", "meas"] * len(COLUMNS))]]
+        header = ["stage", *(["pred", "meas"] * len(COLUMNS))]
+        groups = [("", 1), *((f"{name} ms", 2) for name, _, _ in COLUMNS)]
+        rows = []
         for prediction in self.predicted:
             measured = (self.measured.stages[prediction.stage]
                         if prediction.stage < len(self.measured.stages) else None)
@@ -99,20 +101,7 @@ class Comparison:
                 row += [_ms(getattr(prediction, predicted_name)),
                         _ms(getattr(measured, measured_name) if measured else None)]
             rows.append(row)
-        widths = [max(5, *(len(r[0]) for r in rows))]
-        for column in range(len(COLUMNS)):
-            cells = [cell for r in rows for cell in r[1 + 2 * column:3 + 2 * column]]
-            cell = max(len(c) for c in cells)
-            widths.append(max(2 * cell + 2, len(header_top[1 + column])))
-        lines = ["  ".join(h.ljust(w) if i == 0 else h.center(w)
-                           for i, (h, w) in enumerate(zip(header_top, widths))).rstrip()]
-        for r in rows:
-            parts = [r[0].ljust(widths[0])]
-            for column in range(len(COLUMNS)):
-                half = (widths[column + 1] - 2) // 2
-                left, right = r[1 + 2 * column], r[2 + 2 * column]
-                parts.append(f"{left.rjust(half)}  {right.rjust(widths[column + 1] - 2 - half)}")
-            lines.append("  ".join(parts).rstrip())
+        lines = format_table(header, rows, numeric=range(1, len(header)), groups=groups).splitlines()
         error = self.iteration_error
         lines.append(f"iteration: predicted {_ms(self.predicted_iteration_s)} ms, measured "
                      f"{_ms(self.measured_iteration_s)} ms, error "

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import wire
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
@@ -166,6 +167,9 @@ class StageTrainer:
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._prefetched: dict[int, Future] = {}
+        # what each tensor input must be (the manifest's example shape, dtype and free
+        # dimensions): a wrong value is refused naming it, not failed on inside generated code
+        self.input_specs = stage_input_specs(getattr(module, "flatpack_manifest", {}))
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
@@ -241,6 +245,8 @@ class StageTrainer:
         values = fetched.result()
         state = MicroBatchState()
         args = []
+        check_stage_inputs(self.input_specs, ((name, values[name]) for name in self.stage.inputs),
+                           where=f"stage {self.role.stage}, iteration {iteration}, micro-batch {micro_batch}: ")
         for name in self.stage.inputs:
             value = values[name]
             if (isinstance(value, torch.Tensor) and value.is_floating_point()

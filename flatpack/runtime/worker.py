@@ -37,7 +37,7 @@ import torch
 from flatpack.codegen.artifact import build_module, parse_stage
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, verify_files
-from flatpack.errors import ArtifactError
+from flatpack.errors import ArtifactError, InputError
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
@@ -289,6 +289,10 @@ def run_role(role: Role, store: Store, started: float) -> int:
     except ArtifactError as err:
         # a stage that fails verification is never retried: its bytes will not change by themselves
         write_status(store, keys, role, {"status": "refused", "error": str(err)})
+        return 1
+    except InputError as err:
+        # a value the stage was not compiled for (flatpack/ir/tensor_check.py): the message names it
+        write_status(store, keys, role, {"status": "input", "error": str(err)})
         return 1
     except OutOfMemory as err:
         write_status(store, keys, role, {"status": "oom", "peak_bytes": err.peak_bytes, "limit_bytes": err.limit_bytes,

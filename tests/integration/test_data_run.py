@@ -59,8 +59,9 @@ def test_run_trains_bert_on_a_shard_directory_saves_weights_and_resume_rereads_t
     out, saved = tmp_path / "run", tmp_path / "bert.safetensors"
     assert main(["run", "bert", "--data", str(tmp_path / "shards"), *RUN, "--out", str(out),
                  "--save", str(saved)]) == 0
-    printed = capsys.readouterr().out
-    assert "data: shards in" in printed and "loss: the model output's own" in printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "data: shards in" in captured.err and "loss: the model output's own" in captured.err
     assert "passed: equivalent (2 stages" in printed, printed[-3000:]
     loads_into_the_original_model(saved)
     # the run directory records the source, not a copy of the data
@@ -72,7 +73,7 @@ def test_run_trains_bert_on_a_shard_directory_saves_weights_and_resume_rereads_t
     (out / "run.json").write_text(json.dumps({**record, "state": "running"}))
     (out / "store").mkdir()
     assert main(["resume", str(out)]) == 0
-    assert "re-reading the run's data: shards in" in capsys.readouterr().out
+    assert "re-reading the run's data: shards in" in capsys.readouterr().err
     again = flatpack.load_state_dict(out / "trained.safetensors")
     # the same batches, micro-batches and settings: the same weights, bit for bit (a resume that
     # defaulted to one micro-batch differed by 1.4e-5 through Adam's division by sqrt(v))
@@ -91,8 +92,9 @@ def test_run_reads_shards_from_an_s3_prefix(s3_server, tmp_path, capsys, monkeyp
     saved = tmp_path / "bert.safetensors"
     assert main(["run", "bert", "--data", f"s3://{s3_server.bucket}/{prefix}", "--store-endpoint",
                  s3_server.endpoint_url, *RUN, "--out", str(tmp_path / "run"), "--save", str(saved)]) == 0
-    printed = capsys.readouterr().out
-    assert f"data: shards in s3://{s3_server.bucket}/{prefix} at {s3_server.endpoint_url}" in printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert f"data: shards in s3://{s3_server.bucket}/{prefix} at {s3_server.endpoint_url}" in captured.err
     assert "passed: equivalent (2 stages" in printed, printed[-3000:]
     loads_into_the_original_model(saved)
 

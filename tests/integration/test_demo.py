@@ -15,9 +15,10 @@ pytestmark = pytest.mark.slow
 def test_demo_trains_on_local_functions_and_checks_equivalence(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--iterations", "3"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "Pareto front" in printed and "recommended" in printed
-    assert "iter 3/3" in printed
+    assert "iter 3/3" in captured.err and "\r" not in captured.err     # progress: plain lines on stderr
     assert "predicted (FuncPipe model) vs measured" in printed
     assert "equivalence with single-process training: passed" in printed
     assert (out / "timeline.png").stat().st_size > 10_000
@@ -31,3 +32,15 @@ def test_demo_trains_on_local_functions_and_checks_equivalence(tmp_path, capsys)
 def test_run_points_cloud_targets_at_deploy(capsys):
     assert main(["run", "mlp", "--target", "aws-lambda"]) == 2
     assert "flatpack deploy MODEL --target aws-lambda --out DIR" in capsys.readouterr().err
+
+
+def test_run_json_is_the_only_stdout_and_quiet_leaves_no_progress(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "mlp", "--batch", "16", "--micro-batches", "2", "--iterations", "2", "--replicas", "1",
+                 "--out", str(out), "--json", "-q"]) == 0
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
+    assert document["iterations"] == 2 and len(document["losses"]) == 2 and document["equivalent"] is True
+    assert document["comparison"]["predicted"]["iteration_s"] > 0 and document["files"]
+    # -q: no progress line on stderr (the text report went there instead of stdout, as --json asks)
+    assert "iter 1/2" not in captured.err and "equivalence with single-process training: passed" in captured.err

@@ -179,3 +179,13 @@ def test_teardown_removes_what_the_record_lists(moto_server, tmp_path, monkeypat
     assert "nothing left to remove" in capsys.readouterr().out
     assert cli.main(["teardown", str(tmp_path / "elsewhere")]) == 2
     assert "no deployment record" in capsys.readouterr().err
+
+
+def test_a_dry_run_prints_json_with_the_plan_the_files_and_the_commands(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["deploy", "mlp", "--target", "aws-lambda", "--dry-run", "--out", str(out), "--name",
+                     "fp-mlp-test", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["dry_run"] is True and document["created"] == [] and document["plan"]["stages"]
+    assert all((out / path).is_file() for path in document["files"])
+    assert "docker build" in document["commands"] and document["commands"] == (out / "commands.sh").read_text()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import flatpack
-from flatpack.backends import local
+from flatpack.backends import functions, local
 from flatpack.errors import FunctionOutOfMemory
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.elastic import doubling
@@ -145,6 +145,10 @@ def test_function_over_its_memory_tier_fails_with_stage_and_excess(s3_server):
     assert (error.stage, error.replica) == (1, 0)
     assert error.limit_bytes == 1024 << 20 and error.over_bytes > 100 << 20
     assert "stage 1 replica 0 ran out of memory" in str(error) and "MB over" in str(error)
+    # the suggestion is one of the platform's tiers, holding the measured peak with headroom
+    suggested = functions.memory_suggestion_mb(error.peak_bytes, functions.platform_tiers_mb(compiled))
+    assert suggested in functions.platform_tiers_mb(compiled) and suggested << 20 >= error.peak_bytes
+    assert f"--memory {suggested}" in str(error)
 
 
 def test_fork_join_inference_equals_the_model(s3_server):

@@ -51,3 +51,23 @@ def test_a_non_finite_loss_warns_once_and_trains_on(deployment):
     said = [w for w in caught if "the weights are no longer finite" in str(w.message)]
     assert len(said) == 1
     assert len(result.losses) == 4 and not all(torch.isfinite(torch.tensor(result.losses)))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lambda x: x.double(), r"input '\w+' has dtype float64, but the model was compiled for float32"),
+    (lambda x: x.unsqueeze(-1), r"input '\w+' has shape \(\d+, 8, 1\), 3 dimensions, but the model was compiled "
+                                r"for 2: \(\d+, 8\)"),
+], ids=["dtype", "rank"])
+def test_a_stage_given_a_wrong_input_stops_naming_it(deployment, bad, words):
+    # a batch function's first batch is checked before launch; a wrong later one reaches the
+    # stage worker, whose own check refuses it before the generated stage runs
+    good = batches(2)
+
+    def batch(iteration: int):
+        inputs, target = good[iteration]
+        return (bad(inputs), target) if iteration == 1 else (inputs, target)
+
+    with pytest.raises(RunFailure, match=r"stage 0, replica 0\) stopped before running its stage on a wrong input: "
+                                         r"stage 0, iteration \d+, micro-batch 0: " + words) as caught:
+        deployment.train(batch, iterations=2, optimizer="sgd", wait_timeout_s=30, timeout_s=60)
+    assert "Traceback" not in str(caught.value)

@@ -145,7 +145,7 @@ def test_a_run_that_fails_exits_1_and_bad_input_exits_2(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "cmd_run", out_of_memory)
     assert main(["run", "mlp"]) == 1
-    assert "flatpack: run failed: stage 0 replica 0 ran out of memory" in capsys.readouterr().err
+    assert "flatpack: error: run failed: stage 0 replica 0 ran out of memory" in capsys.readouterr().err
     monkeypatch.setattr(cli, "cmd_run", lambda args: (_ for _ in ()).throw(InputError("--batch must be positive")))
     assert main(["run", "mlp"]) == 2
     assert "flatpack: error: --batch must be positive" in capsys.readouterr().err

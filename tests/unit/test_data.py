@@ -240,9 +240,9 @@ def test_tied_weights_are_saved_once_and_loaded_under_every_name(tmp_path):
 
 def test_data_the_model_was_not_written_for_is_refused_before_compiling(tmp_path):
     example = (torch.randn(2, 3),)
-    with pytest.raises(InputError, match=r"input 0 has dtype float64 but the model takes float32.*astype"):
+    with pytest.raises(InputError, match=r"--data x: input 0 has dtype float64, but the model's example has float32.*astype"):
         check_against_example(example, (torch.randn(4, 3, dtype=torch.float64),), "--data x")
-    with pytest.raises(InputError, match=r"input 0 has shape \(rows, 3, 1\) but the model's example has \(batch, 3\)"):
+    with pytest.raises(InputError, match=r"input 0 has shape \(4, 3, 1\), 3 dimensions, but the model's example has 2: \(2, 3\)"):
         check_against_example(example, (torch.randn(4, 3, 1),), "--data x")
     with pytest.raises(InputError, match="'attention_mask'|attention_mask .* is missing"):
         check_against_example(KEYWORD_EXAMPLE, {"input_ids": torch.zeros(4, 9, dtype=torch.long)}, "--data x")

@@ -97,7 +97,7 @@ def test_plot_writes_a_png(plan, tmp_path):
     out_png = tmp_path / "front.png"
     code, out, err = plan("--plot", str(out_png))
     assert code == 0, err
-    assert f"wrote {out_png}" in out
+    assert f"wrote {out_png}" in err and "wrote" not in out       # a diagnostic: stderr
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE
 
 

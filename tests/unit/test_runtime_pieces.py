@@ -222,3 +222,25 @@ def test_train_refuses_bad_requests_before_starting_functions(tmp_path, options,
         with pytest.raises(InputError, match=message):
             deployment.train(batches, **options)
         assert not deployment.workers
+
+
+def test_the_memory_suggestion_is_the_smallest_tier_holding_the_peak_with_headroom():
+    from flatpack.backends.functions import memory_suggestion_mb
+
+    mb = 1 << 20
+    assert memory_suggestion_mb(900 * mb, (512, 1024, 2048)) == 1024
+    assert memory_suggestion_mb(1000 * mb, (512, 1024, 2048)) == 2048      # 1100 MB with headroom
+    # no tiers known, or none large enough: the peak plus headroom rounded up to 64 MB
+    assert memory_suggestion_mb(1000 * mb) == 1152
+    assert memory_suggestion_mb(5000 * mb, (512, 1024)) == 5504
+
+
+def test_torch_threads_restores_the_count_after_an_error():
+    from flatpack.job import torch_threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError):
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before

@@ -17,7 +17,7 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime import timeline
-from flatpack.runtime.progress import ProgressLine
+from flatpack.runtime.progress import Progress, ProgressLine
 from flatpack.runtime.report import compare, predicted_schedule
 from flatpack.runtime.timeline import Event, Recorder, dumps, loads, summarize
 from tests.property.solver_strategies import make_platform, make_problem
@@ -236,8 +236,9 @@ def test_compare_predicted_columns_are_funcpipes():
     table = comparison.table()
     lines = table.splitlines()
     assert all(name in lines[0] for name in ("forward", "backward", "upload", "download", "sync"))
-    assert lines[2].split()[:3] == ["0", f"{1e3 * first.forward_s:.1f}", "40.0"]   # stage 0 forward: pred, meas
-    assert lines[4].split()[0] == "2" and lines[4].split()[2] == "-"               # no third stage measured
+    assert lines[1].split()[:3] == ["stage", "pred", "meas"] and set(lines[2]) == {"-", " "}
+    assert lines[3].split()[:3] == ["0", f"{1e3 * first.forward_s:.1f}", "40.0"]   # stage 0 forward: pred, meas
+    assert lines[5].split()[0] == "2" and lines[5].split()[2] == "-"               # no third stage measured
     assert lines[-1].startswith("iteration: predicted") and f"{100 * expected:+.1f}%" in lines[-1]
     document = json.loads(json.dumps(comparison.to_json()))
     assert document["predicted"]["iteration_s"] == cost.iteration_s
@@ -332,9 +333,9 @@ def test_gantt_writes_png_with_and_without_prediction(tmp_path):
 # --- the progress line --------------------------------------------------------------------
 
 
-def test_progress_line_writes_one_line_per_update_off_a_terminal():
+def test_progress_line_writes_plain_lines_off_a_terminal():
     stream = io.StringIO()
-    progress = ProgressLine(10, 32, 0.0001, stream)
+    progress = ProgressLine(10, 32, 0.0001, stream, interval_s=0)
     progress.update(1, 0.9123456, 2.0)
     progress.update(3, 0.4213, 0.6)     # rate: 3 · 32 / 0.6 s
     progress.close()
@@ -345,19 +346,32 @@ def test_progress_line_writes_one_line_per_update_off_a_terminal():
     assert "\r" not in stream.getvalue() and progress.dollars == pytest.approx(0.00006)
 
 
-def test_progress_line_rewrites_itself_on_a_terminal():
+def test_plain_progress_lines_are_periodic_and_the_last_is_always_written():
+    now = [0.0]
+    stream = io.StringIO()
+    with Progress(100, "profiling ", stream, interval_s=10, clock=lambda: now[0]) as progress:
+        for step in range(1, 101):
+            now[0] = step * 0.5          # 50 s in all: a line at 0.5 s, then one per 10 s
+            progress.update(step, f"{step}/100")
+    lines = stream.getvalue().splitlines()
+    assert lines == ["profiling 1/100", "profiling 21/100", "profiling 41/100", "profiling 61/100",
+                     "profiling 81/100", "profiling 100/100"]
+    assert "\r" not in stream.getvalue()
+
+
+def test_progress_is_a_bar_rewritten_in_place_on_a_terminal():
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     stream = Terminal()
     with ProgressLine(5, 10, 0.0, stream, start_iteration=2) as progress:
+        assert progress.tty
         progress.update(3, 12.5, 1.0)
         progress.update(4, None, 4.0)
     text = stream.getvalue()
-    first = "iter 3/5  loss 12.5000  10.0 samples/s  $0.000000 so far"
-    second = "iter 4/5  loss -  5.0 samples/s  $0.000000 so far"
-    assert text == "\r" + first + "\r" + second + " " * (len(first) - len(second)) + "\n"
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1   # one line, rewritten
+    assert text.rstrip().endswith("iter 4/5  loss -  5.0 samples/s  $0.000000 so far")
 
 
 def test_the_chrome_trace_holds_every_task_as_a_complete_event_of_its_process(tmp_path):

@@ -159,13 +159,32 @@ def test_an_example_of_batch_one_keeps_the_batch_dynamic():
     torch.testing.assert_close(compiled.as_module()({"ids": ids}), model({"ids": ids}))
 
 
-def test_a_model_returning_a_transformers_cache_is_told_to_turn_it_off():
+def _default_bart():
     transformers = pytest.importorskip("transformers")
     config = transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                      decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
                                      vocab_size=50, max_position_embeddings=32)
-    model = transformers.BartModel(config).eval()
+    assert config.use_cache     # the default config, which returns a Cache object
+    return transformers.BartModel(config).eval()
+
+
+def test_a_model_whose_config_turns_the_cache_on_compiles_with_the_cache_off():
+    model = _default_bart()
+    ids = torch.randint(0, 50, (2, 8))
+    compiled = flatpack.compile(model, {"input_ids": ids}, stages=2)
+    assert len(compiled.plan.stages) == 2
+    assert any("traced with use_cache=False" in note for note in compiled.info["trace_notes"])
+    staged = compiled.as_module()(input_ids=ids)       # called as the example was, without use_cache
+    expected = model(input_ids=ids, use_cache=False)
+    assert set(staged.keys()) == set(expected.keys())
+    torch.testing.assert_close(staged.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(staged.last_hidden_state, model(input_ids=ids).last_hidden_state)
+    torch.testing.assert_close(staged.encoder_last_hidden_state, expected.encoder_last_hidden_state)
+
+
+def test_a_model_asked_for_its_cache_is_told_to_turn_it_off():
+    model = _default_bart()
     ids = torch.randint(0, 50, (2, 8))
     with pytest.raises(TraceError, match="Cache object.*use_cache=False"):
-        trace(model, (), {"input_ids": ids})
+        trace(model, (), {"input_ids": ids, "use_cache": True})
     assert trace(model, (), {"input_ids": ids, "use_cache": False}).frontend == "export"

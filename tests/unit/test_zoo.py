@@ -131,3 +131,30 @@ def test_stacked_lstms_stay_one_layer_each(batch):
     model, inputs = build("rnn-3", "tiny", batch=batch)
     compiled = assert_equivalent(model, inputs, stages=3)
     assert compiled.plan.num_layers == 3
+
+
+def test_no_model_name_is_defined_twice_across_the_examples_and_the_zoo():
+    from flatpack import models
+    from flatpack.examples import EXAMPLES
+
+    assert not set(EXAMPLES) & set(ZOO)
+    assert sorted(models.model_names()) == sorted([*EXAMPLES, *ZOO])
+    assert models.find("gpt2").origin == models.ZOO and models.find("hf-gpt2").origin == models.EXAMPLE
+    # a second definition of a registered name is refused, naming it
+    with pytest.raises(InputError, match="'gpt2' is already registered"):
+        models.MODELS.register("gpt2", models.find("hf-gpt2"))
+    with pytest.raises(InputError, match="'tiny-resnet' is already registered"):
+        models.register_builtins(models.MODELS)
+
+
+def test_the_cli_model_argument_resolves_through_the_one_registry():
+    from flatpack import cli, models
+
+    model, inputs = cli.load_factory("mlp")
+    reference, reference_inputs = models.find("mlp").build()
+    assert type(model) is type(reference)
+    torch.testing.assert_close(model(*inputs), reference(*reference_inputs))
+    model, inputs = cli.load_factory("alexnet")          # a zoo name, at the tiny size
+    assert isinstance(inputs, tuple) and inputs[0].shape == build("alexnet", "tiny")[1][0].shape
+    with pytest.raises(InputError, match="did you mean alexnet"):
+        cli.load_factory("alexnett")
