@@ -161,7 +161,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
-                                target=args.target, out_dir=args.out)
+                                target=args.target, out_dir=args.out, calibration=args.calibration)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
     print(f"digest {compiled.digest}")
@@ -449,7 +449,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
                          save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
-                         split_points=_names(args.split_points))
+                         split_points=_names(args.split_points),
+                         calibration=Path(args.calibration) if args.calibration else None)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -611,6 +612,14 @@ def _fixed_cut_args(parser: argparse.ArgumentParser, verb: str) -> None:
                              "gives them), e.g. --split-points bert.encoder.layer.2")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flatpack.backends.target_calibration import calibrate_command
+
+    return calibrate_command(args.target, tiers=_ints(args.tiers, "--tiers") if args.tiers else None, out=args.out,
+                             emulate=args.emulate, region=args.region, round_trips=args.round_trips,
+                             probe_mb=args.probe_mb, timeout_s=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flatpack.version import __version__
 
@@ -635,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="a registered solver (default balanced), options in braces: 'rl{episodes=2000}'")
     compile_parser.add_argument("--target", default="local")
     compile_parser.add_argument("--out", required=True, help="output directory")
+    compile_parser.add_argument("--calibration", default=None, metavar="FILE",
+                                help="what was measured inside the target (flatpack calibrate / profile --target); "
+                                     "the plan records its digest")
     compile_parser.set_defaults(run=cmd_compile)
 
     profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host, or "
@@ -659,6 +671,26 @@ def build_parser() -> argparse.ArgumentParser:
                                      "e.g. --region eu-west-1")
     profile_parser.add_argument("--timeout", type=float, default=900.0, help="--target: seconds per function")
     profile_parser.set_defaults(run=cmd_profile)
+
+    calibrate_parser = sub.add_parser(
+        "calibrate", help="measure a target (any model): compute speed against this host, store latency "
+                          "distribution, bandwidth, invoke latency, optimizer step; writes calibration.json",
+        description="Deploys a calibration function to the target, one per memory tier (locally: processes held to "
+                    "each tier's CPU share and link), and writes what it measured to a versioned calibration file "
+                    "that compile, plan and run take with --calibration.")
+    calibrate_parser.add_argument("--target", required=True, help="platform to measure (see flatpack platforms)")
+    calibrate_parser.add_argument("--tiers", default=None, metavar="MB[,MB...]",
+                                  help="memory tiers to measure (default: the target's)")
+    calibrate_parser.add_argument("--out", default=None, help="the calibration file (default calibration.json)")
+    calibrate_parser.add_argument("--emulate", action="store_true",
+                                  help="run the target's tiers as local functions instead of deploying")
+    calibrate_parser.add_argument("--region", default=None, help="the cloud region of the calibration functions")
+    calibrate_parser.add_argument("--round-trips", type=int, default=60,
+                                  help="small puts and gets per tier for the latency distribution (default 60)")
+    calibrate_parser.add_argument("--probe-mb", type=float, default=4.0,
+                                  help="MB moved each way per tier to measure bandwidth (default 4)")
+    calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function")
+    calibrate_parser.set_defaults(run=cmd_calibrate)
 
     plan_parser = sub.add_parser("plan", help="profile a model and print the Pareto front of plans (time vs cost)",
                                  description="Profiles MODEL, solves for the plans that trade time against cost "
@@ -783,6 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="checkpoint every N iterations (0, the default: the shortest interval whose "
                                  "upload costs at most 5%% of an iteration, by the cost model); a lost function "
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
+    run_parser.add_argument("--calibration", default=None, metavar="FILE",
+                            help="what `flatpack calibrate --target local` measured: the prediction uses it (the plan "
+                                 "records its digest)")
     run_parser.set_defaults(run=cmd_run)
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")

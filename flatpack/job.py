@@ -72,6 +72,10 @@ class JobOptions:
     # beginning at each named module (torch.distributed.pipelining's split points)
     stages: int | None = None
     split_points: tuple[str, ...] = ()
+    # a calibration file (flatpack calibrate --target local, or flatpack profile --target):
+    # the prediction uses its measurements instead of the catalog's and the store round trip
+    # measured at deploy; the plan records its digest
+    calibration: Path | None = None
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -134,6 +138,13 @@ class JobOptions:
              f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
+        if self.calibration is not None:
+            from flatpack.backends.calibration import Calibration
+
+            # read and checked now: a bad file is refused before anything is compiled or started
+            need(Calibration.load(self.calibration).platform == "local",
+                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
+                 "functions: use `flatpack calibrate --target local`")
         need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
              f"--stages must be a positive number of stages, got {self.stages}")
         need(self.stages is None or not self.split_points,
@@ -423,7 +434,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
         compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
-                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload, **extra)
+                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3), workload=workload,
+                                    calibration=options.calibration, **extra)
         say(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
             f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)
@@ -466,10 +478,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                                       run=record.run) as deployment:
             say(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
                 f"local S3 server at {deployment.store_url.split('?')[0]}")
-            problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
-                compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
-            say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
-                "(replaces the catalog's assumption in the prediction)\n")
+            if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
+                problem = compiled.problem
+                say(f"store request latency from the calibration file: {problem.platform.storage_latency_s * 1000:.1f} "
+                    "ms\n")
+            else:
+                problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
+                    compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
+                say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
+                    "(replaces the catalog's assumption in the prediction)\n")
             try:
                 result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
                                           **train_options)

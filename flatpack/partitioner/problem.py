@@ -110,6 +110,13 @@ class Problem:
         return self._on_tier(self.layer_profile(index).inference_line().at(batch), tier)
 
     def _on_tier(self, host_seconds: float, tier: "Tier") -> float:
+        """Host seconds on ``tier``: times the speed ratio ``flatpack calibrate`` measured on
+        the tier when the calibration has one for this profile's thread count (a CPU
+        profile), else through the platform's compute model."""
         if self.host is None:
             raise PlanError("the problem has profiles but no host record; build it with Problem.from_graph")
+        if self.calibration is not None and self.host.device == "cpu":
+            ratio = self.calibration.speed_ratio(tier.memory_mb, self.host.threads)
+            if ratio is not None:
+                return host_seconds * ratio
         return self.platform.compute_seconds(host_seconds, self.host, tier)
