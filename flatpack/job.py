@@ -441,7 +441,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
-        cost = funcpipe.iteration(compiled.problem, compiled.plan)
+        cost = funcpipe.predicted(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)

@@ -133,7 +133,7 @@ class Comparison:
 
 def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1) -> Comparison:
     """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``."""
-    cost = funcpipe.iteration(problem, plan)
+    cost = funcpipe.predicted(problem, plan)
     return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
                       predicted_iteration_s=cost.iteration_s, cost=cost)
 
