@@ -159,9 +159,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import flatpack
 
+    from flatpack.partitioner.plan import Plan
+
+    plan = None
+    if args.plan is not None:
+        try:
+            plan = Plan.loads(Path(args.plan).read_text())
+        except OSError as error:
+            raise InputError(f"cannot read --plan {args.plan}: {error.strerror or error}") from error
+        except json.JSONDecodeError as error:
+            raise InputError(f"--plan {args.plan} is not a plan's JSON ({error.msg} at line {error.lineno})") from error
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
-                                target=args.target, out_dir=args.out, calibration=args.calibration)
+                                target=args.target, out_dir=args.out, calibration=args.calibration, plan=plan,
+                                force=args.force)
     print(chain_table(compiled.chain, compiled.plan.ranges))
     print(f"\nwrote {len(compiled.plan.stages)} stages to {args.out}")
     print(f"digest {compiled.digest}")
@@ -320,6 +331,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flatpack.partitioner import report
     from flatpack.partitioner.objective import Weights, cost_model_for
 
+    if args.from_run is not None:
+        return _plan_from_run(args)
+    if args.model is None:
+        raise InputError("flatpack plan needs MODEL (or --from-run RUN_DIR to re-plan a finished run)")
     solver = _cost_solver(args.solver)
     workload, options = _plan_workload(args)
     _check_tiers(args.target, options.get("memory_mb", ()))
@@ -380,6 +395,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot.plot_selection(selection, args.plot, title=_plot_title(args, problem), inference=workload.mode == "infer",
                             context=context)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _plan_from_run(args: argparse.Namespace) -> int:
+    """``flatpack plan --from-run RUN_DIR``: re-fit the model to the run's timeline, solve
+    again, print old plan, new plan and the predicted saving (``--json FILE``: the new plan)."""
+    from flatpack.partitioner.refit import replan_run
+
+    if args.model is not None:
+        raise InputError(f"--from-run {args.from_run} re-plans the model that run trained; leave MODEL "
+                         f"({args.model}) out")
+    replanned = replan_run(args.from_run, solver=args.solver)
+    print(replanned.describe())
+    if args.json:
+        Path(args.json).write_text(replanned.new.dumps() + "\n")
+        print(f"wrote the new plan to {args.json}")
     return 0
 
 
@@ -647,6 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
     compile_parser.add_argument("--calibration", default=None, metavar="FILE",
                                 help="what was measured inside the target (flatpack calibrate / profile --target); "
                                      "the plan records its digest")
+    compile_parser.add_argument("--plan", default=None, metavar="PLAN.json",
+                                help="compile with this plan (e.g. a compiled artifact's plan.json) instead of "
+                                     "solving; refused when it was made for another graph, target, calibration or "
+                                     "flatpack version")
+    compile_parser.add_argument("--force", action="store_true",
+                                help="--plan: use the plan even when it was made for something else (a warning)")
     compile_parser.set_defaults(run=cmd_compile)
 
     profile_parser = sub.add_parser("profile", help="measure every layer's time and memory on this host, or "
@@ -735,6 +772,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--repeats", type=int, default=5, help="profile: timed runs per layer and size")
     plan_parser.add_argument("--max-seconds", type=float, default=None, help="profile: time budget for measuring")
     plan_parser.add_argument("--no-cache", action="store_true", help="profile again even if cached")
+    plan_parser.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                             help="re-plan a finished `flatpack run --out RUN_DIR` from its measured timeline: "
+                                  "prints the old plan, the new plan and the predicted saving (MODEL left out)")
+    for action in plan_parser._actions:   # --from-run takes its model from the run
+        if action.dest == "model":
+            action.nargs, action.default = "?", None
     plan_parser.set_defaults(run=cmd_plan)
 
     platforms_parser = sub.add_parser("platforms", help="print the platform catalog (--json adds each number's source)")

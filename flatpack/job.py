@@ -388,7 +388,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     from flatpack.ir.profiler import ProfileOptions
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload
-    from flatpack.runtime import chrome_trace, gantt, report
+    from flatpack.partitioner.refit import EVENTS_FILE
+    from flatpack.runtime import chrome_trace, gantt, report, timeline
 
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
@@ -516,6 +517,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
                 "on the later iterations")
+        # the timeline, for `flatpack plan --from-run` (partitioner.refit) to re-fit the model to
+        (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
         schedule = report.predicted_schedule(problem, compiled.plan)
