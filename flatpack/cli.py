@@ -517,7 +517,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                          passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
-                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out))
+                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out),
+                         calibration=Path(args.calibration) if args.calibration else None)
     options.check()
     model, inputs = load_factory(args.model, "tiny")
     print(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions\n")
@@ -933,6 +934,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
+    demo_parser.add_argument("--calibration", default=None, metavar="FILE",
+                             help="predict with what `flatpack calibrate --target local` measured")
     demo_parser.set_defaults(run=cmd_demo)
     return parser
 
