@@ -62,6 +62,7 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment)."""
     from flatpack.backends import profiling
     from flatpack.backends.catalog import get_platform, host_cores
+    from flatpack.compiler import compile as compile_model
     from flatpack.ir.profiler import host_info
     from flatpack.version import __version__
 
@@ -83,7 +84,6 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
             deploy, scratch = profiling._default_deploy(target, emulate, memory_sizes, region)
             if scratch is not None:
                 cleanup.callback(profiling._remove_logs_unless_failed, scratch, failed)
-        from flatpack.compiler import compile as compile_model
         model, example = _probe_model()
         compiled = compile_model(model, example, target=target, stages=1)
         say(f"deploying the calibration function to {target} ({', '.join(f'{mb} MB' for mb in memory_sizes)})")
@@ -106,9 +106,9 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         results: dict[tuple[int, int], CalibrateResult] = {}
         for invocation, verb in ((COLD, "calibrating (cold start)"), (WARM, "starting again (warm)")):
             roles = [calibrate_role(keys, memory_mb, invocation, compiled.digest) for memory_mb in memory_sizes]
-            ended = profiling._run_functions(roles, timed, 1, timeout_s, say, verb=verb)
+            profiling._run_functions(roles, timed, 1, timeout_s, say, verb=verb)
             for role in roles:
-                result = _collect(deployment, role, ended[role.stage])
+                result = _collect(deployment, role)
                 if result is None:
                     failed.append(role.stage)
                 else:
@@ -146,7 +146,8 @@ def _on_host(threads: int) -> dict[str, float]:
         torch.set_num_threads(previous)
 
 
-def _collect(deployment: FunctionDeployment, role: Role, ended: Any) -> CalibrateResult | None:
+def _collect(deployment: FunctionDeployment, role: Role) -> CalibrateResult | None:
+    """The function's result; None when it wrote none (its status record says why)."""
     with contextlib.suppress(StoreKeyError):
         return CalibrateResult.loads(deployment.store.get(
             deployment.keys.calibrate("result", role.stage, role.start_iteration)))

@@ -19,7 +19,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from flatpack.errors import InputError, PlanError
 from flatpack.ir.profile import Linear
@@ -27,6 +27,9 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.common import gradient_bytes, layer_times, stage_tier
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
+
+if TYPE_CHECKING:
+    from flatpack.backends.calibration import Calibration
 
 EVENTS_FILE = "events.json"      # a run directory's timeline (``flatpack run`` writes it)
 COMPILED_DIR = "compiled"
@@ -36,7 +39,8 @@ def _ratio(measured: float | None, predicted: float) -> float | None:
     return measured / predicted if measured and predicted > 0 else None
 
 
-def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2, source: str = "a run"):
+def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
+          source: str = "a run") -> "Calibration":
     """A per-layer :class:`~flatpack.backends.calibration.Calibration` of the tiers ``plan``
     ran on, fitted to ``events`` (the iterations after ``skip_first``)."""
     from flatpack.backends.calibration import Calibration, TierCalibration
@@ -115,7 +119,7 @@ class Replan:
     old_predicted_s: float
     new_predicted_s: float
     measured_s: float
-    calibration: Any
+    calibration: "Calibration"
 
     @property
     def saving_s(self) -> float:
@@ -188,7 +192,7 @@ def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
     return problem, compiled.plan, timeline.loads(events_path.read_bytes())
 
 
-def refit_run(run_dir: str | Path):
+def refit_run(run_dir: str | Path) -> "Calibration":
     """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))

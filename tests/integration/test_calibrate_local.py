@@ -52,3 +52,26 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
                       "--force")
     assert forced.returncode == 0, forced.stderr
     assert "PlanReuseWarning" in forced.stderr
+
+
+def test_plan_from_run_refits_a_finished_run(tmp_path):
+    import flatpack as fp
+    from flatpack.examples import mlp
+    from flatpack.partitioner.refit import replan_run
+    from flatpack.partitioner.workload import Workload
+
+    run = tmp_path / "run"
+    done = flatpack("run", "mlp", "--iterations", "4", "--no-verify", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    assert (run / "events.json").exists()
+    replanned = replan_run(run)
+    assert replanned.new_predicted_s <= replanned.old_predicted_s and replanned.measured_s > 0
+    shown = flatpack("plan", "--from-run", str(run), "--json", str(tmp_path / "new.json"))
+    assert shown.returncode == 0, shown.stderr
+    assert "old plan:" in shown.stdout and "new plan:" in shown.stdout
+    # compile(measured=...) plans on the re-fit: the chain and tiers of that run
+    model, example = mlp()
+    compiled = fp.compile(model, example, measured=run, solver="dp", profile=True,
+                          workload=Workload("train", batch=32, micro_batches=4, optimizer="adam"))
+    assert compiled.problem.calibration.provenance["measured"].startswith("re-fitted from the timeline")
+    assert {stage.memory_mb for stage in compiled.plan.stages} <= set(compiled.problem.calibration.tiers)

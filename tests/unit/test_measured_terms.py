@@ -186,3 +186,10 @@ def test_malformed_provenance_is_a_plan_error():
     with pytest.raises(PlanError, match="provenance"):
         Plan.from_json({**data, "provenance": {"target": 3}})
     assert Provenance.from_json(data["provenance"]).target == "local"
+
+
+def test_compile_measured_refuses_what_it_cannot_refit(tmp_path):
+    with pytest.raises(InputError, match="not a finished flatpack run"):
+        flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path)
+    with pytest.raises(InputError, match="give one or the other"):
+        flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path, calibration=tmp_path / "c.json")

@@ -153,3 +153,13 @@ def test_summary_names_each_figure():
     text = calibration_summary(target_calibration())
     assert "EMG K=2" in text and "mean 3.000 ms" in text and "3.00/4.00/5.00" in text
     assert "not measured (no GPU)" in text and "host cores shared" in text
+
+
+def test_run_refuses_a_calibration_of_another_target_before_anything_starts(tmp_path):
+    from flatpack.job import JobOptions
+
+    path = target_calibration(platform="aws-lambda").save(tmp_path / "lambda.json")
+    with pytest.raises(InputError, match="measured on another target.*flatpack calibrate --target local"):
+        JobOptions(calibration=path, out=tmp_path / "run").check()
+    with pytest.raises(InputError, match="cannot read calibration file"):
+        JobOptions(calibration=tmp_path / "missing.json", out=tmp_path / "run").check()
