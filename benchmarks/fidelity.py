@@ -13,7 +13,7 @@ memory) and its median iteration is set beside:
   ratios, latency distribution's mean, bandwidth, polling, optimizer step and the host's
   cores (``funcpipe.Overheads``).
 
-Printed per plan: predicted, measured, error, and predicted dollars against the
+Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
 billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
 up to the platform's granularity, at its tier's price); per model the Spearman rank
 correlation of predicted vs measured iteration time across its plans; the MAPE of both.
@@ -146,8 +146,9 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
     cost = comparison.cost
     measured = comparison.measured_iteration_s
     billed = billed_dollars(problem, plan, measured)
+    # errors relative to the measurement (the truth), for both predictions alike
     return {"case": case, "measured": measured, "predicted": comparison.predicted_iteration_s,
-            "error": comparison.iteration_error, "uncalibrated": uncalibrated,
+            "error": comparison.predicted_iteration_s / measured - 1, "uncalibrated": uncalibrated,
             "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table()}
