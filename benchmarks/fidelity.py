@@ -22,7 +22,10 @@ Profiles are measured at one thread, as the workers compute. Measurements on a h
 with other work are distorted by it (the model's κ counts only this run's workers and store):
 run it on a quiet machine.
 
-    PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--iterations 7]
+``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
+``partitioner.refit.replan``), runs the new plan and measures it.
+
+    PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--iterations 7]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from scipy.stats import spearmanr
@@ -48,6 +52,7 @@ from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.refit import replan
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,17 @@ class Shape:
         ranges = Plan.from_cuts(cuts[:stages - 1], len(times)).ranges
         return Plan(tuple(StagePlan(start, end, self.memory_mb, self.replicas) for start, end in ranges),
                     len(times), solver=self.name, micro_batches=problem.workload.micro_batches)
+
+
+@dataclass(frozen=True)
+class FixedPlan:
+    """A solver that returns ``plan`` (the re-planned one, to run and measure)."""
+
+    plan: Plan
+    name: str = "replanned"
+
+    def __call__(self, problem: Problem) -> Plan:
+        return dataclasses.replace(self.plan, provenance=None)
 
 
 @dataclass(frozen=True)
@@ -127,17 +143,33 @@ def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
                for stage in plan.stages)
 
 
-def measure(case: Case, iterations: int, calibration: Path) -> dict:
+def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float]:
     model, example = zoo.build(case.model, "tiny")
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
         options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
-                             optimizer="adam", lr=1e-3, solver=case.shape, replicas=(case.shape.replicas,),
+                             optimizer="adam", lr=1e-3, solver=solver or case.shape,
+                             replicas=(case.shape.replicas,) if solver is None else (1, 2),
                              memory_mb=(case.shape.memory_mb,), out=Path(out), verify=False, schedule=case.schedule,
                              passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
                              calibration=calibration)
         started = time.perf_counter()
         result = run_training(model, example, options, stream=io.StringIO())
-        wall = time.perf_counter() - started
+        return result, time.perf_counter() - started
+
+
+def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -> dict:
+    """``plan --from-run``'s re-plan of ``first`` (a JobResult), run and measured."""
+    found = replan(first.compiled.problem, first.compiled.plan, first.train.events)
+    if found.new == found.old:
+        return {"case": case, "same": True, "old": first.comparison.measured_iteration_s}
+    again, _ = train(case, iterations, calibration, FixedPlan(found.new))
+    return {"case": case, "same": False, "old": first.comparison.measured_iteration_s,
+            "new": again.comparison.measured_iteration_s, "saving": found.saving_s,
+            "plan": " | ".join(f"{s.start}-{s.end} × {s.replicas}" for s in found.new.stages)}
+
+
+def measure(case: Case, iterations: int, calibration: Path) -> dict:
+    result, wall = train(case, iterations, calibration)
     comparison = result.comparison
     plan, problem = result.compiled.plan, result.compiled.problem
     # the catalog alone: no calibration, the local platform's assumptions, the paper's equations
@@ -151,7 +183,8 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "error": comparison.predicted_iteration_s / measured - 1, "uncalibrated": uncalibrated,
             "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
-            "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table()}
+            "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
+            "result": result}
 
 
 def main() -> None:
@@ -162,6 +195,8 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a file from `flatpack calibrate --target local` (default: run one first)")
     parser.add_argument("--verbose", action="store_true", help="print each case's per-stage table")
+    parser.add_argument("--replan", action="store_true",
+                        help="also re-plan each model's first plan from its run (plan --from-run) and measure it")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
@@ -173,6 +208,11 @@ def main() -> None:
                   f"{row['measured'] * 1000:.0f} ms ({row['wall']:.0f} s)", file=sys.stderr, flush=True)
             if args.verbose:
                 print(row["table"], file=sys.stderr)
+        replans = []
+        if args.replan:
+            for model in dict.fromkeys(row["case"].model for row in rows):
+                first = next(row for row in rows if row["case"].model == model)
+                replans.append(measure_replan(first["case"], args.iterations, calibration, first["result"]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores; "
           f"{args.iterations} iterations per case, median of all but the first two\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
@@ -196,6 +236,17 @@ def main() -> None:
             continue
         rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine]).statistic
         print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
+    if replans:
+        print("\n| model | plan that ran | measured ms | re-planned (plan --from-run) | predicted saving ms | "
+              "measured ms |")
+        print("|---|---|---|---|---|---|")
+        for row in replans:
+            case = row["case"]
+            if row["same"]:
+                print(f"| {case.model} | {case.label} | {row['old'] * 1000:.1f} | the same plan | 0 | - |")
+            else:
+                print(f"| {case.model} | {case.label} | {row['old'] * 1000:.1f} | {row['plan']} | "
+                      f"{row['saving'] * 1000:.1f} | {row['new'] * 1000:.1f} |")
 
 
 if __name__ == "__main__":
