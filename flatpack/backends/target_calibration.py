@@ -137,11 +137,12 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
 
 
 def _on_host(threads: int) -> dict[str, float]:
-    """The compute probes on this (the profiling) host, unthrottled, at ``threads``."""
+    """The compute probes on this (the profiling) host, unthrottled, at ``threads``, by
+    CPU seconds (the functions of emulated tiers time by CPU too)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return time_op_classes(lambda fn: fn(), HOST_REPEATS)
+        return time_op_classes(HOST_REPEATS, time.process_time)
     finally:
         torch.set_num_threads(previous)
 
@@ -192,8 +193,9 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
              else f"one calibration function per memory tier on {target}, at the platform's own CPU share and link")
     host = ", ".join(f"{name} {seconds * 1000:.3f} ms" for name, seconds in host_seconds.items())
     return {"where": where, "cpu_share": "emulated" if emulated else "platform",
-            "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by wall clock through the tier's "
-                       f"throttle, over the same probes on this host ({host}); {round_trips} small puts and gets "
+            "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by the tier's clock (emulated: CPU "
+                       f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "
+                       f"this host ({host}); {round_trips} small puts and gets "
                        f"fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the tier's link, "
                        "3 times; 12 waits for a key written during the wait; optimizer steps on 1M float32 "
                        "parameters; invoke latency from launch to the function being ready, cold then warm"),

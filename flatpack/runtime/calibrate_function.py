@@ -9,9 +9,9 @@ It reads its :class:`CalibrateSpec` from ``<run>/calibrate/spec/m<MB>`` and writ
 invocation (0) measures everything; a warm one (1) only says when it was ready, so that the
 invoker can time a second start.
 
-What it measures, each on the tier's own clock where the tier's CPU share matters (the
-computation wrapped by ``runtime.worker.cpu_throttle`` exactly as a stage's is, timed by
-wall clock, since wall time is what an iteration lasts):
+What it measures, compute on the tier's own clock (an emulated tier: CPU seconds over its
+usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler function times layers, so
+that whatever else the host runs does not inflate the figure; a real platform: wall time):
 
 * compute: one probe per op class (conv, matmul, elementwise), the same code the invoker
   times on the profiling host (:func:`time_op_classes`), so their ratio maps host seconds
@@ -126,7 +126,7 @@ class CalibrateResult:
 
 def _op_probes() -> dict[str, Callable[[], Any]]:
     """One small computation per op class, sized to take milliseconds at one thread: long
-    enough to time, short enough that the tier's throttle acts as it does on a layer."""
+    enough to time on the tier's clock.
     generator = torch.Generator().manual_seed(0)
     conv = torch.nn.Conv2d(16, 16, 3, padding=1)
     image = torch.randn(4, 16, 32, 32, generator=generator)
@@ -142,23 +142,26 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
             "elementwise": lambda: torch.relu(vector * 1.5 + 0.5)}
 
 
-def time_op_classes(throttle: Callable[[Callable[[], Any]], Any], repeats: int) -> dict[str, float]:
-    """Median wall seconds of each op class's probe run through ``throttle`` (after one
-    warm-up): the tier's throttle in a function, the identity on the host."""
+def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median seconds by ``clock`` of each op class's probe (after one warm-up). In a
+    function of an emulated tier: the tier's own clock (CPU
+    seconds over its usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler
+    function times layers), so that other load on the host does not inflate the ratio (this
+    run's own workers' contention is the cost model's κ); on a real platform: wall time.
+    On the host: CPU seconds of this process at the same thread count."""
     seconds = {}
     for name, probe in _op_probes().items():
-        throttle(probe)
+        probe()
         runs = []
         for _ in range(repeats):
-            began = time.perf_counter()
-            throttle(probe)
-            runs.append(time.perf_counter() - began)
+            began = clock()
+            probe()
+            runs.append(clock() - began)
         seconds[name] = statistics.median(runs)
     return seconds
 
 
-def time_optimizer_steps(throttle: Callable[[Callable[[], Any]], Any], parameters: int,
-                         repeats: int) -> dict[str, float]:
+def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Median seconds per parameter byte of one optimizer step, per optimizer a stage can
     run (the optimizers and settings the host profiler uses for their state bytes)."""
     weight = torch.nn.Parameter(torch.zeros(parameters))
@@ -169,12 +172,12 @@ def time_optimizer_steps(throttle: Callable[[Callable[[], Any]], Any], parameter
     per_byte = {}
     for name in STEP_OPTIMIZERS:
         optimizer = makers[name]()
-        throttle(optimizer.step)   # the first step creates the state
+        optimizer.step()   # the first step creates the state
         runs = []
         for _ in range(repeats):
-            began = time.perf_counter()
-            throttle(optimizer.step)
-            runs.append(time.perf_counter() - began)
+            began = clock()
+            optimizer.step()
+            runs.append(clock() - began)
         per_byte[name] = statistics.median(runs) / (parameters * weight.element_size())
     return per_byte
 
@@ -243,7 +246,7 @@ def _collective() -> dict[str, Any]:
 def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> int:
     """Measures this function's tier and writes a :class:`CalibrateResult`; returns 0 once
     written. A failure (the store) raises, for the worker to record in its status."""
-    from flatpack.runtime.worker import cpu_throttle, tier_link
+    from flatpack.runtime.worker import emulated_clock, tier_link
 
     ready = time.time()
     spec = CalibrateSpec.loads(raw_spec)
@@ -254,15 +257,15 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
         store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
         return 0
     torch.set_num_threads(spec.threads)
-    throttle = cpu_throttle(spec.vcpus if spec.emulate_cpu else None, spec.threads)
+    clock = emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu else time.perf_counter
     link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
     uploads, downloads = _transfers(link, keys, spec)
     result = CalibrateResult(
         memory_mb=spec.memory_mb, invocation=invocation, started_at=started, ready_at=ready,
-        compute_s=time_op_classes(throttle, spec.compute_repeats),
+        compute_s=time_op_classes(spec.compute_repeats, clock),
         request_s=_requests(link, keys, spec), poll_overhead_s=_poll_overheads(link, keys, spec),
         upload_s=uploads, download_s=downloads, probe_bytes=spec.probe_bytes,
-        optimizer_s_per_byte=time_optimizer_steps(throttle, spec.optimizer_parameters, spec.compute_repeats),
+        optimizer_s_per_byte=time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock),
         collective=_collective())
     store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
     return 0
