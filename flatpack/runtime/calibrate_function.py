@@ -126,7 +126,7 @@ class CalibrateResult:
 
 def _op_probes() -> dict[str, Callable[[], Any]]:
     """One small computation per op class, sized to take milliseconds at one thread: long
-    enough to time on the tier's clock.
+    enough to time on the tier's clock."""
     generator = torch.Generator().manual_seed(0)
     conv = torch.nn.Conv2d(16, 16, 3, padding=1)
     image = torch.randn(4, 16, 32, 32, generator=generator)
