@@ -193,3 +193,13 @@ def test_compile_measured_refuses_what_it_cannot_refit(tmp_path):
         flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path)
     with pytest.raises(InputError, match="give one or the other"):
         flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path, calibration=tmp_path / "c.json")
+
+
+def test_the_predicted_schedule_gives_the_update_its_measured_step():
+    from flatpack.runtime.report import predicted_schedule
+
+    measured = dataclasses.replace(problem(workload=Workload("train", batch=8, micro_batches=4, optimizer="adam")),
+                                   calibration=target_calibration(platform="test",
+                                                                  tiers={1024: target_calibration().tiers[512]}))
+    updates = [event for event in predicted_schedule(measured, ONE_STAGE) if event.kind == "update"]
+    assert [event.seconds for event in updates] == pytest.approx([4e-9 * 350 * MIB])
