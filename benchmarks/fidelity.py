@@ -205,7 +205,8 @@ def main() -> None:
             row = measure(case, args.iterations, calibration)
             rows.append(row)
             print(f"  {case.model} {case.label}: predicted {row['predicted'] * 1000:.0f} ms, measured "
-                  f"{row['measured'] * 1000:.0f} ms ({row['wall']:.0f} s)", file=sys.stderr, flush=True)
+                  f"{row['measured'] * 1000:.0f} ms ({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
             if args.verbose:
                 print(row["table"], file=sys.stderr)
         replans = []
@@ -213,7 +214,8 @@ def main() -> None:
             for model in dict.fromkeys(row["case"].model for row in rows):
                 first = next(row for row in rows if row["case"].model == model)
                 replans.append(measure_replan(first["case"], args.iterations, calibration, first["result"]))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores, 1-minute load "
+          f"average {os.getloadavg()[0]:.1f} at the end (a quiet host: about the run's own workers); "
           f"{args.iterations} iterations per case, median of all but the first two\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
           "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
