@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from flatpack.errors import InputError, PlanError
 from flatpack.ir.profile import Linear
 from flatpack.partitioner.cost import funcpipe
-from flatpack.partitioner.cost.common import gradient_bytes, layer_times, stage_tier
+from flatpack.partitioner.cost.common import gradient_bytes, layer_times
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 

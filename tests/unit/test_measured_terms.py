@@ -13,7 +13,6 @@ from torch import nn
 
 import flatpack
 from flatpack.errors import InputError, PlanError
-from flatpack.ir.profile import Linear
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
 from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance

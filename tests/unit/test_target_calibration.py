@@ -13,7 +13,6 @@ from scipy.stats import exponnorm
 from flatpack import cli
 from flatpack.backends import aws_lambda, cloud, profiling
 from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
-from flatpack.backends.catalog import get_platform
 from flatpack.backends.target_calibration import calibrate_target, calibration_summary
 from flatpack.errors import InputError
 from flatpack.runtime.calibrate_function import (CALIBRATE_KIND, CalibrateResult, CalibrateSpec, calibrate_role,
