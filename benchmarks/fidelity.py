@@ -13,6 +13,9 @@ memory) and its median iteration is set beside:
   ratios, latency distribution's mean, bandwidth, polling, optimizer step and the host's
   cores (``funcpipe.Overheads``).
 
+1F1B with a flush has the synchronous schedule's bubble, so both schedules are predicted by the
+same t_iter; the 1f1b rows test that reading.
+
 Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
 billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
 up to the platform's granularity, at its tier's price); per model the Spearman rank
