@@ -1,37 +1,61 @@
-"""Predicted versus measured iteration time on the local backend.
+"""Predicted versus measured iteration time on the local backend (issue 19).
 
-For several zoo models (reduced size) and the plans ``dp`` picks for them on the ``local``
-platform, the FuncPipe model's t_iter is set beside the median iteration measured when the
-plan runs as local functions (one process per stage replica, a real S3 server, tiers
-emulated: CPU share, bandwidth, memory). The error of each and the mean absolute percentage
-error (MAPE) are printed. FuncPipe reports 11.3 % on AWS, Gillis under 6 % end to end.
+First a separate ``flatpack calibrate --target local`` run measures the target (or
+``--calibration FILE`` names one made earlier); the iterations being predicted never feed
+the prediction. Then, for 13 plans over 4 zoo models (reduced size; bert-large is the
+transformer), both schedules (sync, 1f1b) and d ∈ {1, 2}, each plan runs as local functions
+(one process per stage replica, a real S3 server, tiers emulated: CPU share, bandwidth,
+memory) and its median iteration is set beside:
 
-Profiles are measured at one thread, as the workers compute. The machine has 2 cores, so
-the plans are kept to tiers whose CPU shares sum to at most about 1.2 cores (512 MB tiers
-are 0.29 vCPU, 1024 MB tiers 0.58): the local backend emulates a platform in miniature and
-cannot emulate more CPU than the host has. The store's round trip is measured at deploy and
-used as t_lat.
+* uncalibrated: FuncPipe's t_iter from the catalog alone (``funcpipe.iteration``, β = 1,
+  t_lat = the catalog's 2 ms);
+* calibrated: ``funcpipe.predicted`` with the calibration file: the measured compute
+  ratios, latency distribution's mean, bandwidth, polling, optimizer step and the host's
+  cores (``funcpipe.Overheads``).
 
-    python benchmarks/fidelity.py [--quick] [--iterations 6]
+1F1B with a flush has the synchronous schedule's bubble, so both schedules are predicted by the
+same t_iter; the 1f1b rows test that reading.
+
+Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
+billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
+up to the platform's granularity, at its tier's price); per model the Spearman rank
+correlation of predicted vs measured iteration time across its plans; the MAPE of both.
+
+Profiles are measured at one thread, as the workers compute. Measurements on a host shared
+with other work are distorted by it (the model's κ counts only this run's workers and store):
+run it on a quiet machine.
+
+``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
+``partitioner.refit.replan``), runs the new plan and measures it.
+
+    PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--iterations 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from scipy.stats import spearmanr
 
 from flatpack import zoo
+from flatpack.backends.catalog import get_platform
 from flatpack.job import JobOptions, run_training
+from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.refit import replan
 
 
 @dataclass(frozen=True)
@@ -63,81 +87,171 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class FixedPlan:
+    """A solver that returns ``plan`` (the re-planned one, to run and measure)."""
+
+    plan: Plan
+    name: str = "replanned"
+
+    def __call__(self, problem: Problem) -> Plan:
+        return dataclasses.replace(self.plan, provenance=None)
+
+
+@dataclass(frozen=True)
 class Case:
     model: str
     batch: int
     micro_batches: int
     shape: Shape
+    schedule: str = "sync"
 
     @property
     def label(self) -> str:
-        if self.shape.stages == 0:
-            return f"dp: {self.shape.memory_mb}"
-        return f"{self.shape.stages} × {self.shape.replicas}, {self.shape.memory_mb}"
+        return f"{self.shape.stages} × {self.shape.replicas}, {self.shape.memory_mb}, {self.schedule}"
 
 
 CASES = (
-    Case("vgg16", 64, 4, Shape(0, 512)),
+    Case("vgg16", 64, 4, Shape(1, 512)),
     Case("vgg16", 64, 4, Shape(2, 512)),
     Case("vgg16", 64, 4, Shape(2, 512, 2)),
-    Case("vgg16", 64, 4, Shape(3, 512)),
+    Case("vgg16", 64, 4, Shape(2, 512), "1f1b"),
     Case("resnet50", 32, 4, Shape(2, 512)),
     Case("resnet50", 32, 4, Shape(2, 512, 2)),
-    Case("amoebanet-d18", 32, 4, Shape(2, 512)),
+    Case("resnet50", 32, 4, Shape(3, 512), "1f1b"),
+    Case("rnn-3", 64, 4, Shape(1, 512)),
     Case("rnn-3", 64, 4, Shape(2, 512, 2)),
-    Case("alexnet", 32, 4, Shape(2, 1024)),
+    Case("rnn-3", 64, 4, Shape(2, 512), "1f1b"),
+    Case("bert-large", 8, 4, Shape(1, 1024)),
+    Case("bert-large", 8, 4, Shape(2, 1024)),
+    Case("bert-large", 8, 4, Shape(2, 512, 2), "1f1b"),
 )
-QUICK = CASES[:3]
+QUICK = (CASES[1], CASES[2], CASES[4])
+TIERS = (512, 1024)
 
 
-def measure(case: Case, iterations: int) -> dict:
+def calibrate(out: Path) -> Path:
+    """A separate `flatpack calibrate` run, as a user would make it."""
+    command = [sys.executable, "-m", "flatpack", "calibrate", "--target", "local", "--tiers",
+               ",".join(map(str, TIERS)), "--out", str(out)]
+    print("$ " + " ".join(command[1:]), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, stdout=sys.stderr, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    return out
+
+
+def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
+    """Every worker billed for the measured iteration, rounded up to the platform's
+    granularity, at its tier's price (the platform's billing arithmetic, not the model)."""
+    platform = problem.platform
+    return sum(stage.replicas * platform.billed_seconds(measured_s) * platform.tier(stage.memory_mb).price_per_s
+               for stage in plan.stages)
+
+
+def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float]:
     model, example = zoo.build(case.model, "tiny")
-    solver = "dp" if case.shape.stages == 0 else case.shape
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
         options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
-                             optimizer="adam", lr=1e-3, solver=solver, replicas=(case.shape.replicas or 1,),
-                             memory_mb=(case.shape.memory_mb,), out=Path(out), verify=False,
-                             passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}")
+                             optimizer="adam", lr=1e-3, solver=solver or case.shape,
+                             replicas=(case.shape.replicas,) if solver is None else (1, 2),
+                             memory_mb=(case.shape.memory_mb,), out=Path(out), verify=False, schedule=case.schedule,
+                             passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
+                             calibration=calibration)
         started = time.perf_counter()
         result = run_training(model, example, options, stream=io.StringIO())
-        wall = time.perf_counter() - started
-    raw, tuned = result.comparison, result.calibrated
-    plan = result.compiled.plan
-    return {"case": case, "predicted": raw.predicted_iteration_s, "measured": raw.measured_iteration_s,
-            "error": raw.iteration_error, "calibrated": tuned.predicted_iteration_s, "calibrated_error":
-            tuned.iteration_error, "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}",
-            "wall": wall, "table": raw.table()}
+        return result, time.perf_counter() - started
+
+
+def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -> dict:
+    """``plan --from-run``'s re-plan of ``first`` (a JobResult), run and measured."""
+    found = replan(first.compiled.problem, first.compiled.plan, first.train.events)
+    if found.new == found.old:
+        return {"case": case, "same": True, "old": first.comparison.measured_iteration_s}
+    again, _ = train(case, iterations, calibration, FixedPlan(found.new))
+    return {"case": case, "same": False, "old": first.comparison.measured_iteration_s,
+            "new": again.comparison.measured_iteration_s, "saving": found.saving_s,
+            "plan": " | ".join(f"{s.start}-{s.end} × {s.replicas}" for s in found.new.stages)}
+
+
+def measure(case: Case, iterations: int, calibration: Path) -> dict:
+    result, wall = train(case, iterations, calibration)
+    comparison = result.comparison
+    plan, problem = result.compiled.plan, result.compiled.problem
+    # the catalog alone: no calibration, the local platform's assumptions, the paper's equations
+    catalog = dataclasses.replace(problem, calibration=None, platform=get_platform("local"))
+    uncalibrated = funcpipe.iteration(catalog, plan).iteration_s
+    cost = comparison.cost
+    measured = comparison.measured_iteration_s
+    billed = billed_dollars(problem, plan, measured)
+    # errors relative to the measurement (the truth), for both predictions alike
+    return {"case": case, "measured": measured, "predicted": comparison.predicted_iteration_s,
+            "error": comparison.predicted_iteration_s / measured - 1, "uncalibrated": uncalibrated,
+            "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
+            "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
+            "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
+            "result": result}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three cases only")
     parser.add_argument("--iterations", type=int, default=7,
-                        help="iterations per case: the first is the cold start, the second measures β")
+                        help="iterations per case: the first two (cold start, warm-up) are not measured")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a file from `flatpack calibrate --target local` (default: run one first)")
     parser.add_argument("--verbose", action="store_true", help="print each case's per-stage table")
+    parser.add_argument("--replan", action="store_true",
+                        help="also re-plan each model's first plan from its run (plan --from-run) and measure it")
     args = parser.parse_args()
-    rows = []
-    for case in QUICK if args.quick else CASES:
-        row = measure(case, args.iterations)
-        rows.append(row)
-        print(f"  {case.model} {case.label}: predicted {row['predicted'] * 1000:.0f} ms, measured {row['measured'] * 1000:.0f} ms "
-              f"({row['wall']:.0f} s)", file=sys.stderr, flush=True)
-        if args.verbose:
-            print(row["table"], file=sys.stderr)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads; {args.iterations} iterations per case, "
-          "median of all but the first two\n")
-    print("| model | batch | M | plan (stages × d, tier MB) | predicted ms | measured ms | error | "
-          "calibrated ms | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
+        calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
+        rows = []
+        for case in QUICK if args.quick else CASES:
+            row = measure(case, args.iterations, calibration)
+            rows.append(row)
+            print(f"  {case.model} {case.label}: predicted {row['predicted'] * 1000:.0f} ms, measured "
+                  f"{row['measured'] * 1000:.0f} ms ({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
+            if args.verbose:
+                print(row["table"], file=sys.stderr)
+        replans = []
+        if args.replan:
+            for model in dict.fromkeys(row["case"].model for row in rows):
+                first = next(row for row in rows if row["case"].model == model)
+                replans.append(measure_replan(first["case"], args.iterations, calibration, first["result"]))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores, 1-minute load "
+          f"average {os.getloadavg()[0]:.1f} at the end (a quiet host: about the run's own workers); "
+          f"{args.iterations} iterations per case, median of all but the first two\n")
+    print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
+          "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         case = row["case"]
-        print(f"| {case.model} | {case.batch} | {case.micro_batches} | {row['plan']}, {case.shape.memory_mb} | "
-              f"{row['predicted'] * 1000:.1f} | {row['measured'] * 1000:.1f} | {row['error'] * 100:+.1f}% | "
-              f"{row['calibrated'] * 1000:.1f} | {row['calibrated_error'] * 100:+.1f}% |")
-    for key, what in (("error", "the catalog's β = 1"), ("calibrated_error", "β and t_lat measured on iteration 1")):
+        print(f"| {case.model} | {case.batch} | {case.micro_batches} | {case.label} | {row['measured'] * 1000:.1f} | "
+              f"{row['predicted'] * 1000:.1f} | {row['error'] * 100:+.1f}% | {row['uncalibrated'] * 1000:.1f} | "
+              f"{row['uncalibrated_error'] * 100:+.1f}% | {row['dollars']:.3g} | {row['billed']:.3g} | "
+              f"{row['dollar_error'] * 100:+.1f}% |")
+    print()
+    for key, what in (("error", "calibrated (flatpack calibrate, separate run)"),
+                      ("uncalibrated_error", "uncalibrated (catalog)"), ("dollar_error", "dollars vs billed")):
         errors = [abs(row[key]) for row in rows]
-        print(f"MAPE with {what}: {statistics.mean(errors) * 100:.1f}% over {len(rows)} cases "
-              f"(median |error| {statistics.median(errors) * 100:.1f}%)")
+        print(f"MAPE {what}: {statistics.mean(errors) * 100:.1f}% over {len(rows)} plans "
+              f"(median {statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%)")
+    for model in dict.fromkeys(row["case"].model for row in rows):
+        mine = [row for row in rows if row["case"].model == model]
+        if len(mine) < 2:
+            continue
+        rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine]).statistic
+        print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
+    if replans:
+        print("\n| model | plan that ran | measured ms | re-planned (plan --from-run) | predicted saving ms | "
+              "measured ms |")
+        print("|---|---|---|---|---|---|")
+        for row in replans:
+            case = row["case"]
+            if row["same"]:
+                print(f"| {case.model} | {case.label} | {row['old'] * 1000:.1f} | the same plan | 0 | - |")
+            else:
+                print(f"| {case.model} | {case.label} | {row['old'] * 1000:.1f} | {row['plan']} | "
+                      f"{row['saving'] * 1000:.1f} | {row['new'] * 1000:.1f} |")
 
 
 if __name__ == "__main__":

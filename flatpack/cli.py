@@ -124,8 +124,10 @@ def pipeline_for(args: argparse.Namespace) -> str | None:
     return args.passes
 
 
-def _compile_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, a built-in "
+def _compile_args(parser: argparse.ArgumentParser, model_optional: bool = False) -> None:
+    """MODEL and how it is cut; ``model_optional``: a verb that can take its model from
+    elsewhere (plan --from-run) declares MODEL with ``nargs="?"``."""
+    parser.add_argument("model", nargs="?" if model_optional else None, default=None, help="path/to/file.py:factory, package.module:factory, a built-in "
                                       "example (tiny-resnet, mlp, bert, hf-gpt2, llama, vit, hf-resnet) or a "
                                       "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
@@ -190,9 +192,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import flatpack
 
+    from flatpack.partitioner.plan import Plan
+
+    plan = None
+    if args.plan is not None:
+        try:
+            plan = Plan.loads(Path(args.plan).read_text())
+        except OSError as error:
+            raise InputError(f"cannot read --plan {args.plan}: {error.strerror or error}") from error
+        except json.JSONDecodeError as error:
+            raise InputError(f"--plan {args.plan} is not a plan's JSON ({error.msg} at line {error.lineno})") from error
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
-                                target=args.target, out_dir=args.out)
+                                target=args.target, out_dir=args.out, calibration=args.calibration, plan=plan,
+                                force=args.force)
     text = (f"{chain_table(compiled.chain, compiled.plan.ranges)}\n\n"
             f"wrote {len(compiled.plan.stages)} stages to {args.out}\ndigest {compiled.digest}\n"
             "  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
@@ -353,6 +366,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flatpack.partitioner import report as plan_report
     from flatpack.partitioner.objective import Weights, cost_model_for
 
+    if args.from_run is not None:
+        return _plan_from_run(args)
+    if args.model is None:
+        raise InputError("flatpack plan needs MODEL (or --from-run RUN_DIR to re-plan a finished run)")
     solver = _cost_solver(args.solver)
     workload, options = _plan_workload(args)
     _check_tiers(args.target, options.get("memory_mb", ()))
@@ -408,6 +425,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot.plot_selection(selection, args.plot, title=_plot_title(args, problem), inference=workload.mode == "infer",
                             context=context)
         LOG.info("wrote %s", args.plot)
+    return 0
+
+
+def _plan_from_run(args: argparse.Namespace) -> int:
+    """``flatpack plan --from-run RUN_DIR``: re-fit the model to the run's timeline, solve
+    again, print old plan, new plan and the predicted saving (``--json FILE``: the new plan)."""
+    from flatpack.partitioner.refit import replan_run
+
+    if args.model is not None:
+        raise InputError(f"--from-run {args.from_run} re-plans the model that run trained; leave MODEL "
+                         f"({args.model}) out")
+    replanned = replan_run(args.from_run, solver=args.solver)
+    report(args, replanned.describe(), lambda: json.loads(replanned.new.dumps()))
     return 0
 
 
@@ -476,7 +506,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
                          save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
-                         split_points=_names(args.split_points))
+                         split_points=_names(args.split_points),
+                         calibration=Path(args.calibration) if args.calibration else None)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -521,7 +552,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                          passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
-                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out))
+                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out),
+                         calibration=Path(args.calibration) if args.calibration else None)
     options.check()
     model, inputs = load_factory(args.model, "tiny")
     LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
@@ -670,6 +702,20 @@ def _verbosity_args(parser: argparse.ArgumentParser) -> None:
                         help="only warnings and errors on stderr (no progress), e.g. flatpack plan bert -q")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flatpack.backends.target_calibration import calibrate_target, calibration_summary
+
+    path = Path(args.out) if args.out is not None else Path("calibration.json")
+    calibration = calibrate_target(args.target, tiers=_ints(args.tiers, "--tiers") if args.tiers else None, out=path,
+                                   emulate=args.emulate, region=args.region, round_trips=args.round_trips,
+                                   probe_bytes=int(args.probe_mb * (1 << 20)), timeout_s=args.timeout,
+                                   report=LOG.info)
+    report(args, f"{calibration_summary(calibration)}\n"
+                 f"digest {calibration.digest[:16]} (plans made with --calibration {path} record it)",
+           calibration.to_json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flatpack.version import __version__
 
@@ -695,6 +741,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="a registered solver (default balanced), options in braces: 'rl{episodes=2000}'")
     compile_parser.add_argument("--target", default="local")
     compile_parser.add_argument("--out", required=True, help="output directory")
+    compile_parser.add_argument("--calibration", default=None, metavar="FILE",
+                                help="what was measured inside the target (flatpack calibrate / profile --target); "
+                                     "the plan records its digest")
+    compile_parser.add_argument("--plan", default=None, metavar="PLAN.json",
+                                help="compile with this plan (e.g. a compiled artifact's plan.json) instead of "
+                                     "solving; refused when it was made for another graph, target, calibration or "
+                                     "flatpack version")
+    compile_parser.add_argument("--force", action="store_true",
+                                help="--plan: use the plan even when it was made for something else (a warning)")
     _json_flag(compile_parser, "compile")
     compile_parser.set_defaults(run=cmd_compile)
 
@@ -721,12 +776,33 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.add_argument("--timeout", type=float, default=900.0, help="--target: seconds per function")
     profile_parser.set_defaults(run=cmd_profile)
 
+    calibrate_parser = sub.add_parser(
+        "calibrate", help="measure a target (any model): compute speed against this host, store latency "
+                          "distribution, bandwidth, invoke latency, optimizer step; writes calibration.json",
+        description="Deploys a calibration function to the target, one per memory tier (locally: processes held to "
+                    "each tier's CPU share and link), and writes what it measured to a versioned calibration file "
+                    "that compile, plan and run take with --calibration.")
+    calibrate_parser.add_argument("--target", required=True, help="platform to measure (see flatpack platforms)")
+    calibrate_parser.add_argument("--tiers", default=None, metavar="MB[,MB...]",
+                                  help="memory tiers to measure (default: the target's)")
+    calibrate_parser.add_argument("--out", default=None, help="the calibration file (default calibration.json)")
+    calibrate_parser.add_argument("--emulate", action="store_true",
+                                  help="run the target's tiers as local functions instead of deploying")
+    calibrate_parser.add_argument("--region", default=None, help="the cloud region of the calibration functions")
+    calibrate_parser.add_argument("--round-trips", type=int, default=60,
+                                  help="small puts and gets per tier for the latency distribution (default 60)")
+    calibrate_parser.add_argument("--probe-mb", type=float, default=4.0,
+                                  help="MB moved each way per tier to measure bandwidth (default 4)")
+    calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function")
+    _json_flag(calibrate_parser, "calibrate")
+    calibrate_parser.set_defaults(run=cmd_calibrate)
+
     plan_parser = sub.add_parser("plan", help="profile a model and print the Pareto front of plans (time vs cost)",
                                  description="Profiles MODEL, solves for the plans that trade time against cost "
                                              "on the target and prints them, FuncPipe's recommendation marked, "
                                              "then the chosen plan stage by stage. --slo picks the cheapest plan "
                                              "within a time bound, --weights the optimum of one weight pair.")
-    _compile_args(plan_parser)
+    _compile_args(plan_parser, model_optional=True)
     plan_parser.add_argument("--target", default="aws-lambda", help="platform (see flatpack platforms)")
     plan_parser.add_argument("--mode", default="train", choices=MODES,
                              help="a training iteration (FuncPipe, Hydrozoa, PipeDream) or an inference request "
@@ -763,6 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--repeats", type=int, default=5, help="profile: timed runs per layer and size")
     plan_parser.add_argument("--max-seconds", type=float, default=None, help="profile: time budget for measuring")
     plan_parser.add_argument("--no-cache", action="store_true", help="profile again even if cached")
+    plan_parser.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                             help="re-plan a finished `flatpack run --out RUN_DIR` from its measured timeline: "
+                                  "prints the old plan, the new plan and the predicted saving (MODEL left out)")
     plan_parser.set_defaults(run=cmd_plan)
 
     platforms_parser = sub.add_parser("platforms", help="print the platform catalog (--json adds each number's source)")
@@ -843,6 +922,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="checkpoint every N iterations (0, the default: the shortest interval whose "
                                  "upload costs at most 5%% of an iteration, by the cost model); a lost function "
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
+    run_parser.add_argument("--calibration", default=None, metavar="FILE",
+                            help="what `flatpack calibrate --target local` measured: the prediction uses it (the plan "
+                                 "records its digest)")
     _json_flag(run_parser, "run")
     run_parser.set_defaults(run=cmd_run)
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
@@ -921,6 +1003,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
+    demo_parser.add_argument("--calibration", default=None, metavar="FILE",
+                             help="predict with what `flatpack calibrate --target local` measured")
     _json_flag(demo_parser, "demo")
     demo_parser.set_defaults(run=cmd_demo)
     return parser

@@ -35,7 +35,7 @@ from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.space import SearchSpace
-from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.plan import Plan, Provenance
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
 from flatpack.partitioner.workload import Workload
@@ -367,7 +367,8 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
             passes: str | Sequence[Pass | str] | None = None, out_dir: str | os.PathLike | None = None,
             example_kwargs: dict | None = None, plan: Plan | None = None,
             profile: bool | ProfileOptions = False, workload: Workload | None = None,
-            calibration: Any = None, **options: Any) -> Compiled:
+            calibration: Any = None, force: bool = False, measured: str | os.PathLike | None = None,
+            **options: Any) -> Compiled:
     """Compiles ``model`` into pipeline stages.
 
     ``example_inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs
@@ -383,13 +384,28 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     training workload, a layer that cannot fit the target's largest tier even alone is
     reported before solving. ``calibration``: a
     :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
-    the target, overriding the host-to-tier compute model. ``options``: the cost-model
+    the target, overriding the host-to-tier compute model; the plan records its digest.
+    A plan solved here records its :class:`~flatpack.partitioner.plan.Provenance`; a
+    ``plan`` given with one is refused (``PlanError``) when made for another graph, target,
+    workload (when ``workload`` is given), calibration or flatpack version, or used with a
+    warning when ``force``. ``measured``: a finished ``flatpack run`` directory whose
+    timeline re-fits the per-layer and per-transfer times (``partitioner.refit``) in place
+    of ``calibration``; the solver then searches the tiers that run measured unless
+    ``memory_mb`` says otherwise. ``options``: the cost-model
     solvers' search space and objective (``PROBLEM_OPTIONS``): ``memory_mb``, ``replicas``,
     ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
     _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
     if out_dir is not None:
         check_out_dir(Path(out_dir))
+    if measured is not None:
+        if calibration is not None:
+            raise InputError("measured=RUN_DIR re-fits the model to a run, calibration=FILE gives it measurements: "
+                             "give one or the other")
+        from flatpack.partitioner.refit import refit_run
+
+        calibration = refit_run(measured)
+        options.setdefault("memory_mb", tuple(sorted(calibration.tiers)))
     args, kwargs = _as_call(example_inputs, example_kwargs)
     Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
@@ -397,11 +413,17 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     lowered = _lower(model, args, kwargs, pipeline, target=target, stages=stages, profile=profile,
                      workload=workload, calibration=calibration, options=options)
     graph, traced, chain_profile, problem = lowered.graph, lowered.traced, lowered.profile, lowered.problem
+    current = provenance_of(graph, target, workload, problem)
     if plan is None:
         plan = solver_obj(problem)
         if not isinstance(plan, Plan):
             raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "
                             f"{type(plan).__name__}, not a Plan")
+        plan = dataclasses.replace(plan, provenance=current)
+    elif plan.provenance is not None:
+        # a workload not given here is not known, so it is not held against the plan's
+        plan.provenance.check(current if workload is not None else
+                              dataclasses.replace(current, workload=plan.provenance.workload), force=force)
     plan.check_against(len(graph.layers))
     artifacts = emit_stages(graph, plan)
     info = {
@@ -434,6 +456,19 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+def workload_json(workload: Workload) -> dict[str, Any]:
+    """What of a workload a plan depends on."""
+    return {"mode": workload.mode, "batch": workload.batch, "micro_batches": workload.micro_batches,
+            "optimizer": workload.optimizer, "sync": workload.sync}
+
+
+def provenance_of(graph: LayerGraph, target: str, workload: Workload | None, problem: Problem) -> Provenance:
+    """What a plan for ``graph`` on ``target`` is made for (see :class:`Provenance`)."""
+    calibration = problem.calibration
+    return Provenance(graph_hash(graph), target, workload_json(workload) if workload is not None else None,
+                      getattr(calibration, "digest", None))
 
 
 def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "local",

@@ -75,6 +75,10 @@ class JobOptions:
     # beginning at each named module (torch.distributed.pipelining's split points)
     stages: int | None = None
     split_points: tuple[str, ...] = ()
+    # a calibration file (flatpack calibrate --target local, or flatpack profile --target):
+    # the prediction uses its measurements instead of the catalog's and the store round trip
+    # measured at deploy; the plan records its digest
+    calibration: Path | None = None
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -137,6 +141,13 @@ class JobOptions:
              f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
+        if self.calibration is not None:
+            from flatpack.backends.calibration import Calibration
+
+            # read and checked now: a bad file is refused before anything is compiled or started
+            need(Calibration.load(self.calibration).platform == "local",
+                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
+                 "functions: use `flatpack calibrate --target local`")
         need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
              f"--stages must be a positive number of stages, got {self.stages}")
         need(self.stages is None or not self.split_points,
@@ -413,7 +424,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
     from flatpack.ir.profiler import ProfileOptions
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload
-    from flatpack.runtime import chrome_trace, gantt, report
+    from flatpack.partitioner.refit import EVENTS_FILE
+    from flatpack.runtime import chrome_trace, gantt, report, timeline
 
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
@@ -459,13 +471,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
                                     profile=ProfileOptions(batch_sizes=sizes, repeats=3,
                                                            progress=None if logs.progress_enabled() else False),
-                                    workload=workload, **extra)
+                                    workload=workload, calibration=options.calibration, **extra)
         LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
                  f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
-        cost = funcpipe.iteration(compiled.problem, compiled.plan)
+        cost = funcpipe.predicted(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
@@ -502,10 +514,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                                  run=record.run) as deployment:
             LOG.info(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
                      f"local S3 server at {deployment.store_url.split('?')[0]}")
-            problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
-                compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
-            LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
-                     "(replaces the catalog's assumption in the prediction)")
+            if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
+                problem = compiled.problem
+                LOG.info(f"store request latency from the calibration file: "
+                         f"{problem.platform.storage_latency_s * 1000:.1f} ms")
+            else:
+                problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
+                    compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
+                LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
+                         "(replaces the catalog's assumption in the prediction)")
             result = deployment.train(batches, iterations=options.iterations, loss=loss,
                                       progress=logs.progress_enabled(),
                                       **train_options)
@@ -533,6 +550,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
                 "on the later iterations")
+        # the timeline, for `flatpack plan --from-run` (partitioner.refit) to re-fit the model to
+        (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
         schedule = report.predicted_schedule(problem, compiled.plan)

@@ -1,6 +1,15 @@
-"""Calibration: per-layer seconds measured inside the target, which override the catalog's
-host-to-tier compute model (FuncPipe's profiler runs every layer on every memory tier in the
-cloud, FuncPipe §4 and App. B).
+"""Calibration: what was measured inside the target, which overrides the catalog's models.
+Two measurements write this one format, alone or together:
+
+* ``flatpack profile --target`` (:mod:`flatpack.backends.profiling`): per-layer seconds per
+  memory tier (FuncPipe's profiler runs every layer on every memory tier in the cloud,
+  FuncPipe §4 and App. B), for one graph;
+* ``flatpack calibrate --target`` (:mod:`flatpack.backends.target_calibration`): the target
+  itself, for any model: per tier the compute speed relative to the profiling host per op
+  class, upload and download bandwidth, cold and warm invoke latency, the optimizer step's
+  seconds per parameter byte; the store's per-request latency as a fitted exponentially
+  modified Gaussian (``store_latency``), the polling overhead of a wait, and the host's
+  cores (the local backend's workers and store share them).
 
 The file is JSON (``docs/platforms.md`` has an example)::
 
@@ -22,6 +31,23 @@ The file is JSON (``docs/platforms.md`` has an example)::
       "provenance": {"measured": "2026-11-20", "region": "us-east-1"}   # optional, free text
     }
 
+Schema version 2 (``flatpack calibrate``) adds, all optional, and makes ``layers`` optional
+(a target calibration has none; its tiers then hold no ``forward_s``/``backward_s``)::
+
+      "target": {"name": "local", "region": null, "date": "2026-11-25T10:00:00+00:00",
+                 "host": "Intel Xeon ...", "flatpack_version": "0.1.0", "threads": 1},
+      "tiers": {"1024": {"compute_ratio": {"conv": 1.7, "matmul": 1.8, "elementwise": 1.7},
+                         "upload_bytes_s": 2.3e7, "download_bytes_s": 2.4e7,
+                         "invoke_cold_s": 1.9, "invoke_warm_s": 1.8,
+                         "optimizer_s_per_byte": {"sgd": 1e-10, "sgd-momentum": 2e-10, "adam": 4e-10}}},
+      "store_latency": {"distribution": "exponnorm", "K": 1.2, "loc": 0.002, "scale": 0.0005,
+                        "samples": 120},      # scipy.stats.exponnorm's parameters, seconds
+      "poll_overhead_s": 0.0021,              # a wait's mean delay after its key was written
+      "host_cores": 2,                        # local backend: cores the workers and store share
+      "collective": {"skipped": "no GPU ..."} # or {"alpha_s": ..., "beta_s_per_byte": ...}
+
+A version 1 file still loads.
+
 Seconds are :class:`~flatpack.ir.profile.Linear` lines ``per_sample * micro_batch + fixed``.
 A tier that is not in the file falls back to the platform model: :meth:`Calibration.seconds`
 answers exact tiers only and never interpolates between them, because compute time is not
@@ -31,10 +57,12 @@ measurements would look measured while being a model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import statistics
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -45,7 +73,9 @@ if TYPE_CHECKING:
     from flatpack.backends.catalog import Platform
 
 FORMAT = "flatpack-calibration"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+OP_CLASSES = ("conv", "matmul", "elementwise")
 
 
 def _number(value: Any, where: str, positive: bool = False) -> float:
@@ -73,27 +103,162 @@ def _lines(data: Any, count: int, where: str) -> tuple[Linear, ...]:
     return tuple(lines)
 
 
+def _ratios(data: Any, where: str) -> dict[str, float]:
+    if not isinstance(data, dict):
+        raise InputError(f"calibration file: {where} must map names to numbers, got {type(data).__name__}")
+    return {str(name): _number(value, f"{where}.{name}", positive=True) for name, value in data.items()}
+
+
 @dataclass(frozen=True)
 class TierCalibration:
-    """What was measured on one memory tier: per-layer forward and backward lines and,
-    optionally, the worker's bandwidth."""
+    """What was measured on one memory tier. Per layer (``flatpack profile --target``):
+    forward and backward lines, optionally FuncPipe's W_j. Of the target (``flatpack
+    calibrate``): the compute time of each op class relative to the profiling host
+    (tier seconds / host seconds at the same thread count), each direction's bandwidth, the
+    invoke latency of a first and a second start, and the optimizer step's seconds per
+    parameter byte per optimizer."""
 
-    forward_s: tuple[Linear, ...]
-    backward_s: tuple[Linear, ...]
+    forward_s: tuple[Linear, ...] = ()
+    backward_s: tuple[Linear, ...] = ()
     bandwidth_bytes_s: float | None = None
+    compute_ratio: Mapping[str, float] = field(default_factory=dict, hash=False)
+    upload_bytes_s: float | None = None
+    download_bytes_s: float | None = None
+    invoke_cold_s: float | None = None
+    invoke_warm_s: float | None = None
+    optimizer_s_per_byte: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    @property
+    def link_bytes_s(self) -> float | None:
+        """The one bandwidth W_j FuncPipe's equations take: the per-layer file's, else the
+        harmonic mean of the measured upload and download (a transfer's time is bytes/W, so
+        a round of one upload and one download takes 2·bytes/W)."""
+        if self.bandwidth_bytes_s is not None:
+            return self.bandwidth_bytes_s
+        if self.upload_bytes_s and self.download_bytes_s:
+            return 2 / (1 / self.upload_bytes_s + 1 / self.download_bytes_s)
+        return None
+
+    @property
+    def speed_ratio(self) -> float | None:
+        """Tier seconds per host second for a layer of unknown op class: the median of the
+        op classes measured (their spread is in the file, per class)."""
+        return statistics.median(self.compute_ratio.values()) if self.compute_ratio else None
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"forward_s": [line.to_json() for line in self.forward_s],
-                                "backward_s": [line.to_json() for line in self.backward_s]}
-        if self.bandwidth_bytes_s is not None:
-            data["bandwidth_bytes_s"] = self.bandwidth_bytes_s
+        data: dict[str, Any] = {}
+        if self.forward_s:
+            data["forward_s"] = [line.to_json() for line in self.forward_s]
+            data["backward_s"] = [line.to_json() for line in self.backward_s]
+        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
+        for name in ("compute_ratio", "optimizer_s_per_byte"):
+            if getattr(self, name):
+                data[name] = dict(getattr(self, name))
         return data
+
+    @classmethod
+    def from_json(cls, tier: Any, key: str, layer_count: int) -> "TierCalibration":
+        if not isinstance(tier, dict):
+            raise InputError(f"calibration file: tier {key} MB must be an object of measurements")
+        where = f"tiers[{key}]"
+        lines: dict[str, tuple[Linear, ...]] = {}
+        if layer_count:
+            lines = {kind: _lines(tier.get(kind), layer_count, f"{where}.{kind}") for kind in ("forward_s", "backward_s")}
+        figures = {name: _number(tier[name], f"{where}.{name}", positive=True)
+                   for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s")
+                   if tier.get(name) is not None}
+        figures.update({name: _number(tier[name], f"{where}.{name}") for name in ("invoke_cold_s", "invoke_warm_s")
+                        if tier.get(name) is not None})
+        ratios = {name: _ratios(tier[name], f"{where}.{name}") for name in ("compute_ratio", "optimizer_s_per_byte")
+                  if tier.get(name) is not None}
+        return cls(**lines, **figures, **ratios)
+
+
+@dataclass(frozen=True)
+class StoreLatency:
+    """Seconds of one store request, as an exponentially modified Gaussian (Gillis §IV-B
+    models function-communication delay so): ``scipy.stats.exponnorm(K, loc, scale)``,
+    fitted to ``samples`` measured requests. Its mean, loc + K·scale, is FuncPipe's t_lat."""
+
+    k: float
+    loc: float
+    scale: float
+    samples: int
+
+    @property
+    def mean_s(self) -> float:
+        return self.loc + self.k * self.scale
+
+    @classmethod
+    def fit(cls, seconds: Sequence[float]) -> "StoreLatency":
+        """Maximum-likelihood fit of measured request seconds (scipy, on the invoker's side)."""
+        from scipy.stats import exponnorm
+
+        if len(seconds) < 8:
+            raise InputError(f"fitting a latency distribution needs at least 8 measured requests, got {len(seconds)}; "
+                             "raise round_trips")
+        data = [float(value) for value in seconds]
+        # start the likelihood search at the method-of-moments estimate (skewness γ gives the
+        # exponential's share): from scipy's default start it can end at a degenerate K
+        mean, spread = statistics.fmean(data), statistics.pstdev(data)
+        skew = sum((value - mean) ** 3 for value in data) / (len(data) * spread ** 3) if spread > 0 else 0.0
+        share = min(max(skew / 2, 0.01), 0.95) ** (1 / 3)
+        tau, sigma = spread * share, max(spread * math.sqrt(1 - share ** 2), 1e-9)
+        k, loc, scale = exponnorm.fit(data, tau / sigma, loc=mean - tau, scale=sigma)
+        return cls(float(k), float(loc), float(scale), len(data))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"distribution": "exponnorm", "K": self.k, "loc": self.loc, "scale": self.scale,
+                "samples": self.samples, "mean_s": self.mean_s}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "StoreLatency":
+        if not isinstance(data, dict) or data.get("distribution") != "exponnorm":
+            raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", \"K\": ..., "
+                             "\"loc\": ..., \"scale\": ..., \"samples\": ...}")
+        loc = data.get("loc")
+        if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not math.isfinite(loc):
+            raise InputError(f"calibration file: store_latency.loc must be a finite number, got {loc!r}")
+        return cls(_number(data.get("K"), "store_latency.K", positive=True), float(loc),
+                   _number(data.get("scale"), "store_latency.scale", positive=True),
+                   int(_number(data.get("samples", 0), "store_latency.samples")))
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Where and when a target calibration was measured, and by what."""
+
+    name: str
+    date: str
+    host: str
+    flatpack_version: str
+    region: str | None = None
+    threads: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "TargetInfo":
+        if not isinstance(data, dict):
+            raise InputError("calibration file: \"target\" must be an object (name, date, host, flatpack_version)")
+        missing = [key for key in ("name", "date", "host", "flatpack_version") if key not in data]
+        if missing:
+            raise InputError(f"calibration file: \"target\" lacks {', '.join(missing)}")
+        threads = data.get("threads", 1)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise InputError(f"calibration file: target.threads must be a positive integer, got {threads!r}")
+        return cls(str(data["name"]), str(data["date"]), str(data["host"]), str(data["flatpack_version"]),
+                   None if data.get("region") is None else str(data["region"]), threads)
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Seconds measured inside ``platform`` for the chain ``layer_names`` of the graph
-    ``graph_hash``, per memory tier (MB)."""
+    """What was measured inside ``platform``: per memory tier (MB), seconds of the chain
+    ``layer_names`` of the graph ``graph_hash`` (none for a target calibration), and the
+    target's own figures (:class:`TierCalibration`, :class:`StoreLatency`)."""
 
     platform: str
     layer_names: tuple[str, ...]
@@ -102,12 +267,17 @@ class Calibration:
     storage_latency_s: float | None = None
     overlap_slowdown: float | None = None
     provenance: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+    target: TargetInfo | None = None
+    store_latency: StoreLatency | None = None
+    poll_overhead_s: float | None = None
+    host_cores: int | None = None
+    collective: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not self.platform:
             raise InputError("a calibration names the platform it was measured on")
-        if not self.layer_names:
-            raise InputError("a calibration covers at least one layer")
+        if not self.layer_names and self.target is None:
+            raise InputError("a calibration covers at least one layer, or is a target calibration (flatpack calibrate)")
         if not self.tiers:
             raise InputError("a calibration holds at least one memory tier")
         for memory_mb, tier in self.tiers.items():
@@ -117,21 +287,37 @@ class Calibration:
                                      f"lines for {len(self.layer_names)} layers")
         if self.overlap_slowdown is not None and self.overlap_slowdown < 1:
             raise InputError(f"calibration: overlap_slowdown (beta) must be >= 1, got {self.overlap_slowdown}")
+        if self.host_cores is not None and self.host_cores < 1:
+            raise InputError(f"calibration: host_cores must be at least 1, got {self.host_cores}")
 
     @property
     def tiers_mb(self) -> tuple[int, ...]:
         return tuple(sorted(self.tiers))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the file's canonical JSON: what a plan records to say which calibration
+        it was made with."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    @property
+    def request_latency_s(self) -> float | None:
+        """FuncPipe's t_lat: the fitted distribution's mean, else the file's figure."""
+        return self.store_latency.mean_s if self.store_latency is not None else self.storage_latency_s
 
     # -- use -------------------------------------------------------------------------------
 
     def check_against(self, layer_names: Sequence[str], graph_hash: str | None,
                       platform: str | None = None) -> None:
         """Refuses a calibration measured for another graph or platform. ``graph_hash`` or
-        ``platform`` given as ``None`` is not checked."""
+        ``platform`` given as ``None`` is not checked; a target calibration (no layers)
+        fits every graph."""
         rerun = "re-run calibration on this graph (after the same passes) on the target"
         if platform is not None and platform != self.platform:
             raise InputError(f"the calibration file was measured on {self.platform!r} but the target is "
                              f"{platform!r}; calibrate on {platform!r} or compile for {self.platform!r}")
+        if not self.layer_names:
+            return
         if graph_hash is not None and self.graph_hash is not None and graph_hash != self.graph_hash:
             raise InputError(f"the calibration file is for graph {self.graph_hash!r} but this graph hashes to "
                              f"{graph_hash!r}; {rerun}")
@@ -149,23 +335,44 @@ class Calibration:
 
     def seconds(self, layer_index: int, memory_mb: int, micro_batch: float) -> tuple[float, float] | None:
         """Forward and backward seconds of one micro-batch of layer ``layer_index`` on the
-        ``memory_mb`` tier, or ``None`` when that tier was not calibrated (the caller then
-        uses the platform's model). Exact tiers only: no interpolation between tiers."""
+        ``memory_mb`` tier, or ``None`` when that tier has no per-layer lines (the caller
+        then uses :meth:`speed_ratio` or the platform's model). Exact tiers only: no
+        interpolation between tiers."""
+        if not self.layer_names:
+            return None
         if not 0 <= layer_index < len(self.layer_names):
             raise InputError(f"layer index {layer_index} is outside the calibrated chain of "
                              f"{len(self.layer_names)} layers")
         tier = self.tiers.get(memory_mb)
-        if tier is None:
+        if tier is None or not tier.forward_s:
             return None
         return tier.forward_s[layer_index].at(micro_batch), tier.backward_s[layer_index].at(micro_batch)
 
+    def speed_ratio(self, memory_mb: int, threads: int) -> float | None:
+        """Tier seconds per profiling-host second on the ``memory_mb`` tier, measured by
+        ``flatpack calibrate`` at ``target.threads`` threads; ``None`` for a tier it did
+        not measure or a profile taken at another thread count (a ratio at one thread count
+        says nothing of another: intra-op speed-up is not linear)."""
+        tier = self.tiers.get(memory_mb)
+        if tier is None or self.target is None or threads != self.target.threads:
+            return None
+        return tier.speed_ratio
+
+    def optimizer_seconds(self, memory_mb: int, optimizer: str, parameter_bytes: float) -> float | None:
+        """Seconds of one optimizer step over ``parameter_bytes`` on the tier, when measured."""
+        tier = self.tiers.get(memory_mb)
+        if tier is None or optimizer not in tier.optimizer_s_per_byte:
+            return None
+        return tier.optimizer_s_per_byte[optimizer] * parameter_bytes
+
     def apply(self, platform: "Platform") -> "Platform":
-        """``platform`` with this file's measured bandwidth, storage latency and β in place
-        of the catalog's, each source noting that it was measured."""
+        """``platform`` with this file's measured bandwidth, storage latency, β, polling
+        overhead and host cores in place of the catalog's, each source noting that it was
+        measured."""
         self.check_against(self.layer_names, None, platform.name)
-        bandwidth = {mb: tier.bandwidth_bytes_s for mb, tier in self.tiers.items() if tier.bandwidth_bytes_s}
-        note = "measured inside the target by calibration" + (f" ({self.provenance.get('measured')})"
-                                                               if self.provenance.get("measured") else "")
+        bandwidth = {mb: tier.link_bytes_s for mb, tier in self.tiers.items() if tier.link_bytes_s}
+        when = self.target.date if self.target is not None else self.provenance.get("measured")
+        note = "measured inside the target by calibration" + (f" ({when})" if when else "")
         sources = dict(platform.sources)
         changes: dict[str, Any] = {}
         if bandwidth:
@@ -173,9 +380,11 @@ class Calibration:
             changes["tiers"] = tuple(replace(t, bandwidth_bytes_s=bandwidth[t.memory_mb])
                                      if t.memory_mb in bandwidth else t for t in platform.tiers)
             sources["measured_bandwidth"] = f"tiers {sorted(bandwidth)} MB: {note}"
-        for name in ("storage_latency_s", "overlap_slowdown"):
-            if getattr(self, name) is not None:
-                changes[name] = getattr(self, name)
+        measured = {"storage_latency_s": self.request_latency_s, "overlap_slowdown": self.overlap_slowdown,
+                    "poll_overhead_s": self.poll_overhead_s, "host_cores": self.host_cores}
+        for name, value in measured.items():
+            if value is not None:
+                changes[name] = value
                 sources[name] = note
         return replace(platform, sources=sources, **changes)
 
@@ -187,9 +396,15 @@ class Calibration:
             "graph_hash": self.graph_hash, "layers": list(self.layer_names),
             "tiers": {str(mb): self.tiers[mb].to_json() for mb in self.tiers_mb},
         }
-        for name in ("storage_latency_s", "overlap_slowdown"):
+        for name in ("storage_latency_s", "overlap_slowdown", "poll_overhead_s", "host_cores"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
+        if self.target is not None:
+            data["target"] = self.target.to_json()
+        if self.store_latency is not None:
+            data["store_latency"] = self.store_latency.to_json()
+        if self.collective:
+            data["collective"] = dict(self.collective)
         if self.provenance:
             data["provenance"] = dict(self.provenance)
         return data
@@ -200,13 +415,15 @@ class Calibration:
             raise InputError(f"not a flatpack calibration file: expected a JSON object with \"format\": "
                              f"\"{FORMAT}\"")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise InputError(f"calibration file schema version {version!r} is not supported; this flatpack "
-                             f"reads version {SCHEMA_VERSION}: re-run calibration with this flatpack")
-        missing = [key for key in ("platform", "layers", "tiers") if key not in data]
+                             f"reads versions {', '.join(map(str, READABLE_VERSIONS))}: re-run calibration with this "
+                             "flatpack")
+        required = ("platform", "layers", "tiers") if version == 1 else ("platform", "tiers")
+        missing = [key for key in required if key not in data]
         if missing:
             raise InputError(f"calibration file lacks {', '.join(missing)}")
-        layers = data["layers"]
+        layers = data.get("layers") or []
         if not isinstance(layers, list) or not all(isinstance(name, str) for name in layers):
             raise InputError("calibration file: \"layers\" must be a list of layer names")
         graph_hash = data.get("graph_hash")
@@ -218,21 +435,24 @@ class Calibration:
         for key, tier in data["tiers"].items():
             if not str(key).isdigit() or int(key) <= 0:
                 raise InputError(f"calibration file: tier key {key!r} is not a memory size in MB")
-            if not isinstance(tier, dict):
-                raise InputError(f"calibration file: tier {key} MB must be an object with forward_s and backward_s")
-            where = f"tiers[{key}]"
-            bandwidth = tier.get("bandwidth_bytes_s")
-            tiers[int(key)] = TierCalibration(
-                _lines(tier.get("forward_s"), len(layers), f"{where}.forward_s"),
-                _lines(tier.get("backward_s"), len(layers), f"{where}.backward_s"),
-                None if bandwidth is None else _number(bandwidth, f"{where}.bandwidth_bytes_s", positive=True))
-        optional = {name: _number(data[name], name) for name in ("storage_latency_s", "overlap_slowdown")
-                    if data.get(name) is not None}
+            tiers[int(key)] = TierCalibration.from_json(tier, str(key), len(layers))
+        optional: dict[str, Any] = {name: _number(data[name], name)
+                                    for name in ("storage_latency_s", "overlap_slowdown", "poll_overhead_s")
+                                    if data.get(name) is not None}
+        if data.get("host_cores") is not None:
+            optional["host_cores"] = int(_number(data["host_cores"], "host_cores", positive=True))
+        if data.get("target") is not None:
+            optional["target"] = TargetInfo.from_json(data["target"])
+        if data.get("store_latency") is not None:
+            optional["store_latency"] = StoreLatency.from_json(data["store_latency"])
+        collective = data.get("collective") or {}
+        if not isinstance(collective, dict):
+            raise InputError("calibration file: \"collective\" must be an object")
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, dict):
             raise InputError("calibration file: \"provenance\" must be an object of strings")
         return cls(platform=str(data["platform"]), layer_names=tuple(layers), tiers=tiers, graph_hash=graph_hash,
-                   provenance={str(k): str(v) for k, v in provenance.items()}, **optional)
+                   provenance={str(k): str(v) for k, v in provenance.items()}, collective=collective, **optional)
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)

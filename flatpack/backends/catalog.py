@@ -169,7 +169,7 @@ class Scaling:
 _NUMERIC_FIELDS = ("min_memory_mb", "max_memory_mb", "storage_latency_s", "price_per_request",
                    "billing_granularity_s", "timeout_s", "base_memory_bytes", "overlap_slowdown",
                    "aggregate_bandwidth_bytes_s", "package_limit_bytes", "image_limit_bytes",
-                   "ephemeral_storage_bytes", "cpu_speed_ratio")
+                   "ephemeral_storage_bytes", "cpu_speed_ratio", "poll_overhead_s", "host_cores")
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,10 @@ class Platform:
     vCPU, used only when a CPU host profile must be mapped to a GPU tier.
     ``measured_bandwidth``: per-tier bandwidth measured inside the target (a calibration
     file's), which wins over the scaling rule.
+    ``poll_overhead_s``: the mean delay a consumer's polling ``wait`` adds after its key was
+    written (None: not stated; the cost models then add none). ``host_cores``: on the
+    local backend, the cores every worker and the store share (None elsewhere: a cloud
+    function's CPU is its own).
     """
 
     name: str
@@ -207,6 +211,8 @@ class Platform:
     cpu_speed_ratio: float = 1.0
     gpu_vcpu_equivalents: Mapping[str, float] = field(default_factory=dict, hash=False)
     measured_bandwidth: Mapping[int, float] = field(default_factory=dict, hash=False)
+    poll_overhead_s: float | None = None
+    host_cores: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -621,10 +627,22 @@ def _local_sources(cpus: int) -> dict[str, str]:
         "tier.bandwidth_bytes_s": lambda_says + "the token-bucket rate the local backend throttles each stage "
                                   "to. " + LAMBDA_SOURCES["scaling.bandwidth_points"],
         "direct_networking": "the local backend passes tensors through a local store, as Lambda does through S3",
+        "poll_overhead_s": "assumption: half of Store.wait's largest back-off (5 ms between polls, runtime/store.py); "
+                           "flatpack calibrate measures it",
+        "host_cores": "len(os.sched_getaffinity(0)) on this host: every local worker and the S3 server share "
+                      "these cores",
     })
     for unbounded in ("timeout_s", "package_limit_bytes", "image_limit_bytes", "ephemeral_storage_bytes"):
         sources.pop(unbounded)
     return sources
+
+
+def host_cores() -> int:
+    """Cores this process may run on (the local backend's workers and store share them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
 
 
 @lru_cache(maxsize=None)
@@ -637,7 +655,8 @@ def local() -> Platform:
         min_memory_mb=lam.min_memory_mb, max_memory_mb=lam.max_memory_mb, storage_latency_s=0.002,
         price_per_request=lam.price_per_request, billing_granularity_s=lam.billing_granularity_s, timeout_s=None,
         base_memory_bytes=lam.base_memory_bytes, overlap_slowdown=lam.overlap_slowdown,
-        aggregate_bandwidth_bytes_s=None, direct_networking=False, sources=_local_sources(cpus), scaling=scaling)
+        aggregate_bandwidth_bytes_s=None, direct_networking=False, sources=_local_sources(cpus), scaling=scaling,
+        poll_overhead_s=0.0025, host_cores=host_cores())
 
 
 # -- the registry ----------------------------------------------------------------------------

@@ -122,8 +122,9 @@ def check_tiers(compiled: Compiled, target: str) -> None:
 
 
 def function_name(name: str, role_kind: str, index: int) -> str:
-    """A stage's function (``-sNNN``) or, for in-target profiling, a tier's (``-pMMMMM``, MB)."""
-    return f"{name}-p{index:05d}" if role_kind == "profile" else f"{name}-s{index:03d}"
+    """A stage's function (``-sNNN``) or, for in-target profiling and target calibration, a tier's
+    (``-pMMMMM``, MB)."""
+    return f"{name}-p{index:05d}" if role_kind in ("profile", "calibrate") else f"{name}-s{index:03d}"
 
 
 def functions(compiled: Compiled, name: str, target: str, profile_tiers: Sequence[int] | None = None) -> list[dict[str, Any]]:

@@ -325,10 +325,10 @@ def _next_step(deployment: FunctionDeployment, emulated: bool) -> str:
 
 
 def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], parallel: int, timeout_s: float,
-                   say: Callable[[str], None]) -> dict[int, _Ended]:
+                   say: Callable[[str], None], verb: str = "profiling") -> dict[int, _Ended]:
     """Starts the functions, ``parallel`` at a time, and waits for each up to ``timeout_s``;
     memory size -> how it ended. Every function still running when this returns or raises
-    is killed."""
+    is killed. ``verb`` says what the functions do (``flatpack calibrate`` runs them too)."""
     pending = list(roles)
     running: dict[int, tuple[Invocation, float]] = {}
     ended: dict[int, _Ended] = {}
@@ -336,7 +336,7 @@ def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], para
         while pending or running:
             while pending and len(running) < parallel:
                 role = pending.pop(0)
-                say(f"profiling the {role.stage} MB tier")
+                say(f"{verb} the {role.stage} MB tier")
                 running[role.stage] = (launch(role), time.monotonic())
             for memory_mb, (handle, started) in list(running.items()):
                 code = handle.poll()
@@ -344,8 +344,8 @@ def _run_functions(roles: list[Role], launch: Callable[[Role], Invocation], para
                     continue
                 if code is None:
                     _stop(handle)
-                    log.warning("the profiler function of the %d MB tier ran past %g s and was stopped",
-                                memory_mb, timeout_s)
+                    log.warning("the function %s the %d MB tier ran past %g s and was stopped",
+                                verb, memory_mb, timeout_s)
                 ended[memory_mb] = _Ended(code, getattr(handle, "failure", ""))
                 del running[memory_mb]
                 ending = {0: "done", None: "stopped at the timeout"}.get(code, f"ended with exit code {code}")

@@ -1,5 +1,6 @@
 """Plans: which layers each stage runs, on which memory tier, with how many replicas, and
-how many micro-batches an iteration is cut into.
+how many micro-batches an iteration is cut into, and (``Provenance``) what they were made
+for: the graph, the target, the workload, the calibration and the flatpack that made them.
 
 Plain data with a JSON round-trip and a schema version, comparable and hashable.
 """
@@ -8,11 +9,65 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flatpack.errors import PlanError
-from flatpack.version import PLAN_SCHEMA_VERSION
+from flatpack.version import PLAN_SCHEMA_VERSION, __version__
+
+
+class PlanReuseWarning(UserWarning):
+    """A plan reused, with ``force``, for something other than what it was made for."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a plan was made for: the graph (``ir.profiler.graph_hash``), the target, the
+    workload (mode, batch, micro-batches, optimizer, sync; None when compiled without one),
+    the calibration file's digest (None: the catalog's models) and flatpack's version. A
+    plan's predictions hold for exactly these."""
+
+    graph_hash: str
+    target: str
+    workload: dict[str, Any] | None = field(default=None, hash=False)
+    calibration_digest: str | None = None
+    flatpack_version: str = __version__
+
+    def differences(self, other: "Provenance") -> list[str]:
+        """What differs from ``other`` (what the plan is now used for), one phrase each."""
+        found = []
+        for name, what in (("graph_hash", "graph"), ("target", "target"), ("workload", "workload"),
+                           ("calibration_digest", "calibration"), ("flatpack_version", "flatpack version")):
+            made, used = getattr(self, name), getattr(other, name)
+            if made != used:
+                found.append(f"{what}: made for {made!r}, used for {used!r}")
+        return found
+
+    def check(self, current: "Provenance", force: bool = False) -> None:
+        """Refuses (``PlanError``) a plan made for something other than ``current``; with
+        ``force``, warns (:class:`PlanReuseWarning`) and lets it through."""
+        differences = self.differences(current)
+        if not differences:
+            return
+        message = ("the plan was made for something else, so its predictions and memory checks do not hold here: "
+                   + "; ".join(differences)
+                   + ". Re-plan for this model, target, workload and calibration (flatpack plan), or pass --force "
+                     "(force=True) to use it anyway")
+        if not force:
+            raise PlanError(message)
+        warnings.warn(message, PlanReuseWarning, stacklevel=3)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Provenance":
+        if not isinstance(data, dict) or not isinstance(data.get("graph_hash"), str) \
+                or not isinstance(data.get("target"), str):
+            raise PlanError("malformed plan JSON: \"provenance\" must hold at least graph_hash and target strings")
+        return cls(data["graph_hash"], data["target"], data.get("workload"), data.get("calibration_digest"),
+                   str(data.get("flatpack_version", "")))
 
 
 @dataclass(frozen=True)
@@ -40,6 +95,9 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     # FuncPipe's M when the solver chose it; None: the workload's micro_batches
     micro_batches: int | None = None
+    # what the plan was made for (compile records it); None: a plan written by hand or by an
+    # older flatpack, which nothing can be checked against
+    provenance: Provenance | None = field(default=None, compare=False, hash=False)
 
     @classmethod
     def from_ranges(cls, ranges: list[tuple[int, int]], num_layers: int, solver: str = "manual") -> "Plan":
@@ -98,9 +156,12 @@ class Plan:
         return dataclasses.replace(self, predictions={**self.predictions, **predictions})
 
     def to_json(self) -> dict:
-        return {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
+        data = {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
                 "stages": [asdict(stage) for stage in self.stages], "micro_batches": self.micro_batches,
                 "predictions": self.predictions}
+        if self.provenance is not None:
+            data["provenance"] = self.provenance.to_json()
+        return data
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
@@ -112,8 +173,9 @@ class Plan:
                             "re-plan with this flatpack version")
         try:
             stages = tuple(StagePlan(**stage) for stage in data["stages"])
+            provenance = Provenance.from_json(data["provenance"]) if data.get("provenance") is not None else None
             plan = cls(stages, int(data["num_layers"]), data.get("solver", "manual"), data.get("predictions", {}),
-                       micro_batches=data.get("micro_batches"))
+                       micro_batches=data.get("micro_batches"), provenance=provenance)
         except (KeyError, TypeError) as err:
             raise PlanError(f"malformed plan JSON: {err}") from None
         plan.check_against(plan.num_layers)

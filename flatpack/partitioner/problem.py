@@ -65,6 +65,27 @@ class Problem:
         return cls(chain, platform, workload or Workload(), profile.host if profile else None,
                    calibration, stages, options, profile.input_bytes if profile else None)
 
+    @classmethod
+    def from_saved(cls, chain: dict[str, Any], profile: ChainProfile, target: str, workload: Workload | None = None,
+                   calibration: "Calibration | None" = None, **options: Any) -> "Problem":
+        """The problem of a saved artifact (``Compiled.load``, which keeps no graph): its
+        chain's JSON (``info["chain"]``) and its profile, as :meth:`from_graph` builds it."""
+        from flatpack.backends.catalog import get_platform
+
+        layers = chain.get("layers") if isinstance(chain, dict) else None
+        if not isinstance(layers, list) or len(layers) != len(profile.layers):
+            raise PlanError(f"the saved chain has {len(layers) if isinstance(layers, list) else 'no'} layers but its "
+                            f"profile {len(profile.layers)}; recompile the artifact with a profile")
+        built = tuple(ChainLayer(layer["name"], int(layer["param_bytes"]), int(layer["flops"]),
+                                 int(layer["boundary"]["bytes"]), measured)
+                      for layer, measured in zip(layers, profile.layers))
+        platform = get_platform(target)
+        if calibration is not None:
+            calibration.check_against([layer.name for layer in built], profile.graph_hash, platform.name)
+            platform = calibration.apply(platform)
+        return cls(built, platform, workload or Workload(), profile.host, calibration, None, options,
+                   profile.input_bytes)
+
     @property
     def profiled(self) -> bool:
         return all(layer.profile is not None for layer in self.chain)
@@ -110,6 +131,13 @@ class Problem:
         return self._on_tier(self.layer_profile(index).inference_line().at(batch), tier)
 
     def _on_tier(self, host_seconds: float, tier: "Tier") -> float:
+        """Host seconds on ``tier``: times the speed ratio ``flatpack calibrate`` measured on
+        the tier when the calibration has one for this profile's thread count (a CPU
+        profile), else through the platform's compute model."""
         if self.host is None:
             raise PlanError("the problem has profiles but no host record; build it with Problem.from_graph")
+        if self.calibration is not None and self.host.device == "cpu":
+            ratio = self.calibration.speed_ratio(tier.memory_mb, self.host.threads)
+            if ratio is not None:
+                return host_seconds * ratio
         return self.platform.compute_seconds(host_seconds, self.host, tier)

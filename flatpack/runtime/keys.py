@@ -23,6 +23,7 @@ Layout (``<run>`` is the run id)::
     <run>/profile/spec/m<MB>                          in-target profiling: a tier's ProfileSpec
     <run>/profile/result/m<MB>                        in-target profiling: a tier's TierResult
     <run>/profile/probe/m<MB>                         in-target profiling: a tier's bandwidth probe
+    <run>/calibrate/<kind>/m<MB>[/<n>]                target calibration: a tier's spec, result, probe objects
 
 Iterations, stages, replicas, micro-batches and memory sizes are zero-padded so that a
 prefix listing returns them in order.
@@ -149,3 +150,11 @@ class RunKeys:
             return f"{self.run}/profile/{kind}/m{_n(memory_mb)}"
         raise ValueError(f"no profile key {kind!r} for memory size {memory_mb!r}: spec, result and probe are a "
                          "tier's (give its memory size), inputs are every tier's (give none)")
+
+    def calibrate(self, kind: str, memory_mb: int, invocation: int | None = None) -> str:
+        """Target calibration (``flatpack calibrate``): the ``memory_mb`` tier's ``spec``,
+        the ``result`` of its ``invocation`` (0 cold, 1 warm), or a ``probe`` object."""
+        if kind not in ("spec", "result", "probe"):
+            raise ValueError(f"no calibrate key {kind!r}: spec, result and probe are a tier's")
+        suffix = "" if invocation is None else f"/{_n(invocation)}"
+        return f"{self.run}/calibrate/{kind}/m{_n(memory_mb)}{suffix}"

@@ -122,7 +122,7 @@ class Comparison:
 
 def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1) -> Comparison:
     """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``."""
-    cost = funcpipe.iteration(problem, plan)
+    cost = funcpipe.predicted(problem, plan)
     return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
                       predicted_iteration_s=cost.iteration_s, cost=cost)
 
@@ -166,7 +166,8 @@ def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
     (m % d == r): download the input (stage > 0), forward, upload the output (not the last
     stage); once all its forwards are done, in reverse micro-batch order: download the
     output gradient (not the last stage), backward, upload the input gradient (stage > 0);
-    then synchronize (d > 1) and update (the model gives the update no time). A download
+    then synchronize (d > 1) and update (t_opt,s of the measured terms; 0 where nothing
+    measured the optimizer step). A download
     waits for the upload it reads; each lane of a worker (compute, upload, download) runs
     one task at a time, in the order above. List scheduling: a task starts as soon as its
     lane and its inputs are ready.
@@ -176,7 +177,7 @@ def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
     t_iter, since the model lets no stage start its backward before the whole pipeline's
     forward has drained.
     """
-    cost = funcpipe.iteration(problem, plan)
+    cost = funcpipe.predicted(problem, plan)
     d = cost.replicas
     count = len(cost.stages)
     total = problem.workload.micro_batches
@@ -218,7 +219,8 @@ def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
             if d > 1:
                 tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
                 last = [("s", s, r)]
-            tasks.append((("u", s, r), "update", "compute", None, 0.0, 0, last))
+            step = cost.overheads.optimizer_s[s] if cost.overheads and cost.overheads.optimizer_s else 0.0
+            tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
             programs[(s, r)] = tasks
 
     # per worker and lane, the tasks wait their turn; a task runs once the tasks it needs end

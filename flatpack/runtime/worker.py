@@ -278,6 +278,9 @@ def run_role(role: Role, store: Store, started: float) -> int:
         if role.kind == "profile":
             from flatpack.runtime.profile_function import run_profile
             return run_profile(store, role, raw)
+        if role.kind == "calibrate":
+            from flatpack.runtime.calibrate_function import run_calibrate
+            return run_calibrate(store, role, raw, started)
         if role.kind == "train":
             spec = RunSpec.loads(raw)
             if spec.store_faults:   # a chaos run: this worker's store requests fail and stall at the spec's rates

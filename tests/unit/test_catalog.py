@@ -337,8 +337,9 @@ def test_calibration_wrong_platform():
 
 def test_calibration_wrong_schema_version_and_format():
     data = _calibration().to_json()
-    with pytest.raises(InputError, match="schema version 2 is not supported.*version 1"):
-        Calibration.from_json({**data, "schema_version": 2})
+    with pytest.raises(InputError, match="schema version 3 is not supported.*versions 1, 2"):
+        Calibration.from_json({**data, "schema_version": 3})
+    assert Calibration.from_json({**data, "schema_version": 1}) == _calibration()   # version 1 files still load
     with pytest.raises(InputError, match="schema version None"):
         Calibration.from_json({k: v for k, v in data.items() if k != "schema_version"})
     with pytest.raises(InputError, match="not a flatpack calibration file"):
@@ -360,6 +361,8 @@ def test_calibration_malformed_contents():
     with pytest.raises(InputError, match="tier key 'big'"):
         Calibration.from_json({**data, "tiers": {"big": data["tiers"]["1024"]}})
     with pytest.raises(InputError, match="lacks layers"):
+        Calibration.from_json({k: v for k, v in data.items() if k != "layers"} | {"schema_version": 1})
+    with pytest.raises(InputError, match="at least one layer, or is a target calibration"):
         Calibration.from_json({k: v for k, v in data.items() if k != "layers"})
     with pytest.raises(InputError, match="beta"):
         Calibration.from_json({**data, "overlap_slowdown": 0.9})

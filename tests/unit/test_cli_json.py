@@ -82,7 +82,7 @@ def test_every_verb_that_reports_takes_json():
     parser = build_parser()
     verbs = next(action for action in parser._actions if action.dest == "command").choices
     reporting = {"inspect", "compile", "sign", "check", "profile", "plan", "platforms", "run", "resume", "deploy",
-                 "teardown", "demo"}
+                 "teardown", "demo", "calibrate"}
     missing = [verb for verb in reporting & set(verbs)
                if "--json" not in verbs[verb]._option_string_actions]
     assert missing == []

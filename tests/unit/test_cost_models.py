@@ -205,6 +205,9 @@ def test_every_model_reads_seconds_through_the_calibration():
         def seconds(self, index, memory_mb, micro_batch):
             return (10.0, 20.0) if memory_mb == 1024 else None
 
+        def speed_ratio(self, memory_mb, threads):
+            return None    # no target calibration: the host model for tiers without lines
+
     calibrated = dataclasses.replace(problem(), calibration=Calibration())
     cost = funcpipe.iteration(calibrated, TWO_STAGES)
     assert cost.stages[0].forward_s == 2 * (10.0 + 10.0)    # β·Σ calibrated seconds

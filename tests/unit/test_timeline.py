@@ -216,7 +216,7 @@ def three_stages(replicas: int) -> Plan:
 
 def test_compare_predicted_columns_are_funcpipes():
     problem, plan = training(6), three_stages(2)
-    cost = funcpipe.iteration(problem, plan)
+    cost = funcpipe.predicted(problem, plan)    # FuncPipe's equations with the measured terms
     measured = [*one_iteration(0, 0.0, 0.05), *one_iteration(1, 50.0, 0.04)]
     comparison = compare(problem, plan, measured)
     assert comparison.predicted_iteration_s == cost.iteration_s
@@ -246,7 +246,7 @@ def test_compare_predicted_columns_are_funcpipes():
 
 
 def check_schedule(problem, plan) -> tuple[float, funcpipe.PipelineCost, list[Event]]:
-    cost = funcpipe.iteration(problem, plan)
+    cost = funcpipe.predicted(problem, plan)   # what predicted_schedule simulates
     events = predicted_schedule(problem, plan)
     d, total = cost.replicas, problem.workload.micro_batches
     # every worker runs what it owns, and each lane of a worker one task at a time

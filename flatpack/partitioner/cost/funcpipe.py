@@ -88,9 +88,75 @@ class PipelineCost:
     dollars_per_iteration: float   # c_iter (eq. 6)
     fits: bool
     unfit_stage: int | None        # the first stage whose memory need exceeds its tier
+    overheads: "Overheads | None" = None   # the measured terms added to the paper's (None: the paper's model)
 
     def to_json(self) -> dict:
         return to_json(self, MODEL)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What the local backend's and a cloud run's measurements say an iteration also costs,
+    beyond FuncPipe's equations (issue 19; docs/cost_models.md, "Measured terms"). Each is a
+    named term with a measured source; each is 0 where its source states nothing:
+
+    * ``poll_s`` (t_poll): a download polls for a key its producer has not written yet
+      (``Store.wait`` backs off up to 5 ms); the mean delay after the write, measured by
+      ``flatpack calibrate``. Added to every download: t_fd, t_bd and the sync's.
+    * ``input_s`` (t_in): the first stage downloads each micro-batch's input data,
+      o_in/W_0 + t_lat. Prefetched an iteration ahead, it is on no micro-batch's path, but it
+      occupies the first stage's link: a term of Δ_f.
+    * ``optimizer_s`` (t_opt,s): the optimizer step after the sync, per stage: the stage's
+      parameter bytes times the step's seconds per byte measured on the tier.
+    * ``marker_s`` (t_mark): the "computed" marker for the invoker's straggler watch goes
+      out on the upload lane just before the sync's first upload: one request, when d > 1.
+    * ``contention`` (κ): on the local backend, every worker and the store share the host's
+      C cores: κ = (Σ over workers of min(v, threads) + 1 for the store) / C. A request's
+      CPU work (client and server) stretches by max(1, κ), so t_lat, t_poll and t_mark do;
+      compute, already stretched to 1/v by the tier's throttle, only when κ·v > 1.
+    """
+
+    poll_s: float = 0.0
+    input_s: float = 0.0
+    optimizer_s: tuple[float, ...] = ()
+    marker_s: float = 0.0
+    contention: float = 1.0
+
+    @classmethod
+    def of(cls, problem: Problem, plan: Plan) -> "Overheads":
+        """The terms for ``plan`` from the problem's platform (a calibration applied) and
+        calibration; each term that nothing measured is 0."""
+        replicas = uniform_replicas(plan, "FuncPipe")
+        platform = problem.platform
+        tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
+        bandwidth = _bandwidths(problem, tiers, replicas)
+        contention = host_contention(problem, plan)
+        latency = platform.storage_latency_s * contention
+        input_s = 0.0
+        if problem.input_bytes is not None:
+            input_s = problem.boundary_bytes(-1, problem.workload.micro_batch_size) / bandwidth[0] + latency
+        optimizer = []
+        for stage, tier in zip(plan.stages, tiers):
+            seconds = None
+            if problem.calibration is not None:
+                seconds = problem.calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
+                                                                gradient_bytes(problem, stage.start, stage.end))
+            optimizer.append((seconds or 0.0) * max(1.0, contention * min(tier.vcpus, 1.0)))
+        return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s,
+                   optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention)
+
+
+def host_contention(problem: Problem, plan: Plan) -> float:
+    """κ of :class:`Overheads`: the CPU the plan's workers and the store ask of a host with
+    ``platform.host_cores`` cores, over those cores, at least 1 (1 where the platform does
+    not share a host: a cloud function's CPU is its own)."""
+    cores = problem.platform.host_cores
+    if cores is None or problem.platform.kind != "local":
+        return 1.0
+    threads = problem.options.get("threads", 1)
+    demand = sum(stage.replicas * min(stage_tier(problem, stage, index).vcpus, threads)
+                 for index, stage in enumerate(plan.stages)) + 1.0
+    return max(1.0, demand / cores)
 
 
 def _bandwidths(problem: Problem, tiers: list, replicas: int) -> list[float]:
@@ -101,7 +167,14 @@ def _bandwidths(problem: Problem, tiers: list, replicas: int) -> list[float]:
     return [min(tier.bandwidth_bytes_s, share) for tier in tiers]
 
 
-def iteration(problem: Problem, plan: Plan) -> PipelineCost:
+def predicted(problem: Problem, plan: Plan) -> PipelineCost:
+    """:func:`iteration` with the measured :class:`Overheads`: what a run is predicted to
+    take (``flatpack run``'s report, the fidelity benchmark, ``plan --from-run``). The
+    solvers search :func:`iteration`, the paper's model."""
+    return iteration(problem, plan, Overheads.of(problem, plan))
+
+
+def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) -> PipelineCost:
     """Time, cost and memory of one training iteration of ``plan`` under FuncPipe's model.
 
     000_2f8f665d06f7d6de.txt, App. B and §3.4.2:
@@ -115,21 +188,29 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
     t_iter = t_f + max over stages (t_b + t_s) (eq. 7);
     memory µ·â + ŝ(4 − 2y₁) + s₀ ≤ m (eq. 3b, see ``common.stage_memory``);
     c_mem = d·Σ m (eq. 5); c_iter = P·t_iter·c_mem (eq. 6).
+
+    ``overheads``: the measured terms of :class:`Overheads`, each entering where it is
+    spent: t_lat·κ for t_lat, + t_poll on every download, t_in in Δ_f, κ on compute when
+    κ·v > 1, t_s + t_mark, and t_iter = t_f + max_s (t_b + t_s + t_opt,s). None (the
+    solvers' form): the paper's equations alone.
     """
     check_training_plan(problem, plan, "FuncPipe")
     replicas = uniform_replicas(plan, "FuncPipe")
     mu = micro_batches_per_replica(problem, replicas)
     micro = problem.workload.micro_batch_size
     platform = problem.platform
-    latency = platform.storage_latency_s
+    extra = overheads or Overheads()
+    latency = platform.storage_latency_s * extra.contention
+    poll = extra.poll_s
     slowdown = platform.overlap_slowdown
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
     bandwidth = _bandwidths(problem, tiers, replicas)
     count = len(plan.stages)
 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
-    forward = [slowdown * fwd for fwd, _ in compute]
-    backward = [slowdown * bwd for _, bwd in compute]
+    stretch = [max(1.0, extra.contention * min(tier.vcpus, 1.0)) for tier in tiers]
+    forward = [slowdown * fwd * factor for (fwd, _), factor in zip(compute, stretch)]
+    backward = [slowdown * bwd * factor for (_, bwd), factor in zip(compute, stretch)]
 
     boundaries = []
     for b in range(count - 1):
@@ -137,14 +218,14 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
         boundaries.append(BoundaryCost(
             after_layer=plan.stages[b].end, bytes=nbytes,
             forward_upload_s=nbytes / bandwidth[b] + latency,
-            forward_download_s=nbytes / bandwidth[b + 1] + latency,
+            forward_download_s=nbytes / bandwidth[b + 1] + latency + poll,
             backward_upload_s=nbytes / bandwidth[b + 1] + latency,
-            backward_download_s=nbytes / bandwidth[b] + latency,
+            backward_download_s=nbytes / bandwidth[b] + latency + poll,
         ))
 
     first_forward = sum(forward) + sum(bc.forward_upload_s + bc.forward_download_s for bc in boundaries)
     forward_lag = max([*forward, *(bc.forward_upload_s for bc in boundaries),
-                       *(bc.forward_download_s for bc in boundaries)])
+                       *(bc.forward_download_s for bc in boundaries), extra.input_s])
     forward_total = first_forward + (mu - 1) * forward_lag
 
     sync_copies = 2 if replicas > 1 else 0
@@ -155,7 +236,9 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
                    *(bc.backward_download_s for bc in above)])
         done = sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above) + (mu - 1) * lag
         grads = gradient_bytes(problem, stage.start, stage.end)
-        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency, problem.workload.sync)
+        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency + poll, problem.workload.sync)
+        if replicas > 1:
+            sync += extra.marker_s
         memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
                               sync_buffer_copies=sync_copies)
         stages.append(StageCost(
@@ -164,7 +247,9 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
-    iteration_s = forward_total + max(stage.backward_done_s + stage.sync_s for stage in stages)
+    optimizer = extra.optimizer_s or (0.0,) * count
+    iteration_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
+                                      for stage, step in zip(stages, optimizer))
     memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
     dollars = iteration_s * replicas * sum(tier.price_per_s for tier in tiers)
     unfit = next((stage.index for stage in stages if not stage.fits), None)
@@ -172,7 +257,7 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
         replicas=replicas, micro_batches_per_replica=mu, micro_batch_size=micro, sync_method=problem.workload.sync,
         stages=tuple(stages), boundaries=tuple(boundaries), first_forward_s=first_forward, forward_lag_s=forward_lag,
         forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
-        dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit,
+        dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit, overheads=overheads,
     )
 
 

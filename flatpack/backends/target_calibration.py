@@ -1,0 +1,228 @@
+"""``flatpack calibrate --target T``: measure the target itself, for every model, and write
+the calibration file (:mod:`flatpack.backends.calibration`, schema 2) that ``compile``,
+``plan`` and ``run`` take with ``--calibration``.
+
+How: a one-layer probe model is compiled for the target and deployed with the target's
+backend, as in-target profiling deploys (``profiling._default_deploy``: the local backend
+for ``local`` and emulated tiers, else one function per memory tier); one calibration
+function per tier (:mod:`flatpack.runtime.calibrate_function`, role kind ``"calibrate"``)
+runs twice: cold, measuring everything, then warm, saying only when it was ready. The
+invoker times the same compute probes on this host, at the same thread count, and
+divides: the tier's compute speed relative to the profiling host, per op class. The store
+requests' seconds of all tiers are fitted with ``scipy.stats.exponnorm`` (Gillis §IV-B's
+delay model; its mean is FuncPipe's t_lat). The deployment is torn down afterwards, on
+success or failure.
+
+Nothing here is a model: every figure in the file is a measurement, and the provenance
+says where it was taken (emulated tiers on this machine, or the platform's own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.errors import InputError, RunFailure, StoreKeyError
+from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
+from flatpack.runtime.spec import Role
+
+DEFAULT_TIMEOUT_S = 300.0
+COLD, WARM = 0, 1
+HOST_REPEATS = 7
+
+
+def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """What is deployed: the smallest model a backend accepts (the function measures the
+    target, not a model)."""
+    return nn.Sequential(nn.Linear(8, 8)), (torch.zeros(2, 8),)
+
+
+def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: str | os.PathLike | None = None,
+                     emulate: bool = False, region: str | None = None, threads: int = 1, round_trips: int = 60,
+                     probe_bytes: int = 4 << 20, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     deploy: Callable[[Any], FunctionDeployment] | None = None,
+                     launch: Callable[[Role], Invocation] | None = None,
+                     report: Callable[[str], None] | None = None) -> Calibration:
+    """Measures ``target``'s memory ``tiers`` (default: its default tiers) with one
+    calibration function per tier and returns the :class:`Calibration` (also written
+    atomically to ``out``). ``emulate``: run the target's tiers as local processes held to
+    their CPU share and link (always so for ``local``). ``threads``: torch threads, as the
+    stages and the host profile run. ``round_trips``: small store requests each way per
+    tier (the latency fit needs at least 8). ``probe_bytes``: each bandwidth probe.
+    ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment)."""
+    from flatpack.backends import profiling
+    from flatpack.backends.catalog import get_platform, host_cores
+    from flatpack.compiler import compile as compile_model
+    from flatpack.ir.profiler import host_info
+    from flatpack.version import __version__
+
+    platform = get_platform(target)
+    memory_sizes = profiling._tier_sizes(platform, tiers)
+    local = emulate or target == "local"
+    if region is not None and local:
+        raise InputError(f"--region places calibration functions in a cloud region; "
+                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region out")
+    if threads < 1 or round_trips < 4 or probe_bytes < 1 or timeout_s <= 0:
+        raise InputError(f"calibrate needs threads >= 1, round_trips >= 4 (8 requests or more for the latency fit), "
+                         f"probe_bytes >= 1 and a positive timeout; got threads={threads}, round_trips={round_trips}, "
+                         f"probe_bytes={probe_bytes}, timeout_s={timeout_s}")
+    say = report or (lambda line: None)
+    host_seconds = _on_host(threads)
+    failed: list[int] = []
+    with contextlib.ExitStack() as cleanup:
+        if deploy is None:
+            deploy, scratch = profiling._default_deploy(target, emulate, memory_sizes, region)
+            if scratch is not None:
+                cleanup.callback(profiling._remove_logs_unless_failed, scratch, failed)
+        model, example = _probe_model()
+        compiled = compile_model(model, example, target=target, stages=1)
+        say(f"deploying the calibration function to {target} ({', '.join(f'{mb} MB' for mb in memory_sizes)})")
+        deployment = deploy(compiled)
+        cleanup.callback(deployment.teardown)
+        emulated = bool(getattr(deployment, "emulate_tiers", False))
+        keys = deployment.keys
+        for memory_mb in memory_sizes:
+            tier = platform.tier(memory_mb)
+            spec = CalibrateSpec(run=keys.run, memory_mb=memory_mb, vcpus=tier.vcpus, emulate_cpu=emulated,
+                                 bandwidth_bytes_s=tier.bandwidth_bytes_s if emulated else None, threads=threads,
+                                 round_trips=round_trips, probe_bytes=probe_bytes)
+            deployment.store.put(keys.calibrate("spec", memory_mb), spec.dumps())
+        launched: dict[tuple[int, int], float] = {}
+
+        def timed(role: Role) -> Invocation:
+            launched[(role.stage, role.start_iteration)] = time.time()
+            return (launch or deployment.launch)(role)
+
+        results: dict[tuple[int, int], CalibrateResult] = {}
+        for invocation, verb in ((COLD, "calibrating (cold start)"), (WARM, "starting again (warm)")):
+            roles = [calibrate_role(keys, memory_mb, invocation, compiled.digest) for memory_mb in memory_sizes]
+            profiling._run_functions(roles, timed, 1, timeout_s, say, verb=verb)
+            for role in roles:
+                result = _collect(deployment, role)
+                if result is None:
+                    failed.append(role.stage)
+                else:
+                    results[(role.stage, invocation)] = result
+        if failed:
+            reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(keys, mb, COLD))}" for mb in sorted(set(failed)))
+            raise RunFailure(f"the calibration function failed on {reasons}. "
+                             + profiling._next_step(deployment, emulated))
+    measured = _tiers(memory_sizes, results, launched, host_seconds)
+    requests = [seconds for (_, invocation), result in results.items() if invocation == COLD
+                for seconds in result.request_s]
+    polls = [seconds for (_, invocation), result in results.items() if invocation == COLD
+             for seconds in result.poll_overhead_s]
+    first = results[(memory_sizes[0], COLD)]
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    calibration = Calibration(
+        platform=target, layer_names=(), tiers=measured,
+        target=TargetInfo(target, now, host_info().cpu, __version__, region, threads),
+        store_latency=StoreLatency.fit(requests), poll_overhead_s=statistics.mean(polls),
+        host_cores=host_cores() if emulated else None, collective=first.collective,
+        provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
+    if out is not None:
+        calibration.save(out)
+        say(f"wrote {out}")
+    return calibration
+
+
+def _on_host(threads: int) -> dict[str, float]:
+    """The compute probes on this (the profiling) host, unthrottled, at ``threads``, by
+    CPU seconds (the functions of emulated tiers time by CPU too)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return time_op_classes(HOST_REPEATS, time.process_time)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _collect(deployment: FunctionDeployment, role: Role) -> CalibrateResult | None:
+    """The function's result; None when it wrote none (its status record says why)."""
+    with contextlib.suppress(StoreKeyError):
+        return CalibrateResult.loads(deployment.store.get(
+            deployment.keys.calibrate("result", role.stage, role.start_iteration)))
+    return None
+
+
+def _why(deployment: FunctionDeployment, role: Role) -> str:
+    from flatpack.backends.profiling import _status_detail
+
+    return _status_detail(read_status(deployment.store, deployment.keys, role)) or "it wrote no result"
+
+
+def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], CalibrateResult],
+           launched: dict[tuple[int, int], float], host_seconds: dict[str, float]) -> dict[int, TierCalibration]:
+    """Per tier: compute ratios against the host, each direction's bandwidth (the probe's
+    seconds beyond one request's median, as FuncPipe's t = o/W + t_lat reads), and the
+    invoke latency: launch to ready, as the invoker's and the function's clocks say (on a
+    cloud target the two clocks differ by their skew, milliseconds under NTP)."""
+    tiers = {}
+    for memory_mb in memory_sizes:
+        cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
+        request = statistics.median(cold.request_s)
+
+        def bandwidth(seconds: list[float]) -> float:
+            return cold.probe_bytes / max(statistics.median(seconds) - request, 1e-9)
+
+        tiers[memory_mb] = TierCalibration(
+            compute_ratio={name: cold.compute_s[name] / host_seconds[name] for name in host_seconds},
+            upload_bytes_s=bandwidth(cold.upload_s), download_bytes_s=bandwidth(cold.download_s),
+            invoke_cold_s=max(0.0, cold.ready_at - launched[(memory_mb, COLD)]),
+            invoke_warm_s=max(0.0, warm.ready_at - launched[(memory_mb, WARM)]),
+            optimizer_s_per_byte=dict(cold.optimizer_s_per_byte))
+    return tiers
+
+
+def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
+                host_seconds: dict[str, float]) -> dict[str, str]:
+    from flatpack.ir.profiler import host_info
+
+    where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share and link by the local "
+             "backend: emulated, not measured on the platform" if emulated
+             else f"one calibration function per memory tier on {target}, at the platform's own CPU share and link")
+    host = ", ".join(f"{name} {seconds * 1000:.3f} ms" for name, seconds in host_seconds.items())
+    return {"where": where, "cpu_share": "emulated" if emulated else "platform",
+            "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by the tier's clock (emulated: CPU "
+                       f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "
+                       f"this host ({host}); {round_trips} small puts and gets "
+                       f"fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the tier's link, "
+                       "3 times; 12 waits for a key written during the wait; optimizer steps on 1M float32 "
+                       "parameters; invoke latency from launch to the function being ready, cold then warm"),
+            "torch": torch.__version__}
+
+
+def calibration_summary(calibration: Calibration) -> str:
+    """The file's figures as a short table (``flatpack calibrate`` prints it)."""
+    lines = [f"{calibration.platform} measured {calibration.target.date if calibration.target else ''} "
+             f"({calibration.provenance.get('cpu_share', '')} CPU share)"]
+    if calibration.store_latency is not None:
+        latency = calibration.store_latency
+        lines.append(f"store request: EMG K={latency.k:.3g} loc={latency.loc * 1000:.3f} ms "
+                     f"scale={latency.scale * 1000:.3f} ms, mean {latency.mean_s * 1000:.3f} ms "
+                     f"({latency.samples} requests)")
+    if calibration.poll_overhead_s is not None:
+        lines.append(f"a wait sees a written key after {calibration.poll_overhead_s * 1000:.3f} ms on average")
+    if calibration.host_cores is not None:
+        lines.append(f"host cores shared by every worker and the store: {calibration.host_cores}")
+    lines.append(f"{'tier MB':>8}  {'compute x host (conv/matmul/elementwise)':>42}  {'up MB/s':>8}  {'down MB/s':>9}  "
+                 f"{'cold s':>7}  {'warm s':>7}  {'adam ns/B':>9}")
+    for memory_mb in calibration.tiers_mb:
+        tier = calibration.tiers[memory_mb]
+        ratios = "/".join(f"{tier.compute_ratio.get(name, float('nan')):.2f}" for name in ("conv", "matmul", "elementwise"))
+        lines.append(f"{memory_mb:>8}  {ratios:>42}  {(tier.upload_bytes_s or 0) / 1e6:>8.1f}  "
+                     f"{(tier.download_bytes_s or 0) / 1e6:>9.1f}  {tier.invoke_cold_s or 0:>7.2f}  "
+                     f"{tier.invoke_warm_s or 0:>7.2f}  {tier.optimizer_s_per_byte.get('adam', 0) * 1e9:>9.3f}")
+    skipped = calibration.collective.get("skipped")
+    if skipped:
+        lines.append(f"collective alpha, beta: not measured ({skipped})")
+    return "\n".join(lines)

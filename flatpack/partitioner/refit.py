@@ -1,0 +1,204 @@
+"""Re-planning from a finished run (issue 19, item 3): ``flatpack plan --from-run RUN_DIR``
+and ``compile(..., measured=RUN_DIR)``.
+
+A run's timeline says what each stage's forward, backward, upload and optimizer step took.
+:func:`refit` turns it into a per-layer calibration (``backends.calibration``, the format
+``flatpack profile --target`` writes) for the tiers the run used: each layer's predicted
+line is scaled by its stage's measured-over-predicted ratio (the timeline times stages, not
+layers, so the layers of a stage share its ratio), t_lat is re-fitted as an activation
+upload's seconds beyond its bytes at the stage's bandwidth (uploads, because a download's
+time includes waiting for its producer: as ``runtime.report.calibrate`` does), and the
+optimizer step's seconds per byte from the stage's measured update. :func:`replan` solves
+again on that calibration, over the tiers the run measured (the run says nothing of other
+tiers), and reports the old plan, the new plan and the predicted saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from flatpack.errors import InputError, PlanError
+from flatpack.ir.profile import Linear
+from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.cost.common import gradient_bytes, layer_times
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
+
+if TYPE_CHECKING:
+    from flatpack.backends.calibration import Calibration
+
+EVENTS_FILE = "events.json"      # a run directory's timeline (``flatpack run`` writes it)
+COMPILED_DIR = "compiled"
+
+
+def _ratio(measured: float | None, predicted: float) -> float | None:
+    return measured / predicted if measured and predicted > 0 else None
+
+
+def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
+          source: str = "a run") -> "Calibration":
+    """A per-layer :class:`~flatpack.backends.calibration.Calibration` of the tiers ``plan``
+    ran on, fitted to ``events`` (the iterations after ``skip_first``)."""
+    from flatpack.backends.calibration import Calibration, TierCalibration
+    from flatpack.runtime.timeline import summarize
+
+    events = list(events)
+    measured = summarize(events, skip_first=skip_first)
+    if measured.iteration_s is None or not measured.stages:
+        raise InputError(f"{source} recorded no iteration to fit; train at least {skip_first + 1} iterations")
+    cost = funcpipe.predicted(problem, plan)
+    micro = problem.workload.micro_batch_size
+    factors: dict[int, list[tuple[float, float]]] = {}
+    stage_factor: list[tuple[float, float]] = []
+    optimizer: dict[int, list[float]] = {}
+    for index, (stage, predicted) in enumerate(zip(plan.stages, cost.stages)):
+        found = measured.stages[index] if index < len(measured.stages) else None
+        forward = _ratio(found.forward_s if found else None, predicted.forward_s)
+        backward = _ratio(found.backward_s if found else None, predicted.backward_s)
+        pair = (forward or 1.0, backward or 1.0)
+        stage_factor.append(pair)
+        factors.setdefault(predicted.memory_mb, []).append(pair)
+        grads = gradient_bytes(problem, stage.start, stage.end)
+        if found is not None and found.update_s and grads:
+            optimizer.setdefault(predicted.memory_mb, []).append(found.update_s / grads)
+    tiers = {}
+    for memory_mb, pairs in factors.items():
+        tier = problem.platform.tier(memory_mb)
+        # layers of stages on another tier take this tier's median ratio
+        median = (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
+        forward_lines, backward_lines = [], []
+        for index in range(len(problem.chain)):
+            owner = next(s for s, stage in enumerate(plan.stages) if stage.start <= index <= stage.end)
+            forward_factor, backward_factor = (stage_factor[owner] if cost.stages[owner].memory_mb == memory_mb
+                                               else median)
+            forward_s, backward_s = layer_times(problem, index, index, tier, micro)
+            profile = problem.layer_profile(index)
+            forward_lines.append(_scaled(profile.forward_s, micro, forward_s * forward_factor))
+            backward_lines.append(_scaled(profile.backward_s, micro, backward_s * backward_factor))
+        per_byte = optimizer.get(memory_mb)
+        tiers[memory_mb] = TierCalibration(tuple(forward_lines), tuple(backward_lines), tier.bandwidth_bytes_s,
+                                           optimizer_s_per_byte={problem.workload.optimizer: statistics.median(per_byte)}
+                                           if per_byte else {})
+    # uploads, and the first stage's prefetches of data the invoker wrote long before: neither
+    # waits for a producer, so their seconds beyond bytes/W are the request's own
+    overheads = [event.seconds - event.nbytes / cost.stages[event.stage].bandwidth_bytes_s
+                 for event in events if event.kind in ("upload", "prefetch") and event.micro_batch is not None
+                 and event.iteration >= skip_first and event.stage < len(cost.stages)]
+    platform = problem.platform
+    previous = problem.calibration
+    return Calibration(
+        platform=platform.name, layer_names=tuple(layer.name for layer in problem.chain), tiers=tiers,
+        graph_hash=getattr(previous, "graph_hash", None) or None,
+        storage_latency_s=max(statistics.median(overheads), 0.0) if overheads else platform.storage_latency_s,
+        poll_overhead_s=platform.poll_overhead_s, host_cores=platform.host_cores,
+        provenance={"measured": f"re-fitted from the timeline of {source}",
+                    "method": "per stage measured/predicted forward and backward applied to its layers' lines; "
+                              "t_lat from activation uploads; optimizer step from the stage's update"})
+
+
+def _scaled(host: Linear, micro: float, seconds: float) -> Linear:
+    """``host``'s line scaled to take ``seconds`` at ``micro`` (its shape kept)."""
+    at = host.at(micro)
+    if at <= 0:
+        return Linear(0.0, seconds)
+    factor = seconds / at
+    return Linear(host.per_sample * factor, host.fixed * factor)
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What re-planning from a run found: the plan that ran and the one the re-fitted
+    model prefers, each with its predicted iteration time under the re-fit."""
+
+    old: Plan
+    new: Plan
+    old_predicted_s: float
+    new_predicted_s: float
+    measured_s: float
+    calibration: "Calibration"
+
+    @property
+    def saving_s(self) -> float:
+        return self.old_predicted_s - self.new_predicted_s
+
+    def describe(self) -> str:
+        def shape(plan: Plan) -> str:
+            return " | ".join(f"layers {s.start}-{s.end} × {s.replicas} on {s.memory_mb} MB" for s in plan.stages)
+
+        lines = [f"measured iteration of the run: {self.measured_s * 1000:.1f} ms",
+                 f"old plan: {shape(self.old)}: {self.old_predicted_s * 1000:.1f} ms predicted with the re-fit",
+                 f"new plan: {shape(self.new)}: {self.new_predicted_s * 1000:.1f} ms predicted"]
+        if self.new == self.old:
+            lines.append("the run's plan is still the fastest the re-fitted model finds: keep it")
+        else:
+            lines.append(f"predicted saving: {self.saving_s * 1000:.1f} ms per iteration "
+                         f"({self.saving_s / self.old_predicted_s * 100:.1f}%)")
+        return "\n".join(lines)
+
+
+def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str = "dp", skip_first: int = 2,
+           source: str = "a run") -> Replan:
+    """Re-fits ``problem`` to ``events`` of ``plan`` (:func:`refit`) and solves again over
+    the tiers the run used; the new plan is the fastest predicted among the solver's front
+    and the old plan (so it is never predicted slower than the plan that ran)."""
+    from flatpack.partitioner.solvers import get_solver
+    from flatpack.runtime.timeline import summarize
+
+    events = list(events)
+    calibration = refit(problem, plan, events, skip_first=skip_first, source=source)
+    options = {**problem.options, "memory_mb": tuple(sorted(calibration.tiers))}
+    fitted = dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
+                                 options=options)
+    solving = get_solver(solver)
+    candidates = list(solving.front(fitted).plans) if hasattr(solving, "front") else [solving(fitted)]
+    old_s = funcpipe.predicted(fitted, plan).iteration_s
+    best, best_s = plan, old_s
+    for candidate in candidates:
+        try:
+            seconds = funcpipe.predicted(fitted, candidate).iteration_s
+        except PlanError:
+            continue   # a plan the measured model cannot price (e.g. per-stage degrees)
+        if seconds < best_s:
+            best, best_s = candidate, seconds
+    return Replan(plan, best, old_s, best_s, summarize(events, skip_first=skip_first).iteration_s, calibration)
+
+
+def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
+    """The problem, plan and timeline a ``flatpack run`` left in ``run_dir``."""
+    from flatpack.compiler import load
+    from flatpack.partitioner.workload import Workload
+    from flatpack.runtime import timeline
+
+    run_dir = Path(run_dir)
+    events_path, compiled_dir = run_dir / EVENTS_FILE, run_dir / COMPILED_DIR
+    for path in (events_path, compiled_dir):
+        if not path.exists():
+            raise InputError(f"{run_dir} is not a finished flatpack run: it has no {path.name} (flatpack run --out "
+                             "DIR writes it when training ends)")
+    compiled = load(compiled_dir)
+    if compiled.profile is None:
+        raise InputError(f"the artifact in {compiled_dir} has no profile: re-plan needs the run's per-layer profile")
+    provenance = compiled.plan.provenance
+    if provenance is None or provenance.workload is None:
+        raise InputError(f"the plan in {compiled_dir} does not record its workload (made by an older flatpack); "
+                         "run again with this flatpack")
+    workload = Workload(**{key: provenance.workload[key]
+                           for key in ("mode", "batch", "micro_batches", "optimizer", "sync")})
+    problem = Problem.from_saved(compiled.info["chain"], compiled.profile, compiled.target, workload)
+    return problem, compiled.plan, timeline.loads(events_path.read_bytes())
+
+
+def refit_run(run_dir: str | Path) -> "Calibration":
+    """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
+    problem, plan, events = load_run(run_dir)
+    return refit(problem, plan, events, source=str(run_dir))
+
+
+def replan_run(run_dir: str | Path, *, solver: str = "dp") -> Replan:
+    """:func:`replan` of what ``flatpack run`` left in ``run_dir``."""
+    problem, plan, events = load_run(run_dir)
+    return replan(problem, plan, events, solver=solver, source=str(run_dir))

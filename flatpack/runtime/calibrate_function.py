@@ -1,0 +1,271 @@
+"""The calibration function: measures what a target's memory tier does that no profile of
+the model says (``flatpack calibrate``, issue 19). It is deployed like a stage (the local
+backend starts it as a process held to the tier's CPU share and link; a cloud backend ships
+it in the deploy bundle, since it is part of the flatpack package every function runs) and
+started with a role of kind ``"calibrate"`` whose ``stage`` carries the tier's memory size.
+
+It reads its :class:`CalibrateSpec` from ``<run>/calibrate/spec/m<MB>`` and writes a
+:class:`CalibrateResult` to ``<run>/calibrate/result/m<MB>/<invocation>``. A cold
+invocation (0) measures everything; a warm one (1) only says when it was ready, so that the
+invoker can time a second start.
+
+What it measures, compute on the tier's own clock (an emulated tier: CPU seconds over its
+usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler function times layers, so
+that whatever else the host runs does not inflate the figure; a real platform: wall time):
+
+* compute: one probe per op class (conv, matmul, elementwise), the same code the invoker
+  times on the profiling host (:func:`time_op_classes`), so their ratio maps host seconds
+  to the tier's seconds;
+* the store: the seconds of each small request (put and get of a few bytes), kept as
+  samples for the invoker to fit an exponentially modified Gaussian (scipy is not in a
+  function's image); upload and download of ``probe_bytes`` through the tier's link;
+  the extra seconds a ``wait`` for a key takes beyond the moment its producer wrote it
+  (the polling overhead: ``Store.wait`` backs off up to 5 ms between polls);
+* the optimizer step: seconds per parameter byte of each optimizer a stage can run.
+
+A GPU container would also measure its collective's α, β; this function records why it did
+not (no GPU, or fewer than two for a collective) instead of a number that was not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.spec import Role
+from flatpack.runtime.store import Store
+
+CALIBRATE_KIND = "calibrate"
+SPEC_FORMAT = "flatpack-calibrate-spec"
+RESULT_FORMAT = "flatpack-calibrate-result"
+OP_CLASSES = ("conv", "matmul", "elementwise")
+STEP_OPTIMIZERS = ("sgd", "sgd-momentum", "adam")   # the names LayerProfile.optimizer_state_bytes uses
+SMALL_OBJECT_BYTES = 64
+
+
+def calibrate_role(keys: RunKeys, memory_mb: int, invocation: int, digest: str = "") -> Role:
+    """The role of the ``invocation``-th calibration function of the ``memory_mb`` tier
+    (``stage`` carries the memory size, as a profiler function's does, so a backend sizes
+    the function by it; ``start_iteration`` carries the invocation: 0 cold, 1 warm)."""
+    return Role(spec_key=keys.calibrate("spec", memory_mb), stage=memory_mb, replica=0,
+                start_iteration=invocation, end_iteration=invocation, kind=CALIBRATE_KIND, digest=digest)
+
+
+@dataclass(frozen=True)
+class CalibrateSpec:
+    """What one tier's calibration function measures. ``vcpus`` and ``emulate_cpu``: hold
+    compute to the tier's share (local backend) or not (the platform enforces its own).
+    ``bandwidth_bytes_s``: the tier's link as the local backend emulates it (None on a
+    real platform, whose link is its own). ``round_trips``: small requests timed for the
+    latency distribution. ``probe_bytes`` and ``transfer_repeats``: the bandwidth probe.
+    ``optimizer_parameters``: float32 parameters the optimizer step is timed on."""
+
+    run: str
+    memory_mb: int
+    vcpus: float
+    emulate_cpu: bool
+    bandwidth_bytes_s: float | None
+    threads: int = 1
+    round_trips: int = 60
+    polls: int = 12
+    probe_bytes: int = 4 << 20
+    transfer_repeats: int = 3
+    compute_repeats: int = 5
+    optimizer_parameters: int = 1 << 20
+
+    def dumps(self) -> bytes:
+        return json.dumps({"format": SPEC_FORMAT, **asdict(self)}).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "CalibrateSpec":
+        data = json.loads(raw)
+        if data.pop("format", None) != SPEC_FORMAT:
+            raise ValueError(f"not a calibrate spec (expected \"format\": \"{SPEC_FORMAT}\")")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class CalibrateResult:
+    """What one invocation measured (seconds; empty for a warm invocation, which only
+    reports ``ready_at``). ``started_at`` / ``ready_at``: the function's clock when its
+    interpreter started and when it was ready to work (torch imported, spec read)."""
+
+    memory_mb: int
+    invocation: int
+    started_at: float
+    ready_at: float
+    compute_s: dict[str, float] = field(default_factory=dict)
+    request_s: list[float] = field(default_factory=list)
+    poll_overhead_s: list[float] = field(default_factory=list)
+    upload_s: list[float] = field(default_factory=list)
+    download_s: list[float] = field(default_factory=list)
+    probe_bytes: int = 0
+    optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
+    collective: dict[str, Any] = field(default_factory=dict)
+
+    def dumps(self) -> bytes:
+        return json.dumps({"format": RESULT_FORMAT, **asdict(self)}).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "CalibrateResult":
+        data = json.loads(raw)
+        if data.pop("format", None) != RESULT_FORMAT:
+            raise ValueError(f"not a calibrate result (expected \"format\": \"{RESULT_FORMAT}\")")
+        return cls(**data)
+
+
+# --- probes shared with the invoker, which times the same code on the profiling host ----
+
+
+def _op_probes() -> dict[str, Callable[[], Any]]:
+    """One small computation per op class, sized to take milliseconds at one thread: long
+    enough to time on the tier's clock."""
+    generator = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1)
+    image = torch.randn(4, 16, 32, 32, generator=generator)
+    left = torch.randn(192, 192, generator=generator)
+    right = torch.randn(192, 192, generator=generator)
+    vector = torch.randn(1 << 19, generator=generator)
+
+    def run_conv() -> Any:
+        with torch.no_grad():
+            return conv(image)
+
+    return {"conv": run_conv, "matmul": lambda: left @ right,
+            "elementwise": lambda: torch.relu(vector * 1.5 + 0.5)}
+
+
+def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median seconds by ``clock`` of each op class's probe (after one warm-up). In a
+    function of an emulated tier: the tier's own clock (CPU
+    seconds over its usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler
+    function times layers), so that other load on the host does not inflate the ratio (this
+    run's own workers' contention is the cost model's κ); on a real platform: wall time.
+    On the host: CPU seconds of this process at the same thread count."""
+    seconds = {}
+    for name, probe in _op_probes().items():
+        probe()
+        runs = []
+        for _ in range(repeats):
+            began = clock()
+            probe()
+            runs.append(clock() - began)
+        seconds[name] = statistics.median(runs)
+    return seconds
+
+
+def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median seconds per parameter byte of one optimizer step, per optimizer a stage can
+    run (the optimizers and settings the host profiler uses for their state bytes)."""
+    weight = torch.nn.Parameter(torch.zeros(parameters))
+    weight.grad = torch.full_like(weight, 1e-3)
+    makers = {"sgd": lambda: torch.optim.SGD([weight], lr=0.1),
+              "sgd-momentum": lambda: torch.optim.SGD([weight], lr=0.1, momentum=0.9),
+              "adam": lambda: torch.optim.Adam([weight], lr=0.1)}
+    per_byte = {}
+    for name in STEP_OPTIMIZERS:
+        optimizer = makers[name]()
+        optimizer.step()   # the first step creates the state
+        runs = []
+        for _ in range(repeats):
+            began = clock()
+            optimizer.step()
+            runs.append(clock() - began)
+        per_byte[name] = statistics.median(runs) / (parameters * weight.element_size())
+    return per_byte
+
+
+# --- the function ---------------------------------------------------------------------
+
+
+def _requests(store: Store, keys: RunKeys, spec: CalibrateSpec) -> list[float]:
+    small = bytes(SMALL_OBJECT_BYTES)
+    key = keys.calibrate("probe", spec.memory_mb, 0)
+    seconds = []
+    for _ in range(spec.round_trips):
+        began = time.perf_counter()
+        store.put(key, small)
+        middle = time.perf_counter()
+        store.get(key)
+        seconds.extend((middle - began, time.perf_counter() - middle))
+    return seconds
+
+
+def _poll_overheads(store: Store, keys: RunKeys, spec: CalibrateSpec) -> list[float]:
+    """Seconds a ``wait`` returns after its key was written: a writer thread puts the key
+    a few milliseconds into the wait, as a producer stage does while its consumer polls."""
+    overheads = []
+    for index in range(spec.polls):
+        key = keys.calibrate("probe", spec.memory_mb, 100 + index)
+        written: list[float] = []
+
+        def produce() -> None:
+            time.sleep(0.002 + 0.0007 * index)    # spread over the back-off's intervals
+            store.put(key, b"1")
+            written.append(time.perf_counter())
+
+        writer = threading.Thread(target=produce)
+        writer.start()
+        store.wait(key, 30)
+        seen = time.perf_counter()
+        writer.join()
+        overheads.append(max(0.0, seen - written[0]))
+    return overheads
+
+
+def _transfers(store: Store, keys: RunKeys, spec: CalibrateSpec) -> tuple[list[float], list[float]]:
+    payload = bytes(spec.probe_bytes)
+    key = keys.calibrate("probe", spec.memory_mb, 1)
+    uploads, downloads = [], []
+    for _ in range(spec.transfer_repeats):
+        began = time.perf_counter()
+        store.put(key, payload)
+        middle = time.perf_counter()
+        store.get(key)
+        uploads.append(middle - began)
+        downloads.append(time.perf_counter() - middle)
+    return uploads, downloads
+
+
+def _collective() -> dict[str, Any]:
+    """The GPU collective's α, β need two ranks on two GPUs; say why they were not measured."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU in this function: the collective's alpha, beta are GPU containers' figures"}
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU: a collective's alpha, beta need two ranks on two GPUs"}
+    return {"skipped": "multi-GPU collective timing is not implemented by this calibration function"}
+
+
+def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> int:
+    """Measures this function's tier and writes a :class:`CalibrateResult`; returns 0 once
+    written. A failure (the store) raises, for the worker to record in its status."""
+    from flatpack.runtime.worker import emulated_clock, tier_link
+
+    ready = time.time()
+    spec = CalibrateSpec.loads(raw_spec)
+    keys = RunKeys(spec.run)
+    invocation = role.start_iteration
+    if invocation > 0:   # warm: only when it was ready
+        result = CalibrateResult(spec.memory_mb, invocation, started, ready)
+        store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
+        return 0
+    torch.set_num_threads(spec.threads)
+    clock = emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu else time.perf_counter
+    link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
+    uploads, downloads = _transfers(link, keys, spec)
+    result = CalibrateResult(
+        memory_mb=spec.memory_mb, invocation=invocation, started_at=started, ready_at=ready,
+        compute_s=time_op_classes(spec.compute_repeats, clock),
+        request_s=_requests(link, keys, spec), poll_overhead_s=_poll_overheads(link, keys, spec),
+        upload_s=uploads, download_s=downloads, probe_bytes=spec.probe_bytes,
+        optimizer_s_per_byte=time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock),
+        collective=_collective())
+    store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
+    return 0

@@ -1,0 +1,77 @@
+"""`flatpack calibrate --target local` for real: a calibration function per tier, each a
+separate process held to its tier's CPU share and link, sharing only the local S3 server;
+then `flatpack compile --calibration` records the file's digest in the plan, and reusing
+that plan without the calibration is refused (item 5). No wall-clock time is asserted
+beyond orderings with wide margins."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from flatpack.backends.calibration import Calibration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flatpack(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flatpack", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+
+
+def test_calibrate_local_then_compile_records_the_digest(tmp_path):
+    out = tmp_path / "calibration.json"
+    done = flatpack("calibrate", "--target", "local", "--tiers", "512,2048", "--round-trips", "8", "--probe-mb",
+                    "0.25", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    calibration = Calibration.load(out)
+    assert calibration.target.name == "local" and calibration.target.flatpack_version
+    assert calibration.tiers_mb == (512, 2048) and calibration.host_cores >= 1
+    assert calibration.store_latency.samples == 2 * 2 * 8 and calibration.store_latency.mean_s > 0
+    small, large = calibration.tiers[512], calibration.tiers[2048]
+    # 0.29 of a vCPU against a whole one: ~3.4x slower; a wide margin for a shared host
+    assert small.speed_ratio > 1.5 * large.speed_ratio
+    assert small.invoke_cold_s > 0 and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
+    assert "skipped" in calibration.collective
+    assert f"digest {calibration.digest[:16]}" in done.stdout
+
+    compiled_dir = tmp_path / "compiled"
+    done = flatpack("compile", "mlp", "--stages", "2", "--out", str(compiled_dir), "--calibration", str(out))
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((compiled_dir / "plan.json").read_text())
+    assert plan["provenance"]["calibration_digest"] == calibration.digest
+    assert plan["provenance"]["target"] == "local" and len(plan["provenance"]["graph_hash"]) == 32
+
+    again = flatpack("compile", "mlp", "--out", str(tmp_path / "again"), "--plan", str(compiled_dir / "plan.json"))
+    assert again.returncode == 2
+    assert "calibration: made for" in again.stderr and "--force" in again.stderr
+    forced = flatpack("compile", "mlp", "--out", str(tmp_path / "forced"), "--plan", str(compiled_dir / "plan.json"),
+                      "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "PlanReuseWarning" in forced.stderr
+
+
+def test_plan_from_run_refits_a_finished_run(tmp_path):
+    import flatpack as fp
+    from flatpack.examples import mlp
+    from flatpack.partitioner.refit import replan_run
+    from flatpack.partitioner.workload import Workload
+
+    run = tmp_path / "run"
+    done = flatpack("run", "mlp", "--iterations", "4", "--no-verify", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    assert (run / "events.json").exists()
+    replanned = replan_run(run)
+    assert replanned.new_predicted_s <= replanned.old_predicted_s and replanned.measured_s > 0
+    shown = flatpack("plan", "--from-run", str(run), "--json", str(tmp_path / "new.json"))
+    assert shown.returncode == 0, shown.stderr
+    assert "old plan:" in shown.stdout and "new plan:" in shown.stdout
+    # compile(measured=...) plans on the re-fit: the chain and tiers of that run
+    model, example = mlp()
+    compiled = fp.compile(model, example, measured=run, solver="dp", profile=True,
+                          workload=Workload("train", batch=32, micro_batches=4, optimizer="adam"))
+    assert compiled.problem.calibration.provenance["measured"].startswith("re-fitted from the timeline")
+    assert {stage.memory_mb for stage in compiled.plan.stages} <= set(compiled.problem.calibration.tiers)

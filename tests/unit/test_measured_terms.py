@@ -1,0 +1,204 @@
+"""Issue 19, items 2, 3 and 5: the measured terms added to FuncPipe's model, re-planning from
+a run's timeline, and plan provenance. Small cases computed by hand on the cost-model tests'
+three-layer chain (tests/unit/test_cost_models.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import flatpack
+from flatpack.errors import InputError, PlanError
+from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
+from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance
+from flatpack.partitioner.refit import load_run, refit, replan
+from flatpack.partitioner.workload import Workload
+from flatpack.runtime.timeline import Event
+from tests.unit.test_cost_models import LATENCY, MIB, TWO_STAGES, plan, platform, problem
+from tests.unit.test_target_calibration import target_calibration
+
+ONE_STAGE = plan((0, 2, 1024, 1))
+
+
+# --- item 2: the measured terms -------------------------------------------------------------
+
+
+def test_no_overheads_is_the_papers_model():
+    paper = funcpipe.iteration(problem(), TWO_STAGES)
+    assert dataclasses.replace(funcpipe.iteration(problem(), TWO_STAGES, Overheads()), overheads=None) == paper
+    # a platform that states no polling, no host, and no calibration: only the marker's request (d = 2)
+    assert funcpipe.predicted(problem(), TWO_STAGES).iteration_s == pytest.approx(paper.iteration_s + LATENCY)
+    assert funcpipe.predicted(problem(), ONE_STAGE).iteration_s == \
+        pytest.approx(funcpipe.iteration(problem(), ONE_STAGE).iteration_s)
+
+
+def test_each_term_enters_where_it_is_spent():
+    base = funcpipe.iteration(problem(), TWO_STAGES)
+    polled = funcpipe.iteration(problem(), TWO_STAGES, Overheads(poll_s=0.5))
+    assert polled.boundaries[0].forward_download_s == pytest.approx(base.boundaries[0].forward_download_s + 0.5)
+    assert polled.boundaries[0].backward_download_s == pytest.approx(base.boundaries[0].backward_download_s + 0.5)
+    assert polled.boundaries[0].forward_upload_s == base.boundaries[0].forward_upload_s
+    # one stage, d = 1: the optimizer step adds to t_iter exactly
+    single = funcpipe.iteration(problem(), ONE_STAGE)
+    stepped = funcpipe.iteration(problem(), ONE_STAGE, Overheads(optimizer_s=(0.25,)))
+    assert stepped.iteration_s == pytest.approx(single.iteration_s + 0.25)
+    # the marker precedes the sync's uploads when d > 1
+    marked = funcpipe.iteration(problem(), TWO_STAGES, Overheads(marker_s=0.125))
+    assert [s.sync_s for s in marked.stages] == pytest.approx([s.sync_s + 0.125 for s in base.stages])
+    # the first stage's input download is a term of Δ_f: it sets the pace only when it is the slowest
+    slow_input = funcpipe.iteration(problem(), TWO_STAGES, Overheads(input_s=100.0))
+    assert slow_input.forward_lag_s == 100.0 and slow_input.first_forward_s == base.first_forward_s
+
+
+def test_contention_stretches_requests_and_only_compute_that_outgrows_its_share():
+    base = funcpipe.iteration(problem(), TWO_STAGES)
+    crowded = funcpipe.iteration(problem(), TWO_STAGES, Overheads(contention=2.0))
+    # every test tier has one vCPU: κ·v = 2 > 1, so compute stretches by 2, and latency by 2
+    assert crowded.stages[0].forward_s == pytest.approx(2 * base.stages[0].forward_s)
+    bytes_ = base.boundaries[0].bytes
+    assert crowded.boundaries[0].forward_upload_s == pytest.approx(bytes_ / (100 * MIB) + 2 * LATENCY)
+    small = platform(tiers=((512, 50), (1024, 100), (2048, 50)))
+    small = dataclasses.replace(small, tiers=tuple(dataclasses.replace(t, vcpus=0.25) for t in small.tiers))
+    shared = dataclasses.replace(problem(), platform=small)
+    # a quarter vCPU is already throttled to 1/4: κ = 2 leaves its compute alone
+    assert funcpipe.iteration(shared, TWO_STAGES, Overheads(contention=2.0)).stages[0].forward_s == \
+        pytest.approx(funcpipe.iteration(shared, TWO_STAGES).stages[0].forward_s)
+
+
+def test_host_contention_counts_the_workers_and_the_store_on_the_local_host():
+    local = dataclasses.replace(platform(), kind="local", host_cores=2)
+    assert host_contention(dataclasses.replace(problem(), platform=local), TWO_STAGES) == pytest.approx((4 * 1.0 + 1) / 2)
+    assert host_contention(dataclasses.replace(problem(), platform=local), ONE_STAGE) == 1.0   # (1 + 1) / 2
+    assert host_contention(problem(), TWO_STAGES) == 1.0   # a cloud function's CPU is its own
+
+
+def test_the_optimizer_term_comes_from_the_calibration():
+    measured = dataclasses.replace(problem(workload=Workload("train", batch=8, micro_batches=4, optimizer="adam")),
+                                   calibration=target_calibration(platform="test",
+                                                                  tiers={1024: target_calibration().tiers[512]}))
+    overheads = Overheads.of(measured, ONE_STAGE)
+    assert overheads.optimizer_s == pytest.approx((4e-9 * 350 * MIB,))   # adam s/byte × the stage's gradients
+
+
+# --- item 3: re-planning from a run -----------------------------------------------------------
+
+
+def _events(case, plan_, forward_factor, backward_factor, upload_overhead):
+    """A synthetic timeline of 3 iterations: each stage's compute at the given multiple of the
+    prediction, each activation upload bytes/W + ``upload_overhead``."""
+    cost = funcpipe.predicted(case, plan_)
+    events = []
+    for iteration in range(3):
+        clock = iteration * 100.0
+        for s, stage in enumerate(cost.stages):
+            for m in range(cost.micro_batches_per_replica):
+                for kind, seconds in (("forward", stage.forward_s * forward_factor),
+                                      ("backward", stage.backward_s * backward_factor)):
+                    events.append(Event(s, 0, iteration, kind, clock, clock + seconds, micro_batch=m, lane="compute"))
+                    clock += seconds
+                if s < len(cost.boundaries):
+                    boundary = cost.boundaries[s]
+                    seconds = boundary.bytes / stage.bandwidth_bytes_s + upload_overhead
+                    events.append(Event(s, 0, iteration, "upload", clock, clock + seconds, micro_batch=m,
+                                        nbytes=int(boundary.bytes), lane="upload"))
+    return events
+
+
+def test_refit_reproduces_the_measured_stage_times_and_latency():
+    case, ran = problem(), plan((0, 1, 1024, 1), (2, 2, 1024, 1))
+    fitted_calibration = refit(case, ran, _events(case, ran, 2.0, 0.5, 0.03))
+    fitted = dataclasses.replace(case, calibration=fitted_calibration, platform=fitted_calibration.apply(case.platform))
+    before, after = funcpipe.predicted(case, ran), funcpipe.predicted(fitted, ran)
+    for old, new in zip(before.stages, after.stages):
+        assert new.forward_s == pytest.approx(2.0 * old.forward_s) and new.backward_s == pytest.approx(0.5 * old.backward_s)
+    assert fitted.platform.storage_latency_s == pytest.approx(0.03)
+    assert fitted_calibration.tiers_mb == (1024,)
+
+
+def test_replan_never_predicts_worse_than_the_plan_that_ran():
+    case = problem(memory_mb=(1024,), replicas=(1, 2))
+    ran = plan((0, 0, 1024, 1), (1, 2, 1024, 1))
+    found = replan(case, ran, _events(case, ran, 1.0, 1.0, 0.0), solver="dp")
+    assert found.new_predicted_s <= found.old_predicted_s and found.saving_s >= 0
+    assert "old plan: layers 0-0" in found.describe()
+    assert all(stage.memory_mb == 1024 for stage in found.new.stages)   # only the tier the run measured
+
+
+def test_from_run_refuses_a_directory_that_is_not_a_finished_run(tmp_path):
+    with pytest.raises(InputError, match="not a finished flatpack run: it has no events.json"):
+        load_run(tmp_path)
+    from flatpack import cli
+    assert cli.main(["plan", "--from-run", str(tmp_path)]) == 2
+    assert cli.main(["plan"]) == 2
+
+
+# --- item 5: provenance ---------------------------------------------------------------------
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_compiled_plan_records_what_it_was_made_for_and_round_trips():
+    workload = Workload("train", batch=8, micro_batches=2)
+    compiled = flatpack.compile(Small(), torch.zeros(2, 4), stages=2, workload=workload)
+    provenance = compiled.plan.provenance
+    assert provenance.target == "local" and provenance.calibration_digest is None
+    assert provenance.workload == {"mode": "train", "batch": 8, "micro_batches": 2, "optimizer": "sgd-momentum",
+                                   "sync": "pipelined"}
+    assert provenance.flatpack_version == flatpack.__version__ and len(provenance.graph_hash) == 32
+    assert Plan.loads(compiled.plan.dumps()).provenance == provenance
+    # the same model, traced again, is the same graph: the plan is reused without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanReuseWarning)
+        again = flatpack.compile(Small(), torch.zeros(2, 4), plan=compiled.plan, workload=workload)
+    assert again.plan == compiled.plan
+
+
+def test_reusing_a_plan_for_anything_else_is_refused_or_forced():
+    compiled = flatpack.compile(Small(), torch.zeros(2, 4), stages=2)
+    with pytest.raises(PlanError, match="target: made for 'local', used for 'aws-lambda'.*--force"):
+        flatpack.compile(Small(), torch.zeros(2, 4), plan=compiled.plan, target="aws-lambda")
+    wider = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    other = flatpack.compile(wider, torch.zeros(2, 4), stages=2)
+    with pytest.raises(PlanError, match="graph: made for"):
+        flatpack.compile(Small(), torch.zeros(2, 4), plan=dataclasses.replace(compiled.plan,
+                                                                              provenance=other.plan.provenance))
+    with pytest.warns(PlanReuseWarning, match="target: made for 'local'"):
+        flatpack.compile(Small(), torch.zeros(2, 4), plan=compiled.plan, target="aws-lambda", force=True)
+    stale = dataclasses.replace(compiled.plan.provenance, flatpack_version="0.0.1", calibration_digest="abc")
+    assert [d.split(":")[0] for d in stale.differences(compiled.plan.provenance)] == ["calibration", "flatpack version"]
+
+
+def test_malformed_provenance_is_a_plan_error():
+    data = flatpack.compile(Small(), torch.zeros(2, 4), stages=2).plan.to_json()
+    with pytest.raises(PlanError, match="provenance"):
+        Plan.from_json({**data, "provenance": {"target": 3}})
+    assert Provenance.from_json(data["provenance"]).target == "local"
+
+
+def test_compile_measured_refuses_what_it_cannot_refit(tmp_path):
+    with pytest.raises(InputError, match="not a finished flatpack run"):
+        flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path)
+    with pytest.raises(InputError, match="give one or the other"):
+        flatpack.compile(Small(), torch.zeros(2, 4), measured=tmp_path, calibration=tmp_path / "c.json")
+
+
+def test_the_predicted_schedule_gives_the_update_its_measured_step():
+    from flatpack.runtime.report import predicted_schedule
+
+    measured = dataclasses.replace(problem(workload=Workload("train", batch=8, micro_batches=4, optimizer="adam")),
+                                   calibration=target_calibration(platform="test",
+                                                                  tiers={1024: target_calibration().tiers[512]}))
+    updates = [event for event in predicted_schedule(measured, ONE_STAGE) if event.kind == "update"]
+    assert [event.seconds for event in updates] == pytest.approx([4e-9 * 350 * MIB])

@@ -1,0 +1,164 @@
+"""flatpack calibrate (issue 19, item 1): the calibration file's target figures, the EMG fit,
+how a problem uses them, the calibration function itself (run in this process on a file
+store), the cloud deploy bundle's function naming, and refusals before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from scipy.stats import exponnorm
+
+from flatpack import cli
+from flatpack.backends import aws_lambda, cloud, profiling
+from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends.target_calibration import calibrate_target, calibration_summary
+from flatpack.errors import InputError
+from flatpack.runtime.calibrate_function import (CALIBRATE_KIND, CalibrateResult, CalibrateSpec, calibrate_role,
+                                                 run_calibrate)
+from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.store import open_store
+from flatpack.runtime.throttle import DEFAULT_BURST_S
+from tests.unit.test_cost_models import HOST, platform, problem
+
+
+def target_calibration(**changes) -> Calibration:
+    values = dict(
+        platform="test", layer_names=(),
+        tiers={512: TierCalibration(compute_ratio={"conv": 3.0, "matmul": 4.0, "elementwise": 5.0},
+                                    upload_bytes_s=10e6, download_bytes_s=40e6, invoke_cold_s=1.5, invoke_warm_s=0.5,
+                                    optimizer_s_per_byte={"sgd": 1e-9, "adam": 4e-9})},
+        target=TargetInfo("test", "2026-11-25T10:00:00+00:00", "a test CPU", "0.1.0", None, 1),
+        store_latency=StoreLatency(2.0, 0.002, 0.0005, 100), poll_overhead_s=0.003, host_cores=2,
+        collective={"skipped": "no GPU"})
+    values.update(changes)
+    return Calibration(**values)
+
+
+def test_target_calibration_round_trips_with_a_stable_digest(tmp_path):
+    calibration = target_calibration()
+    path = calibration.save(tmp_path / "calibration.json")
+    loaded = Calibration.load(path)
+    assert loaded == calibration and loaded.target == calibration.target
+    assert loaded.store_latency == calibration.store_latency and loaded.tiers[512] == calibration.tiers[512]
+    assert loaded.digest == calibration.digest and len(loaded.digest) == 64
+    assert target_calibration(poll_overhead_s=0.004).digest != calibration.digest
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 2 and data["target"]["host"] == "a test CPU"
+    assert data["store_latency"]["distribution"] == "exponnorm"
+
+
+def test_store_latency_fit_recovers_an_exponnorm():
+    samples = exponnorm.rvs(2.0, loc=0.002, scale=0.0005, size=400, random_state=3)
+    fitted = StoreLatency.fit(samples)
+    assert fitted.samples == 400
+    assert fitted.mean_s == pytest.approx(samples.mean(), rel=0.02)   # the MLE's mean is the sample mean's
+    assert fitted.k == pytest.approx(2.0, rel=0.35) and fitted.loc == pytest.approx(0.002, rel=0.15)
+    with pytest.raises(InputError, match="at least 8 measured requests, got 3"):
+        StoreLatency.fit([0.001, 0.002, 0.003])
+
+
+def test_a_target_calibration_sets_the_platform_figures_it_measured():
+    tuned = target_calibration().apply(platform())
+    assert tuned.storage_latency_s == pytest.approx(0.002 + 2.0 * 0.0005)   # the EMG's mean
+    assert tuned.poll_overhead_s == 0.003 and tuned.host_cores == 2
+    # one W for both directions: the harmonic mean, so that an up and a down take 2·o/W
+    assert tuned.tier(512).bandwidth_bytes_s == pytest.approx(2 / (1 / 10e6 + 1 / 40e6))
+    assert "measured inside the target" in tuned.sources["storage_latency_s"]
+
+
+def test_host_seconds_map_to_a_tier_by_the_measured_ratio_at_the_same_thread_count():
+    base = dataclasses.replace(problem(), platform=platform(tiers=((512, 50), (1024, 100))))
+    calibrated = dataclasses.replace(base, calibration=target_calibration())
+    tier = base.platform.tier(512)
+    host_forward = base.layer_profile(0).forward_s.at(2)
+    assert calibrated.layer_seconds(0, tier, 2)[0] == pytest.approx(host_forward * 4.0)   # median ratio
+    assert calibrated.layer_seconds(0, base.platform.tier(1024), 2) == base.layer_seconds(0, base.platform.tier(1024), 2)
+    four_threads = dataclasses.replace(calibrated, host=dataclasses.replace(HOST, threads=4))
+    assert four_threads.layer_seconds(0, tier, 2) == dataclasses.replace(base, host=four_threads.host) \
+        .layer_seconds(0, tier, 2)   # measured at 1 thread: says nothing of 4
+    assert calibrated.calibration.optimizer_seconds(512, "adam", 1000) == pytest.approx(4e-6)
+    assert calibrated.calibration.optimizer_seconds(512, "sgd-momentum", 1000) is None
+
+
+def test_hostile_calibration_files():
+    data = target_calibration().to_json()
+    with pytest.raises(InputError, match="\"store_latency\" must be .*exponnorm"):
+        Calibration.from_json({**data, "store_latency": {"distribution": "normal"}})
+    with pytest.raises(InputError, match=r"tiers\[512\].compute_ratio.conv must be positive"):
+        Calibration.from_json({**data, "tiers": {"512": {"compute_ratio": {"conv": 0}}}})
+    with pytest.raises(InputError, match="target.threads must be a positive integer"):
+        Calibration.from_json({**data, "target": {**data["target"], "threads": 0}})
+    with pytest.raises(InputError, match="host_cores must be positive"):
+        Calibration.from_json({**data, "host_cores": 0})
+
+
+def test_the_calibration_function_measures_a_tier_in_this_process(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    keys = RunKeys("run-calibrate")
+    spec = CalibrateSpec(run=keys.run, memory_mb=1024, vcpus=0.5, emulate_cpu=True, bandwidth_bytes_s=50e6,
+                         round_trips=5, polls=2, probe_bytes=1 << 18, transfer_repeats=3, compute_repeats=1,
+                         optimizer_parameters=1 << 12)
+    cold, warm = calibrate_role(keys, 1024, 0), calibrate_role(keys, 1024, 1)
+    assert cold.kind == CALIBRATE_KIND and cold.stage == 1024 and warm.start_iteration == 1
+    assert run_calibrate(store, cold, spec.dumps(), started=1.0) == 0
+    result = CalibrateResult.loads(store.get(keys.calibrate("result", 1024, 0)))
+    assert set(result.compute_s) == {"conv", "matmul", "elementwise"} and min(result.compute_s.values()) > 0
+    assert len(result.request_s) == 10 and len(result.poll_overhead_s) == 2
+    # held to the tier's 50 MB/s as a stage's link is (unthrottled, 768 KiB each way takes ~1 ms here): a token
+    # bucket lets each direction move at most rate × (elapsed + its burst), and refills while the other moves
+    elapsed = sum(result.upload_s) + sum(result.download_s)
+    assert 3 * (1 << 18) / 50e6 <= elapsed + DEFAULT_BURST_S
+    assert set(result.optimizer_s_per_byte) == {"sgd", "sgd-momentum", "adam"}
+    assert "skipped" in result.collective
+    assert run_calibrate(store, warm, spec.dumps(), started=2.0) == 0
+    second = CalibrateResult.loads(store.get(keys.calibrate("result", 1024, 1)))
+    assert second.started_at == 2.0 and second.compute_s == {}      # a warm start only says when it was ready
+
+
+def test_calibration_functions_ship_in_a_cloud_deploy_as_per_tier_functions():
+    """Dry run: the cloud backends start one function per tier for a calibrate role, as for
+    in-target profiling (the worker in every image dispatches the "calibrate" kind)."""
+    role = calibrate_role(RunKeys("r"), 2048, 0)
+    assert cloud.function_name("fp", role.kind, role.stage) == cloud.function_name("fp", "profile", 2048) == "fp-p02048"
+    deploy, scratch = profiling._default_deploy("aws-lambda", False, (1024, 2048), "eu-west-1")
+    assert scratch is None and deploy.func is aws_lambda.deploy
+    assert deploy.keywords == {"profile_tiers": (1024, 2048), "region": "eu-west-1"}
+
+
+def _no_deploy(compiled):
+    raise AssertionError("deployed before the options were checked")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"round_trips": 2}, r"round_trips >= 4 .*got threads=1, round_trips=2"),
+    ({"probe_bytes": 0}, "probe_bytes >= 1"),
+    ({"region": "eu-west-1"}, "Leave --region out"),
+    ({"tiers": (64,)}, "allows .* MB per worker, got 64 MB"),
+    ({"tiers": (512, 512)}, "name a memory size twice"),
+])
+def test_bad_options_are_refused_before_anything_is_deployed(options, message):
+    with pytest.raises(InputError, match=message):
+        calibrate_target("local", deploy=_no_deploy, **options)
+
+
+def test_unknown_target_names_the_known_ones(capsys):
+    assert cli.main(["calibrate", "--target", "nowhere"]) == 2
+    assert "aws-lambda" in capsys.readouterr().err
+
+
+def test_summary_names_each_figure():
+    text = calibration_summary(target_calibration())
+    assert "EMG K=2" in text and "mean 3.000 ms" in text and "3.00/4.00/5.00" in text
+    assert "not measured (no GPU)" in text and "host cores shared" in text
+
+
+def test_run_refuses_a_calibration_of_another_target_before_anything_starts(tmp_path):
+    from flatpack.job import JobOptions
+
+    path = target_calibration(platform="aws-lambda").save(tmp_path / "lambda.json")
+    with pytest.raises(InputError, match="measured on another target.*flatpack calibrate --target local"):
+        JobOptions(calibration=path, out=tmp_path / "run").check()
+    with pytest.raises(InputError, match="cannot read calibration file"):
+        JobOptions(calibration=tmp_path / "missing.json", out=tmp_path / "run").check()
