@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from flatpack.runtime import wire
+from flatpack.runtime.precision import autocast, for_wire
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
@@ -103,7 +104,8 @@ def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> to
 def backward_outputs(outputs: dict[str, Any], grads: dict[str, torch.Tensor]) -> None:
     """Back-propagates the consumers' gradients ``grads`` through the stage's ``outputs``
     (those that take a gradient) in one autograd call."""
-    pairs = [(outputs[name], grad) for name, grad in grads.items()
+    # a bf16 run's gradients arrive in the wire dtype; autograd wants each in its output's
+    pairs = [(outputs[name], grad.to(outputs[name].dtype)) for name, grad in grads.items()
              if isinstance(outputs.get(name), torch.Tensor) and outputs[name].requires_grad]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
@@ -143,6 +145,7 @@ class MicroBatchState:
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    target: Any = None      # the last stage's targets, for a recomputed forward's loss
 
 
 class StageTrainer:
@@ -239,31 +242,44 @@ class StageTrainer:
     # compute --------------------------------------------------------------------------------
     def _forward(self, iteration: int, micro_batch: int, fetched: Future, states: dict[int, MicroBatchState]) -> None:
         values = fetched.result()
-        state = MicroBatchState()
-        args = []
+        state = MicroBatchState(target=values.get(TARGET))
         for name in self.stage.inputs:
             value = values[name]
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
                     and self.stage.sources[name] != DATA_SOURCE):
                 value = value.detach().requires_grad_(True)
             state.inputs[name] = value
-            args.append(value)
         start = time.time()
-
-        def run() -> None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
-                outputs = self.module(*args)
-            state.outputs = dict(zip(self.stage.outputs, outputs))
-            if self.is_last:
-                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output],
-                                         values.get(TARGET))
-
-        with torch.enable_grad():
-            self.throttle_compute(run)
+        # a recomputing stage keeps only its inputs: the forward builds no autograd graph and
+        # the backward runs it again (``_recompute``)
+        with torch.set_grad_enabled(not self.stage.recompute):
+            self.throttle_compute(lambda: self._run_forward(iteration, micro_batch, state))
         states[micro_batch] = state
         self._record("forward", iteration, micro_batch, start, 0, "compute")
         self.after_task("forward", iteration, micro_batch)
+
+    def _run_forward(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """The stage's forward of one micro-batch (and the loss on the last stage), with the
+        micro-batch's dropout seed: a recomputed forward draws the same masks."""
+        args = [state.inputs[name] for name in self.stage.inputs]
+        with torch.random.fork_rng(devices=[]), autocast(self.spec.precision):
+            torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
+            outputs = self.module(*args)
+            state.outputs = dict(zip(self.stage.outputs, outputs))
+            if self.is_last:
+                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output], state.target)
+
+    def _recompute(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """The forward again, with autograd, before the backward of a recomputing stage.
+        Buffers are put back afterwards: the first forward already moved BatchNorm's running
+        statistics for this micro-batch, and moving them twice would differ from training
+        that keeps its activations."""
+        buffers = [buffer.clone() for buffer in self.module.buffers()]
+        with torch.enable_grad():
+            self._run_forward(iteration, micro_batch, state)
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), buffers):
+                buffer.copy_(saved)
 
     def _backward(self, iteration: int, micro_batch: int, fetched: Future | None,
                   states: dict[int, MicroBatchState]) -> bytes | None:
@@ -272,6 +288,8 @@ class StageTrainer:
         start = time.time()
 
         def run() -> None:
+            if self.stage.recompute:
+                self._recompute(iteration, micro_batch, state)
             if self.is_last:
                 state.loss.backward()
                 return
@@ -284,7 +302,7 @@ class StageTrainer:
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
-        return wire.dumps(input_grads) if self._sends_gradients else None
+        return wire.dumps(for_wire(input_grads, self.spec.precision)) if self._sends_gradients else None
 
     @property
     def _sends_gradients(self) -> bool:
@@ -342,7 +360,8 @@ class StageTrainer:
 
     def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, MicroBatchState]) -> None:
         outputs = states[micro_batch].outputs
-        self._put(self.keys.activation(iteration, self.role.stage, micro_batch), pack_values(outputs),
+        self._put(self.keys.activation(iteration, self.role.stage, micro_batch),
+                  pack_values(for_wire(outputs, self.spec.precision)),
                   iteration, micro_batch)
 
     def _upload_gradients(self, iteration: int, micro_batch: int, done: Future) -> None:
