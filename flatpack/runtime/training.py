@@ -15,10 +15,11 @@ iterations equal single-process training on the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -270,16 +271,22 @@ class StageTrainer:
                 state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output], state.target)
 
     def _recompute(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
-        """The forward again, with autograd, before the backward of a recomputing stage.
-        Buffers are put back afterwards: the first forward already moved BatchNorm's running
-        statistics for this micro-batch, and moving them twice would differ from training
-        that keeps its activations."""
-        buffers = [buffer.clone() for buffer in self.module.buffers()]
+        """The forward again, with autograd, before the backward of a recomputing stage."""
         with torch.enable_grad():
             self._run_forward(iteration, micro_batch, state)
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """Puts the stage's buffers back as they were once the block (a recomputed forward and
+        its backward) is done: the first forward already moved BatchNorm's running statistics
+        for this micro-batch, and moving them twice would differ from training that keeps its
+        activations. Not before the backward: autograd saved those tensors and checks that
+        nothing changed them."""
+        saved = [buffer.clone() for buffer in self.module.buffers()]
+        yield
         with torch.no_grad():
-            for buffer, saved in zip(self.module.buffers(), buffers):
-                buffer.copy_(saved)
+            for buffer, value in zip(self.module.buffers(), saved):
+                buffer.copy_(value)
 
     def _backward(self, iteration: int, micro_batch: int, fetched: Future | None,
                   states: dict[int, MicroBatchState]) -> bytes | None:
@@ -288,8 +295,14 @@ class StageTrainer:
         start = time.time()
 
         def run() -> None:
-            if self.stage.recompute:
+            if not self.stage.recompute:
+                backpropagate()
+                return
+            with self._buffers_kept():
                 self._recompute(iteration, micro_batch, state)
+                backpropagate()
+
+        def backpropagate() -> None:
             if self.is_last:
                 state.loss.backward()
                 return
