@@ -449,7 +449,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
                          save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
-                         split_points=_names(args.split_points), precision=args.precision, recompute=args.recompute)
+                         split_points=_names(args.split_points), precision=args.precision,
+                         recompute=args.recompute)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "

@@ -141,3 +141,28 @@ def test_bf16_equals_single_process_autocast_with_float32_master_weights(s3_serv
 
     for half, full in zip(activation_bytes(bf16), activation_bytes(fp32)):
         assert half < 0.6 * full
+
+
+def test_bf16_on_gpu_container_ranks_equals_single_process_autocast():
+    """The GPU-container runtime (here gloo ranks on the CPU; the same code autocasts on CUDA)."""
+    from flatpack.backends import gpu_container
+
+    model, data = make("transformer")
+    compiled = compiled_with(model, data, (False, False))
+    with gpu_container.deploy(compiled, backend="gloo") as deployment:
+        result = deployment.train(data, iterations=1, optimizer=SGD, precision="bf16")
+    reference, losses = train_single_process(model, data, 1, optimizer=SGD, micro_batches=MICRO_BATCHES,
+                                             precision="bf16")
+    parameters = {name: tensor.cpu() for name, tensor in result.parameters.items()}
+    checks, note = compare_training(reference, parameters, {}, {}, SGD, 1, "bf16", model.state_dict())
+    assert not note and all(check.passed for check in checks), "\n".join(check.line() for check in checks)
+    assert result.losses == pytest.approx(losses, rel=BF16_RTOL)
+
+
+def test_gpu_container_ranks_refuse_a_plan_that_recomputes():
+    from flatpack.backends import gpu_container
+    from flatpack.errors import InputError
+
+    model, data = make("conv")
+    with pytest.raises(InputError, match=r"stages \[1\] recompute their activations.*--recompute never"):
+        gpu_container.build_run(compiled_with(model, data, (False, True)), iterations=1, batch=BATCH, backend="gloo")

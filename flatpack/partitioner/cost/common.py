@@ -136,7 +136,8 @@ def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
         weights += profile.param_bytes + profile.buffer_bytes
         gradients += profile.grad_bytes
         optimizer += profile.optimizer_bytes(problem.workload.optimizer)
-    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer, stage_boundaries(problem, start, end))
+    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer,
+                        stage_boundaries(problem, start, end))
 
 
 def stage_boundaries(problem: Problem, start: int, end: int) -> Linear:

@@ -131,7 +131,8 @@ def iteration(problem: Problem, plan: Plan) -> PipelineCost:
 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
     forward = [slowdown * fwd for fwd, _ in compute]
-    backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) for (fwd, bwd), stage in zip(compute, plan.stages)]
+    backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute)
+                for (fwd, bwd), stage in zip(compute, plan.stages)]
 
     boundaries = []
     for b in range(count - 1):
