@@ -124,3 +124,60 @@ def test_a_stage_keeps_its_boundaries_in_the_wire_precision():
     problem = heavy_problem("never", precision="bf16")
     # the model's input as profiled (1 MiB/sample) plus the bf16 boundary after layer 1 (half of 0.25)
     assert stage_boundaries(problem, 0, 1) == Linear(1.125 * MIB, 0.0)
+
+
+# --- bad options: refused before anything is compiled or started ----------------------------
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--precision", "fp16"], "invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
+    (["--recompute", "always"], "invalid choice: 'always' (choose from 'never', 'auto')"),
+])
+def test_bad_run_options_exit_2_before_the_model_is_built(args, words, capsys, monkeypatch, tmp_path):
+    from flatpack import cli
+
+    monkeypatch.setattr(cli, "load_factory", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "mlp", "--out", str(tmp_path / "out"), *args])
+    assert exited.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"precision": "fp16"}, "--precision 'fp16' is not one of fp32, bf16; .*fp16 needs a loss scaler"),
+    ({"recompute": "yes"}, "--recompute 'yes' is not one of never, auto; use never"),
+])
+def test_job_options_refuse_a_bad_precision_or_recompute(options, words, tmp_path):
+    from flatpack.job import JobOptions
+
+    with pytest.raises(InputError, match=words):
+        JobOptions(out=tmp_path / "out", **options).check()
+
+
+def test_the_runtime_and_the_reference_refuse_an_unknown_precision():
+    import torch
+
+    from flatpack.runtime.optim import OptimizerSpec
+    from flatpack.runtime.reference import train_single_process
+    from flatpack.runtime.spec import RunSpec
+
+    with pytest.raises(InputError, match="precision 'fp8' is not one of fp32, bf16; use fp32"):
+        RunSpec(run="r", stages=(), micro_batches=1, batch=1, optimizer=OptimizerSpec.of("sgd"), loss="mse",
+                loss_output="out", precision="fp8")
+    with pytest.raises(InputError, match="precision 'half' is not one of fp32, bf16"):
+        train_single_process(torch.nn.Linear(2, 2), [(torch.randn(4, 2), torch.randn(4, 2))], 1, loss="mse",
+                             precision="half")
+
+
+def test_boundary_tensors_travel_in_bfloat16_and_other_values_as_they_are():
+    import torch
+
+    from flatpack.runtime.precision import for_wire
+    from flatpack.runtime.training import pack_values, unpack_values
+
+    values = {"hidden": torch.randn(3, 4, requires_grad=True) * 2, "mask": torch.ones(3, dtype=torch.long), "size": 3}
+    received = unpack_values(pack_values(for_wire(values, "bf16")))
+    assert received["hidden"].dtype == torch.bfloat16 and received["mask"].dtype == torch.long
+    assert received["size"] == 3
+    torch.testing.assert_close(received["hidden"].float(), values["hidden"].detach(), rtol=2 ** -8, atol=0)
+    assert len(pack_values(for_wire(values, "bf16"))) < len(pack_values(values))
+    assert for_wire(values, "fp32") is values
