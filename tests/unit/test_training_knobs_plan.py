@@ -181,3 +181,10 @@ def test_boundary_tensors_travel_in_bfloat16_and_other_values_as_they_are():
     torch.testing.assert_close(received["hidden"].float(), values["hidden"].detach(), rtol=2 ** -8, atol=0)
     assert len(pack_values(for_wire(values, "bf16"))) < len(pack_values(values))
     assert for_wire(values, "fp32") is values
+
+
+def test_a_layer_too_big_for_every_tier_names_recomputation_as_a_fix():
+    from flatpack.partitioner.cost.funcpipe import check_layers_fit
+
+    with pytest.raises(PlanError, match=r"recomputing activations in the backward \(Workload\(recompute=\"auto\"\)"):
+        check_layers_fit(heavy_problem("never"))

@@ -293,8 +293,9 @@ def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
         f"{workload.micro_batch_size:g} samples in flight per worker and {replicas} replica(s):\n  "
         + "\n  ".join(lines)
         + "\nWhat would help: a smaller micro-batch (a smaller batch for the same micro_batches), an optimizer "
-        "with less state, or a target with larger memory tiers; one layer cannot be split across workers "
-        "(no tensor parallelism)."
+        "with less state, " + ("recomputing activations in the backward (Workload(recompute=\"auto\"), flatpack run "
+                               "--recompute auto), " if workload.recompute == "never" else "")
+        + "or a target with larger memory tiers; one layer cannot be split across workers (no tensor parallelism)."
     )
 
 
