@@ -11,8 +11,9 @@ in between; 2 shared cores, so times are noisy: medians of the iterations after 
    the same samples; then what dp plans for each on AWS Lambda from the same profile.
 2. Recomputation against keeping the activations: the largest micro-batch (samples) for which
    dp finds a plan on the smallest tier alone (512 MB, of which the runtime's 256 MB), by the
-   cost model, and the measured peak memory of each stage's function when both train the
-   same plan at that micro-batch (VmHWM, what Lambda reports as Max Memory Used).
+   cost model; then, at ``--measure-at`` samples per micro-batch, dp's plan trained with its
+   stages recomputing and keeping their activations: each stage's predicted memory need
+   against its function's measured peak (VmHWM, what Lambda reports as Max Memory Used).
 
     PYTHONPATH=. python benchmarks/training_knobs.py [--width 128] [--layers 4] [--seq 64]
 """
@@ -83,20 +84,29 @@ def train(server, compiled, data, **options) -> local.TrainResult:
         return deployment.train(data, iterations=len(data), optimizer={"name": "adam", "lr": 1e-3}, **options)
 
 
-def largest_micro_batch(problem, micro_batches: int, recompute: str) -> tuple[int, object]:
-    """The most samples per micro-batch for which dp finds a plan on the smallest tier."""
-    best, plan = 0, None
-    for size in range(1, 257):
-        workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
-                            recompute=recompute)
-        candidate = dataclasses.replace(problem, workload=workload,
-                                        options={**problem.options, "memory_mb": (SMALLEST_TIER,), "replicas": (1,)})
-        try:
-            found = get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
-        except PlanError:
-            break
-        best, plan = size, found
-    return best, plan
+def plan_at(problem, size: int, micro_batches: int, recompute: str):
+    """dp's cheapest plan on the smallest tier alone at ``size`` samples per micro-batch, or None."""
+    workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
+                        recompute=recompute)
+    candidate = dataclasses.replace(problem, workload=workload,
+                                    options={**problem.options, "memory_mb": (SMALLEST_TIER,), "replicas": (1,)})
+    try:
+        return candidate, get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
+    except PlanError:
+        return candidate, None
+
+
+def largest_micro_batch(problem, micro_batches: int, recompute: str, limit: int = 1 << 14) -> tuple[int, object]:
+    """The most samples per micro-batch for which dp finds a plan on the smallest tier
+    (doubling, then bisection: a stage's memory need grows with the micro-batch)."""
+    low, high = 0, 1
+    while high <= limit and plan_at(problem, high, micro_batches, recompute)[1] is not None:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = plan_at(problem, middle, micro_batches, recompute)[1] is not None
+        low, high = (middle, high) if fits else (low, middle)
+    return low, plan_at(problem, low, micro_batches, recompute)[1] if low else None
 
 
 def main() -> None:
@@ -107,6 +117,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--measure-at", type=int, default=64, help="samples per micro-batch of the measured runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -152,20 +163,26 @@ def main() -> None:
             largest[recompute] = (size, chosen)
             stages = ([f"{s.start}..{s.end}{' R' if s.recompute else ''}" for s in chosen.stages] if chosen else [])
             print(f"   recompute {recompute:>5}: {size:>3} samples per micro-batch; plan {stages}")
-        size, chosen = largest["auto"]
+        size = args.measure_at
+        problem, chosen = plan_at(base.problem, size, args.micro_batches, "auto")
         if chosen is None or not any(stage.recompute for stage in chosen.stages):
             return
-        print(f"   measured at {size} samples per micro-batch, dp's plan for recompute auto, both ways "
-              "(peak memory per stage function, VmHWM):")
-        sized = batches(3, size * args.micro_batches, args.seq)
+        print(f"   measured at {size} samples per micro-batch on dp's plan for recompute auto, with its stages "
+              "recomputing and keeping their activations (tiers not enforced): the cost model's need of each "
+              "stage's function against its peak memory (VmHWM)")
+        sized = batches(2, size * args.micro_batches, args.seq)
         for recompute in (True, False):
-            stages = tuple(dataclasses.replace(stage, recompute=recompute and stage.recompute, memory_mb=None)
+            stages = tuple(dataclasses.replace(stage, recompute=recompute and stage.recompute)
                            for stage in chosen.stages)
-            compiled = flatpack.compile(model, (sized[0][0],), plan=dataclasses.replace(chosen, stages=stages))
-            result = train(server, compiled, sized)
-            peaks = ", ".join(f"{worker} {peak / MIB:.0f} MiB" for worker, peak in sorted(result.peak_bytes.items()))
-            seconds, _ = per_iteration(result)
-            print(f"   {'recompute' if recompute else 'keep     '}: {peaks}; iteration {seconds * 1000:.0f} ms")
+            plan = dataclasses.replace(chosen, stages=stages)
+            cost = funcpipe.iteration(problem, plan)
+            unenforced = dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, memory_mb=None)
+                                                                for stage in stages))
+            result = train(server, flatpack.compile(model, (sized[0][0],), plan=unenforced), sized)
+            pairs = ", ".join(f"{cost.stages[index].memory_needed_bytes / MIB:.0f}/"
+                              f"{result.peak_bytes[f's{index}r0'] / MIB:.0f}" for index in range(len(stages)))
+            print(f"   {'recompute' if recompute else 'keep     '}: predicted/measured MiB per stage {pairs}; "
+                  f"iteration {per_iteration(result)[0] * 1000:.0f} ms")
     finally:
         server.stop()
 

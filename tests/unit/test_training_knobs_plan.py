@@ -188,3 +188,15 @@ def test_a_layer_too_big_for_every_tier_names_recomputation_as_a_fix():
 
     with pytest.raises(PlanError, match=r"recomputing activations in the backward \(Workload\(recompute=\"auto\"\)"):
         check_layers_fit(heavy_problem("never"))
+
+
+def test_the_stage_breakdown_and_the_front_mark_recomputing_stages():
+    from flatpack.partitioner.report import stage_breakdown
+
+    problem = heavy_problem("auto")
+    plan = get_solver("dp").solve(problem, Goal(Weights(1, 0)))
+    text = stage_breakdown(problem, plan)
+    assert f"{plan.stages[0].start}-{plan.stages[0].end} R" in text or f"{plan.stages[0].start} R" in text
+    assert "R: the stage recomputes its activations in the backward" in text
+    kept = stage_breakdown(problem, Plan((StagePlan(0, 0, 256), StagePlan(1, 1, 256)), 2))
+    assert "recomputes" not in kept
