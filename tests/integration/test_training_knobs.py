@@ -166,3 +166,20 @@ def test_gpu_container_ranks_refuse_a_plan_that_recomputes():
     model, data = make("conv")
     with pytest.raises(InputError, match=r"stages \[1\] recompute their activations.*--recompute never"):
         gpu_container.build_run(compiled_with(model, data, (False, True)), iterations=1, batch=BATCH, backend="gloo")
+
+
+def test_flatpack_run_with_bf16_and_recompute_auto_trains_and_passes_its_verdict(tmp_path, capsys):
+    import json
+
+    from flatpack.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "mlp", "--precision", "bf16", "--recompute", "auto", "--stages", "2", "--optimizer", "sgd",
+                 "--iterations", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "equivalence with single-process training: passed" in printed
+    assert "bf16: boundary rounding" in printed and "max|w - w0|" in printed
+    stages = json.loads((out / "compiled" / "plan.json").read_text())["stages"]
+    assert len(stages) == 2 and all("recompute" in stage for stage in stages)
+    record = json.loads((out / "run.json").read_text())
+    assert record["train_options"]["precision"] == "bf16"     # flatpack resume trains the same way

@@ -200,3 +200,16 @@ def test_the_stage_breakdown_and_the_front_mark_recomputing_stages():
     assert "R: the stage recomputes its activations in the backward" in text
     kept = stage_breakdown(problem, Plan((StagePlan(0, 0, 256), StagePlan(1, 1, 256)), 2))
     assert "recomputes" not in kept
+
+
+def test_recompute_auto_never_makes_dp_worse():
+    """"auto" only adds options per stage: dp's optimum can only improve or stay."""
+    from tests.unit.test_exact_solvers import LAYERS, TIERS
+
+    for weights in (Weights(1, 0), Weights(0, 1), Weights(1, 2 ** 16)):
+        scores = []
+        for recompute in ("never", "auto"):
+            workload = Workload("train", batch=16, micro_batches=4, recompute=recompute)
+            problem = make_problem(LAYERS, make_platform(TIERS), workload, replicas=(1, 2, 4))
+            scores.append(get_solver("dp").solve(problem, Goal(weights)).predictions["objective"])
+        assert scores[1] <= scores[0] * (1 + 1e-9)
