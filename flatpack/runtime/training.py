@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from flatpack.runtime import wire
-from flatpack.runtime.precision import autocast, for_wire
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value
+from flatpack.runtime.precision import autocast, for_wire
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
