@@ -1,7 +1,7 @@
 """Recomputation and bf16 on the local backend (issue 22, items 3 and 4), on a conv net
 (BatchNorm, dropout) and a small transformer (attention, LayerNorm, dropout): a stage that
 recomputes its activations trains to the same weights and gradients as one that keeps
-them, dropout included; a bf16 run equals single-process autocast with the same
+them, dropout included (and under bf16); a bf16 run equals single-process autocast with the same
 micro-batches within the tolerance ``verdict.BF16_RTOL`` justifies, with float32 master
 weights and optimizer state and half the bytes on the wire."""
 
@@ -80,13 +80,14 @@ def train(s3_server, compiled, data, iterations: int, **options):
         return result, pipeline_optimizer_state(deployment, compiled)
 
 
-@pytest.mark.parametrize("name", ["conv", "transformer"])
-def test_recomputing_stages_train_as_stages_that_keep_their_activations_with_dropout(s3_server, name):
+@pytest.mark.parametrize(("name", "precision"), [("conv", "fp32"), ("transformer", "fp32"), ("transformer", "bf16")])
+def test_recomputing_stages_train_as_stages_that_keep_their_activations_with_dropout(s3_server, name, precision):
     model, data = make(name, dropout=0.2)
-    kept, kept_state = train(s3_server, compiled_with(model, data, (False, False)), data, 2, schedule="1f1b")
+    kept, kept_state = train(s3_server, compiled_with(model, data, (False, False)), data, 2, schedule="1f1b",
+                             precision=precision)
     again_plan = compiled_with(model, data, (True, True))
     assert [stage.recompute for stage in again_plan.plan.stages] == [True, True]
-    again, again_state = train(s3_server, again_plan, data, 2, schedule="1f1b")
+    again, again_state = train(s3_server, again_plan, data, 2, schedule="1f1b", precision=precision)
     # the recomputed forward draws the micro-batch's dropout masks again from the same seed
     # and runs the same kernels, and BatchNorm's running statistics move once: equal to the bit
     for key, expected in kept.parameters.items():
