@@ -506,8 +506,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          non_finite=args.non_finite, data=args.data, store_endpoint=args.store_endpoint,
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
                          save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
-                         split_points=_names(args.split_points),
-                         calibration=Path(args.calibration) if args.calibration else None)
+                         split_points=_names(args.split_points), precision=args.precision,
+                         recompute=args.recompute, calibration=Path(args.calibration) if args.calibration else None)
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -922,6 +922,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help="checkpoint every N iterations (0, the default: the shortest interval whose "
                                  "upload costs at most 5%% of an iteration, by the cost model); a lost function "
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
+    run_parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                            help="bf16: autocast in every stage with float32 master weights and optimizer state; "
+                                 "tensors cross stage boundaries in bfloat16 (half the bytes, which the planner counts)")
+    run_parser.add_argument("--recompute", default="never", choices=["never", "auto"],
+                            help="auto: the solver may let a stage recompute its activations in the backward instead "
+                                 "of keeping them (less memory, one more forward); the plan shows which do")
     run_parser.add_argument("--calibration", default=None, metavar="FILE",
                             help="what `flatpack calibrate --target local` measured: the prediction uses it (the plan "
                                  "records its digest)")

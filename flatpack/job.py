@@ -79,6 +79,12 @@ class JobOptions:
     # the prediction uses its measurements instead of the catalog's and the store round trip
     # measured at deploy; the plan records its digest
     calibration: Path | None = None
+    # "bf16": autocast in every stage, float32 master weights and optimizer state, bfloat16
+    # tensors between stages (runtime.precision); the verdict's reference autocasts too
+    precision: str = "fp32"
+    # "auto": the solver may let a stage recompute its activations in the backward instead of
+    # keeping them (a smaller tier for one more forward); "never": every stage keeps them
+    recompute: str = "never"
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -154,6 +160,14 @@ class JobOptions:
              "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
         need((self.stages is None and not self.split_points) or self.pick == "recommended",
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
+        from flatpack.partitioner.workload import PRECISIONS, RECOMPUTE
+
+        need(self.precision in PRECISIONS,
+             f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default) or bf16 "
+             "(autocast with float32 master weights; fp16 needs a loss scaler and is not offered)")
+        need(self.recompute in RECOMPUTE,
+             f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}; use never (the default: every "
+             "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
         if self.pick != "fastest":
             solver_for(self.solver)
 
@@ -451,7 +465,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                      f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
-                            optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync)
+                            optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync,
+                            precision=options.precision, recompute=options.recompute)
         started = time.perf_counter()
         extra = {"replicas": options.replicas}
         if options.memory_mb:
@@ -480,6 +495,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         cost = funcpipe.predicted(compiled.problem, compiled.plan)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
             "iteration")
+        recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
+        if recomputing:
+            say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
+                "backward (the tier chosen does not hold them; one more forward each)")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
         every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, options.iterations)
         if options.checkpoint_every:
@@ -505,7 +524,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # no workload to default them from), so `flatpack resume` retrains the same way
         train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
-                         "non_finite": options.non_finite,
+                         "non_finite": options.non_finite, "precision": options.precision,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
                            data=data_record, train_options=train_options)

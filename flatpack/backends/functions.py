@@ -161,7 +161,8 @@ class FunctionDeployment:
 
         return stage_specs(self.manifests, self.compiled.info["input_names"], degrees,
                            [stage.memory_mb for stage in self.compiled.plan.stages],
-                           get_platform(self.platform).tier if self.emulate_tiers else None)
+                           get_platform(self.platform).tier if self.emulate_tiers else None,
+                           [stage.recompute for stage in self.compiled.plan.stages])
 
     def _shared(self) -> dict[str, tuple[int, ...]]:
         return shared_holders(self.manifests)
@@ -196,7 +197,7 @@ class FunctionDeployment:
               elastic: Elastic | None = None, epoch_iterations: int | None = None,
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
               timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
-              store_faults: dict | None = None, non_finite: str = "warn") -> TrainResult:
+              store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32") -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -213,6 +214,8 @@ class FunctionDeployment:
         :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
         store errors and stalls injected into the functions' store clients for chaos runs
         (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
+        ``precision``: "fp32", or "bf16" (autocast in every stage, float32 master weights and
+        optimizer state, bfloat16 tensors between stages: ``runtime.precision``).
         ``non_finite``: what a NaN or infinity does, in the inputs (checked before launch,
         ``backends.batch_checks``) and in an iteration's loss (checked as each iteration is
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
@@ -250,12 +253,12 @@ class FunctionDeployment:
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
                        first_iteration=first, initial_checkpoint=self.consistent_checkpoint(),
                        shared=self._shared(),
-                       faults=tuple(faults), store_faults=store_faults)
+                       faults=tuple(faults), store_faults=store_faults, precision=precision)
         spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
         record = CallRecord(first, iterations, spec.initial_checkpoint, batch_offset,
                             {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
                              "schedule": schedule, "sync": sync, "threads": threads,
-                             "checkpoint_every": checkpoint_every})
+                             "checkpoint_every": checkpoint_every, "precision": precision})
         self.store.put(self.keys.call(first), record.dumps())
         run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
                    epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite)

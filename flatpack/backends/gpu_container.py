@@ -110,9 +110,16 @@ def example_batch(compiled: Compiled) -> int | None:
 def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
               backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
-              run: str | None = None) -> DistributedRun:
+              run: str | None = None, precision: str = "fp32") -> DistributedRun:
     """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
-    peer. The loss is checked by ``RunSpec``."""
+    peer. The loss and ``precision`` are checked by ``RunSpec``. A plan whose stages
+    recompute their activations is refused: the ranks keep them (only the functions runtime
+    recomputes)."""
+    recomputing = [index for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
+    if recomputing:
+        raise InputError(f"the plan has stages {recomputing} recompute their activations, which GPU-container ranks "
+                         "do not do; compile with Workload(recompute=\"never\") (flatpack run --recompute never) "
+                         "for this target, or train these stages on functions")
     micro_batches = micro_batches or default_micro_batches(compiled)
     if batch < micro_batches:
         raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "
@@ -123,7 +130,7 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
                          [stage.memory_mb for stage in compiled.plan.stages], None)
     spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
                    batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(compiled),
-                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests))
+                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision)
     return DistributedRun(spec=spec, iterations=iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
                           example_batch=example_batch(compiled), seed=seed)
@@ -163,7 +170,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
             micro_batches: int | None = None, optimizer: OptimizerSpec | str | dict = "sgd",
             loss: str = "cross_entropy", schedule: str = "sync", gpus_per_pod: int = 1, name: str = "flatpack-train",
             image: str | None = None, data: str | None = None, timeout_s: float = 1800.0,
-            base_image: str | None = None, lock: str | None = None) -> dict[str, bytes]:
+            base_image: str | None = None, lock: str | None = None, precision: str = "fp32") -> dict[str, bytes]:
     """The build context, by relative path: ``Dockerfile``, ``requirements.txt``, the
     ``flatpack/`` source, ``stages/stage_NNN/``, ``run.json``, ``launch.sh`` and
     ``k8s/job.yaml``.
@@ -174,6 +181,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     batches (mount it); without it the Job trains on synthetic batches (a throughput run).
     ``base_image``: ``name:tag@sha256:<digest>`` instead of the catalog's; ``lock``: a hash-locked
     requirements text instead of the committed ``gpu`` lock (an unhashed pin is refused).
+    ``precision``: "fp32" or "bf16" (autocast, float32 master weights, bfloat16 between stages).
     """
     _check_name(name)
     pinned = pinned_base_image(NAME, base_image)
@@ -189,7 +197,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     if batch is None:
         raise InputError("the model has no batched tensor input to size a synthetic batch by; pass batch=")
     run = build_run(compiled, iterations=iterations, batch=batch, micro_batches=micro_batches, optimizer=optimizer,
-                    loss=loss, schedule=schedule, backend=backend, timeout_s=timeout_s, run=name)
+                    loss=loss, schedule=schedule, backend=backend, timeout_s=timeout_s, run=name, precision=precision)
     pods = world // gpus_per_pod
     image = image or f"{name}:latest"
     files: dict[str, bytes] = {
@@ -688,7 +696,8 @@ class GpuContainerDeployment:
     def prepare(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
                 optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                 micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
-                timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None) -> RunLaunch:
+                timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None,
+                precision: str = "fp32") -> RunLaunch:
         """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
         checked (batch 0's size included) before any data is written, and a run that fails
         to be written leaves nothing behind."""
@@ -704,7 +713,7 @@ class GpuContainerDeployment:
             batch = first[2]
         run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
                         optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s)
+                        seed=seed, timeout_s=timeout_s, precision=precision)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
@@ -723,20 +732,22 @@ class GpuContainerDeployment:
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
               micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
               timeout_s: float = 600.0, wait_timeout_s: float = 300.0, warmup: int = 1, seed: int = 0,
-              threads: int | None = None) -> TrainResult:
+              threads: int | None = None, precision: str = "fp32") -> TrainResult:
         """Trains ``iterations`` global batches with one process per rank on this machine and
         returns the final parameters, the losses and the timeline, as the local backend does.
 
         ``batches``: ``(inputs, target)`` global batches (or a function of the iteration);
         None trains on synthetic batches of ``batch`` samples (a throughput run; the losses
         are of random data). ``timeout_s`` bounds the whole run, ``wait_timeout_s`` each
-        rank's wait on a peer. ``warmup``: iterations left out of each rank's median. The
+        rank's wait on a peer. ``warmup``: iterations left out of each rank's median.
+        ``precision`` "bf16": autocast on the ranks' device, bfloat16 between stages. The
         batches written for the run are removed when it ends; its logs and outputs stay
         under the work directory until ``teardown``.
         """
         launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
-                              timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads)
+                              timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,
+                              precision=precision)
         started = time.time()
         try:
             for role in launch.run.layout.roles():

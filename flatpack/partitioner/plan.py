@@ -74,12 +74,15 @@ class Provenance:
 class StagePlan:
     """Layers ``start..end`` (inclusive) of the chain; ``memory_mb`` and ``replicas`` are the
     tier and data-parallel degree the cost-model solvers choose (None / 1 for the solvers
-    that only cut, such as ``balanced``)."""
+    that only cut, such as ``balanced``). ``recompute``: the stage keeps no activations
+    between a micro-batch's forward and its backward and runs the forward again in the
+    backward (less memory, one more forward; ``cost.common.memory_need``)."""
 
     start: int
     end: int
     memory_mb: int | None = None
     replicas: int = 1
+    recompute: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -100,13 +100,16 @@ class Problem:
     def boundary_bytes(self, index: int, micro_batch: float) -> float:
         """Bytes crossing the boundary after layer ``index`` for one micro-batch (FuncPipe's
         o_i; the gradient sent back across it has the same size). ``index`` -1 is the
-        model's input."""
+        model's input. A bf16 workload's boundaries travel in bfloat16
+        (``runtime.precision.for_wire``): half the profiled float32 bytes. (Integer tensors
+        crossing a boundary, such as an attention mask, keep their size; the profile does not
+        separate them, so for those this under-counts.)"""
         if index == -1:
             if self.input_bytes is None:
                 raise PlanError("the problem has no profile of the model's inputs; build it with Problem.from_graph "
                                 "from a profiled graph")
             return self.input_bytes.at(micro_batch)
-        return self.layer_profile(index).output_bytes.at(micro_batch)
+        return self.layer_profile(index).output_bytes.at(micro_batch) * self.workload.boundary_scale
 
     def layer_seconds(self, index: int, tier: "Tier", micro_batch: float) -> tuple[float, float]:
         """Forward and backward seconds of layer ``index`` for one micro-batch on ``tier``:

@@ -102,7 +102,7 @@ def front_table(problem: Problem, selection: Selection) -> str:
 
 
 def _layer_ranges(plan: Plan) -> str:
-    return " ".join(str(stage.start) if stage.start == stage.end else f"{stage.start}-{stage.end}"
+    return " ".join(_range(stage.start, stage.end) + (RECOMPUTE_MARK if stage.recompute else "")
                     for stage in plan.stages)
 
 
@@ -210,13 +210,18 @@ def _funcpipe_breakdown(problem: Problem, plan: Plan, cost: PipelineCost, evalua
     rows = []
     for stage in cost.stages:
         dollars = cost.iteration_s * cost.replicas * _price(problem, stage.memory_mb)
-        rows.append([str(stage.index), _range(stage.start, stage.end), str(stage.memory_mb), str(cost.replicas),
+        rows.append([str(stage.index), _range(stage.start, stage.end) + (RECOMPUTE_MARK if stage.recompute else ""),
+                     str(stage.memory_mb), str(cost.replicas),
                      f"{stage.forward_s:.4g}", f"{stage.backward_s:.4g}", f"{stage.backward_done_s:.4g}",
                      f"{stage.sync_s:.4g}", _memory(stage.memory_needed_bytes, stage.memory_mb),
                      f"{dollars:.3e}", _share(dollars, cost.dollars_per_iteration)])
     header = ["stage", "layers", "tier MB", "replicas", "fwd s/µb", "bwd s/µb", "bwd done s", "sync s",
               "memory MB need/tier", "$ per iteration", "share"]
     lines.append(_indent(format_table(header, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})))
+    if any(stage.recompute for stage in cost.stages):
+        lines.append(f"  {RECOMPUTE_MARK.strip()}: the stage recomputes its activations in the backward (its bwd s/µb "
+                     "includes the forward again; its memory keeps only inputs, outputs and one micro-batch's "
+                     "activations)")
     lines.extend(_memory_lines(cost.stages, "stage"))
     for cut in cost.boundaries:
         lines.append(f"  cut after layer {cut.after_layer}: {cut.bytes / MIB:,.2f} MB per micro-batch; forward "
@@ -302,6 +307,9 @@ def _pipedream_breakdown(problem: Problem, cost: PipeDreamCost, evaluation: Eval
         lines.append(f"  cut after layer {cut.after_layer}: {cut.bytes / MIB:,.2f} MB per micro-batch, "
                      f"{cut.time_s:.4g} s there and back")
     return "\n".join(lines)
+
+
+RECOMPUTE_MARK = " R"   # after a stage's layers: it recomputes its activations in the backward
 
 
 def _range(start: int, end: int) -> str:

@@ -10,6 +10,10 @@ from flatpack.ir.profile import OPTIMIZERS
 
 MODES = ("train", "infer")
 SYNC_METHODS = ("pipelined", "lambdaml")
+PRECISIONS = ("fp32", "bf16")   # runtime.precision: autocast, bfloat16 between stages
+# per stage, keep activations for the backward or recompute them there: "never" keeps them
+# in every stage, "auto" lets the solver choose per stage
+RECOMPUTE = ("never", "auto")
 DEFAULT_TRAIN_MICRO_BATCHES = 4
 
 
@@ -22,7 +26,10 @@ class Workload:
     must divide the batch (a micro-batch holds whole samples).
     ``sync`` picks the gradient synchronization model: FuncPipe's pipelined scatter-reduce
     (eq. 2) or LambdaML's three-phase scatter-reduce (eq. 1). ``slo_s`` is a latency bound
-    (per iteration for training, per request for inference) for the SLO solvers."""
+    (per iteration for training, per request for inference) for the SLO solvers.
+    ``precision`` "bf16": boundary tensors cross in bfloat16, half the bytes of the float32
+    profile (``Problem.boundary_bytes``). ``recompute``: see RECOMPUTE; the solvers that
+    choose tiers treat "recompute this stage" as one more option per stage."""
 
     mode: str = "train"
     batch: int = 64
@@ -30,6 +37,8 @@ class Workload:
     optimizer: str = "sgd-momentum"
     sync: str = "pipelined"
     slo_s: float | None = None
+    precision: str = "fp32"
+    recompute: str = "never"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,8 +59,23 @@ class Workload:
             raise InputError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync method {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
+        if self.precision not in PRECISIONS:
+            raise InputError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.recompute not in RECOMPUTE:
+            raise InputError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}: never keeps every "
+                             "stage's activations, auto lets the solver choose per stage")
         if self.slo_s is not None and not self.slo_s > 0:
             raise InputError(f"an SLO must be a positive number of seconds, got {self.slo_s!r}")
+
+    @property
+    def recompute_choices(self) -> tuple[bool, ...]:
+        """The per-stage recompute flags a solver may choose from."""
+        return (False, True) if self.recompute == "auto" else (False,)
+
+    @property
+    def boundary_scale(self) -> float:
+        """Bytes of a boundary tensor on the wire relative to the float32 profile."""
+        return 0.5 if self.precision == "bf16" else 1.0
 
     @property
     def micro_batch_size(self) -> float:

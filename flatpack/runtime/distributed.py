@@ -72,6 +72,7 @@ from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
 from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import timeline
+from flatpack.runtime.precision import autocast, for_wire, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, backward_outputs, compute_order,
                                        flat_grads, input_gradients, scaled_loss, split_values, stage_tensors)
@@ -386,7 +387,9 @@ class StageRank:
         self.device = device
         self.module = module.to(device).train()
         self.manifest: dict[str, Any] = module.flatpack_manifest
-        self.input_specs = stage_input_specs(self.manifest)
+        self.input_specs = received_specs(stage_input_specs(self.manifest),
+                                          [name for name in self.stage.inputs if self.stage.sources[name] != DATA_SOURCE],
+                                          self.spec.precision)
         self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
         self.channels = channels
@@ -506,7 +509,8 @@ class StageRank:
             args.append(value)
         check_stage_inputs(self.input_specs, state.inputs.items(),
                            where=f"stage {self.role.stage} rank, iteration {iteration}, micro-batch {m}: ")
-        with self.recorder.task("forward", iteration, micro_batch=m), torch.enable_grad():
+        with (self.recorder.task("forward", iteration, micro_batch=m), torch.enable_grad(),
+              autocast(self.spec.precision, torch.device(self.device).type)):
             outputs = self.module(*args)
             state.outputs = dict(zip(self.stage.outputs, outputs))
             if self.is_last:
@@ -516,7 +520,7 @@ class StageRank:
         states[m] = state
         for consumer in self.stage.consumers:
             values = {name: state.outputs[name] for name in self._names_read_by(consumer)}
-            self.messenger.send(values, self._peer(consumer, m), m, FORWARD, iteration)
+            self.messenger.send(for_wire(values, self.spec.precision), self._peer(consumer, m), m, FORWARD, iteration)
 
     def _backward(self, iteration: int, m: int, states: dict[int, MicroBatchState]) -> None:
         state = states.pop(m)
@@ -533,7 +537,8 @@ class StageRank:
         input_grads = input_gradients(state.inputs)
         for producer in self.producers:
             # always a message, possibly empty: the producer waits for one from every consumer
-            self.messenger.send({name: input_grads[name] for name in self.inputs_from[producer] if name in input_grads},
+            self.messenger.send(for_wire({name: input_grads[name] for name in self.inputs_from[producer]
+                                          if name in input_grads}, self.spec.precision),
                                 self._peer(producer, m), m, BACKWARD, iteration)
 
     def _all_reduce(self, names: list[str], group: Any) -> None:

@@ -42,8 +42,8 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
                          optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                          copy_model: bool = True, micro_batches: int = 1,
                          fixed_buffers: Callable[[int], Collection[str]] | None = None,
-                         optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None
-                         ) -> tuple[nn.Module, list[float]]:
+                         optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
+                         precision: str = "fp32") -> tuple[nn.Module, list[float]]:
     """Trains (a copy of) ``model`` for ``iterations`` global batches; returns it and the losses.
 
     ``micro_batches`` = M: each global batch is cut as the pipeline cuts it
@@ -59,7 +59,10 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     update. ``optimizer_state``: filled with each trainable parameter's final optimizer
     tensors (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) by name.
     """
-    from flatpack.runtime.spec import micro_batch_size, split_value
+    from flatpack.runtime.precision import autocast
+    from flatpack.runtime.spec import check_precision, micro_batch_size, split_value
+
+    check_precision(precision)
 
     if micro_batches < 1:
         raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
@@ -77,7 +80,8 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
                      if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
         opt.zero_grad(set_to_none=True)
         if micro_batches == 1 or rows is None:
-            value = loss_value(loss, first_output(call(trained, inputs)), target)
+            with autocast(precision):
+                value = loss_value(loss, first_output(call(trained, inputs)), target)
             value.backward()
             total = float(value.detach())
         else:
@@ -87,8 +91,9 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
                 piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
                 kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
                         if name in buffers}
-                output = first_output(call(trained, piece))
-                value = loss_value(loss, output, piece_target) * (micro_batch_size(rows, micro_batches, m) / rows)
+                with autocast(precision):
+                    output = first_output(call(trained, piece))
+                    value = loss_value(loss, output, piece_target) * (micro_batch_size(rows, micro_batches, m) / rows)
                 value.backward()
                 total += float(value.detach())
                 with torch.no_grad():

@@ -11,6 +11,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flatpack.errors import InputError
+# "bf16": stages compute under autocast (float32 master weights and optimizer state) and the
+# tensors crossing stage boundaries travel as bfloat16 (runtime.precision)
+from flatpack.partitioner.workload import PRECISIONS
 from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 
@@ -29,6 +32,9 @@ class StageSpec:
     outputs: tuple[str, ...]
     sources: dict[str, int]        # input name -> producing stage, or DATA_SOURCE
     consumers: tuple[int, ...]     # later stages that read any of this stage's outputs
+    # keep no activations between a micro-batch's forward and its backward: the backward
+    # re-runs the forward from the saved inputs (the plan's StagePlan.recompute)
+    recompute: bool = False
 
     def owned(self, micro_batches: int, replica: int) -> list[int]:
         """Micro-batch m runs on replica m mod d of every stage (FuncPipe: µ = M/d each)."""
@@ -60,10 +66,12 @@ class RunSpec:
     # fault benchmark), e.g. {"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2.0, "seed": 7}:
     # see runtime.chaos; None: none
     store_faults: dict | None = None
+    precision: str = "fp32"            # one of PRECISIONS
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        check_precision(self.precision)
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
         check_loss(self.loss)
@@ -157,12 +165,22 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
     return sources, [tuple(sorted(c)) for c in consumers]
 
 
+def check_precision(precision: Any) -> None:
+    """Refuses a precision the runtime does not train in, naming the ones it does."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default) or "
+                         "bf16 (autocast, float32 master weights, bfloat16 tensors between stages)")
+
+
 def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees: Sequence[int],
-                memory_mb: Sequence[int | None], tier_of: Callable[[int], Any] | None = None) -> tuple[StageSpec, ...]:
+                memory_mb: Sequence[int | None], tier_of: Callable[[int], Any] | None = None,
+                recompute: Sequence[bool] | None = None) -> tuple[StageSpec, ...]:
     """The runtime's view of a plan's stages: routing, degrees, and each stage's tier as the
     functions emulate it (``tier_of(memory_mb)`` giving ``vcpus`` and ``bandwidth_bytes_s``;
-    None where the platform enforces its tiers itself)."""
+    None where the platform enforces its tiers itself); ``recompute``: the plan's per-stage
+    choice (None: no stage recomputes)."""
     sources, consumers = routing(manifests, input_names)
+    recompute = recompute or [False] * len(manifests)
     specs = []
     for index, manifest in enumerate(manifests):
         tier = tier_of(memory_mb[index]) if tier_of is not None and memory_mb[index] else None
@@ -171,7 +189,7 @@ def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees
             vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
             inputs=tuple(entry["name"] for entry in manifest["inputs"]),
             outputs=tuple(entry["name"] for entry in manifest["outputs"]),
-            sources=sources[index], consumers=consumers[index]))
+            sources=sources[index], consumers=consumers[index], recompute=bool(recompute[index])))
     return tuple(specs)
 
 

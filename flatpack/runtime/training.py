@@ -15,10 +15,11 @@ iterations equal single-process training on the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value
+from flatpack.runtime.precision import autocast, for_wire, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
@@ -104,7 +106,8 @@ def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> to
 def backward_outputs(outputs: dict[str, Any], grads: dict[str, torch.Tensor]) -> None:
     """Back-propagates the consumers' gradients ``grads`` through the stage's ``outputs``
     (those that take a gradient) in one autograd call."""
-    pairs = [(outputs[name], grad) for name, grad in grads.items()
+    # a bf16 run's gradients arrive in the wire dtype; autograd wants each in its output's
+    pairs = [(outputs[name], grad.to(outputs[name].dtype)) for name, grad in grads.items()
              if isinstance(outputs.get(name), torch.Tensor) and outputs[name].requires_grad]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
@@ -144,6 +147,7 @@ class MicroBatchState:
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    target: Any = None      # the last stage's targets, for a recomputed forward's loss
 
 
 class StageTrainer:
@@ -169,7 +173,9 @@ class StageTrainer:
         self._prefetched: dict[int, Future] = {}
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
-        self.input_specs = stage_input_specs(getattr(module, "flatpack_manifest", {}))
+        self.input_specs = received_specs(stage_input_specs(getattr(module, "flatpack_manifest", {})),
+                                          [name for name in self.stage.inputs if self.stage.sources[name] != DATA_SOURCE],
+                                          spec.precision)
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
@@ -243,8 +249,7 @@ class StageTrainer:
     # compute --------------------------------------------------------------------------------
     def _forward(self, iteration: int, micro_batch: int, fetched: Future, states: dict[int, MicroBatchState]) -> None:
         values = fetched.result()
-        state = MicroBatchState()
-        args = []
+        state = MicroBatchState(target=values.get(TARGET))
         check_stage_inputs(self.input_specs, ((name, values[name]) for name in self.stage.inputs),
                            where=f"stage {self.role.stage}, iteration {iteration}, micro-batch {micro_batch}: ")
         for name in self.stage.inputs:
@@ -253,23 +258,43 @@ class StageTrainer:
                     and self.stage.sources[name] != DATA_SOURCE):
                 value = value.detach().requires_grad_(True)
             state.inputs[name] = value
-            args.append(value)
         start = time.time()
-
-        def run() -> None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
-                outputs = self.module(*args)
-            state.outputs = dict(zip(self.stage.outputs, outputs))
-            if self.is_last:
-                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output],
-                                         values.get(TARGET))
-
-        with torch.enable_grad():
-            self.throttle_compute(run)
+        # a recomputing stage keeps only its inputs: the forward builds no autograd graph and
+        # the backward runs it again (``_recompute``)
+        with torch.set_grad_enabled(not self.stage.recompute):
+            self.throttle_compute(lambda: self._run_forward(iteration, micro_batch, state))
         states[micro_batch] = state
         self._record("forward", iteration, micro_batch, start, 0, "compute")
         self.after_task("forward", iteration, micro_batch)
+
+    def _run_forward(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """The stage's forward of one micro-batch (and the loss on the last stage), with the
+        micro-batch's dropout seed: a recomputed forward draws the same masks."""
+        args = [state.inputs[name] for name in self.stage.inputs]
+        with torch.random.fork_rng(devices=[]), autocast(self.spec.precision):
+            torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
+            outputs = self.module(*args)
+            state.outputs = dict(zip(self.stage.outputs, outputs))
+            if self.is_last:
+                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output], state.target)
+
+    def _recompute(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """The forward again, with autograd, before the backward of a recomputing stage."""
+        with torch.enable_grad():
+            self._run_forward(iteration, micro_batch, state)
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """Puts the stage's buffers back as they were once the block (a recomputed forward and
+        its backward) is done: the first forward already moved BatchNorm's running statistics
+        for this micro-batch, and moving them twice would differ from training that keeps its
+        activations. Not before the backward: autograd saved those tensors and checks that
+        nothing changed them."""
+        saved = [buffer.clone() for buffer in self.module.buffers()]
+        yield
+        with torch.no_grad():
+            for buffer, value in zip(self.module.buffers(), saved):
+                buffer.copy_(value)
 
     def _backward(self, iteration: int, micro_batch: int, fetched: Future | None,
                   states: dict[int, MicroBatchState]) -> bytes | None:
@@ -278,6 +303,14 @@ class StageTrainer:
         start = time.time()
 
         def run() -> None:
+            if not self.stage.recompute:
+                backpropagate()
+                return
+            with self._buffers_kept():
+                self._recompute(iteration, micro_batch, state)
+                backpropagate()
+
+        def backpropagate() -> None:
             if self.is_last:
                 state.loss.backward()
                 return
@@ -290,7 +323,7 @@ class StageTrainer:
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
-        return wire.dumps(input_grads) if self._sends_gradients else None
+        return wire.dumps(for_wire(input_grads, self.spec.precision)) if self._sends_gradients else None
 
     @property
     def _sends_gradients(self) -> bool:
@@ -348,7 +381,8 @@ class StageTrainer:
 
     def _upload_outputs(self, iteration: int, micro_batch: int, states: dict[int, MicroBatchState]) -> None:
         outputs = states[micro_batch].outputs
-        self._put(self.keys.activation(iteration, self.role.stage, micro_batch), pack_values(outputs),
+        self._put(self.keys.activation(iteration, self.role.stage, micro_batch),
+                  pack_values(for_wire(outputs, self.spec.precision)),
                   iteration, micro_batch)
 
     def _upload_gradients(self, iteration: int, micro_batch: int, done: Future) -> None:

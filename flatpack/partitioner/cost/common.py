@@ -118,13 +118,15 @@ def memory_limit(problem: Problem, tier: "Tier") -> tuple[int, int]:
 @dataclass(frozen=True)
 class StageTensors:
     """What a stage's memory need is summed from: the activations it keeps per micro-batch
-    (a line in samples), and its weights (parameters and buffers), gradients and optimizer
-    state in bytes."""
+    (a line in samples), what it keeps per micro-batch when it recomputes them instead (its
+    inputs, and its outputs until they are uploaded), and its weights (parameters and
+    buffers), gradients and optimizer state in bytes."""
 
     saved: Linear
     weights: float
     gradients: float
     optimizer: float
+    boundaries: Linear = Linear(0.0)
 
 
 def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
@@ -134,16 +136,38 @@ def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
         weights += profile.param_bytes + profile.buffer_bytes
         gradients += profile.grad_bytes
         optimizer += profile.optimizer_bytes(problem.workload.optimizer)
-    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer)
+    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer,
+                        stage_boundaries(problem, start, end))
+
+
+def stage_boundaries(problem: Problem, start: int, end: int) -> Linear:
+    """Bytes per micro-batch of what crosses into and out of stage start..end: the model's
+    inputs (as profiled) or the boundary before it, and the boundary after it, each in the
+    workload's wire precision (``Workload.boundary_scale``)."""
+    scale = problem.workload.boundary_scale
+    inputs = (problem.input_bytes or Linear(0.0) if start == 0
+              else problem.layer_profile(start - 1).output_bytes.scaled(scale))
+    return inputs + problem.layer_profile(end).output_bytes.scaled(scale)
+
+
+def activation_bytes(problem: Problem, tensors: StageTensors, micro_batches_in_flight: float,
+                     recompute: bool = False) -> float:
+    """Activations a worker holds: µ micro-batches' saved tensors; or, when the stage
+    recomputes, µ micro-batches' inputs and outputs plus the saved tensors of the one
+    micro-batch whose forward is running again for its backward (the compute lane runs one
+    task at a time)."""
+    micro = problem.workload.micro_batch_size
+    if recompute:
+        return micro_batches_in_flight * tensors.boundaries.at(micro) + tensors.saved.at(micro)
+    return micro_batches_in_flight * tensors.saved.at(micro)
 
 
 def memory_need(problem: Problem, tensors: StageTensors, tier: "Tier", *, micro_batches_in_flight: float,
-                weight_versions: int = 1, sync_buffer_copies: int = 0) -> MemoryNeed:
+                weight_versions: int = 1, sync_buffer_copies: int = 0, recompute: bool = False) -> MemoryNeed:
     """:func:`stage_memory` from a stage's :class:`StageTensors` (solvers reuse the sums)."""
     limit, base = memory_limit(problem, tier)
-    activations = tensors.saved.at(problem.workload.micro_batch_size)
     return MemoryNeed(
-        activations=math.ceil(micro_batches_in_flight * activations),
+        activations=math.ceil(activation_bytes(problem, tensors, micro_batches_in_flight, recompute)),
         weights=int(tensors.weights * weight_versions),
         gradients=int(tensors.gradients),
         sync_buffers=int(tensors.gradients * sync_buffer_copies),
@@ -154,7 +178,7 @@ def memory_need(problem: Problem, tensors: StageTensors, tier: "Tier", *, micro_
 
 
 def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_batches_in_flight: float,
-                 weight_versions: int = 1, sync_buffer_copies: int = 0) -> MemoryNeed:
+                 weight_versions: int = 1, sync_buffer_copies: int = 0, recompute: bool = False) -> MemoryNeed:
     """Memory of a worker holding layers start..end.
 
     The training form is FuncPipe's eq. 3b (000_2f8f665d06f7d6de.txt §3.4.1),
@@ -165,9 +189,16 @@ def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_
     count with the weights, and the optimizer's state (momentum, Adam's two moments) is
     added, since a worker that holds it runs out of memory without it. Gradient and sync
     terms use the profiled gradient bytes (= ŝ when every parameter trains).
-    ``weight_versions`` > 1 is PipeDream's weight stashing. The limit is
-    :func:`memory_limit` of ``tier``.
+    ``weight_versions`` > 1 is PipeDream's weight stashing. ``recompute``: the stage
+    keeps no activations between forward and backward (:func:`activation_bytes`). The
+    limit is :func:`memory_limit` of ``tier``.
     """
     return memory_need(problem, stage_tensors(problem, start, end), tier,
                        micro_batches_in_flight=micro_batches_in_flight, weight_versions=weight_versions,
-                       sync_buffer_copies=sync_buffer_copies)
+                       sync_buffer_copies=sync_buffer_copies, recompute=recompute)
+
+
+def recompute_seconds(forward_s: float, backward_s: float, recompute: bool) -> float:
+    """A stage's backward seconds for one micro-batch: with recomputation it runs its
+    forward once more first."""
+    return backward_s + forward_s if recompute else backward_s

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
-                                              mb, memory_limit, micro_batches_per_replica, stage_memory,
-                                              stage_tensors, stage_tier, to_json, uniform_replicas)
+                                              mb, memory_limit, micro_batches_per_replica, recompute_seconds,
+                                              stage_memory, stage_tensors, stage_tier, to_json, uniform_replicas)
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
@@ -52,7 +52,9 @@ class StageCost:
     memory_mb: int
     bandwidth_bytes_s: float   # W_j after any account-wide cap
     forward_s: float           # t̂_fc: β·Σ forward of the stage, one micro-batch (App. B eq. 8)
-    backward_s: float          # t̂_bc: β·Σ backward of the stage, one micro-batch (eq. 10)
+    backward_s: float          # t̂_bc: β·Σ backward of the stage, one micro-batch (eq. 10), plus its
+                               # forward again when the stage recomputes
+    recompute: bool            # activations recomputed in the backward instead of kept
     backward_lag_s: float      # Δ_b at the stage's lowest layer (eq. 11)
     backward_done_s: float     # t_b: from the end of the forward pass until this stage's backward ends
     sync_bytes: int            # ŝ: gradients scatter-reduced among the d replicas
@@ -210,7 +212,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
     stretch = [max(1.0, extra.contention * min(tier.vcpus, 1.0)) for tier in tiers]
     forward = [slowdown * fwd * factor for (fwd, _), factor in zip(compute, stretch)]
-    backward = [slowdown * bwd * factor for (_, bwd), factor in zip(compute, stretch)]
+    backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) * factor
+                for (fwd, bwd), stage, factor in zip(compute, plan.stages, stretch)]
 
     boundaries = []
     for b in range(count - 1):
@@ -240,10 +243,10 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         if replicas > 1:
             sync += extra.marker_s
         memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
-                              sync_buffer_copies=sync_copies)
+                              sync_buffer_copies=sync_copies, recompute=stage.recompute)
         stages.append(StageCost(
             index=s, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth[s],
-            forward_s=forward[s], backward_s=backward[s], backward_lag_s=lag, backward_done_s=done,
+            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag, backward_done_s=done,
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
@@ -333,10 +336,12 @@ def with_tiers(problem: Problem, plan: Plan) -> Plan:
         if stage.memory_mb is None:
             mu = micro_batches_per_replica(problem, stage.replicas)
             copies = 2 if stage.replicas > 1 else 0
-            fitting = (size for size in choices
+            fitting = ((size, recompute) for size in choices for recompute in problem.workload.recompute_choices
                        if stage_memory(problem, stage.start, stage.end, problem.platform.tier(size),
-                                       micro_batches_in_flight=mu, sync_buffer_copies=copies).fits)
-            stage = dataclasses.replace(stage, memory_mb=next(fitting, choices[-1]))
+                                       micro_batches_in_flight=mu, sync_buffer_copies=copies,
+                                       recompute=recompute).fits)
+            size, recompute = next(fitting, (choices[-1], False))
+            stage = dataclasses.replace(stage, memory_mb=size, recompute=recompute)
         stages.append(stage)
     return dataclasses.replace(plan, stages=tuple(stages))
 
@@ -373,8 +378,9 @@ def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
         f"{workload.micro_batch_size:g} samples in flight per worker and {replicas} replica(s):\n  "
         + "\n  ".join(lines)
         + "\nWhat would help: a smaller micro-batch (a smaller batch for the same micro_batches), an optimizer "
-        "with less state, or a target with larger memory tiers; one layer cannot be split across workers "
-        "(no tensor parallelism)."
+        "with less state, " + ("recomputing activations in the backward (Workload(recompute=\"auto\"), flatpack run "
+                               "--recompute auto), " if workload.recompute == "never" else "")
+        + "or a target with larger memory tiers; one layer cannot be split across workers (no tensor parallelism)."
     )
 
 

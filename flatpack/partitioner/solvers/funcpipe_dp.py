@@ -46,7 +46,8 @@ import numpy as np
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
-from flatpack.partitioner.cost.common import memory_limit, memory_need, micro_batches_per_replica, stage_tensors
+from flatpack.partitioner.cost.common import (memory_limit, memory_need, micro_batches_per_replica, recompute_seconds,
+                                              stage_tensors)
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -82,6 +83,9 @@ class _Chain:
     fits: list[list[np.ndarray]]     # fits[i][j - i]: (K,) bool, stage i..j fits on tier k
     gradients: list[list[float]]     # gradients[i][j - i]: bytes the stage synchronizes
     sync_method: str
+    # per option k: whether the stage recomputes its activations (tiers[k] is then listed once
+    # per flag the workload allows, so "recompute" is chosen like a tier)
+    recompute: np.ndarray
     _stage_options: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -199,6 +203,11 @@ def _stage_tensor_table(problem: Problem) -> list[list]:
 def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_batches: int, replicas: int,
            stage_count: int | None) -> _Chain:
     problem = with_micro_batches(problem, micro_batches)
+    # each (tier, recompute) pair is one option of a stage: a recomputing option has the tier's
+    # price and bandwidth, a backward longer by the forward and a smaller memory need
+    choices = problem.workload.recompute_choices
+    recompute = [flag for _ in tiers for flag in choices]
+    tiers = [tier for tier in tiers for _ in choices]
     platform = problem.platform
     micro = problem.workload.micro_batch_size
     mu = micro_batches_per_replica(problem, replicas)
@@ -212,7 +221,7 @@ def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_bat
         for index in range(count):
             fwd, bwd = problem.layer_seconds(index, tier, micro)
             forward[k, index + 1] = forward[k, index] + fwd
-            backward[k, index + 1] = backward[k, index] + bwd
+            backward[k, index + 1] = backward[k, index] + recompute_seconds(fwd, bwd, recompute[k])
     slowdown = platform.overlap_slowdown
     out_bytes = np.array([problem.boundary_bytes(index, micro) for index in range(count)], dtype=float)
     limits = [memory_limit(problem, tier) for tier in tiers]
@@ -221,15 +230,16 @@ def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_bat
     for row in tensors:
         fit_row, grad_row = [], []
         for stage in row:
-            need = memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu, sync_buffer_copies=sync_copies)
-            tensors_bytes = need.total - need.base
-            fit_row.append(np.array([tensors_bytes + base <= limit for limit, base in limits]))
+            needs = {flag: memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu,
+                                       sync_buffer_copies=sync_copies, recompute=flag) for flag in choices}
+            fit_row.append(np.array([needs[flag].total - needs[flag].base + base <= limit
+                                     for (limit, base), flag in zip(limits, recompute)]))
             grad_row.append(stage.gradients)
         fits.append(fit_row)
         gradients.append(grad_row)
     return _Chain(micro_batches, replicas, mu, stage_count, tiers, np.array([t.price_per_s for t in tiers]),
                   bandwidth, platform.storage_latency_s, slowdown * forward, slowdown * backward, out_bytes,
-                  fits, gradients, problem.workload.sync)
+                  fits, gradients, problem.workload.sync, np.array(recompute, dtype=bool))
 
 
 @dataclass
@@ -484,8 +494,9 @@ class _Search:
         labels = self.labels[0]
         while True:
             end = int(labels.end[row])
-            stages.append(StagePlan(start, end, self.chain.tiers[int(labels.tier[row])].memory_mb,
-                                    self.chain.replicas))
+            option = int(labels.tier[row])
+            stages.append(StagePlan(start, end, self.chain.tiers[option].memory_mb, self.chain.replicas,
+                                    bool(self.chain.recompute[option])))
             next_row = int(labels.next_row[row])
             if next_row < 0:
                 break
