@@ -31,6 +31,7 @@ from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
 from flatpack.ir.profile import ChainProfile
 from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
+from flatpack.partitioner.cost import gillis
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.space import SearchSpace
@@ -422,6 +423,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
             raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "
                             f"{type(plan).__name__}, not a Plan")
     plan.check_against(len(graph.layers))
+    plan = gillis.with_splits(problem, plan)
     artifacts = emit_stages(graph, plan)
     info = {
         "kind": COMPILED_KIND,

@@ -24,14 +24,17 @@ split the planner costs is the split that runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from flatpack.errors import PlanError
+
+if TYPE_CHECKING:
+    from flatpack.ir.graph import LayerGraph
 
 WHOLE = "whole"
 PARTIAL = "partial"
@@ -374,3 +377,49 @@ def summarize(analysis: ChannelAnalysis, nodes: list[torch.fx.Node], flops_of: C
     whole = sum(nbytes for name, nbytes in analysis.param_bytes.items() if name not in analysis.sliced_params)
     return ChannelGroup(channels, node, whole, sliced, split_flops / total_flops if total_flops else 1.0,
                         sliced_out / out_total, partial_out / out_total)
+
+
+def group_table(graph: "LayerGraph") -> dict[tuple[int, int], ChannelGroup]:
+    """The channel split of every group start..end of the chain that has one, by the same
+    rules the runtime applies to the group's stage module (``runtime/channel_split.py``).
+
+    Extending a group keeps every op it had, with the same inputs, so once a group cannot
+    be split no longer group from the same start can: each start stops at its first
+    failure. A group with a non-tensor input (a size, a flag) is left out, as the runtime
+    can only broadcast tensors."""
+    from flatpack.ir import meta
+    from flatpack.ir.values import value_info
+
+    nodes = graph.analysis.nodes
+    order = {node.name: position for position, node in enumerate(graph.gm.graph.nodes)}
+
+    def shape_of(node: torch.fx.Node) -> tuple[int, ...] | None:
+        info = value_info(node)
+        return tuple(info.shape) if info.kind == "tensor" else None
+
+    def flops_of(node: torch.fx.Node) -> int:
+        return int(node.meta.get(meta.FLOPS, 0) or 0)
+
+    table: dict[tuple[int, int], ChannelGroup] = {}
+    for start in range(len(graph.layers)):
+        if any(value.info.kind != "tensor" for value in graph.boundary(start - 1).values):
+            continue
+        names: list[str] = []
+        for end in range(start, len(graph.layers)):
+            names += graph.layers[end].nodes
+            members = sorted(set(names) | graph.analysis.needed_free(names), key=order.__getitem__)
+            group_nodes = [nodes[name] for name in members]
+            try:
+                analysis = analyse(group_nodes, shape_of, lambda node: value_info(node).nbytes,
+                                   f"layers {start}..{end}")
+            except NotChannelSplittable:
+                break
+            if not analysis.anchors:
+                continue
+            outputs = graph.boundary(end).values
+            analysis = dataclasses.replace(analysis, outputs=tuple(analysis.states.get(value.name, WHOLE)
+                                                                    for value in outputs))
+            table[(start, end)] = summarize(analysis, group_nodes, flops_of,
+                                            [value.info.nbytes for value in outputs])
+    return table
+

@@ -14,17 +14,24 @@ from typing import Any
 from flatpack.errors import PlanError
 from flatpack.version import PLAN_SCHEMA_VERSION
 
+# how a fork-join inference group divides its work over its partitions (``StagePlan.split``)
+FORK_JOIN_SPLITS = ("channel", "batch")
+
 
 @dataclass(frozen=True)
 class StagePlan:
     """Layers ``start..end`` (inclusive) of the chain; ``memory_mb`` and ``replicas`` are the
     tier and data-parallel degree the cost-model solvers choose (None / 1 for the solvers
-    that only cut, such as ``balanced``)."""
+    that only cut, such as ``balanced``). ``split`` says how a fork-join inference group
+    with replicas > 1 divides its work (``FORK_JOIN_SPLITS``, Gillis §II-C): ``"channel"``
+    (each worker keeps a slice of the filters) or ``"batch"`` (each worker keeps all the
+    weights and a slice of the request's samples); None: ``cost/gillis.py`` picks."""
 
     start: int
     end: int
     memory_mb: int | None = None
     replicas: int = 1
+    split: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -77,6 +84,9 @@ class Plan:
                                 f"cover the chain in order without gaps, and this one must start at {expected}")
             if stage.replicas < 1:
                 raise PlanError(f"stage {index} has {stage.replicas} replicas; it needs at least 1")
+            if stage.split is not None and stage.split not in FORK_JOIN_SPLITS:
+                raise PlanError(f"stage {index} has split {stage.split!r}; a fork-join group splits by "
+                                f"{' or '.join(FORK_JOIN_SPLITS)}, or leave it out to let the cost model pick")
             if stage.memory_mb is not None and stage.memory_mb <= 0:
                 raise PlanError(f"stage {index} has {stage.memory_mb} MB of memory; give a positive tier")
             expected = stage.end + 1
@@ -99,7 +109,7 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
-                "stages": [asdict(stage) for stage in self.stages], "micro_batches": self.micro_batches,
+                "stages": [_stage_json(stage) for stage in self.stages], "micro_batches": self.micro_batches,
                 "predictions": self.predictions}
 
     def dumps(self) -> str:
@@ -122,3 +132,11 @@ class Plan:
     @classmethod
     def loads(cls, text: str) -> "Plan":
         return cls.from_json(json.loads(text))
+
+
+def _stage_json(stage: StagePlan) -> dict:
+    """A stage as JSON; ``split`` only where a fork-join plan set it."""
+    data = asdict(stage)
+    if data["split"] is None:
+        del data["split"]
+    return data

@@ -320,8 +320,9 @@ def test_gillis_memory_budget_and_plan_conversion():
     small = gillis_cost(tiers=((256, 100), (1024, 100)), fork_join=dataclasses.replace(GILLIS_PLAN, memory_mb=256))
     assert not small.fits and small.unfit == "master"        # 237.5 MiB of weights > 256 − 100 MiB
     assert "master" in gillis.describe_unfit(small)
+    # without a problem to cost the splits, a replicated stage splits by batch (exact for any stage)
     converted = ForkJoinPlan.from_plan(plan((0, 1, 1024, 4), (2, 2, 1024, 1)))
-    assert converted.groups == (Group(0, 1, 4, False), Group(2, 2, 0, True))
+    assert converted.groups == (Group(0, 1, 4, False, "batch"), Group(2, 2, 0, True))
     with pytest.raises(PlanError, match="one memory size"):
         ForkJoinPlan.from_plan(plan((0, 1, 1024, 4), (2, 2, 2048, 1)))
     with pytest.raises(PlanError, match="no memory tier"):
@@ -392,3 +393,30 @@ def test_breakdowns_are_json():
     for cost, model in zip(costs, ["funcpipe", "hydrozoa", "pipedream", "gillis"]):
         data = json.loads(json.dumps(cost.to_json(), allow_nan=False))
         assert data["model"] == model and data["fits"] is True
+
+
+def _hand_written_emg_cdf(delay: CommDelay, x: np.ndarray) -> np.ndarray:
+    """The EMG CDF this module computed by hand before it called ``scipy.stats.exponnorm``:
+    Φ(z) − exp(−λσz + λ²σ²/2)·Φ(z − λσ), with the erfcx asymptote once exp(·) overflows."""
+    erfc = np.vectorize(math.erfc, otypes=[float])
+    z = (x - delay.mu_s) / delay.sigma_s
+    normal = 0.5 * erfc(-z / math.sqrt(2))
+    ls = delay.sigma_s / delay.tail_s
+    t = (ls - z) / math.sqrt(2)
+    term = np.empty_like(z)
+    small = t <= 25.0
+    term[small] = 0.5 * np.exp(-ls * z[small] + ls * ls / 2) * erfc(t[small])
+    tb = t[~small]
+    term[~small] = (0.5 * np.exp(-z[~small] ** 2 / 2) / (tb * math.sqrt(math.pi))
+                    * (1 - 1 / (2 * tb ** 2) + 3 / (4 * tb ** 4)))
+    return np.clip(normal - term, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("delay", [CommDelay(0.05, 0.01, 0.02), CommDelay(0.03, 0.005, 0.05),
+                                   CommDelay(0.2, 0.05, 0.001), CommDelay(0.01, 0.002, 0.0004)])
+def test_emg_cdf_from_scipy_exponnorm_equals_the_hand_written_one(delay):
+    """Same parameters (µ, σ, 1/λ ↔ loc, scale, K = 1/(λσ)), same numbers, across the body
+    and both tails, including λσ up to 125 where the hand-written form switched to its
+    asymptote."""
+    grid = np.linspace(delay.mu_s - 10 * delay.sigma_s, delay.mu_s + 10 * delay.sigma_s + 30 * delay.tail_s, 4001)
+    np.testing.assert_allclose(delay.cdf(grid), _hand_written_emg_cdf(delay, grid), rtol=1e-9, atol=1e-12)
