@@ -79,7 +79,7 @@ class ChannelAnalysis:
     whole_on_first: dict[str, int]                        # partial ± whole nodes -> the partial's arg index
     narrowed: dict[tuple[str, int], tuple[int, Sliced]]   # (node, arg) of a whole operand -> (axis, slice)
     outputs: tuple[State, ...]
-    anchors: tuple[tuple[str, int], ...]                  # (layer node, channels) of every split layer
+    anchors: tuple[tuple[str, int], ...]                  # (layer, channels) of every split layer, by weight name
     param_bytes: dict[str, int] = field(default_factory=dict)   # every weight the group reads
 
     @property
@@ -131,15 +131,19 @@ def op_name(node: torch.fx.Node) -> str:
 
 
 def analyse(nodes: Iterable[torch.fx.Node], shape_of: Callable[[torch.fx.Node], tuple[int, ...] | None],
-            param_bytes: Callable[[torch.fx.Node], int], where: str = "the group") -> ChannelAnalysis:
+            param_bytes: Callable[[torch.fx.Node], int], where: str = "the group",
+            param_name: Callable[[torch.fx.Node], str] = lambda node: str(node.target)) -> ChannelAnalysis:
     """The channel split of the compute ``nodes`` (in graph order); values made elsewhere
-    are the group's inputs, whole on every partition. Raises NotChannelSplittable."""
-    return _Analyser(list(nodes), shape_of, param_bytes, where).run()
+    are the group's inputs, whole on every partition. ``param_name`` gives a weight's name
+    in the model (``c2.weight``): split layers are named by it. Raises NotChannelSplittable."""
+    return _Analyser(list(nodes), shape_of, param_bytes, where, param_name).run()
 
 
 class _Analyser:
-    def __init__(self, nodes: list[torch.fx.Node], shape_of: Callable, param_bytes: Callable, where: str):
+    def __init__(self, nodes: list[torch.fx.Node], shape_of: Callable, param_bytes: Callable, where: str,
+                 param_name: Callable[[torch.fx.Node], str]):
         self.nodes = nodes
+        self.param_name = param_name
         self.inside = {node.name for node in nodes}
         self.shape_of = shape_of
         self.param_bytes_of = param_bytes
@@ -234,7 +238,8 @@ class _Analyser:
         dim = len(out_shape) - 1 if name == "linear" else len(out_shape) - 1 - _CONV_DIMS[name]
         self.slice_param(weight, 0, channels, node)
         self.slice_param(_arg(node, 2, "bias"), 0, channels, node)
-        self.anchors.append((node.name, channels))
+        name = self.param_name(weight)
+        self.anchors.append((name[:-len(".weight")] if name.endswith(".weight") else name, channels))
         return Sliced(dim, channels)
 
     def split_input(self, node: torch.fx.Node, name: str) -> State:

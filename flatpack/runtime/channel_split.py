@@ -39,7 +39,9 @@ def analyse_stage(module: torch.nn.Module, where: str = "the group") -> tuple[to
         tensor = getattr(traced, str(node.target))
         return tensor.numel() * tensor.element_size()
 
-    return traced, analyse(traced.graph.nodes, shape_of, param_bytes, where)
+    names = {entry["attr"]: entry["name"] for entry in manifest["parameters"]}
+    return traced, analyse(traced.graph.nodes, shape_of, param_bytes, where,
+                           lambda node: names.get(str(node.target), str(node.target)))
 
 
 def joins(analysis: ChannelAnalysis) -> tuple[str, ...]:
