@@ -8,6 +8,10 @@ one process per worker, a real S3 server, the tier's CPU share and bandwidth emu
 ``cost/gillis.py``'s latency, with the store's measured round trip as the communication
 delay, is printed beside the median measured request latency.
 
+The last two columns divide each plan's latency by the same model's and batch's latency on
+the master alone: how much the split is predicted to gain or lose against how much it
+does, which cancels the scale of the compute model (issue 19's calibration, not this file).
+
 The host has 2 cores shared with whatever else runs: p workers plus the master contend for
 them, which the model does not count, so the measured figures are noisy and the larger p
 are pessimistic. The rows are evidence of what the split costs here, not of a cloud.
@@ -143,11 +147,17 @@ def main() -> None:
                   f"{row['predicted'] * 1000:.1f} ms, measured {row['measured'] * 1000:.1f} ms", file=sys.stderr,
                   flush=True)
     print(f"torch {torch.__version__}; tier {MEMORY_MB} MB of the local platform; median of {args.requests} requests\n")
-    print("| model | batch | group (layers) | split | p | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | batch | group (layers) | split | p | predicted ms | measured ms | error | "
+          "predicted / master alone | measured / master alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    alone = {(row["model"], row["batch"]): row for row in rows if row["p"] == 1}
     for row in rows:
+        base = alone.get((row["model"], row["batch"]))
+        ratios = (f"{row['predicted'] / base['predicted']:.2f} | {row['measured'] / base['measured']:.2f}"
+                  if base else "– | –")
         print(f"| {row['model']} | {row['batch']} | {row['group'][0]}..{row['group'][1]} | {row['split']} | "
-              f"{row['p']} | {row['predicted'] * 1000:.1f} | {row['measured'] * 1000:.1f} | {row['error'] * 100:+.1f}% |")
+              f"{row['p']} | {row['predicted'] * 1000:.1f} | {row['measured'] * 1000:.1f} | {row['error'] * 100:+.1f}% | "
+              f"{ratios} |")
     errors = [abs(row["error"]) for row in rows]
     print(f"\nmean |error| {statistics.mean(errors) * 100:.1f}% over {len(rows)} plans "
           f"(median {statistics.median(errors) * 100:.1f}%)")

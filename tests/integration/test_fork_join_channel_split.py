@@ -10,7 +10,7 @@ import torch
 
 import flatpack
 from flatpack.backends import local
-from flatpack.errors import InputError
+from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.forkjoin import ForkJoinSpec
 from tests.models import ConvBlocks, TinyTransformer
@@ -73,5 +73,18 @@ def test_a_request_too_small_for_a_batch_split_is_refused_before_any_function_st
                                 plan=Plan((StagePlan(0, 1, None, 2, "batch"), StagePlan(2, 4)), 5))
     with deploy(s3_server, compiled) as deployment:
         with pytest.raises(InputError, match=r"over 2 partitions, but this request has 1 sample.*split='channel'"):
+            deployment.infer(torch.randn(1, 3, 6, 6))
+        assert not deployment.workers
+
+
+def test_a_channel_split_the_group_cannot_take_is_refused_naming_the_op_before_any_function_starts(s3_server):
+    """The whole conv model as one group: the ReLU after c2's partial sums cannot be cut."""
+    torch.manual_seed(0)
+    model = ConvBlocks().eval()
+    compiled = flatpack.compile(model, (torch.randn(2, 3, 6, 6),),
+                                plan=Plan((StagePlan(0, 4, None, 2, "channel"),), 5))
+    with deploy(s3_server, compiled) as deployment:
+        with pytest.raises(PlanError, match=r"group 0 \(layers 0\.\.4\): op relu_1 \(relu\) is not linear, so it "
+                                            r"cannot take a partial sum"):
             deployment.infer(torch.randn(1, 3, 6, 6))
         assert not deployment.workers
