@@ -89,7 +89,8 @@ def heaviest_group(problem) -> tuple[int, int]:
     tier = problem.platform.tier(MEMORY_MB)
 
     def seconds(group: tuple[int, int]) -> float:
-        return sum(problem.layer_inference_seconds(i, tier, problem.workload.batch) for i in range(group[0], group[1] + 1))
+        batch = problem.workload.batch
+        return sum(problem.layer_inference_seconds(i, tier, batch) for i in range(group[0], group[1] + 1))
 
     return max(problem.channel_groups, key=seconds)
 
@@ -156,8 +157,8 @@ def main() -> None:
         ratios = (f"{row['predicted'] / base['predicted']:.2f} | {row['measured'] / base['measured']:.2f}"
                   if base else "– | –")
         print(f"| {row['model']} | {row['batch']} | {row['group'][0]}..{row['group'][1]} | {row['split']} | "
-              f"{row['p']} | {row['predicted'] * 1000:.1f} | {row['measured'] * 1000:.1f} | {row['error'] * 100:+.1f}% | "
-              f"{ratios} |")
+              f"{row['p']} | {row['predicted'] * 1000:.1f} | {row['measured'] * 1000:.1f} | "
+              f"{row['error'] * 100:+.1f}% | {ratios} |")
     errors = [abs(row["error"]) for row in rows]
     print(f"\nmean |error| {statistics.mean(errors) * 100:.1f}% over {len(rows)} plans "
           f"(median {statistics.median(errors) * 100:.1f}%)")

@@ -96,18 +96,6 @@ class ChannelAnalysis:
             raise PlanError(f"{where}: layer {node} has {channels} output channels, fewer than the {parts} partitions "
                             f"asked for; split it over at most {channels} partitions, or split by batch")
 
-    def partition_bytes(self, parts: int) -> int:
-        """Weight bytes of the largest partition (partition 0: ``channel_ranges`` gives the
-        remainder to the first partitions)."""
-        total = 0
-        for name, nbytes in self.param_bytes.items():
-            if name in self.sliced_params:
-                _, channels = self.sliced_params[name]
-                total += math.ceil(nbytes * channel_ranges(channels, parts)[0][1] / channels) if channels else 0
-            else:
-                total += nbytes
-        return total
-
 
 def channel_ranges(channels: int, parts: int) -> list[tuple[int, int]]:
     """(start, length) of each partition's channels: ``torch.tensor_split``'s cut, the first
@@ -215,7 +203,7 @@ class _Analyser:
                 return first
             raise self.fail(node, "is not linear, so it cannot take a partial sum")
         if name in _POOLS:
-            return self.channel_preserving(node, first, spatial=True)
+            return self.pooled(node, first)
         if name in _REDUCTIONS:
             return self.reduction(node, first)
         if name in _ADDITIVE or name in _SCALING:
@@ -249,7 +237,7 @@ class _Analyser:
         if not isinstance(source, Sliced) or not out_shape or _arg(node, 6, "groups", 1) != 1:
             raise self.fail(node, "reads a partial sum or a grouped convolution's input")
         expected = len(out_shape) - 1 if name == "linear" else len(out_shape) - 1 - _CONV_DIMS[name]
-        if source.dim != expected or any(state != WHOLE for state in (self.state(weight),)):
+        if source.dim != expected:
             raise self.fail(node, f"reads channels sliced along dimension {source.dim}, not its input channels")
         self.slice_param(weight, 1, source.channels, node)
         if _arg(node, 2, "bias") is not None:
@@ -265,7 +253,7 @@ class _Analyser:
             self.slice_param(_arg(node, index, key), 0, source.channels, node)
         return source
 
-    def channel_preserving(self, node: torch.fx.Node, source: State, spatial: bool) -> State:
+    def pooled(self, node: torch.fx.Node, source: State) -> State:
         if not isinstance(source, Sliced) or source.dim != 1:
             raise self.fail(node, "pools a value that is not split along dimension 1")
         return source

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch.fx.passes.shape_prop import ShapeProp
 
-from flatpack.ir.channels import (PARTIAL, WHOLE, ChannelAnalysis, NotChannelSplittable, Sliced, analyse,
-                                  channel_ranges)
+from flatpack.ir.channels import PARTIAL, ChannelAnalysis, NotChannelSplittable, Sliced, analyse, channel_ranges
 
 JOIN_SUM = "sum"
 JOIN_WHOLE = "whole"
@@ -105,5 +104,3 @@ def needed_outputs(names: tuple[str, ...], how: tuple[str, ...], index: int) -> 
     partition 0 sends (they are the same on every partition)."""
     return tuple(name for name, join in zip(names, how) if index == 0 or join != JOIN_WHOLE)
 
-
-__all__ = ["analyse_stage", "joins", "partition_module", "join_outputs", "needed_outputs", "WHOLE"]

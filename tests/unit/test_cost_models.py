@@ -489,7 +489,8 @@ def test_gillis_channel_split_refuses_more_partitions_than_channels_and_unsplitt
         gillis.with_splits(served, plan((0, 1, 1024, 9, "channel"), (2, 2, 1024, 1)))
     with pytest.raises(PlanError, match=r"layers 1\.\.2 \(l1 \.\. l2\) cannot be split by channel"):
         gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2, "channel")), CommDelay(0.05))
-    with pytest.raises(PlanError, match=r"cannot be split over 2 workers — by channel: .*; by batch: .*needs at least 2 samples per request, this workload has 1"):
+    with pytest.raises(PlanError, match=r"cannot be split over 2 workers — by channel: .*; by batch: "
+                                        r".*needs at least 2 samples per request, this workload has 1"):
         gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2)), CommDelay(0.05))
     with pytest.raises(PlanError, match=r"split 'rows'.*channel or batch"):
         plan((0, 1, 1024, 2, "rows"), (2, 2, 1024, 1)).check_against(3)

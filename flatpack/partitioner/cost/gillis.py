@@ -366,7 +366,6 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
     delay = delay or _default_delay(problem)
     platform = problem.platform
     tier = platform.tier(fork_join.memory_mb)
-    bandwidth = tier.bandwidth_bytes_s
     batch = problem.workload.batch
     limit, runtime = memory_limit(problem, tier)
     budget = limit - runtime
