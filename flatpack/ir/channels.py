@@ -144,16 +144,25 @@ class _Analyser:
         self.narrowed: dict[tuple[str, int], tuple[int, Sliced]] = {}
         self.anchors: list[tuple[str, int]] = []
         self.param_bytes: dict[str, int] = {}
+        self.outputs: tuple[State, ...] = ()
 
     def run(self) -> ChannelAnalysis:
-        outputs: tuple[State, ...] = ()
-        for node in self.nodes:
+        self.feed(self.nodes)
+        return self.result()
+
+    def feed(self, nodes: Iterable[torch.fx.Node]) -> None:
+        """Carries the states on through more nodes (in graph order): a group grown by a
+        layer is analysed from where the smaller group stopped."""
+        for node in nodes:
             if node.op == "output":
-                outputs = tuple(self.state(value) for value in _flatten(node.args[0]))
+                self.outputs = tuple(self.state(value) for value in _flatten(node.args[0]))
             elif node.op == "get_attr":
                 self.param_bytes[str(node.target)] = self.param_bytes_of(node)
             elif node.op in ("call_function", "call_method"):
                 self.states[node.name] = self.visit(node)
+
+    def result(self) -> ChannelAnalysis:
+        outputs = self.outputs
         for name in self.sliced_params.keys() & self.whole_params:
             raise NotChannelSplittable(f"{self.where}: weight {name} is needed whole by one op and sliced by another; "
                                        "split this group by batch")
@@ -377,9 +386,9 @@ def group_table(graph: "LayerGraph") -> dict[tuple[int, int], ChannelGroup]:
     rules the runtime applies to the group's stage module (``runtime/channel_split.py``).
 
     Extending a group keeps every op it had, with the same inputs, so once a group cannot
-    be split no longer group from the same start can: each start stops at its first
-    failure. A group with a non-tensor input (a size, a flag) is left out, as the runtime
-    can only broadcast tensors."""
+    be split no longer group from the same start can: each start is analysed once, layer by
+    layer, up to its first failure. A group with a non-tensor input (a size, a flag) is
+    left out, as the runtime can only broadcast tensors."""
     from flatpack.ir import meta
     from flatpack.ir.values import value_info
 
@@ -397,14 +406,19 @@ def group_table(graph: "LayerGraph") -> dict[tuple[int, int], ChannelGroup]:
     for start in range(len(graph.layers)):
         if any(value.info.kind != "tensor" for value in graph.boundary(start - 1).values):
             continue
-        names: list[str] = []
+        analyser = _Analyser([], shape_of, lambda node: value_info(node).nbytes, f"layers {start}..",
+                             lambda node: str(node.target))
+        group_nodes: list[torch.fx.Node] = []
+        seen: set[str] = set()
         for end in range(start, len(graph.layers)):
-            names += graph.layers[end].nodes
-            members = sorted(set(names) | graph.analysis.needed_free(names), key=order.__getitem__)
-            group_nodes = [nodes[name] for name in members]
+            layer = graph.layers[end].nodes
+            # the free nodes (weights, values made from weights alone) the layer reads, first
+            added = sorted((set(layer) | graph.analysis.needed_free(layer)) - seen, key=order.__getitem__)
+            seen.update(added)
+            group_nodes += [nodes[name] for name in added]
             try:
-                analysis = analyse(group_nodes, shape_of, lambda node: value_info(node).nbytes,
-                                   f"layers {start}..{end}")
+                analyser.feed(nodes[name] for name in added)
+                analysis = analyser.result()
             except NotChannelSplittable:
                 break
             if not analysis.anchors:
