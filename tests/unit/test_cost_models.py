@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -487,10 +488,14 @@ def test_gillis_channel_split_refuses_more_partitions_than_channels_and_unsplitt
         _group_cost(served, 9, "channel")
     with pytest.raises(PlanError, match=r"layer conv has 8 output channels, fewer than the 9 partitions"):
         gillis.with_splits(served, plan((0, 1, 1024, 9, "channel"), (2, 2, 1024, 1)))
-    with pytest.raises(PlanError, match=r"layers 1\.\.2 \(l1 \.\. l2\) cannot be split by channel"):
-        gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2, "channel")), CommDelay(0.05))
+    # a plan whose split cannot run a group does not fit, and says why (solvers skip it)
+    cost = gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2, "channel")), CommDelay(0.05))
+    assert not cost.fits
+    assert re.search(r"group 1: layers 1\.\.2 \(l1 \.\. l2\) cannot be split by channel", gillis.describe_unfit(cost))
+    cost = gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2)), CommDelay(0.05))
+    assert not cost.fits and "needs at least 2 samples per request" in gillis.describe_unfit(cost)
     with pytest.raises(PlanError, match=r"cannot be split over 2 workers — by channel: .*; by batch: "
                                         r".*needs at least 2 samples per request, this workload has 1"):
-        gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2)), CommDelay(0.05))
+        gillis.choose_split(served, 1, 2, 2, 1024)
     with pytest.raises(PlanError, match=r"split 'rows'.*channel or batch"):
         plan((0, 1, 1024, 2, "rows"), (2, 2, 1024, 1)).check_against(3)

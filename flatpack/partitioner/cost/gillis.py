@@ -170,9 +170,12 @@ class ForkJoinPlan:
                 groups.append(Group(stage.start, stage.end, 0, True))
                 continue
             split = stage.split
-            if split is None:
-                split = "batch" if problem is None or memory_mb is None else \
-                    choose_split(problem, stage.start, stage.end, stage.replicas, memory_mb)
+            if split is None and problem is not None and memory_mb is not None:
+                try:
+                    split = choose_split(problem, stage.start, stage.end, stage.replicas, memory_mb)
+                except PlanError:
+                    split = None    # neither runs: ``latency`` reports the batch split's reason as unfit
+            split = split or "batch"
             groups.append(Group(stage.start, stage.end, stage.replicas, False, split))
         return cls(tuple(groups), memory_mb, plan.num_layers)
 
@@ -221,7 +224,8 @@ class ForkJoinCost:
     master_weight_bytes: int         # Σ of the master's partitions (§IV-B eq. 2)
     memory_limit_bytes: int          # M − s₀
     fits: bool
-    unfit: str | None                # "master" or "group i", the first that does not fit
+    unfit: str | None                # the first that does not fit: "master", "group i" (its weights), or
+                                     # "group i: why" (its split cannot run it)
 
     def to_json(self) -> dict:
         return to_json(self, MODEL)
@@ -377,7 +381,14 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
         forward = sum(problem.layer_inference_seconds(i, tier, batch) for i in range(group.start, group.end + 1))
         weights = group_weight_bytes(problem, group.start, group.end)
         fork_delay = delay.expected_max(group.workers) if group.workers else 0.0
-        cost = group_cost(problem, tier, group, forward, weights, fork_delay, index)
+        try:
+            cost = group_cost(problem, tier, group, forward, weights, fork_delay, index)
+        except PlanError as err:
+            # a split that cannot run this group: the plan does not fit (solvers that price
+            # whole plans skip it), its group counted as run whole on one worker
+            unfit = unfit or f"group {index}: {err}"
+            cost = GroupCost(index, group.start, group.end, group.workers, group.on_master, forward, 0.0, fork_delay,
+                             forward + fork_delay, forward, weights, group.split)
         if group.on_master:
             master_weights += cost.partition_weight_bytes
         if group.workers and cost.partition_weight_bytes > budget and unfit is None:
@@ -404,6 +415,8 @@ def describe_unfit(cost: ForkJoinCost) -> str:
     """A sentence for errors and logs: what does not fit and by how much."""
     if cost.fits:
         return "every function fits"
+    if cost.unfit and ":" in cost.unfit:     # a split that cannot run the group
+        return cost.unfit
     if cost.unfit == "master":
         return (f"the master's partitions need {mb(cost.master_weight_bytes)}, more than the "
                 f"{mb(cost.memory_limit_bytes)} a {cost.memory_mb} MB function leaves for weights")
