@@ -22,7 +22,9 @@ model the SLO problem is still exactly solvable, with a label-setting DP:
   completion (the latency-optimal DP of §IV-B over the remaining layers) with no extra
   worker cost scores worse than the best plan known — first found by a narrow beam pass.
 
-The result is the optimum of the same space ``brute`` enumerates, up to float rounding.
+The result is the optimum over groupings, worker counts and splits, up to float rounding:
+at least as good as the best plan ``brute`` enumerates (its plans leave each split to
+``gillis.choose_split``, the one of lower latency; the DP weighs both against the goal).
 """
 
 from __future__ import annotations
