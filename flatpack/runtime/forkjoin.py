@@ -9,8 +9,9 @@ A group splits as its plan says (``GroupSpec.split``, the plan's ``StagePlan.spl
   in ``ir/channels.py``); the master concatenates the sliced outputs, sums the partial
   ones and takes the whole ones from partition 0. A one-sample request splits this way.
 * ``"batch"``: every partition holds the group's whole weights and a slice of the
-  request's samples, which is exact for any stage the compiler emits; the request needs at
-  least as many samples as partitions.
+  request's samples, which is exact for any stage whose code does not fix the batch (the
+  export frontend's attention reshapes by the example's batch and cannot); the request
+  needs at least as many samples as partitions (``deployment.infer`` checks).
 
 ``cost/gillis.py`` models the same two splits, term by term.
 
