@@ -32,6 +32,7 @@ from flatpack.ir.profile import ChainProfile
 from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.ir.tensor_check import TensorSpec, check_tensor
 from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
+from flatpack.partitioner.cost import gillis
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.space import SearchSpace
@@ -425,6 +426,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         plan.provenance.check(current if workload is not None else
                               dataclasses.replace(current, workload=plan.provenance.workload), force=force)
     plan.check_against(len(graph.layers))
+    plan = gillis.with_splits(problem, plan)
     artifacts = emit_stages(graph, plan)
     info = {
         "kind": COMPILED_KIND,

@@ -342,12 +342,13 @@ class FunctionDeployment:
         from flatpack.ir import structure
         from flatpack.runtime import forkjoin
 
+        names = self.compiled.info["input_names"]
+        values = dict(zip(names, self.compiled.input_leaves(inputs)))
+        self._check_batch_splits(forkjoin.request_batch(values))
         if self._inference is None:
             self._inference = self._start_inference(threads, wait_timeout_s)
         request = self._requests
         self._requests += 1
-        names = self.compiled.info["input_names"]
-        values = dict(zip(names, self.compiled.input_leaves(inputs)))
         started = time.time()
         self.store.put(self.keys.infer(str(request), 0, 0, "request"), pack_values(values))
         raw = self._wait_response(request, wait_timeout_s)
@@ -377,17 +378,40 @@ class FunctionDeployment:
             time.sleep(0.002)
         raise RunFailure(f"request {request} got no response within {timeout_s:.0f} s; logs in {self.workdir}")
 
+    def _check_batch_splits(self, batch: int) -> None:
+        """InputError, before any function starts, when a group split by batch has more
+        partitions than the request has samples."""
+        from flatpack.partitioner.cost.gillis import ForkJoinPlan
+
+        for index, group in enumerate(ForkJoinPlan.from_plan(self.compiled.plan).groups):
+            if group.workers and group.split == "batch" and group.partitions > batch:
+                raise InputError(f"group {index} (layers {group.start}..{group.end}) splits the request's batch over "
+                                 f"{group.partitions} partitions, but this request has {batch} sample(s); send at "
+                                 "least that many, or compile the plan with split='channel' for this stage (or "
+                                 "fewer replicas)")
+
     def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
         from flatpack.backends.catalog import get_platform
+        from flatpack.codegen.artifact import build_module
         from flatpack.partitioner.cost.gillis import ForkJoinPlan
+        from flatpack.runtime import channel_split
         from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec
 
         plan = ForkJoinPlan.from_plan(self.compiled.plan)
         tier = get_platform(self.platform).tier(plan.memory_mb) if plan.memory_mb and self.emulate_tiers else None
-        groups = tuple(GroupSpec(index, group.workers, group.on_master,
-                                 tuple(entry["name"] for entry in manifest["inputs"]),
-                                 tuple(entry["name"] for entry in manifest["outputs"]))
-                       for index, (group, manifest) in enumerate(zip(plan.groups, self.manifests)))
+        groups = []
+        for index, (group, manifest) in enumerate(zip(plan.groups, self.manifests)):
+            joins: tuple[str, ...] = ()
+            if group.workers and group.split == "channel":
+                # the same analysis the workers run: refused here, before any function starts
+                where = f"group {index} (layers {group.start}..{group.end})"
+                _, analysis = channel_split.analyse_stage(build_module(self.compiled.artifacts[index]), where)
+                analysis.check_partitions(group.partitions, where)
+                joins = channel_split.joins(analysis)
+            groups.append(GroupSpec(index, group.workers, group.on_master,
+                                    tuple(entry["name"] for entry in manifest["inputs"]),
+                                    tuple(entry["name"] for entry in manifest["outputs"]), group.split, joins))
+        groups = tuple(groups)
         spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
                             tier.bandwidth_bytes_s if tier else None, tuple(self.compiled.info["input_names"]),
                             tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,

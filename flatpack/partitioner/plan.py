@@ -69,6 +69,9 @@ class Provenance:
         return cls(data["graph_hash"], data["target"], data.get("workload"), data.get("calibration_digest"),
                    str(data.get("flatpack_version", "")))
 
+# how a fork-join inference group divides its work over its partitions (``StagePlan.split``)
+FORK_JOIN_SPLITS = ("channel", "batch")
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -76,13 +79,19 @@ class StagePlan:
     tier and data-parallel degree the cost-model solvers choose (None / 1 for the solvers
     that only cut, such as ``balanced``). ``recompute``: the stage keeps no activations
     between a micro-batch's forward and its backward and runs the forward again in the
-    backward (less memory, one more forward; ``cost.common.memory_need``)."""
+    backward (less memory, one more forward; ``cost.common.memory_need``).
+    ``split`` says how a fork-join inference group
+    with replicas > 1 divides its work (``FORK_JOIN_SPLITS``, Gillis §II-C): ``"channel"``
+    (each worker keeps a slice of the filters) or ``"batch"`` (each worker keeps all the
+    weights and a slice of the request's samples); None: ``cost/gillis.py`` picks."""
 
     start: int
     end: int
     memory_mb: int | None = None
     replicas: int = 1
-    recompute: bool = False
+    # keyword-only: positional calls name the tier and replicas, never these two
+    recompute: bool = field(default=False, kw_only=True)
+    split: str | None = field(default=None, kw_only=True)
 
     @property
     def num_layers(self) -> int:
@@ -138,6 +147,9 @@ class Plan:
                                 f"cover the chain in order without gaps, and this one must start at {expected}")
             if stage.replicas < 1:
                 raise PlanError(f"stage {index} has {stage.replicas} replicas; it needs at least 1")
+            if stage.split is not None and stage.split not in FORK_JOIN_SPLITS:
+                raise PlanError(f"stage {index} has split {stage.split!r}; a fork-join group splits by "
+                                f"{' or '.join(FORK_JOIN_SPLITS)}, or leave it out to let the cost model pick")
             if stage.memory_mb is not None and stage.memory_mb <= 0:
                 raise PlanError(f"stage {index} has {stage.memory_mb} MB of memory; give a positive tier")
             expected = stage.end + 1
@@ -160,7 +172,7 @@ class Plan:
 
     def to_json(self) -> dict:
         data = {"schema_version": self.schema_version, "solver": self.solver, "num_layers": self.num_layers,
-                "stages": [asdict(stage) for stage in self.stages], "micro_batches": self.micro_batches,
+                "stages": [_stage_json(stage) for stage in self.stages], "micro_batches": self.micro_batches,
                 "predictions": self.predictions}
         if self.provenance is not None:
             data["provenance"] = self.provenance.to_json()
@@ -187,3 +199,11 @@ class Plan:
     @classmethod
     def loads(cls, text: str) -> "Plan":
         return cls.from_json(json.loads(text))
+
+
+def _stage_json(stage: StagePlan) -> dict:
+    """A stage as JSON; ``split`` only where a fork-join plan set it."""
+    data = asdict(stage)
+    if data["split"] is None:
+        del data["split"]
+    return data

@@ -14,6 +14,7 @@ from flatpack.partitioner.workload import Workload
 if TYPE_CHECKING:
     from flatpack.backends.calibration import Calibration
     from flatpack.backends.catalog import Platform, Tier
+    from flatpack.ir.channels import ChannelGroup
     from flatpack.ir.graph import LayerGraph
 
 
@@ -42,12 +43,17 @@ class Problem:
     stages: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     input_bytes: Linear | None = None   # the model's inputs per micro-batch, when profiled
+    # Gillis's channel split of each group start..end that has one (``ir/channels.py``),
+    # analysed for inference workloads; None: not analysed (a hand-made chain), and the
+    # Gillis model takes every group as channel-splittable with all its weights split
+    channel_groups: "dict[tuple[int, int], ChannelGroup] | None" = None
 
     @classmethod
     def from_graph(cls, graph: "LayerGraph", stages: int | None = None, target: str = "local",
                    workload: Workload | None = None, profile: ChainProfile | None = None,
                    calibration: "Calibration | None" = None, **options: Any) -> "Problem":
         from flatpack.backends.catalog import get_platform
+        from flatpack.ir.channels import group_table
 
         if profile is not None and len(profile.layers) != len(graph.layers):
             raise PlanError(f"the profile has {len(profile.layers)} layers but the chain has {len(graph.layers)}; "
@@ -62,8 +68,10 @@ class Problem:
             calibration.check_against([layer.name for layer in chain], profile.graph_hash if profile else None,
                                       platform.name)
             platform = calibration.apply(platform)
-        return cls(chain, platform, workload or Workload(), profile.host if profile else None,
-                   calibration, stages, options, profile.input_bytes if profile else None)
+        workload = workload or Workload()
+        channel_groups = group_table(graph) if workload.mode == "infer" else None
+        return cls(chain, platform, workload, profile.host if profile else None,
+                   calibration, stages, options, profile.input_bytes if profile else None, channel_groups)
 
     @classmethod
     def from_saved(cls, chain: dict[str, Any], profile: ChainProfile, target: str, workload: Workload | None = None,

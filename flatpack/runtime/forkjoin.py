@@ -2,13 +2,18 @@
 for a group split over n workers it sends each worker its partition, computes one
 partition itself when the plan says so, joins the results and goes on to the next group.
 
-Partitions here split the request's batch: each partition holds the group's whole weights
-and a slice of its inputs and outputs, which is exact for any stage the compiler emits.
-That is the byte and compute accounting of Gillis's spatial split (weights whole, 1/p of
-the input and output per partition; cost/gillis.py with ``split="spatial"``), without the
-halo overlap a split inside one image needs. Gillis's channel split (1/p of the filters
-per worker) needs per-operator rewriting and is not implemented: a one-sample request
-runs each group as a single partition.
+A group splits as its plan says (``GroupSpec.split``, the plan's ``StagePlan.split``):
+
+* ``"channel"`` (Gillis §II-C Fig. 2b): every partition gets the group's whole inputs and
+  runs its stage module cut to a slice of the filters (``runtime/channel_split.py``, rules
+  in ``ir/channels.py``); the master concatenates the sliced outputs, sums the partial
+  ones and takes the whole ones from partition 0. A one-sample request splits this way.
+* ``"batch"``: every partition holds the group's whole weights and a slice of the
+  request's samples, which is exact for any stage whose code does not fix the batch (the
+  export frontend's attention reshapes by the example's batch and cannot); the request
+  needs at least as many samples as partitions (``deployment.infer`` checks).
+
+``cost/gillis.py`` models the same two splits, term by term.
 
 Workers are warm: they start with the deployment and wait for their next partition key,
 as provisioned functions would, so a request pays the store round trips but no cold start.
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-from flatpack.runtime import timeline
+from flatpack.runtime import channel_split, timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
@@ -39,6 +44,8 @@ class GroupSpec:
     on_master: bool             # the master computes one partition itself
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    split: str = "batch"        # "channel" or "batch" (StagePlan.split)
+    joins: tuple[str, ...] = ()  # channel split: how the master joins each output (channel_split.joins)
 
     @property
     def partitions(self) -> int:
@@ -67,7 +74,8 @@ class ForkJoinSpec:
     def loads(cls, raw: bytes) -> "ForkJoinSpec":
         data = json.loads(raw)
         data.pop("kind")
-        groups = tuple(GroupSpec(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"])})
+        groups = tuple(GroupSpec(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"]),
+                                    "joins": tuple(g.get("joins", ()))})
                        for g in data.pop("groups"))
         return cls(groups=groups, input_names=tuple(data.pop("input_names")),
                    output_names=tuple(data.pop("output_names")), **data)
@@ -76,7 +84,7 @@ class ForkJoinSpec:
 def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """Cuts every tensor that has the request's batch dimension into ``parts`` slices;
     values without it (sizes, shared tables) go whole to every partition."""
-    batch = _batch(values)
+    batch = request_batch(values)
     pieces: list[dict[str, Any]] = [{} for _ in range(parts)]
     for name, value in values.items():
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
@@ -99,7 +107,8 @@ def join_batch(parts: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str,
     return joined
 
 
-def _batch(values: dict[str, Any]) -> int:
+def request_batch(values: dict[str, Any]) -> int:
+    """The request's samples: the longest leading dimension among its tensors."""
     return max((v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim()), default=0)
 
 
@@ -123,6 +132,12 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
     if spec.checkpoint is not None:
         for index, module in modules.items():
             load_weights(module, store.wait(keys.checkpoint(index, spec.checkpoint), spec.wait_timeout_s))
+    for group in groups:
+        if group.split == "channel" and group.workers:
+            # a worker keeps its partition's slice of the weights; the master the last partition's
+            part = role.replica if role.kind == "infer-worker" else group.partitions - 1
+            modules[group.index] = channel_split.partition_module(modules[group.index], group.partitions, part,
+                                                                  f"group {group.index}")
     after_task("load", 0, None)
     request = 0
     while True:
@@ -138,6 +153,9 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
         if role.kind == "infer-worker":
             group = spec.groups[role.stage]
             outputs = _compute(modules[group.index], group, values, run_compute)
+            if group.split == "channel":
+                outputs = {name: outputs[name]
+                           for name in channel_split.needed_outputs(group.outputs, group.joins, role.replica)}
             recorder.add(timeline.Event(role.stage, role.replica, request, "forward", started, time.time(),
                                         micro_batch=role.replica, attempt=role.attempt))
             after_task("forward", request, role.replica)
@@ -174,11 +192,17 @@ def _run_group(store: Store, keys: RunKeys, request: int, group: GroupSpec, modu
         outputs = _compute(module, group, inputs, run_compute)
         recorder.add(timeline.Event(0, 0, request, "forward", started, time.time(), micro_batch=group.index))
         return outputs
-    pieces = split_batch(inputs, group.partitions)
-    sizes = [_batch(piece) for piece in pieces]
+    if group.split == "channel":
+        pieces = [inputs] * group.partitions   # broadcast: every partition reads the whole input
+    else:
+        pieces = split_batch(inputs, group.partitions)
+    sizes = [request_batch(piece) for piece in pieces]
     started = time.time()
+    # a broadcast is packed once and uploaded to each worker, as Gillis invokes each with the input
+    packed = [pack_values(pieces[0])] * group.workers if group.split == "channel" else \
+        [pack_values(pieces[partition]) for partition in range(group.workers)]
     for partition in range(group.workers):
-        store.put(keys.infer(str(request), group.index, partition, "in"), pack_values(pieces[partition]))
+        store.put(keys.infer(str(request), group.index, partition, "in"), packed[partition])
     recorder.add(timeline.Event(0, 0, request, "upload", started, time.time(), lane="upload", micro_batch=group.index))
     results: list[dict[str, Any] | None] = [None] * group.partitions
     if group.on_master:
@@ -192,6 +216,8 @@ def _run_group(store: Store, keys: RunKeys, request: int, group: GroupSpec, modu
         store.delete(key)
     recorder.add(timeline.Event(0, 0, request, "download", started, time.time(), lane="download",
                                 micro_batch=group.index))
+    if group.split == "channel":
+        return channel_split.join_outputs(results, group.outputs, group.joins)
     return join_batch(results, sizes)
 
 

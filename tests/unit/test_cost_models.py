@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -65,7 +66,8 @@ def problem(workload=None, layers=LAYERS, target=None, **options):
 
 
 def plan(*stages):
-    return Plan(tuple(StagePlan(*stage) for stage in stages), 3)
+    """Stages as (start, end, memory_mb, replicas[, split]) tuples."""
+    return Plan(tuple(StagePlan(*stage[:4], split=stage[4] if len(stage) > 4 else None) for stage in stages), 3)
 
 
 TWO_STAGES = plan((0, 1, 1024, 2), (2, 2, 2048, 2))
@@ -323,8 +325,9 @@ def test_gillis_memory_budget_and_plan_conversion():
     small = gillis_cost(tiers=((256, 100), (1024, 100)), fork_join=dataclasses.replace(GILLIS_PLAN, memory_mb=256))
     assert not small.fits and small.unfit == "master"        # 237.5 MiB of weights > 256 − 100 MiB
     assert "master" in gillis.describe_unfit(small)
+    # without a problem to cost the splits, a replicated stage splits by batch (exact for any stage)
     converted = ForkJoinPlan.from_plan(plan((0, 1, 1024, 4), (2, 2, 1024, 1)))
-    assert converted.groups == (Group(0, 1, 4, False), Group(2, 2, 0, True))
+    assert converted.groups == (Group(0, 1, 4, False, "batch"), Group(2, 2, 0, True))
     with pytest.raises(PlanError, match="one memory size"):
         ForkJoinPlan.from_plan(plan((0, 1, 1024, 4), (2, 2, 2048, 1)))
     with pytest.raises(PlanError, match="no memory tier"):
@@ -395,3 +398,108 @@ def test_breakdowns_are_json():
     for cost, model in zip(costs, ["funcpipe", "hydrozoa", "pipedream", "gillis"]):
         data = json.loads(json.dumps(cost.to_json(), allow_nan=False))
         assert data["model"] == model and data["fits"] is True
+
+
+def _hand_written_emg_cdf(delay: CommDelay, x: np.ndarray) -> np.ndarray:
+    """The EMG CDF this module computed by hand before it called ``scipy.stats.exponnorm``:
+    Φ(z) − exp(−λσz + λ²σ²/2)·Φ(z − λσ), with the erfcx asymptote once exp(·) overflows."""
+    erfc = np.vectorize(math.erfc, otypes=[float])
+    z = (x - delay.mu_s) / delay.sigma_s
+    normal = 0.5 * erfc(-z / math.sqrt(2))
+    ls = delay.sigma_s / delay.tail_s
+    t = (ls - z) / math.sqrt(2)
+    term = np.empty_like(z)
+    small = t <= 25.0
+    term[small] = 0.5 * np.exp(-ls * z[small] + ls * ls / 2) * erfc(t[small])
+    tb = t[~small]
+    term[~small] = (0.5 * np.exp(-z[~small] ** 2 / 2) / (tb * math.sqrt(math.pi))
+                    * (1 - 1 / (2 * tb ** 2) + 3 / (4 * tb ** 4)))
+    return np.clip(normal - term, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("delay", [CommDelay(0.05, 0.01, 0.02), CommDelay(0.03, 0.005, 0.05),
+                                   CommDelay(0.2, 0.05, 0.001), CommDelay(0.01, 0.002, 0.0004)])
+def test_emg_cdf_from_scipy_exponnorm_equals_the_hand_written_one(delay):
+    """Same parameters (µ, σ, 1/λ ↔ loc, scale, K = 1/(λσ)), same numbers, across the body
+    and both tails, including λσ up to 125 where the hand-written form switched to its
+    asymptote."""
+    grid = np.linspace(delay.mu_s - 10 * delay.sigma_s, delay.mu_s + 10 * delay.sigma_s + 30 * delay.tail_s, 4001)
+    np.testing.assert_allclose(delay.cdf(grid), _hand_written_emg_cdf(delay, grid), rtol=1e-9, atol=1e-12)
+
+
+# --- Gillis: channel and batch splits ---------------------------------------------------
+
+def _channel_problem(batch=4):
+    """Layers l0, l1 (1.5 s of serving together, 150 MiB of weights, 5 MiB out per sample)
+    with a channel split of the group l0..l1 as ``ir/channels.py`` would summarize it: the
+    fewest channels 8 (layer "conv"), 140 MiB of sliced weights and 10 MiB every partition
+    holds whole, 80% of the FLOPs split, the output half sliced, a quarter partial sums, a
+    quarter whole; 1 MiB of request input per sample."""
+    from flatpack.ir.channels import ChannelGroup
+
+    shape = ChannelGroup(max_partitions=8, limiting_layer="conv", whole_bytes=10 * MIB, sliced=((8, 140 * MIB),),
+                         split_flops_share=0.8, sliced_output_share=0.5, partial_output_share=0.25)
+    served = problem(Workload("infer", batch=batch, micro_batches=1), target=platform())
+    return dataclasses.replace(served, input_bytes=Linear(1.0 * MIB), channel_groups={(0, 1): shape})
+
+
+def _group_cost(served, workers, split):
+    tier = served.platform.tier(1024)
+    forward = sum(served.layer_inference_seconds(i, tier, served.workload.batch) for i in (0, 1))
+    delay = CommDelay(0.05, 0.0, 0.02).expected_max(workers)
+    return gillis.group_cost(served, tier, Group(0, 1, workers, False, split), forward, 150 * MIB, delay)
+
+
+def test_gillis_channel_split_terms_by_hand():
+    """Three workers, batch 4 at 100 MiB/s: each partition repeats the 20% of FLOPs that see
+    whole values and does a third of the rest; keeps 3 of the 8 channels of the sliced
+    weights (channel_ranges: 3, 3, 2) plus the whole ones; receives the whole 4 MiB input
+    and sends back a third of the 10 MiB sliced output, the 5 MiB partial sum, and
+    (partition 0) the 5 MiB whole output."""
+    cost = _group_cost(_channel_problem(), 3, "channel")
+    assert cost.partition_compute_s == pytest.approx(1.5 * (0.8 / 3 + 0.2))
+    assert cost.partition_weight_bytes == 10 * MIB + math.ceil(140 * MIB * 3 / 8)
+    assert cost.worker_in_bytes == pytest.approx(4 * MIB)
+    assert cost.worker_out_bytes == pytest.approx((10 / 3 + 5 + 5) * MIB)
+    # the master's link: the input to each worker, each one's slice and partial sum, one whole output
+    assert cost.transfer_s == pytest.approx((3 * (4 + 10 / 3 + 5) + 5) / 100)
+    assert cost.latency_s == pytest.approx(cost.transfer_s + cost.partition_compute_s + cost.delay_s)
+    assert cost.worker_duration_s == pytest.approx(cost.partition_compute_s + (4 + 10 / 3 + 10) / 100)
+
+
+def test_gillis_batch_split_terms_by_hand_and_the_choice_between_splits():
+    served = _channel_problem()
+    cost = _group_cost(served, 3, "batch")
+    assert cost.partition_compute_s == pytest.approx(0.5) and cost.partition_weight_bytes == 150 * MIB
+    assert cost.transfer_s == pytest.approx(3 * (4 + 20) / 3 / 100)      # 1/3 of the input and output each
+    assert cost.worker_duration_s == pytest.approx(0.5 + (4 + 20) / 3 / 100)
+    # batch is faster here and fits 1024 MB; a one-sample request cannot split by batch
+    assert gillis.choose_split(served, 0, 1, 3, 1024) == "batch"
+    single = _channel_problem(batch=1)
+    with pytest.raises(PlanError, match=r"at least 3 samples per request, this workload has 1"):
+        _group_cost(single, 3, "batch")
+    assert gillis.choose_split(single, 0, 1, 3, 1024) == "channel"
+    # the plan says which: with_splits writes the choice, latency costs it, from_plan reads it back
+    chosen = gillis.with_splits(single, plan((0, 1, 1024, 3), (2, 2, 1024, 1)))
+    assert [stage.split for stage in chosen.stages] == ["channel", None]
+    assert Plan.loads(chosen.dumps()) == chosen
+    assert ForkJoinPlan.from_plan(chosen).groups[0].split == "channel"
+
+
+def test_gillis_channel_split_refuses_more_partitions_than_channels_and_unsplittable_groups():
+    served = _channel_problem(batch=1)
+    with pytest.raises(PlanError, match=r"layer conv has 8 output channels, fewer than the 9 partitions.*at most 8"):
+        _group_cost(served, 9, "channel")
+    with pytest.raises(PlanError, match=r"layer conv has 8 output channels, fewer than the 9 partitions"):
+        gillis.with_splits(served, plan((0, 1, 1024, 9, "channel"), (2, 2, 1024, 1)))
+    # a plan whose split cannot run a group does not fit, and says why (solvers skip it)
+    cost = gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2, "channel")), CommDelay(0.05))
+    assert not cost.fits
+    assert re.search(r"group 1: layers 1\.\.2 \(l1 \.\. l2\) cannot be split by channel", gillis.describe_unfit(cost))
+    cost = gillis.latency(served, plan((0, 0, 1024, 1), (1, 2, 1024, 2)), CommDelay(0.05))
+    assert not cost.fits and "needs at least 2 samples per request" in gillis.describe_unfit(cost)
+    with pytest.raises(PlanError, match=r"cannot be split over 2 workers — by channel: .*; by batch: "
+                                        r".*needs at least 2 samples per request, this workload has 1"):
+        gillis.choose_split(served, 1, 2, 2, 1024)
+    with pytest.raises(PlanError, match=r"split 'rows'.*channel or batch"):
+        plan((0, 1, 1024, 2, "rows"), (2, 2, 1024, 1)).check_against(3)

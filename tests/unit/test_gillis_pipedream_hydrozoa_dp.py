@@ -29,17 +29,20 @@ def gillis_problem(layers, tiers=ONE_TIER, max_workers=2):
 
 
 def test_gillis_splits_a_heavy_layer_for_speed_and_keeps_it_on_the_master_for_cost():
-    # one layer: 0.8 s of serving on the master alone; split over 2 workers each computes
-    # 0.4 s, the master's link carries 2 × (1 MiB in + 1 MiB out)/2 at 100 MiB/s = 0.02 s,
-    # and the fork waits the 0.01 s storage latency: 0.43 s
+    # one layer: 0.8 s of serving on the master alone; a one-sample request cannot split by
+    # batch, so over 2 workers it splits by channel (Gillis's ideal split on a hand-made
+    # chain): each computes 0.4 s, the master's link carries the 1 MiB input to each worker
+    # (broadcast) and gets 1 MiB/2 back from each, 3 MiB at 100 MiB/s = 0.03 s, and the fork
+    # waits the 0.01 s storage latency: 0.44 s
     problem = gillis_problem([(1.0, 0.0, 10.0, 0.0, 1.0)])
     fast = gillis_dp.solve(problem, FAST)
-    assert fast.replicas == (2,) and fast.predictions["time_s"] == pytest.approx(0.43)
+    assert fast.replicas == (2,) and fast.predictions["time_s"] == pytest.approx(0.44)
+    assert fast.stages[0].split == "channel"
     cheap = gillis_dp.solve(problem, COST_ONLY)
     assert cheap.replicas == (1,) and cheap.predictions["time_s"] == pytest.approx(0.8)
-    # master 0.8 s + requests, against master 0.43 s + two workers of 0.41 s + three requests
+    # master 0.8 s + requests, against master 0.44 s + two workers of 0.4 + 1.5/100 s + three requests
     assert cheap.predictions["dollars"] == pytest.approx(0.8 * PRICE + 2e-7)
-    assert fast.predictions["dollars"] == pytest.approx((0.43 + 2 * 0.41) * PRICE + 3 * 2e-7)
+    assert fast.predictions["dollars"] == pytest.approx((0.44 + 2 * 0.415) * PRICE + 3 * 2e-7)
     for plan in (fast, cheap):
         assert plan.solver == "dp" and plan.predictions["status"] == "optimal" and plan.micro_batches is None
 
@@ -48,7 +51,7 @@ def test_gillis_slo_picks_the_cheapest_plan_in_time_and_none_when_nothing_is():
     problem = gillis_problem([(1.0, 0.0, 10.0, 0.0, 1.0)])
     assert gillis_dp.solve(problem, Goal(slo_s=1.0)).replicas == (1,)
     assert gillis_dp.solve(problem, Goal(slo_s=0.5)).replicas == (2,)
-    assert gillis_dp.solve(problem, Goal(slo_s=0.43 + 1e-12)).replicas == (2,)
+    assert gillis_dp.solve(problem, Goal(slo_s=0.44 + 1e-12)).replicas == (2,)
     assert gillis_dp.solve(problem, Goal(slo_s=0.4)) is None
 
 

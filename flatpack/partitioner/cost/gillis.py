@@ -9,20 +9,35 @@ the next group. All functions have the same memory size M (§IV-B).
 The plan data: :class:`Plan` says which layers form a group and a memory size, but not who
 computes what, so this module has its own :class:`ForkJoinPlan` — per group its layer
 range, its number of workers, whether the master computes a partition, and how the group
-is split (``"channel"``: each partition keeps a subset of the filters, so 1/p of the
-weights; ``"spatial"``: partitions split height/width and each keeps all the weights,
-Fig. 2). ``ForkJoinPlan.from_plan`` reads a Plan as: a stage with one replica runs on the
-master alone, a stage with r > 1 replicas is split channel-wise over r workers.
+is split (``StagePlan.split``, Gillis §II-C Fig. 2):
+
+* ``"channel"``: every partition receives the group's whole input (broadcast) and keeps a
+  slice of the filters of its conv and linear layers (``ir/channels.py`` has the rules the
+  runtime applies: the next layer's input channels follow, partial sums are added by the
+  master). A partition holds the sliced weights' largest share plus the weights every
+  partition needs whole (``ChannelGroup.partition_bytes``); it repeats the ops that see
+  only whole values, so its compute is forward·(s/p + 1 − s) with s the group's share of
+  FLOPs that split; it sends back its slice of the sliced outputs, its full-size partial
+  sums, and (partition 0 alone) the outputs every partition computes whole. Where the
+  problem has no channel analysis (a hand-made chain), a channel split is Gillis's ideal
+  one: all weights, FLOPs and outputs divided by p.
+* ``"batch"``: every partition keeps all the weights and 1/p of the request's samples, of
+  its input and of its output; it needs at least p samples.
+
+``ForkJoinPlan.from_plan`` reads a Plan as: a stage with one replica runs on the master
+alone, a stage with r > 1 replicas is split over r workers by its ``split``, or, left out,
+by the split of lower latency that can run (:func:`choose_split`; without a problem to
+cost it, by batch, which is exact for any stage).
 
 Readings chosen (the paper gives the model in words, not equations):
 
-* A group's p = workers + on_master partitions each do 1/p of the group's forward time,
-  the serving forward without an autograd graph (``Problem.layer_inference_seconds``)
-  (even split; the redundant overlap of spatial splits, §III-C, is not modelled).
-* Each worker exchanges 1/p of the group's input and output with the master; the master's
-  link carries all n workers' shares, n·(in + out)/p at the tier's bandwidth, and the
-  function-communication delay is the expected maximum of n i.i.d. exponentially modified
-  Gaussian delays (§IV-A, "n-th order statistics"). Group latency =
+* A group's p = workers + on_master partitions each do their share of the group's
+  forward time, the serving forward without an autograd graph
+  (``Problem.layer_inference_seconds``); the halo of Gillis's spatial split is not
+  modelled, as the runtime does not split images.
+* The master's link carries what every worker receives and sends back, at the tier's
+  bandwidth, and the function-communication delay is the expected maximum of n i.i.d.
+  exponentially modified Gaussian delays (§IV-A, "n-th order statistics"). Group latency =
   max(master's own partition, transfer + partition compute + E[max of n delays]).
 * The first group's input is the request itself: the profiled size of the model's inputs.
 * Memory is weights, as Gillis budgets it (§IV-B eq. 2, §V-A "maximum memory to host the
@@ -36,24 +51,26 @@ Readings chosen (the paper gives the model in words, not equations):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+from scipy import stats
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.common import mb, memory_limit, to_json
-from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.plan import FORK_JOIN_SPLITS, Plan
 from flatpack.partitioner.problem import Problem
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Platform
+    from flatpack.backends.catalog import Platform, Tier
+    from flatpack.ir.channels import ChannelGroup
 
 MODEL = "gillis"
-SPLITS = ("channel", "spatial")
+SPLITS = FORK_JOIN_SPLITS
 _GRID_POINTS = 20001
-_erfc = np.vectorize(math.erfc, otypes=[float])
 
 
 @dataclass(frozen=True)
@@ -76,28 +93,17 @@ class CommDelay:
         return self.mu_s + self.tail_s
 
     def cdf(self, x: np.ndarray | float) -> np.ndarray:
-        """F(x) = Φ(z) − exp(−λ(x − µ) + λ²σ²/2)·Φ(z − λσ), z = (x − µ)/σ (the EMG CDF).
-
-        The second term is evaluated as exp(−z²/2)·erfcx(t)/2, t = (λσ − z)/√2, once
-        exp(·) would overflow against a vanishing erfc: the same number, without inf·0."""
+        """F(x) = Φ(z) − exp(−λ(x − µ) + λ²σ²/2)·Φ(z − λσ), z = (x − µ)/σ: the EMG CDF, as
+        ``scipy.stats.exponnorm`` (shape K = 1/(λσ), loc µ, scale σ) computes it; the
+        degenerate σ = 0 (shifted exponential) and 1/λ = 0 (normal) cases by their own
+        formulas, which exponnorm cannot take (K = ∞ or 0)."""
         x = np.asarray(x, dtype=float)
         if self.sigma_s == 0:
             shifted = np.maximum(x - self.mu_s, 0.0)
             return 1.0 - np.exp(-shifted / self.tail_s) if self.tail_s > 0 else (x >= self.mu_s).astype(float)
-        z = (x - self.mu_s) / self.sigma_s
-        normal = 0.5 * _erfc(-z / math.sqrt(2))
         if self.tail_s == 0:
-            return normal
-        ls = self.sigma_s / self.tail_s  # λσ
-        t = (ls - z) / math.sqrt(2)
-        term = np.empty_like(z)
-        small = t <= 25.0
-        term[small] = 0.5 * np.exp(-ls * z[small] + ls * ls / 2) * _erfc(t[small])
-        big = ~small
-        tb = t[big]
-        term[big] = (0.5 * np.exp(-z[big] ** 2 / 2) / (tb * math.sqrt(math.pi))
-                     * (1 - 1 / (2 * tb ** 2) + 3 / (4 * tb ** 4)))
-        return np.clip(normal - term, 0.0, 1.0)
+            return stats.norm.cdf(x, loc=self.mu_s, scale=self.sigma_s)
+        return stats.exponnorm.cdf(x, self.tail_s / self.sigma_s, loc=self.mu_s, scale=self.sigma_s)
 
     def expected_max(self, n: int) -> float:
         """E[max of n i.i.d. delays], the n-th order statistic Gillis uses for a fork of n
@@ -150,14 +156,28 @@ class ForkJoinPlan:
     num_layers: int
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> "ForkJoinPlan":
-        """One replica: the master runs the group alone; r > 1: r workers, split by channel."""
+    def from_plan(cls, plan: Plan, problem: Problem | None = None) -> "ForkJoinPlan":
+        """One replica: the master runs the group alone; r > 1: r workers, split by the
+        stage's ``split``, or when it has none by :func:`choose_split` on ``problem`` (by
+        batch without one)."""
         sizes = {stage.memory_mb for stage in plan.stages}
         if len(sizes) != 1:
             raise PlanError(f"Gillis runs every function with one memory size; this plan has {sorted(sizes, key=str)}")
-        groups = tuple(Group(stage.start, stage.end, 0, True) if stage.replicas == 1
-                       else Group(stage.start, stage.end, stage.replicas, False) for stage in plan.stages)
-        return cls(groups, sizes.pop(), plan.num_layers)
+        memory_mb = sizes.pop()
+        groups = []
+        for stage in plan.stages:
+            if stage.replicas == 1:
+                groups.append(Group(stage.start, stage.end, 0, True))
+                continue
+            split = stage.split
+            if split is None and problem is not None and memory_mb is not None:
+                try:
+                    split = choose_split(problem, stage.start, stage.end, stage.replicas, memory_mb)
+                except PlanError:
+                    split = None    # neither runs: ``latency`` reports the batch split's reason as unfit
+            split = split or "batch"
+            groups.append(Group(stage.start, stage.end, stage.replicas, False, split))
+        return cls(tuple(groups), memory_mb, plan.num_layers)
 
     def check_against(self, num_layers: int) -> None:
         if self.num_layers != num_layers:
@@ -185,6 +205,9 @@ class GroupCost:
     latency_s: float
     worker_duration_s: float     # billed per worker
     partition_weight_bytes: int
+    split: str = "channel"
+    worker_in_bytes: float = 0.0     # what the busiest worker receives
+    worker_out_bytes: float = 0.0    # and sends back
 
 
 @dataclass(frozen=True)
@@ -201,7 +224,8 @@ class ForkJoinCost:
     master_weight_bytes: int         # Σ of the master's partitions (§IV-B eq. 2)
     memory_limit_bytes: int          # M − s₀
     fits: bool
-    unfit: str | None                # "master" or "group i", the first that does not fit
+    unfit: str | None                # the first that does not fit: "master", "group i" (its weights), or
+                                     # "group i: why" (its split cannot run it)
 
     def to_json(self) -> dict:
         return to_json(self, MODEL)
@@ -218,20 +242,134 @@ def _default_delay(problem: Problem) -> CommDelay:
     return CommDelay(problem.platform.storage_latency_s)
 
 
+def group_weight_bytes(problem: Problem, start: int, end: int) -> int:
+    """Weights and buffers of layers start..end, whole."""
+    return sum(problem.layer_profile(i).param_bytes + problem.layer_profile(i).buffer_bytes
+               for i in range(start, end + 1))
+
+
+def channel_group(problem: Problem, start: int, end: int, parts: int) -> "ChannelGroup | None":
+    """The channel split of layers start..end; None when the problem has no channel
+    analysis (Gillis's ideal split). PlanError when the group has none, or fewer channels
+    than ``parts``."""
+    if problem.channel_groups is None:
+        return None
+    names = f"layers {start}..{end} ({problem.chain[start].name} .. {problem.chain[end].name})"
+    shape = problem.channel_groups.get((start, end))
+    if shape is None:
+        raise PlanError(f"{names} cannot be split by channel: an op in it mixes or reshapes the split channels "
+                        "(ir/channels.py lists the ops a channel split cuts) or an input is not a tensor; split "
+                        "the group by batch, or group the layers differently")
+    if parts > shape.max_partitions:
+        raise PlanError(f"{names}: layer {shape.limiting_layer} has {shape.max_partitions} output channels, fewer "
+                        f"than the {parts} partitions of a channel split; use at most {shape.max_partitions} "
+                        "partitions, or split the group by batch")
+    return shape
+
+
+def group_cost(problem: Problem, tier: "Tier", group: Group, forward_s: float, weight_bytes: int,
+               fork_delay_s: float, index: int = 0) -> GroupCost:
+    """One group's compute, transfer, latency, worker duration and partition weights under
+    its split (module docstring); PlanError when the split cannot run this group."""
+    parts = group.partitions
+    if group.workers == 0:
+        return GroupCost(index, group.start, group.end, 0, group.on_master, forward_s / parts, 0.0, 0.0,
+                         forward_s / parts, 0.0, math.ceil(weight_bytes / parts) if parts > 1 else weight_bytes,
+                         group.split)
+    batch = problem.workload.batch
+    in_bytes = problem.boundary_bytes(group.start - 1, batch)
+    out_bytes = problem.boundary_bytes(group.end, batch)
+    if group.split == "batch":
+        if batch < parts:
+            raise PlanError(f"layers {group.start}..{group.end}: a batch split over {parts} partitions needs at least "
+                            f"{parts} samples per request, this workload has {batch}; split the group by channel, "
+                            "or use fewer workers")
+        compute = forward_s / parts
+        part_weights = weight_bytes
+        worker_in, worker_out = in_bytes / parts, out_bytes / parts
+        master_link = group.workers * (worker_in + worker_out)
+    else:
+        shape = channel_group(problem, group.start, group.end, parts)
+        if shape is None:   # Gillis's ideal split: everything divides
+            compute = forward_s / parts
+            part_weights = math.ceil(weight_bytes / parts)
+            worker_in, worker_out = in_bytes, out_bytes / parts
+            master_link = group.workers * (worker_in + worker_out)
+        else:
+            compute = forward_s * (shape.split_flops_share / parts + 1 - shape.split_flops_share)
+            part_weights = shape.partition_bytes(parts)
+            sliced = shape.sliced_output_share * out_bytes
+            partial = shape.partial_output_share * out_bytes
+            whole = shape.whole_output_share * out_bytes
+            worker_in = in_bytes
+            worker_out = sliced / parts + partial + whole      # partition 0, which also sends the whole outputs
+            master_link = group.workers * (in_bytes + sliced / parts + partial) + whole
+    bandwidth = tier.bandwidth_bytes_s
+    transfer = master_link / bandwidth
+    latency = max(compute if group.on_master else 0.0, transfer + compute + fork_delay_s)
+    duration = compute + (worker_in + worker_out) / bandwidth
+    return GroupCost(index, group.start, group.end, group.workers, group.on_master, compute, transfer, fork_delay_s,
+                     latency, duration, part_weights, group.split, worker_in, worker_out)
+
+
+def choose_split(problem: Problem, start: int, end: int, workers: int, memory_mb: int) -> str:
+    """The split of lower latency for layers start..end over ``workers`` workers among those
+    that can run them and whose partition fits a worker (the first that can run when none
+    fits). PlanError naming each split's reason when neither can run."""
+    tier = problem.platform.tier(memory_mb)
+    limit, runtime = memory_limit(problem, tier)
+    forward = sum(problem.layer_inference_seconds(i, tier, problem.workload.batch) for i in range(start, end + 1))
+    weights = group_weight_bytes(problem, start, end)
+    delay = _default_delay(problem).expected_max(workers)
+    costs, reasons = [], []
+    for split in SPLITS:
+        try:
+            costs.append(group_cost(problem, tier, Group(start, end, workers, False, split), forward, weights, delay))
+        except PlanError as err:
+            reasons.append(f"by {split}: {err}")
+    if not costs:
+        raise PlanError(f"layers {start}..{end} cannot be split over {workers} workers — " + "; ".join(reasons))
+    fitting = [cost for cost in costs if cost.partition_weight_bytes <= limit - runtime] or costs
+    return min(fitting, key=lambda cost: cost.latency_s).split
+
+
+def with_splits(problem: Problem, plan: Plan) -> Plan:
+    """The plan with the split of each replicated stage that has none written out, as
+    :func:`choose_split` picks it, so that the plan says what the runtime will run. Only for
+    a profiled inference problem and a one-size plan (Gillis's); other plans are returned as
+    they are (their replicated stages, if served, split by batch). PlanError when a stage
+    asks for a channel split its layers do not have (``channel_group``)."""
+    if problem.workload.mode != "infer":
+        return plan
+    for stage in plan.stages:
+        if stage.replicas > 1 and stage.split == "channel":
+            channel_group(problem, stage.start, stage.end, stage.replicas)
+    sizes = {stage.memory_mb for stage in plan.stages}
+    if not problem.profiled or len(sizes) != 1 or None in sizes:
+        return plan
+    if all(stage.replicas == 1 or stage.split is not None for stage in plan.stages):
+        return plan
+    memory_mb = sizes.pop()
+    stages = tuple(stage if stage.replicas == 1 or stage.split is not None else
+                   dataclasses.replace(stage, split=choose_split(problem, stage.start, stage.end, stage.replicas,
+                                                                 memory_mb))
+                   for stage in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
 def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None = None) -> ForkJoinCost:
     """Latency, billed duration and memory of one inference request under Gillis's model
     (001_af86584f8598a88a.txt §IV-A performance model, §IV-B eq. 1–2, §IV-C billed
     duration). See the module docstring for the readings chosen."""
     if problem.workload.mode != "infer":
         raise PlanError("the Gillis model is an inference model; use FuncPipe, Hydrozoa or PipeDream for training")
-    fork_join = plan if isinstance(plan, ForkJoinPlan) else ForkJoinPlan.from_plan(plan)
+    fork_join = plan if isinstance(plan, ForkJoinPlan) else ForkJoinPlan.from_plan(plan, problem)
     fork_join.check_against(len(problem.chain))
     if fork_join.memory_mb is None:
         raise PlanError("the fork-join plan has no memory tier (memory_mb is None); cost models need one")
     delay = delay or _default_delay(problem)
     platform = problem.platform
     tier = platform.tier(fork_join.memory_mb)
-    bandwidth = tier.bandwidth_bytes_s
     batch = problem.workload.batch
     limit, runtime = memory_limit(problem, tier)
     budget = limit - runtime
@@ -241,28 +379,22 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
     unfit = None
     for index, group in enumerate(fork_join.groups):
         forward = sum(problem.layer_inference_seconds(i, tier, batch) for i in range(group.start, group.end + 1))
-        parts = group.partitions
-        compute = forward / parts
-        weights = sum(problem.layer_profile(i).param_bytes + problem.layer_profile(i).buffer_bytes
-                      for i in range(group.start, group.end + 1))
-        part_weights = math.ceil(weights / parts) if group.split == "channel" else weights
+        weights = group_weight_bytes(problem, group.start, group.end)
+        fork_delay = delay.expected_max(group.workers) if group.workers else 0.0
+        try:
+            cost = group_cost(problem, tier, group, forward, weights, fork_delay, index)
+        except PlanError as err:
+            # a split that cannot run this group: the plan does not fit (solvers that price
+            # whole plans skip it), its group counted as run whole on one worker
+            unfit = unfit or f"group {index}: {err}"
+            cost = GroupCost(index, group.start, group.end, group.workers, group.on_master, forward, 0.0, fork_delay,
+                             forward + fork_delay, forward, weights, group.split)
         if group.on_master:
-            master_weights += part_weights
-        if group.workers and part_weights > budget and unfit is None:
+            master_weights += cost.partition_weight_bytes
+        if group.workers and cost.partition_weight_bytes > budget and unfit is None:
             unfit = f"group {index}"
-        if group.workers == 0:
-            transfer = fork_delay = worker_duration = 0.0
-            group_latency = compute
-        else:
-            in_bytes = problem.boundary_bytes(group.start - 1, batch)
-            share = (in_bytes + problem.boundary_bytes(group.end, batch)) / parts
-            transfer = group.workers * share / bandwidth
-            fork_delay = delay.expected_max(group.workers)
-            worker_duration = compute + share / bandwidth
-            group_latency = max(compute if group.on_master else 0.0, transfer + compute + fork_delay)
-            durations.extend([worker_duration] * group.workers)
-        groups.append(GroupCost(index, group.start, group.end, group.workers, group.on_master, compute, transfer,
-                                fork_delay, group_latency, worker_duration, part_weights))
+        durations.extend([cost.worker_duration_s] * group.workers)
+        groups.append(cost)
 
     if master_weights > budget and unfit is None:
         unfit = "master"
@@ -283,6 +415,8 @@ def describe_unfit(cost: ForkJoinCost) -> str:
     """A sentence for errors and logs: what does not fit and by how much."""
     if cost.fits:
         return "every function fits"
+    if cost.unfit and ":" in cost.unfit:     # a split that cannot run the group
+        return cost.unfit
     if cost.unfit == "master":
         return (f"the master's partitions need {mb(cost.master_weight_bytes)}, more than the "
                 f"{mb(cost.memory_limit_bytes)} a {cost.memory_mb} MB function leaves for weights")

@@ -496,7 +496,7 @@ class _Search:
             end = int(labels.end[row])
             option = int(labels.tier[row])
             stages.append(StagePlan(start, end, self.chain.tiers[option].memory_mb, self.chain.replicas,
-                                    bool(self.chain.recompute[option])))
+                                    recompute=bool(self.chain.recompute[option])))
             next_row = int(labels.next_row[row])
             if next_row < 0:
                 break

@@ -7,8 +7,9 @@ model the SLO problem is still exactly solvable, with a label-setting DP:
 
 * One memory size m for all functions (§IV-B), so each size is solved on its own.
 * Walking the chain left to right, a group of layers i..j either runs on the master alone
-  (replicas 1: its forward time, and its weights join the master's) or is split channel-wise
-  over r ≥ 2 workers (``ForkJoinPlan.from_plan``). The request's latency T is the sum of
+  (replicas 1: its forward time, and its weights join the master's) or is split over
+  r ≥ 2 workers by channel or by batch, whichever of the two ``cost/gillis.py`` says can run
+  it (both are options; the plan's ``StagePlan.split`` records the one chosen). The request's latency T is the sum of
   the group latencies; the workers' billed durations and requests are a sum over groups.
   The master's billed duration ⌈T/D⌉·D (§IV-C) is not additive, but it is a non-decreasing
   function of T, so the DP keeps T unrounded and rounds once, at the end.
@@ -21,7 +22,9 @@ model the SLO problem is still exactly solvable, with a label-setting DP:
   completion (the latency-optimal DP of §IV-B over the remaining layers) with no extra
   worker cost scores worse than the best plan known — first found by a narrow beam pass.
 
-The result is the optimum of the same space ``brute`` enumerates, up to float rounding.
+The result is the optimum over groupings, worker counts and splits, up to float rounding:
+at least as good as the best plan ``brute`` enumerates (its plans leave each split to
+``gillis.choose_split``, the one of lower latency; the DP weighs both against the goal).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.common import mb, memory_limit
-from flatpack.partitioner.cost.gillis import _default_delay
+from flatpack.partitioner.cost.gillis import SPLITS, Group, _default_delay, group_cost
 from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, require_fit
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
@@ -58,6 +61,7 @@ class GroupOption:
     latency_s: float         # the group's share of the request latency
     worker_dollars: float    # the workers' billed durations and requests
     master_bytes: int        # weights the master keeps for this group
+    split: str | None = None  # how r > 1 workers divide the group (``StagePlan.split``)
 
 
 class Label(NamedTuple):
@@ -77,6 +81,7 @@ class TierTables:
 
     def __init__(self, problem: Problem, memory_mb: int, degrees: tuple[int, ...]):
         platform = problem.platform
+        self.problem = problem
         self.tier: "Tier" = platform.tier(memory_mb)
         self.memory_mb = memory_mb
         limit, runtime = memory_limit(problem, self.tier)
@@ -87,7 +92,6 @@ class TierTables:
         self.forward = [problem.layer_inference_seconds(i, self.tier, batch) for i in range(self.count)]
         self.weights = [problem.layer_profile(i).param_bytes + problem.layer_profile(i).buffer_bytes
                         for i in range(self.count)]
-        self.boundary = {i: problem.boundary_bytes(i, batch) for i in range(-1, self.count)}
         delay = _default_delay(problem)
         self.fork_delay = {r: delay.expected_max(r) for r in degrees if r > MASTER_ALONE}
         self.degrees = degrees
@@ -102,24 +106,28 @@ class TierTables:
         self.master_can_bind = sum(self.weights) > self.budget
 
     def _group_options(self, start: int, end: int) -> list[GroupOption]:
-        """The master alone, if the group's weights fit it, and each worker count whose
-        partition fits a worker; latency and worker dollars as ``gillis.latency`` has them."""
+        """The master alone, if the group's weights fit it, and each worker count and split
+        that can run the group and whose partition fits a worker; latency and worker dollars
+        from ``gillis.group_cost``, the function ``gillis.latency`` calls."""
         forward = sum(self.forward[start:end + 1])
         weights = sum(self.weights[start:end + 1])
         options = []
         if weights <= self.budget:
             options.append(GroupOption(start, end, MASTER_ALONE, forward / 1, 0.0, weights))
-        bandwidth = self.tier.bandwidth_bytes_s
         for workers in self.degrees:
-            if workers == MASTER_ALONE or math.ceil(weights / workers) > self.budget:
+            if workers == MASTER_ALONE:
                 continue
-            compute = forward / workers
-            share = (self.boundary[start - 1] + self.boundary[end]) / workers
-            transfer = workers * share / bandwidth
-            latency = max(0.0, transfer + compute + self.fork_delay[workers])
-            duration = compute + share / bandwidth
-            dollars = workers * (self.platform.billed_seconds(duration) * self.price + self.request_price)
-            options.append(GroupOption(start, end, workers, latency, dollars, 0))
+            for split in SPLITS:
+                try:
+                    cost = group_cost(self.problem, self.tier, Group(start, end, workers, False, split), forward,
+                                      weights, self.fork_delay[workers])
+                except PlanError:
+                    continue
+                if cost.partition_weight_bytes > self.budget:
+                    continue
+                duration = cost.worker_duration_s
+                dollars = workers * (self.platform.billed_seconds(duration) * self.price + self.request_price)
+                options.append(GroupOption(start, end, workers, cost.latency_s, dollars, 0, split))
         return options
 
     def _fastest_completions(self) -> list[float]:
@@ -251,24 +259,26 @@ def plan_of(label: Label, table: TierTables | None, problem: Problem) -> Plan:
     stages = []
     while label.option is not None:
         option = label.option
-        stages.append(StagePlan(option.start, option.end, table.memory_mb, option.replicas))
+        stages.append(StagePlan(option.start, option.end, table.memory_mb, option.replicas, split=option.split))
         assert label.previous is not None
         label = label.previous
     return Plan(tuple(reversed(stages)), len(problem.chain), SOLVER)
 
 
 def unsplittable(table: TierTables) -> list[int]:
-    """Layers whose weights no worker can hold even split over the most workers: they can
-    only run on the master (a larger group needs at least as much per worker)."""
-    most = max(table.degrees)
-    if most == MASTER_ALONE:
-        return list(range(table.count))
-    return [i for i, weights in enumerate(table.weights) if math.ceil(weights / most) > table.budget]
+    """Layers that no group holding them can split over workers whose partitions fit:
+    they can only run on the master."""
+    split = [False] * table.count
+    for start in range(table.count):
+        for end in range(start, table.count):
+            if any(option.replicas > MASTER_ALONE for option in table.options[start][end]):
+                split[start:end + 1] = [True] * (end + 1 - start)
+    return [i for i in range(table.count) if not split[i]]
 
 
 def fits_somehow(table: TierTables) -> bool:
-    """Some plan fits this size iff the layers only the master can run fit on it together
-    (every other layer then runs alone, split over the most workers)."""
+    """False when the layers only the master can run do not fit on it together: then no
+    plan fits this size (the search finds out about the other sizes)."""
     return sum(table.weights[i] for i in unsplittable(table)) <= table.budget
 
 
