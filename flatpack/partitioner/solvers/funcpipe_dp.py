@@ -19,9 +19,15 @@ platform caps bandwidth per account, since each worker's share then depends on S
   backward work between i and t). With V, P, Δ_f, Δ_b, Q of the whole chain,
   t_iter = V + (µ−1)·Δ_f + Q: Q(0) is max_s(t_b,s + t_s,s) minus the backward sum. Prepending
   a stage updates all five exactly (:func:`_extend`).
-* A label is dropped when another of the same state is no worse in every one of the numbers
-  that matter (Δ_f and Δ_b only when µ > 1; Q only when d > 1): any completion of the
-  dominated label is matched by the same completion of the other.
+* A label is dropped when another of the same state is no worse for every completion
+  (:func:`_dominance_keys`). Any prefix completes a label to
+  t_iter = V + W + (µ−1)·max(Δ_f, a) + max(max_s[(µ−1)·max(Δ_b, y_s) + z_s], Q + c)
+  with a, y_s, z_s, c, W ≥ 0 fixed by the prefix, a maximum of sums of V, (µ−1)·Δ_f,
+  (µ−1)·Δ_b and Q; one label beats another for every prefix when it is no worse in each such
+  sum that can decide the maximum — V, V + (µ−1)·Δ_f, V + (µ−1)·Δ_b, V + (µ−1)·(Δ_f + Δ_b),
+  V + Q, V + (µ−1)·Δ_f + Q — and in P. This keeps far fewer labels than asking for every
+  number apart (the ``componentwise`` reference, kept for comparison): a label whose Δ_f is
+  larger but whose V is smaller by more than (µ−1) times the difference is dominated too.
 * A label is also dropped when a lower bound on any completion's objective already exceeds
   the best complete plan found (the incumbent). The bound adds the cheapest possible prefix:
   each layer's fastest tier, the cheapest tier for one more stage, the transfer into the
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
     from flatpack.backends.catalog import Tier
 
 V, P, DF, DB, Q = range(5)
+DOMINANCE = ("completion", "componentwise")   # the first is the default; see _dominance_keys
 BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
 _PIVOTS = 64
@@ -287,15 +294,44 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
     return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync)
 
 
-def _pareto(values: np.ndarray, columns: list[int], groups: np.ndarray) -> np.ndarray:
-    """Indices of the rows no other row of the same group dominates in ``columns`` (one
-    row kept among equal ones)."""
-    if len(values) <= 1:
-        return np.arange(len(values))
+def _dominance_keys(values: np.ndarray, lag: int, prices_matter: bool, synchronizes: bool,
+                    dominance: str = DOMINANCE[0]) -> np.ndarray:
+    """(n, k) keys of labels ``values`` (V, P, Δ_f, Δ_b, Q) such that a label no worse in
+    every key than another is no worse for every completion (``lag``: µ − 1).
+
+    ``completion``: the sums that can decide t_iter's maximum (module docstring). Each is
+    needed only where its terms can matter: P when the goal prices the plan; the Δ sums
+    when µ > 1; the Q sums when d > 1 (with d = 1, Q ≤ (µ−1)·Δ_b − the download and the
+    first stage's term (µ−1)·Δ_b always reaches the maximum). Each key is a sum of the
+    numbers ``componentwise`` compares one by one, so whatever that keeps this also
+    drops, and more.
+    ``componentwise``: V, P, Δ_f, Δ_b, Q each on its own (the reference algorithm)."""
+    volume = values[:, V]
+    keys = [volume]
+    if prices_matter:
+        keys.append(values[:, P])
+    if dominance == "componentwise":
+        keys += [values[:, DF], values[:, DB]] if lag > 0 else []
+        keys += [values[:, Q]] if synchronizes else []
+        return np.stack(keys, axis=1)
+    if lag > 0:
+        forward_lag, backward_lag = lag * values[:, DF], lag * values[:, DB]
+        keys += [volume + forward_lag, volume + backward_lag, volume + forward_lag + backward_lag]
+    if synchronizes:
+        keys += [volume + values[:, Q], volume + lag * values[:, DF] + values[:, Q]]
+    return np.stack(keys, axis=1)
+
+
+def _pareto(keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Indices of the rows no other row of the same group dominates in ``keys`` (one row
+    kept among equal ones)."""
+    if len(keys) <= 1:
+        return np.arange(len(keys))
+    all_keys = keys
     kept_rows = []
     for group in np.unique(groups):
         members = np.flatnonzero(groups == group)
-        keys = values[members][:, columns]
+        keys = all_keys[members]
         survivors = _not_dominated_by_pivots(keys)
         members, keys = members[survivors], keys[survivors]
         order = np.lexsort(keys.T[::-1])
@@ -345,16 +381,15 @@ class _Search:
     """One right-to-left pass for one (M, d, S)."""
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
-                 stats: _Stats) -> None:
+                 stats: _Stats, dominance: str = DOMINANCE[0]) -> None:
         self.chain = chain
         self.objective = objective
         self.incumbent = incumbent
         self.beam = beam
         self.stats = stats
         self.bounds = chain.prefix_bounds
-        prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
-        self.columns = ([V] + ([P] if prices_matter else []) + ([DF, DB] if chain.mu > 1 else [])
-                        + ([Q] if chain.replicas > 1 else []))
+        self.dominance = dominance
+        self.prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
         self.labels: list[_Labels] = [_empty_labels() for _ in range(chain.layers + 1)]
 
     def run(self) -> tuple[float, float, int] | None:
@@ -403,13 +438,17 @@ class _Search:
         # labels with different stage counts compete only when S is free
         groups = count if chain.stage_count is not None else np.zeros(len(count), dtype=int)
         if self.beam is None:
-            rows = _pareto(values, self.columns, groups)
+            rows = _pareto(self._keys(values), groups)
         else:  # a heuristic pass: the best few by bound, then the non-dominated among them
             rows = self._best_per_group(start, values, groups, np.arange(len(values)), 4 * self.beam)
-            rows = rows[_pareto(values[rows], self.columns, groups[rows])]
+            rows = rows[_pareto(self._keys(values[rows]), groups[rows])]
             rows = self._best_per_group(start, values, groups, rows, self.beam)
         self.stats.labels_kept += len(rows)
         return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
+
+    def _keys(self, values: np.ndarray) -> np.ndarray:
+        return _dominance_keys(values, self.chain.mu - 1, self.prices_matter, self.chain.replicas > 1,
+                               self.dominance)
 
     def _last_stage(self, end: int, options: _StageOptions) -> tuple:
         tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
@@ -541,15 +580,21 @@ def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int
     return [(m, d, s) for m, d in space.configurations() for s in stage_counts]
 
 
-def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None) -> Plan | None:
+def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None,
+          dominance: str = DOMINANCE[0]) -> Plan | None:
     """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
-    None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory."""
-    return solve_all(problem, [goal], space)[0]
+    None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory.
+    ``dominance`` picks the label filter (:func:`_dominance_keys`); both are exact."""
+    return solve_all(problem, [goal], space, dominance)[0]
 
 
-def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None) -> list[Plan | None]:
+def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None,
+              dominance: str = DOMINANCE[0]) -> list[Plan | None]:
     """:func:`solve` for several goals (a front), sharing the per-(M, d) tables, and seeding
     each goal's incumbent with the best of the plans found for the earlier goals."""
+    if dominance not in DOMINANCE:
+        raise PlanError(f"dp's dominance {dominance!r} is not one of {', '.join(DOMINANCE)}; use 'completion' "
+                        "(the default) or 'componentwise' (the slower reference filter)")
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
     tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
@@ -562,7 +607,7 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     plans: list[Plan | None] = []
     for goal in goals:
         seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
-        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s))
+        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, dominance))
     if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
         _raise_nothing_fits(problem, space)
     return plans
@@ -580,7 +625,7 @@ def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None
 
 
 def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list, seed: Result | None,
-                setup_s: float) -> Plan | None:
+                setup_s: float, dominance: str) -> Plan | None:
     started = time.perf_counter()
     unit = dollars_per_mb_s(problem.platform)
     stats = _Stats()
@@ -593,7 +638,7 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
         order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
         for config in order:
             chain = chains[config]
-            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats)
+            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, dominance)
             stats.searches += 1
             found = search.run()
             if found is None:
