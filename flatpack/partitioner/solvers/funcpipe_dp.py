@@ -68,6 +68,7 @@ DOMINANCE = ("completion", "componentwise")   # the first is the default; see _d
 BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
 _PIVOTS = 64
+_BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
 
 
@@ -247,7 +248,11 @@ class _PrefixBounds:
     ``forward[i, k]`` the least Σ forward + Σ transfers of a prefix whose last stage has tier
     k, its upload across boundary i−1 included; ``price[i]`` the least Σ price;
     ``forward_lag[i]`` and ``backward_lag[i]`` the slowest single layer on its fastest tier;
-    ``first_sync`` the least synchronization of a first stage."""
+    ``first_sync`` the least synchronization of a first stage; ``fronts[i]`` (n, 3): W_p, its
+    Δ_f and its Δ_b of the prefixes no other prefix beats for every suffix
+    (:func:`_prefix_fronts`), so that the bound takes the work and the bottlenecks of one
+    prefix together instead of each at its own least (a slow single-stage prefix has the
+    least work, a many-stage one the least bottleneck: no prefix has both)."""
 
     work: np.ndarray
     forward: np.ndarray
@@ -255,6 +260,7 @@ class _PrefixBounds:
     forward_lag: np.ndarray
     backward_lag: np.ndarray
     first_sync: float
+    fronts: list[np.ndarray]
 
 
 def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
@@ -291,7 +297,44 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
     first_sync = 0.0
     if chain.replicas > 1:
         first_sync = float(chain.sync(0, 0).min())   # more layers only add gradients
-    return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync)
+    return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync, _prefix_fronts(chain))
+
+
+def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
+    """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
+    i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
+    a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
+    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V. A left-to-right
+    pass over the same stages and tiers as the search, without price, Q and synchronization
+    (the bound takes those at their least: with them the fronts grow tenfold and cost more
+    than they save)."""
+    count, lag = chain.layers, chain.mu - 1
+    fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
+    for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
+        parts = []
+        for start in range(max(0, end + 1 - max(len(row) for row in chain.fits)), end + 1):
+            before = fronts[start]
+            if end - start >= len(chain.fits[start]) or len(before) == 0:
+                continue
+            options = chain.stage_options(start, end)
+            if options is None:
+                continue
+            tiers = options.tiers
+            upload = chain.transfer(end, tiers)[:, None]
+            download = chain.transfer(start - 1, tiers)[:, None] if start > 0 else np.zeros((len(tiers), 1))
+            fwd, bwd = options.forward[tiers][:, None], options.backward[tiers][:, None]
+            rows = np.empty((len(tiers), len(before), 3))
+            rows[..., 0] = before[None, :, 0] + fwd + bwd + 2 * (upload + download)
+            rows[..., 1] = np.maximum(before[None, :, 1], np.maximum(np.maximum(fwd, upload), download))
+            rows[..., 2] = np.maximum(before[None, :, 2], np.maximum(np.maximum(bwd, upload), download))
+            parts.append(rows.reshape(-1, 3))
+        if not parts:
+            continue
+        rows = np.concatenate(parts)
+        work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
+        keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
+        fronts[end + 1] = rows[_pareto(keys, np.zeros(len(rows), dtype=int))]
+    return fronts
 
 
 def _dominance_keys(values: np.ndarray, lag: int, prices_matter: bool, synchronizes: bool,
@@ -485,19 +528,32 @@ class _Search:
         With the prefix's work W_p (forward, backward, its upload across boundary start−1),
         its forward part F_p and its own bottleneck terms A_p = max over its stages of
         (µ−1)·Δ_b + t_s, and the label's values with the download into it included:
-        t_iter = W_p + V + (µ−1)·Δ_f + max(A_p, Q − (W_p − F_p)), so
-        t_iter ≥ V + (µ−1)·Δ_f + max(W_p + A_p, F_p + Q), each term at its least."""
+        t_iter = W_p + V + (µ−1)·Δ_f + max(A_p, Q − (W_p − F_p)) with Δ_f the larger of the
+        label's and the prefix's, and A_p ≥ (µ−1)·Δ_b + t_s of the first stage, so
+        t_iter ≥ V + (µ−1)·Δ_f + max(W_p + (µ−1)·Δ_b + t_s, F_p + Q): the least over the
+        prefix fronts (W_p, Δ_f, Δ_b of one prefix together), t_s and F_p at their least.
+        The price is the label's plus the least a prefix adds."""
         chain = self.chain
         if start == 0:
             times = self._times(values)
             return self.objective.score(times, values[:, P]), times
         bounds = self.bounds
-        df = np.maximum(values[:, DF], bounds.forward_lag[start])
-        db = np.maximum(values[:, DB], bounds.backward_lag[start])
-        prefix_terms = (chain.mu - 1) * db + bounds.first_sync
-        times = (values[:, V] + (chain.mu - 1) * df
-                 + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
-        return self.objective.score(times, values[:, P] + bounds.price[start]), times
+        front = bounds.fronts[start]
+        times = np.full(len(values), np.inf)
+        if len(front) == 0:   # no prefix fits
+            return times.copy(), times
+        lag = chain.mu - 1
+        step = max(1, _BOUND_CELLS // len(front))
+        for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
+            part = values[first:first + step]
+            df = np.maximum(part[:, None, DF], front[None, :, 1])
+            db = np.maximum(part[:, None, DB], front[None, :, 2])
+            prefix_times = np.maximum(front[None, :, 0] + lag * db + bounds.first_sync,
+                                      bounds.forward[start].min() + part[:, None, Q])
+            part_times = part[:, None, V] + lag * df + prefix_times
+            times[first:first + step] = part_times.min(axis=1)
+        scores = self.objective.score(times, values[:, P] + bounds.price[start])
+        return scores, times
 
     def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
         keep = np.ones(len(values), dtype=bool)
