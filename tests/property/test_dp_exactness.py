@@ -95,3 +95,19 @@ def test_dp_equals_miqp_where_miqp_proves_optimality(layers, tier_specs, goal):
     tolerance = proven.predictions["scaling_tolerance"]
     assert value <= bound * (1 + 1e-9)                       # dp is never worse than a proven optimum
     assert value >= bound * (1 - tolerance) * (1 - 1e-9)     # nor better than its (scaled) proof allows
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(exactness_problems(max_layers=5), st.sampled_from(WEIGHTED))
+def test_out_of_time_dp_bound_never_exceeds_the_brute_force_optimum(problem, goal):
+    """The anytime answer's lower bound is a proof: never above the true optimum, and the
+    plan it comes with never below it."""
+    try:
+        best = Brute(max_plans=4 * BRUTE_LIMIT).solve(problem, goal)
+    except PlanError:
+        return
+    plan = Dp(time_limit_s=1e-9).solve(problem, goal)
+    optimum = primary(problem, best, goal)
+    assert plan.predictions["lower_bound"] <= optimum * (1 + 1e-9)
+    assert primary(problem, plan, goal) >= optimum * (1 - 1e-9)
+    assert plan.predictions["status"] in ("optimal", "feasible")

@@ -11,6 +11,8 @@ Which one runs is :func:`objective.cost_model_for`: the model the plan is judged
 ``dp{dominance=componentwise}`` runs FuncPipe's labels with the reference filter (every label
 number compared on its own) instead of the default completion-aware one; both are exact, the
 reference is there to compare plans and label counts against (``benchmarks/solvers.py``).
+``dp{time-limit-s=N}`` (FuncPipe's model) makes the search anytime: past N seconds it returns
+its best plan with status "feasible", a proven ``lower_bound`` and the ``gap`` to it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ class Dp(CostSolver):
 
     name: ClassVar[str] = "dp"
     dominance: str = "completion"   # FuncPipe's label filter: "completion" or "componentwise"
+    time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        from flatpack.partitioner.solvers.funcpipe_dp import DOMINANCE
+
+        if self.dominance not in DOMINANCE:
+            raise PlanError(f"dp's dominance {self.dominance!r} is not one of {', '.join(DOMINANCE)}; use "
+                            "'completion' (the default) or 'componentwise' (the slower reference filter)")
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise PlanError(f"dp's time_limit_s must be a positive number of seconds, got {limit!r}; "
+                            "leave it out to run dp to its proof")
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:
         return self._algorithm(problem).solve(problem, goal, SearchSpace.of(problem), **self._options(problem))
@@ -53,10 +67,12 @@ class Dp(CostSolver):
     def _options(self, problem: Problem) -> dict:
         """The options the problem's algorithm takes; ``dominance`` is FuncPipe's alone."""
         if cost_model_for(problem) == "funcpipe":
-            return {"dominance": self.dominance}
-        if self.dominance != "completion":
-            raise PlanError(f"dp's option dominance={self.dominance!r} applies to FuncPipe's training model only; "
-                            f"this problem is solved under {cost_model_for(problem)!r}: drop the option")
+            return {"dominance": self.dominance, "time_limit_s": self.time_limit_s}
+        for option, value, default in (("dominance", self.dominance, "completion"),
+                                       ("time_limit_s", self.time_limit_s, None)):
+            if value != default:
+                raise PlanError(f"dp's option {option}={value!r} applies to FuncPipe's training model only; this "
+                                f"problem is solved under {cost_model_for(problem)!r}: drop the option")
         return {}
 
     @staticmethod

@@ -175,6 +175,10 @@ class _Objective:
         return weights.cost * dollars / self.dollars_per_unit + weights.time * times
 
 
+class _OutOfTime(Exception):
+    """The exact pass reached the deadline (caught by :func:`_solve_goal`)."""
+
+
 @dataclass
 class Result:
     plan: Plan
@@ -424,8 +428,10 @@ class _Search:
     """One right-to-left pass for one (M, d, S)."""
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
-                 stats: _Stats, dominance: str = DOMINANCE[0]) -> None:
+                 stats: _Stats, dominance: str = DOMINANCE[0], deadline: float | None = None) -> None:
         self.chain = chain
+        self.deadline = deadline
+        self.complete_from = chain.layers     # labels[i] for i ≥ this are complete
         self.objective = objective
         self.incumbent = incumbent
         self.beam = beam
@@ -439,7 +445,10 @@ class _Search:
         """(score, t_iter, row) of the best complete plan, or None."""
         chain = self.chain
         for start in range(chain.layers - 1, -1, -1):
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                raise _OutOfTime
             self.labels[start] = self._labels_from(start)
+            self.complete_from = start
         first = self.labels[0]
         if chain.stage_count is not None:
             keep = first.count == chain.stage_count
@@ -454,6 +463,31 @@ class _Search:
         if not np.isfinite(scores[row]):
             return None
         return float(scores[row]), float(times[row]), row
+
+    def proven_bound(self) -> float:
+        """A lower bound on the score of every plan of this configuration, from what the pass
+        has done so far (none of it, a part, or all): every plan either has a stage starting at
+        some i ≥ ``complete_from``, so its suffix from i is a label there, one that dominates
+        it (whose bound is no larger: the bound is a completion of the label) or one pruned for
+        a bound above the incumbent; or its last stage starts before, which the bound of that
+        last stage alone covers."""
+        chain = self.chain
+        least = self.incumbent
+        for start in range(self.complete_from, chain.layers):
+            if len(self.labels[start].tier):
+                least = min(least, float(self._lower_scores(start, self.labels[start].values)[0].min()))
+        last = chain.layers - 1
+        for start in range(self.complete_from):
+            if last - start >= len(chain.fits[start]):
+                continue   # the last stage from here holds more than any tier
+            options = chain.stage_options(start, last)
+            if options is None:
+                continue
+            values, tier = self._last_stage(last, options)[:2]
+            if start > 0:
+                _enter(values, chain.transfer(start - 1, tier))
+            least = min(least, float(self._lower_scores(start, values)[0].min()))
+        return least
 
     def _times(self, values: np.ndarray) -> np.ndarray:
         return values[:, V] + (self.chain.mu - 1) * values[:, DF] + values[:, Q]
@@ -637,21 +671,26 @@ def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int
 
 
 def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None,
-          dominance: str = DOMINANCE[0]) -> Plan | None:
+          dominance: str = DOMINANCE[0], time_limit_s: float | None = None) -> Plan | None:
     """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
     None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory.
-    ``dominance`` picks the label filter (:func:`_dominance_keys`); both are exact."""
-    return solve_all(problem, [goal], space, dominance)[0]
+    ``dominance`` picks the label filter (:func:`_dominance_keys`); both are exact.
+    ``time_limit_s``: past it the exact pass stops, and the plan is the best found, with
+    status "feasible", ``lower_bound`` (proven) and ``gap`` in its predictions."""
+    return solve_all(problem, [goal], space, dominance, time_limit_s)[0]
 
 
 def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None,
-              dominance: str = DOMINANCE[0]) -> list[Plan | None]:
+              dominance: str = DOMINANCE[0], time_limit_s: float | None = None) -> list[Plan | None]:
     """:func:`solve` for several goals (a front), sharing the per-(M, d) tables, and seeding
-    each goal's incumbent with the best of the plans found for the earlier goals."""
+    each goal's incumbent with the best of the plans found for the earlier goals;
+    ``time_limit_s`` bounds the whole call (a goal reached after it gets its beam plan and
+    its bound)."""
     if dominance not in DOMINANCE:
         raise PlanError(f"dp's dominance {dominance!r} is not one of {', '.join(DOMINANCE)}; use 'completion' "
                         "(the default) or 'componentwise' (the slower reference filter)")
     started = time.perf_counter()
+    deadline = None if time_limit_s is None else started + time_limit_s
     space = space or SearchSpace.of(problem)
     tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
     tensors = _stage_tensor_table(problem)
@@ -663,7 +702,7 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     plans: list[Plan | None] = []
     for goal in goals:
         seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
-        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, dominance))
+        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, dominance, deadline))
     if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
         _raise_nothing_fits(problem, space)
     return plans
@@ -681,7 +720,10 @@ def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None
 
 
 def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list, seed: Result | None,
-                setup_s: float, dominance: str) -> Plan | None:
+                setup_s: float, dominance: str, deadline: float | None = None) -> Plan | None:
+    """The best plan for ``goal``; past ``deadline``, the best plan so far with status
+    "feasible", the proven lower bound and the gap (the beam pass runs on past the deadline
+    until it has a plan, so that there is one to return whenever one exists)."""
     started = time.perf_counter()
     unit = dollars_per_mb_s(problem.platform)
     stats = _Stats()
@@ -690,13 +732,23 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
     best = seed
     incumbent = seed.score[0] if seed else math.inf
     beam_scores: dict = {}
+    open_bounds: list[float] = []     # configurations the deadline left unproven
     for beam in (BEAM_WIDTH, None):
         order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
         for config in order:
             chain = chains[config]
-            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, dominance)
+            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, dominance,
+                             deadline if beam is None else None)
+            out_of_time = deadline is not None and best is not None and time.perf_counter() > deadline
+            if open_bounds or out_of_time:   # bound this configuration without searching it
+                open_bounds.append(search.proven_bound())
+                continue
             stats.searches += 1
-            found = search.run()
+            try:
+                found = search.run()
+            except _OutOfTime:
+                open_bounds.append(search.proven_bound())
+                continue
             if found is None:
                 continue
             score, time_s, row = found
@@ -705,11 +757,18 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
                 best = Result(search.plan(row, len(problem.chain)), (score, time_s))
                 incumbent = min(incumbent, score)
     if best is None:
+        if open_bounds:
+            raise PlanError(f"dp found no plan for {goal.describe()} before its time limit, and cannot yet say "
+                            "whether one exists; raise time_limit_s or drop it (dp then runs to the proof)")
         return None
     solve_s = time.perf_counter() - started
-    return annotate(best.plan, evaluate(problem, best.plan), status="optimal",
-                    objective=best.score[0], solve_s=solve_s + setup_s, setup_s=setup_s,
-                    labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches)
+    value = best.score[0]
+    lower = min([value, *open_bounds])
+    gap = (value - lower) / value if value > 0 else 0.0
+    return annotate(best.plan, evaluate(problem, best.plan), status="feasible" if open_bounds else "optimal",
+                    objective=value, lower_bound=lower, gap=gap, solve_s=solve_s + setup_s, setup_s=setup_s,
+                    labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches,
+                    configurations_unproven=len(open_bounds))
 
 
 def _raise_nothing_fits(problem: Problem, space: SearchSpace) -> None:
