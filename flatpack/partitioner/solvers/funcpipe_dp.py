@@ -69,6 +69,7 @@ BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
 _PIVOTS = 64
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
+_PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
 
 
@@ -337,8 +338,20 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
         rows = np.concatenate(parts)
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
         keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
-        fronts[end + 1] = rows[_pareto(keys, np.zeros(len(rows), dtype=int))]
+        fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
     return fronts
+
+
+def _merged(rows: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` rows, each the least of a run of neighbours by work: a row no larger
+    than every row it stands for, so a bound taken over them (and over their extensions,
+    which only add and take maxima) is still a lower bound — looser, but the fronts stop
+    growing with the chain (AmoebaNet's reach hundreds of rows at L = 64)."""
+    if len(rows) <= limit:
+        return rows
+    ordered = rows[np.argsort(rows[:, 0], kind="stable")]
+    starts = np.linspace(0, len(ordered), limit, endpoint=False).astype(int)
+    return np.minimum.reduceat(ordered, starts, axis=0)
 
 
 def _dominance_keys(values: np.ndarray, lag: int, prices_matter: bool, synchronizes: bool,
