@@ -111,3 +111,29 @@ def test_out_of_time_dp_bound_never_exceeds_the_brute_force_optimum(problem, goa
     assert plan.predictions["lower_bound"] <= optimum * (1 + 1e-9)
     assert primary(problem, plan, goal) >= optimum * (1 - 1e-9)
     assert plan.predictions["status"] in ("optimal", "feasible")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(exactness_problems(max_layers=4))
+def test_exact_front_is_every_non_dominated_point_of_brute_force(problem):
+    """``Dp.exact_front``: the same (time, dollars) points as the non-dominated set of every
+    plan brute force prices, each weight pair's optimum among them."""
+    from flatpack.partitioner.pareto import non_dominated
+    from flatpack.partitioner.solvers.brute import plans as every_plan
+    from flatpack.partitioner.objective import annotate
+
+    if plan_count(problem) > BRUTE_LIMIT:
+        return
+    priced = [annotate(plan, evaluation) for plan in every_plan(problem)
+              if (evaluation := evaluate(problem, plan)).fits]
+    if not priced:
+        return
+    expected = [(plan.predictions["time_s"], plan.predictions["dollars"]) for plan in non_dominated(priced)]
+    front = Dp().exact_front(problem)
+    found = [(plan.predictions["time_s"], plan.predictions["dollars"]) for plan in front.plans]
+    assert len(found) == len(expected), (found, expected)
+    for (time_found, dollars_found), (time_expected, dollars_expected) in zip(found, expected):
+        assert math.isclose(time_found, time_expected, rel_tol=1e-9)
+        assert math.isclose(dollars_found, dollars_expected, rel_tol=1e-9)
+    tagged = {label for plan in front.plans for label in plan.predictions["weights"]}
+    assert tagged == {goal.weights.label() for goal in WEIGHTED}

@@ -23,6 +23,7 @@ from typing import ClassVar, Sequence
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.objective import cost_model_for
+from flatpack.partitioner.pareto import Front
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import CostSolver, Goal
@@ -63,6 +64,16 @@ class Dp(CostSolver):
         if hasattr(algorithm, "solve_all"):  # shares its tables between the goals of a front
             return algorithm.solve_all(problem, goals, SearchSpace.of(problem), **self._options(problem))
         return super().solve_all(problem, goals)
+
+    def exact_front(self, problem: Problem) -> Front:
+        """Every non-dominated (time, dollars) plan (FuncPipe's model), FuncPipe's four
+        weight pairs' optima tagged among them and its recommendation marked."""
+        if cost_model_for(problem) != "funcpipe":
+            raise PlanError(f"the exact front is solved for FuncPipe's training model only; this problem is solved "
+                            f"under {cost_model_for(problem)!r}: use the weight pairs' front (--front weights)")
+        from flatpack.partitioner.solvers import funcpipe_dp
+
+        return Front.of(funcpipe_dp.exact_front(problem, SearchSpace.of(problem), self.dominance))
 
     def _options(self, problem: Problem) -> dict:
         """The options the problem's algorithm takes; ``dominance`` is FuncPipe's alone."""

@@ -176,6 +176,28 @@ class _Objective:
         return weights.cost * dollars / self.dollars_per_unit + weights.time * times
 
 
+class _Staircase:
+    """The (t_iter, dollars) points of the plans found so far, as a staircase: a label whose
+    least time and least dollars some found plan already matches cannot add a point to the
+    front (the comparison leaves ``_RELATIVE_SLACK``, so float noise prunes no new point)."""
+
+    def __init__(self) -> None:
+        self.times = np.empty(0)
+        self.cheapest = np.empty(0)    # least dollars among the points no slower than times[i]
+
+    def add(self, times: np.ndarray, dollars: np.ndarray) -> None:
+        points = np.concatenate([np.stack([self.times, self.cheapest], axis=1),
+                                 np.stack([times, dollars], axis=1)])
+        points = points[np.lexsort((points[:, 1], points[:, 0]))]
+        self.times, self.cheapest = points[:, 0], np.minimum.accumulate(points[:, 1])
+
+    def dominates(self, times: np.ndarray, dollars: np.ndarray) -> np.ndarray:
+        if len(self.times) == 0:
+            return np.zeros(len(times), dtype=bool)
+        slower = np.searchsorted(self.times, times * (1 - _RELATIVE_SLACK), side="right") - 1
+        return (slower >= 0) & (self.cheapest[np.maximum(slower, 0)] <= dollars * (1 - _RELATIVE_SLACK))
+
+
 class _OutOfTime(Exception):
     """The exact pass reached the deadline (caught by :func:`_solve_goal`)."""
 
@@ -441,9 +463,11 @@ class _Search:
     """One right-to-left pass for one (M, d, S)."""
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
-                 stats: _Stats, dominance: str = DOMINANCE[0], deadline: float | None = None) -> None:
+                 stats: _Stats, dominance: str = DOMINANCE[0], deadline: float | None = None,
+                 staircase: "_Staircase | None" = None) -> None:
         self.chain = chain
         self.deadline = deadline
+        self.staircase = staircase            # the exact front's pass prunes with it, not the incumbent
         self.complete_from = chain.layers     # labels[i] for i ≥ this are complete
         self.objective = objective
         self.incumbent = incumbent
@@ -609,7 +633,20 @@ class _Search:
         if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
             scores, _ = self._lower_scores(start, values)
             keep &= np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+        if self.staircase is not None:
+            _, times = self._lower_scores(start, values)
+            prices = values[:, P] + self.bounds.price[start]
+            keep &= np.isfinite(times) & ~self.staircase.dominates(times, times * self.chain.replicas * prices)
         return keep
+
+    def complete_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows, t_iter and dollars of the complete plans the pass kept (after :meth:`run`)."""
+        first = self.labels[0]
+        rows = np.arange(len(first.tier))
+        if self.chain.stage_count is not None:
+            rows = rows[first.count == self.chain.stage_count]
+        times = self._times(first.values[rows])
+        return rows, times, times * self.chain.replicas * first.values[rows, P]
 
     def _best_per_group(self, start: int, values, groups, rows, width: int) -> np.ndarray:
         scores, times = self._lower_scores(start, values[rows])
@@ -719,6 +756,55 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
         _raise_nothing_fits(problem, space)
     return plans
+
+
+def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: str = DOMINANCE[0]) -> list[Plan]:
+    """Every non-dominated (t_iter, dollars) plan of the search space, fastest first (one plan
+    per point). FuncPipe's four weight pairs are solved first (their optima are points of
+    the front and seed the staircase); then each configuration's pass keeps every label no
+    found plan matches in both least time and least dollars, and adds its complete plans.
+    Each weight pair's optimum is a point of the result, tagged in ``weights``."""
+    from flatpack.partitioner.objective import FUNCPIPE_WEIGHTS, Weights
+    from flatpack.partitioner.pareto import non_dominated
+
+    started = time.perf_counter()
+    space = space or SearchSpace.of(problem)
+    goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
+    optima = [(goal, plan) for goal, plan in zip(goals, solve_all(problem, goals, space, dominance))
+              if plan is not None]
+    anchors = [plan for _, plan in optima]
+    tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
+    tensors = _stage_tensor_table(problem)
+    configurations = _configurations(problem, space)
+    staircase = _Staircase()
+    staircase.add(np.array([plan.predictions["time_s"] for plan in anchors]),
+                  np.array([plan.predictions["dollars"] for plan in anchors]))
+    unit = dollars_per_mb_s(problem.platform)
+    stats = _Stats()
+    found: list[Plan] = list(anchors)
+    for config in configurations:
+        chain = _chain(problem, tensors, tiers, *config)
+        # a cost-weighted goal so that the filter keeps the price; the staircase does the pruning
+        search = _Search(chain, _Objective(Goal(Weights(1.0, 0.0)), chain.replicas, unit), math.inf, None, stats,
+                         dominance, staircase=staircase)
+        stats.searches += 1
+        search.run()
+        rows, times, dollars = search.complete_points()
+        keep = np.flatnonzero(~staircase.dominates(times, dollars))
+        found += [search.plan(int(rows[index]), len(problem.chain)) for index in keep]
+        staircase.add(times[keep], dollars[keep])
+    solve_s = time.perf_counter() - started
+    labels = {"labels_built": stats.labels_built, "labels_kept": stats.labels_kept}
+    front = non_dominated([annotate(plan, evaluate(problem, plan), status="optimal", **labels) for plan in found])
+    return [plan.with_predictions(solve_s=solve_s, front="exact",
+                                  weights=[goal.weights.label() for goal, anchor in optima
+                                           if _same_point(plan, anchor)])
+            for plan in front]
+
+
+def _same_point(plan: Plan, other: Plan) -> bool:
+    return (math.isclose(plan.predictions["time_s"], other.predictions["time_s"], rel_tol=1e-9)
+            and math.isclose(plan.predictions["dollars"], other.predictions["dollars"], rel_tol=1e-9))
 
 
 def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None:
