@@ -29,9 +29,10 @@ platform caps bandwidth per account, since each worker's share then depends on S
   number apart (the ``componentwise`` reference, kept for comparison): a label whose Δ_f is
   larger but whose V is smaller by more than (µ−1) times the difference is dominated too.
 * A label is also dropped when a lower bound on any completion's objective already exceeds
-  the best complete plan found (the incumbent). The bound adds the cheapest possible prefix:
-  each layer's fastest tier, the cheapest tier for one more stage, the transfer into the
-  label's first stage, and the slowest single layer as a floor on the bottleneck terms.
+  the best complete plan found (the incumbent). The bound completes the label with the
+  prefixes of a left-to-right pass (:func:`_prefix_fronts`): the work and bottlenecks of
+  one prefix together, the price, the forward part and the first stage's sync at their
+  least (:meth:`_Search._lower_scores`).
 * The incumbent comes from a first pass that keeps only the most promising labels per state
   (a beam), which yields a good complete plan quickly; the exact pass then prunes with it.
 
@@ -54,7 +55,9 @@ from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import memory_limit, memory_need, micro_batches_per_replica, stage_tensors
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
-from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, with_micro_batches
+from flatpack.partitioner.objective import (FUNCPIPE_WEIGHTS, Weights, annotate, dollars_per_mb_s, evaluate,
+                                             with_micro_batches)
+from flatpack.partitioner.pareto import non_dominated
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import Goal, better
@@ -742,12 +745,7 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     started = time.perf_counter()
     deadline = None if time_limit_s is None else started + time_limit_s
     space = space or SearchSpace.of(problem)
-    tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
-    tensors = _stage_tensor_table(problem)
-    configurations = _configurations(problem, space)
-    chains = {config: _chain(problem, tensors, tiers, *config) for config in configurations}
-    if not any(_coverable(chain) for chain in chains.values()):
-        _raise_nothing_fits(problem, space)
+    configurations, chains = _tables(problem, space)
     setup_s = time.perf_counter() - started
     plans: list[Plan | None] = []
     for goal in goals:
@@ -764,18 +762,13 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: s
     the front and seed the staircase); then each configuration's pass keeps every label no
     found plan matches in both least time and least dollars, and adds its complete plans.
     Each weight pair's optimum is a point of the result, tagged in ``weights``."""
-    from flatpack.partitioner.objective import FUNCPIPE_WEIGHTS, Weights
-    from flatpack.partitioner.pareto import non_dominated
-
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
     goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
     optima = [(goal, plan) for goal, plan in zip(goals, solve_all(problem, goals, space, dominance))
               if plan is not None]
     anchors = [plan for _, plan in optima]
-    tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
-    tensors = _stage_tensor_table(problem)
-    configurations = _configurations(problem, space)
+    configurations, chains = _tables(problem, space)
     staircase = _Staircase()
     staircase.add(np.array([plan.predictions["time_s"] for plan in anchors]),
                   np.array([plan.predictions["dollars"] for plan in anchors]))
@@ -783,7 +776,7 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: s
     stats = _Stats()
     found: list[Plan] = list(anchors)
     for config in configurations:
-        chain = _chain(problem, tensors, tiers, *config)
+        chain = chains[config]
         # a cost-weighted goal so that the filter keeps the price; the staircase does the pruning
         search = _Search(chain, _Objective(Goal(Weights(1.0, 0.0)), chain.replicas, unit), math.inf, None, stats,
                          dominance, staircase=staircase)
@@ -805,6 +798,18 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: s
 def _same_point(plan: Plan, other: Plan) -> bool:
     return (math.isclose(plan.predictions["time_s"], other.predictions["time_s"], rel_tol=1e-9)
             and math.isclose(plan.predictions["dollars"], other.predictions["dollars"], rel_tol=1e-9))
+
+
+def _tables(problem: Problem, space: SearchSpace) -> tuple[list, dict]:
+    """The configurations (M, d, S) to search and each one's :class:`_Chain`; PlanError when
+    no configuration can tile the chain with stages that fit."""
+    tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
+    tensors = _stage_tensor_table(problem)
+    configurations = _configurations(problem, space)
+    chains = {config: _chain(problem, tensors, tiers, *config) for config in configurations}
+    if not any(_coverable(chain) for chain in chains.values()):
+        _raise_nothing_fits(problem, space)
+    return configurations, chains
 
 
 def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None:
