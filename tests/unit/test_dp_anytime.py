@@ -1,5 +1,5 @@
 """dp's options on FuncPipe's model: the anytime time limit (best plan, proven lower bound,
-gap), the two label filters giving the same optimum, and the errors for bad options."""
+gap), dp and its pre-issue-20 reference giving the same optimum, and the errors for bad options."""
 
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def test_a_generous_limit_proves_the_optimum_with_no_gap():
     assert plan.predictions["objective"] == pytest.approx(objective(problem, expected, goal), rel=1e-9)
 
 
-def test_both_label_filters_reach_one_optimum_and_the_default_keeps_fewer_labels():
+def test_dp_and_its_reference_reach_one_optimum_and_dp_keeps_fewer_labels():
     problem = chain_problem(16)
     goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
     default = get_solver("dp").solve_all(problem, goals)
-    reference = get_solver("dp{dominance=componentwise}").solve_all(problem, goals)
+    reference = get_solver("dp{reference=true}").solve_all(problem, goals)
     for goal, new, old in zip(goals, default, reference):
         assert new.predictions["objective"] == pytest.approx(old.predictions["objective"], rel=1e-12), goal
     assert sum(p.predictions["labels_kept"] for p in default) < sum(p.predictions["labels_kept"] for p in reference)
@@ -68,7 +68,7 @@ def test_both_label_filters_reach_one_optimum_and_the_default_keeps_fewer_labels
     ("dp{time-limit-s=0}", ["time_limit_s", "positive", "0"]),
     ("dp{time-limit-s=-3}", ["time_limit_s", "positive", "-3"]),
     ("dp{time-limit-s=soon}", ["time_limit_s", "'soon'"]),
-    ("dp{dominance=fast}", ["dominance", "'fast'", "completion", "componentwise"]),
+    ("dp{reference=maybe}", ["reference", "'maybe'", "true or false"]),
 ])
 def test_bad_dp_options_are_refused_when_the_solver_is_made(spec, words):
     with pytest.raises(PlanError) as error:

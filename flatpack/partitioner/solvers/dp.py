@@ -8,9 +8,9 @@
 
 Which one runs is :func:`objective.cost_model_for`: the model the plan is judged by.
 
-``dp{dominance=componentwise}`` runs FuncPipe's labels with the reference filter (every label
-number compared on its own) instead of the default completion-aware one; both are exact, the
-reference is there to compare plans and label counts against (``benchmarks/solvers.py``).
+``dp{reference=true}`` runs FuncPipe's dp as it stood before issue 20 (every label number
+compared on its own, a looser bound); both are exact, the reference is there to compare
+plans and label counts against (``benchmarks/solvers.py``, the property tests).
 ``dp{time-limit-s=N}`` (FuncPipe's model) makes the search anytime: past N seconds it returns
 its best plan with status "feasible", a proven ``lower_bound`` and the ``gap`` to it.
 """
@@ -42,15 +42,13 @@ class Dp(CostSolver):
     """Exact optimum of the problem's cost model over the search space (``space.py``)."""
 
     name: ClassVar[str] = "dp"
-    dominance: str = "completion"   # FuncPipe's label filter: "completion" or "componentwise"
+    reference: bool = False          # FuncPipe's dp as before issue 20, for comparison
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
-        from flatpack.partitioner.solvers.funcpipe_dp import DOMINANCE
-
-        if self.dominance not in DOMINANCE:
-            raise PlanError(f"dp's dominance {self.dominance!r} is not one of {', '.join(DOMINANCE)}; use "
-                            "'completion' (the default) or 'componentwise' (the slower reference filter)")
+        if not isinstance(self.reference, bool):
+            raise PlanError(f"dp's reference must be true or false, got {self.reference!r}; reference=true runs "
+                            "the slower pre-issue-20 algorithm for comparison")
         limit = self.time_limit_s
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
             raise PlanError(f"dp's time_limit_s must be a positive number of seconds, got {limit!r}; "
@@ -73,13 +71,14 @@ class Dp(CostSolver):
                             f"under {cost_model_for(problem)!r}: use the weight pairs' front (--front weights)")
         from flatpack.partitioner.solvers import funcpipe_dp
 
-        return Front.of(funcpipe_dp.exact_front(problem, SearchSpace.of(problem), self.dominance))
+        return Front.of(funcpipe_dp.exact_front(problem, SearchSpace.of(problem), self.reference))
 
     def _options(self, problem: Problem) -> dict:
-        """The options the problem's algorithm takes; ``dominance`` is FuncPipe's alone."""
+        """The options the problem's algorithm takes; ``reference`` and ``time_limit_s`` are
+        FuncPipe's alone."""
         if cost_model_for(problem) == "funcpipe":
-            return {"dominance": self.dominance, "time_limit_s": self.time_limit_s}
-        for option, value, default in (("dominance", self.dominance, "completion"),
+            return {"reference": self.reference, "time_limit_s": self.time_limit_s}
+        for option, value, default in (("reference", self.reference, False),
                                        ("time_limit_s", self.time_limit_s, None)):
             if value != default:
                 raise PlanError(f"dp's option {option}={value!r} applies to FuncPipe's training model only; this "

@@ -26,8 +26,8 @@ platform caps bandwidth per account, since each worker's share then depends on S
   (µ−1)·Δ_b and Q; one label beats another for every prefix when it is no worse in each such
   sum that can decide the maximum — V, V + (µ−1)·Δ_f, V + (µ−1)·Δ_b, V + (µ−1)·(Δ_f + Δ_b),
   V + Q, V + (µ−1)·Δ_f + Q — and in P. This keeps far fewer labels than asking for every
-  number apart (the ``componentwise`` reference, kept for comparison): a label whose Δ_f is
-  larger but whose V is smaller by more than (µ−1) times the difference is dominated too.
+  number apart (as the reference does): a label whose Δ_f is larger but whose V is smaller
+  by more than (µ−1) times the difference is dominated too.
 * A label is also dropped when a lower bound on any completion's objective already exceeds
   the best complete plan found (the incumbent). The bound completes the label with the
   prefixes of a left-to-right pass (:func:`_prefix_fronts`): the work and bottlenecks of
@@ -39,6 +39,10 @@ platform caps bandwidth per account, since each worker's share then depends on S
 Weighted goals minimize t_iter·(α₁·d·P/u + α₂) (u: dollars per MB·s); SLO goals minimize
 t_iter·d·P subject to t_iter ≤ SLO. Both are monotone in every label number, which is what
 makes dominance and the bounds exact.
+
+``reference=True`` runs the algorithm as it stood before issue 20 — every label number
+compared on its own, and the bound with each prefix quantity at its own least (work, price,
+slowest layer) — kept to compare plans and label counts against, not as the default.
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ if TYPE_CHECKING:
     from flatpack.backends.catalog import Tier
 
 V, P, DF, DB, Q = range(5)
-DOMINANCE = ("completion", "componentwise")   # the first is the default; see _dominance_keys
 BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
 _PIVOTS = 64
@@ -132,6 +135,13 @@ class _Chain:
     @cached_property
     def prefix_bounds(self) -> "_PrefixBounds":
         return _prefix_bounds(self)
+
+    @cached_property
+    def prefix_fronts(self) -> list[np.ndarray]:
+        """Per layer i, (n, 3) rows W_p, Δ_f, Δ_b of the prefixes of layers 0..i−1 that the
+        bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
+        least work, a many-stage one the least bottleneck, and no prefix has both."""
+        return _prefix_fronts(self)
 
 
 @dataclass(frozen=True)
@@ -278,11 +288,8 @@ class _PrefixBounds:
     ``forward[i, k]`` the least Σ forward + Σ transfers of a prefix whose last stage has tier
     k, its upload across boundary i−1 included; ``price[i]`` the least Σ price;
     ``forward_lag[i]`` and ``backward_lag[i]`` the slowest single layer on its fastest tier;
-    ``first_sync`` the least synchronization of a first stage; ``fronts[i]`` (n, 3): W_p, its
-    Δ_f and its Δ_b of the prefixes no other prefix beats for every suffix
-    (:func:`_prefix_fronts`), so that the bound takes the work and the bottlenecks of one
-    prefix together instead of each at its own least (a slow single-stage prefix has the
-    least work, a many-stage one the least bottleneck: no prefix has both)."""
+    ``first_sync`` the least synchronization of a first stage. (The work and bottlenecks
+    the default bound takes together are :func:`_prefix_fronts`.)"""
 
     work: np.ndarray
     forward: np.ndarray
@@ -290,7 +297,6 @@ class _PrefixBounds:
     forward_lag: np.ndarray
     backward_lag: np.ndarray
     first_sync: float
-    fronts: list[np.ndarray]
 
 
 def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
@@ -327,7 +333,7 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
     first_sync = 0.0
     if chain.replicas > 1:
         first_sync = float(chain.sync(0, 0).min())   # more layers only add gradients
-    return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync, _prefix_fronts(chain))
+    return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync)
 
 
 def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
@@ -380,22 +386,21 @@ def _merged(rows: np.ndarray, limit: int) -> np.ndarray:
 
 
 def _dominance_keys(values: np.ndarray, lag: int, prices_matter: bool, synchronizes: bool,
-                    dominance: str = DOMINANCE[0]) -> np.ndarray:
+                    componentwise: bool = False) -> np.ndarray:
     """(n, k) keys of labels ``values`` (V, P, Δ_f, Δ_b, Q) such that a label no worse in
     every key than another is no worse for every completion (``lag``: µ − 1).
 
-    ``completion``: the sums that can decide t_iter's maximum (module docstring). Each is
+    By default, the sums that can decide t_iter's maximum (module docstring). Each is
     needed only where its terms can matter: P when the goal prices the plan; the Δ sums
     when µ > 1; the Q sums when d > 1 (with d = 1, Q ≤ (µ−1)·Δ_b − the download and the
     first stage's term (µ−1)·Δ_b always reaches the maximum). Each key is a sum of the
     numbers ``componentwise`` compares one by one, so whatever that keeps this also
-    drops, and more.
-    ``componentwise``: V, P, Δ_f, Δ_b, Q each on its own (the reference algorithm)."""
+    drops, and more. ``componentwise``: V, P, Δ_f, Δ_b, Q each on its own (the reference)."""
     volume = values[:, V]
     keys = [volume]
     if prices_matter:
         keys.append(values[:, P])
-    if dominance == "componentwise":
+    if componentwise:
         keys += [values[:, DF], values[:, DB]] if lag > 0 else []
         keys += [values[:, Q]] if synchronizes else []
         return np.stack(keys, axis=1)
@@ -466,7 +471,7 @@ class _Search:
     """One right-to-left pass for one (M, d, S)."""
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
-                 stats: _Stats, dominance: str = DOMINANCE[0], deadline: float | None = None,
+                 stats: _Stats, reference: bool = False, deadline: float | None = None,
                  staircase: "_Staircase | None" = None) -> None:
         self.chain = chain
         self.deadline = deadline
@@ -477,7 +482,7 @@ class _Search:
         self.beam = beam
         self.stats = stats
         self.bounds = chain.prefix_bounds
-        self.dominance = dominance
+        self.reference = reference           # the pre-issue-20 filter and bound, for comparison
         self.prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
         self.labels: list[_Labels] = [_empty_labels() for _ in range(chain.layers + 1)]
 
@@ -565,7 +570,7 @@ class _Search:
 
     def _keys(self, values: np.ndarray) -> np.ndarray:
         return _dominance_keys(values, self.chain.mu - 1, self.prices_matter, self.chain.replicas > 1,
-                               self.dominance)
+                               self.reference)
 
     def _last_stage(self, end: int, options: _StageOptions) -> tuple:
         tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
@@ -612,7 +617,14 @@ class _Search:
             times = self._times(values)
             return self.objective.score(times, values[:, P]), times
         bounds = self.bounds
-        front = bounds.fronts[start]
+        if self.reference:   # each prefix quantity at its own least
+            df = np.maximum(values[:, DF], bounds.forward_lag[start])
+            db = np.maximum(values[:, DB], bounds.backward_lag[start])
+            prefix_terms = (chain.mu - 1) * db + bounds.first_sync
+            times = (values[:, V] + (chain.mu - 1) * df
+                     + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
+            return self.objective.score(times, values[:, P] + bounds.price[start]), times
+        front = chain.prefix_fronts[start]
         times = np.full(len(values), np.inf)
         if len(front) == 0:   # no prefix fits
             return times.copy(), times
@@ -724,24 +736,21 @@ def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int
 
 
 def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None,
-          dominance: str = DOMINANCE[0], time_limit_s: float | None = None) -> Plan | None:
+          reference: bool = False, time_limit_s: float | None = None) -> Plan | None:
     """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
     None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory.
-    ``dominance`` picks the label filter (:func:`_dominance_keys`); both are exact.
+    ``reference`` runs the pre-issue-20 algorithm (module docstring); both are exact.
     ``time_limit_s``: past it the exact pass stops, and the plan is the best found, with
     status "feasible", ``lower_bound`` (proven) and ``gap`` in its predictions."""
-    return solve_all(problem, [goal], space, dominance, time_limit_s)[0]
+    return solve_all(problem, [goal], space, reference, time_limit_s)[0]
 
 
 def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None,
-              dominance: str = DOMINANCE[0], time_limit_s: float | None = None) -> list[Plan | None]:
+              reference: bool = False, time_limit_s: float | None = None) -> list[Plan | None]:
     """:func:`solve` for several goals (a front), sharing the per-(M, d) tables, and seeding
     each goal's incumbent with the best of the plans found for the earlier goals;
     ``time_limit_s`` bounds the whole call (a goal reached after it gets its beam plan and
     its bound)."""
-    if dominance not in DOMINANCE:
-        raise PlanError(f"dp's dominance {dominance!r} is not one of {', '.join(DOMINANCE)}; use 'completion' "
-                        "(the default) or 'componentwise' (the slower reference filter)")
     started = time.perf_counter()
     deadline = None if time_limit_s is None else started + time_limit_s
     space = space or SearchSpace.of(problem)
@@ -750,13 +759,13 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     plans: list[Plan | None] = []
     for goal in goals:
         seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
-        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, dominance, deadline))
+        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, reference, deadline))
     if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
         _raise_nothing_fits(problem, space)
     return plans
 
 
-def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: str = DOMINANCE[0]) -> list[Plan]:
+def exact_front(problem: Problem, space: SearchSpace | None = None, reference: bool = False) -> list[Plan]:
     """Every non-dominated (t_iter, dollars) plan of the search space, fastest first (one plan
     per point). FuncPipe's four weight pairs are solved first (their optima are points of
     the front and seed the staircase); then each configuration's pass keeps every label no
@@ -765,7 +774,7 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: s
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
     goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
-    optima = [(goal, plan) for goal, plan in zip(goals, solve_all(problem, goals, space, dominance))
+    optima = [(goal, plan) for goal, plan in zip(goals, solve_all(problem, goals, space, reference))
               if plan is not None]
     anchors = [plan for _, plan in optima]
     configurations, chains = _tables(problem, space)
@@ -779,7 +788,7 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, dominance: s
         chain = chains[config]
         # a cost-weighted goal so that the filter keeps the price; the staircase does the pruning
         search = _Search(chain, _Objective(Goal(Weights(1.0, 0.0)), chain.replicas, unit), math.inf, None, stats,
-                         dominance, staircase=staircase)
+                         reference, staircase=staircase)
         stats.searches += 1
         search.run()
         rows, times, dollars = search.complete_points()
@@ -824,7 +833,7 @@ def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None
 
 
 def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list, seed: Result | None,
-                setup_s: float, dominance: str, deadline: float | None = None) -> Plan | None:
+                setup_s: float, reference: bool, deadline: float | None = None) -> Plan | None:
     """The best plan for ``goal``; past ``deadline``, the best plan so far with status
     "feasible", the proven lower bound and the gap (the beam pass runs on past the deadline
     until it has a plan, so that there is one to return whenever one exists)."""
@@ -841,7 +850,7 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
         order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
         for config in order:
             chain = chains[config]
-            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, dominance,
+            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, reference,
                              deadline if beam is None else None)
             out_of_time = deadline is not None and best is not None and time.perf_counter() > deadline
             if open_bounds or out_of_time:   # bound this configuration without searching it
