@@ -18,8 +18,8 @@ TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)
 
 def chain_problem(count: int, **options):
     """``count`` layers whose times, sizes and activations vary along the chain."""
-    layers = [(0.004 + 0.003 * (i % 5), 0.008 + 0.005 * (i % 3), 4.0 + 7.0 * (i % 4), 0.5 + (i % 3), 0.2 + 0.3 * (i % 2))
-              for i in range(count)]
+    layers = [(0.004 + 0.003 * (i % 5), 0.008 + 0.005 * (i % 3), 4.0 + 7.0 * (i % 4), 0.5 + (i % 3),
+               0.2 + 0.3 * (i % 2)) for i in range(count)]
     options.setdefault("replicas", (1, 2, 4))
     return make_problem(layers, make_platform(TIERS), Workload("train", batch=16, micro_batches=4), **options)
 
