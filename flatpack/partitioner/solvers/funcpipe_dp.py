@@ -755,7 +755,12 @@ def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None
     deadline = None if time_limit_s is None else started + time_limit_s
     space = space or SearchSpace.of(problem)
     configurations, chains = _tables(problem, space)
-    setup_s = time.perf_counter() - started
+    return _solve_goals(problem, space, goals, configurations, chains, time.perf_counter() - started, reference,
+                        deadline)
+
+
+def _solve_goals(problem: Problem, space: SearchSpace, goals: Sequence[Goal], configurations: list, chains: dict,
+                 setup_s: float, reference: bool, deadline: float | None) -> list[Plan | None]:
     plans: list[Plan | None] = []
     for goal in goals:
         seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
@@ -773,11 +778,12 @@ def exact_front(problem: Problem, space: SearchSpace | None = None, reference: b
     Each weight pair's optimum is a point of the result, tagged in ``weights``."""
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
-    goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
-    optima = [(goal, plan) for goal, plan in zip(goals, solve_all(problem, goals, space, reference))
-              if plan is not None]
-    anchors = [plan for _, plan in optima]
     configurations, chains = _tables(problem, space)
+    goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
+    weighted = _solve_goals(problem, space, goals, configurations, chains, time.perf_counter() - started, reference,
+                            None)
+    optima = [(goal, plan) for goal, plan in zip(goals, weighted) if plan is not None]
+    anchors = [plan for _, plan in optima]
     staircase = _Staircase()
     staircase.add(np.array([plan.predictions["time_s"] for plan in anchors]),
                   np.array([plan.predictions["dollars"] for plan in anchors]))
