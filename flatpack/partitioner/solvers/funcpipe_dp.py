@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
-_PIVOTS = 64
+_PIVOTS = 16
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
@@ -601,8 +601,9 @@ class _Search:
         return (values.reshape(-1, 5), np.broadcast_to(tiers[:, None], shape).ravel(), np.full(rows.size, end),
                 rows, (after.count[rows] + 1))
 
-    def _lower_scores(self, start: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lower bounds on the score and t_iter of any completion of each label.
+    def _lower_scores(self, start: int, values: np.ndarray, coarse: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Lower bounds on the score and t_iter of any completion of each label (``coarse``,
+        or the reference: each prefix quantity at its own least, cheaper and no tighter).
 
         With the prefix's work W_p (forward, backward, its upload across boundary start−1),
         its forward part F_p and its own bottleneck terms A_p = max over its stages of
@@ -617,7 +618,7 @@ class _Search:
             times = self._times(values)
             return self.objective.score(times, values[:, P]), times
         bounds = self.bounds
-        if self.reference:   # each prefix quantity at its own least
+        if self.reference or coarse:   # each prefix quantity at its own least
             df = np.maximum(values[:, DF], bounds.forward_lag[start])
             db = np.maximum(values[:, DB], bounds.backward_lag[start])
             prefix_terms = (chain.mu - 1) * db + bounds.first_sync
@@ -646,8 +647,11 @@ class _Search:
         if self.chain.stage_count is not None:
             keep &= count + (start > 0) <= self.chain.stage_count
         if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
-            scores, _ = self._lower_scores(start, values)
-            keep &= np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+            # the coarse bound first: the labels it already prunes skip the costlier one
+            for coarse in (True, False) if not self.reference else (True,):
+                rows = np.flatnonzero(keep)
+                scores, _ = self._lower_scores(start, values[rows], coarse)
+                keep[rows] = np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
         if self.staircase is not None:
             _, times = self._lower_scores(start, values)
             prices = values[:, P] + self.bounds.price[start]
