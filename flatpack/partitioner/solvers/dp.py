@@ -69,9 +69,7 @@ class Dp(CostSolver):
         if cost_model_for(problem) != "funcpipe":
             raise PlanError(f"the exact front is solved for FuncPipe's training model only; this problem is solved "
                             f"under {cost_model_for(problem)!r}: use the weight pairs' front (--front weights)")
-        from flatpack.partitioner.solvers import funcpipe_dp
-
-        return Front.of(funcpipe_dp.exact_front(problem, SearchSpace.of(problem), self.reference))
+        return Front.of(self._algorithm(problem).exact_front(problem, SearchSpace.of(problem), self.reference))
 
     def _options(self, problem: Problem) -> dict:
         """The options the problem's algorithm takes; ``reference`` and ``time_limit_s`` are
