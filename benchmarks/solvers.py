@@ -8,6 +8,9 @@ four weight pairs (α₁, α₂) ∈ {(1, 0), (1, 2¹⁶), (1, 2¹⁹), (1, 2²�
     python benchmarks/solvers.py --quick               # one model, L = 16 and 32
     python benchmarks/solvers.py --models bert-large --layers 16,32,64,128 --solvers dp,miqp \\
         --miqp-time-limit 60 --timeout 300 --repeats 1
+    python benchmarks/solvers.py --done-when           # issue 20's table: bert-large and
+        # amoebanet-d36 at L = 64 and 128, dp against dp-reference, all four weight pairs and
+        # the one-call front (about 10 minutes on 2 quiet cores, most of it the reference)
 
 How each model becomes a chain of L layers: full-size zoo model (``flatpack.zoo.build``,
 batch 4 = one micro-batch), traced once; a base pass pipeline that leaves at least 128
@@ -21,7 +24,12 @@ What is measured, per (model, L, weight pair, solver), each solve in a forked ch
 killed after ``--timeout`` seconds (dp, brute) or ``--miqp-timeout`` (miqp):
 
 * solve s: wall time of ``solver.solve(problem, goal)`` in the child, the median of
-  ``--repeats`` runs (dp and brute; miqp runs once since it has a time limit);
+  ``--repeats`` runs (dp and brute; miqp runs once since it has a time limit); for dp also
+  the CPU seconds of the child (``cpu`` in the status column), which other load on a shared
+  machine inflates far less than the wall time;
+* dp-reference: ``dp{reference=true}``, dp as it stood before issue 20 (every label number
+  compared on its own, each prefix quantity at its own least in the bound) — exact too, so
+  its objective must equal dp's wherever it finishes (the summary prints the ratio);
 * the plan's objective α₁·cost_MB·s + α₂·t_iter (``objective.evaluate(...).objective``, the
   same function for every solver), t_iter, dollars per iteration, stages, d, and the
   solver's status (and gap for miqp; labels built/kept for dp);
@@ -41,7 +49,7 @@ killed after ``--timeout`` seconds (dp, brute) or ``--miqp-timeout`` (miqp):
   indicative), split into the label dominance filter (``_pareto``), building labels
   (``_extend``/``_last_stage``/``_enter``), bound pruning (``_within_bounds``), the beam pass's
   ranking (``_best_per_group``), per-configuration setup (``_chain``, ``_prefix_bounds``,
-  ``_stage_tensor_table``) and the rest;
+  ``_prefix_fronts``, ``_stage_tensor_table``) and the rest;
 * a cross-check at ``--check-layers`` (default 4) where brute force can price every plan of the
   full space: the three solvers' objectives side by side.
 
@@ -80,7 +88,13 @@ BASE_PASSES = {
     "resnet101": "fuse-elementwise",
 }
 DEFAULT_MODELS = ("bert-large", "amoebanet-d36", "resnet101")
-SOLVERS = ("dp", "miqp", "brute")
+SOLVERS = ("dp", "dp-reference", "miqp", "brute")
+# dp-reference: dp as it stood before issue 20 (componentwise label filter, looser bound); its
+# objectives must equal dp's wherever it finishes
+DP_SPECS = {"dp": "dp", "dp-reference": "dp{reference=true}"}
+# the table of issue 20's "Done when" (two models at L = 64 and 128, dp against its reference)
+DONE_WHEN = ["--models", "bert-large,amoebanet-d36", "--layers", "64,128", "--solvers", "dp,dp-reference",
+             "--timeout", "120", "--front-timeout", "120", "--no-profile", "--check-layers", "0"]
 TARGET = "aws-lambda"
 REPLICAS = (1, 2, 4, 8, 16)
 BATCH, MICRO_BATCHES = 64, 16
@@ -177,12 +191,15 @@ def in_child(work: Callable[[], Any], timeout_s: float) -> Any:
 
 
 def timed_solve(solver, problem, goal, repeats: int) -> dict:
-    times, plan = [], None
+    """Wall seconds (the median of ``repeats``) and the CPU seconds of the same runs: on a
+    shared machine the CPU figure says what the solve itself cost."""
+    times, cpu, plan = [], [], None
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         plan = solver.solve(problem, goal)
         times.append(time.perf_counter() - started)
-    return {"plan": plan, "seconds": statistics.median(times), "runs": times}
+        cpu.append(time.process_time() - started_cpu)
+    return {"plan": plan, "seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu), "runs": times}
 
 
 PROFILE_GROUPS = {  # group → functions of funcpipe_dp (and objective.evaluate); cumulative seconds
@@ -192,8 +209,8 @@ PROFILE_GROUPS = {  # group → functions of funcpipe_dp (and objective.evaluate
     "  bound pruning (_within_bounds)": ["_within_bounds"],
     "  beam ranking (_best_per_group)": ["_best_per_group"],
     "  stage sync times (_Chain.sync)": ["sync"],
-    "setup per (M, d) (_chain, _prefix_bounds, _stage_tensor_table)": ["_chain", "_prefix_bounds",
-                                                                      "_stage_tensor_table"],
+    "setup per (M, d) (_chain, _prefix_bounds, _prefix_fronts, _stage_tensor_table)": [
+        "_chain", "_prefix_bounds", "_prefix_fronts", "_stage_tensor_table"],
     "final evaluate": ["evaluate"],
 }
 
@@ -316,21 +333,21 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
     for weights in weights_list:
         goal = Goal(weights)
         name = weights.label()
-        if "dp" in args.solvers:
-            dp = get_solver("dp")
+        for variant in [solver for solver in args.solvers if solver in DP_SPECS]:
+            dp = get_solver(DP_SPECS[variant])
             result = in_child(lambda: timed_solve(dp, problem, goal, args.repeats), args.timeout * args.repeats)
-            row = Row(model, label, name, "dp")
+            row = Row(model, label, name, variant)
             if result == TIMED_OUT:
                 row.status = f"timed out after {args.timeout:g} s"
-                dp_seconds[name] = None
             elif isinstance(result, tuple):
                 row.status = "error: " + result[1].splitlines()[0]
-                dp_seconds[name] = None
             else:
                 plan_row(row, problem, result["plan"], weights, result["seconds"])
-                dp_plans[name] = result["plan"]
-                dp_seconds[name] = result["seconds"]
-                objectives["dp", name] = row.objective
+                row.status += f", cpu {result['cpu_seconds']:.2f} s"
+                objectives[variant, name] = row.objective
+            if variant == "dp":
+                dp_plans[name] = None if row.objective is None else result["plan"]
+                dp_seconds[name] = None if row.objective is None else result["seconds"]
             emit(row, rows)
         if "miqp" in args.solvers:
             row = Row(model, label, name, "miqp")
@@ -406,8 +423,12 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
     brute_ratios = {name: objectives["brute", name] / objectives["dp", name]
                     for name in (w.label() for w in weights_list)
                     if ("brute", name) in objectives and ("dp", name) in objectives}
+    reference_ratios = {name: objectives["dp-reference", name] / objectives["dp", name]
+                        for name in (w.label() for w in weights_list)
+                        if ("dp-reference", name) in objectives and ("dp", name) in objectives}
     summary[model, label] = {"front": front, "front_call": front_call, "dp_done": len(done), "dp_max": max(done) if done else None,
-                             "ratios": ratios, "brute_ratios": brute_ratios, "brute_plans": brute_plans}
+                             "ratios": ratios, "brute_ratios": brute_ratios, "brute_plans": brute_plans,
+                             "reference_ratios": reference_ratios}
     if "dp" in args.solvers and args.profile:
         dp = get_solver("dp")
         summary[model, label]["profile"] = []
@@ -425,8 +446,9 @@ def summary_line(key: tuple[str, str], info: dict, build_s: float | None) -> str
     brute = (", ".join(f"{name}: {ratio:.6f}" for name, ratio in info["brute_ratios"].items())
              or f"— ({info['brute_plans']:.3g} plans)")
     call = fmt(info["front_call"], ".2f") if info["front_call"] is not None else "timed out"
+    reference = ", ".join(f"{name}: {ratio:.12f}" for name, ratio in info["reference_ratios"].items()) or "—"
     return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(info['dp_max'], '.2f')} | {ratios} | "
-            f"{brute} |")
+            f"{brute} | {reference} |")
 
 
 def print_profile(model: str, label: str, weights: str, result: Any, file=None) -> None:
@@ -449,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo names")
     parser.add_argument("--layers", default="16,32,64,128", help="comma-separated L")
-    parser.add_argument("--solvers", default="dp,miqp,brute", help="comma-separated, from dp, miqp, brute")
+    parser.add_argument("--solvers", default="dp,miqp,brute",
+                        help="comma-separated, from " + ", ".join(SOLVERS))
     parser.add_argument("--miqp-time-limit", type=float, default=60.0, help="Miqp(time_limit_s=...)")
     parser.add_argument("--miqp-timeout", type=float, default=None,
                         help="kill a miqp solve after this many seconds (default: 2 × limit + 60)")
@@ -458,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="kill the one-call Dp.front measurement after this many s")
     parser.add_argument("--repeats", type=int, default=1, help="dp and brute solves per point; the median is shown")
     parser.add_argument("--quick", action="store_true", help="the first model only, L = 16 and 32")
+    parser.add_argument("--done-when", action="store_true",
+                        help="issue 20's table: " + " ".join(DONE_WHEN) + " (options given after it override it)")
     parser.add_argument("--brute-limit", type=float, default=2e5,
                         help="run brute where it prices at most this many plans")
     parser.add_argument("--check-layers", type=int, default=4,
@@ -469,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-batches", default="2,4", help="micro-batch sizes the profiler measures")
     parser.add_argument("--profile-repeats", type=int, default=1)
     parser.add_argument("--cache-dir", default=None, help="profile cache (default: the profiler's)")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--done-when" in argv:
+        argv = DONE_WHEN + argv
     args = parser.parse_args(argv)
     args.solvers = [name.strip() for name in args.solvers.split(",") if name.strip()]
     unknown = set(args.solvers) - set(SOLVERS)
@@ -540,8 +568,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\nper (model, L): dp's four-point front (sum of the four solves), the slowest single dp solve, "
           "and miqp's (brute's) objective over dp's")
     print("| model | L | problem build s | dp front s (sum of solves) | Dp.front s (one call) | dp slowest solve s "
-          "| miqp/dp objective | brute/dp objective |")
-    print("|---|---|---|---|---|---|---|")
+          "| miqp/dp objective | brute/dp objective | dp-reference/dp objective |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, info in summary.items():
         if key != "build":
             print(summary_line(key, info, summary["build"].get(key)))

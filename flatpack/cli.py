@@ -371,6 +371,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise InputError("flatpack plan needs MODEL (or --from-run RUN_DIR to re-plan a finished run)")
     solver = _cost_solver(args.solver)
+    if args.front == "exact" and not hasattr(solver, "exact_front"):
+        raise InputError(f"--front exact needs solver dp (every non-dominated plan, exactly); solver "
+                         f"{args.solver!r} gives the weight pairs' front only: drop --front exact or use --solver dp")
+    if args.front == "exact" and (args.slo is not None or args.weights is not None):
+        raise InputError("--front exact prints the whole front; --slo and --weights pick one plan: give one or the "
+                         "other")
     workload, options = _plan_workload(args)
     _check_tiers(args.target, options.get("memory_mb", ()))
     if args.plot:
@@ -413,7 +419,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.weights is not None:
         selection = plan_report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
     else:
-        selection = plan_report.Selection.of_front(solver.front(problem))
+        selection = plan_report.Selection.of_front(solver.exact_front(problem) if args.front == "exact"
+                                                   else solver.front(problem))
     solve_s = time.perf_counter() - started
 
     report(args, plan_report.text_report(problem, selection,
@@ -829,6 +836,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the cheapest plan whose time meets this bound")
     goal.add_argument("--weights", default=None, metavar="COST,TIME",
                       help="the one plan minimizing COST·MB·s + TIME·seconds, e.g. 1,65536 or 1,2^16")
+    plan_parser.add_argument("--front", default="weights", choices=["weights", "exact"],
+                             help="weights: the optima of FuncPipe's four weight pairs (default); exact: every "
+                                  "non-dominated (time, cost) plan, the four pairs tagged on it (solver dp, "
+                                  "FuncPipe's model)")
     _fixed_cut_args(plan_parser, "price")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")

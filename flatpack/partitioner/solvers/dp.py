@@ -7,6 +7,12 @@
 * Hydrozoa's A×B hybrid on GPU containers (``hydrozoa_planner.solve``).
 
 Which one runs is :func:`objective.cost_model_for`: the model the plan is judged by.
+
+``dp{reference=true}`` runs FuncPipe's dp as it stood before issue 20 (every label number
+compared on its own, a looser bound); both are exact, the reference is there to compare
+plans and label counts against (``benchmarks/solvers.py``, the property tests).
+``dp{time-limit-s=N}`` (FuncPipe's model) makes the search anytime: past N seconds it returns
+its best plan with status "feasible", a proven ``lower_bound`` and the ``gap`` to it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import importlib
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
+from flatpack.errors import PlanError
 from flatpack.partitioner.objective import cost_model_for
+from flatpack.partitioner.pareto import Front
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import CostSolver, Goal
@@ -34,15 +42,46 @@ class Dp(CostSolver):
     """Exact optimum of the problem's cost model over the search space (``space.py``)."""
 
     name: ClassVar[str] = "dp"
+    reference: bool = False          # FuncPipe's dp as before issue 20, for comparison
+    time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reference, bool):
+            raise PlanError(f"dp's reference must be true or false, got {self.reference!r}; reference=true runs "
+                            "the slower pre-issue-20 algorithm for comparison")
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise PlanError(f"dp's time_limit_s must be a positive number of seconds, got {limit!r}; "
+                            "leave it out to run dp to its proof")
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:
-        return self._algorithm(problem).solve(problem, goal, SearchSpace.of(problem))
+        return self._algorithm(problem).solve(problem, goal, SearchSpace.of(problem), **self._options(problem))
 
     def solve_all(self, problem: Problem, goals: Sequence[Goal]) -> list[Plan | None]:
         algorithm = self._algorithm(problem)
         if hasattr(algorithm, "solve_all"):  # shares its tables between the goals of a front
-            return algorithm.solve_all(problem, goals, SearchSpace.of(problem))
+            return algorithm.solve_all(problem, goals, SearchSpace.of(problem), **self._options(problem))
         return super().solve_all(problem, goals)
+
+    def exact_front(self, problem: Problem) -> Front:
+        """Every non-dominated (time, dollars) plan (FuncPipe's model), FuncPipe's four
+        weight pairs' optima tagged among them and its recommendation marked."""
+        if cost_model_for(problem) != "funcpipe":
+            raise PlanError(f"the exact front is solved for FuncPipe's training model only; this problem is solved "
+                            f"under {cost_model_for(problem)!r}: use the weight pairs' front (--front weights)")
+        return Front.of(self._algorithm(problem).exact_front(problem, SearchSpace.of(problem), self.reference))
+
+    def _options(self, problem: Problem) -> dict:
+        """The options the problem's algorithm takes; ``reference`` and ``time_limit_s`` are
+        FuncPipe's alone."""
+        if cost_model_for(problem) == "funcpipe":
+            return {"reference": self.reference, "time_limit_s": self.time_limit_s}
+        for option, value, default in (("reference", self.reference, False),
+                                       ("time_limit_s", self.time_limit_s, None)):
+            if value != default:
+                raise PlanError(f"dp's option {option}={value!r} applies to FuncPipe's training model only; this "
+                                f"problem is solved under {cost_model_for(problem)!r}: drop the option")
+        return {}
 
     @staticmethod
     def _algorithm(problem: Problem):

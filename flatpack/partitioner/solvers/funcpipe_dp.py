@@ -19,19 +19,30 @@ platform caps bandwidth per account, since each worker's share then depends on S
   backward work between i and t). With V, P, Δ_f, Δ_b, Q of the whole chain,
   t_iter = V + (µ−1)·Δ_f + Q: Q(0) is max_s(t_b,s + t_s,s) minus the backward sum. Prepending
   a stage updates all five exactly (:func:`_extend`).
-* A label is dropped when another of the same state is no worse in every one of the numbers
-  that matter (Δ_f and Δ_b only when µ > 1; Q only when d > 1): any completion of the
-  dominated label is matched by the same completion of the other.
+* A label is dropped when another of the same state is no worse for every completion
+  (:func:`_dominance_keys`). Any prefix completes a label to
+  t_iter = V + W + (µ−1)·max(Δ_f, a) + max(max_s[(µ−1)·max(Δ_b, y_s) + z_s], Q + c)
+  with a, y_s, z_s, c, W ≥ 0 fixed by the prefix, a maximum of sums of V, (µ−1)·Δ_f,
+  (µ−1)·Δ_b and Q; one label beats another for every prefix when it is no worse in each such
+  sum that can decide the maximum — V, V + (µ−1)·Δ_f, V + (µ−1)·Δ_b, V + (µ−1)·(Δ_f + Δ_b),
+  V + Q, V + (µ−1)·Δ_f + Q — and in P. This keeps far fewer labels than asking for every
+  number apart (as the reference does): a label whose Δ_f is larger but whose V is smaller
+  by more than (µ−1) times the difference is dominated too.
 * A label is also dropped when a lower bound on any completion's objective already exceeds
-  the best complete plan found (the incumbent). The bound adds the cheapest possible prefix:
-  each layer's fastest tier, the cheapest tier for one more stage, the transfer into the
-  label's first stage, and the slowest single layer as a floor on the bottleneck terms.
+  the best complete plan found (the incumbent). The bound completes the label with the
+  prefixes of a left-to-right pass (:func:`_prefix_fronts`): the work and bottlenecks of
+  one prefix together, the price, the forward part and the first stage's sync at their
+  least (:meth:`_Search._lower_scores`).
 * The incumbent comes from a first pass that keeps only the most promising labels per state
   (a beam), which yields a good complete plan quickly; the exact pass then prunes with it.
 
 Weighted goals minimize t_iter·(α₁·d·P/u + α₂) (u: dollars per MB·s); SLO goals minimize
 t_iter·d·P subject to t_iter ≤ SLO. Both are monotone in every label number, which is what
 makes dominance and the bounds exact.
+
+``reference=True`` runs the algorithm as it stood before issue 20 — every label number
+compared on its own, and the bound with each prefix quantity at its own least (work, price,
+slowest layer) — kept to compare plans and label counts against, not as the default.
 """
 
 from __future__ import annotations
@@ -49,7 +60,9 @@ from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (memory_limit, memory_need, micro_batches_per_replica, recompute_seconds,
                                               stage_tensors)
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
-from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, with_micro_batches
+from flatpack.partitioner.objective import (FUNCPIPE_WEIGHTS, Weights, annotate, dollars_per_mb_s, evaluate,
+                                             with_micro_batches)
+from flatpack.partitioner.pareto import non_dominated
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import Goal, better
@@ -61,7 +74,9 @@ if TYPE_CHECKING:
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
 _PARETO_CHUNK = 64
-_PIVOTS = 64
+_PIVOTS = 16
+_BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
+_PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
 
 
@@ -125,6 +140,13 @@ class _Chain:
     def prefix_bounds(self) -> "_PrefixBounds":
         return _prefix_bounds(self)
 
+    @cached_property
+    def prefix_fronts(self) -> list[np.ndarray]:
+        """Per layer i, (n, 3) rows W_p, Δ_f, Δ_b of the prefixes of layers 0..i−1 that the
+        bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
+        least work, a many-stage one the least bottleneck, and no prefix has both."""
+        return _prefix_fronts(self)
+
 
 @dataclass(frozen=True)
 class _StageOptions:
@@ -169,6 +191,32 @@ class _Objective:
             return np.where(times <= self.goal.slo_s * (1 + _RELATIVE_SLACK), dollars, np.inf)
         weights = self.goal.weights
         return weights.cost * dollars / self.dollars_per_unit + weights.time * times
+
+
+class _Staircase:
+    """The (t_iter, dollars) points of the plans found so far, as a staircase: a label whose
+    least time and least dollars some found plan already matches cannot add a point to the
+    front (the comparison leaves ``_RELATIVE_SLACK``, so float noise prunes no new point)."""
+
+    def __init__(self) -> None:
+        self.times = np.empty(0)
+        self.cheapest = np.empty(0)    # least dollars among the points no slower than times[i]
+
+    def add(self, times: np.ndarray, dollars: np.ndarray) -> None:
+        points = np.concatenate([np.stack([self.times, self.cheapest], axis=1),
+                                 np.stack([times, dollars], axis=1)])
+        points = points[np.lexsort((points[:, 1], points[:, 0]))]
+        self.times, self.cheapest = points[:, 0], np.minimum.accumulate(points[:, 1])
+
+    def dominates(self, times: np.ndarray, dollars: np.ndarray) -> np.ndarray:
+        if len(self.times) == 0:
+            return np.zeros(len(times), dtype=bool)
+        slower = np.searchsorted(self.times, times * (1 - _RELATIVE_SLACK), side="right") - 1
+        return (slower >= 0) & (self.cheapest[np.maximum(slower, 0)] <= dollars * (1 - _RELATIVE_SLACK))
+
+
+class _OutOfTime(Exception):
+    """The exact pass reached the deadline (caught by :func:`_solve_goal`)."""
 
 
 @dataclass
@@ -250,7 +298,8 @@ class _PrefixBounds:
     ``forward[i, k]`` the least Σ forward + Σ transfers of a prefix whose last stage has tier
     k, its upload across boundary i−1 included; ``price[i]`` the least Σ price;
     ``forward_lag[i]`` and ``backward_lag[i]`` the slowest single layer on its fastest tier;
-    ``first_sync`` the least synchronization of a first stage."""
+    ``first_sync`` the least synchronization of a first stage. (The work and bottlenecks
+    the default bound takes together are :func:`_prefix_fronts`.)"""
 
     work: np.ndarray
     forward: np.ndarray
@@ -297,15 +346,92 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
     return _PrefixBounds(work, forward_only, price, forward_lag, backward_lag, first_sync)
 
 
-def _pareto(values: np.ndarray, columns: list[int], groups: np.ndarray) -> np.ndarray:
-    """Indices of the rows no other row of the same group dominates in ``columns`` (one
-    row kept among equal ones)."""
-    if len(values) <= 1:
-        return np.arange(len(values))
+def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
+    """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
+    i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
+    a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
+    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V. A left-to-right
+    pass over the same stages and tiers as the search, without price, Q and synchronization
+    (the bound takes those at their least: with them the fronts grow tenfold and cost more
+    than they save)."""
+    count, lag = chain.layers, chain.mu - 1
+    fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
+    for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
+        parts = []
+        for start in range(max(0, end + 1 - max(len(row) for row in chain.fits)), end + 1):
+            before = fronts[start]
+            if end - start >= len(chain.fits[start]) or len(before) == 0:
+                continue
+            options = chain.stage_options(start, end)
+            if options is None:
+                continue
+            tiers = options.tiers
+            upload = chain.transfer(end, tiers)[:, None]
+            download = chain.transfer(start - 1, tiers)[:, None] if start > 0 else np.zeros((len(tiers), 1))
+            fwd, bwd = options.forward[tiers][:, None], options.backward[tiers][:, None]
+            rows = np.empty((len(tiers), len(before), 3))
+            rows[..., 0] = before[None, :, 0] + fwd + bwd + 2 * (upload + download)
+            rows[..., 1] = np.maximum(before[None, :, 1], np.maximum(np.maximum(fwd, upload), download))
+            rows[..., 2] = np.maximum(before[None, :, 2], np.maximum(np.maximum(bwd, upload), download))
+            parts.append(rows.reshape(-1, 3))
+        if not parts:
+            continue
+        rows = np.concatenate(parts)
+        work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
+        keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
+        fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
+    return fronts
+
+
+def _merged(rows: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` rows, each the least of a run of neighbours by work: a row no larger
+    than every row it stands for, so a bound taken over them (and over their extensions,
+    which only add and take maxima) is still a lower bound — looser, but the fronts stop
+    growing with the chain (AmoebaNet's reach hundreds of rows at L = 64)."""
+    if len(rows) <= limit:
+        return rows
+    ordered = rows[np.argsort(rows[:, 0], kind="stable")]
+    starts = np.linspace(0, len(ordered), limit, endpoint=False).astype(int)
+    return np.minimum.reduceat(ordered, starts, axis=0)
+
+
+def _dominance_keys(values: np.ndarray, lag: int, prices_matter: bool, synchronizes: bool,
+                    componentwise: bool = False) -> np.ndarray:
+    """(n, k) keys of labels ``values`` (V, P, Δ_f, Δ_b, Q) such that a label no worse in
+    every key than another is no worse for every completion (``lag``: µ − 1).
+
+    By default, the sums that can decide t_iter's maximum (module docstring). Each is
+    needed only where its terms can matter: P when the goal prices the plan; the Δ sums
+    when µ > 1; the Q sums when d > 1 (with d = 1, Q ≤ (µ−1)·Δ_b − the download and the
+    first stage's term (µ−1)·Δ_b always reaches the maximum). Each key is a sum of the
+    numbers ``componentwise`` compares one by one, so whatever that keeps this also
+    drops, and more. ``componentwise``: V, P, Δ_f, Δ_b, Q each on its own (the reference)."""
+    volume = values[:, V]
+    keys = [volume]
+    if prices_matter:
+        keys.append(values[:, P])
+    if componentwise:
+        keys += [values[:, DF], values[:, DB]] if lag > 0 else []
+        keys += [values[:, Q]] if synchronizes else []
+        return np.stack(keys, axis=1)
+    if lag > 0:
+        forward_lag, backward_lag = lag * values[:, DF], lag * values[:, DB]
+        keys += [volume + forward_lag, volume + backward_lag, volume + forward_lag + backward_lag]
+    if synchronizes:
+        keys += [volume + values[:, Q], volume + lag * values[:, DF] + values[:, Q]]
+    return np.stack(keys, axis=1)
+
+
+def _pareto(keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Indices of the rows no other row of the same group dominates in ``keys`` (one row
+    kept among equal ones)."""
+    if len(keys) <= 1:
+        return np.arange(len(keys))
+    all_keys = keys
     kept_rows = []
     for group in np.unique(groups):
         members = np.flatnonzero(groups == group)
-        keys = values[members][:, columns]
+        keys = all_keys[members]
         survivors = _not_dominated_by_pivots(keys)
         members, keys = members[survivors], keys[survivors]
         order = np.lexsort(keys.T[::-1])
@@ -355,23 +481,29 @@ class _Search:
     """One right-to-left pass for one (M, d, S)."""
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
-                 stats: _Stats) -> None:
+                 stats: _Stats, reference: bool = False, deadline: float | None = None,
+                 staircase: "_Staircase | None" = None) -> None:
         self.chain = chain
+        self.deadline = deadline
+        self.staircase = staircase            # the exact front's pass prunes with it, not the incumbent
+        self.complete_from = chain.layers     # labels[i] for i ≥ this are complete
         self.objective = objective
         self.incumbent = incumbent
         self.beam = beam
         self.stats = stats
         self.bounds = chain.prefix_bounds
-        prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
-        self.columns = ([V] + ([P] if prices_matter else []) + ([DF, DB] if chain.mu > 1 else [])
-                        + ([Q] if chain.replicas > 1 else []))
+        self.reference = reference           # the pre-issue-20 filter and bound, for comparison
+        self.prices_matter = objective.goal.slo_s is not None or objective.goal.weights.cost > 0
         self.labels: list[_Labels] = [_empty_labels() for _ in range(chain.layers + 1)]
 
     def run(self) -> tuple[float, float, int] | None:
         """(score, t_iter, row) of the best complete plan, or None."""
         chain = self.chain
         for start in range(chain.layers - 1, -1, -1):
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                raise _OutOfTime
             self.labels[start] = self._labels_from(start)
+            self.complete_from = start
         first = self.labels[0]
         if chain.stage_count is not None:
             keep = first.count == chain.stage_count
@@ -386,6 +518,31 @@ class _Search:
         if not np.isfinite(scores[row]):
             return None
         return float(scores[row]), float(times[row]), row
+
+    def proven_bound(self) -> float:
+        """A lower bound on the score of every plan of this configuration, from what the pass
+        has done so far (none of it, a part, or all): every plan either has a stage starting at
+        some i ≥ ``complete_from``, so its suffix from i is a label there, one that dominates
+        it (whose bound is no larger: the bound is a completion of the label) or one pruned for
+        a bound above the incumbent; or its last stage starts before, which the bound of that
+        last stage alone covers."""
+        chain = self.chain
+        least = self.incumbent
+        for start in range(self.complete_from, chain.layers):
+            if len(self.labels[start].tier):
+                least = min(least, float(self._lower_scores(start, self.labels[start].values)[0].min()))
+        last = chain.layers - 1
+        for start in range(self.complete_from):
+            if last - start >= len(chain.fits[start]):
+                continue   # the last stage from here holds more than any tier
+            options = chain.stage_options(start, last)
+            if options is None:
+                continue
+            values, tier = self._last_stage(last, options)[:2]
+            if start > 0:
+                _enter(values, chain.transfer(start - 1, tier))
+            least = min(least, float(self._lower_scores(start, values)[0].min()))
+        return least
 
     def _times(self, values: np.ndarray) -> np.ndarray:
         return values[:, V] + (self.chain.mu - 1) * values[:, DF] + values[:, Q]
@@ -413,13 +570,17 @@ class _Search:
         # labels with different stage counts compete only when S is free
         groups = count if chain.stage_count is not None else np.zeros(len(count), dtype=int)
         if self.beam is None:
-            rows = _pareto(values, self.columns, groups)
+            rows = _pareto(self._keys(values), groups)
         else:  # a heuristic pass: the best few by bound, then the non-dominated among them
             rows = self._best_per_group(start, values, groups, np.arange(len(values)), 4 * self.beam)
-            rows = rows[_pareto(values[rows], self.columns, groups[rows])]
+            rows = rows[_pareto(self._keys(values[rows]), groups[rows])]
             rows = self._best_per_group(start, values, groups, rows, self.beam)
         self.stats.labels_kept += len(rows)
         return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
+
+    def _keys(self, values: np.ndarray) -> np.ndarray:
+        return _dominance_keys(values, self.chain.mu - 1, self.prices_matter, self.chain.replicas > 1,
+                               self.reference)
 
     def _last_stage(self, end: int, options: _StageOptions) -> tuple:
         tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
@@ -450,34 +611,71 @@ class _Search:
         return (values.reshape(-1, 5), np.broadcast_to(tiers[:, None], shape).ravel(), np.full(rows.size, end),
                 rows, (after.count[rows] + 1))
 
-    def _lower_scores(self, start: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lower bounds on the score and t_iter of any completion of each label.
+    def _lower_scores(self, start: int, values: np.ndarray, coarse: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Lower bounds on the score and t_iter of any completion of each label (``coarse``,
+        or the reference: each prefix quantity at its own least, cheaper and no tighter).
 
         With the prefix's work W_p (forward, backward, its upload across boundary start−1),
         its forward part F_p and its own bottleneck terms A_p = max over its stages of
         (µ−1)·Δ_b + t_s, and the label's values with the download into it included:
-        t_iter = W_p + V + (µ−1)·Δ_f + max(A_p, Q − (W_p − F_p)), so
-        t_iter ≥ V + (µ−1)·Δ_f + max(W_p + A_p, F_p + Q), each term at its least."""
+        t_iter = W_p + V + (µ−1)·Δ_f + max(A_p, Q − (W_p − F_p)) with Δ_f the larger of the
+        label's and the prefix's, and A_p ≥ (µ−1)·Δ_b + t_s of the first stage, so
+        t_iter ≥ V + (µ−1)·Δ_f + max(W_p + (µ−1)·Δ_b + t_s, F_p + Q): the least over the
+        prefix fronts (W_p, Δ_f, Δ_b of one prefix together), t_s and F_p at their least.
+        The price is the label's plus the least a prefix adds."""
         chain = self.chain
         if start == 0:
             times = self._times(values)
             return self.objective.score(times, values[:, P]), times
         bounds = self.bounds
-        df = np.maximum(values[:, DF], bounds.forward_lag[start])
-        db = np.maximum(values[:, DB], bounds.backward_lag[start])
-        prefix_terms = (chain.mu - 1) * db + bounds.first_sync
-        times = (values[:, V] + (chain.mu - 1) * df
-                 + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
-        return self.objective.score(times, values[:, P] + bounds.price[start]), times
+        if self.reference or coarse:   # each prefix quantity at its own least
+            df = np.maximum(values[:, DF], bounds.forward_lag[start])
+            db = np.maximum(values[:, DB], bounds.backward_lag[start])
+            prefix_terms = (chain.mu - 1) * db + bounds.first_sync
+            times = (values[:, V] + (chain.mu - 1) * df
+                     + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
+            return self.objective.score(times, values[:, P] + bounds.price[start]), times
+        front = chain.prefix_fronts[start]
+        times = np.full(len(values), np.inf)
+        if len(front) == 0:   # no prefix fits
+            return times.copy(), times
+        lag = chain.mu - 1
+        step = max(1, _BOUND_CELLS // len(front))
+        for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
+            part = values[first:first + step]
+            df = np.maximum(part[:, None, DF], front[None, :, 1])
+            db = np.maximum(part[:, None, DB], front[None, :, 2])
+            prefix_times = np.maximum(front[None, :, 0] + lag * db + bounds.first_sync,
+                                      bounds.forward[start].min() + part[:, None, Q])
+            part_times = part[:, None, V] + lag * df + prefix_times
+            times[first:first + step] = part_times.min(axis=1)
+        scores = self.objective.score(times, values[:, P] + bounds.price[start])
+        return scores, times
 
     def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
         keep = np.ones(len(values), dtype=bool)
         if self.chain.stage_count is not None:
             keep &= count + (start > 0) <= self.chain.stage_count
         if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
-            scores, _ = self._lower_scores(start, values)
-            keep &= np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+            # the coarse bound first: the labels it already prunes skip the costlier one
+            for coarse in (True, False) if not self.reference else (True,):
+                rows = np.flatnonzero(keep)
+                scores, _ = self._lower_scores(start, values[rows], coarse)
+                keep[rows] = np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+        if self.staircase is not None:
+            _, times = self._lower_scores(start, values)
+            prices = values[:, P] + self.bounds.price[start]
+            keep &= np.isfinite(times) & ~self.staircase.dominates(times, times * self.chain.replicas * prices)
         return keep
+
+    def complete_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows, t_iter and dollars of the complete plans the pass kept (after :meth:`run`)."""
+        first = self.labels[0]
+        rows = np.arange(len(first.tier))
+        if self.chain.stage_count is not None:
+            rows = rows[first.count == self.chain.stage_count]
+        times = self._times(first.values[rows])
+        return rows, times, times * self.chain.replicas * first.values[rows, P]
 
     def _best_per_group(self, start: int, values, groups, rows, width: int) -> np.ndarray:
         scores, times = self._lower_scores(start, values[rows])
@@ -552,31 +750,96 @@ def _configurations(problem: Problem, space: SearchSpace) -> list[tuple[int, int
     return [(m, d, s) for m, d in space.configurations() for s in stage_counts]
 
 
-def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None) -> Plan | None:
+def solve(problem: Problem, goal: Goal, space: SearchSpace | None = None,
+          reference: bool = False, time_limit_s: float | None = None) -> Plan | None:
     """The plan minimizing ``goal`` under FuncPipe's model over the whole search space, or
-    None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory."""
-    return solve_all(problem, [goal], space)[0]
+    None when no plan meets the goal's SLO. Raises PlanError when nothing fits memory.
+    ``reference`` runs the pre-issue-20 algorithm (module docstring); both are exact.
+    ``time_limit_s``: past it the exact pass stops, and the plan is the best found, with
+    status "feasible", ``lower_bound`` (proven) and ``gap`` in its predictions."""
+    return solve_all(problem, [goal], space, reference, time_limit_s)[0]
 
 
-def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None) -> list[Plan | None]:
+def solve_all(problem: Problem, goals: Sequence[Goal], space: SearchSpace | None = None,
+              reference: bool = False, time_limit_s: float | None = None) -> list[Plan | None]:
     """:func:`solve` for several goals (a front), sharing the per-(M, d) tables, and seeding
-    each goal's incumbent with the best of the plans found for the earlier goals."""
+    each goal's incumbent with the best of the plans found for the earlier goals;
+    ``time_limit_s`` bounds the whole call (a goal reached after it gets its beam plan and
+    its bound)."""
+    started = time.perf_counter()
+    deadline = None if time_limit_s is None else started + time_limit_s
+    space = space or SearchSpace.of(problem)
+    configurations, chains = _tables(problem, space)
+    return _solve_goals(problem, space, goals, configurations, chains, time.perf_counter() - started, reference,
+                        deadline)
+
+
+def _solve_goals(problem: Problem, space: SearchSpace, goals: Sequence[Goal], configurations: list, chains: dict,
+                 setup_s: float, reference: bool, deadline: float | None) -> list[Plan | None]:
+    plans: list[Plan | None] = []
+    for goal in goals:
+        seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
+        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s, reference, deadline))
+    if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
+        _raise_nothing_fits(problem, space)
+    return plans
+
+
+def exact_front(problem: Problem, space: SearchSpace | None = None, reference: bool = False) -> list[Plan]:
+    """Every non-dominated (t_iter, dollars) plan of the search space, fastest first (one plan
+    per point). FuncPipe's four weight pairs are solved first (their optima are points of
+    the front and seed the staircase); then each configuration's pass keeps every label no
+    found plan matches in both least time and least dollars, and adds its complete plans.
+    Each weight pair's optimum is a point of the result, tagged in ``weights``."""
     started = time.perf_counter()
     space = space or SearchSpace.of(problem)
+    configurations, chains = _tables(problem, space)
+    goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
+    weighted = _solve_goals(problem, space, goals, configurations, chains, time.perf_counter() - started, reference,
+                            None)
+    optima = [(goal, plan) for goal, plan in zip(goals, weighted) if plan is not None]
+    anchors = [plan for _, plan in optima]
+    staircase = _Staircase()
+    staircase.add(np.array([plan.predictions["time_s"] for plan in anchors]),
+                  np.array([plan.predictions["dollars"] for plan in anchors]))
+    unit = dollars_per_mb_s(problem.platform)
+    stats = _Stats()
+    found: list[Plan] = list(anchors)
+    for config in configurations:
+        chain = chains[config]
+        # a cost-weighted goal so that the filter keeps the price; the staircase does the pruning
+        search = _Search(chain, _Objective(Goal(Weights(1.0, 0.0)), chain.replicas, unit), math.inf, None, stats,
+                         reference, staircase=staircase)
+        stats.searches += 1
+        search.run()
+        rows, times, dollars = search.complete_points()
+        keep = np.flatnonzero(~staircase.dominates(times, dollars))
+        found += [search.plan(int(rows[index]), len(problem.chain)) for index in keep]
+        staircase.add(times[keep], dollars[keep])
+    solve_s = time.perf_counter() - started
+    labels = {"labels_built": stats.labels_built, "labels_kept": stats.labels_kept}
+    front = non_dominated([annotate(plan, evaluate(problem, plan), status="optimal", **labels) for plan in found])
+    return [plan.with_predictions(solve_s=solve_s, front="exact",
+                                  weights=[goal.weights.label() for goal, anchor in optima
+                                           if _same_point(plan, anchor)])
+            for plan in front]
+
+
+def _same_point(plan: Plan, other: Plan) -> bool:
+    return (math.isclose(plan.predictions["time_s"], other.predictions["time_s"], rel_tol=1e-9)
+            and math.isclose(plan.predictions["dollars"], other.predictions["dollars"], rel_tol=1e-9))
+
+
+def _tables(problem: Problem, space: SearchSpace) -> tuple[list, dict]:
+    """The configurations (M, d, S) to search and each one's :class:`_Chain`; PlanError when
+    no configuration can tile the chain with stages that fit."""
     tiers = [problem.platform.tier(memory) for memory in space.memory_mb]
     tensors = _stage_tensor_table(problem)
     configurations = _configurations(problem, space)
     chains = {config: _chain(problem, tensors, tiers, *config) for config in configurations}
     if not any(_coverable(chain) for chain in chains.values()):
         _raise_nothing_fits(problem, space)
-    setup_s = time.perf_counter() - started
-    plans: list[Plan | None] = []
-    for goal in goals:
-        seed = _best_seed(problem, goal, [plan for plan in plans if plan is not None])
-        plans.append(_solve_goal(problem, goal, chains, configurations, seed, setup_s))
-    if all(plan is None for plan in plans) and all(goal.slo_s is None for goal in goals):
-        _raise_nothing_fits(problem, space)
-    return plans
+    return configurations, chains
 
 
 def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None:
@@ -591,7 +854,10 @@ def _best_seed(problem: Problem, goal: Goal, plans: list[Plan]) -> Result | None
 
 
 def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list, seed: Result | None,
-                setup_s: float) -> Plan | None:
+                setup_s: float, reference: bool, deadline: float | None = None) -> Plan | None:
+    """The best plan for ``goal``; past ``deadline``, the best plan so far with status
+    "feasible", the proven lower bound and the gap (the beam pass runs on past the deadline
+    until it has a plan, so that there is one to return whenever one exists)."""
     started = time.perf_counter()
     unit = dollars_per_mb_s(problem.platform)
     stats = _Stats()
@@ -600,13 +866,23 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
     best = seed
     incumbent = seed.score[0] if seed else math.inf
     beam_scores: dict = {}
+    open_bounds: list[float] = []     # configurations the deadline left unproven
     for beam in (BEAM_WIDTH, None):
         order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
         for config in order:
             chain = chains[config]
-            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats)
+            search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, reference,
+                             deadline if beam is None else None)
+            out_of_time = deadline is not None and best is not None and time.perf_counter() > deadline
+            if open_bounds or out_of_time:   # bound this configuration without searching it
+                open_bounds.append(search.proven_bound())
+                continue
             stats.searches += 1
-            found = search.run()
+            try:
+                found = search.run()
+            except _OutOfTime:
+                open_bounds.append(search.proven_bound())
+                continue
             if found is None:
                 continue
             score, time_s, row = found
@@ -615,11 +891,18 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
                 best = Result(search.plan(row, len(problem.chain)), (score, time_s))
                 incumbent = min(incumbent, score)
     if best is None:
+        if open_bounds:
+            raise PlanError(f"dp found no plan for {goal.describe()} before its time limit, and cannot yet say "
+                            "whether one exists; raise time_limit_s or drop it (dp then runs to the proof)")
         return None
     solve_s = time.perf_counter() - started
-    return annotate(best.plan, evaluate(problem, best.plan), status="optimal",
-                    objective=best.score[0], solve_s=solve_s + setup_s, setup_s=setup_s,
-                    labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches)
+    value = best.score[0]
+    lower = min([value, *open_bounds])
+    gap = (value - lower) / value if value > 0 else 0.0
+    return annotate(best.plan, evaluate(problem, best.plan), status="feasible" if open_bounds else "optimal",
+                    objective=value, lower_bound=lower, gap=gap, solve_s=solve_s + setup_s, setup_s=setup_s,
+                    labels_built=stats.labels_built, labels_kept=stats.labels_kept, searches=stats.searches,
+                    configurations_unproven=len(open_bounds))
 
 
 def _raise_nothing_fits(problem: Problem, space: SearchSpace) -> None:
