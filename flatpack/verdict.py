@@ -71,10 +71,12 @@ def adam_step_bound(betas: tuple[float, float], step: int) -> float:
     return math.sqrt((1 - beta1) ** 2 * (1 - beta2 ** step) / ((1 - beta1 ** step) ** 2 * (1 - beta2)) * ratio)
 
 
-def adam_weight_bound(lr: float, betas: tuple[float, float], iterations: int) -> float:
+def adam_weight_bound(lr: float | list[float], betas: tuple[float, float], iterations: int) -> float:
     """The most two Adam runs from the same weights can differ per element after
-    ``iterations`` steps, whatever their gradients: 2·lr·Σ c_t (plus float slack)."""
-    return 2 * lr * sum(adam_step_bound(betas, t) for t in range(1, iterations + 1)) + 1e-6
+    ``iterations`` steps, whatever their gradients: 2·Σ lr_t·c_t (plus float slack); ``lr``
+    one rate, or each step's under a schedule."""
+    rates = lr if isinstance(lr, list) else [lr] * iterations
+    return 2 * sum(rate * adam_step_bound(betas, t) for t, rate in enumerate(rates[:iterations], 1)) + 1e-6
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,9 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
     weights = {"worst": 0.0, "where": "", "ok": True}
     buffers = {"worst": 0.0, "where": "", "ok": True}
     missing = []
-    adam_bound = adam_weight_bound(spec.lr, spec.betas, iterations) if spec.name == "adam" else None
-    state_rtol = STATE_RTOL_FIRST if iterations == 1 else STATE_RTOL
+    steps = iterations // spec.accumulate
+    adam_bound = adam_weight_bound(spec.learning_rates(steps), spec.betas, steps) if spec.is_adam_like else None
+    state_rtol = STATE_RTOL_FIRST if steps <= 1 else STATE_RTOL
     state = reference.state_dict(keep_vars=True)
     for name, expected in state.items():
         got = parameters.get(name)
@@ -270,9 +273,9 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptio
     checks the run against it (see the tolerances above)."""
     stages = compiled.plan.stages
     micro_batches = compiled.plan.micro_batches or options.micro_batches
-    optimizer = {"name": options.optimizer, "lr": options.lr}
+    optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
-                    options.iterations, options.optimizer, dropouts=dropouts)
+                    options.iterations, optimizer.describe(), dropouts=dropouts)
     if draws_random(initial, example):
         found.note = ("the model draws random numbers in train mode beyond nn.Dropout (which flatpack run "
                       "switches off), so no run can be compared with single-process training; train it without "
