@@ -22,7 +22,7 @@ from torch import nn
 from flatpack.errors import FlatpackError, FunctionOutOfMemory, InputError
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
-from flatpack.runtime.optim import OPTIMIZERS
+from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
 from flatpack.runtime.reference import call, first_output
 from flatpack.verdict import pipeline_optimizer_state, verdict
 
@@ -37,8 +37,25 @@ class JobOptions:
     batch: int = 32
     micro_batches: int = 4
     iterations: int | None = 4     # None with --data: --epochs full passes over the data
-    optimizer: str = "adam"
+    # any torch.optim optimizer by name (adam, adamw, sgd: momentum 0.9 unless optimizer_args
+    # says otherwise, ...) with its keyword options, or a whole OptimizerSpec (then the knobs
+    # below it stand for are taken from it)
+    optimizer: str | OptimizerSpec = "adam"
     lr: float = 0.01
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
+    # a learning-rate schedule by name (cosine, linear, step, ... or a torch.optim.lr_scheduler
+    # class) with its options, after ``warmup`` steps of linear warm-up; None: a constant rate
+    schedule_lr: str | None = None
+    schedule_args: dict[str, Any] = field(default_factory=dict)
+    warmup: int = 0
+    no_decay_bias_norm: bool = False       # weight_decay 0 for biases and norm weights (< 2 dims)
+    clip_grad_norm: float | None = None    # the global gradient norm over every stage, at most this
+    accumulate: int = 1                    # optimizer steps every K iterations: a K x larger batch
+    # every N iterations (0: never) the loss (and for classification the accuracy) on held-out
+    # data, through the inference path: eval_data (a --data SOURCE) or eval_fraction of --data
+    eval_every: int = 0
+    eval_data: Any = None
+    eval_fraction: float = 0.0
     schedule: str = "sync"
     sync: str = "pipelined"
     solver: str = "dp"
@@ -108,12 +125,31 @@ class JobOptions:
              f"--loss must be auto or one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
         need(self.save is None or Path(self.save).suffix == ".safetensors",
              f"--save {self.save}: the weights are written as safetensors; name the file *.safetensors")
-        if self.optimizer not in OPTIMIZERS:
-            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS, n=1, cutoff=0.4)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise InputError(f"unknown optimizer {self.optimizer!r}; {hint}choose one of {', '.join(OPTIMIZERS)}")
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
              f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
+        spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
+        need(self.iterations is None or self.iterations % spec.accumulate == 0,
+             f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
+             f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
+             f"{(self.iterations or 0) // spec.accumulate * spec.accumulate or spec.accumulate} or another "
+             "--accumulate")
+        need(spec.schedule is None or self.iterations is None
+             or spec.schedule.warmup < (self.iterations // spec.accumulate),
+             f"--warmup {spec.schedule.warmup if spec.schedule else 0} is not shorter than the run's "
+             f"{(self.iterations or 0) // spec.accumulate} optimizer steps; use a shorter warm-up or more --iterations")
+        need(isinstance(self.eval_every, int) and self.eval_every >= 0,
+             f"--eval-every must be a number of iterations >= 0 (0: no evaluation), got {self.eval_every}")
+        need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,
+             f"--eval-fraction must be in [0, 1) (the share of --data held out), got {self.eval_fraction}; "
+             "use e.g. --eval-fraction 0.1")
+        need(not self.eval_every or self.eval_data is not None or self.eval_fraction > 0,
+             "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
+        need(self.eval_every or (self.eval_data is None and not self.eval_fraction),
+             "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
+        need(not self.eval_fraction or self.data is not None,
+             "--eval-fraction holds out a share of --data; give --data SOURCE, or --eval-data SOURCE instead")
+        need(self.eval_data is None or not self.eval_fraction,
+             "--eval-data and --eval-fraction both name the held-out data; give one")
         need(bool(self.replicas) and all(isinstance(d, int) and d >= 1 for d in self.replicas),
              f"--replicas lists data-parallel degrees, each at least 1, got {','.join(map(str, self.replicas))}; "
              "use e.g. --replicas 1,2")
@@ -142,6 +178,27 @@ class JobOptions:
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
         if self.pick != "fastest":
             solver_for(self.solver)
+
+
+    def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec:
+        """The run's optimizer as the plain data every stage and the reference build it from;
+        a schedule's length (cosine's T_max, ...) defaults to the run's optimizer steps after
+        the warm-up. An unknown name or option is an InputError listing the valid ones."""
+        iterations = iterations or self.iterations or 1
+        if isinstance(self.optimizer, OptimizerSpec):
+            spec = self.optimizer
+        else:
+            options = dict(self.optimizer_args)
+            lr = options.pop("lr", self.lr)
+            schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
+                        else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
+            if self.schedule_args and not self.schedule_lr:
+                raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")
+            spec = OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm, schedule,
+                                 self.clip_grad_norm, self.accumulate)
+        if spec.schedule is None:
+            return spec
+        return dataclasses.replace(spec, schedule=spec.schedule.with_length(iterations // spec.accumulate))
 
 
 def solver_for(name: Any) -> Any:

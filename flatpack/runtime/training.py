@@ -167,8 +167,11 @@ class StageTrainer:
         self.optimizer = spec.optimizer.build(self.trainable.values())
         self.scheduler = spec.optimizer.build_schedule(self.optimizer)
         self.steps = 0     # optimizer steps taken: the schedule's position
-        # gradient accumulation: the reduced gradients of the iterations since the last step
+        # gradient accumulation: the reduced gradients of the iterations since the last step,
+        # and how many iterations they hold (kept in checkpoints, not derived from iteration
+        # numbers, which a resumed call does not continue)
         self.accumulated: dict[str, torch.Tensor] = {}
+        self.accumulated_count = 0
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._prefetched: dict[int, Future] = {}
@@ -189,7 +192,8 @@ class StageTrainer:
                     scalars.setdefault(str(position), {})[key] = value
         tensors.update({f"a/{name}": grad for name, grad in self.accumulated.items()})
         return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
-                                    "scalars": scalars, "steps": self.steps})
+                                    "scalars": scalars, "steps": self.steps,
+                                    "accumulated": self.accumulated_count})
 
     def load_state(self, data: bytes) -> int:
         """Installs a checkpoint; returns the iteration it was taken after."""
@@ -207,6 +211,7 @@ class StageTrainer:
         self.steps = int(meta.get("steps", 0))
         self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
         self.accumulated = {key[2:]: value for key, value in tensors.items() if key.startswith("a/")}
+        self.accumulated_count = int(meta.get("accumulated", 0))
         return int(meta["iteration"])
 
     # transfers ------------------------------------------------------------------------------
@@ -405,7 +410,7 @@ class StageTrainer:
 
     def _update(self, iteration: int) -> None:
         start = time.time()
-        if self._accumulates(iteration):
+        if self._accumulates():
             self._apply_step(iteration)
         self.optimizer.zero_grad(set_to_none=True)
         self._record("update", iteration, None, start, 0, "compute")
@@ -413,10 +418,10 @@ class StageTrainer:
         if self.is_last:
             self.losses[iteration] = self._loss_total
 
-    def _accumulates(self, iteration: int) -> bool:
+    def _accumulates(self) -> bool:
         """Folds the iteration's reduced gradients into the accumulation; whether the
-        optimizer steps after this iteration (every K-th, counted in the run's iteration
-        numbers, which later calls continue). Accumulating the already reduced gradients (not
+        optimizer steps after this iteration (the K-th since the last step, across calls:
+        the count is in the checkpoints). Accumulating the already reduced gradients (not
         each replica's own) keeps every replica's accumulation equal to replica 0's, which is
         what its checkpoint holds, so a restarted replica resumes it exactly."""
         every = self.spec.optimizer.accumulate
@@ -427,11 +432,12 @@ class StageTrainer:
                 continue
             held = self.accumulated.get(name)
             self.accumulated[name] = param.grad.detach().clone() if held is None else held + param.grad
-        if (iteration + 1) % every:
+        self.accumulated_count += 1
+        if self.accumulated_count < every:
             return False
         for name, param in self.trainable.items():
             param.grad = self.accumulated.get(name)
-        self.accumulated = {}
+        self.accumulated, self.accumulated_count = {}, 0
         return True
 
     def _apply_step(self, iteration: int) -> None:
