@@ -142,7 +142,7 @@ class JobOptions:
         need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,
              f"--eval-fraction must be in [0, 1) (the share of --data held out), got {self.eval_fraction}; "
              "use e.g. --eval-fraction 0.1")
-        need(not self.eval_every or self.eval_data is not None or self.eval_fraction > 0,
+        need(not self.eval_every or self.data is None or self.eval_data is not None or self.eval_fraction > 0,
              "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
         need(self.eval_every or (self.eval_data is None and not self.eval_fraction),
              "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
@@ -186,19 +186,17 @@ class JobOptions:
         the warm-up. An unknown name or option is an InputError listing the valid ones."""
         iterations = iterations or self.iterations or 1
         if isinstance(self.optimizer, OptimizerSpec):
-            spec = self.optimizer
-        else:
-            options = dict(self.optimizer_args)
-            lr = options.pop("lr", self.lr)
-            schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
-                        else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
-            if self.schedule_args and not self.schedule_lr:
-                raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")
-            spec = OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm, schedule,
-                                 self.clip_grad_norm, self.accumulate)
-        if spec.schedule is None:
-            return spec
-        return dataclasses.replace(spec, schedule=spec.schedule.with_length(iterations // spec.accumulate))
+            return self.optimizer
+        if self.schedule_args and not self.schedule_lr:
+            raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")
+        options = dict(self.optimizer_args)
+        lr = options.pop("lr", self.lr)
+        schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
+                    else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
+        steps = iterations // self.accumulate if isinstance(self.accumulate, int) and self.accumulate >= 1 else 1
+        return OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm,
+                             schedule.with_length(steps) if schedule is not None else None,
+                             self.clip_grad_norm, self.accumulate)
 
 
 def solver_for(name: Any) -> Any:
@@ -310,6 +308,7 @@ class JobResult:
     max_param_diff: float | None
     equivalent: bool | None
     files: list[Path]
+    evaluations: list[Any] = field(default_factory=list)   # evaluation.Evaluation, every --eval-every
 
 
 def without_dropout(model: nn.Module) -> int:
@@ -412,9 +411,11 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
             raise InputError(f"--loss {options.loss} needs real targets; the synthetic batches (no --data) train "
                              f"with {loss}. Give --data SOURCE, or leave --loss out")
         return batches, loss, count
-    from flatpack.data import make_batches, parse_source
+    from flatpack.data import make_batches, parse_source, split_shards
 
     source = parse_source(options.data, endpoint=options.store_endpoint)
+    if options.eval_fraction:
+        source = split_shards(source, options.eval_fraction)[0]
     batches = make_batches(source, model, example, batch=options.batch, epochs=options.epochs,
                            iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
                            drop_last=options.drop_last)
@@ -426,6 +427,24 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
         raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {options.batch}; "
                          "give the run the loader's batch size")
     return batches, choose_loss(model, inputs, target, options.loss), len(batches)
+
+
+def evaluation_batches(model: nn.Module, example: Any, options: JobOptions) -> Sequence[tuple[Any, Any]]:
+    """The held-out batches ``--eval-every`` evaluates on, one pass in order: ``--eval-data``,
+    the shards ``--eval-fraction`` holds out of ``--data``, or (synthetic training data) two
+    synthetic batches drawn with another seed. Checked against the model before launch."""
+    from flatpack.data import check_against_example, make_batches, parse_source, split_shards
+
+    if options.eval_data is None and not options.eval_fraction:
+        return synthetic_batches(model, example, options.batch, 2, options.seed + 1)[0]
+    if options.eval_data is not None:
+        source = parse_source(options.eval_data, endpoint=options.store_endpoint)
+    else:
+        source = split_shards(parse_source(options.data, endpoint=options.store_endpoint), options.eval_fraction)[1]
+    # a partial last batch is left out: eval batches, like training ones, have one size
+    batches = make_batches(source, model, example, batch=options.batch, shuffle=False, drop_last=True)
+    check_against_example(example, batches[0][0], f"--eval-data {batches.description}")
+    return batches
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
@@ -461,8 +480,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
                 f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
+        held_out = evaluation_batches(model, example, options) if options.eval_every else None
+        spec = options.optimizer_spec()
+        say(f"optimizer: {spec.describe()}")
+        # the cost model counts the state of the optimizer the run names, read from the optimizer
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
-                            optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync)
+                            optimizer="adam" if spec.is_adam_like else "sgd-momentum", sync=options.sync,
+                            optimizer_state_factor=spec.state_factor())
         started = time.perf_counter()
         extra = {"replicas": options.replicas}
         if options.memory_mb:
@@ -512,7 +536,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             directory.save_batches(batches)
         # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
         # no workload to default them from), so `flatpack resume` retrains the same way
-        train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
+        train_options = {"optimizer": spec.to_json(), "schedule": options.schedule,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
                          "non_finite": options.non_finite,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}
@@ -528,8 +552,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                 "(replaces the catalog's assumption in the prediction)\n")
             try:
-                result = deployment.train(batches, iterations=options.iterations, loss=loss, progress=stream,
-                                          **train_options)
+                result, evaluations = train_and_evaluate(deployment, batches, options.iterations, loss, train_options,
+                                                         stream, options.eval_every, held_out, say)
             except FunctionOutOfMemory as err:
                 raise _with_memory_hint(err, compiled.problem.platform) from None
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
@@ -538,6 +562,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
+        if evaluations:
+            say("held-out evaluation (through the inference path): " + "; ".join(
+                f"iter {found.iteration}: loss {found.loss:.4f}"
+                + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in evaluations))
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
         skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
         comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip)
@@ -571,9 +599,42 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                             dropouts=dropouts, example=example_batch)
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
-        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
+        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
     finally:
         torch.set_num_threads(threads)
+
+
+def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],
+                       stream: TextIO, eval_every: int, held_out: Sequence[tuple[Any, Any]] | None,
+                       say: Any) -> tuple[Any, list[Any]]:
+    """Trains ``iterations`` batches; with ``eval_every`` N, as calls of N iterations (each
+    continues from the previous one's checkpoint: weights, optimizer state, the schedule's
+    position, accumulated gradients), after each of which the held-out batches go through the
+    inference path (the deployment serves the latest checkpoint) and the loss (and accuracy)
+    joins the progress line and the report. Returns the calls' results as one and the
+    evaluations."""
+    from flatpack.backends.functions import merge_results
+    from flatpack.data import first_batch_rows
+    from flatpack.evaluation import evaluate
+    from flatpack.runtime.progress import ProgressLine
+
+    if not eval_every:
+        return deployment.train(batches, iterations=iterations, loss=loss, progress=stream, **train_options), []
+    degrees = [stage.replicas for stage in deployment.compiled.plan.stages]
+    line = ProgressLine(iterations, first_batch_rows(batches[0]), deployment.dollars_per_second(degrees), stream)
+    results, evaluations, done = [], [], 0
+    with line:
+        while done < iterations:
+            length = min(eval_every, iterations - done)
+            results.append(deployment.train(lambda index, offset=done: batches[offset + index], iterations=length,
+                                            loss=loss, progress=line, batch_offset=done, **train_options))
+            done += length
+            found = evaluate(deployment.infer, held_out, loss, iteration=done)
+            evaluations.append(found)
+            line.note = found.short()
+            line.close()
+            say(found.describe())
+    return merge_results(results), evaluations
 
 
 def _with_memory_hint(err: FunctionOutOfMemory, platform: Any) -> FunctionOutOfMemory:
@@ -642,6 +703,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     again (``run.json`` is data and never names code to import)."""
     import flatpack
     from flatpack.backends import local
+    from flatpack.backends.functions import merge_results
 
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
@@ -684,6 +746,16 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                 say(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
                     if done is not None else f"resuming run {record.run} from its first iteration")
                 result = deployment.resume(batches, progress=stream)
+                # a run evaluated every N iterations trained as calls of N: the calls it had
+                # not begun follow the resumed one (without the evaluations)
+                last = deployment.calls()[-1]
+                trained = last.batch_offset + last.iterations
+                if trained < record.iterations:
+                    say(f"training the run's last {record.iterations - trained} iterations")
+                    rest = deployment.train(lambda index: batches[trained + index],
+                                            iterations=record.iterations - trained, loss=record.loss,
+                                            progress=stream, batch_offset=trained, **(record.train_options or {}))
+                    result = rest if result is None else merge_results([result, rest])
             parameters = deployment.parameters()
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "

@@ -178,7 +178,7 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
             record["where"] = name
         record["worst"] = max(record["worst"], worst)
         record["ok"] = record["ok"] and ok
-    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {iterations} steps" if adam_bound
+    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {steps} steps" if adam_bound
                     is not None else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|w|")
     checks = [Check("weights", weights["worst"], weight_bound, weights["ok"], weights["where"])]
     gradients = {"worst": 0.0, "where": "", "ok": True, "count": 0}
@@ -210,8 +210,8 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
             gradients["count"] += 1
     if gradients["count"]:
         checks.append(Check("gradients (optimizer state, |Δ|/max|ref| per tensor)", gradients["worst"],
-                            f"{state_rtol:g}" + (" (one step: summation order only)" if iterations == 1 else
-                                                 f" (after {iterations} steps at drifting weights)"),
+                            f"{state_rtol:g}" + (" (one step: summation order only)" if steps <= 1 else
+                                                 f" (after {steps} steps at drifting weights)"),
                             gradients["ok"], gradients["where"]))
     buffer_bound = (f"{state_rtol:g}·max|ref| + {SGD_ATOL:g}; integers exact" if adam_bound is not None
                     else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|b|; integers exact")

@@ -10,6 +10,7 @@ worker's memory tier at the platform's rate) and passes the sum per second.
 from __future__ import annotations
 
 import sys
+import time
 from typing import TextIO
 
 
@@ -25,7 +26,12 @@ class ProgressLine:
     iterations finished so far (1 after the first; pass index + 1 for a 0-based index),
     ``elapsed_s`` the seconds since the run (or this ProgressLine's share of it) began.
     Throughput is (iteration − start_iteration) × samples_per_iteration / elapsed_s, so a
-    resumed run passes the iteration it resumed from as ``start_iteration``."""
+    resumed run passes the iteration it resumed from as ``start_iteration``.
+
+    A line can span several ``train()`` calls (``flatpack run --eval-every``: one call per
+    evaluation): the caller makes it and passes it as ``progress``; each call then counts
+    iterations from the line's ``origin`` (the run iteration it began at, set by the first
+    call) and time from its creation, and ``note`` (the last evaluation) ends every update."""
 
     def __init__(self, total_iterations: int, samples_per_iteration: int, dollars_per_second: float,
                  stream: TextIO | None = None, *, start_iteration: int = 0) -> None:
@@ -38,13 +44,17 @@ class ProgressLine:
         self.dollars = 0.0
         self._width = 0      # length of the line now on screen (TTY), to blank a longer one
         self._open = False   # a TTY line without its newline yet
+        self.origin: int | None = None
+        self.started = time.time()
+        self.note = ""
 
     def format(self, iteration: int, loss: float | None, elapsed_s: float) -> str:
         done = iteration - self.start_iteration
         rate = done * self.samples_per_iteration / elapsed_s if elapsed_s > 0 else 0.0
         loss_text = "-" if loss is None else f"{loss:.4f}"
+        note = f"  {self.note}" if self.note else ""
         return (f"iter {iteration}/{self.total_iterations}  loss {loss_text}  {rate:.1f} samples/s  "
-                f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far")
+                f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far{note}")
 
     def update(self, iteration: int, loss: float | None, elapsed_s: float) -> None:
         text = self.format(iteration, loss, elapsed_s)
