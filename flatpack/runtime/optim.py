@@ -57,13 +57,38 @@ def schedule_classes() -> dict[str, type]:
 OPTIMIZERS = tuple(sorted(optimizer_classes()))
 
 
+def typo_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap two neighbours) between ``a`` and ``b``: ranks
+    the close names, since a typo is few edits (adma is adam, not adamax)."""
+    previous, current = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        earlier, previous, current = previous, current, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a[i - 1] != b[j - 1]))
+            if earlier is not None and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], earlier[j - 2] + 1)
+    return current[len(b)]
+
+
 def _unknown(kind: str, name: str, valid: Sequence[str]) -> InputError:
     typed = str(name).lower()
-    # a typo usually keeps the length: adma is adam rather than adamax
-    close = sorted(difflib.get_close_matches(typed, list(valid), n=3, cutoff=0.5),
-                   key=lambda match: abs(len(match) - len(typed)))
+    close = sorted(difflib.get_close_matches(typed, list(valid), n=5, cutoff=0.5),
+                   key=lambda match: typo_distance(typed, match))
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return InputError(f"{kind} {name!r} is not known{hint}; the {kind}s are: {', '.join(valid)}")
+
+
+def check_option_names(what: str, cls: type, options: dict[str, Any]) -> None:
+    """Refuses an option ``cls`` does not take, naming the close match and the valid ones."""
+    valid = keyword_options(cls, 1)
+    unknown = [key for key in options if key not in valid]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise InputError(f"{what} option {', '.join(hints)} is not known; its options are: {', '.join(valid)}")
 
 
 def keyword_options(cls: type, skip: int) -> list[str]:
@@ -127,6 +152,7 @@ class ScheduleSpec:
             raise InputError(f"--warmup must be a number of steps >= 0, got {self.warmup!r}")
         if not isinstance(self.options, dict):
             raise InputError(f"schedule options must be a dict of keyword options, got {self.options!r}")
+        check_option_names(f"schedule {self.name}", self.cls, self.options)
 
     @staticmethod
     def valid_names() -> list[str]:
@@ -206,6 +232,7 @@ class OptimizerSpec:
             raise InputError(f"optimizer options must be a dict of keyword options, got {self.options!r}")
         if "lr" in self.options:
             raise InputError("give the learning rate as lr, not among the other options")
+        check_option_names(f"optimizer {self.name}", self.cls, self.options)
         if self.clip_grad_norm is not None and (isinstance(self.clip_grad_norm, bool) or not isinstance(
                 self.clip_grad_norm, (int, float)) or not math.isfinite(self.clip_grad_norm)
                 or self.clip_grad_norm <= 0):
@@ -348,18 +375,6 @@ class OptimizerSpec:
         own = {f.name for f in fields(cls)}
         given = {key: value for key, value in data.items() if key in own}
         flat = {key: value for key, value in data.items() if key not in own}
-        name = str(given.get("name", "sgd")).lower()
-        if name not in optimizer_classes():
-            raise _unknown("optimizer", name, OPTIMIZERS)
-        valid = keyword_options(optimizer_classes()[name], 1)
-        unknown = [key for key in {**flat, **(given.get("options") or {})} if key not in valid]
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise InputError(f"optimizer {name} option {', '.join(hints)} is not known; its options are: "
-                             f"{', '.join(valid)}")
         if "lr" in given and (isinstance(given["lr"], bool) or not isinstance(given["lr"], (int, float))):
             raise InputError(f"optimizer option 'lr' must be a number, got {given['lr']!r}")
         schedule = given.pop("schedule", None)
