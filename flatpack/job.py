@@ -429,10 +429,12 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
     return batches, choose_loss(model, inputs, target, options.loss), len(batches)
 
 
-def evaluation_batches(model: nn.Module, example: Any, options: JobOptions) -> Sequence[tuple[Any, Any]]:
+def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss: str) -> Sequence[tuple[Any, Any]]:
     """The held-out batches ``--eval-every`` evaluates on, one pass in order: ``--eval-data``,
     the shards ``--eval-fraction`` holds out of ``--data``, or (synthetic training data) two
-    synthetic batches drawn with another seed. Checked against the model before launch."""
+    synthetic batches drawn with another seed. Checked against the model and the training
+    ``loss`` before launch (held-out data without the labels a model's own loss needs would
+    otherwise be scored on its logits)."""
     from flatpack.data import check_against_example, make_batches, parse_source, split_shards
 
     if options.eval_data is None and not options.eval_fraction:
@@ -443,7 +445,12 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions) -> S
         source = split_shards(parse_source(options.data, endpoint=options.store_endpoint), options.eval_fraction)[1]
     # a partial last batch is left out: eval batches, like training ones, have one size
     batches = make_batches(source, model, example, batch=options.batch, shuffle=False, drop_last=True)
-    check_against_example(example, batches[0][0], f"--eval-data {batches.description}")
+    inputs, target = batches[0]
+    check_against_example(example, inputs, f"--eval-data {batches.description}")
+    scored = choose_loss(model, inputs, target, options.loss)
+    if scored != loss:
+        raise InputError(f"the held-out data ({batches.description}) would be scored with {scored} but the run trains "
+                         f"with {loss}; give it the same tensors as --data (targets or labels alike)")
     return batches
 
 
@@ -480,7 +487,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
                 f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
-        held_out = evaluation_batches(model, example, options) if options.eval_every else None
+        held_out = evaluation_batches(model, example, options, loss) if options.eval_every else None
         spec = options.optimizer_spec()
         say(f"optimizer: {spec.describe()}")
         # the cost model counts the state of the optimizer the run names, read from the optimizer

@@ -249,3 +249,43 @@ def test_bad_knobs_exit_2_before_the_model_is_built(args, words, capsys, monkeyp
     code = cli.main(["run", "mlp", "--out", str(tmp_path / "out"), *args])
     error = capsys.readouterr().err
     assert code == 2 and words in error, error
+
+
+# -- held-out data ---------------------------------------------------------------------------------
+
+def shard_directory(root, count: int, target=lambda g: torch.randint(0, 10, (8,), generator=g)):
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    generator = torch.Generator().manual_seed(5)
+    for index in range(count):
+        save_file({"x": torch.randn(8, 64, generator=generator), "target": target(generator)},
+                  str(root / f"part-{index}.safetensors"))
+    return root
+
+
+def test_eval_fraction_holds_out_whole_shards_and_the_record_keeps_the_split(tmp_path):
+    from flatpack.data import ShardDirectory, source_from_json, split_shards
+
+    source = ShardDirectory(shard_directory(tmp_path / "shards", 4))
+    training, held = split_shards(source, 0.25)
+    assert training.names() == ["part-0.safetensors", "part-1.safetensors", "part-2.safetensors"]
+    assert held.names() == ["part-3.safetensors"] and "held out: 1 of its shards" in held.describe()
+    again = source_from_json(training.to_json())
+    assert again.names() == training.names() and again.describe() == training.describe()
+    with pytest.raises(InputError, match="leaving none to train on"):
+        split_shards(ShardDirectory(shard_directory(tmp_path / "one", 1)), 0.5)
+
+
+def test_held_out_data_scored_with_another_loss_is_refused_before_launch(tmp_path):
+    from flatpack.examples import mlp
+    from flatpack.job import evaluation_batches
+
+    model, example = mlp()
+    held = shard_directory(tmp_path / "held", 1, target=lambda g: torch.randn(8, 10, generator=g))
+    options = JobOptions(batch=8, eval_every=2, eval_data=str(held))
+    with pytest.raises(InputError, match="would be scored with mse but the run trains with cross_entropy"):
+        evaluation_batches(model, example, options, "cross_entropy")
+    good = shard_directory(tmp_path / "good", 2)
+    assert len(evaluation_batches(model, example, dataclasses.replace(options, eval_data=str(good)),
+                                  "cross_entropy")) == 2
