@@ -55,6 +55,8 @@ def schedule_classes() -> dict[str, type]:
 
 
 OPTIMIZERS = tuple(sorted(optimizer_classes()))
+# the fields of OptimizerSpec when it was sgd or adam only (run records written then)
+LEGACY_FIELDS = {"name", "lr", "momentum", "weight_decay", "betas", "eps"}
 
 
 def typo_distance(a: str, b: str) -> int:
@@ -372,6 +374,12 @@ class OptimizerSpec:
         InputError naming it and the valid ones."""
         if not isinstance(data, dict):
             raise InputError(f"an optimizer spec is a dict, got {type(data).__name__}")
+        if set(data) == LEGACY_FIELDS:
+            # a record written before optimizers were named freely: every field of the old
+            # sgd-or-adam spec, of which each optimizer took its own
+            name = str(data["name"]).lower()
+            taken = ("momentum", "weight_decay") if name == "sgd" else ("betas", "eps", "weight_decay")
+            data = {"name": name, "lr": data["lr"], **{key: data[key] for key in taken}}
         own = {f.name for f in fields(cls)}
         given = {key: value for key, value in data.items() if key in own}
         flat = {key: value for key, value in data.items() if key not in own}

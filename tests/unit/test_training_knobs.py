@@ -289,3 +289,11 @@ def test_held_out_data_scored_with_another_loss_is_refused_before_launch(tmp_pat
     good = shard_directory(tmp_path / "good", 2)
     assert len(evaluation_batches(model, example, dataclasses.replace(options, eval_data=str(good)),
                                   "cross_entropy")) == 2
+
+
+def test_a_record_of_the_old_sgd_or_adam_spec_still_loads():
+    old = {"name": "adam", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+    assert OptimizerSpec.from_json(old) == OptimizerSpec("adam", 0.01, {"betas": [0.9, 0.999], "eps": 1e-8,
+                                                                         "weight_decay": 0.0})
+    sgd = OptimizerSpec.from_json({**old, "name": "sgd"})
+    assert sgd.options == {"momentum": 0.9, "weight_decay": 0.0}
