@@ -116,12 +116,6 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     if batch < micro_batches:
         raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "
                          "larger batch or fewer micro-batches")
-    knobs = OptimizerSpec.of(optimizer)
-    if knobs.schedule is not None or knobs.clip_grad_norm is not None or knobs.accumulate > 1:
-        # the ranks (runtime.distributed) step a plain optimizer; refused rather than ignored
-        raise InputError("GPU containers do not apply a learning-rate schedule, gradient clipping or gradient "
-                         "accumulation yet; train on functions (local, aws-lambda, alibaba-fc) for them, or leave "
-                         "schedule, clip_grad_norm and accumulate out of the optimizer spec")
     manifests = [artifact.manifest for artifact in compiled.artifacts]
     # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
     stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],

@@ -274,3 +274,24 @@ def test_a_tied_weight_on_two_stages_counts_once_in_the_global_norm(s3_server):
 
     assert_same_parameters(dataclasses.replace(result, parameters=with_aliases(compiled, result.parameters)),
                            reference)
+
+
+def test_gpu_container_ranks_apply_the_knobs_as_single_process():
+    """The gpu-container runtime (gloo ranks on 127.0.0.1, 3 stages x (2, 1, 2) replicas, a
+    weight tied between the first two stages): AdamW with the no-decay group, a cosine
+    schedule after a warm-up, clipping through one float64 all-reduce, and accumulation with
+    the replicas reducing once per step."""
+    from flatpack.backends import gpu_container
+    from tests.integration.test_gpu_container import assert_matches_reference, batches as skip_batches
+    from tests.integration.test_gpu_container import compiled_with as gpu_compiled
+    from tests.integration.test_gpu_container import make_model as skip_model
+
+    data = skip_batches(4)
+    spec = dataclasses.replace(KNOBS, schedule=ScheduleSpec("cosine", {"T_max": 1}, warmup=1))
+    reference, losses = train_single_process(skip_model(), data, 4, optimizer=spec, micro_batches=4)
+    unclipped, _ = train_single_process(skip_model(), data, 4, optimizer=dataclasses.replace(spec, clip_grad_norm=None),
+                                        micro_batches=4)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(reference.parameters(), unclipped.parameters()))
+    with gpu_container.deploy(gpu_compiled((2, 1, 2), micro_batches=4), backend="gloo") as deployment:
+        result = deployment.train(data, iterations=4, optimizer=spec)
+    assert_matches_reference(result, reference, losses)
