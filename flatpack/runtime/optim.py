@@ -111,7 +111,7 @@ def parse_options(text: str, what: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     depth, start, pieces = 0, 0, []
     for index, char in enumerate(text):
-        depth += char in "([" 
+        depth += char in "(["
         depth -= char in ")]"
         if char == "," and depth == 0:
             pieces.append(text[start:index])
