@@ -186,6 +186,13 @@ class JobOptions:
         the warm-up. An unknown name or option is an InputError listing the valid ones."""
         iterations = iterations or self.iterations or 1
         if isinstance(self.optimizer, OptimizerSpec):
+            knobs = ("optimizer_args", "schedule_lr", "schedule_args", "warmup", "no_decay_bias_norm", "clip_grad_norm",
+                     "accumulate")
+            defaults = JobOptions()
+            given = [name for name in knobs if getattr(self, name) != getattr(defaults, name)]
+            if given:
+                raise InputError(f"optimizer is an OptimizerSpec, which holds {', '.join(given)} itself; set them "
+                                 "in the spec, not beside it")
             return self.optimizer
         if self.schedule_args and not self.schedule_lr:
             raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")

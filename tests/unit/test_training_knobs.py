@@ -224,6 +224,10 @@ def test_job_options_make_the_spec_with_the_schedule_running_to_the_end():
     assert spec == OptimizerSpec("adamw", 3e-4, {"weight_decay": 0.01}, True,
                                  ScheduleSpec("cosine", {"T_max": 8}, 2), 1.0, 2)
     assert JobOptions(warmup=3, iterations=10).optimizer_spec().schedule.name == "constant"
+    whole = OptimizerSpec("adamw", clip_grad_norm=1.0)
+    assert JobOptions(optimizer=whole).optimizer_spec() is whole
+    with pytest.raises(InputError, match="holds warmup, clip_grad_norm itself"):
+        JobOptions(optimizer=whole, warmup=2, clip_grad_norm=0.5).optimizer_spec()
 
 
 @pytest.mark.parametrize("args, words", [
