@@ -193,12 +193,26 @@ class StageTrainer:
         tensors.update({f"a/{name}": grad for name, grad in self.accumulated.items()})
         return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
                                     "scalars": scalars, "steps": self.steps,
-                                    "accumulated": self.accumulated_count})
+                                    "accumulated": self.accumulated_count,
+                                    "optimizer_class": type(self.optimizer).__name__})
 
     def load_state(self, data: bytes) -> int:
-        """Installs a checkpoint; returns the iteration it was taken after."""
+        """Installs a checkpoint; returns the iteration it was taken after. The optimizer
+        state (moments, momentum) carries over when the checkpoint's optimizer is this one's
+        kind with as many parameter groups, and the hyperparameters are always this call's
+        spec's (a later ``train()`` call may change the learning rate); a checkpoint of
+        another optimizer gives only its weights, the state starting afresh."""
         tensors, meta = wire.loads(data)
         install_weights(self.state_tensors, tensors)
+        self.steps = int(meta.get("steps", 0))
+        self.accumulated = {key[2:]: value for key, value in tensors.items() if key.startswith("a/")}
+        self.accumulated_count = int(meta.get("accumulated", 0))
+        if (meta.get("optimizer_class", type(self.optimizer).__name__) != type(self.optimizer).__name__
+                or len(meta["param_groups"]) != len(self.optimizer.param_groups)):
+            self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
+            return int(meta["iteration"])
+        settings = [{key: value for key, value in group.items() if key != "params"}
+                    for group in self.optimizer.param_groups]
         packed = packed_positions(self.optimizer, list(self.trainable.values()))
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
@@ -208,10 +222,10 @@ class StageTrainer:
         for position, entries in meta["scalars"].items():
             state.setdefault(packed[int(position)], {}).update(entries)
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.steps = int(meta.get("steps", 0))
+        for group, setting in zip(self.optimizer.param_groups, settings):
+            group.pop("initial_lr", None)
+            group.update(setting)
         self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
-        self.accumulated = {key[2:]: value for key, value in tensors.items() if key.startswith("a/")}
-        self.accumulated_count = int(meta.get("accumulated", 0))
         return int(meta["iteration"])
 
     # transfers ------------------------------------------------------------------------------
