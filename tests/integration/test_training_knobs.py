@@ -295,3 +295,18 @@ def test_gpu_container_ranks_apply_the_knobs_as_single_process():
     with gpu_container.deploy(gpu_compiled((2, 1, 2), micro_batches=4), backend="gloo") as deployment:
         result = deployment.train(data, iterations=4, optimizer=spec)
     assert_matches_reference(result, reference, losses)
+
+
+def test_a_call_with_another_optimizer_continues_the_weights_with_a_fresh_state(s3_server):
+    """A second call may change the optimizer: AdamW's checkpoint (two parameter groups)
+    gives SGD its weights, not its state; and its lr is the call's own."""
+    model, data = conv_case()
+    compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=2)
+    first = OptimizerSpec("adamw", lr=0.02, no_decay_bias_norm=True, options={"weight_decay": 0.1})
+    second = OptimizerSpec("sgd", lr=0.05)
+    after_first, _ = train_single_process(model, data[:2], 2, optimizer=first, micro_batches=2)
+    reference, _ = train_single_process(after_first, data[2:4], 2, optimizer=second, micro_batches=2)
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        deployment.train(data[:2], iterations=2, optimizer=first)
+        result = deployment.train(data[2:4], iterations=2, optimizer=second)
+    assert_same_parameters(result, reference)
