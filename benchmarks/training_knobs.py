@@ -1,190 +1,97 @@
-"""Mixed precision and recomputation, measured (issue 22, items 3 and 4).
+"""What the training knobs cost on the local backend (issue 22, items 1, 2, 5): the same
+2-stage pipeline of zoo-free example models trained with Adam, then AdamW with the no-decay
+group and a cosine schedule after a warm-up, then with global-norm clipping (one 8-byte store
+object per stage and iteration, every stage waiting for every other's), then with
+accumulation over 2 iterations; and a run evaluated every N iterations (calls of N, the
+held-out batches through the inference path) against the same run without.
 
-Model: a small transformer encoder (an input projection, L ``nn.TransformerEncoderLayer``
-blocks of width D with dropout, a classifier), cut by flatpack's dp solver or into two
-balanced stages, trained on the local backend (one process per stage, the local S3 server
-in between; 2 shared cores, so times are noisy: medians of the iterations after the first).
+    python benchmarks/training_knobs.py                 # mlp and tiny-resnet, 12 iterations (~4 min)
+    python benchmarks/training_knobs.py --iterations 6 --models mlp
 
-1. bf16 against fp32, the same plan and batches: the bytes the stages move through the store
-   per iteration (activations forward, their gradients back; measured from the upload
-   events, and as the cost model predicts them), the median iteration time, the loss after
-   the same samples; then what dp plans for each on AWS Lambda from the same profile.
-2. Recomputation against keeping the activations: the largest micro-batch (samples) for which
-   dp finds a plan on the smallest tier alone (512 MB, of which the runtime's 256 MB), by the
-   cost model; then, at ``--measure-at`` samples per micro-batch, dp's plan trained with its
-   stages recomputing and keeping their activations: each stage's predicted memory need
-   against its function's measured peak (VmHWM, what Lambda reports as Max Memory Used).
-
-    PYTHONPATH=. python benchmarks/training_knobs.py [--width 128] [--layers 4] [--seq 64]
+Per configuration: the median iteration time over the iterations after the first two (an
+iteration's end is its last task's end in the timeline; the first pays the cold start), and
+for the evaluation rows the wall time of the whole train (and evaluate) sequence. One repeat
+per configuration, configurations in sequence on one machine: read ratios, not absolutes.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
-from collections import defaultdict
+import time
 
 import torch
-from torch import nn
 
 import flatpack
 from flatpack.backends import local
-from flatpack.errors import PlanError
-from flatpack.ir.profiler import ProfileOptions
-from flatpack.partitioner.cost import funcpipe
-from flatpack.partitioner.objective import Weights
-from flatpack.partitioner.solvers import get_solver
-from flatpack.partitioner.solvers.base import Goal
-from flatpack.partitioner.workload import Workload
-from flatpack.runtime.s3server import LocalS3Server
-
-MIB = 2 ** 20
-SMALLEST_TIER = 512
+from flatpack.evaluation import evaluate
+from flatpack.examples import EXAMPLES
+from flatpack.job import synthetic_batches, without_dropout
+from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
 
 
-class Encoder(nn.Module):
-    def __init__(self, width: int, layers: int, features: int = 32, classes: int = 10) -> None:
-        super().__init__()
-        self.embed = nn.Linear(features, width)
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.1, batch_first=True)
-                                    for _ in range(layers))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h.mean(dim=1))
+def configurations(iterations: int) -> dict[str, OptimizerSpec]:
+    adamw = OptimizerSpec("adamw", 1e-3, {"weight_decay": 0.01}, no_decay_bias_norm=True,
+                          schedule=ScheduleSpec("cosine", warmup=2).with_length(iterations))
+    return {"adam": OptimizerSpec("adam", 1e-3),
+            "adamw + no-decay + cosine warm-up": adamw,
+            "  + clip-grad-norm 1.0": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0}),
+            "  + clip + accumulate 2": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0, "accumulate": 2,
+                                                        "schedule": adamw.schedule.with_length(iterations // 2)})}
 
 
-def batches(count: int, batch: int, seq: int) -> list:
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, seq, 32, generator=generator), torch.randint(0, 10, (batch,), generator=generator))
-            for _ in range(count)]
-
-
-def per_iteration(result: local.TrainResult) -> tuple[float, float]:
-    """Median seconds and bytes moved between stages per iteration, after the first."""
-    spans: dict[int, list[float]] = defaultdict(list)
-    moved: dict[int, int] = defaultdict(int)
-    for event in result.events:
-        if event.kind == "load":
-            continue
-        spans[event.iteration] += [event.start, event.end]
-        if event.kind == "upload" and event.micro_batch is not None:
-            moved[event.iteration] += event.nbytes
-    later = sorted(spans)[1:] or sorted(spans)
-    return (statistics.median(max(spans[i]) - min(spans[i]) for i in later),
-            statistics.median(moved[i] for i in later))
-
-
-def train(server, compiled, data, **options) -> local.TrainResult:
-    with local.deploy(compiled, store_url=server.url(""), env=server.env()) as deployment:
-        return deployment.train(data, iterations=len(data), optimizer={"name": "adam", "lr": 1e-3}, **options)
-
-
-def plan_at(problem, size: int, micro_batches: int, recompute: str):
-    """dp's cheapest plan on the smallest tier alone at ``size`` samples per micro-batch, or None."""
-    workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
-                        recompute=recompute)
-    candidate = dataclasses.replace(problem, workload=workload,
-                                    options={**problem.options, "memory_mb": (SMALLEST_TIER,), "replicas": (1,)})
-    try:
-        return candidate, get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
-    except PlanError:
-        return candidate, None
-
-
-def largest_micro_batch(problem, micro_batches: int, recompute: str, limit: int = 1 << 14) -> tuple[int, object]:
-    """The most samples per micro-batch for which dp finds a plan on the smallest tier
-    (doubling, then bisection: a stage's memory need grows with the micro-batch)."""
-    low, high = 0, 1
-    while high <= limit and plan_at(problem, high, micro_batches, recompute)[1] is not None:
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        fits = plan_at(problem, middle, micro_batches, recompute)[1] is not None
-        low, high = (middle, high) if fits else (low, middle)
-    return low, plan_at(problem, low, micro_batches, recompute)[1] if low else None
+def median_iteration_s(events: list, skip: int = 2) -> float:
+    ends: dict[int, float] = {}
+    for event in events:
+        if event.kind != "load":
+            ends[event.iteration] = max(ends.get(event.iteration, 0.0), event.end)
+    ordered = [ends[i] for i in sorted(ends)]
+    gaps = [b - a for a, b in zip(ordered, ordered[1:])][max(0, skip - 1):]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=6)
-    parser.add_argument("--measure-at", type=int, default=64, help="samples per micro-batch of the measured runs")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mlp", "tiny-resnet"], choices=sorted(EXAMPLES))
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--eval-every", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Encoder(args.width, args.layers)
-    data = batches(args.iterations, args.batch, args.seq)
-    micro = args.batch // args.micro_batches
-    profile = ProfileOptions(batch_sizes=(max(1, micro // 2), micro), repeats=3)
-    workload = Workload("train", batch=args.batch, micro_batches=args.micro_batches, optimizer="adam")
-    base = flatpack.compile(model, (data[0][0],), stages=2, profile=profile, workload=workload)
-    plan = dataclasses.replace(base.plan, micro_batches=args.micro_batches)
-    print(f"model: {args.layers} encoder layers, width {args.width}, sequence {args.seq}; batch {args.batch} in "
-          f"{args.micro_batches} micro-batches; 2 stages, layers {plan.ranges}; {args.iterations} iterations, Adam")
-    server = LocalS3Server()
-    server.start()
-    try:
-        print("\n1. bf16 vs fp32 (same plan, same batches)")
-        print(f"{'precision':>9}  {'moved/iter (measured)':>22}  {'predicted':>10}  {'iteration ms':>12}  "
-              f"{'loss after':>10}")
-        compiled = flatpack.compile(model, (data[0][0],), plan=plan)
-        for precision in ("fp32", "bf16"):
-            result = train(server, compiled, data, precision=precision)
-            seconds, moved = per_iteration(result)
-            problem = dataclasses.replace(base.problem, workload=dataclasses.replace(workload, precision=precision))
-            predicted = 2 * args.micro_batches * sum(problem.boundary_bytes(cut, micro) for cut in plan.cuts)
-            print(f"{precision:>9}  {moved / MIB:>18.2f} MiB  {predicted / MIB:>6.2f} MiB  {seconds * 1000:>12.0f}  "
-                  f"{result.losses[-1]:>10.4f}")
-        lambda_model = flatpack.compile(model, (data[0][0],), target="aws-lambda", solver="dp", profile=profile,
-                                        workload=workload, replicas=(1,))
-        print("   dp on aws-lambda from the same profile (fastest plan, one replica):")
-        for precision in ("fp32", "bf16"):
-            problem = dataclasses.replace(lambda_model.problem,
-                                          workload=dataclasses.replace(workload, precision=precision))
-            chosen = get_solver("dp").solve(problem, Goal(Weights(0, 1)))
-            cost = funcpipe.iteration(problem, chosen)
-            print(f"   {precision}: {len(chosen.stages)} stages {chosen.ranges} on {list(chosen.memory_mb)} MB: "
-                  f"predicted {cost.iteration_s * 1000:.0f} ms, ${cost.dollars_per_iteration:.3g} per iteration")
-
-        print(f"\n2. recomputation: the largest micro-batch dp fits on the {SMALLEST_TIER} MB tier alone "
-              f"(M = {args.micro_batches}, cost model)")
-        largest = {}
-        for recompute in ("never", "auto"):
-            size, chosen = largest_micro_batch(base.problem, args.micro_batches, recompute)
-            largest[recompute] = (size, chosen)
-            stages = ([f"{s.start}..{s.end}{' R' if s.recompute else ''}" for s in chosen.stages] if chosen else [])
-            print(f"   recompute {recompute:>5}: {size:>3} samples per micro-batch; plan {stages}")
-        size = args.measure_at
-        problem, chosen = plan_at(base.problem, size, args.micro_batches, "auto")
-        if chosen is None or not any(stage.recompute for stage in chosen.stages):
-            return
-        print(f"   measured at {size} samples per micro-batch on dp's plan for recompute auto, with its stages "
-              "recomputing and keeping their activations (tiers not enforced): the cost model's need of each "
-              "stage's function against its peak memory (VmHWM)")
-        sized = batches(2, size * args.micro_batches, args.seq)
-        for recompute in (True, False):
-            stages = tuple(dataclasses.replace(stage, recompute=recompute and stage.recompute)
-                           for stage in chosen.stages)
-            plan = dataclasses.replace(chosen, stages=stages)
-            cost = funcpipe.iteration(problem, plan)
-            unenforced = dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, memory_mb=None)
-                                                                for stage in stages))
-            result = train(server, flatpack.compile(model, (sized[0][0],), plan=unenforced), sized)
-            pairs = ", ".join(f"{cost.stages[index].memory_needed_bytes / MIB:.0f}/"
-                              f"{result.peak_bytes[f's{index}r0'] / MIB:.0f}" for index in range(len(stages)))
-            print(f"   {'recompute' if recompute else 'keep     '}: predicted/measured MiB per stage {pairs}; "
-                  f"iteration {per_iteration(result)[0] * 1000:.0f} ms")
-    finally:
-        server.stop()
+    print("model | configuration | median iteration ms | vs adam")
+    print("--- | --- | --- | ---")
+    walls = []
+    for name in args.models:
+        model, example = EXAMPLES[name]()
+        without_dropout(model)
+        inputs = example if isinstance(example, tuple) else (example,)
+        batches, loss = synthetic_batches(model, inputs, 16, args.iterations, seed=0)
+        held_out, _ = synthetic_batches(model, inputs, 16, 2, seed=1)
+        compiled = flatpack.compile(model.train(), batches[0][0], stages=2)
+        baseline = None
+        with local.deploy(compiled) as deployment:
+            # adam again last: how far the machine drifted over the rows
+            for label, spec in [*configurations(args.iterations).items(),
+                                ("adam (again)", configurations(args.iterations)["adam"])]:
+                result = deployment.train(batches, iterations=args.iterations, optimizer=spec, loss=loss,
+                                          micro_batches=4)
+                seconds = median_iteration_s(result.events)
+                baseline = baseline or seconds
+                print(f"{name} | {label} | {seconds * 1000:.1f} | {seconds / baseline:.2f}")
+            spec = configurations(args.iterations)["  + clip-grad-norm 1.0"]
+            started = time.perf_counter()
+            deployment.train(batches, iterations=args.iterations, optimizer=spec, loss=loss, micro_batches=4)
+            plain = time.perf_counter() - started
+            started = time.perf_counter()
+            for offset in range(0, args.iterations, args.eval_every):
+                deployment.train(lambda index, at=offset: batches[at + index], iterations=args.eval_every,
+                                 optimizer=spec, loss=loss, micro_batches=4, batch_offset=offset)
+                evaluate(deployment.infer, held_out, loss, iteration=offset + args.eval_every)
+            evaluated = time.perf_counter() - started
+            walls.append((name, plain, evaluated))
+    print(f"\nmodel | {args.iterations} iterations, s | evaluated every {args.eval_every}, s | ratio")
+    print("--- | --- | --- | ---")
+    for name, plain, evaluated in walls:
+        print(f"{name} | {plain:.1f} | {evaluated:.1f} | {evaluated / plain:.2f}")
 
 
 if __name__ == "__main__":

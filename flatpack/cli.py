@@ -506,7 +506,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     iterations = args.iterations if args.iterations is not None or args.data else 4
     options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=iterations,
-                         optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, sync=args.sync,
+                         **_training_knobs(args), schedule=args.schedule, sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
                          verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
@@ -531,6 +531,18 @@ def _text_stream(args: argparse.Namespace) -> Any:
     """Where a verb that reports as it goes (run, resume, demo) prints its text report: stdout,
     or stderr under --json, whose document is then stdout's only content."""
     return sys.stderr if args.json else sys.stdout
+
+
+def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The JobOptions of the run parser's training-knob block."""
+    from flatpack.runtime.optim import parse_options
+
+    return {"optimizer": args.optimizer, "lr": args.lr,
+            "optimizer_args": parse_options(args.optimizer_args, "--optimizer-args"),
+            "no_decay_bias_norm": args.no_decay_bias_norm, "schedule_lr": args.schedule_lr,
+            "schedule_args": parse_options(args.schedule_args, "--schedule-args"), "warmup": args.warmup,
+            "clip_grad_norm": args.clip_grad_norm, "accumulate": args.accumulate, "eval_every": args.eval_every,
+            "eval_data": args.eval_data, "eval_fraction": args.eval_fraction}
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -911,8 +923,39 @@ def build_parser() -> argparse.ArgumentParser:
                             help="also write the trained weights here, by the original model's state_dict names "
                                  "(tied weights once); load with model.load_state_dict(flatpack.load_state_dict("
                                  "PATH)). e.g. --save trained.safetensors")
-    run_parser.add_argument("--optimizer", default="adam", help="adam (default) or sgd (with momentum 0.9)")
-    run_parser.add_argument("--lr", type=float, default=0.01)
+    # -- the training knobs (issue 22): optimizer, schedule, clipping, accumulation, evaluation --
+    run_parser.add_argument("--optimizer", default="adam",
+                            help="any torch.optim optimizer by name: adam (default), adamw, sgd (momentum 0.9 unless "
+                                 "--optimizer-args says otherwise), rmsprop, ...")
+    run_parser.add_argument("--optimizer-args", default="", metavar="K=V[,K=V...]",
+                            help="the optimizer's keyword options as Python literals, e.g. "
+                                 "lr=3e-4,weight_decay=0.01,betas=(0.9,0.95)")
+    run_parser.add_argument("--lr", type=float, default=0.01, help="the learning rate (or lr= in --optimizer-args)")
+    run_parser.add_argument("--no-decay-bias-norm", action="store_true",
+                            help="no weight decay for biases and normalization weights (parameters of fewer than 2 "
+                                 "dimensions): a second parameter group with weight_decay=0")
+    run_parser.add_argument("--schedule-lr", default=None, metavar="NAME",
+                            help="a learning-rate schedule stepped once per optimizer step: cosine, linear, step, "
+                                 "exponential, polynomial, onecycle, or a torch.optim.lr_scheduler class; cosine and "
+                                 "linear run to the end of the run unless --schedule-args says otherwise")
+    run_parser.add_argument("--schedule-args", default="", metavar="K=V[,K=V...]",
+                            help="the schedule's keyword options, e.g. step_size=10,gamma=0.5")
+    run_parser.add_argument("--warmup", type=int, default=0, metavar="STEPS",
+                            help="linear warm-up from lr/(STEPS+1) over STEPS optimizer steps before the schedule")
+    run_parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                            help="scale the gradients so that their global norm over every stage is at most MAX, as "
+                                 "torch.nn.utils.clip_grad_norm_ on the whole model")
+    run_parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                            help="step the optimizer every K iterations on their summed gradients: a K times larger "
+                                 "effective batch in the memory of one")
+    run_parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                            help="every N iterations, the loss (and for classification the accuracy) on held-out "
+                                 "data through the inference path, in the progress line and the report")
+    run_parser.add_argument("--eval-data", default=None, metavar="SOURCE",
+                            help="the held-out data for --eval-every, a source as --data takes (without --data: two "
+                                 "synthetic batches of another seed)")
+    run_parser.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                            help="hold out the last F of --data's shards (whole shards) for --eval-every")
     run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],
                             help="FuncPipe's synchronous schedule or PipeDream's 1F1B with a flush")
     run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,

@@ -237,6 +237,50 @@ class ShardDirectory(ShardSource):
         return {"kind": self.kind, "path": str(self.path.resolve())}
 
 
+class ShardSubset(ShardSource):
+    """Some of a shard source's shards: the training or the held-out side of
+    ``--eval-fraction`` (:func:`split_shards`). Whole shards are held out, so that no sample
+    is on both sides whatever the shuffling."""
+
+    def __init__(self, inner: ShardSource, names: Sequence[str], side: str) -> None:
+        super().__init__()
+        self.inner, self._names, self.side = inner, list(names), side
+        self.kind = inner.kind
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        return self.inner.read(name)
+
+    def columns(self, name: str) -> tuple[int, Schema]:
+        return self.inner.columns(name)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} ({self.side}: {len(self._names)} of its shards)"
+
+    def to_json(self) -> dict[str, Any] | None:
+        inner = self.inner.to_json()
+        return None if inner is None else {**inner, "shards": self._names, "side": self.side}
+
+
+def split_shards(source: DataSource, fraction: float) -> tuple[ShardSubset, ShardSubset]:
+    """``source``'s shards as (training, held-out): the last ``fraction`` of them in name
+    order (at least one) are held out. Only shard sources split this way: a sample-level
+    split of a Dataset would need to be recorded and replayed; name its held-out data with
+    ``--eval-data`` instead."""
+    if not isinstance(source, ShardSource):
+        raise InputError(f"--eval-fraction holds out whole shards of a shard directory or s3:// prefix; "
+                         f"{source.describe()} has none. Give the held-out data as --eval-data SOURCE")
+    names = source.names()
+    held = max(1, round(fraction * len(names)))
+    if held >= len(names):
+        raise InputError(f"--eval-fraction {fraction} of {source.describe()} would hold out {held} of its "
+                         f"{len(names)} shards, leaving none to train on; split the data into more shards, use a "
+                         "smaller fraction, or give --eval-data SOURCE")
+    return (ShardSubset(source, names[:-held], "training"), ShardSubset(source, names[-held:], "held out"))
+
+
 class S3Shards(ShardSource):
     """Shards under ``s3://bucket/prefix``: ``endpoint`` for an S3-compatible server (None:
     AWS), credentials from the standard AWS chain (``AWS_ACCESS_KEY_ID``,
@@ -370,6 +414,12 @@ def source_from_json(data: dict[str, Any], *, factory: str | None = None) -> Dat
     data that never names code to import (docs/security.md): the caller names the factory
     again (``factory``, from the command line), and it must be the one recorded."""
     kind = data.get("kind")
+    if "shards" in data:
+        inner = source_from_json({key: value for key, value in data.items() if key not in ("shards", "side")},
+                                 factory=factory)
+        if not isinstance(inner, ShardSource):
+            raise InputError(f"a record lists shards of a source that has none: {data!r}")
+        return ShardSubset(inner, data["shards"], data.get("side", "training"))
     if kind == "directory":
         return ShardDirectory(data["path"])
     if kind == "s3":

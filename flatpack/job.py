@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import io
 import math
 import time
 import uuid
@@ -23,7 +24,7 @@ from flatpack import logs
 from flatpack.errors import FlatpackError, InputError
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
-from flatpack.runtime.optim import OPTIMIZERS
+from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
 from flatpack.runtime.reference import call, first_output
 from flatpack.verdict import pipeline_optimizer_state, verdict
 
@@ -40,8 +41,25 @@ class JobOptions:
     batch: int = 32
     micro_batches: int = 4
     iterations: int | None = 4     # None with --data: --epochs full passes over the data
-    optimizer: str = "adam"
+    # any torch.optim optimizer by name (adam, adamw, sgd: momentum 0.9 unless optimizer_args
+    # says otherwise, ...) with its keyword options, or a whole OptimizerSpec (then the knobs
+    # below it stand for are taken from it)
+    optimizer: str | OptimizerSpec = "adam"
     lr: float = 0.01
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
+    # a learning-rate schedule by name (cosine, linear, step, ... or a torch.optim.lr_scheduler
+    # class) with its options, after ``warmup`` steps of linear warm-up; None: a constant rate
+    schedule_lr: str | None = None
+    schedule_args: dict[str, Any] = field(default_factory=dict)
+    warmup: int = 0
+    no_decay_bias_norm: bool = False       # weight_decay 0 for biases and norm weights (< 2 dims)
+    clip_grad_norm: float | None = None    # the global gradient norm over every stage, at most this
+    accumulate: int = 1                    # optimizer steps every K iterations: a K x larger batch
+    # every N iterations (0: never) the loss (and for classification the accuracy) on held-out
+    # data, through the inference path: eval_data (a --data SOURCE) or eval_fraction of --data
+    eval_every: int = 0
+    eval_data: Any = None
+    eval_fraction: float = 0.0
     schedule: str = "sync"
     sync: str = "pipelined"
     solver: str = "dp"
@@ -121,12 +139,31 @@ class JobOptions:
              f"--loss must be auto or one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
         need(self.save is None or Path(self.save).suffix == ".safetensors",
              f"--save {self.save}: the weights are written as safetensors; name the file *.safetensors")
-        if self.optimizer not in OPTIMIZERS:
-            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS, n=1, cutoff=0.4)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise InputError(f"unknown optimizer {self.optimizer!r}; {hint}choose one of {', '.join(OPTIMIZERS)}")
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
              f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
+        spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
+        need(self.iterations is None or self.iterations % spec.accumulate == 0,
+             f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
+             f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
+             f"{(self.iterations or 0) // spec.accumulate * spec.accumulate or spec.accumulate} or another "
+             "--accumulate")
+        need(spec.schedule is None or self.iterations is None
+             or spec.schedule.warmup < (self.iterations // spec.accumulate),
+             f"--warmup {spec.schedule.warmup if spec.schedule else 0} is not shorter than the run's "
+             f"{(self.iterations or 0) // spec.accumulate} optimizer steps; use a shorter warm-up or more --iterations")
+        need(isinstance(self.eval_every, int) and self.eval_every >= 0,
+             f"--eval-every must be a number of iterations >= 0 (0: no evaluation), got {self.eval_every}")
+        need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,
+             f"--eval-fraction must be in [0, 1) (the share of --data held out), got {self.eval_fraction}; "
+             "use e.g. --eval-fraction 0.1")
+        need(not self.eval_every or self.data is None or self.eval_data is not None or self.eval_fraction > 0,
+             "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
+        need(self.eval_every or (self.eval_data is None and not self.eval_fraction),
+             "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
+        need(not self.eval_fraction or self.data is not None,
+             "--eval-fraction holds out a share of --data; give --data SOURCE, or --eval-data SOURCE instead")
+        need(self.eval_data is None or not self.eval_fraction,
+             "--eval-data and --eval-fraction both name the held-out data; give one")
         need(bool(self.replicas) and all(isinstance(d, int) and d >= 1 for d in self.replicas),
              f"--replicas lists data-parallel degrees, each at least 1, got {','.join(map(str, self.replicas))}; "
              "use e.g. --replicas 1,2")
@@ -170,6 +207,32 @@ class JobOptions:
              "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
         if self.pick != "fastest":
             solver_for(self.solver)
+
+
+    def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec:
+        """The run's optimizer as the plain data every stage and the reference build it from;
+        a schedule's length (cosine's T_max, ...) defaults to the run's optimizer steps after
+        the warm-up. An unknown name or option is an InputError listing the valid ones."""
+        iterations = iterations or self.iterations or 1
+        if isinstance(self.optimizer, OptimizerSpec):
+            knobs = ("optimizer_args", "schedule_lr", "schedule_args", "warmup", "no_decay_bias_norm", "clip_grad_norm",
+                     "accumulate")
+            defaults = JobOptions()
+            given = [name for name in knobs if getattr(self, name) != getattr(defaults, name)]
+            if given:
+                raise InputError(f"optimizer is an OptimizerSpec, which holds {', '.join(given)} itself; set them "
+                                 "in the spec, not beside it")
+            return self.optimizer
+        if self.schedule_args and not self.schedule_lr:
+            raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")
+        options = dict(self.optimizer_args)
+        lr = options.pop("lr", self.lr)
+        schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
+                    else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
+        steps = iterations // self.accumulate if isinstance(self.accumulate, int) and self.accumulate >= 1 else 1
+        return OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm,
+                             schedule.with_length(steps) if schedule is not None else None,
+                             self.clip_grad_norm, self.accumulate)
 
 
 def solver_for(name: Any) -> Any:
@@ -281,6 +344,7 @@ class JobResult:
     max_param_diff: float | None
     equivalent: bool | None
     files: list[Path]
+    evaluations: list[Any] = field(default_factory=list)   # evaluation.Evaluation, every --eval-every
 
     def to_json(self) -> dict[str, Any]:
         """What ``flatpack run --json`` prints: the plan, the training's figures, predicted vs
@@ -293,6 +357,7 @@ class JobResult:
                 "comparison": self.comparison.to_json(),
                 "calibrated": self.calibrated.to_json() if self.calibrated is not None else None,
                 "equivalent": self.equivalent, "max_param_diff": self.max_param_diff,
+                "evaluations": [dataclasses.asdict(found) for found in self.evaluations],
                 "files": [str(path) for path in self.files]}
 
 
@@ -416,9 +481,11 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
             raise InputError(f"--loss {options.loss} needs real targets; the synthetic batches (no --data) train "
                              f"with {loss}. Give --data SOURCE, or leave --loss out")
         return batches, loss, count
-    from flatpack.data import make_batches, parse_source
+    from flatpack.data import make_batches, parse_source, split_shards
 
     source = parse_source(options.data, endpoint=options.store_endpoint)
+    if options.eval_fraction:
+        source = split_shards(source, options.eval_fraction)[0]
     batches = make_batches(source, model, example, batch=options.batch, epochs=options.epochs,
                            iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
                            drop_last=options.drop_last)
@@ -430,6 +497,31 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
         raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {options.batch}; "
                          "give the run the loader's batch size")
     return batches, choose_loss(model, inputs, target, options.loss), len(batches)
+
+
+def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss: str) -> Sequence[tuple[Any, Any]]:
+    """The held-out batches ``--eval-every`` evaluates on, one pass in order: ``--eval-data``,
+    the shards ``--eval-fraction`` holds out of ``--data``, or (synthetic training data) two
+    synthetic batches drawn with another seed. Checked against the model and the training
+    ``loss`` before launch (held-out data without the labels a model's own loss needs would
+    otherwise be scored on its logits)."""
+    from flatpack.data import check_against_example, make_batches, parse_source, split_shards
+
+    if options.eval_data is None and not options.eval_fraction:
+        return synthetic_batches(model, example, options.batch, 2, options.seed + 1)[0]
+    if options.eval_data is not None:
+        source = parse_source(options.eval_data, endpoint=options.store_endpoint)
+    else:
+        source = split_shards(parse_source(options.data, endpoint=options.store_endpoint), options.eval_fraction)[1]
+    # a partial last batch is left out: eval batches, like training ones, have one size
+    batches = make_batches(source, model, example, batch=options.batch, shuffle=False, drop_last=True)
+    inputs, target = batches[0]
+    check_against_example(example, inputs, f"--eval-data {batches.description}")
+    scored = choose_loss(model, inputs, target, options.loss)
+    if scored != loss:
+        raise InputError(f"the held-out data ({batches.description}) would be scored with {scored} but the run trains "
+                         f"with {loss}; give it the same tensors as --data (targets or labels alike)")
+    return batches
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
@@ -464,8 +556,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                      f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
                      f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
+        held_out = evaluation_batches(model, example, options, loss) if options.eval_every else None
+        spec = options.optimizer_spec()
+        say(f"optimizer: {spec.describe()}")
+        # the cost model counts the state of the optimizer the run names, read from the optimizer
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
-                            optimizer="adam" if options.optimizer == "adam" else "sgd-momentum", sync=options.sync,
+                            optimizer="adam" if spec.is_adam_like else "sgd-momentum", sync=options.sync,
+                            optimizer_state_factor=spec.state_factor(),
                             precision=options.precision, recompute=options.recompute)
         started = time.perf_counter()
         extra = {"replicas": options.replicas}
@@ -522,7 +619,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             directory.save_batches(batches)
         # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
         # no workload to default them from), so `flatpack resume` retrains the same way
-        train_options = {"optimizer": {"name": options.optimizer, "lr": options.lr}, "schedule": options.schedule,
+        train_options = {"optimizer": spec.to_json(), "schedule": options.schedule,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
                          "non_finite": options.non_finite, "precision": options.precision,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}
@@ -542,15 +639,18 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                     compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
                 LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                          "(replaces the catalog's assumption in the prediction)")
-            result = deployment.train(batches, iterations=options.iterations, loss=loss,
-                                      progress=logs.progress_enabled(),
-                                      **train_options)
+            result, evaluations = train_and_evaluate(deployment, batches, options.iterations, loss, train_options,
+                                                     options.eval_every, held_out, say)
             pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
         _finish(directory, record, compiled, result.parameters, say, options.save)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
+        if evaluations:
+            say("held-out evaluation (through the inference path): " + "; ".join(
+                f"iter {found.iteration}: loss {found.loss:.4f}"
+                + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in evaluations))
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
         skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
         comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip)
@@ -586,7 +686,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                             dropouts=dropouts, example=example_batch)
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
-        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files)
+        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
 
 
 @contextlib.contextmanager
@@ -598,6 +698,41 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],
+                       eval_every: int, held_out: Sequence[tuple[Any, Any]] | None,
+                       say: Any) -> tuple[Any, list[Any]]:
+    """Trains ``iterations`` batches; with ``eval_every`` N, as calls of N iterations (each
+    continues from the previous one's checkpoint: weights, optimizer state, the schedule's
+    position, accumulated gradients), after each of which the held-out batches go through the
+    inference path (the deployment serves the latest checkpoint) and the loss (and accuracy)
+    joins the progress line and the report. Returns the calls' results as one and the
+    evaluations."""
+    from flatpack.backends.functions import merge_results
+    from flatpack.data import first_batch_rows
+    from flatpack.evaluation import evaluate
+    from flatpack.runtime.progress import ProgressLine
+
+    if not eval_every:
+        return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),
+                                **train_options), []
+    degrees = [stage.replicas for stage in deployment.compiled.plan.stages]
+    line = ProgressLine(iterations, first_batch_rows(batches[0]), deployment.dollars_per_second(degrees),
+                        None if logs.progress_enabled() else io.StringIO())   # -q: no progress
+    results, evaluations, done = [], [], 0
+    with line:
+        while done < iterations:
+            length = min(eval_every, iterations - done)
+            results.append(deployment.train(lambda index, offset=done: batches[offset + index], iterations=length,
+                                            loss=loss, progress=line, batch_offset=done, **train_options))
+            done += length
+            found = evaluate(deployment.infer, held_out, loss, iteration=done)
+            evaluations.append(found)
+            line.note = found.short()
+            line.close()
+            say(found.describe())
+    return merge_results(results), evaluations
 
 
 # -- the run directory: resume after any crash --------------------------------------------------
@@ -654,6 +789,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     again (``run.json`` is data and never names code to import)."""
     import flatpack
     from flatpack.backends import local
+    from flatpack.backends.functions import merge_results
 
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
@@ -696,6 +832,16 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                 LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
                          if done is not None else f"resuming run {record.run} from its first iteration")
                 result = deployment.resume(batches, progress=logs.progress_enabled())
+                # a run evaluated every N iterations trained as calls of N: the calls it had
+                # not begun follow the resumed one (without the evaluations)
+                last = deployment.calls()[-1]
+                trained = last.batch_offset + last.iterations
+                if trained < record.iterations:
+                    LOG.info(f"training the run's last {record.iterations - trained} iterations")
+                    rest = deployment.train(lambda index: batches[trained + index],
+                                            iterations=record.iterations - trained, loss=record.loss,
+                                            progress=logs.progress_enabled(), batch_offset=trained, **(record.train_options or {}))
+                    result = rest if result is None else merge_results([result, rest])
             parameters = deployment.parameters()
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 #   gradient, each so perturbed once, so to first order it moves by about 2·2^-8 = 7.8e-3 of
 #   its scale; tol = 4·2^-8 = 1.6e-2 (BF16_RTOL) leaves 2x for the bfloat16 layers after the
 #   boundary amplifying it. Measured on a 2-block transformer cut after a LayerNorm
-#   (tests/integration/test_training_knobs.py): 5.6e-3 after one step, 8.6e-3 after two; a
+#   (tests/integration/test_precision_knobs.py): 5.6e-3 after one step, 8.6e-3 after two; a
 #   convolution's output is already bfloat16 under autocast, so a conv net cut there is
 #   bitwise the reference. The tolerance still catches what matters: the same run without
 #   autocast is 3.7e-2 from the autocast reference, and a dropped micro-batch O(1/M). It
@@ -89,10 +89,12 @@ def adam_step_bound(betas: tuple[float, float], step: int) -> float:
     return math.sqrt((1 - beta1) ** 2 * (1 - beta2 ** step) / ((1 - beta1 ** step) ** 2 * (1 - beta2)) * ratio)
 
 
-def adam_weight_bound(lr: float, betas: tuple[float, float], iterations: int) -> float:
+def adam_weight_bound(lr: float | list[float], betas: tuple[float, float], iterations: int) -> float:
     """The most two Adam runs from the same weights can differ per element after
-    ``iterations`` steps, whatever their gradients: 2·lr·Σ c_t (plus float slack)."""
-    return 2 * lr * sum(adam_step_bound(betas, t) for t in range(1, iterations + 1)) + 1e-6
+    ``iterations`` steps, whatever their gradients: 2·Σ lr_t·c_t (plus float slack); ``lr``
+    one rate, or each step's under a schedule."""
+    rates = lr if isinstance(lr, list) else [lr] * iterations
+    return 2 * sum(rate * adam_step_bound(betas, t) for t, rate in enumerate(rates[:iterations], 1)) + 1e-6
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,9 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
     weights = {"worst": 0.0, "where": "", "ok": True}
     buffers = {"worst": 0.0, "where": "", "ok": True}
     missing = []
-    adam_bound = adam_weight_bound(spec.lr, spec.betas, iterations) if spec.name == "adam" else None
-    state_rtol = STATE_RTOL_FIRST if iterations == 1 else STATE_RTOL
+    steps = iterations // spec.accumulate
+    adam_bound = adam_weight_bound(spec.learning_rates(steps), spec.betas, steps) if spec.is_adam_like else None
+    state_rtol = STATE_RTOL_FIRST if steps <= 1 else STATE_RTOL
     if precision == "bf16":
         state_rtol = max(state_rtol, BF16_RTOL)
         if adam_bound is None and initial is None:
@@ -209,7 +212,7 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
             record["where"] = name
         record["worst"] = max(record["worst"], worst)
         record["ok"] = record["ok"] and ok
-    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {iterations} steps" if adam_bound
+    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {steps} steps" if adam_bound
                     is not None else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|w|"
                     + (f" + {BF16_RTOL:g}·max|w - w0|" if precision == "bf16" else ""))
     checks = [Check("weights", weights["worst"], weight_bound, weights["ok"], weights["where"])]
@@ -243,8 +246,8 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
     if gradients["count"]:
         checks.append(Check("gradients (optimizer state, |Δ|/max|ref| per tensor)", gradients["worst"],
                             f"{state_rtol:g}" + (" (bf16: boundary rounding, BF16_RTOL)" if precision == "bf16" else
-                                                 " (one step: summation order only)" if iterations == 1 else
-                                                 f" (after {iterations} steps at drifting weights)"),
+                                                 " (one step: summation order only)" if steps <= 1 else
+                                                 f" (after {steps} steps at drifting weights)"),
                             gradients["ok"], gradients["where"]))
     buffer_bound = (f"{state_rtol:g}·max|ref| + {SGD_ATOL:g}; integers exact" if adam_bound is not None
                     else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|b|" + (f" + {BF16_RTOL:g}·max|b - b0|" if precision == "bf16"
@@ -307,9 +310,9 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptio
     checks the run against it (see the tolerances above)."""
     stages = compiled.plan.stages
     micro_batches = compiled.plan.micro_batches or options.micro_batches
-    optimizer = {"name": options.optimizer, "lr": options.lr}
+    optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
-                    options.iterations, options.optimizer, dropouts=dropouts)
+                    options.iterations, optimizer.describe(), dropouts=dropouts)
     if draws_random(initial, example):
         found.note = ("the model draws random numbers in train mode beyond nn.Dropout (which flatpack run "
                       "switches off), so no run can be compared with single-process training; train it without "

@@ -27,7 +27,7 @@ from flatpack.runtime.spec import Role
 
 # the run's tensors that are dead once their iteration (or request) is done; the invoker
 # deletes them as it goes, the lifecycle rule catches what a crashed invoker left behind
-INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "marker", "infer")
+INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "norm", "marker", "infer")
 INTERMEDIATE_EXPIRY_DAYS = 1     # S3 lifecycle rules count in whole days
 RECORD_FILE = "deployment.json"
 RECORD_FORMAT = "flatpack-deployment"

@@ -93,6 +93,22 @@ class TrainResult:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def merge_results(results: Sequence[TrainResult]) -> TrainResult:
+    """Consecutive ``train()`` calls as one result: the last call's parameters, the calls'
+    losses, events, restarts and segments in order, their time, samples and dollars summed,
+    each function's highest peak."""
+    peaks: dict[str, int] = {}
+    for result in results:
+        for worker, peak in result.peak_bytes.items():
+            peaks[worker] = max(peaks.get(worker, 0), peak)
+    return TrainResult(parameters=results[-1].parameters, losses=[loss for r in results for loss in r.losses],
+                       events=[event for r in results for event in r.events],
+                       restarts=[restart for r in results for restart in r.restarts],
+                       degrees=[degrees for r in results for degrees in r.degrees],
+                       wall_s=sum(r.wall_s for r in results), samples=sum(r.samples for r in results),
+                       dollars=sum(r.dollars for r in results), peak_bytes=peaks)
+
+
 @dataclass(frozen=True)
 class CallRecord:
     """One train() call as the store keeps it (``RunKeys.call``), so that another process
@@ -672,8 +688,14 @@ class _Run:
         started = time.time()
         degrees_seen = []
         segment, begin = 0, self.first
-        if self.progress:
-            from flatpack.runtime.progress import ProgressLine
+        from flatpack.runtime.progress import ProgressLine
+
+        shared_line = isinstance(self.progress, ProgressLine)   # the caller's, spanning several calls
+        if shared_line:
+            self.line = self.progress
+            if self.line.origin is None:
+                self.line.origin = self.first
+        elif self.progress:
             self.line = ProgressLine(self.end - self.first, self.spec.batch,
                                      self.deployment.dollars_per_second([s.replicas for s in self.spec.stages]),
                                      stream=None if self.progress is True else self.progress)
@@ -692,7 +714,7 @@ class _Run:
             self.deployment.stop_workers()
             raise
         finally:
-            if self.line is not None:
+            if self.line is not None and not shared_line:
                 self.line.close()
         wall = time.time() - started
         events = self._events()
@@ -825,7 +847,10 @@ class _Run:
             self.collected = iteration
             if not math.isfinite(loss):
                 self._non_finite_loss(iteration, loss)
-            if self.line is not None:
+            if self.line is not None and self.line.origin is not None:
+                # a line spanning calls: the run's iterations and time since it began
+                self.line.update(iteration + 1 - self.line.origin, loss, time.time() - self.line.started)
+            elif self.line is not None:
                 self.line.update(iteration + 1 - self.first, loss, time.time() - self.segment_started)
             self._release(end)
 

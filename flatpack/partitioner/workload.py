@@ -39,6 +39,10 @@ class Workload:
     slo_s: float | None = None
     precision: str = "fp32"
     recompute: str = "never"
+    # bytes of optimizer state per byte of trainable parameters, derived from the optimizer a
+    # run names (runtime.optim.OptimizerSpec.state_factor: AdamW 2, SGD with momentum 1, plain
+    # SGD 0); None: the state the profile measured for ``optimizer``
+    optimizer_state_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +68,9 @@ class Workload:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}: never keeps every "
                              "stage's activations, auto lets the solver choose per stage")
+        if self.optimizer_state_factor is not None and not self.optimizer_state_factor >= 0:
+            raise InputError(f"optimizer_state_factor must be >= 0 bytes per parameter byte, got "
+                             f"{self.optimizer_state_factor!r}")
         if self.slo_s is not None and not self.slo_s > 0:
             raise InputError(f"an SLO must be a positive number of seconds, got {self.slo_s!r}")
 

@@ -71,7 +71,7 @@ from torch import nn
 from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
 from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
-from flatpack.runtime import timeline
+from flatpack.runtime import clipping, timeline
 from flatpack.runtime.precision import autocast, for_wire, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, backward_outputs, compute_order,
@@ -392,6 +392,8 @@ class StageRank:
                                           self.spec.precision)
         self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
+        self.scheduler = self.spec.optimizer.build_schedule(self.optimizer)
+        self.accumulated = 0    # iterations whose gradients .grad holds since the last step
         self.channels = channels
         self.recorder = timeline.Recorder(role.stage, role.replica)
         transport = device if run.backend == "nccl" else torch.device("cpu")
@@ -531,7 +533,8 @@ class StageRank:
         with self.recorder.task("backward", iteration, micro_batch=m):
             if self.is_last:
                 state.loss.backward()
-                self._loss_total = self._loss_total + state.loss.detach()   # read once per iteration: no sync here
+                # read once per iteration: no sync here; the batch's mean, whatever accumulation's 1/K
+                self._loss_total = self._loss_total + state.loss.detach() * self.spec.optimizer.accumulate
             else:
                 backward_outputs(state.outputs, grads)
         input_grads = input_gradients(state.inputs)
@@ -561,6 +564,21 @@ class StageRank:
                                if held == holders and name in self.trainable)
                 self._all_reduce(names, group)
 
+    def _clip(self) -> None:
+        """Global-norm clipping (``runtime.clipping``): replica 0 of every stage contributes
+        its squared gradient norm (a tied weight at its first holder), one float64 all-reduce
+        over every rank (on the CPU group) gives the total, each rank scales alike."""
+        limit = self.spec.optimizer.clip_grad_norm
+        if limit is None:
+            return
+        counted = [param.grad for name, param in self.trainable.items()
+                   if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
+        total = torch.tensor([clipping.squared_norm(counted) if self.role.replica == 0 else 0.0],
+                             dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.channels.control_gradients)
+        clipping.scale_gradients(self.trainable.values(),
+                                 clipping.clip_coefficient(float(total[0]) ** 0.5, limit))
+
     def run_iteration(self, iteration: int) -> None:
         self._loss_total = 0.0
         data = self._data(iteration)
@@ -571,10 +589,18 @@ class StageRank:
             else:
                 self._backward(iteration, m, states)
         self.messenger.flush()
-        self._synchronize(iteration)
-        with self.recorder.task("update", iteration):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        # gradient accumulation: the local gradients keep adding up in .grad (ranks never
+        # replay, so nothing needs checkpointing) and the replicas reduce once per step
+        self.accumulated += 1
+        if self.accumulated == self.spec.optimizer.accumulate:
+            self.accumulated = 0
+            self._synchronize(iteration)
+            with self.recorder.task("update", iteration):
+                self._clip()
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # the iteration's time is the device's, not the launches'
         self.iteration_ends.append(time.time())

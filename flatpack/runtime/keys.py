@@ -13,6 +13,7 @@ Layout (``<run>`` is the run id)::
     <run>/grad/i<iter>/s<stage>/m<mb>                 gradients for a stage's inputs
     <run>/sync/i<iter>/s<stage>/r<replica>/c<chunk>   scatter-reduce: a replica's gradient chunk
     <run>/reduced/i<iter>/s<stage>/c<chunk>           scatter-reduce: a summed chunk
+    <run>/norm/i<iter>/s<stage>                       a stage's squared gradient norm (global-norm clipping)
     <run>/ckpt/s<stage>/i<iter>                       stage state after iteration <iter>
     <run>/timeline/s<stage>/r<replica>/i<iter>/a<attempt>   task start and end times
     <run>/status/s<stage>/r<replica>/i<start>/a<attempt>  a worker's final status (ok, oom, error, transient)
@@ -101,6 +102,9 @@ class RunKeys:
     def shared_gradient(self, iteration: int, stage: int, name: str) -> str:
         return f"{self.run}/shared/i{_n(iteration)}/s{_n(stage)}/{name}"
 
+    def grad_norm(self, iteration: int, stage: int) -> str:
+        return f"{self.run}/norm/i{_n(iteration)}/s{_n(stage)}"
+
     def checkpoint(self, stage: int, iteration: int) -> str:
         return f"{self.run}/ckpt/s{_n(stage)}/i{_n(iteration)}"
 
@@ -136,7 +140,8 @@ class RunKeys:
     def iteration_prefixes(self, iteration: int) -> list[str]:
         """The prefixes of an iteration's intermediate tensors (deleted once it is done)."""
         tag = f"i{_n(iteration)}/"
-        return [f"{self.run}/{kind}/{tag}" for kind in ("data", "act", "grad", "sync", "reduced", "shared", "marker")]
+        return [f"{self.run}/{kind}/{tag}" for kind in ("data", "act", "grad", "sync", "reduced", "shared", "norm",
+                                                               "marker")]
 
     def infer(self, request: str, group: int, partition: int, kind: str) -> str:
         return f"{self.run}/infer/{request}/g{_n(group)}/p{_n(partition)}/{kind}"

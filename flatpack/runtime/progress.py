@@ -91,7 +91,12 @@ class ProgressLine:
     Throughput is (iteration − start_iteration) × samples_per_iteration / elapsed_s, so a
     resumed run passes the iteration it resumed from as ``start_iteration``. Off a terminal,
     every iteration gets its line by default (``interval_s`` 0): an iteration is coarse, and a
-    log is read for where a run stopped (tests/integration/test_recovery.py waits on one)."""
+    log is read for where a run stopped (tests/integration/test_recovery.py waits on one).
+
+    A line can span several ``train()`` calls (``flatpack run --eval-every``: one call per
+    evaluation): the caller makes it and passes it as ``progress``; each call then counts
+    iterations from the line's ``origin`` (the run iteration it began at, set by the first
+    call) and time from its creation, and ``note`` (the last evaluation) ends every update."""
 
     def __init__(self, total_iterations: int, samples_per_iteration: int, dollars_per_second: float,
                  stream: TextIO | None = None, *, start_iteration: int = 0, interval_s: float = 0.0,
@@ -104,13 +109,17 @@ class ProgressLine:
         self.progress = Progress(total_iterations, "", stream, initial=start_iteration, interval_s=interval_s,
                                  tty=tty, clock=clock)
         self.tty = self.progress.tty
+        self.origin: int | None = None
+        self.started = time.time()
+        self.note = ""
 
     def format(self, iteration: int, loss: float | None, elapsed_s: float) -> str:
         done = iteration - self.start_iteration
         rate = done * self.samples_per_iteration / elapsed_s if elapsed_s > 0 else 0.0
         loss_text = "-" if loss is None else f"{loss:.4f}"
+        note = f"  {self.note}" if self.note else ""
         return (f"iter {iteration}/{self.total_iterations}  loss {loss_text}  {rate:.1f} samples/s  "
-                f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far")
+                f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far{note}")
 
     def update(self, iteration: int, loss: float | None, elapsed_s: float) -> None:
         self.dollars = self.dollars_per_second * max(elapsed_s, 0.0)

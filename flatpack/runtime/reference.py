@@ -54,6 +54,11 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     each micro-batch's own statistics, and its running statistics update once per
     micro-batch in micro-batch order. M = 1 is plain full-batch training.
 
+    The optimizer spec's knobs apply as torch applies them in one process: its parameter
+    groups, ``torch.nn.utils.clip_grad_norm_`` before each step, the schedule stepped after
+    each step, and under ``accumulate`` K one step every K iterations on the gradients of
+    all K, each iteration's loss weighted 1/K (``losses`` stay each batch's mean).
+
     ``fixed_buffers(m)``: names of buffers micro-batch m must leave as they were; a stage
     with d replicas reports replica 0's buffers, which only its micro-batches (m mod d = 0)
     update. ``optimizer_state``: filled with each trainable parameter's final optimizer
@@ -71,6 +76,8 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     spec = OptimizerSpec.of(optimizer)
     named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
     opt = spec.build(p for _, p in named)
+    scheduler = spec.build_schedule(opt)
+    weight = 1 / spec.accumulate
     buffers = dict(trained.named_buffers(remove_duplicate=False))
     batch_for = batches if callable(batches) else batches.__getitem__
     losses = []
@@ -78,11 +85,10 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
         inputs, target = batch_for(iteration)
         rows = next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
                      if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
-        opt.zero_grad(set_to_none=True)
         if micro_batches == 1 or rows is None:
             with autocast(precision):
                 value = loss_value(loss, first_output(call(trained, inputs)), target)
-            value.backward()
+            (value * weight).backward()
             total = float(value.detach())
         else:
             total = 0.0
@@ -94,16 +100,22 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
                 with autocast(precision):
                     output = first_output(call(trained, piece))
                     value = loss_value(loss, output, piece_target) * (micro_batch_size(rows, micro_batches, m) / rows)
-                value.backward()
+                (value * weight).backward()
                 total += float(value.detach())
                 with torch.no_grad():
                     for name, saved in kept.items():
                         buffers[name].copy_(saved)
-        opt.step()
         losses.append(total)
+        if (iteration + 1) % spec.accumulate:
+            continue
+        if spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.clip_grad_norm)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
     if optimizer_state is not None:
-        for index, (name, _) in enumerate(named):
-            state = opt.state_dict()["state"].get(index, {})
-            optimizer_state[name] = {key: value for key, value in state.items()
+        for name, param in named:
+            optimizer_state[name] = {key: value for key, value in opt.state.get(param, {}).items()
                                      if isinstance(value, torch.Tensor) and value.dim()}
     return trained, losses

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
-from flatpack.runtime import wire
+from flatpack.runtime import clipping, wire
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
-from flatpack.runtime.optim import loss_value
+from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import autocast, for_wire, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
 from flatpack.runtime.store import Store
@@ -97,10 +97,12 @@ def load_weights(module: nn.Module, checkpoint: bytes) -> None:
 
 def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> torch.Tensor:
     """Micro-batch ``micro_batch``'s loss scaled by b/B, so that the micro-batch losses add
-    up to the mean over the global batch. b comes from the split, not the output: a model
-    that returns its own (scalar) loss has no rows."""
+    up to the mean over the global batch, and by 1/K under gradient accumulation over K
+    iterations (``OptimizerSpec.accumulate``), so that the K batches' gradients add up to
+    those of their mean. b comes from the split, not the output: a model that returns its
+    own (scalar) loss has no rows."""
     samples = micro_batch_size(spec.batch, spec.micro_batches, micro_batch)
-    return loss_value(spec.loss, output, target) * (samples / spec.batch)
+    return loss_value(spec.loss, output, target) * (samples / spec.batch / spec.optimizer.accumulate)
 
 
 def backward_outputs(outputs: dict[str, Any], grads: dict[str, torch.Tensor]) -> None:
@@ -168,6 +170,13 @@ class StageTrainer:
         self.throttle_compute = throttle_compute or (lambda fn: fn())
         self.state_tensors, self.trainable = stage_tensors(module)
         self.optimizer = spec.optimizer.build(self.trainable.values())
+        self.scheduler = spec.optimizer.build_schedule(self.optimizer)
+        self.steps = 0     # optimizer steps taken: the schedule's position
+        # gradient accumulation: the reduced gradients of the iterations since the last step,
+        # and how many iterations they hold (kept in checkpoints, not derived from iteration
+        # numbers, which a resumed call does not continue)
+        self.accumulated: dict[str, torch.Tensor] = {}
+        self.accumulated_count = 0
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._prefetched: dict[int, Future] = {}
@@ -182,27 +191,51 @@ class StageTrainer:
         tensors = {f"w/{name}": tensor.detach() for name, tensor in self.state_tensors.items()}
         state = self.optimizer.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
-        for index, entries in state["state"].items():
-            for key, value in entries.items():
+        # optimizer state is keyed by the parameter's position in the stage (manifest order),
+        # whatever order the optimizer's parameter groups put it in
+        packed = packed_positions(self.optimizer, list(self.trainable.values()))
+        for position, index in enumerate(packed):
+            for key, value in state["state"].get(index, {}).items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"o/{index}/{key}"] = value
+                    tensors[f"o/{position}/{key}"] = value
                 else:
-                    scalars.setdefault(str(index), {})[key] = value
+                    scalars.setdefault(str(position), {})[key] = value
+        tensors.update({f"a/{name}": grad for name, grad in self.accumulated.items()})
         return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
-                                    "scalars": scalars})
+                                    "scalars": scalars, "steps": self.steps,
+                                    "accumulated": self.accumulated_count,
+                                    "optimizer_class": type(self.optimizer).__name__})
 
     def load_state(self, data: bytes) -> int:
-        """Installs a checkpoint; returns the iteration it was taken after."""
+        """Installs a checkpoint; returns the iteration it was taken after. The optimizer
+        state (moments, momentum) carries over when the checkpoint's optimizer is this one's
+        kind with as many parameter groups, and the hyperparameters are always this call's
+        spec's (a later ``train()`` call may change the learning rate); a checkpoint of
+        another optimizer gives only its weights, the state starting afresh."""
         tensors, meta = wire.loads(data)
         install_weights(self.state_tensors, tensors)
+        self.steps = int(meta.get("steps", 0))
+        self.accumulated = {key[2:]: value for key, value in tensors.items() if key.startswith("a/")}
+        self.accumulated_count = int(meta.get("accumulated", 0))
+        if (meta.get("optimizer_class", type(self.optimizer).__name__) != type(self.optimizer).__name__
+                or len(meta["param_groups"]) != len(self.optimizer.param_groups)):
+            self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
+            return int(meta["iteration"])
+        settings = [{key: value for key, value in group.items() if key != "params"}
+                    for group in self.optimizer.param_groups]
+        packed = packed_positions(self.optimizer, list(self.trainable.values()))
         state: dict[int, dict[str, Any]] = {}
         for key, value in tensors.items():
             if key.startswith("o/"):
-                _, index, entry = key.split("/", 2)
-                state.setdefault(int(index), {})[entry] = value
-        for index, entries in meta["scalars"].items():
-            state.setdefault(int(index), {}).update(entries)
+                _, position, entry = key.split("/", 2)
+                state.setdefault(packed[int(position)], {})[entry] = value
+        for position, entries in meta["scalars"].items():
+            state.setdefault(packed[int(position)], {}).update(entries)
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        for group, setting in zip(self.optimizer.param_groups, settings):
+            group.pop("initial_lr", None)
+            group.update(setting)
+        self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
         return int(meta["iteration"])
 
     # transfers ------------------------------------------------------------------------------
@@ -319,7 +352,8 @@ class StageTrainer:
         self.throttle_compute(run)
         input_grads = input_gradients(state.inputs)
         if self.is_last and state.loss is not None:
-            self._loss_total += float(state.loss.detach())
+            # the report's loss is the batch's mean, whatever the accumulation's 1/K weight
+            self._loss_total += float(state.loss.detach()) * self.spec.optimizer.accumulate
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
@@ -430,12 +464,49 @@ class StageTrainer:
 
     def _update(self, iteration: int) -> None:
         start = time.time()
-        self.throttle_compute(self.optimizer.step)
+        if self._accumulates():
+            self._apply_step(iteration)
         self.optimizer.zero_grad(set_to_none=True)
         self._record("update", iteration, None, start, 0, "compute")
         self.after_task("update", iteration, None)
         if self.is_last:
             self.losses[iteration] = self._loss_total
+
+    def _accumulates(self) -> bool:
+        """Folds the iteration's reduced gradients into the accumulation; whether the
+        optimizer steps after this iteration (the K-th since the last step, across calls:
+        the count is in the checkpoints). Accumulating the already reduced gradients (not
+        each replica's own) keeps every replica's accumulation equal to replica 0's, which is
+        what its checkpoint holds, so a restarted replica resumes it exactly."""
+        every = self.spec.optimizer.accumulate
+        if every == 1:
+            return True
+        for name, param in self.trainable.items():
+            if param.grad is None:
+                continue
+            held = self.accumulated.get(name)
+            self.accumulated[name] = param.grad.detach().clone() if held is None else held + param.grad
+        self.accumulated_count += 1
+        if self.accumulated_count < every:
+            return False
+        for name, param in self.trainable.items():
+            param.grad = self.accumulated.get(name)
+        self.accumulated, self.accumulated_count = {}, 0
+        return True
+
+    def _apply_step(self, iteration: int) -> None:
+        """Clips the gradients to the global norm, steps the optimizer and the schedule."""
+        limit = self.spec.optimizer.clip_grad_norm
+        if limit is not None:
+            counted = [param.grad for name, param in self.trainable.items()
+                       if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
+            norm = clipping.global_norm(self.store, self.keys, iteration, self.role.stage, len(self.spec.stages),
+                                        self.role.replica, clipping.squared_norm(counted), self.spec.wait_timeout_s)
+            clipping.scale_gradients(self.trainable.values(), clipping.clip_coefficient(norm, limit))
+        self.throttle_compute(self.optimizer.step)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
 
     def progress(self, iteration: int) -> dict[str, Any]:
         return {"loss": self.losses.get(iteration) if self.is_last else None,

@@ -48,7 +48,7 @@ def test_a_model_without_trainable_parameters_is_refused_before_compiling(tmp_pa
 
 
 def test_optimizer_option_typos_name_the_key_and_the_valid_ones():
-    with pytest.raises(InputError, match=r"'lrr' \(did you mean 'lr'\?\).*the options are: name, lr"):
+    with pytest.raises(InputError, match=r"'lrr' \(did you mean 'lr'\?\).*its options are: lr, betas"):
         OptimizerSpec.of({"name": "adam", "lrr": 0.1})
     with pytest.raises(InputError, match="did you mean 'adam'"):
         OptimizerSpec.of({"name": "adamm"})

@@ -132,10 +132,14 @@ class StageTensors:
 def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
     profiles = [problem.layer_profile(index) for index in range(start, end + 1)]
     weights = gradients = optimizer = 0.0
+    factor = problem.workload.optimizer_state_factor
     for profile in profiles:
         weights += profile.param_bytes + profile.buffer_bytes
         gradients += profile.grad_bytes
-        optimizer += profile.optimizer_bytes(problem.workload.optimizer)
+        # the state of the optimizer the run names: its bytes per trainable byte (grad_bytes
+        # are the trainable parameters' bytes), else the profiled state of a named one
+        optimizer += (profile.grad_bytes * factor if factor is not None
+                      else profile.optimizer_bytes(problem.workload.optimizer))
     return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer,
                         stage_boundaries(problem, start, end))
 
