@@ -178,13 +178,15 @@ def test_flatpack_run_trains_with_the_knobs_and_reports_held_out_loss_and_accura
                  "--micro-batches", "2", "--replicas", "1", "--stages", "2", "--epochs", "2", "--optimizer", "adamw",
                  "--optimizer-args", "lr=3e-3,weight_decay=0.01", "--no-decay-bias-norm", "--schedule-lr", "cosine",
                  "--warmup", "1", "--clip-grad-norm", "0.5", "--accumulate", "2", "--out", str(tmp_path / "run")])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0, out
     # 3 training shards x 8 rows / batch 8 x 2 epochs = 6 iterations; the 4th shard is held out
-    assert "3 batches of 8 per epoch, 6 iterations" in out
+    # (what the run narrates goes to the flatpack logger, on stderr)
+    assert "3 batches of 8 per epoch, 6 iterations" in captured.err
     for iteration in (3, 6):
         assert f"evaluation after {iteration} iterations on 8 held-out samples: loss" in out
-    assert "eval loss" in out and "acc" in out        # the progress line carries the last evaluation
+    assert "eval loss" in captured.err and "acc" in captured.err   # the progress line (stderr) carries the last evaluation
     assert "held-out evaluation (through the inference path): iter 3: loss" in out
     assert "equivalence with single-process training: passed" in out
     assert "AdamW(lr=0.003, weight_decay=0.01), no decay on biases and norms, cosine schedule after 1 warm-up" in out
@@ -231,7 +233,7 @@ def test_an_evaluated_run_stopped_mid_call_resumes_every_remaining_call_to_the_s
     assert "evaluation after 2 iterations" in log_path.read_text(errors="replace")
     capsys.readouterr()
     assert main(["resume", str(stopped)]) == 0
-    assert "training the run's last 2 iterations" in capsys.readouterr().out
+    assert "training the run's last 2 iterations" in capsys.readouterr().err   # the logger's narration
     assert json.loads((stopped / "run.json").read_text())["state"] == "done"
     whole, resumed = load_file(tmp_path / "whole" / "trained.safetensors"), load_file(stopped / "trained.safetensors")
     assert whole.keys() == resumed.keys()
