@@ -183,7 +183,7 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
     billed = billed_dollars(problem, plan, measured)
     # errors relative to the measurement (the truth), for both predictions alike
     return {"case": case, "measured": measured, "predicted": comparison.predicted_iteration_s,
-            "error": comparison.predicted_iteration_s / measured - 1, "uncalibrated": uncalibrated,
+            "error": comparison.iteration_error, "uncalibrated": uncalibrated,
             "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),

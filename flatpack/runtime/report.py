@@ -83,10 +83,11 @@ class Comparison:
 
     @property
     def iteration_error(self) -> float | None:
-        """(measured − predicted)/predicted of the iteration time; None without a measurement."""
-        if self.measured.iteration_s is None or self.predicted_iteration_s <= 0:
+        """predicted/measured − 1 of the iteration time (negative: the model predicts too
+        short), the error every fidelity figure quotes; None without a measurement."""
+        if not self.measured.iteration_s:
             return None
-        return (self.measured.iteration_s - self.predicted_iteration_s) / self.predicted_iteration_s
+        return self.predicted_iteration_s / self.measured.iteration_s - 1
 
     def table(self) -> str:
         """One row per stage, predicted and measured side by side (ms); then the iteration."""
