@@ -106,7 +106,7 @@ class Comparison:
         error = self.iteration_error
         lines.append(f"iteration: predicted {_ms(self.predicted_iteration_s)} ms, measured "
                      f"{_ms(self.measured_iteration_s)} ms, error "
-                     + ("-" if error is None else f"{100 * error:+.1f}%")
+                     + ("-" if error is None else f"{round(100 * error, 1) + 0.0:+.1f}%")   # + 0.0: no "-0.0%"
                      + f"  (median of {len(self.measured.kept)} iteration(s)"
                      + (f", first {self.measured.skipped} skipped" if self.measured.skipped else "") + ")")
         return "\n".join(lines)
