@@ -58,3 +58,87 @@ def test_async_run_equals_the_single_process_simulation_of_the_same_schedule(s3_
                                   vertical_sync=vertical_sync)
     assert_same_parameters(result, simulated)
     assert result.losses == pytest.approx(losses, rel=1e-4, abs=1e-5)
+
+
+def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, micro_batches: int, tmp_path,
+                   vertical_sync: bool = False) -> tuple[list[tuple[int, str, int, int, int, float]], list[StageTrainer]]:
+    """Every stage's StageTrainer in a thread of this process over a file store (what the
+    functions run, without their processes), recording each task's weight version and a
+    fingerprint of the weights it computes with: (stage, kind, sequence, version, step, sum)."""
+    from flatpack.backends.functions import batch_values, loss_output
+
+    store = FileStore(tmp_path / "store")
+    keys = RunKeys("versions")
+    manifests = [artifact.manifest for artifact in compiled.artifacts]
+    stages = stage_specs(manifests, compiled.info["input_names"], [1] * len(manifests), [None] * len(manifests))
+    spec = RunSpec(run="versions", stages=stages, micro_batches=micro_batches, batch=len(data[0][1]),
+                   optimizer=ADAM, loss="cross_entropy", loss_output=loss_output(compiled), schedule="1f1b-async",
+                   wait_timeout_s=60, vertical_sync=vertical_sync)
+    for iteration in range(iterations):
+        values, target, size = batch_values(compiled, data[iteration], iteration)
+        for m in range(micro_batches):
+            store.put(keys.data(iteration, m),
+                      pack_values({name: split_value(value, size, micro_batches)[m] for name, value in values.items()}))
+            store.put(keys.target(iteration, m), wire.dumps({TARGET: split_value(target, size, micro_batches)[m]}))
+    log: list[tuple[int, str, int, int, int, float]] = []
+    lock = threading.Lock()
+    trainers = []
+    for artifact in compiled.artifacts:
+        role = Role("spec", artifact.index, 0, 0, iterations)
+        trainer = StageTrainer(spec, role, store, build_module(artifact), Recorder(artifact.index, 0))
+
+        def observe(kind, iteration, micro_batch, version, weights, trainer=trainer):
+            with lock:
+                log.append((trainer.role.stage, kind, iteration * micro_batches + micro_batch, version,
+                            trainer.call_steps, float(sum(w.detach().double().sum() for w in weights.values()))))
+
+        trainer.observe_weights = observe
+        trainers.append(trainer)
+
+    def run(trainer: StageTrainer) -> None:
+        with Lanes() as lanes:
+            for iteration in range(iterations):
+                trainer.run_iteration(iteration, lanes)
+
+    threads = [threading.Thread(target=run, args=(trainer,)) for trainer in trainers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    return log, trainers
+
+
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertical_sync):
+    """The versions recorded: every micro-batch's backward on every stage uses the version
+    (and the very values) its forward used, though the stage has stepped in between; the
+    versions are PipeDream's (a stage's own steps, or under vertical sync the first
+    stage's); the pipeline is not flushed between iterations (a stage forwards the next
+    iteration's micro-batches before backwarding this one's); a stash holds no version once
+    the call has drained."""
+    model, data = transformer_case()
+    stages, micro_batches, iterations = 3, 2, 3
+    compiled = compiled_with(model, data[0][0], [1] * stages, micro_batches=micro_batches)
+    log, trainers = run_in_process(compiled, data, iterations, micro_batches, tmp_path, vertical_sync)
+    total = iterations * micro_batches
+    forwards = {(stage, seq): (version, steps, fingerprint) for stage, kind, seq, version, steps, fingerprint in log
+                if kind == "F"}
+    backwards = {(stage, seq): (version, steps, fingerprint) for stage, kind, seq, version, steps, fingerprint in log
+                 if kind == "B"}
+    assert set(forwards) == set(backwards) == {(s, g) for s in range(stages) for g in range(total)}
+    stale = 0
+    for key, (version, steps, fingerprint) in backwards.items():
+        forward_version_used, _, forward_fingerprint = forwards[key]
+        assert version == forward_version_used, key
+        assert fingerprint == forward_fingerprint, key     # the same values, not only the same number
+        stage, sequence = key
+        assert version == forward_version(sequence, stage, stages, vertical_sync)
+        stale += steps > version        # the stage stepped between this forward and its backward
+    assert stale > 0
+    # no flush: stage 0 forwards iteration 1's first micro-batch before iteration 0's last backward
+    order = [(kind, seq) for stage, kind, seq, *_ in log if stage == 0]
+    assert order.index(("F", micro_batches)) < order.index(("B", micro_batches - 1))
+    for trainer in trainers:
+        assert trainer.call_steps == total
+        assert all(count == 0 for count in trainer.stash.users.values())
