@@ -77,7 +77,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        check_async_options(self)
+        check_async_options(self.schedule, self.vertical_sync, [stage.replicas for stage in self.stages],
+                            self.optimizer, sorted(self.shared), self.time_limit_s)
         check_precision(self.precision)
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
@@ -181,34 +182,34 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
     return sources, [tuple(sorted(c)) for c in consumers]
 
 
-def check_async_options(spec: RunSpec) -> None:
-    """Refuses what the asynchronous 1F1B does not combine with, before any function starts:
-    it steps each stage after every micro-batch on that stage's own gradient, so nothing
-    that needs every stage (or replica) at one step can run."""
-    if not spec.asynchronous:
-        if spec.vertical_sync:
-            raise InputError(f"vertical sync applies to the 1f1b-async schedule, not {spec.schedule!r}; use "
+def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[int], optimizer: OptimizerSpec,
+                        shared: Sequence[str] = (), time_limit_s: float | None = None) -> None:
+    """Refuses what the asynchronous 1F1B does not combine with, before any function starts
+    (``RunSpec`` and ``flatpack run``'s options both ask): it steps each stage after every
+    micro-batch on that stage's own gradient, so nothing that needs every stage (or every
+    replica) at one step can run, and it has micro-batches in flight between iterations."""
+    if schedule != ASYNC_SCHEDULE:
+        if vertical_sync:
+            raise InputError(f"vertical sync applies to the 1f1b-async schedule, not {schedule!r}; use "
                              "--schedule 1f1b-async --vertical-sync, or leave --vertical-sync out")
         return
     fix = "use --schedule 1f1b (flushed) for it, or run 1f1b-async without it"
-    replicated = [stage.index for stage in spec.stages if stage.replicas > 1]
-    if replicated:
-        raise InputError(f"1f1b-async runs one replica per stage (PipeDream's 1F1B-RR is not built), but stage(s) "
-                         f"{replicated} have {[spec.stages[i].replicas for i in replicated]} replicas; plan with "
-                         f"--replicas 1, or {fix}")
-    if spec.optimizer.clip_grad_norm is not None:
-        raise InputError(f"--clip-grad-norm {spec.optimizer.clip_grad_norm} needs every stage's gradient of one step, "
-                         f"but 1f1b-async steps each stage on its own micro-batch; {fix}")
-    if spec.optimizer.accumulate != 1:
-        raise InputError(f"--accumulate {spec.optimizer.accumulate}: 1f1b-async steps after every micro-batch "
-                         f"(PipeDream's minibatch); use more --micro-batches' samples per step instead, or {fix}")
-    if spec.shared:
-        raise InputError(f"tied weights {sorted(spec.shared)} are held by several stages, which must step together; "
-                         f"1f1b-async steps each stage alone; {fix}")
-    if spec.time_limit_s is not None:
-        raise InputError(f"a function time limit ({spec.time_limit_s} s) re-invokes a function between iterations, "
-                         "where 1f1b-async has micro-batches in flight; train in calls short enough for the limit "
-                         f"(the pipeline drains at the end of each call) with time_limit_s=None, or {fix}")
+    if any(degree > 1 for degree in replicas):
+        raise InputError(f"1f1b-async runs one replica per stage (PipeDream's 1F1B-RR is not built), but the replica "
+                         f"degrees are {list(replicas)}; use --replicas 1, or {fix}")
+    if optimizer.clip_grad_norm is not None:
+        raise InputError(f"--clip-grad-norm {optimizer.clip_grad_norm} needs every stage's gradient of one step, but "
+                         f"1f1b-async steps each stage on its own micro-batch; {fix}")
+    if optimizer.accumulate != 1:
+        raise InputError(f"--accumulate {optimizer.accumulate}: 1f1b-async steps after every micro-batch (PipeDream's "
+                         f"minibatch), so there is nothing to accumulate; use larger micro-batches, or {fix}")
+    if shared:
+        raise InputError(f"tied weights {list(shared)} are held by several stages, which must step together, but "
+                         f"1f1b-async steps each stage alone; untie them, or {fix}")
+    if time_limit_s is not None:
+        raise InputError(f"a function time limit ({time_limit_s} s) re-invokes a function between iterations, where "
+                         "1f1b-async has micro-batches in flight; train in calls short enough for the platform's "
+                         f"limit (the pipeline drains at the end of each call) with time_limit_s=None, or {fix}")
 
 
 def check_precision(precision: Any) -> None:

@@ -27,16 +27,12 @@ from flatpack.runtime.stashing import forward_version
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
 from flatpack.runtime.training import TARGET, StageTrainer, pack_values
+from flatpack.verdict import parameter_stages
 from tests.integration.test_training_knobs import assert_same_parameters, compiled_with, conv_case, transformer_case
 
 pytestmark = pytest.mark.slow
 
 ADAM = OptimizerSpec("adam", lr=0.02)
-
-
-def stage_of(compiled: flatpack.Compiled) -> dict[str, int]:
-    """Each parameter's stage, by original name (the stages' manifests)."""
-    return {entry["name"]: artifact.index for artifact in compiled.artifacts for entry in artifact.manifest["parameters"]}
 
 
 @pytest.mark.parametrize(("case", "stages", "vertical_sync"), [
@@ -48,7 +44,7 @@ def test_async_run_equals_the_single_process_simulation_of_the_same_schedule(s3_
     model, data = case()
     compiled = compiled_with(model, data[0][0], [1] * stages, micro_batches=4)
     assert len(compiled.plan.stages) == stages
-    simulated, losses = train_async_single_process(model, data, 6, stage_of=stage_of(compiled), stages=stages,
+    simulated, losses = train_async_single_process(model, data, 6, stage_of=parameter_stages(compiled), stages=stages,
                                                    micro_batches=4, optimizer=ADAM, vertical_sync=vertical_sync)
     # the schedule matters: flushed training on the same batches ends elsewhere
     flushed, _ = train_single_process(model, data, 6, optimizer=ADAM, micro_batches=4)
