@@ -71,9 +71,16 @@ def async_chunks(first_iteration: int, end_iteration: int, micro_batches: int, s
 
 class WeightStash:
     """The weight versions a stage's in-flight micro-batches (and, under vertical sync, its
-    next forwards) need: version -> a copy of the trainable parameters as they were after
-    that many steps. Copies, never the live parameters: the optimizer updates those in place
-    while older versions are still waiting for their backwards."""
+    next forwards) need: version -> the trainable parameters' values after that many steps.
+
+    The newest version is the live parameters' storage itself until the optimizer is about
+    to change them (:meth:`before_step`): then, if a micro-batch still holds it, the live
+    parameters move to a copy and the stash keeps the old storage. A stage so holds as many
+    copies of its weights as versions are in use, PipeDream's count (S - s on stage s; the
+    ``pipedream`` cost model's ``weight_versions``), never one more for the live weights.
+    Without this, an in-place step would silently change the weights a saved autograd graph
+    computes its gradient with (``x.data`` has its own version counter, so autograd would
+    not notice)."""
 
     def __init__(self, parameters: dict[str, torch.Tensor]) -> None:
         self.parameters = parameters
@@ -81,9 +88,18 @@ class WeightStash:
         self.users: dict[int, int] = {}     # version -> in-flight micro-batches holding it
 
     def snapshot(self, version: int) -> None:
-        """Keeps the live parameters as ``version`` (called when the stage reaches it)."""
+        """Keeps the live parameters as ``version`` (the stage's current one), sharing their
+        storage until :meth:`before_step`."""
         if version not in self.versions:
-            self.versions[version] = {name: param.detach().clone() for name, param in self.parameters.items()}
+            self.versions[version] = {name: param.data for name, param in self.parameters.items()}
+
+    def before_step(self, version: int) -> None:
+        """The optimizer is about to update the live parameters, now ``version``: if that
+        version is stashed, the live parameters continue on a copy and the stash keeps what
+        its micro-batches computed with."""
+        if version in self.versions:
+            for param in self.parameters.values():
+                param.data = param.data.clone()
 
     def acquire(self, version: int) -> dict[str, torch.Tensor]:
         """The weights of ``version`` for one micro-batch's forward, as fresh leaf tensors

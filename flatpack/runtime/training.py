@@ -505,6 +505,13 @@ class StageTrainer:
         live parameters, and the stash lets go of the versions nothing needs any more."""
         for name, param in self.trainable.items():
             param.grad = state.weights[name].grad
+        # release first, so that a version nobody holds any more is not copied for the step;
+        # without vertical sync no later forward asks for the current version once it is stepped
+        oldest_wanted = (forward_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
+                         if self.spec.vertical_sync else self.call_steps + 1)
+        self.stash.release(state.version, oldest_wanted)
+        state.weights = None
+        self.stash.before_step(self.call_steps)
         self.throttle_compute(self.optimizer.step)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -514,10 +521,6 @@ class StageTrainer:
         if self.spec.vertical_sync:
             # a later forward asks for the first stage's version, older than this stage's
             self.stash.snapshot(self.call_steps)
-        oldest_wanted = (forward_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
-                         if self.spec.vertical_sync else self.call_steps)
-        self.stash.release(state.version, oldest_wanted)
-        state.weights = None
 
     @property
     def _reads_only_data(self) -> bool:

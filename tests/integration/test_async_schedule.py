@@ -85,6 +85,10 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
         trainer = StageTrainer(spec, role, store, build_module(artifact), Recorder(artifact.index, 0))
 
         def observe(kind, iteration, micro_batch, version, weights, trainer=trainer):
+            # copies of the stage's weights held now: the stash's, and the live ones where no
+            # stashed version shares their storage
+            copies = trainer.stash.held() + (trainer.call_steps not in trainer.stash.versions)
+            trainer.peak_copies = max(getattr(trainer, "peak_copies", 0), copies)
             with lock:
                 log.append((trainer.role.stage, kind, iteration * micro_batches + micro_batch, version,
                             trainer.call_steps, float(sum(w.detach().double().sum() for w in weights.values()))))
@@ -139,6 +143,10 @@ def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertic
     for trainer in trainers:
         assert trainer.call_steps == total
         assert all(count == 0 for count in trainer.stash.users.values())
+    # weight stashing's memory: S - s copies on stage s, the pipedream cost model's count
+    # (its in_flight); vertical sync keeps every version from the first stage's on, S
+    expected = [stages] * stages if vertical_sync else [stages - s for s in range(stages)]
+    assert [trainer.peak_copies for trainer in trainers] == expected
 
 
 def test_calls_drain_the_pipeline_and_a_second_call_continues_from_the_first(s3_server):

@@ -39,21 +39,26 @@ def test_versions_lag_by_the_stages_in_flight_and_vertical_sync_takes_the_first_
     assert forward_version(1, 0, 3, False) == 0     # the pipeline filling: no step yet
 
 
-def test_the_stash_gives_each_micro_batch_its_own_leaves_and_drops_what_nobody_holds():
+def test_the_stash_gives_each_micro_batch_its_own_leaves_and_copies_only_a_held_version_before_a_step():
     weight = torch.nn.Parameter(torch.ones(2))
     stash = WeightStash({"w": weight})
     stash.snapshot(0)
+    assert stash.versions[0]["w"].data_ptr() == weight.data_ptr()    # no copy while the weights stand still
     first, second = stash.acquire(0), stash.acquire(0)
     (first["w"] * 2).sum().backward()
     assert second["w"].grad is None and first["w"].grad.tolist() == [2.0, 2.0]
+    stash.before_step(0)
     with torch.no_grad():
         weight.add_(1.0)                       # the optimizer's in-place step
-    assert first["w"].tolist() == [1.0, 1.0]  # the stashed version is a copy
-    stash.snapshot(1)
-    stash.release(0, keep_from=1)
-    assert stash.held() == 2                   # version 0 is still held by the second micro-batch
-    stash.release(0, keep_from=1)
-    assert sorted(stash.versions) == [1]
+    assert stash.versions[0]["w"].data_ptr() != weight.data_ptr()
+    assert first["w"].tolist() == second["w"].tolist() == [1.0, 1.0]    # what they computed with
+    stash.release(0, keep_from=2)
+    assert stash.held() == 1                   # version 0 is still held by the second micro-batch
+    stash.release(0, keep_from=2)
+    assert stash.held() == 0
+    pointer = weight.data_ptr()
+    stash.before_step(1)                       # version 1 is not stashed: the step needs no copy
+    assert weight.data_ptr() == pointer
     with pytest.raises(RuntimeError, match="weight version 0 is not stashed"):
         stash.acquire(0)
 
