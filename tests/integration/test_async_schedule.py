@@ -19,6 +19,7 @@ from flatpack.backends import local
 from flatpack.codegen.artifact import build_module
 from flatpack.errors import InputError
 from flatpack.runtime import wire
+from flatpack.partitioner.cost import pipedream
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
@@ -143,10 +144,12 @@ def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertic
     for trainer in trainers:
         assert trainer.call_steps == total
         assert all(count == 0 for count in trainer.stash.users.values())
-    # weight stashing's memory: S - s copies on stage s, the pipedream cost model's count
-    # (its in_flight); vertical sync keeps every version from the first stage's on, S
-    expected = [stages] * stages if vertical_sync else [stages - s for s in range(stages)]
-    assert [trainer.peak_copies for trainer in trainers] == expected
+    # weight stashing's memory: S - s copies on stage s, what the pipedream cost model counts
+    # (its in_flight weight versions); vertical sync keeps every version from the first
+    # stage's on, S (which the model does not know about)
+    modelled = [pipedream.versions_in_flight(compiled.plan, stage) for stage in range(stages)]
+    assert modelled == [stages - s for s in range(stages)]
+    assert [trainer.peak_copies for trainer in trainers] == ([stages] * stages if vertical_sync else modelled)
 
 
 def test_calls_drain_the_pipeline_and_a_second_call_continues_from_the_first(s3_server):
