@@ -7,6 +7,7 @@ combine, before any function starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -56,6 +57,22 @@ def test_async_run_equals_the_single_process_simulation_of_the_same_schedule(s3_
                                   vertical_sync=vertical_sync)
     assert_same_parameters(result, simulated)
     assert result.losses == pytest.approx(losses, rel=1e-4, abs=1e-5)
+
+
+def test_a_recomputing_stage_recomputes_with_its_stashed_version(s3_server):
+    """A stage that recomputes its activations (plan choice) runs the forward again in the
+    backward: with the micro-batch's stashed weights, so the run still equals the simulation."""
+    model, data = conv_case()
+    compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=4)
+    plan = dataclasses.replace(compiled.plan, stages=tuple(dataclasses.replace(stage, recompute=True)
+                                                           for stage in compiled.plan.stages))
+    compiled = flatpack.compile(model, (data[0][0],), plan=plan)
+    assert all(stage.recompute for stage in compiled.plan.stages)
+    simulated, _ = train_async_single_process(model, data, 6, stage_of=parameter_stages(compiled), stages=2,
+                                              micro_batches=4, optimizer=ADAM)
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        result = deployment.train(data, iterations=6, optimizer=ADAM, schedule="1f1b-async")
+    assert_same_parameters(result, simulated)
 
 
 def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, micro_batches: int, tmp_path,
