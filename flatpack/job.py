@@ -154,7 +154,8 @@ class JobOptions:
         need(spec.schedule is None or self.iterations is None
              or spec.schedule.warmup < self.optimizer_steps(self.iterations),
              f"--warmup {spec.schedule.warmup if spec.schedule else 0} is not shorter than the run's "
-             f"{self.optimizer_steps(self.iterations or 0)} optimizer steps; use a shorter warm-up or more --iterations")
+             f"{self.optimizer_steps(self.iterations or 0)} optimizer steps; use a shorter warm-up or more "
+             "--iterations")
         need(isinstance(self.eval_every, int) and self.eval_every >= 0,
              f"--eval-every must be a number of iterations >= 0 (0: no evaluation), got {self.eval_every}")
         need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,

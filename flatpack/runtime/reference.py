@@ -39,7 +39,8 @@ def call(model: nn.Module, inputs: Any) -> Any:
     return model(*inputs)
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+def optimizer_tensors(opt: torch.optim.Optimizer,
+                      named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
     """Each trainable parameter's optimizer tensors (Adam's moments, SGD's momentum) by name."""
     return {name: {key: value for key, value in opt.state.get(param, {}).items()
                    if isinstance(value, torch.Tensor) and value.dim()} for name, param in named}
@@ -179,8 +180,9 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
             sequence = steps - call_start
             piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
             piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-            weights = {name: history[call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)][name]
-                       .detach().requires_grad_() for name, _ in named}
+            versions = {name: call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)
+                        for name, _ in named}
+            weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
             args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
                                                                          else tuple(piece), {})
             with autocast(precision):

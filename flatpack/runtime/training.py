@@ -5,9 +5,9 @@ micro-batch the replica owns, then their backwards in reverse order, then the gr
 synchronization among the stage's replicas (``collectives.scatter_reduce``) and the
 optimizer step. ``schedule="1f1b"`` interleaves them as PipeDream's one-forward-one-backward
 with a flush. ``schedule="1f1b-async"`` is PipeDream's 1F1B without a flush (one optimizer
-step per micro-batch, weight stashing: ``stashing``); its iterations are slices of one
-1F1B sequence over the call. Within an iteration the work is a task DAG over three lanes (``lanes``):
-downloads of inputs and gradients, computation, and uploads run at the same time.
+step per micro-batch, weight stashing: ``stashing``); its iterations are slices of one 1F1B
+sequence over the call. Within an iteration the work is a task DAG over three lanes
+(``lanes``): downloads of inputs and gradients, computation, and uploads run at the same time.
 
 Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
 micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and
@@ -192,8 +192,6 @@ class StageTrainer:
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._prefetched: dict[int, Future] = {}
-        # what each tensor input must be (the manifest's example shape, dtype and free
-        # dimensions): a wrong value is refused naming it, not failed on inside generated code
         # 1f1b-async (``stashing``): the call's tasks by iteration, micro-batches in flight
         # across iterations, the weight versions they hold, the steps taken since the call
         # began and the forwards run (the version a vertical-sync forward asks for)
@@ -204,6 +202,8 @@ class StageTrainer:
         self._in_flight: dict[int, dict[int, MicroBatchState]] = {}
         self.call_steps = 0
         self._forwards_run = 0
+        # what each tensor input must be (the manifest's example shape, dtype and free
+        # dimensions): a wrong value is refused naming it, not failed on inside generated code
         self.input_specs = received_specs(stage_input_specs(getattr(module, "flatpack_manifest", {})),
                                           [name for name in self.stage.inputs if self.stage.sources[name] != DATA_SOURCE],
                                           spec.precision)

@@ -96,7 +96,7 @@ def test_bf16_asynchronous_run_keeps_float32_masters_and_the_simulations_losses(
 
 
 def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, micro_batches: int, tmp_path,
-                   vertical_sync: bool = False) -> tuple[list[tuple[int, str, int, int, int, float]], list[StageTrainer]]:
+                   vertical_sync: bool = False) -> tuple[list[tuple], list[StageTrainer]]:
     """Every stage's StageTrainer in a thread of this process over a file store (what the
     functions run, without their processes), recording each task's weight version and a
     fingerprint of the weights it computes with: (stage, kind, sequence, version, step, sum)."""
