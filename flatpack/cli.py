@@ -15,6 +15,7 @@ from flatpack import logs
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES, SYNC_METHODS
+from flatpack.runtime.spec import SCHEDULES
 from flatpack.table import format_table
 
 LOG = logs.get("cli")
@@ -506,7 +507,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     iterations = args.iterations if args.iterations is not None or args.data else 4
     options = JobOptions(batch=args.batch, micro_batches=args.micro_batches, iterations=iterations,
-                         **_training_knobs(args), schedule=args.schedule, sync=args.sync,
+                         **_training_knobs(args), schedule=args.schedule, vertical_sync=args.vertical_sync,
+                         sync=args.sync,
                          solver=args.solver, passes=args.passes, replicas=_ints(args.replicas, "--replicas"),
                          memory_mb=_ints(args.memory, "--memory") if args.memory else None, out=Path(args.out),
                          verify=not args.no_verify, pick=args.pick, checkpoint_every=args.checkpoint_every,
@@ -956,8 +958,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "synthetic batches of another seed)")
     run_parser.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                             help="hold out the last F of --data's shards (whole shards) for --eval-every")
-    run_parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b"],
-                            help="FuncPipe's synchronous schedule or PipeDream's 1F1B with a flush")
+    run_parser.add_argument("--schedule", default="sync", choices=SCHEDULES,
+                            help="FuncPipe's synchronous schedule, PipeDream's 1F1B with a flush, or PipeDream's "
+                                 "asynchronous 1F1B: no flush, an optimizer step per micro-batch, weight stashing "
+                                 "(one replica per stage; the pipeline drains at the end of each call)")
+    run_parser.add_argument("--vertical-sync", action="store_true",
+                            help="with --schedule 1f1b-async: every stage computes a micro-batch with the weight "
+                                 "version the first stage used for it (PipeDream's vertical sync)")
     run_parser.add_argument("--sync", default="pipelined", choices=SYNC_METHODS,
                             help="pipelined scatter-reduce (FuncPipe) or LambdaML's three phases")
     run_parser.add_argument("--solver", default="dp")

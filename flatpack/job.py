@@ -26,6 +26,7 @@ from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
 from flatpack.runtime.reference import call, first_output
+from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
 from flatpack.verdict import pipeline_optimizer_state, verdict
 
 LOG = logs.get("job")
@@ -61,6 +62,7 @@ class JobOptions:
     eval_data: Any = None
     eval_fraction: float = 0.0
     schedule: str = "sync"
+    vertical_sync: bool = False            # 1f1b-async: every stage on the first stage's weight version
     sync: str = "pipelined"
     solver: str = "dp"
     passes: str | None = None
@@ -142,15 +144,18 @@ class JobOptions:
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
              f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
         spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
+        need(self.schedule in SCHEDULES, f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        check_async_options(self.schedule, self.vertical_sync, self.replicas, spec)
         need(self.iterations is None or self.iterations % spec.accumulate == 0,
              f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
              f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
              f"{(self.iterations or 0) // spec.accumulate * spec.accumulate or spec.accumulate} or another "
              "--accumulate")
         need(spec.schedule is None or self.iterations is None
-             or spec.schedule.warmup < (self.iterations // spec.accumulate),
+             or spec.schedule.warmup < self.optimizer_steps(self.iterations),
              f"--warmup {spec.schedule.warmup if spec.schedule else 0} is not shorter than the run's "
-             f"{(self.iterations or 0) // spec.accumulate} optimizer steps; use a shorter warm-up or more --iterations")
+             f"{self.optimizer_steps(self.iterations or 0)} optimizer steps; use a shorter warm-up or more "
+             "--iterations")
         need(isinstance(self.eval_every, int) and self.eval_every >= 0,
              f"--eval-every must be a number of iterations >= 0 (0: no evaluation), got {self.eval_every}")
         need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,
@@ -209,6 +214,13 @@ class JobOptions:
             solver_for(self.solver)
 
 
+    def optimizer_steps(self, iterations: int) -> int:
+        """The optimizer steps of ``iterations``: one per K under --accumulate K, and one per
+        micro-batch under 1f1b-async (PipeDream's minibatch)."""
+        if self.schedule == ASYNC_SCHEDULE:
+            return iterations * self.micro_batches
+        return iterations // self.accumulate if isinstance(self.accumulate, int) and self.accumulate >= 1 else 1
+
     def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec:
         """The run's optimizer as the plain data every stage and the reference build it from;
         a schedule's length (cosine's T_max, ...) defaults to the run's optimizer steps after
@@ -229,9 +241,8 @@ class JobOptions:
         lr = options.pop("lr", self.lr)
         schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
                     else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
-        steps = iterations // self.accumulate if isinstance(self.accumulate, int) and self.accumulate >= 1 else 1
         return OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm,
-                             schedule.with_length(steps) if schedule is not None else None,
+                             schedule.with_length(self.optimizer_steps(iterations)) if schedule is not None else None,
                              self.clip_grad_norm, self.accumulate)
 
 
@@ -598,7 +609,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 "backward (the tier chosen does not hold them; one more forward each)")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
         every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, options.iterations)
-        if options.checkpoint_every:
+        if options.schedule == ASYNC_SCHEDULE:
+            # micro-batches are in flight between iterations: only a drained pipeline checkpoints
+            every = options.eval_every or options.iterations
+            why = "1f1b-async checkpoints only where its pipeline drains, at the end of each call"
+        elif options.checkpoint_every:
             why = "as asked"
         elif checkpoints.overhead(cost.iteration_s, every) <= 0.05:
             why = "the shortest interval whose upload costs at most 5% of an iteration"
@@ -620,6 +635,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
         # no workload to default them from), so `flatpack resume` retrains the same way
         train_options = {"optimizer": spec.to_json(), "schedule": options.schedule,
+                         "vertical_sync": options.vertical_sync,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
                          "non_finite": options.non_finite, "precision": options.precision,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}

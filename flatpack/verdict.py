@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flatpack.runtime.reference import call, first_output, train_single_process
+from flatpack.runtime.reference import call, first_output, train_async_single_process, train_single_process
+from flatpack.runtime.spec import ASYNC_SCHEDULE
 
 if TYPE_CHECKING:
     from flatpack.job import JobOptions
@@ -283,6 +284,13 @@ def fixed_buffers_of(compiled: Any) -> Any:
     return lambda m: {name for replicas, names in by_stage if m % replicas for name in names}
 
 
+def parameter_stages(compiled: Any) -> dict[str, int]:
+    """Each parameter's stage by every name it has (the stages' manifests): which stage's
+    weight versions it follows in the asynchronous schedule's simulation."""
+    return {alias: artifact.index for artifact in compiled.artifacts for entry in artifact.manifest["parameters"]
+            for alias in {entry["name"], *(entry.get("aliases") or [])}}
+
+
 def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Each trainable parameter's optimizer tensors in the last checkpoint every stage took,
     by every name the parameter has (stage optimizers index them in manifest order)."""
@@ -323,11 +331,21 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptio
     # a tied weight is checkpointed under one name; the reference's state_dict has each
     parameters = with_aliases(compiled, parameters)
     reference_state: dict[str, dict[str, torch.Tensor]] = {}
-    reference, _ = train_single_process(initial, batches, options.iterations, loss=loss, optimizer=optimizer,
-                                        micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
-                                        optimizer_state=reference_state, precision=options.precision)
+    if options.schedule == ASYNC_SCHEDULE:
+        # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
+        # calls of N iterations, and the pipeline drains at the end of each
+        reference, _ = train_async_single_process(
+            initial, batches, options.iterations, stage_of=parameter_stages(compiled), stages=len(stages),
+            micro_batches=micro_batches, optimizer=optimizer, loss=loss, vertical_sync=options.vertical_sync,
+            call_iterations=options.eval_every or None, optimizer_state=reference_state, precision=options.precision)
+    else:
+        reference, _ = train_single_process(initial, batches, options.iterations, loss=loss, optimizer=optimizer,
+                                            micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
+                                            optimizer_state=reference_state, precision=options.precision)
+    # the bounds grow with the optimizer's steps: one per micro-batch under 1f1b-async
+    iterations = options.iterations * (micro_batches if options.schedule == ASYNC_SCHEDULE else 1)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
-                                                optimizer, options.iterations, options.precision,
+                                                optimizer, iterations, options.precision,
                                                 initial.state_dict())
     found.equivalent = not found.note and all(check.passed for check in found.checks)
     return found

@@ -213,7 +213,8 @@ class FunctionDeployment:
               elastic: Elastic | None = None, epoch_iterations: int | None = None,
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
               timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
-              store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32") -> TrainResult:
+              store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32",
+              vertical_sync: bool = False) -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -232,6 +233,10 @@ class FunctionDeployment:
         (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
         ``precision``: "fp32", or "bf16" (autocast in every stage, float32 master weights and
         optimizer state, bfloat16 tensors between stages: ``runtime.precision``).
+        ``schedule``: "sync" (FuncPipe), "1f1b" (PipeDream's 1F1B with a flush per
+        iteration) or "1f1b-async" (PipeDream's 1F1B without a flush, an optimizer step per
+        micro-batch with weight stashing, and with ``vertical_sync`` every stage on the first
+        stage's version: ``runtime.stashing``; the pipeline drains at the end of the call).
         ``non_finite``: what a NaN or infinity does, in the inputs (checked before launch,
         ``backends.batch_checks``) and in an iteration's loss (checked as each iteration is
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
@@ -269,12 +274,17 @@ class FunctionDeployment:
                        time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
                        first_iteration=first, initial_checkpoint=self.consistent_checkpoint(),
                        shared=self._shared(),
-                       faults=tuple(faults), store_faults=store_faults, precision=precision)
+                       faults=tuple(faults), store_faults=store_faults, precision=precision,
+                       vertical_sync=vertical_sync)
+        if spec.asynchronous and elastic is not None:
+            raise InputError("elastic re-scaling changes replica degrees between epochs, and 1f1b-async runs one "
+                             "replica per stage; use --schedule 1f1b for an elastic run, or leave elastic out")
         spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
         record = CallRecord(first, iterations, spec.initial_checkpoint, batch_offset,
                             {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
                              "schedule": schedule, "sync": sync, "threads": threads,
-                             "checkpoint_every": checkpoint_every, "precision": precision})
+                             "checkpoint_every": checkpoint_every, "precision": precision,
+                             "vertical_sync": vertical_sync})
         self.store.put(self.keys.call(first), record.dumps())
         run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
                    epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite)

@@ -64,7 +64,7 @@ from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES
                                           RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
                                           timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.spec import RunSpec, shared_holders, stage_specs
+from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
 
 NAME = "gpu-container"
@@ -120,6 +120,9 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
         raise InputError(f"the plan has stages {recomputing} recompute their activations, which GPU-container ranks "
                          "do not do; compile with Workload(recompute=\"never\") (flatpack run --recompute never) "
                          "for this target, or train these stages on functions")
+    if schedule == ASYNC_SCHEDULE:
+        raise InputError("the 1f1b-async schedule runs on functions (the local, Lambda and Alibaba FC backends); "
+                         "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target")
     micro_batches = micro_batches or default_micro_batches(compiled)
     if batch < micro_batches:
         raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "

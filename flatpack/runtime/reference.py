@@ -3,13 +3,14 @@
 The same optimizer spec and loss on the same global batches, the loss a mean over the
 global batch, optionally cut into the pipeline's micro-batches (gradient accumulation).
 ``flatpack run``/``demo`` (``job.py``) and the equivalence tests compare a run's final
-parameters with these.
+parameters with these. :func:`train_async_single_process` simulates the asynchronous 1F1B
+(weight stashing) in one process, what a ``1f1b-async`` run must equal.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,6 +37,13 @@ def call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     return model(*inputs)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer,
+                      named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each trainable parameter's optimizer tensors (Adam's moments, SGD's momentum) by name."""
+    return {name: {key: value for key, value in opt.state.get(param, {}).items()
+                   if isinstance(value, torch.Tensor) and value.dim()} for name, param in named}
 
 
 def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
@@ -115,7 +123,81 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
             scheduler.step()
         opt.zero_grad(set_to_none=True)
     if optimizer_state is not None:
-        for name, param in named:
-            optimizer_state[name] = {key: value for key, value in opt.state.get(param, {}).items()
-                                     if isinstance(value, torch.Tensor) and value.dim()}
+        optimizer_state.update(optimizer_tensors(opt, named))
+    return trained, losses
+
+
+def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
+                               stage_of: Mapping[str, int], stages: int, micro_batches: int,
+                               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
+                               vertical_sync: bool = False, call_iterations: int | None = None,
+                               optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
+                               copy_model: bool = True, precision: str = "fp32") -> tuple[nn.Module, list[float]]:
+    """Single-process simulation of PipeDream's asynchronous 1F1B with weight stashing
+    (``schedule="1f1b-async"``, ``runtime.stashing``): what such a pipelined run must equal.
+
+    The call's micro-batches g = 0, 1, ... (each global batch cut as the pipeline cuts it)
+    run in order; micro-batch g computes its forward and backward with, for each parameter,
+    the version its stage (``stage_of[name]`` of ``stages``) had stashed for it
+    (``stashing.forward_version``: the stage's own steps before its forward of g, or under
+    ``vertical_sync`` the first stage's), its loss is its own mean, and its gradient steps
+    the latest weights: one optimizer step per micro-batch, on every stage alike. g counts
+    from the start of a ``train()`` call, where the pipeline starts empty:
+    ``call_iterations`` N simulates calls of N iterations each (None: one call). Every
+    version is kept here; a stage keeps only those its in-flight micro-batches hold. The
+    losses are each global batch's mean (micro-batch means weighted by their share);
+    ``optimizer_state`` as :func:`train_single_process` fills it."""
+    from flatpack.runtime.precision import autocast
+    from flatpack.runtime.spec import check_precision, micro_batch_size, split_value
+    from flatpack.runtime.stashing import forward_version
+
+    check_precision(precision)
+    if micro_batches < 1:
+        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
+    trained = copy.deepcopy(model) if copy_model else model
+    trained.train()
+    spec = OptimizerSpec.of(optimizer)
+    named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+    missing = [name for name, _ in named if name not in stage_of]
+    if missing:
+        raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's stage")
+    opt = spec.build(p for _, p in named)
+    scheduler = spec.build_schedule(opt)
+    if call_iterations is not None and call_iterations < 1:
+        raise InputError(f"call_iterations must be at least 1 (iterations per train() call), got {call_iterations}")
+    history = {0: {name: p.detach().clone() for name, p in named}}     # steps taken -> weights
+    batch_for = batches if callable(batches) else batches.__getitem__
+    losses = []
+    for iteration in range(iterations):
+        inputs, target = batch_for(iteration)
+        rows = next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
+                    if isinstance(leaf, torch.Tensor) and leaf.dim())
+        total = 0.0
+        for m in range(micro_batches):
+            steps = iteration * micro_batches + m
+            # the micro-batch's place in its call's 1F1B sequence, and the steps before the call
+            call_start = (iteration - iteration % call_iterations if call_iterations else 0) * micro_batches
+            sequence = steps - call_start
+            piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
+            piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
+            versions = {name: call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)
+                        for name, _ in named}
+            weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
+            args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
+                                                                         else tuple(piece), {})
+            with autocast(precision):
+                output = first_output(torch.func.functional_call(trained, weights, args, kwargs))
+                value = loss_value(loss, output, piece_target)
+            value.backward()
+            total += float(value.detach()) * micro_batch_size(rows, micro_batches, m) / rows
+            for name, param in named:
+                param.grad = weights[name].grad
+            opt.step()
+            if scheduler is not None:
+                scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            history[steps + 1] = {name: p.detach().clone() for name, p in named}
+        losses.append(total)
+    if optimizer_state is not None:
+        optimizer_state.update(optimizer_tensors(opt, named))
     return trained, losses

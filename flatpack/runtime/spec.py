@@ -17,7 +17,10 @@ from flatpack.partitioner.workload import PRECISIONS
 from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 
-SCHEDULES = ("sync", "1f1b")
+# "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
+# weight stashing (runtime.stashing)
+SCHEDULES = ("sync", "1f1b", "1f1b-async")
+ASYNC_SCHEDULE = "1f1b-async"
 DATA_SOURCE = -1   # an input that comes from the data, not from an earlier stage
 
 
@@ -67,10 +70,15 @@ class RunSpec:
     # see runtime.chaos; None: none
     store_faults: dict | None = None
     precision: str = "fp32"            # one of PRECISIONS
+    # 1f1b-async only: every stage uses the weight version the first stage used for a
+    # micro-batch (PipeDream's vertical sync), not its own latest
+    vertical_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        check_async_options(self.schedule, self.vertical_sync, [stage.replicas for stage in self.stages],
+                            self.optimizer, sorted(self.shared), self.time_limit_s)
         check_precision(self.precision)
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
@@ -81,11 +89,20 @@ class RunSpec:
                                  f"{self.micro_batches} micro-batches; some replicas would idle. Use at most "
                                  f"{self.micro_batches} replicas or more micro-batches")
 
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule == ASYNC_SCHEDULE
+
     def checkpoints_after(self, iteration: int, segment_end: int) -> bool:
         """Whether replica 0 of every stage checkpoints after ``iteration``: every
         ``checkpoint_every``-th iteration of the call and the last of each segment. The
         invoker keeps an iteration's tensors until the next such checkpoint, so a lost
-        stage replays from its last checkpoint with its neighbours' tensors still there."""
+        stage replays from its last checkpoint with its neighbours' tensors still there.
+        Under 1f1b-async only the last of each segment: between iterations micro-batches
+        are in flight with stashed weights that a checkpoint of the weights would not hold,
+        so a lost stage replays the segment from its start (every step is deterministic)."""
+        if self.asynchronous:
+            return iteration == segment_end - 1
         return (iteration + 1 - self.first_iteration) % self.checkpoint_every == 0 or iteration == segment_end - 1
 
     def checkpoint_before(self, start_iteration: int) -> int | None:
@@ -163,6 +180,36 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
                 consumers[producer].add(index)
         sources.append(stage_sources)
     return sources, [tuple(sorted(c)) for c in consumers]
+
+
+def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[int], optimizer: OptimizerSpec,
+                        shared: Sequence[str] = (), time_limit_s: float | None = None) -> None:
+    """Refuses what the asynchronous 1F1B does not combine with, before any function starts
+    (``RunSpec`` and ``flatpack run``'s options both ask): it steps each stage after every
+    micro-batch on that stage's own gradient, so nothing that needs every stage (or every
+    replica) at one step can run, and it has micro-batches in flight between iterations."""
+    if schedule != ASYNC_SCHEDULE:
+        if vertical_sync:
+            raise InputError(f"vertical sync applies to the 1f1b-async schedule, not {schedule!r}; use "
+                             "--schedule 1f1b-async --vertical-sync, or leave --vertical-sync out")
+        return
+    fix = "use --schedule 1f1b (flushed) for it, or run 1f1b-async without it"
+    if any(degree > 1 for degree in replicas):
+        raise InputError(f"1f1b-async runs one replica per stage (PipeDream's 1F1B-RR is not built), but the replica "
+                         f"degrees are {list(replicas)}; use --replicas 1, or {fix}")
+    if optimizer.clip_grad_norm is not None:
+        raise InputError(f"--clip-grad-norm {optimizer.clip_grad_norm} needs every stage's gradient of one step, but "
+                         f"1f1b-async steps each stage on its own micro-batch; {fix}")
+    if optimizer.accumulate != 1:
+        raise InputError(f"--accumulate {optimizer.accumulate}: 1f1b-async steps after every micro-batch (PipeDream's "
+                         f"minibatch), so there is nothing to accumulate; use larger micro-batches, or {fix}")
+    if shared:
+        raise InputError(f"tied weights {list(shared)} are held by several stages, which must step together, but "
+                         f"1f1b-async steps each stage alone; untie them, or {fix}")
+    if time_limit_s is not None:
+        raise InputError(f"a function time limit ({time_limit_s} s) re-invokes a function between iterations, where "
+                         "1f1b-async has micro-batches in flight; train in calls short enough for the platform's "
+                         f"limit (the pipeline drains at the end of each call) with time_limit_s=None, or {fix}")
 
 
 def check_precision(precision: Any) -> None:

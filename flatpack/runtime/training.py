@@ -4,8 +4,10 @@ Each iteration is FuncPipe's synchronous schedule (§3.2): the forwards of every
 micro-batch the replica owns, then their backwards in reverse order, then the gradient
 synchronization among the stage's replicas (``collectives.scatter_reduce``) and the
 optimizer step. ``schedule="1f1b"`` interleaves them as PipeDream's one-forward-one-backward
-with a flush. Within an iteration the work is a task DAG over three lanes (``lanes``):
-downloads of inputs and gradients, computation, and uploads run at the same time.
+with a flush. ``schedule="1f1b-async"`` is PipeDream's 1F1B without a flush (one optimizer
+step per micro-batch, weight stashing: ``stashing``); its iterations are slices of one 1F1B
+sequence over the call. Within an iteration the work is a task DAG over three lanes
+(``lanes``): downloads of inputs and gradients, computation, and uploads run at the same time.
 
 Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
 micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and
@@ -32,6 +34,7 @@ from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import autocast, for_wire, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
+from flatpack.runtime.stashing import AsyncTask, WeightStash, async_chunks, forward_version
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
 
@@ -150,6 +153,14 @@ class MicroBatchState:
     outputs: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     target: Any = None      # the last stage's targets, for a recomputed forward's loss
+    # 1f1b-async: the stashed weight version the forward used, as the leaf tensors autograd
+    # saved (by original name), so that the backward computes the gradient on them
+    version: int | None = None
+    weights: dict[str, torch.Tensor] | None = None
+
+
+# (kind "F" | "B", iteration, micro-batch, weight version, the weights the task computes with)
+WeightObserver = Callable[[str, int, int, int, dict[str, torch.Tensor]], None]
 
 
 class StageTrainer:
@@ -158,7 +169,8 @@ class StageTrainer:
 
     def __init__(self, spec: RunSpec, role: Role, store: Store, module: nn.Module, recorder: Recorder,
                  *, after_task: Callable[[str, int, int | None], None] | None = None,
-                 throttle_compute: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+                 throttle_compute: Callable[[Callable[[], Any]], Any] | None = None,
+                 observe_weights: WeightObserver | None = None) -> None:
         self.spec = spec
         self.role = role
         self.stage = spec.stages[role.stage]
@@ -180,6 +192,16 @@ class StageTrainer:
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
         self._prefetched: dict[int, Future] = {}
+        # 1f1b-async (``stashing``): the call's tasks by iteration, micro-batches in flight
+        # across iterations, the weight versions they hold, the steps taken since the call
+        # began and the forwards run (the version a vertical-sync forward asks for)
+        self.observe_weights = observe_weights
+        self.attrs = {entry["name"]: entry["attr"] for entry in module.flatpack_manifest["parameters"]}
+        self.stash = WeightStash(self.trainable) if spec.asynchronous else None
+        self._chunks: list[list[AsyncTask]] | None = None
+        self._in_flight: dict[int, dict[int, MicroBatchState]] = {}
+        self.call_steps = 0
+        self._forwards_run = 0
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
         self.input_specs = received_specs(stage_input_specs(getattr(module, "flatpack_manifest", {})),
@@ -291,6 +313,8 @@ class StageTrainer:
                     and self.stage.sources[name] != DATA_SOURCE):
                 value = value.detach().requires_grad_(True)
             state.inputs[name] = value
+        if self.stash is not None:
+            self._stashed_weights("F", iteration, micro_batch, state)
         start = time.time()
         # a recomputing stage keeps only its inputs: the forward builds no autograd graph and
         # the backward runs it again (``_recompute``)
@@ -306,9 +330,17 @@ class StageTrainer:
         args = [state.inputs[name] for name in self.stage.inputs]
         with torch.random.fork_rng(devices=[]), autocast(self.spec.precision):
             torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
-            outputs = self.module(*args)
+            if state.weights is None:
+                outputs = self.module(*args)
+            else:
+                # the stashed version in place of the live parameters (which later steps change)
+                outputs = torch.func.functional_call(
+                    self.module, {self.attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
             state.outputs = dict(zip(self.stage.outputs, outputs))
-            if self.is_last:
+            if self.is_last and self.spec.asynchronous:
+                # each micro-batch is a step of its own (PipeDream's minibatch): its mean loss
+                state.loss = loss_value(self.spec.loss, state.outputs[self.spec.loss_output], state.target)
+            elif self.is_last:
                 state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output], state.target)
 
     def _recompute(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
@@ -353,7 +385,13 @@ class StageTrainer:
         input_grads = input_gradients(state.inputs)
         if self.is_last and state.loss is not None:
             # the report's loss is the batch's mean, whatever the accumulation's 1/K weight
-            self._loss_total += float(state.loss.detach()) * self.spec.optimizer.accumulate
+            # (1f1b-async: each micro-batch's mean, weighted by its share of the batch)
+            weight = (micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch) / self.spec.batch
+                      if self.spec.asynchronous else self.spec.optimizer.accumulate)
+            self._loss_total += float(state.loss.detach()) * weight
+        if self.stash is not None:
+            self._stashed_weights("B", iteration, micro_batch, state)
+            self._step_on(state)
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
@@ -366,6 +404,9 @@ class StageTrainer:
     # one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int, lanes: Lanes) -> None:
         self._loss_total = 0.0
+        if self.stash is not None:
+            self._run_async_iteration(iteration, lanes)
+            return
         owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
         order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
         prefetched, self._prefetched = self._prefetched, {}
@@ -403,6 +444,83 @@ class StageTrainer:
         lanes.submit("upload", self._mark, iteration, "computed")
         lanes.submit("compute", self._synchronize, iteration, lanes).result()
         lanes.submit("compute", self._update, iteration).result()
+
+    # the asynchronous 1F1B ------------------------------------------------------------------
+    def _run_async_iteration(self, iteration: int, lanes: Lanes) -> None:
+        """Iteration ``iteration``'s slice of the call's one 1F1B sequence: its forwards, and
+        the backwards (of this or earlier iterations) between them. Micro-batches forwarded
+        here may be backwarded in a later slice; nothing waits for the pipeline to empty
+        before the call's last iteration. A slice waits only for its own tasks."""
+        if self._chunks is None:
+            self._chunks = async_chunks(self.role.start_iteration, self.role.end_iteration, self.spec.micro_batches,
+                                        self.role.stage, len(self.spec.stages))
+        forwards: dict[tuple[int, int], Future] = {}
+        uploads: dict[tuple[int, int], Future] = {}
+        pending: list[Future] = []
+        for task in self._chunks[iteration - self.role.start_iteration]:
+            key = (task.iteration, task.micro_batch)
+            states = self._in_flight.setdefault(task.iteration, {})
+            if task.kind == "F":
+                fetched = lanes.submit("download", self._fetch_inputs, task.iteration, task.micro_batch)
+                forwards[key] = lanes.submit("compute", self._forward, task.iteration, task.micro_batch, fetched,
+                                             states, after=[fetched])
+                pending.append(forwards[key])
+                if not self.is_last:
+                    uploads[key] = lanes.submit("upload", self._upload_outputs, task.iteration, task.micro_batch,
+                                                states, after=[forwards[key]])
+                    pending.append(uploads[key])
+                continue
+            # as in run_iteration, the backward releases the state its forward and upload read
+            # (a micro-batch forwarded in an earlier slice: that slice waited for both)
+            fetched = (None if self.is_last
+                       else lanes.submit("download", self._fetch_gradients, task.iteration, task.micro_batch))
+            done = lanes.submit("compute", self._backward, task.iteration, task.micro_batch, fetched, states,
+                                after=[forwards.get(key), uploads.get(key), fetched])
+            pending.append(lanes.submit("upload", self._upload_gradients, task.iteration, task.micro_batch, done,
+                                        after=[done]) if self._sends_gradients else done)
+        lanes.submit("upload", self._mark, iteration, "forwarded", after=list(forwards.values()))
+        for future in pending:
+            future.result()
+        self._in_flight = {number: states for number, states in self._in_flight.items() if states}
+        lanes.submit("upload", self._mark, iteration, "computed")
+        if self.is_last:
+            self.losses[iteration] = self._loss_total
+
+    def _stashed_weights(self, kind: str, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """A forward takes its weight version from the stash (the live weights, kept as that
+        version, unless vertical sync asks for an older one); its backward hands the same
+        leaves to the observer, if any."""
+        if kind == "F":
+            sequence = self._forwards_run
+            self._forwards_run += 1
+            state.version = forward_version(sequence, self.role.stage, len(self.spec.stages), self.spec.vertical_sync)
+            if state.version == self.call_steps:
+                self.stash.snapshot(state.version)
+            state.weights = self.stash.acquire(state.version)
+        if self.observe_weights is not None:
+            self.observe_weights(kind, iteration, micro_batch, state.version, state.weights)
+
+    def _step_on(self, state: MicroBatchState) -> None:
+        """After a micro-batch's backward: its gradient (on its version's leaves) steps the
+        live parameters, and the stash lets go of the versions nothing needs any more."""
+        for name, param in self.trainable.items():
+            param.grad = state.weights[name].grad
+        # release first, so that a version nobody holds any more is not copied for the step;
+        # without vertical sync no later forward asks for the current version once it is stepped
+        oldest_wanted = (forward_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
+                         if self.spec.vertical_sync else self.call_steps + 1)
+        self.stash.release(state.version, oldest_wanted)
+        state.weights = None
+        self.stash.before_step(self.call_steps)
+        self.throttle_compute(self.optimizer.step)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self.call_steps += 1
+        if self.spec.vertical_sync:
+            # a later forward asks for the first stage's version, older than this stage's
+            self.stash.snapshot(self.call_steps)
 
     @property
     def _reads_only_data(self) -> bool:

@@ -87,6 +87,13 @@ def stage_seconds(compute_s: float, sync_bytes: float, replicas: int, bandwidth_
     return max(compute_s / replicas, ring_allreduce_seconds(sync_bytes, replicas, bandwidth_bytes_s))
 
 
+def versions_in_flight(plan: Plan, stage: int) -> int:
+    """Micro-batches (and weight versions) stage ``stage`` holds at once (§5.3.3): the
+    workers from it to the end over its replicas, S − s in a straight pipeline. The
+    ``1f1b-async`` runtime holds exactly these (``runtime.stashing.WeightStash``)."""
+    return math.ceil(sum(later.replicas for later in plan.stages[stage:]) / plan.stages[stage].replicas)
+
+
 def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
     """Steady-state time per micro-batch (the slowest stage or cut), time and dollars per
     iteration of M micro-batches, and per-stage memory of ``plan`` under PipeDream's model
@@ -101,7 +108,7 @@ def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
         fwd, bwd = layer_times(problem, stage.start, stage.end, tier, micro)
         grads = gradient_bytes(problem, stage.start, stage.end)
         sync = ring_allreduce_seconds(grads, stage.replicas, tier.bandwidth_bytes_s)
-        in_flight = math.ceil(sum(later.replicas for later in plan.stages[s:]) / stage.replicas)
+        in_flight = versions_in_flight(plan, s)
         memory = stage_memory(problem, stage.start, stage.end, tier,
                               micro_batches_in_flight=in_flight, weight_versions=in_flight)
         stages.append(StageCost(s, stage.start, stage.end, tier.memory_mb, stage.replicas, fwd + bwd, grads, sync,
