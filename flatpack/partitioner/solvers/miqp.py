@@ -826,15 +826,12 @@ class _CpModel:
             return cp_model.LinearExpr.weighted_sum([x[a] for a in indices], [coefficients[a] for a in indices])
 
         self.forward_lag = self.suffix_lag = self.stage_lag = None
-        self.forward_levels: list[int] = []
-        self.forward_steps: list = []
         if lags > 0:
             # Δ_f ≥ the lag of the stage covering layer k, for every k (exactly one covers it,
             # which makes these rows tighter in the LP than one row per arc)
             self.forward_lag = model.new_int_var(0, max(forward_lag), "forward_lag")
             for k in range(count):
                 model.add(self.forward_lag >= weighted(covering[k], forward_lag))
-            self.forward_levels, self.forward_steps = self._staircase(forward_lag)
             top = max(lag)
             # Λ_i: the largest lag of the stages starting at i or later (Λ_L = 0)
             self.suffix_lag = [model.new_int_var(0, top, f"suffix_lag{i}") for i in range(count)] + [0]
@@ -892,27 +889,6 @@ class _CpModel:
             model.add(target <= self.limit)
         model.minimize(target)
 
-    def _staircase(self, lags: Sequence[int]) -> tuple[list[int], list]:
-        """The bottleneck Δ_f as a staircase over its possible values v_0 < … < v_n (the
-        distinct arc lags): y_j is 1 when the plan uses an arc of lag ≥ v_j (x_a ≤ y_j at a's
-        level, y_j ≥ y_{j+1}), and Δ_f ≥ v_0 + Σ_j (v_j − v_{j−1})·y_j — equal to the
-        largest lag on integer plans, and in the LP relaxation the largest fractional use
-        of each level rather than the covering rows' average (the (µ − 1)·Δ_f term weighs
-        15× at M = 16, d = 1, where the covering rows alone left 20–30 % gaps)."""
-        from ortools.sat.python import cp_model
-
-        levels = sorted(set(lags))
-        steps = [self.model.new_bool_var(f"forward_level{j}") for j in range(1, len(levels))]
-        for upper, lower in zip(steps[1:], steps):
-            self.model.add(upper <= lower)
-        position = {value: j for j, value in enumerate(levels)}
-        for variable, lag in zip(self.x, lags):
-            if position[lag] > 0:
-                self.model.add(variable <= steps[position[lag] - 1])
-        rises = [high - low for low, high in zip(levels, levels[1:])]
-        self.model.add(self.forward_lag >= levels[0] + cp_model.LinearExpr.weighted_sum(steps, rises))
-        return levels, steps
-
     def model_from_true(self, value: float) -> float:
         return value / self._unit()
 
@@ -933,8 +909,6 @@ class _CpModel:
         values = path_values(path, self.part.per_replica, self.scaling.ticks)
         if self.forward_lag is not None:
             self.model.add_hint(self.forward_lag, values.forward_lag)
-            for step, level in zip(self.forward_steps, self.forward_levels[1:]):
-                self.model.add_hint(step, values.forward_lag >= level)
             for i in range(self.part.num_layers):
                 self.model.add_hint(self.suffix_lag[i], values.suffix_lag[i])
                 self.model.add_hint(self.stage_lag[i], values.stage_lag[i])
