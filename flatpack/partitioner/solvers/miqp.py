@@ -22,6 +22,9 @@ for all stages, a tier per stage, M from the allowed set.
   Every stage quantity of App. B is then a constant of its arc: compute (with the
   overlap slowdown β), the uploads and downloads at each side (a boundary's upload uses the
   left stage's bandwidth, its download the right one's), the scatter-reduce t_s (eq. 12).
+* Symmetry breaking on tiers: an arc that another arc of the same stage beats in price and
+  in every time term is left out (:func:`undominated_arcs`); no plan loses by the swap, and
+  a warm start on a left-out arc maps onto its stand-in (``Subproblem.stand_ins``).
 * The maxima of eq. 9 and eq. 11 are modelled as lower bounds only (Δ_f ≥ each candidate,
   Λ_i ≥ Λ_{i+1}, …): every objective here grows with them, so at an optimum each equals its
   max and App. C's big-M technique 3 is not needed. t_iter = t_f + max_s(t_b + t_s) (eq. 7)
