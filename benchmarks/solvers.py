@@ -8,6 +8,8 @@ four weight pairs (α₁, α₂) ∈ {(1, 0), (1, 2¹⁶), (1, 2¹⁹), (1, 2²�
     python benchmarks/solvers.py --quick               # one model, L = 16 and 32
     python benchmarks/solvers.py --models bert-large --layers 16,32,64,128 --solvers dp,miqp \\
         --miqp-time-limit 60 --timeout 300 --repeats 1
+    python benchmarks/solvers.py --models gpt2-medium-48 --layers 192 --solvers dp --no-profile \\
+        --check-layers 0                               # the 48-block GPT-2-medium chain (synthetic_gpt)
     python benchmarks/solvers.py --done-when           # issue 20's table: bert-large and
         # amoebanet-d36 at L = 64 and 128, dp against dp-reference, all four weight pairs and
         # the one-call front (about 10 minutes on 2 quiet cores, most of it the reference)
@@ -95,6 +97,10 @@ DP_SPECS = {"dp": "dp", "dp-reference": "dp{reference=true}"}
 # the table of issue 20's "Done when" (two models at L = 64 and 128, dp against its reference)
 DONE_WHEN = ["--models", "bert-large,amoebanet-d36", "--layers", "64,128", "--solvers", "dp,dp-reference",
              "--timeout", "120", "--front-timeout", "120", "--no-profile", "--check-layers", "0"]
+# GPT-2-medium-sized (issue 20): no zoo entry has 48 blocks, so the chain is built from one
+# profiled block (synthetic_gpt)
+SYNTHETIC_GPT = "gpt2-medium-48"
+GPT_BLOCKS, GPT_LAYERS_PER_BLOCK, GPT_TOKENS = 48, 4, 1024
 TARGET = "aws-lambda"
 REPLICAS = (1, 2, 4, 8, 16)
 BATCH, MICRO_BATCHES = 64, 16
@@ -115,9 +121,12 @@ class Base:
     trace_s: float
     profile_s: float
     cache_hit: bool
+    problem: Any = None       # a synthetic chain's Problem (built at one length; no graph to coarsen)
 
 
 def base_chain(name: str, batch: int, profile_options) -> Base:
+    if name == SYNTHETIC_GPT:
+        return synthetic_gpt(batch, profile_options)
 
     from flatpack import compiler, zoo
     from flatpack.ir.graph import LayerGraph
@@ -139,9 +148,71 @@ def base_chain(name: str, batch: int, profile_options) -> Base:
     return Base(name, passes, graph, leaves, len(graph.layers), trace_s, profile_s, profile.cache_hit)
 
 
+def synthetic_gpt(batch: int, profile_options) -> Base:
+    """A GPT-2-medium-sized chain of ``GPT_BLOCKS`` transformer blocks that no zoo entry has,
+    built from one profiled block: GPT2LMHeadModel at GPT-2 medium's width (1024, 16 heads,
+    1024 tokens, 50257-token vocabulary) with 3 blocks, traced, through the base passes (each
+    block becomes 4 layers) and profiled like the zoo models; then its middle block's 4 layer
+    profiles are repeated between the first and last blocks (``GPT_BLOCKS`` − 2 copies, each
+    copy's boundary-value names made its own, so that a stage spanning copies counts each
+    copy's tensors). The embeddings are merged into the first block's first layer and the
+    final norm into the head (``merge_layer_profiles``), so that the chain has exactly
+    4 × ``GPT_BLOCKS`` layers: 192 for 48 blocks."""
+    import torch
+    import transformers
+    from flatpack import compiler
+    from flatpack.ir.profile import merge_layer_profiles
+    from flatpack.partitioner.problem import ChainLayer
+    from flatpack.partitioner.workload import Workload
+
+    config = transformers.GPT2Config(n_embd=1024, n_head=16, n_layer=3, n_positions=GPT_TOKENS, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    inputs = (torch.randint(0, config.vocab_size, (batch, GPT_TOKENS)),)
+    started = time.perf_counter()
+    small = compiler.build_problem(model, inputs, target=TARGET, passes=BASE_PASSES["bert-large"],
+                                   profile=profile_options, replicas=REPLICAS,
+                                   workload=Workload("train", batch=BATCH, micro_batches=MICRO_BATCHES))
+    profile_s = time.perf_counter() - started
+    blocks = [[index for index, layer in enumerate(small.chain) if layer.name.startswith(f"transformer.h.{block}:")]
+              for block in range(3)]
+    if any(len(block) != GPT_LAYERS_PER_BLOCK for block in blocks[:2]):
+        raise RuntimeError(f"expected {GPT_LAYERS_PER_BLOCK} layers per GPT-2 block after the base passes, got "
+                           f"{[len(block) for block in blocks]}: {[layer.name for layer in small.chain]}")
+
+    def merged(indices: list[int]) -> ChainLayer:
+        layers = [small.chain[index] for index in indices]
+        return ChainLayer("+".join(layer.name for layer in layers), sum(layer.param_bytes for layer in layers),
+                          sum(layer.flops for layer in layers), layers[-1].boundary_bytes,
+                          merge_layer_profiles("+".join(layer.name for layer in layers),
+                                               [layer.profile for layer in layers]))
+
+    def copy(index: int, block: int) -> ChainLayer:
+        layer = small.chain[index]
+        saved = {f"{value}@{block}": line for value, line in layer.profile.saved_boundary_bytes.items()}
+        return dataclasses.replace(layer, name=f"{layer.name}@{block}",
+                                   profile=dataclasses.replace(layer.profile, saved_boundary_bytes=saved))
+
+    first, middle = blocks[0], blocks[1]
+    head = [merged(list(range(first[0] + 1))), *(small.chain[index] for index in first[1:])]
+    tail_start = middle[-1] + 1          # the last block, the final norm and the LM head
+    tail_layers = list(range(tail_start, len(small.chain)))
+    tail = [small.chain[index] for index in tail_layers[:GPT_LAYERS_PER_BLOCK - 1]]
+    tail.append(merged(tail_layers[GPT_LAYERS_PER_BLOCK - 1:]))
+    body = [copy(index, block) for block in range(1, GPT_BLOCKS - 1) for index in middle]
+    chain = tuple(head + body + tail)
+    problem = dataclasses.replace(small, chain=chain)
+    return Base(SYNTHETIC_GPT, BASE_PASSES["bert-large"], None, [], len(chain), 0.0, profile_s, False, problem)
+
+
 def problem_at(base: Base, layers: int, profile_options, workload=None, **options):
     """The Problem a solver sees for ``base`` coarsened to ``layers`` (``build_problem``'s path
     without tracing again); by default this benchmark's training workload and replicas."""
+    if base.problem is not None:
+        if layers != base.layers or workload is not None or options:
+            raise SystemExit(f"{base.name} is a synthetic chain built at L = {base.layers} with this benchmark's "
+                             f"workload only; ask for --layers {base.layers} (and --check-layers 0)")
+        return base.problem
     from flatpack import compiler
     from flatpack.ir.passes import resolve
     from flatpack.partitioner.problem import Problem

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -319,6 +321,27 @@ def _cost_solver(name: str) -> Any:
                      f"weighted mode; flatpack plan needs one of: {', '.join(usable)}")
 
 
+def _with_time_limit(solver: Any, args: argparse.Namespace) -> Any:
+    """``solver`` with ``--time-limit`` as its anytime option (``time_limit_s`` of dp and
+    miqp: past it they return their best plan and a proven lower bound); refused, before
+    anything is profiled, where it cannot apply."""
+    limit = args.time_limit
+    if limit is None:
+        return solver
+    if not math.isfinite(limit) or limit <= 0:
+        raise InputError(f"--time-limit must be a positive number of seconds, got {limit:g}; leave it out to let "
+                         "the solver run to its proof")
+    if not dataclasses.is_dataclass(solver) or "time_limit_s" not in {f.name for f in dataclasses.fields(solver)}:
+        raise InputError(f"--time-limit applies to the exact solvers with an anytime search (dp, miqp); solver "
+                         f"{args.solver!r} has no time limit: drop --time-limit or use --solver dp")
+    if args.front == "exact":
+        raise InputError("--front exact runs dp to its proof (every non-dominated plan) and has no time limit: drop "
+                         "--time-limit, or use --front weights for the weight pairs' optima under the limit")
+    if args.stages is not None or args.split_points:
+        raise InputError("--stages and --split-points fix the cuts, so no solver runs: drop --time-limit")
+    return dataclasses.replace(solver, time_limit_s=limit)
+
+
 def _plan_workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The Workload and the search-space options (Problem.options) the flags ask for."""
     from flatpack.partitioner.workload import Workload
@@ -378,6 +401,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.front == "exact" and (args.slo is not None or args.weights is not None):
         raise InputError("--front exact prints the whole front; --slo and --weights pick one plan: give one or the "
                          "other")
+    solver = _with_time_limit(solver, args)
     workload, options = _plan_workload(args)
     _check_tiers(args.target, options.get("memory_mb", ()))
     if args.plot:
@@ -424,9 +448,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                    else solver.front(problem))
     solve_s = time.perf_counter() - started
 
-    report(args, plan_report.text_report(problem, selection,
-                                         _plan_title(args, problem, cost_model_for(problem), solve_s)),
-           lambda: plan_report.report_json(problem, selection, _plan_context(args, problem)))
+    text = plan_report.text_report(problem, selection, _plan_title(args, problem, cost_model_for(problem), solve_s))
+    if args.time_limit is not None:
+        text += "\n\n" + plan_report.proof_summary(selection, args.time_limit)
+    report(args, text, lambda: plan_report.report_json(problem, selection, _plan_context(args, problem)))
     if args.plot:
         # one pick alone says little on a plot: draw it against the front
         context = _front_for_context(solver, problem) if selection.kind != "front" else ()
@@ -854,6 +879,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help="weights: the optima of FuncPipe's four weight pairs (default); exact: every "
                                   "non-dominated (time, cost) plan, the four pairs tagged on it (solver dp, "
                                   "FuncPipe's model)")
+    plan_parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                             help="anytime: each solve of dp or miqp stops after SECONDS and returns its best plan "
+                                  "with a proven lower bound; the report prints each plan's gap to it (default: "
+                                  "run to the proof)")
     _fixed_cut_args(plan_parser, "price")
     plan_parser.add_argument("--plot", default=None, metavar="FILE", help="draw time vs cost to FILE (.png, .svg, "
                                                                           ".pdf; needs matplotlib)")

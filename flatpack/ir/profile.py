@@ -138,21 +138,46 @@ def stage_saved_bytes(layers: Sequence[LayerProfile], micro_batch: float) -> flo
     return stage_saved_line(layers).at(micro_batch)
 
 
-def _kept_boundary_values(layers: Sequence[LayerProfile]) -> dict[str, list[Linear]]:
-    """Value name -> the lines of every layer that keeps that boundary value."""
-    keepers: dict[str, list[Linear]] = {}
-    for layer in layers:
+class SavedLineSum:
+    """:func:`stage_saved_line` of consecutive layers, built one layer at a time: :meth:`add`
+    the next layer, :attr:`line` is the line of the layers added so far. A solver's table of
+    every stage start..end then costs one ``add`` per entry instead of a pass over the stage.
+
+    A boundary value that several of the layers keep is one storage: the stage counts its
+    largest line once. Adding a keeper of a value already kept counts the smaller of the two
+    lines as ``_shared`` (the layers' sum over-counts by exactly that), so the line is the
+    layers' sum less what they share, with no subtraction of running totals."""
+
+    def __init__(self) -> None:
+        self._saved = Linear(0.0)
+        self._shared = Linear(0.0)
+        self.kept: dict[str, Linear] = {}    # boundary value -> its largest line among the keepers
+
+    def add(self, layer: LayerProfile) -> None:
+        self._saved = self._saved + layer.saved_bytes
         for value, line in layer.saved_boundary_bytes.items():
-            keepers.setdefault(value, []).append(line)
-    return keepers
+            largest = self.kept.get(value)
+            if largest is None:
+                self.kept[value] = line
+                continue
+            self.kept[value] = _largest([largest, line])
+            self._shared = self._shared + (line if self.kept[value] is largest else largest)
+
+    @property
+    def line(self) -> Linear:
+        return self._saved + self._shared.scaled(-1.0)
+
+
+def _summed(layers: Sequence[LayerProfile]) -> SavedLineSum:
+    saved = SavedLineSum()
+    for layer in layers:
+        saved.add(layer)
+    return saved
 
 
 def stage_saved_line(layers: Sequence[LayerProfile]) -> Linear:
     """:func:`stage_saved_bytes` as a line in the micro-batch size."""
-    saved = _total([layer.saved_bytes for layer in layers])
-    for lines in _kept_boundary_values(layers).values():  # one storage, however many layers keep it
-        saved = saved + _total(lines).scaled(-1.0) + _largest(lines)
-    return saved
+    return _summed(layers).line
 
 
 def _largest(lines: Sequence[Linear]) -> Linear:
@@ -176,7 +201,8 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         raise ValueError("merging needs at least one layer profile")
     if len(layers) == 1:
         return replace(layers[0], name=name)
-    saved = stage_saved_line(layers)
+    summed = _summed(layers)
+    saved = summed.line
     transient = _largest([Linear(max(layer.peak_bytes.per_sample - layer.saved_bytes.per_sample, 0.0),
                                  max(layer.peak_bytes.fixed - layer.saved_bytes.fixed, 0.0)) for layer in layers])
     optimizers = {key for layer in layers for key in layer.optimizer_state_bytes}
@@ -189,7 +215,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         output_bytes=layers[-1].output_bytes, peak_bytes=saved + transient,
         optimizer_state_bytes={key: sum(layer.optimizer_state_bytes.get(key, 0) for layer in layers)
                                for key in sorted(optimizers)},
-        saved_boundary_bytes={value: _largest(lines) for value, lines in _kept_boundary_values(layers).items()},
+        saved_boundary_bytes=dict(summed.kept),
         inference_s=(_total([layer.inference_s for layer in layers])
                      if all(layer.inference_s is not None for layer in layers) else None),
     )

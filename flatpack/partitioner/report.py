@@ -333,6 +333,23 @@ def text_report(problem: Problem, selection: Selection, title: str) -> str:
     return "\n".join(parts)
 
 
+def proof_summary(selection: Selection, time_limit_s: float) -> str:
+    """What the exact solver proved within ``time_limit_s`` per solve, plan by plan: proven
+    optimal, or its best plan found with the gap to the proven lower bound on its goal's
+    objective (the ``status``, ``gap`` and ``lower_bound`` of its predictions)."""
+    lines = [f"proofs within the time limit of {time_limit_s:g} s per solve:"]
+    for index, plan in enumerate(selection.plans):
+        facts = plan.predictions
+        if facts.get("status") == "optimal":
+            lines.append(f"  plan {index}: proven optimal")
+        elif "gap" in facts and "lower_bound" in facts:
+            lines.append(f"  plan {index}: {facts.get('status', 'feasible')}, gap {100 * facts['gap']:.2f} % to the "
+                         f"proven lower bound {facts['lower_bound']:.6g} on its objective")
+        else:
+            lines.append(f"  plan {index}: {facts.get('status', 'no status')} (the solver reports no bound)")
+    return "\n".join(lines)
+
+
 def report_json(problem: Problem, selection: Selection, context: dict[str, Any] | None = None) -> dict[str, Any]:
     """The selection as JSON-ready data: every plan with its predictions and its cost
     model's full breakdown."""

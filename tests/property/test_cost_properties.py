@@ -100,3 +100,47 @@ def test_stage_saved_bytes_never_exceed_the_naive_sum_nor_undercut_the_largest_l
     naive = sum(profile.saved_bytes.at(batch) for profile in profiles)
     assert total <= naive + 1e-6
     assert total >= max(profile.saved_bytes.at(batch) for profile in profiles) - 1e-6
+
+
+# a layer keeps some of the boundary values v0..v5 (the same value may be kept by several
+# layers, each measuring its own line of it) on top of what it keeps alone
+_KEPT = st.dictionaries(st.sampled_from([f"v{index}" for index in range(6)]),
+                        st.tuples(st.floats(0, 4), st.floats(0, 2)), max_size=3)
+
+
+@given(st.lists(st.tuples(st.floats(0, 8), _KEPT), min_size=1, max_size=8))
+def test_every_stage_of_the_running_sums_equals_the_stage_counted_from_scratch(layers):
+    """``stage_tensor_rows`` (what dp's table of every stage reads) against the definition
+    counted afresh for each stage: the layers' saved bytes, less, for each boundary value
+    several of its layers keep, every line of it but the largest (one storage)."""
+    from flatpack.ir.profile import Linear
+    from flatpack.partitioner.cost.common import stage_tensor_rows, stage_tensors
+    from flatpack.partitioner.problem import ChainLayer
+
+    profiles = []
+    for index, (own, kept) in enumerate(layers):
+        boundary = {value: Linear(per_sample * 2**20, fixed * 2**20) for value, (per_sample, fixed) in kept.items()}
+        saved = Linear(own * 2**20 + sum(line.per_sample for line in boundary.values()),
+                       sum(line.fixed for line in boundary.values()))
+        profiles.append(dataclasses.replace(layer(f"l{index}", 0.1, 0.2, index + 1, 0, 1),
+                                            saved_boundary_bytes=boundary, saved_bytes=saved))
+    chain_problem = dataclasses.replace(problem(), chain=tuple(ChainLayer(p.name, p.param_bytes, 0, 0, p)
+                                                               for p in profiles))
+    for start in range(len(profiles)):
+        for end, running in enumerate(stage_tensor_rows(chain_problem, start), start):
+            stage = profiles[start:end + 1]
+            lines: dict[str, list[Linear]] = {}
+            for profile in stage:
+                for value, line in profile.saved_boundary_bytes.items():
+                    lines.setdefault(value, []).append(line)
+            per_sample = sum(p.saved_bytes.per_sample for p in stage)
+            fixed = sum(p.saved_bytes.fixed for p in stage)
+            for kept in lines.values():
+                largest = max(kept, key=lambda line: (line.per_sample, line.fixed))
+                per_sample -= sum(line.per_sample for line in kept) - largest.per_sample
+                fixed -= sum(line.fixed for line in kept) - largest.fixed
+            assert running.saved.per_sample == pytest.approx(per_sample, rel=1e-9, abs=1e-3)
+            assert running.saved.fixed == pytest.approx(fixed, rel=1e-9, abs=1e-3)
+            assert running.weights == sum(p.param_bytes + p.buffer_bytes for p in stage)
+            assert running.gradients == sum(p.grad_bytes for p in stage)
+            assert running == stage_tensors(chain_problem, start, end)

@@ -503,3 +503,13 @@ def test_gillis_channel_split_refuses_more_partitions_than_channels_and_unsplitt
         gillis.choose_split(served, 1, 2, 2, 1024)
     with pytest.raises(PlanError, match=r"split 'rows'.*channel or batch"):
         plan((0, 1, 1024, 2, "rows"), (2, 2, 1024, 1)).check_against(3)
+
+
+def test_stage_tensors_names_a_range_outside_the_chain():
+    from flatpack.partitioner.cost.common import stage_tensors
+
+    with pytest.raises(PlanError, match=r"stage 1\.\.3 is not a range of the chain's 3 layers; "
+                                        r"give 0 <= start <= end <= 2"):
+        stage_tensors(problem(), 1, 3)
+    with pytest.raises(PlanError, match=r"stage 2\.\.1"):
+        stage_tensors(problem(), 2, 1)

@@ -141,3 +141,28 @@ def test_nothing_fits_memory_names_the_layer_and_the_tier_that_would_hold_it():
 def test_bad_options_are_refused(options, message):
     with pytest.raises(InputError, match=message):
         Miqp(**options)
+
+
+def test_symmetry_breaking_leaves_out_only_arcs_a_kept_arc_of_the_same_stage_beats():
+    """A 2048 MB tier as fast (2 vCPUs) and as wide as the 1024 MB one but dearer, like
+    Lambda's tiers past its plateaus: its arcs are left out, each with a stand-in of the same
+    stage that is no worse in price or any time term; the dp warm start maps onto the kept
+    arcs and miqp still reaches brute force's optimum."""
+    from flatpack.partitioner.solvers.miqp import _ARC_TERMS
+
+    chain = problem(tiers=[(512, 1, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5), (2048, 2, 100.0, 2e-5)])
+    for full, reduced in zip(subproblems(chain, symmetry_breaking=False), subproblems(chain)):
+        assert len(reduced.arcs) < len(full.arcs)
+        kept = {(arc.start, arc.end, arc.memory_mb): arc for arc in reduced.arcs}
+        stand_ins = dict(reduced.stand_ins)
+        for arc in full.arcs:
+            key = (arc.start, arc.end, arc.memory_mb)
+            if key in kept:
+                continue
+            winner = kept[stand_ins[key]]
+            assert (winner.start, winner.end) == (arc.start, arc.end)
+            assert all(getattr(winner, term) <= getattr(arc, term) for term in _ARC_TERMS)
+    found = Miqp(time_limit_s=30.0).solve(chain, GOAL)
+    truth = Brute().solve(chain, GOAL)
+    assert found.predictions["status"] == "optimal"
+    assert found.predictions["objective"] == pytest.approx(truth.predictions["objective"], rel=1e-6)

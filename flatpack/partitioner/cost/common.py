@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Iterator
 
 from flatpack.errors import PlanError
-from flatpack.ir.profile import Linear, stage_saved_line
+from flatpack.ir.profile import Linear, SavedLineSum
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 
@@ -130,18 +131,31 @@ class StageTensors:
 
 
 def stage_tensors(problem: Problem, start: int, end: int) -> StageTensors:
-    profiles = [problem.layer_profile(index) for index in range(start, end + 1)]
+    """The :class:`StageTensors` of stage start..end (the last of :func:`stage_tensor_rows`
+    from ``start``)."""
+    if not 0 <= start <= end < len(problem.chain):
+        raise PlanError(f"stage {start}..{end} is not a range of the chain's {len(problem.chain)} layers; "
+                        f"give 0 <= start <= end <= {len(problem.chain) - 1}")
+    return next(islice(stage_tensor_rows(problem, start), end - start, None))
+
+
+def stage_tensor_rows(problem: Problem, start: int) -> Iterator[StageTensors]:
+    """:class:`StageTensors` of the stages start..end for end = start, start + 1, … to the
+    chain's last layer, each the one before plus one layer: dp's table of every stage costs
+    one layer's sums per entry, not a pass per stage."""
+    saved = SavedLineSum()
     weights = gradients = optimizer = 0.0
     factor = problem.workload.optimizer_state_factor
-    for profile in profiles:
+    for end in range(start, len(problem.chain)):
+        profile = problem.layer_profile(end)
+        saved.add(profile)
         weights += profile.param_bytes + profile.buffer_bytes
         gradients += profile.grad_bytes
         # the state of the optimizer the run names: its bytes per trainable byte (grad_bytes
         # are the trainable parameters' bytes), else the profiled state of a named one
         optimizer += (profile.grad_bytes * factor if factor is not None
                       else profile.optimizer_bytes(problem.workload.optimizer))
-    return StageTensors(stage_saved_line(profiles), weights, gradients, optimizer,
-                        stage_boundaries(problem, start, end))
+        yield StageTensors(saved.line, weights, gradients, optimizer, stage_boundaries(problem, start, end))
 
 
 def stage_boundaries(problem: Problem, start: int, end: int) -> Linear:

@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
+from flatpack.partitioner.cost.collectives import scatter_reduce_coefficients
 from flatpack.partitioner.cost.common import (memory_limit, memory_need, micro_batches_per_replica, recompute_seconds,
-                                              stage_tensors)
+                                              stage_tensor_rows)
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import (FUNCPIPE_WEIGHTS, Weights, annotate, dollars_per_mb_s, evaluate,
                                              with_micro_batches)
@@ -116,25 +116,35 @@ class _Chain:
         return self.out_bytes[after] / self.bandwidth[tiers] + self.latency
 
     def sync(self, start: int, end: int) -> np.ndarray:
-        grads = self.gradients[start][end - start]
-        return np.array([scatter_reduce_seconds(grads, self.replicas, float(w), self.latency, self.sync_method)
-                         for w in self.bandwidth])
+        return self._sync(np.array([self.gradients[start][end - start]]))[0]
+
+    def _sync(self, gradients: np.ndarray) -> np.ndarray:
+        """(n, K) seconds to synchronize each of ``gradients`` bytes at each option's
+        bandwidth: FuncPipe's t_s = γ·s/w + δ·t_lat (``scatter_reduce_coefficients``; 0 for
+        one replica), for a whole row of stages at once."""
+        if self.replicas == 1:
+            return np.zeros((len(gradients), len(self.tiers)))
+        gamma, delta = scatter_reduce_coefficients(self.sync_method, self.replicas)
+        return gamma * gradients[:, None] / self.bandwidth[None, :] + delta * self.latency
 
     def stage_options(self, start: int, end: int) -> "_StageOptions | None":
         """Stage start..end: the tiers worth trying and their seconds, computed once per
-        chain (the beam pass, the exact pass and every goal of a front read them)."""
-        key = (start, end)
-        if key not in self._stage_options:
-            self._stage_options[key] = self._options_of(start, end)
-        return self._stage_options[key]
+        chain for every stage from ``start`` (the beam pass, the exact pass, the prefix
+        fronts and every goal of a front read them)."""
+        if start not in self._stage_options:
+            self._stage_options[start] = self._row_options(start)
+        row = self._stage_options[start]
+        return row[end - start] if end - start < len(row) else None
 
-    def _options_of(self, start: int, end: int) -> "_StageOptions | None":
-        tiers = np.flatnonzero(self.fits[start][end - start])
-        if len(tiers) == 0:
-            return None
-        forward, backward = self.stage_seconds(start, end)
-        sync = self.sync(start, end) if self.replicas > 1 else np.zeros(len(self.tiers))
-        return _StageOptions(_undominated_tiers(self, tiers, forward, backward, sync), forward, backward, sync)
+    def _row_options(self, start: int) -> "list[_StageOptions | None]":
+        fits = np.array(self.fits[start], dtype=bool).reshape(-1, len(self.tiers))      # (E, K)
+        ends = start + np.arange(len(fits))
+        forward = (self.forward_prefix[:, ends + 1] - self.forward_prefix[:, [start]]).T
+        backward = (self.backward_prefix[:, ends + 1] - self.backward_prefix[:, [start]]).T
+        sync = self._sync(np.array(self.gradients[start], dtype=float))
+        kept = _undominated_tiers(self, fits, forward, backward, sync)
+        return [_StageOptions(np.flatnonzero(kept[row]), forward[row], backward[row], sync[row])
+                if fits[row].any() else None for row in range(len(fits))]
 
     @cached_property
     def prefix_bounds(self) -> "_PrefixBounds":
@@ -234,13 +244,11 @@ class _Stats:
 
 def _stage_tensor_table(problem: Problem) -> list[list]:
     """stage_tensors(i, j) for every stage whose weights alone fit the largest limit."""
-    count = len(problem.chain)
     largest = max(memory_limit(problem, tier)[0] for tier in problem.platform.tiers)
     table = []
-    for start in range(count):
+    for start in range(len(problem.chain)):
         row = []
-        for end in range(start, count):
-            tensors = stage_tensors(problem, start, end)
+        for tensors in stage_tensor_rows(problem, start):
             if tensors.weights + tensors.gradients + tensors.optimizer > largest and row:
                 break  # more layers only add bytes
             row.append(tensors)
@@ -317,27 +325,28 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
     forward_only = np.full((count + 1, tiers), np.inf)
     price = np.full(count + 1, np.inf)
     price[0] = 0.0
+    longest = max(len(row) for row in chain.fits)
     for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
+        # every stage start..end that some option holds, as (S, K) arrays, one row per start
+        starts = np.array([start for start in range(max(0, end + 1 - longest), end + 1)
+                           if end - start < len(chain.fits[start])], dtype=int)
+        fits = np.array([chain.fits[start][end - start] for start in starts], dtype=bool).reshape(-1, tiers)
+        starts, fits = starts[fits.any(axis=1)], fits[fits.any(axis=1)]
+        if len(starts) == 0:
+            continue
+        fwd = (chain.forward_prefix[:, [end + 1]] - chain.forward_prefix[:, starts]).T
+        bwd = (chain.backward_prefix[:, [end + 1]] - chain.backward_prefix[:, starts]).T
+        # the download into a stage is at its own option's bandwidth; any option may precede it
+        downloads = np.array([chain.transfer(start - 1) if start > 0 else np.zeros(tiers)
+                              for start in starts]).reshape(-1, tiers)
+        first = starts == 0
+        before_work = np.where(first[:, None], 0.0, work[starts].min(axis=1)[:, None] + 2 * downloads)
+        before_forward = np.where(first[:, None], 0.0, forward_only[starts].min(axis=1)[:, None] + downloads)
         upload = chain.transfer(end)
-        for start in range(end + 1):
-            offset = end - start
-            if offset >= len(chain.fits[start]):
-                continue
-            fits = chain.fits[start][offset]
-            if not fits.any():
-                continue
-            fwd, bwd = chain.stage_seconds(start, end)
-            if start == 0:
-                before_work = before_forward = np.zeros(tiers)
-            else:
-                downloads = chain.transfer(start - 1)
-                before_work = (work[start][:, None] + 2 * downloads[None, :]).min(axis=0)
-                before_forward = (forward_only[start][:, None] + downloads[None, :]).min(axis=0)
-            stage_work = np.where(fits, fwd + bwd + before_work + 2 * upload, np.inf)
-            stage_forward = np.where(fits, fwd + before_forward + upload, np.inf)
-            work[end + 1] = np.minimum(work[end + 1], stage_work)
-            forward_only[end + 1] = np.minimum(forward_only[end + 1], stage_forward)
-            price[end + 1] = min(price[end + 1], price[start] + chain.price[fits].min())
+        work[end + 1] = np.where(fits, fwd + bwd + before_work + 2 * upload, np.inf).min(axis=0)
+        forward_only[end + 1] = np.where(fits, fwd + before_forward + upload, np.inf).min(axis=0)
+        cheapest = np.where(fits, chain.price[None, :], np.inf).min(axis=1)
+        price[end + 1] = (price[starts] + cheapest).min()
     forward_lag = np.concatenate([[0.0], np.maximum.accumulate(forward.min(axis=0))])
     backward_lag = np.concatenate([[0.0], np.maximum.accumulate(backward.min(axis=0))])
     first_sync = 0.0
@@ -606,10 +615,9 @@ class _Search:
         values[..., DB] = np.maximum(np.maximum(bwd, upload), old[None, :, DB])
         values[..., Q] = np.maximum((chain.mu - 1) * values[..., DB] + sync[tiers][:, None],
                                     old[None, :, Q] - (bwd + upload))
-        shape = values.shape[:2]
-        rows = np.broadcast_to(np.arange(len(after.tier))[None, :], shape).ravel()
-        return (values.reshape(-1, 5), np.broadcast_to(tiers[:, None], shape).ravel(), np.full(rows.size, end),
-                rows, (after.count[rows] + 1))
+        rows = np.tile(np.arange(len(after.tier)), len(tiers))
+        return (values.reshape(-1, 5), np.repeat(tiers, len(after.tier)), np.full(rows.size, end), rows,
+                np.tile(after.count + 1, len(tiers)))
 
     def _lower_scores(self, start: int, values: np.ndarray, coarse: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Lower bounds on the score and t_iter of any completion of each label (``coarse``,
@@ -703,21 +711,22 @@ class _Search:
         return Plan(tuple(stages), num_layers, "dp", micro_batches=self.chain.micro_batches)
 
 
-def _undominated_tiers(chain: _Chain, tiers: np.ndarray, forward: np.ndarray, backward: np.ndarray,
+def _undominated_tiers(chain: _Chain, fits: np.ndarray, forward: np.ndarray, backward: np.ndarray,
                        sync: np.ndarray) -> np.ndarray:
-    """The fitting tiers no other fitting tier beats for this stage: one that is no dearer,
-    no slower to compute, synchronize or transfer (bandwidth) serves every completion at
-    least as well (on Lambda, tiers past the compute and bandwidth plateaus only cost more)."""
-    if len(tiers) <= 1:
-        return tiers
+    """(E, K) bool: per stage (row), the fitting options no other fitting option beats: one
+    that is no dearer, no slower to compute, synchronize or transfer (bandwidth) serves every
+    completion at least as well (on Lambda, tiers past the compute and bandwidth plateaus
+    only cost more). Of equal options the first is kept."""
+    count, options = fits.shape
     # columns where smaller is better; bandwidth enters negated
-    traits = np.stack([chain.price[tiers], forward[tiers], backward[tiers], sync[tiers], -chain.bandwidth[tiers]],
-                      axis=1)
-    no_worse = np.all(traits[None, :, :] <= traits[:, None, :], axis=2)   # [k, k']: k' no worse than k
-    strictly = np.any(traits[None, :, :] < traits[:, None, :], axis=2)
-    earlier_twin = no_worse & ~strictly & np.tri(len(tiers), k=-1, dtype=bool)
-    beaten = (no_worse & strictly).any(axis=1) | earlier_twin.any(axis=1)
-    return tiers[~beaten]
+    traits = np.stack([np.broadcast_to(chain.price, (count, options)), forward, backward, sync,
+                       np.broadcast_to(-chain.bandwidth, (count, options))], axis=2)         # (E, K, 5)
+    # [e, k, k']: option k' fits and is no worse than k for stage e
+    no_worse = np.all(traits[:, None, :, :] <= traits[:, :, None, :], axis=3) & fits[:, None, :]
+    strictly = np.any(traits[:, None, :, :] < traits[:, :, None, :], axis=3)
+    earlier_twin = no_worse & ~strictly & np.tri(options, k=-1, dtype=bool)[None]
+    beaten = (no_worse & strictly).any(axis=2) | earlier_twin.any(axis=2)
+    return fits & ~beaten
 
 
 def _enter(values: np.ndarray, download: np.ndarray) -> None:

@@ -22,6 +22,9 @@ for all stages, a tier per stage, M from the allowed set.
   Every stage quantity of App. B is then a constant of its arc: compute (with the
   overlap slowdown β), the uploads and downloads at each side (a boundary's upload uses the
   left stage's bandwidth, its download the right one's), the scatter-reduce t_s (eq. 12).
+* Symmetry breaking on tiers: an arc that another arc of the same stage beats in price and
+  in every time term is left out (:func:`undominated_arcs`); no plan loses by the swap, and
+  a warm start on a left-out arc maps onto its stand-in (``Subproblem.stand_ins``).
 * The maxima of eq. 9 and eq. 11 are modelled as lower bounds only (Δ_f ≥ each candidate,
   Λ_i ≥ Λ_{i+1}, …): every objective here grows with them, so at an optimum each equals its
   max and App. C's big-M technique 3 is not needed. t_iter = t_f + max_s(t_b + t_s) (eq. 7)
@@ -171,6 +174,10 @@ class Subproblem:
     bandwidth: tuple[tuple[int, float], ...]   # (memory_mb, bytes/s) after the account-wide cap
     arcs: tuple[Arc, ...]
     num_layers: int
+    # (start, end, memory_mb) of an arc left out because another arc of the same stage is no
+    # worse in any term (:func:`undominated_arcs`) -> that arc's; a plan through the first
+    # maps onto the second (a warm start from a plan on a dominated tier keeps its value)
+    stand_ins: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = ()
 
     def label(self) -> str:
         stages = (f"S={self.min_stages}" if self.min_stages == self.max_stages
@@ -182,9 +189,12 @@ class Subproblem:
                 and self.min_stages <= len(plan.stages) <= self.max_stages)
 
     def path_of(self, plan: Plan) -> list[Arc] | None:
-        """The plan's stages as this subproblem's arcs (None when one is not among them)."""
+        """The plan's stages as this subproblem's arcs, a stage whose arc was left out as
+        its stand-in (no worse in any term); None when one is not among them."""
         index = {(arc.start, arc.end, arc.memory_mb): arc for arc in self.arcs}
-        path = [index.get((stage.start, stage.end, stage.memory_mb)) for stage in plan.stages]
+        stand_ins = dict(self.stand_ins)
+        keys = [(stage.start, stage.end, stage.memory_mb) for stage in plan.stages]
+        path = [index.get(key, index.get(stand_ins.get(key))) for key in keys]
         return None if any(arc is None for arc in path) else path
 
     def with_arcs(self, arcs: Iterable[Arc]) -> "Subproblem":
@@ -201,9 +211,10 @@ class _StageTable:
     fits: bool
 
 
-def subproblems(problem: Problem, space: SearchSpace | None = None) -> list[Subproblem]:
+def subproblems(problem: Problem, space: SearchSpace | None = None, symmetry_breaking: bool = True) -> list[Subproblem]:
     """Every (M, d) of the space, split by stage counts where the bandwidth cap makes the
-    bandwidths depend on S; arcs are the stages that fit memory."""
+    bandwidths depend on S; arcs are the stages that fit memory, less those another arc of
+    the same stage beats (:func:`undominated_arcs`) unless ``symmetry_breaking`` is False."""
     space = space or SearchSpace.of(problem)
     platform = problem.platform
     tiers = [platform.tier(memory) for memory in space.memory_mb]
@@ -214,11 +225,49 @@ def subproblems(problem: Problem, space: SearchSpace | None = None) -> list[Subp
         per_replica = micro_batches_per_replica(scoped, replicas)
         table = _stage_table(scoped, tiers, replicas, per_replica)
         for low, high, bandwidth in _bandwidth_groups(platform.aggregate_bandwidth_bytes_s, tiers, replicas, count):
-            arcs = _arcs(scoped, tiers, table, replicas, bandwidth)
+            arcs, stand_ins = _arcs(scoped, tiers, table, replicas, bandwidth), ()
+            if symmetry_breaking:
+                arcs, stand_ins = undominated_arcs(arcs)
             result.append(Subproblem(micro_batches, replicas, per_replica, low, high,
                                      tuple((tier.memory_mb, bandwidth[tier.memory_mb]) for tier in tiers),
-                                     tuple(arcs), count))
+                                     tuple(arcs), count, stand_ins))
     return result
+
+
+_ARC_TERMS = ("price_per_s", "forward_path_s", "forward_lag_s", "backward_path_s", "backward_own_s", "lag_own_s",
+              "lag_s")
+
+
+def undominated_arcs(arcs: Sequence[Arc]) -> tuple[list[Arc], tuple]:
+    """The arcs no other arc of the same stage (start, end) beats, and for each one left out
+    the key of a kept arc that beats it (``Subproblem.stand_ins``).
+
+    Symmetry breaking on tiers: t_iter is a sum of maxima of arc terms with non-negative
+    coefficients and Σ price a sum, so swapping a stage's arc for one no worse in every term
+    (``_ARC_TERMS``) leaves no plan worse under any weights or SLO; of arcs equal in every
+    term (tiers past Lambda's compute and bandwidth plateaus at one price are not, but
+    recomputed twins are) the first is kept. dp prunes its stage options by the same rule
+    (``funcpipe_dp._undominated_tiers``)."""
+    groups: dict[tuple[int, int], list[Arc]] = {}
+    for arc in arcs:
+        groups.setdefault((arc.start, arc.end), []).append(arc)
+    kept: list[Arc] = []
+    stand_ins = []
+    for group in groups.values():
+        terms = [tuple(getattr(arc, name) for name in _ARC_TERMS) for arc in group]
+
+        def beats(better: int, worse: int) -> bool:
+            no_worse = all(b <= w for b, w in zip(terms[better], terms[worse]))
+            return no_worse and (terms[better] != terms[worse] or better < worse)
+
+        survivors = [i for i in range(len(group)) if not any(beats(j, i) for j in range(len(group)) if j != i)]
+        kept += [group[i] for i in survivors]
+        for i in range(len(group)):
+            if i not in survivors:
+                winner = group[next(j for j in survivors if beats(j, i))]
+                stand_ins.append(((group[i].start, group[i].end, group[i].memory_mb),
+                                  (winner.start, winner.end, winner.memory_mb)))
+    return kept, tuple(stand_ins)
 
 
 def _bandwidth_groups(cap: float | None, tiers: Sequence["Tier"], replicas: int,
