@@ -51,6 +51,7 @@ from scipy.stats import spearmanr
 
 from flatpack import zoo
 from flatpack.backends.catalog import get_platform
+from flatpack.ir.profiler import CACHE_ENV
 from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -200,8 +201,14 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print each case's per-stage table")
     parser.add_argument("--replan", action="store_true",
                         help="also re-plan each model's first plan from its run (plan --from-run) and measure it")
+    parser.add_argument("--reuse-profiles", action="store_true",
+                        help="use the profile cache (default: profile every model afresh in this run)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
+        if not args.reuse_profiles:
+            # a cached profile may have been measured while the host was busy (every time in it
+            # stretched by the other work), and then every prediction made from it is too long
+            os.environ[CACHE_ENV] = str(Path(scratch) / "profiles")
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
         rows = []
         for case in QUICK if args.quick else CASES:

@@ -46,6 +46,21 @@ def optimizer_tensors(opt: torch.optim.Optimizer,
                    if isinstance(value, torch.Tensor) and value.dim()} for name, param in named}
 
 
+def _training_copy(model: nn.Module, micro_batches: int, optimizer: Any, precision: str,
+                   copy_model: bool) -> tuple[nn.Module, OptimizerSpec, list[tuple[str, nn.Parameter]]]:
+    """What both references train: the checked options, the model (a copy unless
+    ``copy_model`` is False) in train mode, its optimizer spec and trainable parameters."""
+    from flatpack.runtime.spec import check_precision
+
+    check_precision(precision)
+    if micro_batches < 1:
+        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
+    trained = copy.deepcopy(model) if copy_model else model
+    trained.train()
+    named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+    return trained, OptimizerSpec.of(optimizer), named
+
+
 def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
                          optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                          copy_model: bool = True, micro_batches: int = 1,
@@ -73,16 +88,9 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     tensors (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) by name.
     """
     from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import check_precision, micro_batch_size, split_value
+    from flatpack.runtime.spec import micro_batch_size, split_value
 
-    check_precision(precision)
-
-    if micro_batches < 1:
-        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
-    trained = copy.deepcopy(model) if copy_model else model
-    trained.train()
-    spec = OptimizerSpec.of(optimizer)
-    named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+    trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
     opt = spec.build(p for _, p in named)
     scheduler = spec.build_schedule(opt)
     weight = 1 / spec.accumulate
@@ -148,16 +156,10 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     losses are each global batch's mean (micro-batch means weighted by their share);
     ``optimizer_state`` as :func:`train_single_process` fills it."""
     from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import check_precision, micro_batch_size, split_value
+    from flatpack.runtime.spec import micro_batch_size, split_value
     from flatpack.runtime.stashing import forward_version
 
-    check_precision(precision)
-    if micro_batches < 1:
-        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
-    trained = copy.deepcopy(model) if copy_model else model
-    trained.train()
-    spec = OptimizerSpec.of(optimizer)
-    named = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+    trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
     missing = [name for name, _ in named if name not in stage_of]
     if missing:
         raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's stage")
