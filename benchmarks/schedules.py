@@ -27,7 +27,6 @@ sequence on one shared machine: read ratios, not absolutes.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch import nn
@@ -36,6 +35,7 @@ import flatpack
 from flatpack.backends import local
 from flatpack.evaluation import evaluate
 from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.timeline import summarize
 
 SCHEDULES = [("sync", "sync", False), ("1f1b", "1f1b", False), ("1f1b-async", "1f1b-async", False),
              ("1f1b-async + vertical sync", "1f1b-async", True)]
@@ -56,16 +56,6 @@ def teacher_batches(width: int, classes: int, batch: int, count: int, seed: int)
         inputs = torch.randn(batch, width, generator=generator)
         batches.append((inputs, (inputs @ teacher).argmax(dim=1)))
     return batches
-
-
-def median_iteration_s(events: list, skip: int = 2) -> float:
-    ends: dict[int, float] = {}
-    for event in events:
-        if event.kind != "load":
-            ends[event.iteration] = max(ends.get(event.iteration, 0.0), event.end)
-    ordered = [ends[i] for i in sorted(ends)]
-    gaps = [b - a for a, b in zip(ordered, ordered[1:])][max(0, skip - 1):]
-    return statistics.median(gaps) if gaps else float("nan")
 
 
 def main() -> None:
@@ -100,7 +90,8 @@ def main() -> None:
             held = evaluate(deployment.infer, held_out, "cross_entropy", iteration=args.iterations)
         peaks = " / ".join(f"{result.peak_bytes.get(f's{stage}r0', 0) / 2**20:.0f}" for stage in range(args.stages))
         steps = args.iterations * (args.micro_batches if schedule == "1f1b-async" else 1)
-        print(f"{label} | {steps} | {result.samples_per_s:.1f} | {median_iteration_s(result.events) * 1000:.1f} | "
+        iteration_s = summarize(result.events, skip_first=2).iteration_s   # the period, warm-up left out
+        print(f"{label} | {steps} | {result.samples_per_s:.1f} | {iteration_s * 1000:.1f} | "
               f"{peaks} | {result.losses[-1]:.4f} | {held.loss:.4f}")
 
 

@@ -17,7 +17,6 @@ per configuration, configurations in sequence on one machine: read ratios, not a
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -28,6 +27,7 @@ from flatpack.evaluation import evaluate
 from flatpack.examples import EXAMPLES
 from flatpack.job import synthetic_batches, without_dropout
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
+from flatpack.runtime.timeline import summarize
 
 
 def configurations(iterations: int) -> dict[str, OptimizerSpec]:
@@ -38,16 +38,6 @@ def configurations(iterations: int) -> dict[str, OptimizerSpec]:
             "  + clip-grad-norm 1.0": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0}),
             "  + clip + accumulate 2": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0, "accumulate": 2,
                                                         "schedule": adamw.schedule.with_length(iterations // 2)})}
-
-
-def median_iteration_s(events: list, skip: int = 2) -> float:
-    ends: dict[int, float] = {}
-    for event in events:
-        if event.kind != "load":
-            ends[event.iteration] = max(ends.get(event.iteration, 0.0), event.end)
-    ordered = [ends[i] for i in sorted(ends)]
-    gaps = [b - a for a, b in zip(ordered, ordered[1:])][max(0, skip - 1):]
-    return statistics.median(gaps) if gaps else float("nan")
 
 
 def main() -> None:
@@ -74,7 +64,7 @@ def main() -> None:
                                 ("adam (again)", configurations(args.iterations)["adam"])]:
                 result = deployment.train(batches, iterations=args.iterations, optimizer=spec, loss=loss,
                                           micro_batches=4)
-                seconds = median_iteration_s(result.events)
+                seconds = summarize(result.events, skip_first=2).iteration_s
                 baseline = baseline or seconds
                 print(f"{name} | {label} | {seconds * 1000:.1f} | {seconds / baseline:.2f}")
             spec = configurations(args.iterations)["  + clip-grad-norm 1.0"]
