@@ -745,8 +745,7 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
             done += length
             found = evaluate(deployment.infer, held_out, loss, iteration=done)
             evaluations.append(found)
-            line.note = found.short()
-            line.close()
+            line.note = found.short()   # the line stays open across the calls: `with line` ends it
             say(found.describe())
     return merge_results(results), evaluations
 
