@@ -388,8 +388,7 @@ class StageRank:
         self.module = module.to(device).train()
         self.manifest: dict[str, Any] = module.flatpack_manifest
         self.input_specs = received_specs(stage_input_specs(self.manifest),
-                                          [name for name in self.stage.inputs if self.stage.sources[name] != DATA_SOURCE],
-                                          self.spec.precision)
+                                          self.stage, self.spec.precision)
         self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
         self.scheduler = self.spec.optimizer.build_schedule(self.optimizer)

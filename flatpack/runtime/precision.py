@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, ContextManager, Iterable, Mapping
+from typing import Any, ContextManager, Mapping
 
 import torch
 
 from flatpack.ir.tensor_check import TensorSpec, dtype_name
+from flatpack.runtime.spec import DATA_SOURCE, StageSpec
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -42,15 +43,14 @@ def for_wire(values: dict[str, Any], precision: str) -> dict[str, Any]:
 
 
 
-def received_specs(specs: Mapping[str, TensorSpec], boundary_inputs: Iterable[str],
-                   precision: str) -> dict[str, TensorSpec]:
+def received_specs(specs: Mapping[str, TensorSpec], stage: StageSpec, precision: str) -> dict[str, TensorSpec]:
     """What a stage's worker checks its inputs against: the manifest's specs, with the float32
-    inputs that another stage sends (``boundary_inputs``) in the precision's wire dtype, since
-    :func:`for_wire` cast them on the way (the model's own inputs arrive as the data has them)."""
+    inputs another stage sends in the precision's wire dtype, since :func:`for_wire` cast them
+    on the way (the model's own inputs, ``DATA_SOURCE``, arrive as the data has them)."""
     dtype = WIRE_DTYPES[precision]
     if dtype is None:
         return dict(specs)
-    received = set(boundary_inputs)
+    received = {name for name in stage.inputs if stage.sources[name] != DATA_SOURCE}
     return {name: dataclasses.replace(spec, dtype=dtype_name(dtype))
             if name in received and spec.dtype == dtype_name(torch.float32) else spec
             for name, spec in specs.items()}

@@ -205,8 +205,7 @@ class StageTrainer:
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
         self.input_specs = received_specs(stage_input_specs(getattr(module, "flatpack_manifest", {})),
-                                          [name for name in self.stage.inputs if self.stage.sources[name] != DATA_SOURCE],
-                                          spec.precision)
+                                          self.stage, spec.precision)
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
