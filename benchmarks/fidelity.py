@@ -194,6 +194,8 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three cases only")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated zoo names: only these models' cases (default: all four)")
     parser.add_argument("--iterations", type=int, default=7,
                         help="iterations per case: the first two (cold start, warm-up) are not measured")
     parser.add_argument("--calibration", type=Path, default=None,
@@ -211,7 +213,15 @@ def main() -> None:
             os.environ[CACHE_ENV] = str(Path(scratch) / "profiles")
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
         rows = []
-        for case in QUICK if args.quick else CASES:
+        cases = QUICK if args.quick else CASES
+        if args.models:
+            wanted = args.models.split(",")
+            unknown = sorted(set(wanted) - {case.model for case in CASES})
+            if unknown:
+                parser.error(f"--models: no cases for {', '.join(unknown)}; "
+                             f"choose from {', '.join(dict.fromkeys(case.model for case in CASES))}")
+            cases = tuple(case for case in cases if case.model in wanted)
+        for case in cases:
             row = measure(case, args.iterations, calibration)
             rows.append(row)
             print(f"  {case.model} {case.label}: predicted {row['predicted'] * 1000:.0f} ms, measured "

@@ -755,7 +755,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     calibration = calibrate_target(args.target, tiers=_ints(args.tiers, "--tiers") if args.tiers else None, out=path,
                                    emulate=args.emulate, region=args.region, round_trips=args.round_trips,
                                    probe_bytes=int(args.probe_mb * (1 << 20)), timeout_s=args.timeout,
-                                   report=LOG.info)
+                                   report=LOG.info, task_iterations=args.probe_iterations)
     report(args, f"{calibration_summary(calibration)}\n"
                  f"digest {calibration.digest[:16]} (plans made with --calibration {path} record it)",
            calibration.to_json)
@@ -826,8 +826,9 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure a target (any model): compute speed against this host, store latency "
                           "distribution, bandwidth, invoke latency, optimizer step; writes calibration.json",
         description="Deploys a calibration function to the target, one per memory tier (locally: processes held to "
-                    "each tier's CPU share and link), and writes what it measured to a versioned calibration file "
-                    "that compile, plan and run take with --calibration.")
+                    "each tier's CPU share and link), then two small probe pipelines per tier (each worker task's "
+                    "seconds beyond the cost model, and FuncPipe's beta), and writes what it measured to a "
+                    "versioned calibration file that compile, plan and run take with --calibration.")
     calibrate_parser.add_argument("--target", required=True, help="platform to measure (see flatpack platforms)")
     calibrate_parser.add_argument("--tiers", default=None, metavar="MB[,MB...]",
                                   help="memory tiers to measure (default: the target's)")
@@ -839,6 +840,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   help="small puts and gets per tier for the latency distribution (default 60)")
     calibrate_parser.add_argument("--probe-mb", type=float, default=4.0,
                                   help="MB moved each way per tier to measure bandwidth (default 4)")
+    calibrate_parser.add_argument("--probe-iterations", type=int, default=8,
+                                  help="iterations of each probe pipeline that measures the task terms and beta "
+                                       "(default 8; the first 2 are not measured; 0: skip the probe pipelines)")
     calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function")
     _json_flag(calibrate_parser, "calibrate")
     calibrate_parser.set_defaults(run=cmd_calibrate)

@@ -39,7 +39,10 @@ Schema version 2 (``flatpack calibrate``) adds, all optional, and makes ``layers
       "tiers": {"1024": {"compute_ratio": {"conv": 1.7, "matmul": 1.8, "elementwise": 1.7},
                          "upload_bytes_s": 2.3e7, "download_bytes_s": 2.4e7,
                          "invoke_cold_s": 1.9, "invoke_warm_s": 1.8,
-                         "optimizer_s_per_byte": {"sgd": 1e-10, "sgd-momentum": 2e-10, "adam": 4e-10}}},
+                         "optimizer_s_per_byte": {"sgd": 1e-10, "sgd-momentum": 2e-10, "adam": 4e-10},
+                         "task_overhead_s": {"forward": 0.0021, "backward": 0.0007, "upload": 0.0018,
+                                             "download": 0.0012, "step": 0.0031, "iteration": 0.0045},
+                         "overlap_slowdown": 1.12}},        # FuncPipe's beta on this tier
       "store_latency": {"distribution": "exponnorm", "K": 1.2, "loc": 0.002, "scale": 0.0005,
                         "samples": 120},      # scipy.stats.exponnorm's parameters, seconds
       "poll_overhead_s": 0.0021,              # a wait's mean delay after its key was written
@@ -103,10 +106,15 @@ def _lines(data: Any, count: int, where: str) -> tuple[Linear, ...]:
     return tuple(lines)
 
 
-def _ratios(data: Any, where: str) -> dict[str, float]:
+def _ratios(data: Any, where: str, positive: bool = True) -> dict[str, float]:
     if not isinstance(data, dict):
         raise InputError(f"calibration file: {where} must map names to numbers, got {type(data).__name__}")
-    return {str(name): _number(value, f"{where}.{name}", positive=True) for name, value in data.items()}
+    return {str(name): _number(value, f"{where}.{name}", positive=positive) for name, value in data.items()}
+
+
+# the tasks of a stage worker whose fixed seconds ``flatpack calibrate`` measures by running a
+# small pipeline on the tier (backends.task_overheads; the terms of funcpipe.Overheads)
+TASK_KINDS = ("forward", "backward", "upload", "download", "step", "iteration")
 
 
 @dataclass(frozen=True)
@@ -115,8 +123,10 @@ class TierCalibration:
     forward and backward lines, optionally FuncPipe's W_j. Of the target (``flatpack
     calibrate``): the compute time of each op class relative to the profiling host
     (tier seconds / host seconds at the same thread count), each direction's bandwidth, the
-    invoke latency of a first and a second start, and the optimizer step's seconds per
-    parameter byte per optimizer."""
+    invoke latency of a first and a second start, the optimizer step's seconds per
+    parameter byte per optimizer, and each worker task's seconds beyond what the model's
+    equations give it (``task_overhead_s``, keys :data:`TASK_KINDS`; measured on a small
+    pipeline run on the tier, ``backends.task_overheads``)."""
 
     forward_s: tuple[Linear, ...] = ()
     backward_s: tuple[Linear, ...] = ()
@@ -127,6 +137,8 @@ class TierCalibration:
     invoke_cold_s: float | None = None
     invoke_warm_s: float | None = None
     optimizer_s_per_byte: Mapping[str, float] = field(default_factory=dict, hash=False)
+    task_overhead_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    overlap_slowdown: float | None = None     # FuncPipe's β on this tier, from the probe pipelines
 
     @property
     def link_bytes_s(self) -> float | None:
@@ -150,10 +162,11 @@ class TierCalibration:
         if self.forward_s:
             data["forward_s"] = [line.to_json() for line in self.forward_s]
             data["backward_s"] = [line.to_json() for line in self.backward_s]
-        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s"):
+        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s",
+                     "overlap_slowdown"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
-        for name in ("compute_ratio", "optimizer_s_per_byte"):
+        for name in ("compute_ratio", "optimizer_s_per_byte", "task_overhead_s"):
             if getattr(self, name):
                 data[name] = dict(getattr(self, name))
         return data
@@ -171,8 +184,22 @@ class TierCalibration:
                    if tier.get(name) is not None}
         figures.update({name: _number(tier[name], f"{where}.{name}") for name in ("invoke_cold_s", "invoke_warm_s")
                         if tier.get(name) is not None})
+        if tier.get("overlap_slowdown") is not None:
+            slowdown = _number(tier["overlap_slowdown"], f"{where}.overlap_slowdown", positive=True)
+            if slowdown < 1:
+                raise InputError(f"calibration file: {where}.overlap_slowdown (FuncPipe's beta) must be >= 1, "
+                                 f"got {slowdown}")
+            figures["overlap_slowdown"] = slowdown
         ratios = {name: _ratios(tier[name], f"{where}.{name}") for name in ("compute_ratio", "optimizer_s_per_byte")
                   if tier.get(name) is not None}
+        if tier.get("task_overhead_s") is not None:
+            # a task can take less than the equations say (a median below the model): >= 0, not > 0
+            overheads = _ratios(tier["task_overhead_s"], f"{where}.task_overhead_s", positive=False)
+            unknown = sorted(set(overheads) - set(TASK_KINDS))
+            if unknown:
+                raise InputError(f"calibration file: {where}.task_overhead_s names {', '.join(unknown)}; the tasks "
+                                 f"measured are {', '.join(TASK_KINDS)}")
+            ratios["task_overhead_s"] = overheads
         return cls(**lines, **figures, **ratios)
 
 
@@ -357,6 +384,18 @@ class Calibration:
         if tier is None or self.target is None or threads != self.target.threads:
             return None
         return tier.speed_ratio
+
+    def task_overhead(self, memory_mb: int, kind: str) -> float:
+        """Seconds a ``kind`` task (:data:`TASK_KINDS`) of a worker on the tier takes beyond
+        the model's equations, as measured; 0 where the tier or the task was not measured."""
+        tier = self.tiers.get(memory_mb)
+        return 0.0 if tier is None else tier.task_overhead_s.get(kind, 0.0)
+
+    def tier_slowdown(self, memory_mb: int) -> float | None:
+        """FuncPipe's β measured on the tier (``flatpack calibrate``'s probe pipelines), else
+        None (the file's or the platform's one β then applies)."""
+        tier = self.tiers.get(memory_mb)
+        return None if tier is None else tier.overlap_slowdown
 
     def optimizer_seconds(self, memory_mb: int, optimizer: str, parameter_bytes: float) -> float | None:
         """Seconds of one optimizer step over ``parameter_bytes`` on the tier, when measured."""

@@ -20,6 +20,7 @@ says where it was taken (emulated tiers on this machine, or the platform's own).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import statistics
@@ -29,7 +30,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends import task_overheads
+from flatpack.backends.calibration import TASK_KINDS, Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
@@ -51,14 +53,18 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                      probe_bytes: int = 4 << 20, timeout_s: float = DEFAULT_TIMEOUT_S,
                      deploy: Callable[[Any], FunctionDeployment] | None = None,
                      launch: Callable[[Role], Invocation] | None = None,
-                     report: Callable[[str], None] | None = None) -> Calibration:
+                     report: Callable[[str], None] | None = None,
+                     task_iterations: int = task_overheads.PROBE_ITERATIONS) -> Calibration:
     """Measures ``target``'s memory ``tiers`` (default: its default tiers) with one
     calibration function per tier and returns the :class:`Calibration` (also written
     atomically to ``out``). ``emulate``: run the target's tiers as local processes held to
     their CPU share and link (always so for ``local``). ``threads``: torch threads, as the
     stages and the host profile run. ``round_trips``: small store requests each way per
     tier (the latency fit needs at least 8). ``probe_bytes``: each bandwidth probe.
-    ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment)."""
+    ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment).
+    ``task_iterations``: then run the probe pipelines on each tier, this many iterations
+    each, and record the task terms and β they measure (:mod:`flatpack.backends.task_overheads`;
+    0: not measured)."""
     from flatpack.backends import profiling
     from flatpack.backends.catalog import get_platform, host_cores
     from flatpack.compiler import compile as compile_model
@@ -71,6 +77,9 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     if region is not None and local:
         raise InputError(f"--region places calibration functions in a cloud region; "
                          f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region out")
+    if task_iterations and task_iterations <= task_overheads.SKIP:
+        raise InputError(f"--probe-iterations {task_iterations}: the probe pipelines' first {task_overheads.SKIP} "
+                         f"iterations are not measured; give at least {task_overheads.SKIP + 1}, or 0 to skip them")
     if threads < 1 or round_trips < 4 or probe_bytes < 1 or timeout_s <= 0:
         raise InputError(f"calibrate needs threads >= 1, round_trips >= 4 (8 requests or more for the latency fit), "
                          f"probe_bytes >= 1 and a positive timeout; got threads={threads}, round_trips={round_trips}, "
@@ -129,10 +138,49 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         store_latency=StoreLatency.fit(requests), poll_overhead_s=statistics.mean(polls),
         host_cores=host_cores() if emulated else None, collective=first.collective,
         provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
+    if task_iterations:
+        calibration = _with_task_overheads(calibration, target, emulate, memory_sizes, region, deploy,
+                                           task_iterations, timeout_s, say)
     if out is not None:
         calibration.save(out)
         say(f"wrote {out}")
     return calibration
+
+
+def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, memory_sizes: Sequence[int],
+                         region: str | None, deploy: Callable[[Any], FunctionDeployment] | None, iterations: int,
+                         timeout_s: float, say: Callable[[str], None]) -> Calibration:
+    """``calibration`` with each tier's task terms, measured by the probe pipeline on the tier
+    with the figures measured so far (``task_overheads.measure_tier``)."""
+    from flatpack.backends import profiling
+
+    tiers = dict(calibration.tiers)
+    for memory_mb in memory_sizes:
+        say(f"running the probe pipelines (2 stages, widths {', '.join(map(str, task_overheads.PROBE_WIDTHS))}, "
+            f"{iterations} iterations each) on the {memory_mb} MB tier: each task's seconds "
+            "beyond the model")
+        scratch = None
+        deploy_here = deploy
+        if deploy_here is None:
+            deploy_here, scratch = profiling._default_deploy(target, emulate, tuple(memory_sizes), region)
+        failed: list[int] = []
+        try:
+            measured = task_overheads.measure_tier(target, memory_mb, calibration, deploy_here, iterations=iterations,
+                                                   timeout_s=timeout_s)
+        except Exception:
+            failed.append(memory_mb)
+            raise
+        finally:
+            if scratch is not None:
+                profiling._remove_logs_unless_failed(scratch, failed)
+        tiers[memory_mb] = dataclasses.replace(tiers[memory_mb], task_overhead_s=dict(measured.seconds),
+                                               overlap_slowdown=measured.compute_slowdown)
+    provenance = {**calibration.provenance, "tasks": (
+        f"task terms and beta: 2-stage probe pipelines of linear layers of widths "
+        f"{', '.join(map(str, task_overheads.PROBE_WIDTHS))} per tier, {iterations} iterations "
+        f"of {task_overheads.PROBE_MICRO_BATCHES} micro-batches each, Adam, after the first {task_overheads.SKIP}: "
+        "compute tasks fitted as beta * modelled + fixed by least squares, other tasks' mean measured - modelled")}
+    return dataclasses.replace(calibration, tiers=tiers, provenance=provenance)
 
 
 def _on_host(threads: int) -> dict[str, float]:
@@ -222,6 +270,15 @@ def calibration_summary(calibration: Calibration) -> str:
         lines.append(f"{memory_mb:>8}  {ratios:>42}  {(tier.upload_bytes_s or 0) / 1e6:>8.1f}  "
                      f"{(tier.download_bytes_s or 0) / 1e6:>9.1f}  {tier.invoke_cold_s or 0:>7.2f}  "
                      f"{tier.invoke_warm_s or 0:>7.2f}  {tier.optimizer_s_per_byte.get('adam', 0) * 1e9:>9.3f}")
+    measured_tasks = [mb for mb in calibration.tiers_mb if calibration.tiers[mb].task_overhead_s]
+    if measured_tasks:
+        lines.append(f"{'tier MB':>8}  {'beta':>5}  task ms beyond the model: "
+                     + "  ".join(f"{kind:>9}" for kind in TASK_KINDS))
+        for memory_mb in measured_tasks:
+            tier = calibration.tiers[memory_mb]
+            overheads = tier.task_overhead_s
+            lines.append(f"{memory_mb:>8}  {tier.overlap_slowdown or 1.0:>5.2f}  {'':>25}" + "  ".join(
+                f"{overheads[kind] * 1000:>9.2f}" if kind in overheads else f"{'-':>9}" for kind in TASK_KINDS))
     skipped = calibration.collective.get("skipped")
     if skipped:
         lines.append(f"collective alpha, beta: not measured ({skipped})")

@@ -1,6 +1,6 @@
 """`flatpack calibrate --target local` for real: a calibration function per tier, each a
-separate process held to its tier's CPU share and link, sharing only the local S3 server;
-then `flatpack compile --calibration` records the file's digest in the plan, and reusing
+separate process held to its tier's CPU share and link, sharing only the local S3 server,
+then the probe pipelines of each tier (the task terms and β); then `flatpack compile --calibration` records the file's digest in the plan, and reusing
 that plan without the calibration is refused (item 5). No wall-clock time is asserted
 beyond orderings with wide margins."""
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flatpack.backends.calibration import Calibration
+from flatpack.backends.calibration import TASK_KINDS, Calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def flatpack(*args: str) -> subprocess.CompletedProcess:
 def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     out = tmp_path / "calibration.json"
     done = flatpack("calibrate", "--target", "local", "--tiers", "512,2048", "--round-trips", "8", "--probe-mb",
-                    "0.25", "--out", str(out))
+                    "0.25", "--probe-iterations", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
     calibration = Calibration.load(out)
     assert calibration.target.name == "local" and calibration.target.flatpack_version
@@ -36,6 +36,13 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert small.speed_ratio > 1.5 * large.speed_ratio
     assert small.invoke_cold_s > 0 and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
     assert "skipped" in calibration.collective
+    # the probe pipelines ran on each tier: every task kind measured, β at least 1, and a
+    # worker's forward costs more than its layers' compute (seeding, lanes, a cold cache)
+    for tier in (small, large):
+        assert set(tier.task_overhead_s) == set(TASK_KINDS) and min(tier.task_overhead_s.values()) >= 0
+        assert tier.overlap_slowdown >= 1
+    assert small.task_overhead_s["forward"] > 0
+    assert "probe pipelines" in calibration.provenance["tasks"]
     assert f"digest {calibration.digest[:16]}" in done.stdout
 
     compiled_dir = tmp_path / "compiled"

@@ -116,6 +116,20 @@ class Overheads:
       C cores: κ = (Σ over workers of min(v, threads) + 1 for the store) / C. A request's
       CPU work (client and server) stretches by max(1, κ), so t_lat, t_poll and t_mark do;
       compute, already stretched to 1/v by the tier's throttle, only when κ·v > 1.
+    * the task terms, per stage, each the fixed seconds a worker's task takes on its tier
+      beyond what the equations give it, measured by ``flatpack calibrate`` running a small
+      pipeline on the tier (``backends.task_overheads``; 0 where not measured), stretched by
+      max(1, κ) like the other host work: ``forward_task_s`` (o_f: the micro-batch's
+      seeded RNG, hand-offs between the worker's lanes, a cold cache after the lanes' other
+      work) on t̂_fc, ``backward_task_s`` (o_b) on t̂_bc, ``upload_task_s`` (o_u:
+      serialization and the request beyond t_lat) on t_fu and t_bu, ``download_task_s``
+      (o_d: from the producer's upload to the tensor in hand, beyond t_lat + t_poll) on t_fd
+      and t_bd, both halves on each request of the sync, ``step_task_s`` (o_step: the last
+      backward to the update's end beyond t_s + t_opt,s: the optimizer's per-tensor work,
+      markers, the lanes' hand-offs) on t_opt,s, and ``iteration_s`` (o_it: an update's end
+      to the next iteration's first forward on the first stage: the timeline and progress
+      writes) once per iteration. ``compute_slowdown``: FuncPipe's β per stage where the
+      probe pipelines measured it on the stage's tier (None: the platform's β).
     """
 
     poll_s: float = 0.0
@@ -123,6 +137,19 @@ class Overheads:
     optimizer_s: tuple[float, ...] = ()
     marker_s: float = 0.0
     contention: float = 1.0
+    forward_task_s: tuple[float, ...] = ()
+    backward_task_s: tuple[float, ...] = ()
+    upload_task_s: tuple[float, ...] = ()
+    download_task_s: tuple[float, ...] = ()
+    step_task_s: tuple[float, ...] = ()
+    iteration_s: float = 0.0
+    compute_slowdown: tuple[float | None, ...] = ()
+
+    def task(self, kind: str, stage: int) -> float:
+        """The ``kind`` task term (forward, backward, upload, download, step) of ``stage``; 0
+        where nothing measured it."""
+        values = getattr(self, f"{kind}_task_s")
+        return values[stage] if stage < len(values) else 0.0
 
     @classmethod
     def of(cls, problem: Problem, plan: Plan) -> "Overheads":
@@ -144,8 +171,18 @@ class Overheads:
                 seconds = problem.calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
                                                                 gradient_bytes(problem, stage.start, stage.end))
             optimizer.append((seconds or 0.0) * max(1.0, contention * min(tier.vcpus, 1.0)))
+        calibration = problem.calibration
+        tasks = {}
+        for kind in ("forward", "backward", "upload", "download", "step"):
+            tasks[f"{kind}_task_s"] = tuple(
+                (calibration.task_overhead(tier.memory_mb, kind) if calibration is not None else 0.0) * contention
+                for tier in tiers)
+        gap = calibration.task_overhead(tiers[0].memory_mb, "iteration") * contention if calibration is not None else 0.0
+        slowdown = tuple(calibration.tier_slowdown(tier.memory_mb) if calibration is not None else None
+                         for tier in tiers)
         return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s,
-                   optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention)
+                   optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention,
+                   iteration_s=gap, compute_slowdown=slowdown, **tasks)
 
 
 def host_contention(problem: Problem, plan: Plan) -> float:
@@ -211,19 +248,23 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
     stretch = [max(1.0, extra.contention * min(tier.vcpus, 1.0)) for tier in tiers]
-    forward = [slowdown * fwd * factor for (fwd, _), factor in zip(compute, stretch)]
-    backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) * factor
-                for (fwd, bwd), stage, factor in zip(compute, plan.stages, stretch)]
+    # β: the tier's, where the probe pipelines measured it, else the platform's one
+    beta = [(extra.compute_slowdown[s] if s < len(extra.compute_slowdown) else None) or slowdown
+            for s in range(count)]
+    forward = [beta[s] * fwd * factor + extra.task("forward", s)
+               for s, ((fwd, _), factor) in enumerate(zip(compute, stretch))]
+    backward = [beta[s] * recompute_seconds(fwd, bwd, stage.recompute) * factor + extra.task("backward", s)
+                for s, ((fwd, bwd), stage, factor) in enumerate(zip(compute, plan.stages, stretch))]
 
     boundaries = []
     for b in range(count - 1):
         nbytes = problem.boundary_bytes(plan.stages[b].end, micro)
         boundaries.append(BoundaryCost(
             after_layer=plan.stages[b].end, bytes=nbytes,
-            forward_upload_s=nbytes / bandwidth[b] + latency,
-            forward_download_s=nbytes / bandwidth[b + 1] + latency + poll,
-            backward_upload_s=nbytes / bandwidth[b + 1] + latency,
-            backward_download_s=nbytes / bandwidth[b] + latency + poll,
+            forward_upload_s=nbytes / bandwidth[b] + latency + extra.task("upload", b),
+            forward_download_s=nbytes / bandwidth[b + 1] + latency + poll + extra.task("download", b + 1),
+            backward_upload_s=nbytes / bandwidth[b + 1] + latency + extra.task("upload", b + 1),
+            backward_download_s=nbytes / bandwidth[b] + latency + poll + extra.task("download", b),
         ))
 
     first_forward = sum(forward) + sum(bc.forward_upload_s + bc.forward_download_s for bc in boundaries)
@@ -239,7 +280,9 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
                    *(bc.backward_download_s for bc in above)])
         done = sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above) + (mu - 1) * lag
         grads = gradient_bytes(problem, stage.start, stage.end)
-        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency + poll, problem.workload.sync)
+        # every request of the scatter-reduce is an upload and a download: half of each term per request
+        request = latency + poll + (extra.task("upload", s) + extra.task("download", s)) / 2
+        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], request, problem.workload.sync)
         if replicas > 1:
             sync += extra.marker_s
         memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
@@ -250,9 +293,10 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
-    optimizer = extra.optimizer_s or (0.0,) * count
+    optimizer = [(extra.optimizer_s[s] if s < len(extra.optimizer_s) else 0.0) + extra.task("step", s)
+                 for s in range(count)]
     iteration_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
-                                      for stage, step in zip(stages, optimizer))
+                                      for stage, step in zip(stages, optimizer)) + extra.iteration_s
     memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
     dollars = iteration_s * replicas * sum(tier.price_per_s for tier in tiers)
     unfit = next((stage.index for stage in stages if not stage.fits), None)

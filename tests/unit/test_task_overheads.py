@@ -1,0 +1,156 @@
+"""Issue 19: the task terms and β that `flatpack calibrate`'s probe pipelines measure — the fit
+recovers known terms from a timeline built with them, the calibration file keeps them, and the
+cost model adds each where its task is spent. The real probe pipelines run in
+tests/integration/test_calibrate_local.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from flatpack.backends.calibration import Calibration, TierCalibration
+from flatpack.backends.task_overheads import fit
+from flatpack.errors import InputError
+from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.cost.funcpipe import Overheads
+from flatpack.runtime.timeline import Event
+from tests.unit.test_cost_models import plan, problem
+from tests.unit.test_target_calibration import target_calibration
+
+TERMS = {"forward": 0.003, "backward": 0.001, "upload": 0.002, "download": 0.0015, "step": 0.004, "iteration": 0.0025}
+BETA = 1.25
+UPLOAD, DOWNLOAD, OPTIMIZER = 0.004, 0.006, 0.0005
+
+
+def probe_cost(forward_s: float, backward_s: float) -> SimpleNamespace:
+    """What ``funcpipe.iteration`` models for a two-stage probe (the fields the fit reads)."""
+    stage = SimpleNamespace(forward_s=forward_s, backward_s=backward_s, sync_s=0.0)
+    boundary = SimpleNamespace(forward_upload_s=UPLOAD, forward_download_s=DOWNLOAD,
+                               backward_upload_s=UPLOAD, backward_download_s=DOWNLOAD)
+    return SimpleNamespace(replicas=1, stages=(stage, stage), boundaries=(boundary,),
+                           overheads=SimpleNamespace(optimizer_s=(OPTIMIZER, OPTIMIZER)))
+
+
+def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:
+    """A synchronous two-stage schedule whose every task takes its modelled seconds plus
+    TERMS (compute × BETA), and whose downloads wait for their producers."""
+    forward = BETA * cost.stages[0].forward_s + TERMS["forward"]
+    backward = BETA * cost.stages[0].backward_s + TERMS["backward"]
+    upload, download = UPLOAD + TERMS["upload"], DOWNLOAD + TERMS["download"]
+    events: list[Event] = []
+
+    def add(stage: int, iteration: int, kind: str, start: float, seconds: float, micro_batch=None, lane="compute"):
+        events.append(Event(stage, 0, iteration, kind, start, start + seconds, micro_batch, 0, lane))
+        return start + seconds
+
+    clock = 100.0
+    for iteration in range(iterations):
+        compute0 = clock
+        up0 = down1 = compute1 = 0.0
+        arrived = {}
+        for m in range(micro_batches):
+            compute0 = add(0, iteration, "forward", compute0, forward, m)
+            up0 = add(0, iteration, "upload", max(up0, compute0), upload, m, "upload")
+            began = max(down1, clock)
+            down1 = add(1, iteration, "download", began, max(up0, began) - began + download, m, "download")
+            compute1 = add(1, iteration, "forward", max(compute1, down1), forward, m)
+        up1 = 0.0
+        for m in reversed(range(micro_batches)):
+            compute1 = add(1, iteration, "backward", compute1, backward, m)
+            up1 = add(1, iteration, "upload", max(up1, compute1), upload, m, "upload")
+            arrived[m] = up1
+        last1 = add(1, iteration, "update", up1, OPTIMIZER + TERMS["step"])
+        down0 = compute0
+        for m in reversed(range(micro_batches)):
+            down0 = add(0, iteration, "download", down0, max(arrived[m], down0) - down0 + download, m, "download")
+            compute0 = add(0, iteration, "backward", max(compute0, down0), backward, m)
+        end0 = add(0, iteration, "update", compute0, OPTIMIZER + TERMS["step"])
+        # the first stage's next forward starts o_it after its update
+        clock = max(end0, last1) + TERMS["iteration"]
+    return events
+
+
+def test_the_fit_recovers_the_terms_and_beta_of_a_timeline_built_with_them():
+    narrow, wide = probe_cost(0.0002, 0.0004), probe_cost(0.004, 0.008)
+    found = fit([(narrow, probe_timeline(narrow), 1.0), (wide, probe_timeline(wide), 1.0)], skip=1)
+    assert found.compute_slowdown == pytest.approx(BETA)
+    assert found.seconds == pytest.approx(TERMS)
+
+
+def test_terms_are_per_unit_of_host_contention_and_never_negative():
+    narrow, wide = probe_cost(0.0002, 0.0004), probe_cost(0.004, 0.008)
+    crowded = fit([(narrow, probe_timeline(narrow), 2.0), (wide, probe_timeline(wide), 2.0)], skip=1)
+    assert crowded.seconds["upload"] == pytest.approx(TERMS["upload"] / 2)
+    # a model slower than the worker: β is 1, not less, and no term goes below 0
+    slow = probe_cost(0.05, 0.05)
+    found = fit([(slow, probe_timeline(probe_cost(0.0002, 0.0004)), 1.0)], skip=1)
+    assert found.compute_slowdown == 1.0 and found.seconds["forward"] == 0.0 and found.seconds["backward"] == 0.0
+
+
+def test_the_fit_refuses_a_pipeline_it_cannot_read():
+    three = SimpleNamespace(replicas=1, stages=(1, 2, 3), boundaries=(), overheads=None)
+    with pytest.raises(ValueError, match="two stages with one replica"):
+        fit([(three, [], 1.0)])
+
+
+def test_the_calibration_file_keeps_the_terms_and_refuses_bad_ones(tmp_path):
+    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s=TERMS, overlap_slowdown=BETA)
+    calibration = target_calibration(tiers={512: tier})
+    loaded = Calibration.load(calibration.save(tmp_path / "calibration.json"))
+    assert loaded.tiers[512].task_overhead_s == TERMS and loaded.tiers[512].overlap_slowdown == BETA
+    assert loaded.task_overhead(512, "forward") == TERMS["forward"] and loaded.task_overhead(1024, "forward") == 0.0
+    assert loaded.digest != target_calibration().digest
+    data = json.loads((tmp_path / "calibration.json").read_text())
+    for bad, message in (({"forwards": 0.001}, "names forwards; the tasks measured are forward"),
+                         ({"forward": -0.001}, r"task_overhead_s.forward must be non-negative")):
+        broken = {**data, "tiers": {"512": {**data["tiers"]["512"], "task_overhead_s": bad}}}
+        with pytest.raises(InputError, match=message):
+            Calibration.from_json(broken)
+    with pytest.raises(InputError, match="overlap_slowdown .* must be >= 1"):
+        Calibration.from_json({**data, "tiers": {"512": {**data["tiers"]["512"], "overlap_slowdown": 0.5}}})
+
+
+ONE_STAGE = plan((0, 2, 1024, 1))
+TWO = plan((0, 1, 1024, 1), (2, 2, 1024, 1))
+
+
+def test_each_task_term_enters_where_its_task_is_spent():
+    base = funcpipe.iteration(problem(), TWO)
+    terms = Overheads(forward_task_s=(0.001, 0.002), backward_task_s=(0.003, 0.004), upload_task_s=(0.01, 0.02),
+                      download_task_s=(0.03, 0.04), step_task_s=(0.5, 0.25), iteration_s=0.125)
+    found = funcpipe.iteration(problem(), TWO, terms)
+    assert [s.forward_s for s in found.stages] == pytest.approx([s.forward_s + o for s, o in zip(base.stages, (0.001, 0.002))])
+    assert [s.backward_s for s in found.stages] == pytest.approx([s.backward_s + o
+                                                                  for s, o in zip(base.stages, (0.003, 0.004))])
+    boundary, before = found.boundaries[0], base.boundaries[0]
+    # activations go up from stage 0 and down into stage 1; gradients the other way
+    assert boundary.forward_upload_s == pytest.approx(before.forward_upload_s + 0.01)
+    assert boundary.forward_download_s == pytest.approx(before.forward_download_s + 0.04)
+    assert boundary.backward_upload_s == pytest.approx(before.backward_upload_s + 0.02)
+    assert boundary.backward_download_s == pytest.approx(before.backward_download_s + 0.03)
+    # one stage: the step and the iteration's gap add to t_iter exactly, the forward µ times
+    single = funcpipe.iteration(problem(), ONE_STAGE)
+    stepped = funcpipe.iteration(problem(), ONE_STAGE, Overheads(step_task_s=(0.5,), iteration_s=0.125,
+                                                                  forward_task_s=(0.01,)))
+    mu = single.micro_batches_per_replica
+    assert stepped.iteration_s == pytest.approx(single.iteration_s + 0.5 + 0.125 + mu * 0.01)
+
+
+def test_the_tier_beta_and_terms_come_from_the_calibration():
+    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s={"forward": 0.002, "iteration": 0.01},
+                               overlap_slowdown=1.5)
+    base = dataclasses.replace(problem(), calibration=target_calibration())
+    measured = dataclasses.replace(problem(), calibration=target_calibration(tiers={512: tier}))
+    on_512 = plan((0, 2, 512, 1))
+    overheads = Overheads.of(measured, on_512)
+    assert overheads.forward_task_s == (0.002,) and overheads.backward_task_s == (0.0,)
+    assert overheads.iteration_s == 0.01 and overheads.compute_slowdown == (1.5,)
+    before, after = funcpipe.predicted(base, on_512), funcpipe.predicted(measured, on_512)
+    # the tier's β in place of the platform's (2 on the test platform), then the fixed term
+    assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s / 2.0 * 1.5 + 0.002)
+    # a tier the probes did not measure keeps the platform's β and no task terms
+    assert Overheads.of(measured, ONE_STAGE).compute_slowdown == (None,)
+    assert funcpipe.predicted(measured, ONE_STAGE) == funcpipe.predicted(base, ONE_STAGE)
