@@ -594,13 +594,18 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from flatpack.backends.target_calibration import cached_local_calibration
     from flatpack.job import JobOptions, run_training
 
+    tiers = (512, 1024)
     options = JobOptions(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                          passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
-                         memory_mb=(512, 1024), pick="fastest", out=Path(args.out),
-                         calibration=Path(args.calibration) if args.calibration else None)
+                         memory_mb=tiers, pick="fastest", out=Path(args.out),
+                         calibration=Path(args.calibration) if args.calibration not in (None, "none", "auto") else None)
     options.check()
+    if args.calibration in (None, "auto"):
+        # measured once per host and cached: the prediction the demo prints is then calibrated
+        options = dataclasses.replace(options, calibration=cached_local_calibration(tiers, LOG.info))
     model, inputs = load_factory(args.model, "tiny")
     LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
     result = run_training(model, inputs, options, stream=_text_stream(args))
@@ -1103,8 +1108,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
-    demo_parser.add_argument("--calibration", default=None, metavar="FILE",
-                             help="predict with what `flatpack calibrate --target local` measured")
+    demo_parser.add_argument("--calibration", default="auto", metavar="FILE|auto|none",
+                             help="predict with what `flatpack calibrate --target local` measured: a file, auto (the "
+                                  "default: this host's, measured on the first demo and cached) or none (the "
+                                  "catalog's figures and the store round trip measured at deploy)")
     _json_flag(demo_parser, "demo")
     demo_parser.set_defaults(run=cmd_demo)
     return parser

@@ -22,16 +22,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from flatpack.backends import task_overheads
-from flatpack.backends.calibration import TASK_KINDS, Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends.calibration import SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
@@ -145,6 +148,33 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         calibration.save(out)
         say(f"wrote {out}")
     return calibration
+
+
+def cached_local_calibration(tiers: Sequence[int], report: Callable[[str], None] | None = None) -> Path:
+    """The path of a calibration of the local target's ``tiers`` made on this host with this
+    flatpack and torch, measured now (:func:`calibrate_target`) unless one is cached (next to
+    the profile cache: ``$FLATPACK_CACHE_DIR`` or the user's cache directory). ``flatpack
+    demo`` predicts with it, so that its prediction is calibrated on a fresh machine too."""
+    from flatpack.backends.catalog import host_cores
+    from flatpack.ir.profiler import default_cache_dir, host_info
+    from flatpack.version import __version__
+
+    say = report or (lambda line: None)
+    identity = {"host": host_info().cpu, "cores": host_cores(), "torch": torch.__version__, "flatpack": __version__,
+                "tiers": sorted(tiers), "schema": SCHEMA_VERSION}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    path = default_cache_dir() / f"calibration-local-{key}.json"
+    if path.is_file():
+        with contextlib.suppress(InputError):
+            found = Calibration.load(path)
+            say(f"predicting with the local calibration measured {found.target.date if found.target else ''} "
+                f"({path}; delete it to measure again)")
+            return path
+    say(f"calibrating the local target once for this host ({', '.join(map(str, tiers))} MB tiers; about 30 s on a "
+        f"quiet machine): the prediction then uses what it measures; cached at {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    calibrate_target("local", tiers=tiers, out=path, report=say)
+    return path
 
 
 def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, memory_sizes: Sequence[int],
