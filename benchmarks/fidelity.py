@@ -28,7 +28,8 @@ run it on a quiet machine.
 ``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
 ``partitioner.refit.replan``), runs the new plan and measures it.
 
-    PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--iterations 7]
+    PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
+        [--models vgg16,rnn-3] [--iterations 7]
 """
 
 from __future__ import annotations
@@ -203,6 +204,9 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print each case's per-stage table")
     parser.add_argument("--replan", action="store_true",
                         help="also re-plan each model's first plan from its run (plan --from-run) and measure it")
+    parser.add_argument("--forkjoin", action="store_true",
+                        help="also serve benchmarks/forkjoin_split.py's fork-join plans (Gillis: master alone, "
+                             "channel split p = 2..4, batch split) and print predicted vs measured latency")
     parser.add_argument("--reuse-profiles", action="store_true",
                         help="use the profile cache (default: profile every model afresh in this run)")
     args = parser.parse_args()
@@ -229,6 +233,12 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             if args.verbose:
                 print(row["table"], file=sys.stderr)
+        forkjoin_rows = []
+        if args.forkjoin:
+            # the fork-join benchmark imports this module's calibrate: imported here, not at the top
+            from benchmarks import forkjoin_split
+
+            forkjoin_rows = forkjoin_split.run(argparse.Namespace(quick=args.quick, requests=7), calibration)
         replans = []
         if args.replan:
             for model in dict.fromkeys(row["case"].model for row in rows):
@@ -258,6 +268,9 @@ def main() -> None:
             continue
         rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine]).statistic
         print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
+    if forkjoin_rows:
+        print("\nFork-join inference (Gillis), the same calibration:\n")
+        forkjoin_split.report(forkjoin_rows, 7)
     if replans:
         print("\n| model | plan that ran | measured ms | re-planned (plan --from-run) | predicted saving ms | "
               "measured ms |")

@@ -5,8 +5,13 @@ A conv model and a transformer (width enough for the split to matter) are compil
 plans that run one heavy group on the master alone, split by channel over p = 2, 3, 4
 workers, and split by batch over 2; each plan is served as local functions (the master and
 one process per worker, a real S3 server, the tier's CPU share and bandwidth emulated).
-``cost/gillis.py``'s latency, with the store's measured round trip as the communication
-delay, is printed beside the median measured request latency.
+``cost/gillis.py``'s latency is printed beside the median measured request latency. With a
+calibration (``flatpack calibrate --target local``, run first unless ``--calibration`` names
+one, as ``benchmarks/fidelity.py`` does) the compute is the tier's measured ratio to this
+host and the communication delay the EMG fitted to the store's requests; without one
+(``--no-calibration``) the catalog's compute model and the store's round trip measured at
+deploy. Every model is profiled afresh (a cached profile may have been measured while the
+host was busy).
 
 The last two columns divide each plan's latency by the same model's and batch's latency on
 the master alone: how much the split is predicted to gain or lose against how much it
@@ -16,15 +21,18 @@ The host has 2 cores shared with whatever else runs: p workers plus the master c
 them, which the model does not count, so the measured figures are noisy and the larger p
 are pessimistic. The rows are evidence of what the split costs here, not of a cloud.
 
-    python benchmarks/forkjoin_split.py [--requests 9] [--quick]
+    python benchmarks/forkjoin_split.py [--requests 9] [--quick] [--calibration FILE | --no-calibration]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,9 +40,15 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import local
+from flatpack.ir.profiler import CACHE_ENV
 from flatpack.partitioner.cost import CommDelay, gillis
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
+
+if __package__ in (None, ""):  # ``python benchmarks/forkjoin_split.py`` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.fidelity import calibrate  # noqa: E402
 
 MEMORY_MB = 1024
 
@@ -103,15 +117,18 @@ def plan_around(group: tuple[int, int], layers: int, replicas: int, split: str |
     return Plan(tuple(stages), layers, "benchmark")
 
 
-def measure(model_spec: Model, batch: int, replicas: int, split: str, requests: int) -> dict:
+def measure(model_spec: Model, batch: int, replicas: int, split: str, requests: int,
+            calibration: Path | None = None) -> dict:
     torch.manual_seed(0)
     model = model_spec.build().eval()
     workload = Workload("infer", batch=batch, micro_batches=1)
     example = (model_spec.sample(batch),)
-    base = flatpack.compile(model, example, target="local", profile=True, workload=workload, stages=1)
+    base = flatpack.compile(model, example, target="local", profile=True, workload=workload, stages=1,
+                            calibration=calibration)
     group = heaviest_group(base.problem)
     plan = plan_around(group, len(base.graph.layers), replicas, split)
-    compiled = flatpack.compile(model, example, target="local", profile=True, workload=workload, plan=plan)
+    compiled = flatpack.compile(model, example, target="local", profile=True, workload=workload, plan=plan,
+                                calibration=calibration)
     latencies = []
     with local.deploy(compiled) as deployment:
         t_lat = deployment.measure_latency()
@@ -122,7 +139,9 @@ def measure(model_spec: Model, batch: int, replicas: int, split: str, requests: 
             if index >= 2:      # the first requests load the functions' modules
                 latencies.append(deployment.last_latency_s)
         deployment.stop_inference()
-    predicted = gillis.latency(compiled.problem, compiled.plan, CommDelay(t_lat)).latency_s
+    # calibrated: the EMG flatpack calibrate fitted (gillis's default delay); else the round trip
+    predicted = gillis.latency(compiled.problem, compiled.plan,
+                               None if calibration is not None else CommDelay(t_lat)).latency_s
     measured = statistics.median(latencies)
     return {"model": model_spec.name, "batch": batch, "group": group, "split": split if replicas > 1 else "master",
             "p": replicas, "predicted": predicted, "measured": measured, "error": predicted / measured - 1,
@@ -133,21 +152,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=9, help="measured requests per plan (after 2 warm-ups)")
     parser.add_argument("--quick", action="store_true", help="the conv model, master alone and p = 2 only")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a file from `flatpack calibrate --target local` (default: run one first)")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="predict from the catalog's compute model and the measured round trip")
     args = parser.parse_args()
-    shapes = [(1, 1, "channel"), (1, 2, "channel"), (1, 3, "channel"), (1, 4, "channel"), (4, 1, "channel"),
-              (4, 2, "channel"), (4, 2, "batch")]
-    models = MODELS
+    with tempfile.TemporaryDirectory(prefix="flatpack-forkjoin-") as scratch:
+        os.environ[CACHE_ENV] = str(Path(scratch) / "profiles")
+        calibration = None if args.no_calibration else args.calibration or calibrate(Path(scratch) / "calibration.json")
+        rows = run(args, calibration)
+    report(rows, args.requests)
+
+
+SHAPES = ((1, 1, "channel"), (1, 2, "channel"), (1, 3, "channel"), (1, 4, "channel"), (4, 1, "channel"),
+          (4, 2, "channel"), (4, 2, "batch"))
+
+
+def run(args: argparse.Namespace, calibration: Path | None) -> list[dict]:
+    shapes, models = SHAPES, MODELS
     if args.quick:
         shapes, models = shapes[:2], MODELS[:1]
     rows = []
     for model_spec in models:
         for batch, replicas, split in shapes:
-            row = measure(model_spec, batch, replicas, split, args.requests)
+            row = measure(model_spec, batch, replicas, split, args.requests, calibration)
             rows.append(row)
             print(f"  {row['model']} batch {batch} {row['split']} p={replicas}: predicted "
                   f"{row['predicted'] * 1000:.1f} ms, measured {row['measured'] * 1000:.1f} ms", file=sys.stderr,
                   flush=True)
-    print(f"torch {torch.__version__}; tier {MEMORY_MB} MB of the local platform; median of {args.requests} requests\n")
+    return rows
+
+
+def report(rows: list[dict], requests: int) -> None:
+    print(f"torch {torch.__version__}; tier {MEMORY_MB} MB of the local platform; median of {requests} requests; "
+          f"1-minute load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| model | batch | group (layers) | split | p | predicted ms | measured ms | error | "
           "predicted / master alone | measured / master alone |")
     print("|---|---|---|---|---|---|---|---|---|---|")

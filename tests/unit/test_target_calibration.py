@@ -162,3 +162,16 @@ def test_run_refuses_a_calibration_of_another_target_before_anything_starts(tmp_
         JobOptions(calibration=path, out=tmp_path / "run").check()
     with pytest.raises(InputError, match="cannot read calibration file"):
         JobOptions(calibration=tmp_path / "missing.json", out=tmp_path / "run").check()
+
+
+def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():
+    from flatpack.partitioner.cost.gillis import CommDelay, _default_delay
+
+    infer = dataclasses.replace(problem(), calibration=target_calibration())
+    delay = _default_delay(infer)
+    # exponnorm(K, loc, scale): µ = loc, σ = scale, 1/λ = K·scale; its mean is FuncPipe's t_lat
+    assert delay == CommDelay(0.002, 0.0005, 2.0 * 0.0005)
+    assert delay.mean == pytest.approx(target_calibration().store_latency.mean_s)
+    assert _default_delay(problem()) == CommDelay(problem().platform.storage_latency_s)
+    explicit = dataclasses.replace(infer, options={**infer.options, "comm_delay": {"mu_s": 0.01}})
+    assert _default_delay(explicit) == CommDelay(0.01)

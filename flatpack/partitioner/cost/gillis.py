@@ -232,13 +232,18 @@ class ForkJoinCost:
 
 
 def _default_delay(problem: Problem) -> CommDelay:
-    """Measured EMG parameters from ``problem.options["comm_delay"]``, else the platform's
-    storage latency as a fixed delay (no spread: the order statistic is then the latency)."""
+    """Measured EMG parameters from ``problem.options["comm_delay"]``; else the EMG that
+    ``flatpack calibrate`` fitted to the target's store requests (``scipy.stats.exponnorm``'s
+    K, loc, scale: µ = loc, σ = scale, 1/λ = K·scale); else the platform's storage latency as
+    a fixed delay (no spread: the order statistic is then the latency)."""
     delay = problem.options.get("comm_delay")
     if isinstance(delay, CommDelay):
         return delay
     if isinstance(delay, dict):
         return CommDelay(**delay)
+    fitted = getattr(problem.calibration, "store_latency", None)
+    if fitted is not None:
+        return CommDelay(fitted.loc, fitted.scale, fitted.k * fitted.scale)
     return CommDelay(problem.platform.storage_latency_s)
 
 
