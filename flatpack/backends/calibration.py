@@ -40,9 +40,10 @@ Schema version 2 (``flatpack calibrate``) adds, all optional, and makes ``layers
                          "upload_bytes_s": 2.3e7, "download_bytes_s": 2.4e7,
                          "invoke_cold_s": 1.9, "invoke_warm_s": 1.8,
                          "optimizer_s_per_byte": {"sgd": 1e-10, "sgd-momentum": 2e-10, "adam": 4e-10},
-                         "task_overhead_s": {"forward": 0.0021, "backward": 0.0007, "upload": 0.0018,
-                                             "download": 0.0012, "step": 0.0031, "iteration": 0.0045},
-                         "overlap_slowdown": 1.12}},        # FuncPipe's beta on this tier
+                         "task_overhead_s": {      # by the number of workers the probe ran
+                             "2": {"forward": 0.0021, "backward": 0.0007, "upload": 0.0018,
+                                   "download": 0.0012, "step": 0.0031, "iteration": 0.0045},
+                             "4": {"forward": 0.0034, ..., "sync": 0.012}}}},
       "store_latency": {"distribution": "exponnorm", "K": 1.2, "loc": 0.002, "scale": 0.0005,
                         "samples": 120},      # scipy.stats.exponnorm's parameters, seconds
       "poll_overhead_s": 0.0021,              # a wait's mean delay after its key was written
@@ -112,9 +113,24 @@ def _ratios(data: Any, where: str, positive: bool = True) -> dict[str, float]:
     return {str(name): _number(value, f"{where}.{name}", positive=positive) for name, value in data.items()}
 
 
-# the tasks of a stage worker whose fixed seconds ``flatpack calibrate`` measures by running a
-# small pipeline on the tier (backends.task_overheads; the terms of funcpipe.Overheads)
-TASK_KINDS = ("forward", "backward", "upload", "download", "step", "iteration")
+# the tasks of a stage worker whose fixed seconds ``flatpack calibrate`` measures by running
+# small pipelines on the tier (backends.task_overheads; the terms of funcpipe.Overheads)
+TASK_KINDS = ("forward", "backward", "upload", "download", "sync", "step", "iteration")
+
+
+def _task_overheads(data: Any, where: str) -> dict[int, dict[str, float]]:
+    if not isinstance(data, dict) or not all(str(key).isdigit() and int(key) > 0 for key in data):
+        raise InputError(f"calibration file: {where} must map worker counts (\"2\", \"4\") to task seconds")
+    found = {}
+    for key, terms in data.items():
+        # a task can take less than the equations say (a mean below the model): >= 0, not > 0
+        seconds = _ratios(terms, f"{where}.{key}", positive=False)
+        unknown = sorted(set(seconds) - set(TASK_KINDS))
+        if unknown:
+            raise InputError(f"calibration file: {where}.{key} names {', '.join(unknown)}; the tasks measured are "
+                             f"{', '.join(TASK_KINDS)}")
+        found[int(key)] = seconds
+    return found
 
 
 @dataclass(frozen=True)
@@ -125,8 +141,8 @@ class TierCalibration:
     (tier seconds / host seconds at the same thread count), each direction's bandwidth, the
     invoke latency of a first and a second start, the optimizer step's seconds per
     parameter byte per optimizer, and each worker task's seconds beyond what the model's
-    equations give it (``task_overhead_s``, keys :data:`TASK_KINDS`; measured on a small
-    pipeline run on the tier, ``backends.task_overheads``)."""
+    equations give it (``task_overhead_s``: by the number of workers the probe pipeline ran
+    with, then by task kind, :data:`TASK_KINDS`; ``backends.task_overheads``)."""
 
     forward_s: tuple[Linear, ...] = ()
     backward_s: tuple[Linear, ...] = ()
@@ -137,8 +153,7 @@ class TierCalibration:
     invoke_cold_s: float | None = None
     invoke_warm_s: float | None = None
     optimizer_s_per_byte: Mapping[str, float] = field(default_factory=dict, hash=False)
-    task_overhead_s: Mapping[str, float] = field(default_factory=dict, hash=False)
-    overlap_slowdown: float | None = None     # FuncPipe's β on this tier, from the probe pipelines
+    task_overhead_s: Mapping[int, Mapping[str, float]] = field(default_factory=dict, hash=False)
 
     @property
     def link_bytes_s(self) -> float | None:
@@ -162,13 +177,15 @@ class TierCalibration:
         if self.forward_s:
             data["forward_s"] = [line.to_json() for line in self.forward_s]
             data["backward_s"] = [line.to_json() for line in self.backward_s]
-        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s",
-                     "overlap_slowdown"):
+        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
-        for name in ("compute_ratio", "optimizer_s_per_byte", "task_overhead_s"):
+        for name in ("compute_ratio", "optimizer_s_per_byte"):
             if getattr(self, name):
                 data[name] = dict(getattr(self, name))
+        if self.task_overhead_s:
+            data["task_overhead_s"] = {str(workers): dict(self.task_overhead_s[workers])
+                                       for workers in sorted(self.task_overhead_s)}
         return data
 
     @classmethod
@@ -184,22 +201,10 @@ class TierCalibration:
                    if tier.get(name) is not None}
         figures.update({name: _number(tier[name], f"{where}.{name}") for name in ("invoke_cold_s", "invoke_warm_s")
                         if tier.get(name) is not None})
-        if tier.get("overlap_slowdown") is not None:
-            slowdown = _number(tier["overlap_slowdown"], f"{where}.overlap_slowdown", positive=True)
-            if slowdown < 1:
-                raise InputError(f"calibration file: {where}.overlap_slowdown (FuncPipe's beta) must be >= 1, "
-                                 f"got {slowdown}")
-            figures["overlap_slowdown"] = slowdown
         ratios = {name: _ratios(tier[name], f"{where}.{name}") for name in ("compute_ratio", "optimizer_s_per_byte")
                   if tier.get(name) is not None}
         if tier.get("task_overhead_s") is not None:
-            # a task can take less than the equations say (a median below the model): >= 0, not > 0
-            overheads = _ratios(tier["task_overhead_s"], f"{where}.task_overhead_s", positive=False)
-            unknown = sorted(set(overheads) - set(TASK_KINDS))
-            if unknown:
-                raise InputError(f"calibration file: {where}.task_overhead_s names {', '.join(unknown)}; the tasks "
-                                 f"measured are {', '.join(TASK_KINDS)}")
-            ratios["task_overhead_s"] = overheads
+            ratios["task_overhead_s"] = _task_overheads(tier["task_overhead_s"], f"{where}.task_overhead_s")
         return cls(**lines, **figures, **ratios)
 
 
@@ -385,17 +390,32 @@ class Calibration:
             return None
         return tier.speed_ratio
 
-    def task_overhead(self, memory_mb: int, kind: str) -> float:
+    def task_overhead(self, memory_mb: int, kind: str, workers: int) -> float:
         """Seconds a ``kind`` task (:data:`TASK_KINDS`) of a worker on the tier takes beyond
-        the model's equations, as measured; 0 where the tier or the task was not measured."""
+        the model's equations with ``workers`` workers running (they share the host on the
+        local backend): the probe pipelines' figure at that count, else the line through the
+        two nearest counts measured (beyond them, the nearest two's slope), at least 0; a
+        kind measured at one count only is that figure. 0 where the tier or the kind was not
+        measured."""
         tier = self.tiers.get(memory_mb)
-        return 0.0 if tier is None else tier.task_overhead_s.get(kind, 0.0)
-
-    def tier_slowdown(self, memory_mb: int) -> float | None:
-        """FuncPipe's β measured on the tier (``flatpack calibrate``'s probe pipelines), else
-        None (the file's or the platform's one β then applies)."""
-        tier = self.tiers.get(memory_mb)
-        return None if tier is None else tier.overlap_slowdown
+        if tier is None:
+            return 0.0
+        points = sorted((count, terms[kind]) for count, terms in tier.task_overhead_s.items() if kind in terms)
+        if not points:
+            return 0.0
+        if len(points) == 1:
+            return points[0][1]
+        below = [point for point in points if point[0] <= workers]
+        above = [point for point in points if point[0] >= workers]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+        elif above:
+            (x0, y0), (x1, y1) = points[0], points[1]
+        else:
+            (x0, y0), (x1, y1) = points[-2], points[-1]
+        if x0 == x1:
+            return y0
+        return max(0.0, y0 + (y1 - y0) * (workers - x0) / (x1 - x0))
 
     def optimizer_seconds(self, memory_mb: int, optimizer: str, parameter_bytes: float) -> float | None:
         """Seconds of one optimizer step over ``parameter_bytes`` on the tier, when measured."""

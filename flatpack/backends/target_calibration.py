@@ -186,9 +186,9 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
 
     tiers = dict(calibration.tiers)
     for memory_mb in memory_sizes:
-        say(f"running the probe pipelines (2 stages, widths {', '.join(map(str, task_overheads.PROBE_WIDTHS))}, "
-            f"{iterations} iterations each) on the {memory_mb} MB tier: each task's seconds "
-            "beyond the model")
+        say(f"running the probe pipeline (2 stages, "
+            f"{' then '.join(str(2 * d) for d in task_overheads.PROBE_REPLICAS)} workers, {iterations} iterations "
+            f"each) on the {memory_mb} MB tier: each task's seconds beyond the model")
         scratch = None
         deploy_here = deploy
         if deploy_here is None:
@@ -203,13 +203,12 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
         finally:
             if scratch is not None:
                 profiling._remove_logs_unless_failed(scratch, failed)
-        tiers[memory_mb] = dataclasses.replace(tiers[memory_mb], task_overhead_s=dict(measured.seconds),
-                                               overlap_slowdown=measured.compute_slowdown)
+        tiers[memory_mb] = dataclasses.replace(tiers[memory_mb], task_overhead_s=measured)
     provenance = {**calibration.provenance, "tasks": (
-        f"task terms and beta: 2-stage probe pipelines of linear layers of widths "
-        f"{', '.join(map(str, task_overheads.PROBE_WIDTHS))} per tier, {iterations} iterations "
-        f"of {task_overheads.PROBE_MICRO_BATCHES} micro-batches each, Adam, after the first {task_overheads.SKIP}: "
-        "compute tasks fitted as beta * modelled + fixed by least squares, other tasks' mean measured - modelled")}
+        f"task terms: a 2-stage probe pipeline of linear layers per tier, with "
+        f"{' and '.join(str(2 * d) for d in task_overheads.PROBE_REPLICAS)} workers, {iterations} iterations of "
+        f"{task_overheads.PROBE_MICRO_BATCHES} micro-batches each, Adam; each task's mean measured - modelled "
+        f"seconds after the first {task_overheads.SKIP} iterations")}
     return dataclasses.replace(calibration, tiers=tiers, provenance=provenance)
 
 
@@ -302,13 +301,12 @@ def calibration_summary(calibration: Calibration) -> str:
                      f"{tier.invoke_warm_s or 0:>7.2f}  {tier.optimizer_s_per_byte.get('adam', 0) * 1e9:>9.3f}")
     measured_tasks = [mb for mb in calibration.tiers_mb if calibration.tiers[mb].task_overhead_s]
     if measured_tasks:
-        lines.append(f"{'tier MB':>8}  {'beta':>5}  task ms beyond the model: "
+        lines.append(f"{'tier MB':>8}  {'workers':>7}  task ms beyond the model: "
                      + "  ".join(f"{kind:>9}" for kind in TASK_KINDS))
         for memory_mb in measured_tasks:
-            tier = calibration.tiers[memory_mb]
-            overheads = tier.task_overhead_s
-            lines.append(f"{memory_mb:>8}  {tier.overlap_slowdown or 1.0:>5.2f}  {'':>25}" + "  ".join(
-                f"{overheads[kind] * 1000:>9.2f}" if kind in overheads else f"{'-':>9}" for kind in TASK_KINDS))
+            for workers, overheads in sorted(calibration.tiers[memory_mb].task_overhead_s.items()):
+                lines.append(f"{memory_mb:>8}  {workers:>7}  {'':>25}" + "  ".join(
+                    f"{overheads[kind] * 1000:>9.2f}" if kind in overheads else f"{'-':>9}" for kind in TASK_KINDS))
     skipped = calibration.collective.get("skipped")
     if skipped:
         lines.append(f"collective alpha, beta: not measured ({skipped})")

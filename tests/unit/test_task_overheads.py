@@ -1,7 +1,7 @@
-"""Issue 19: the task terms and β that `flatpack calibrate`'s probe pipelines measure — the fit
-recovers known terms from a timeline built with them, the calibration file keeps them, and the
-cost model adds each where its task is spent. The real probe pipelines run in
-tests/integration/test_calibrate_local.py."""
+"""Issue 19: the task terms that `flatpack calibrate`'s probe pipelines measure — the fit
+recovers known terms from a timeline built with them, the calibration file keeps them by
+worker count and reads them at a plan's, and the cost model adds each where its task is
+spent. The real probe pipelines run in tests/integration/test_calibrate_local.py."""
 
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from tests.unit.test_cost_models import plan, problem
 from tests.unit.test_target_calibration import target_calibration
 
 TERMS = {"forward": 0.003, "backward": 0.001, "upload": 0.002, "download": 0.0015, "step": 0.004, "iteration": 0.0025}
-BETA = 1.25
 UPLOAD, DOWNLOAD, OPTIMIZER = 0.004, 0.006, 0.0005
 
 
-def probe_cost(forward_s: float, backward_s: float) -> SimpleNamespace:
+def probe_cost(forward_s: float = 0.0002, backward_s: float = 0.0004) -> SimpleNamespace:
     """What ``funcpipe.iteration`` models for a two-stage probe (the fields the fit reads)."""
     stage = SimpleNamespace(forward_s=forward_s, backward_s=backward_s, sync_s=0.0)
     boundary = SimpleNamespace(forward_upload_s=UPLOAD, forward_download_s=DOWNLOAD,
@@ -36,9 +35,9 @@ def probe_cost(forward_s: float, backward_s: float) -> SimpleNamespace:
 
 def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:
     """A synchronous two-stage schedule whose every task takes its modelled seconds plus
-    TERMS (compute × BETA), and whose downloads wait for their producers."""
-    forward = BETA * cost.stages[0].forward_s + TERMS["forward"]
-    backward = BETA * cost.stages[0].backward_s + TERMS["backward"]
+    TERMS, and whose downloads wait for their producers."""
+    forward = cost.stages[0].forward_s + TERMS["forward"]
+    backward = cost.stages[0].backward_s + TERMS["backward"]
     upload, download = UPLOAD + TERMS["upload"], DOWNLOAD + TERMS["download"]
     events: list[Event] = []
 
@@ -73,44 +72,44 @@ def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: in
     return events
 
 
-def test_the_fit_recovers_the_terms_and_beta_of_a_timeline_built_with_them():
-    narrow, wide = probe_cost(0.0002, 0.0004), probe_cost(0.004, 0.008)
-    found = fit([(narrow, probe_timeline(narrow), 1.0), (wide, probe_timeline(wide), 1.0)], skip=1)
-    assert found.compute_slowdown == pytest.approx(BETA)
-    assert found.seconds == pytest.approx(TERMS)
-
-
-def test_terms_are_per_unit_of_host_contention_and_never_negative():
-    narrow, wide = probe_cost(0.0002, 0.0004), probe_cost(0.004, 0.008)
-    crowded = fit([(narrow, probe_timeline(narrow), 2.0), (wide, probe_timeline(wide), 2.0)], skip=1)
-    assert crowded.seconds["upload"] == pytest.approx(TERMS["upload"] / 2)
-    # a model slower than the worker: β is 1, not less, and no term goes below 0
+def test_the_fit_recovers_the_terms_of_a_timeline_built_with_them():
+    cost = probe_cost()
+    assert fit(cost, probe_timeline(cost), skip=1) == pytest.approx(TERMS)
+    # a model slower than the worker: no term goes below 0
     slow = probe_cost(0.05, 0.05)
-    found = fit([(slow, probe_timeline(probe_cost(0.0002, 0.0004)), 1.0)], skip=1)
-    assert found.compute_slowdown == 1.0 and found.seconds["forward"] == 0.0 and found.seconds["backward"] == 0.0
+    found = fit(slow, probe_timeline(probe_cost()), skip=1)
+    assert found["forward"] == 0.0 and found["backward"] == 0.0
 
 
 def test_the_fit_refuses_a_pipeline_it_cannot_read():
     three = SimpleNamespace(replicas=1, stages=(1, 2, 3), boundaries=(), overheads=None)
-    with pytest.raises(ValueError, match="two stages with one replica"):
-        fit([(three, [], 1.0)])
+    with pytest.raises(ValueError, match="two stages"):
+        fit(three, [])
 
 
 def test_the_calibration_file_keeps_the_terms_and_refuses_bad_ones(tmp_path):
-    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s=TERMS, overlap_slowdown=BETA)
+    four = {**{kind: 2 * seconds for kind, seconds in TERMS.items()}, "sync": 0.01}
+    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s={2: TERMS, 4: four})
     calibration = target_calibration(tiers={512: tier})
     loaded = Calibration.load(calibration.save(tmp_path / "calibration.json"))
-    assert loaded.tiers[512].task_overhead_s == TERMS and loaded.tiers[512].overlap_slowdown == BETA
-    assert loaded.task_overhead(512, "forward") == TERMS["forward"] and loaded.task_overhead(1024, "forward") == 0.0
+    assert loaded.tiers[512].task_overhead_s == {2: TERMS, 4: four}
     assert loaded.digest != target_calibration().digest
+    # at a count measured, its figure; between and beyond the two, their line; at least 0
+    assert loaded.task_overhead(512, "forward", 2) == TERMS["forward"]
+    assert loaded.task_overhead(512, "forward", 3) == pytest.approx(1.5 * TERMS["forward"])
+    assert loaded.task_overhead(512, "forward", 6) == pytest.approx(3 * TERMS["forward"])
+    assert loaded.task_overhead(512, "forward", 1) == pytest.approx(0.5 * TERMS["forward"])
+    shrinking = dataclasses.replace(tier, task_overhead_s={2: {"step": 0.004}, 4: {"step": 0.001}})
+    assert target_calibration(tiers={512: shrinking}).task_overhead(512, "step", 10) == 0.0
+    # the sync, measured with 4 workers only, is that figure at every count; nothing measured is 0
+    assert loaded.task_overhead(512, "sync", 8) == 0.01 and loaded.task_overhead(1024, "forward", 2) == 0.0
     data = json.loads((tmp_path / "calibration.json").read_text())
-    for bad, message in (({"forwards": 0.001}, "names forwards; the tasks measured are forward"),
-                         ({"forward": -0.001}, r"task_overhead_s.forward must be non-negative")):
+    for bad, message in (({"2": {"forwards": 0.001}}, r"task_overhead_s.2 names forwards; the tasks measured are forward"),
+                         ({"2": {"forward": -0.001}}, r"task_overhead_s.2.forward must be non-negative"),
+                         ({"two": {"forward": 0.001}}, "must map worker counts")):
         broken = {**data, "tiers": {"512": {**data["tiers"]["512"], "task_overhead_s": bad}}}
         with pytest.raises(InputError, match=message):
             Calibration.from_json(broken)
-    with pytest.raises(InputError, match="overlap_slowdown .* must be >= 1"):
-        Calibration.from_json({**data, "tiers": {"512": {**data["tiers"]["512"], "overlap_slowdown": 0.5}}})
 
 
 ONE_STAGE = plan((0, 2, 1024, 1))
@@ -120,7 +119,7 @@ TWO = plan((0, 1, 1024, 1), (2, 2, 1024, 1))
 def test_each_task_term_enters_where_its_task_is_spent():
     base = funcpipe.iteration(problem(), TWO)
     terms = Overheads(forward_task_s=(0.001, 0.002), backward_task_s=(0.003, 0.004), upload_task_s=(0.01, 0.02),
-                      download_task_s=(0.03, 0.04), step_task_s=(0.5, 0.25), iteration_s=0.125)
+                      download_task_s=(0.03, 0.04), step_task_s=(0.5, 0.25), iteration_s=0.125, sync_task_s=(1.0, 1.0))
     found = funcpipe.iteration(problem(), TWO, terms)
     assert [s.forward_s for s in found.stages] == pytest.approx([s.forward_s + o for s, o in zip(base.stages, (0.001, 0.002))])
     assert [s.backward_s for s in found.stages] == pytest.approx([s.backward_s + o
@@ -137,20 +136,25 @@ def test_each_task_term_enters_where_its_task_is_spent():
                                                                   forward_task_s=(0.01,)))
     mu = single.micro_batches_per_replica
     assert stepped.iteration_s == pytest.approx(single.iteration_s + 0.5 + 0.125 + mu * 0.01)
+    # the sync's term only where there is a sync (d > 1)
+    assert [s.sync_s for s in found.stages] == [0.0, 0.0]
+    replicated = plan((0, 1, 1024, 2), (2, 2, 1024, 2))
+    synced = funcpipe.iteration(problem(), replicated, Overheads(sync_task_s=(1.0, 2.0)))
+    assert [s.sync_s for s in synced.stages] == pytest.approx(
+        [s.sync_s + extra for s, extra in zip(funcpipe.iteration(problem(), replicated, Overheads()).stages, (1.0, 2.0))])
 
 
-def test_the_tier_beta_and_terms_come_from_the_calibration():
-    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s={"forward": 0.002, "iteration": 0.01},
-                               overlap_slowdown=1.5)
+def test_the_terms_come_from_the_calibration_at_the_plans_worker_count():
+    tier = dataclasses.replace(target_calibration().tiers[512],
+                               task_overhead_s={2: {"forward": 0.002, "iteration": 0.01}, 4: {"forward": 0.004}})
     base = dataclasses.replace(problem(), calibration=target_calibration())
     measured = dataclasses.replace(problem(), calibration=target_calibration(tiers={512: tier}))
-    on_512 = plan((0, 2, 512, 1))
-    overheads = Overheads.of(measured, on_512)
-    assert overheads.forward_task_s == (0.002,) and overheads.backward_task_s == (0.0,)
-    assert overheads.iteration_s == 0.01 and overheads.compute_slowdown == (1.5,)
-    before, after = funcpipe.predicted(base, on_512), funcpipe.predicted(measured, on_512)
-    # the tier's β in place of the platform's (2 on the test platform), then the fixed term
-    assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s / 2.0 * 1.5 + 0.002)
-    # a tier the probes did not measure keeps the platform's β and no task terms
-    assert Overheads.of(measured, ONE_STAGE).compute_slowdown == (None,)
+    two_workers, four_workers = plan((0, 0, 512, 1), (1, 2, 512, 1)), plan((0, 0, 512, 2), (1, 2, 512, 2))
+    overheads = Overheads.of(measured, two_workers)
+    assert overheads.forward_task_s == (0.002, 0.002) and overheads.backward_task_s == (0.0, 0.0)
+    assert overheads.iteration_s == 0.01
+    assert Overheads.of(measured, four_workers).forward_task_s == (0.004, 0.004)
+    before, after = funcpipe.predicted(base, two_workers), funcpipe.predicted(measured, two_workers)
+    assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s + 0.002)
+    # a tier the probes did not measure has no task terms
     assert funcpipe.predicted(measured, ONE_STAGE) == funcpipe.predicted(base, ONE_STAGE)

@@ -116,20 +116,22 @@ class Overheads:
       C cores: κ = (Σ over workers of min(v, threads) + 1 for the store) / C. A request's
       CPU work (client and server) stretches by max(1, κ), so t_lat, t_poll and t_mark do;
       compute, already stretched to 1/v by the tier's throttle, only when κ·v > 1.
-    * the task terms, per stage, each the fixed seconds a worker's task takes on its tier
-      beyond what the equations give it, measured by ``flatpack calibrate`` running a small
-      pipeline on the tier (``backends.task_overheads``; 0 where not measured), stretched by
-      max(1, κ) like the other host work: ``forward_task_s`` (o_f: the micro-batch's
-      seeded RNG, hand-offs between the worker's lanes, a cold cache after the lanes' other
-      work) on t̂_fc, ``backward_task_s`` (o_b) on t̂_bc, ``upload_task_s`` (o_u:
-      serialization and the request beyond t_lat) on t_fu and t_bu, ``download_task_s``
-      (o_d: from the producer's upload to the tensor in hand, beyond t_lat + t_poll) on t_fd
-      and t_bd, both halves on each request of the sync, ``step_task_s`` (o_step: the last
-      backward to the update's end beyond t_s + t_opt,s: the optimizer's per-tensor work,
-      markers, the lanes' hand-offs) on t_opt,s, and ``iteration_s`` (o_it: an update's end
-      to the next iteration's first forward on the first stage: the timeline and progress
-      writes) once per iteration. ``compute_slowdown``: FuncPipe's β per stage where the
-      probe pipelines measured it on the stage's tier (None: the platform's β).
+    * the task terms, per stage, each the seconds a worker's task takes on its tier beyond
+      what the equations give it, measured by ``flatpack calibrate`` running small probe
+      pipelines on the tier with 2 and with 4 workers (``backends.task_overheads``; 0 where
+      not measured) and read at the plan's worker count Σ d (on the local backend they share
+      the host's cores, and every request and hand-off slows as they are added; the line
+      through the two counts measured replaces κ for these terms): ``forward_task_s`` (o_f:
+      the micro-batch's seeded RNG, hand-offs between the worker's lanes, a cold cache after
+      the lanes' other work) on t̂_fc, ``backward_task_s`` (o_b) on t̂_bc, ``upload_task_s``
+      (o_u: serialization and the request beyond t_lat) on t_fu and t_bu,
+      ``download_task_s`` (o_d: from the producer's upload to the tensor in hand, beyond
+      t_lat + t_poll) on t_fd and t_bd, ``sync_task_s`` (o_sync: a synchronization's seconds
+      beyond eq. 12's, when d > 1) on t_s, ``step_task_s`` (o_step: the sync's end, or the
+      last backward or gradient upload, to the update's end beyond t_opt,s: the optimizer's
+      per-tensor work, the marker, hand-offs) on t_opt,s, and ``iteration_s`` (o_it: an
+      update's end to the next iteration's first forward on the first stage: the timeline
+      and progress writes) once per iteration.
     """
 
     poll_s: float = 0.0
@@ -141,13 +143,13 @@ class Overheads:
     backward_task_s: tuple[float, ...] = ()
     upload_task_s: tuple[float, ...] = ()
     download_task_s: tuple[float, ...] = ()
+    sync_task_s: tuple[float, ...] = ()
     step_task_s: tuple[float, ...] = ()
     iteration_s: float = 0.0
-    compute_slowdown: tuple[float | None, ...] = ()
 
     def task(self, kind: str, stage: int) -> float:
-        """The ``kind`` task term (forward, backward, upload, download, step) of ``stage``; 0
-        where nothing measured it."""
+        """The ``kind`` task term (forward, backward, upload, download, sync, step) of ``stage``;
+        0 where nothing measured it."""
         values = getattr(self, f"{kind}_task_s")
         return values[stage] if stage < len(values) else 0.0
 
@@ -172,17 +174,16 @@ class Overheads:
                                                                 gradient_bytes(problem, stage.start, stage.end))
             optimizer.append((seconds or 0.0) * max(1.0, contention * min(tier.vcpus, 1.0)))
         calibration = problem.calibration
-        tasks = {}
-        for kind in ("forward", "backward", "upload", "download", "step"):
-            tasks[f"{kind}_task_s"] = tuple(
-                (calibration.task_overhead(tier.memory_mb, kind) if calibration is not None else 0.0) * contention
-                for tier in tiers)
-        gap = calibration.task_overhead(tiers[0].memory_mb, "iteration") * contention if calibration is not None else 0.0
-        slowdown = tuple(calibration.tier_slowdown(tier.memory_mb) if calibration is not None else None
-                         for tier in tiers)
+        workers = sum(stage.replicas for stage in plan.stages)
+
+        def measured(kind: str, tier: "Tier") -> float:
+            return calibration.task_overhead(tier.memory_mb, kind, workers) if calibration is not None else 0.0
+
+        tasks = {f"{kind}_task_s": tuple(measured(kind, tier) for tier in tiers)
+                 for kind in ("forward", "backward", "upload", "download", "sync", "step")}
         return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s,
                    optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention,
-                   iteration_s=gap, compute_slowdown=slowdown, **tasks)
+                   iteration_s=measured("iteration", tiers[0]), **tasks)
 
 
 def host_contention(problem: Problem, plan: Plan) -> float:
@@ -248,12 +249,9 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
     stretch = [max(1.0, extra.contention * min(tier.vcpus, 1.0)) for tier in tiers]
-    # β: the tier's, where the probe pipelines measured it, else the platform's one
-    beta = [(extra.compute_slowdown[s] if s < len(extra.compute_slowdown) else None) or slowdown
-            for s in range(count)]
-    forward = [beta[s] * fwd * factor + extra.task("forward", s)
+    forward = [slowdown * fwd * factor + extra.task("forward", s)
                for s, ((fwd, _), factor) in enumerate(zip(compute, stretch))]
-    backward = [beta[s] * recompute_seconds(fwd, bwd, stage.recompute) * factor + extra.task("backward", s)
+    backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) * factor + extra.task("backward", s)
                 for s, ((fwd, bwd), stage, factor) in enumerate(zip(compute, plan.stages, stretch))]
 
     boundaries = []
@@ -280,11 +278,9 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
                    *(bc.backward_download_s for bc in above)])
         done = sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above) + (mu - 1) * lag
         grads = gradient_bytes(problem, stage.start, stage.end)
-        # every request of the scatter-reduce is an upload and a download: half of each term per request
-        request = latency + poll + (extra.task("upload", s) + extra.task("download", s)) / 2
-        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], request, problem.workload.sync)
+        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency + poll, problem.workload.sync)
         if replicas > 1:
-            sync += extra.marker_s
+            sync += extra.marker_s + extra.task("sync", s)
         memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
                               sync_buffer_copies=sync_copies, recompute=stage.recompute)
         stages.append(StageCost(
