@@ -674,8 +674,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         say(comparison.table())
         calibrated = None
         try:
+            # FuncPipe's in-run calibration (β and t_lat from iteration 1) stands in for a
+            # calibration file; with one, the prediction above is already calibrated
+            in_run = skip == 2 and compiled.problem.calibration is None
             tuned, beta, latency = (report.calibrate(problem, compiled.plan, result.events, iteration=1)
-                                    if skip == 2 else (None, None, None))
+                                    if in_run else (None, None, None))
         except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
             LOG.info(f"no calibration on iteration 1: {err}")
             tuned = None
