@@ -115,7 +115,7 @@ def _ratios(data: Any, where: str, positive: bool = True) -> dict[str, float]:
 
 # the tasks of a stage worker whose fixed seconds ``flatpack calibrate`` measures by running
 # small pipelines on the tier (backends.task_overheads; the terms of funcpipe.Overheads)
-TASK_KINDS = ("forward", "backward", "upload", "download", "sync", "step", "iteration")
+TASK_KINDS = ("forward", "backward", "upload", "download", "sync", "step", "iteration", "request", "fork")
 
 
 def _task_overheads(data: Any, where: str) -> dict[int, dict[str, float]]:

@@ -197,6 +197,12 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
         try:
             measured = task_overheads.measure_tier(target, memory_mb, calibration, deploy_here, iterations=iterations,
                                                    timeout_s=timeout_s)
+            say(f"serving the probe model on the {memory_mb} MB tier (the master alone, then split over "
+                f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers): each request's seconds "
+                "beyond Gillis's model")
+            for functions, terms in task_overheads.measure_serving(target, memory_mb, calibration, deploy_here,
+                                                                    timeout_s=timeout_s).items():
+                measured.setdefault(functions, {}).update(terms)
         except Exception:
             failed.append(memory_mb)
             raise
@@ -208,7 +214,10 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
         f"task terms: a 2-stage probe pipeline of linear layers per tier, with "
         f"{' and '.join(str(2 * d) for d in task_overheads.PROBE_REPLICAS)} workers, {iterations} iterations of "
         f"{task_overheads.PROBE_MICRO_BATCHES} micro-batches each, Adam; each task's mean measured - modelled "
-        f"seconds after the first {task_overheads.SKIP} iterations")}
+        f"seconds after the first {task_overheads.SKIP} iterations; serving: the probe model at batch 1 with the "
+        f"master alone, then its middle layer split by channel over "
+        f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers, the median of "
+        f"{task_overheads.SERVING_REQUESTS} requests less gillis.latency")}
     return dataclasses.replace(calibration, tiers=tiers, provenance=provenance)
 
 
@@ -301,11 +310,11 @@ def calibration_summary(calibration: Calibration) -> str:
                      f"{tier.invoke_warm_s or 0:>7.2f}  {tier.optimizer_s_per_byte.get('adam', 0) * 1e9:>9.3f}")
     measured_tasks = [mb for mb in calibration.tiers_mb if calibration.tiers[mb].task_overhead_s]
     if measured_tasks:
-        lines.append(f"{'tier MB':>8}  {'workers':>7}  task ms beyond the model: "
+        lines.append(f"{'tier MB':>8}  {'functions':>9}  task ms beyond the model: "
                      + "  ".join(f"{kind:>9}" for kind in TASK_KINDS))
         for memory_mb in measured_tasks:
             for workers, overheads in sorted(calibration.tiers[memory_mb].task_overhead_s.items()):
-                lines.append(f"{memory_mb:>8}  {workers:>7}  {'':>25}" + "  ".join(
+                lines.append(f"{memory_mb:>8}  {workers:>9}  {'':>25}" + "  ".join(
                     f"{overheads[kind] * 1000:>9.2f}" if kind in overheads else f"{'-':>9}" for kind in TASK_KINDS))
     skipped = calibration.collective.get("skipped")
     if skipped:

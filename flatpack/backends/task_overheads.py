@@ -30,7 +30,7 @@ o/W + t_lat); ``download`` (from the producer's upload to the tensor in hand, be
 o/W + t_lat + t_poll); ``sync`` (a synchronization, d > 1, beyond eq. 12's t_s); ``step``
 (from the synchronization's end, or the stage's last backward or gradient upload if later,
 to its update's end, beyond t_opt,s); ``iteration`` (the first stage's update end to its next
-iteration's first forward).
+iteration's first forward); for serving (:func:`measure_serving`), ``request`` and ``fork``.
 """
 
 from __future__ import annotations
@@ -212,3 +212,75 @@ def _optimizer(cost: Any, stage: int) -> float:
     if overheads is None or stage >= len(overheads.optimizer_s):
         return 0.0
     return overheads.optimizer_s[stage]
+
+
+# --- serving: Gillis's fork-join ------------------------------------------------------------
+
+SERVING_REQUESTS = 9
+SERVING_PARTITIONS = (2, 4)      # the middle layer split by channel over this many workers
+
+
+def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], *,
+                    requests: int = SERVING_REQUESTS, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
+    """What a fork-join request costs beyond Gillis's equations on the tier, by the number of
+    functions serving it: ``request`` (the master alone: the request's upload, the master's
+    wait for it, the response's upload and the invoker's wait) and ``fork`` (a group split
+    over p workers, beyond the request's: the master's puts and waits of the partitions).
+    The probe model (:func:`probe_model`, batch 1) is served with the master alone, then with
+    its middle layer split by channel over each of ``SERVING_PARTITIONS`` workers; each
+    figure is the median over ``requests`` requests after 2 warm-ups, less what
+    ``gillis.latency`` models (with the calibration's delay distribution), at least 0."""
+    from flatpack.partitioner.cost import gillis
+
+    terms: dict[int, dict[str, float]] = {}
+    request = 0.0
+    for partitions in (1, *SERVING_PARTITIONS):
+        compiled, measured = _serve_probe(target, memory_mb, calibration, deploy, partitions, requests, timeout_s)
+        cost = gillis.latency(compiled.problem, compiled.plan)
+        residual = measured - cost.latency_s
+        if partitions == 1:
+            request = max(0.0, residual)
+            terms.setdefault(cost.invocations, {})["request"] = request
+        else:
+            terms.setdefault(cost.invocations, {})["fork"] = max(0.0, residual - request)
+    return terms
+
+
+def _serve_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], partitions: int,
+                 requests: int, timeout_s: float) -> tuple[Any, float]:
+    from flatpack.compiler import compile as compile_model
+    from flatpack.ir.profiler import ProfileOptions, ProfileWarning
+    from flatpack.partitioner.plan import Plan, StagePlan
+    from flatpack.partitioner.workload import Workload
+
+    model, _ = probe_model()
+    model.eval()
+    example = (torch.zeros(1, 32),)
+    workload = Workload("infer", batch=1, micro_batches=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProfileWarning)
+        base = compile_model(model, example, target=target, workload=workload, calibration=calibration,
+                             profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False), stages=1,
+                             memory_mb=(memory_mb,))
+        layers = len(base.problem.chain)
+        if layers < 3:
+            raise ValueError(f"the serving probe needs 3 layers after the passes, the probe model has {layers}")
+        # the middle layer on its own, split (the master computes the rest); alone: one stage
+        stages = ((StagePlan(0, layers - 1, memory_mb, 1),) if partitions == 1 else
+                  (StagePlan(0, 0, memory_mb, 1), StagePlan(1, 1, memory_mb, partitions, split="channel"),
+                   StagePlan(2, layers - 1, memory_mb, 1)))
+        compiled = compile_model(model, example, target=target, workload=workload, calibration=calibration,
+                                 profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False),
+                                 plan=Plan(stages, layers, "probe"))
+    generator = torch.Generator().manual_seed(0)
+    latencies = []
+    deployment = deploy(compiled)
+    try:
+        for index in range(requests + 2):
+            deployment.infer(torch.randn(1, 32, generator=generator), wait_timeout_s=timeout_s)
+            if index >= 2:       # the first requests start and load the functions
+                latencies.append(deployment.last_latency_s)
+        deployment.stop_inference()
+    finally:
+        deployment.teardown()
+    return compiled, statistics.median(latencies)

@@ -36,15 +36,18 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert small.speed_ratio > 1.5 * large.speed_ratio
     assert small.invoke_cold_s > 0 and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
     assert "skipped" in calibration.collective
-    # the probe pipeline ran on each tier with 2 and 4 workers: every task kind measured (the
-    # sync only where there is one), none below 0, and a worker's forward costs more than its
-    # layers' compute (seeding, the lanes' hand-offs, a cold cache)
+    # the probe pipeline ran on each tier with 2 and 4 workers (every training task kind, the
+    # sync only where there is one) and served with 1, 3 and 5 functions (the request alone,
+    # then a fork over 2 and 4 workers); none below 0, and a worker's forward costs more than
+    # its layers' compute (seeding, the lanes' hand-offs, a cold cache), a request more than
+    # Gillis's equations (its own round trips)
+    training = set(TASK_KINDS) - {"request", "fork"}
     for tier in (small, large):
-        assert set(tier.task_overhead_s) == {2, 4}
-        assert set(tier.task_overhead_s[2]) == set(TASK_KINDS) - {"sync"}
-        assert set(tier.task_overhead_s[4]) == set(TASK_KINDS)
+        assert set(tier.task_overhead_s) == {1, 2, 3, 4, 5}
+        assert set(tier.task_overhead_s[2]) == training - {"sync"} and set(tier.task_overhead_s[4]) == training
+        assert set(tier.task_overhead_s[1]) == {"request"} and set(tier.task_overhead_s[5]) == {"fork"}
         assert min(min(terms.values()) for terms in tier.task_overhead_s.values()) >= 0
-    assert small.task_overhead_s[2]["forward"] > 0
+    assert small.task_overhead_s[2]["forward"] > 0 and small.task_overhead_s[1]["request"] > 0
     assert "probe pipeline" in calibration.provenance["tasks"]
     assert f"digest {calibration.digest[:16]}" in done.stdout
 

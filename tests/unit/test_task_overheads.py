@@ -158,3 +158,20 @@ def test_the_terms_come_from_the_calibration_at_the_plans_worker_count():
     assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s + 0.002)
     # a tier the probes did not measure has no task terms
     assert funcpipe.predicted(measured, ONE_STAGE) == funcpipe.predicted(base, ONE_STAGE)
+
+
+def test_a_fork_join_request_pays_the_measured_request_and_fork_terms():
+    from flatpack.partitioner.cost import gillis
+    from tests.unit.test_cost_models import LAYERS
+
+    serving = dataclasses.replace(problem(), workload=dataclasses.replace(problem().workload, mode="infer",
+                                                                          micro_batches=1))
+    tier = dataclasses.replace(target_calibration().tiers[512],
+                               task_overhead_s={1: {"request": 0.02}, 3: {"fork": 0.01}, 5: {"fork": 0.03}})
+    measured = dataclasses.replace(serving, calibration=target_calibration(tiers={512: tier}))
+    alone, split = plan((0, len(LAYERS) - 1, 512, 1)), plan((0, 0, 512, 1), (1, 1, 512, 2), (2, 2, 512, 1))
+    base = dataclasses.replace(serving, calibration=target_calibration())
+    assert gillis.latency(measured, alone).latency_s == pytest.approx(gillis.latency(base, alone).latency_s + 0.02)
+    # one split group over 2 workers: 3 functions, the fork's term read there
+    assert gillis.latency(measured, split).latency_s == pytest.approx(
+        gillis.latency(base, split).latency_s + 0.02 + 0.01)

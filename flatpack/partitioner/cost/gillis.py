@@ -247,6 +247,20 @@ def _default_delay(problem: Problem) -> CommDelay:
     return CommDelay(problem.platform.storage_latency_s)
 
 
+def _request_overhead(problem: Problem, tier: "Tier", fork_join: "ForkJoinPlan", invocations: int) -> float:
+    """What a request costs beyond the paper's equations, as ``flatpack calibrate`` measured
+    it on the tier (``backends.task_overheads.measure_serving``; 0 where nothing measured it):
+    the request's own round trip once (its upload, the master's wait, the response's upload
+    and the invoker's wait), and per split group the fork's puts and waits, read at the
+    plan's number of functions."""
+    calibration = problem.calibration
+    if calibration is None:
+        return 0.0
+    forks = sum(1 for group in fork_join.groups if group.workers)
+    return (calibration.task_overhead(tier.memory_mb, "request", invocations)
+            + forks * calibration.task_overhead(tier.memory_mb, "fork", invocations))
+
+
 def group_weight_bytes(problem: Problem, start: int, end: int) -> int:
     """Weights and buffers of layers start..end, whole."""
     return sum(problem.layer_profile(i).param_bytes + problem.layer_profile(i).buffer_bytes
@@ -403,8 +417,8 @@ def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None
 
     if master_weights > budget and unfit is None:
         unfit = "master"
-    total = sum(group.latency_s for group in groups)
     invocations = 1 + sum(group.workers for group in fork_join.groups)
+    total = sum(group.latency_s for group in groups) + _request_overhead(problem, tier, fork_join, invocations)
     billed = billed_seconds(platform, [total, *durations])
     duration_dollars = billed * tier.price_per_s
     request_dollars = invocations * platform.price_per_request
