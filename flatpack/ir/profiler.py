@@ -47,7 +47,7 @@ from flatpack.ir.trace import EXPORT, _first_line
 
 log = logging.getLogger("flatpack.profiler")
 
-PROFILE_SCHEMA_VERSION = 3
+PROFILE_SCHEMA_VERSION = 4     # 4: a CPU profile at one thread is timed by the thread's CPU seconds
 DEFAULT_BATCH_SIZES = (1, 2, 4)
 CACHE_ENV = "FLATPACK_CACHE_DIR"
 
@@ -256,7 +256,7 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
                 continue
             training, inference = _time_chain(modules, env, grad_values, repeats=options.repeats,
                                               warmup=options.warmup, budget_s=per_size, progress=progress,
-                                              batch=batch)
+                                              batch=batch, clock=host_clock(device))
             for index, module in enumerate(modules):
                 progress.step(f"memory of layer {index} ({graph.layers[index].name}) at batch {batch}")
                 samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, grad_values),
@@ -290,6 +290,18 @@ class _Sample:
 
 def _direct(compute: Callable[[], Any]) -> Any:
     return compute()
+
+
+def host_clock(device: torch.device) -> Callable[[], float]:
+    """How the host profile times a layer: on the CPU at one thread, by the profiling
+    thread's CPU seconds (``time.thread_time``), which other processes on a busy host do not
+    stretch, and which is what a function worker's CPU throttle stretches by its tier's share
+    (``runtime.worker.cpu_throttle`` times the compute by ``thread_time`` too); with more
+    threads (the other threads' CPU would be missed) and on a GPU (kernels run beside the
+    thread), by wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,

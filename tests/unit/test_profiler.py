@@ -418,3 +418,21 @@ def test_an_example_of_batch_one_is_traced_with_a_dynamic_batch_and_profiled_ove
     assert compiled.profile.batch_sizes == (1, 2, 4)
     ids = torch.randint(0, model.config.vocab_size, (3, 8))
     torch.testing.assert_close(compiled.as_module()(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+def test_a_one_thread_cpu_profile_is_timed_by_the_threads_cpu_seconds():
+    """The host's other load does not stretch a layer's CPU seconds, and a function worker's
+    throttle stretches exactly those (runtime.worker.cpu_throttle times by thread_time)."""
+    import time
+
+    from flatpack.ir.profiler import host_clock
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert host_clock(torch.device("cpu")) is time.thread_time
+        torch.set_num_threads(2)
+        assert host_clock(torch.device("cpu")) is time.perf_counter    # other threads' CPU would be missed
+    finally:
+        torch.set_num_threads(previous)
+    assert host_clock(torch.device("cuda")) is time.perf_counter
