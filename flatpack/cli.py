@@ -846,8 +846,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--probe-mb", type=float, default=4.0,
                                   help="MB moved each way per tier to measure bandwidth (default 4)")
     calibrate_parser.add_argument("--probe-iterations", type=int, default=8,
-                                  help="iterations of each probe pipeline that measures the task terms and beta "
-                                       "(default 8; the first 2 are not measured; 0: skip the probe pipelines)")
+                                  help="iterations of each probe pipeline that measures the task terms (default 8; "
+                                       "the first 2 are not measured), and one more timed request of each serving "
+                                       "probe; 0: no probes")
     calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function")
     _json_flag(calibrate_parser, "calibrate")
     calibrate_parser.set_defaults(run=cmd_calibrate)

@@ -200,7 +200,9 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
             say(f"serving the probe model on the {memory_mb} MB tier (the master alone, then split over "
                 f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers): each request's seconds "
                 "beyond Gillis's model")
+            # as many timed requests as the pipeline's iterations, and one (a median of an odd count)
             for functions, terms in task_overheads.measure_serving(target, memory_mb, calibration, deploy_here,
+                                                                    requests=iterations + 1,
                                                                     timeout_s=timeout_s).items():
                 measured.setdefault(functions, {}).update(terms)
         except Exception:
@@ -217,7 +219,7 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
         f"seconds after the first {task_overheads.SKIP} iterations; serving: the probe model at batch 1 with the "
         f"master alone, then its middle layer split by channel over "
         f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers, the median of "
-        f"{task_overheads.SERVING_REQUESTS} requests less gillis.latency")}
+        f"{iterations + 1} requests less gillis.latency")}
     return dataclasses.replace(calibration, tiers=tiers, provenance=provenance)
 
 

@@ -216,7 +216,7 @@ def _optimizer(cost: Any, stage: int) -> float:
 
 # --- serving: Gillis's fork-join ------------------------------------------------------------
 
-SERVING_REQUESTS = 9
+SERVING_REQUESTS = PROBE_ITERATIONS + 1     # timed requests, after 2 warm-ups
 SERVING_PARTITIONS = (2, 4)      # the middle layer split by channel over this many workers
 
 
