@@ -25,7 +25,7 @@ def flatpack(*args: str) -> subprocess.CompletedProcess:
 def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     out = tmp_path / "calibration.json"
     done = flatpack("calibrate", "--target", "local", "--tiers", "512,2048", "--round-trips", "8", "--probe-mb",
-                    "0.25", "--probe-iterations", "3", "--out", str(out))
+                    "0.25", "--probe-iterations", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
     calibration = Calibration.load(out)
     assert calibration.target.name == "local" and calibration.target.flatpack_version
