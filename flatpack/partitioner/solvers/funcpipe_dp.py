@@ -73,8 +73,8 @@ if TYPE_CHECKING:
 
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
-_PARETO_CHUNK = 64
-_PIVOTS = 16
+_FRONT_BATCH = 32          # first batch of :func:`_front` (it doubles up to the max)
+_FRONT_BATCH_MAX = 256
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
@@ -127,24 +127,42 @@ class _Chain:
         gamma, delta = scatter_reduce_coefficients(self.sync_method, self.replicas)
         return gamma * gradients[:, None] / self.bandwidth[None, :] + delta * self.latency
 
-    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
-        """Stage start..end: the tiers worth trying and their seconds, computed once per
-        chain for every stage from ``start`` (the beam pass, the exact pass, the prefix
-        fronts and every goal of a front read them)."""
+    def stage_row(self, start: int) -> "_StageRow":
+        """Every stage from ``start``: the options worth trying and their seconds, computed
+        once per chain (the beam pass, the exact pass, the prefix fronts and every goal of a
+        front read them)."""
         if start not in self._stage_options:
-            self._stage_options[start] = self._row_options(start)
-        row = self._stage_options[start]
-        return row[end - start] if end - start < len(row) else None
+            self._stage_options[start] = self._row(start)
+        return self._stage_options[start]
 
-    def _row_options(self, start: int) -> "list[_StageOptions | None]":
+    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
+        """Stage start..end alone (None when it fits no option): a row of :meth:`stage_row`."""
+        row = self.stage_row(start)
+        offset = end - start
+        if offset >= len(row.kept) or not row.kept[offset].any():
+            return None
+        return _StageOptions(np.flatnonzero(row.kept[offset]), row.forward[offset], row.backward[offset],
+                             row.sync[offset])
+
+    def _row(self, start: int) -> "_StageRow":
         fits = np.array(self.fits[start], dtype=bool).reshape(-1, len(self.tiers))      # (E, K)
         ends = start + np.arange(len(fits))
         forward = (self.forward_prefix[:, ends + 1] - self.forward_prefix[:, [start]]).T
         backward = (self.backward_prefix[:, ends + 1] - self.backward_prefix[:, [start]]).T
         sync = self._sync(np.array(self.gradients[start], dtype=float))
-        kept = _undominated_tiers(self, fits, forward, backward, sync)
-        return [_StageOptions(np.flatnonzero(kept[row]), forward[row], backward[row], sync[row])
-                if fits[row].any() else None for row in range(len(fits))]
+        return _StageRow(_undominated_tiers(self, fits, forward, backward, sync), forward, backward, sync)
+
+    @cached_property
+    def kept_table(self) -> np.ndarray:
+        """(L, E, K) bool: ``[start, end − start, k]`` whether option k is worth trying for the
+        stage start..end (:meth:`stage_row`'s ``kept``, padded with False), for passes that
+        take every stage ending at one layer at once."""
+        longest = max(len(row) for row in self.fits)
+        table = np.zeros((self.layers, longest, len(self.tiers)), dtype=bool)
+        for start in range(self.layers):
+            kept = self.stage_row(start).kept
+            table[start, :len(kept)] = kept
+        return table
 
     @cached_property
     def prefix_bounds(self) -> "_PrefixBounds":
@@ -156,6 +174,16 @@ class _Chain:
         bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
         least work, a many-stage one the least bottleneck, and no prefix has both."""
         return _prefix_fronts(self)
+
+
+@dataclass(frozen=True)
+class _StageRow:
+    """The stages start..start+e of one first layer, as (E, K) arrays over options."""
+
+    kept: np.ndarray         # fitting options no other fitting option beats for the stage
+    forward: np.ndarray      # seconds
+    backward: np.ndarray
+    sync: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -364,28 +392,28 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
     (the bound takes those at their least: with them the fronts grow tenfold and cost more
     than they save)."""
     count, lag = chain.layers, chain.mu - 1
+    kept = chain.kept_table
     fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
     for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
-        parts = []
-        for start in range(max(0, end + 1 - max(len(row) for row in chain.fits)), end + 1):
-            before = fronts[start]
-            if end - start >= len(chain.fits[start]) or len(before) == 0:
-                continue
-            options = chain.stage_options(start, end)
-            if options is None:
-                continue
-            tiers = options.tiers
-            upload = chain.transfer(end, tiers)[:, None]
-            download = chain.transfer(start - 1, tiers)[:, None] if start > 0 else np.zeros((len(tiers), 1))
-            fwd, bwd = options.forward[tiers][:, None], options.backward[tiers][:, None]
-            rows = np.empty((len(tiers), len(before), 3))
-            rows[..., 0] = before[None, :, 0] + fwd + bwd + 2 * (upload + download)
-            rows[..., 1] = np.maximum(before[None, :, 1], np.maximum(np.maximum(fwd, upload), download))
-            rows[..., 2] = np.maximum(before[None, :, 2], np.maximum(np.maximum(bwd, upload), download))
-            parts.append(rows.reshape(-1, 3))
-        if not parts:
+        # every prefix front that a fitting stage start..end extends, all starts in one numpy pass
+        candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
+        usable = kept[candidates, end - candidates].any(axis=1)
+        starts = [start for start, fits in zip(candidates.tolist(), usable.tolist()) if fits and len(fronts[start])]
+        if not starts:
             continue
-        rows = np.concatenate(parts)
+        before = np.concatenate([fronts[start] for start in starts])
+        origin = np.repeat(starts, [len(fronts[start]) for start in starts])
+        row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
+        first, before = origin[row], before[row]
+        fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
+        bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
+        upload = chain.out_bytes[end] / chain.bandwidth[option] + chain.latency
+        # the download into the stage is at its own option's bandwidth (none into the first stage)
+        download = np.where(first > 0, chain.out_bytes[first - 1] / chain.bandwidth[option] + chain.latency, 0.0)
+        rows = np.empty((len(row), 3))
+        rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
+        rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
+        rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
         keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
         fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
@@ -436,54 +464,54 @@ def _pareto(keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
     kept among equal ones)."""
     if len(keys) <= 1:
         return np.arange(len(keys))
-    all_keys = keys
+    if (groups == groups[0]).all():
+        return _front(keys)
     kept_rows = []
     for group in np.unique(groups):
         members = np.flatnonzero(groups == group)
-        keys = all_keys[members]
-        survivors = _not_dominated_by_pivots(keys)
-        members, keys = members[survivors], keys[survivors]
-        order = np.lexsort(keys.T[::-1])
-        kept_rows.append(members[order[_front_of_sorted(keys[order])]])
+        kept_rows.append(members[_front(keys[members])])
     return np.sort(np.concatenate(kept_rows))
 
 
-def _not_dominated_by_pivots(keys: np.ndarray) -> np.ndarray:
-    """Positions of the rows that none of a few strong rows (the smallest by the sum of
-    normalized coordinates, each non-dominated or the first of its equals) dominates: a
-    cheap first filter that removes most rows before the exact one."""
-    if len(keys) <= _PIVOTS:
-        return np.arange(len(keys))
+def _front(keys: np.ndarray) -> np.ndarray:
+    """Positions of the non-dominated rows of ``keys`` (the first of equal rows), sorted.
+
+    The rows are ordered so that a row's dominators all come before it: by the sum of the
+    keys normalized to [0, 1] (floating-point sums are monotone, so a dominator's is no
+    larger), ties by the keys themselves. Then, repeatedly, the first rows still undecided
+    are a batch whose non-dominated members are on the front (whatever could dominate them
+    came earlier and is on the front or was dominated by it), and every later row one of
+    them dominates is dropped at once. The strongest rows come first and remove most
+    others in the first rounds; the batch doubles as the front is found."""
+    count, width = keys.shape
+    if count <= 1:
+        return np.arange(count)
     low, high = keys.min(axis=0), keys.max(axis=0)
-    spread = np.where(high > low, high - low, 1.0)
-    strength = ((keys - low) / spread).sum(axis=1)
-    pivots = np.argpartition(strength, _PIVOTS)[:_PIVOTS]
-    no_worse = np.all(keys[pivots][None, :, :] <= keys[:, None, :], axis=2)
-    better = np.any(keys[pivots][None, :, :] < keys[:, None, :], axis=2)
-    # equal to a pivot: dropped unless it is that pivot or the first of its equals among them
-    equal = no_worse & ~better
-    first_equal = np.where(equal.any(axis=1), np.argmax(equal, axis=1), -1)
-    dominated = (no_worse & better).any(axis=1)
-    duplicate = equal.any(axis=1) & (pivots[np.maximum(first_equal, 0)] != np.arange(len(keys)))
-    return np.flatnonzero(~dominated & ~duplicate)
+    strength = ((keys - low) / np.where(high > low, high - low, 1.0)).sum(axis=1)
+    order = np.lexsort((*keys.T[::-1], strength))
+    ordered = keys[order]
+    undecided = np.arange(count)
+    kept = []
+    size = _FRONT_BATCH
+    while len(undecided):
+        head, undecided = undecided[:size], undecided[size:]
+        head_keys = ordered[head]
+        beaten = _no_worse(head_keys, head_keys) & np.tri(len(head), k=-1, dtype=bool)
+        winners = ~beaten.any(axis=1)
+        kept.append(head[winners])
+        if len(undecided):
+            undecided = undecided[~_no_worse(head_keys[winners], ordered[undecided]).any(axis=1)]
+        size = min(2 * size, _FRONT_BATCH_MAX)
+    return np.sort(order[np.concatenate(kept)])
 
 
-def _front_of_sorted(keys: np.ndarray) -> np.ndarray:
-    """Positions of the non-dominated rows of ``keys``, sorted lexicographically: only an
-    earlier row can dominate a later one, so each block is checked against the front so far
-    and then against itself."""
-    front = np.empty((0, keys.shape[1]))
-    positions = []
-    for start in range(0, len(keys), _PARETO_CHUNK):
-        block = keys[start:start + _PARETO_CHUNK]
-        alive = ~np.all(front[None, :, :] <= block[:, None, :], axis=2).any(axis=1)
-        inner = np.all(block[None, :, :] <= block[:, None, :], axis=2)
-        inner &= np.tri(len(block), k=-1, dtype=bool)
-        # a row dominated only by a row that is itself dominated is still dominated (transitivity)
-        alive &= ~inner.any(axis=1)
-        positions.append(start + np.flatnonzero(alive))
-        front = np.concatenate([front, block[alive]])
-    return np.concatenate(positions)
+def _no_worse(rows: np.ndarray, others: np.ndarray) -> np.ndarray:
+    """(len(others), len(rows)) bool: whether rows[j] is no worse than others[i] in every
+    key (one column at a time: no (n, m, k) temporary)."""
+    result = rows[None, :, 0] <= others[:, None, 0]
+    for column in range(1, rows.shape[1]):
+        result &= rows[None, :, column] <= others[:, None, column]
+    return result
 
 
 class _Search:
@@ -558,15 +586,16 @@ class _Search:
 
     def _labels_from(self, start: int) -> _Labels:
         chain = self.chain
+        last = chain.layers - 1
         parts: list[tuple] = []
-        for end in range(start, start + len(chain.fits[start])):
-            options = chain.stage_options(start, end)
-            if options is None:
-                continue
-            if end == chain.layers - 1:
-                parts.append(self._last_stage(end, options))
-            elif len(self.labels[end + 1].tier):
-                parts.append(self._extend(end, options))
+        options = chain.stage_options(start, last)
+        if options is not None:
+            parts.append(self._last_stage(last, options))
+        row = chain.stage_row(start)
+        ends = [end for end in range(start, min(start + len(row.kept), last))
+                if len(self.labels[end + 1].tier) and row.kept[end - start].any()]
+        if ends:
+            parts.append(self._extend(start, row, ends))
         if not parts:
             return _empty_labels()
         values = np.concatenate([part[0] for part in parts])
@@ -599,25 +628,30 @@ class _Search:
         n = len(tiers)
         return values, tiers, np.full(n, end), np.full(n, -1), np.ones(n, dtype=int)
 
-    def _extend(self, end: int, options: _StageOptions) -> tuple:
-        """Prepend stage (start..end) on each of its tiers to every label of end + 1
-        (whose values already hold the download across boundary ``end``, see :func:`_enter`)."""
-        tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
+    def _extend(self, start: int, row: _StageRow, ends: list[int]) -> tuple:
+        """Prepend each stage start..end (``ends``) on each of its options to every label of
+        end + 1 (whose values already hold the download across boundary ``end``, see
+        :func:`_enter`), all stages in one numpy pass: per layer, the Python work is a few
+        calls however many stages and labels there are."""
         chain = self.chain
-        after = self.labels[end + 1]
-        upload = chain.transfer(end, tiers)[:, None]                  # at this stage's bandwidth
-        old = after.values
-        fwd, bwd = forward[tiers][:, None], backward[tiers][:, None]
-        values = np.empty((len(tiers), len(after.tier), 5))
-        values[..., V] = fwd + bwd + 2 * upload + old[None, :, V]
-        values[..., P] = chain.price[tiers][:, None] + old[None, :, P]
-        values[..., DF] = np.maximum(np.maximum(fwd, upload), old[None, :, DF])
-        values[..., DB] = np.maximum(np.maximum(bwd, upload), old[None, :, DB])
-        values[..., Q] = np.maximum((chain.mu - 1) * values[..., DB] + sync[tiers][:, None],
-                                    old[None, :, Q] - (bwd + upload))
-        rows = np.tile(np.arange(len(after.tier)), len(tiers))
-        return (values.reshape(-1, 5), np.repeat(tiers, len(after.tier)), np.full(rows.size, end), rows,
-                np.tile(after.count + 1, len(tiers)))
+        blocks = [self.labels[end + 1] for end in ends]
+        sizes = np.array([len(block.tier) for block in blocks])
+        old = np.concatenate([block.values for block in blocks])
+        offsets = np.repeat(np.array(ends) - start, sizes)                  # stage end − start, per old label
+        rows = np.arange(len(old)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        label, option = np.nonzero(row.kept[offsets])                        # every (old label, option) pair
+        offset = offsets[label]
+        old = old[label]
+        fwd, bwd, sync = row.forward[offset, option], row.backward[offset, option], row.sync[offset, option]
+        upload = chain.out_bytes[start + offset] / chain.bandwidth[option] + chain.latency   # at this stage's bandwidth
+        values = np.empty((len(label), 5))
+        values[:, V] = fwd + bwd + 2 * upload + old[:, V]
+        values[:, P] = chain.price[option] + old[:, P]
+        values[:, DF] = np.maximum(np.maximum(fwd, upload), old[:, DF])
+        values[:, DB] = np.maximum(np.maximum(bwd, upload), old[:, DB])
+        values[:, Q] = np.maximum((chain.mu - 1) * values[:, DB] + sync, old[:, Q] - (bwd + upload))
+        counts = np.concatenate([block.count for block in blocks])
+        return values, option, start + offset, rows[label], counts[label] + 1
 
     def _lower_scores(self, start: int, values: np.ndarray, coarse: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Lower bounds on the score and t_iter of any completion of each label (``coarse``,
