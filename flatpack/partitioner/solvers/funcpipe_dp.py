@@ -95,7 +95,7 @@ class _Chain:
     forward_prefix: np.ndarray       # (K, L+1) slowdown-scaled forward seconds, prefix sums
     backward_prefix: np.ndarray
     out_bytes: np.ndarray            # (L,) bytes after each layer per micro-batch (last unused)
-    fits: list[list[np.ndarray]]     # fits[i][j - i]: (K,) bool, stage i..j fits on tier k
+    fits: list[np.ndarray]           # fits[i][j - i]: (K,) bool, stage i..j fits on option k
     gradients: list[list[float]]     # gradients[i][j - i]: bytes the stage synchronizes
     sync_method: str
     # per option k: whether the stage recomputes its activations (tiers[k] is then listed once
@@ -291,36 +291,38 @@ def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_bat
     # price and bandwidth, a backward longer by the forward and a smaller memory need
     choices = problem.workload.recompute_choices
     recompute = [flag for _ in tiers for flag in choices]
-    tiers = [tier for tier in tiers for _ in choices]
     platform = problem.platform
     micro = problem.workload.micro_batch_size
     mu = micro_batches_per_replica(problem, replicas)
+    count = len(problem.chain)
+    # per tier, then repeated per recompute flag (the layer times do not depend on the flag)
+    seconds = np.array([[problem.layer_seconds(index, tier, micro) for index in range(count)] for tier in tiers])
+    tiers = [tier for tier in tiers for _ in choices]
+    seconds = np.repeat(seconds.reshape(-1, count, 2), len(choices), axis=0)          # (K, L, 2)
+    backward_seconds = np.array([recompute_seconds(seconds[k, :, 0], seconds[k, :, 1], flag)
+                                 for k, flag in enumerate(recompute)])
+    forward = np.concatenate([np.zeros((len(tiers), 1)), np.cumsum(seconds[..., 0], axis=1)], axis=1)
+    backward = np.concatenate([np.zeros((len(tiers), 1)), np.cumsum(backward_seconds, axis=1)], axis=1)
     bandwidth = np.array([tier.bandwidth_bytes_s for tier in tiers], dtype=float)
     if platform.aggregate_bandwidth_bytes_s is not None and stage_count is not None:
         bandwidth = np.minimum(bandwidth, platform.aggregate_bandwidth_bytes_s / (replicas * stage_count))
-    count = len(problem.chain)
-    forward = np.zeros((len(tiers), count + 1))
-    backward = np.zeros((len(tiers), count + 1))
-    for k, tier in enumerate(tiers):
-        for index in range(count):
-            fwd, bwd = problem.layer_seconds(index, tier, micro)
-            forward[k, index + 1] = forward[k, index] + fwd
-            backward[k, index + 1] = backward[k, index] + recompute_seconds(fwd, bwd, recompute[k])
     slowdown = platform.overlap_slowdown
     out_bytes = np.array([problem.boundary_bytes(index, micro) for index in range(count)], dtype=float)
-    limits = [memory_limit(problem, tier) for tier in tiers]
+    limit, base = np.array([memory_limit(problem, tier) for tier in tiers], dtype=float).reshape(-1, 2).T
+    flag_column = [choices.index(flag) for flag in recompute]
     sync_copies = 2 if replicas > 1 else 0
     fits, gradients = [], []
+
+    def need(stage, flag: bool) -> int:
+        """The stage's need apart from the runtime base (each tier adds its own)."""
+        need = memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu, sync_buffer_copies=sync_copies,
+                           recompute=flag)
+        return need.total - need.base
+
     for row in tensors:
-        fit_row, grad_row = [], []
-        for stage in row:
-            needs = {flag: memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu,
-                                       sync_buffer_copies=sync_copies, recompute=flag) for flag in choices}
-            fit_row.append(np.array([needs[flag].total - needs[flag].base + base <= limit
-                                     for (limit, base), flag in zip(limits, recompute)]))
-            grad_row.append(stage.gradients)
-        fits.append(fit_row)
-        gradients.append(grad_row)
+        needs = np.array([[need(stage, flag) for flag in choices] for stage in row], dtype=float)    # (E, flags)
+        fits.append(needs[:, flag_column] + base[None, :] <= limit[None, :])
+        gradients.append([stage.gradients for stage in row])
     return _Chain(micro_batches, replicas, mu, stage_count, tiers, np.array([t.price_per_s for t in tiers]),
                   bandwidth, platform.storage_latency_s, slowdown * forward, slowdown * backward, out_bytes,
                   fits, gradients, problem.workload.sync, np.array(recompute, dtype=bool))
