@@ -389,7 +389,11 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
     """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
     i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
     a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
-    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V. A left-to-right
+    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V; and where d > 1,
+    the bound's synchronization term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f
+    without W_p (F_min is the same for every prefix), so (µ−1)·Δ_f alone is a key too: a
+    prefix with less work but a larger Δ_f must not stand for one with a smaller Δ_f there
+    (with d = 1, Q ≤ (µ−1)·Δ_b and that term never exceeds the other). A left-to-right
     pass over the same stages and tiers as the search, without price, Q and synchronization
     (the bound takes those at their least: with them the fronts grow tenfold and cost more
     than they save)."""
@@ -417,7 +421,10 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
         rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
         rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
-        keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
+        keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag]
+        if chain.replicas > 1:     # the synchronization term's Δ_f alone (docstring)
+            keys.append(forward_lag)
+        keys = np.stack(keys, axis=1)
         fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
     return fronts
 
