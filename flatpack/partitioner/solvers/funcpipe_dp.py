@@ -691,15 +691,19 @@ class _Search:
         if len(front) == 0:   # no prefix fits
             return times.copy(), times
         lag = chain.mu - 1
+        # the terms of one side computed once: (µ−1)·Δ of the rows and of the labels, the
+        # rows' work with the sync, the labels' F_min + Q; then five (labels × rows) operations
+        row_forward, row_backward, row_work = lag * front[:, 1], lag * front[:, 2], front[:, 0] + bounds.first_sync
+        label_forward, label_backward = lag * values[:, DF], lag * values[:, DB]
+        label_sync = bounds.forward[start].min() + values[:, Q]
         step = max(1, _BOUND_CELLS // len(front))
         for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
-            part = values[first:first + step]
-            df = np.maximum(part[:, None, DF], front[None, :, 1])
-            db = np.maximum(part[:, None, DB], front[None, :, 2])
-            prefix_times = np.maximum(front[None, :, 0] + lag * db + bounds.first_sync,
-                                      bounds.forward[start].min() + part[:, None, Q])
-            part_times = part[:, None, V] + lag * df + prefix_times
-            times[first:first + step] = part_times.min(axis=1)
+            part = slice(first, first + step)
+            prefix_times = np.maximum(label_backward[part, None], row_backward[None, :])
+            prefix_times += row_work[None, :]
+            np.maximum(prefix_times, label_sync[part, None], out=prefix_times)
+            prefix_times += np.maximum(label_forward[part, None], row_forward[None, :])
+            times[part] = values[part, V] + prefix_times.min(axis=1)
         scores = self.objective.score(times, values[:, P] + bounds.price[start])
         return scores, times
 
