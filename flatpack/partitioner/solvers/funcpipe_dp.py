@@ -111,8 +111,9 @@ class _Chain:
         return (self.forward_prefix[:, end + 1] - self.forward_prefix[:, start],
                 self.backward_prefix[:, end + 1] - self.backward_prefix[:, start])
 
-    def transfer(self, after: int, tiers: np.ndarray | slice = slice(None)) -> np.ndarray:
-        """o/W + t_lat for the boundary after layer ``after``, at each tier's bandwidth."""
+    def transfer(self, after: int | np.ndarray, tiers: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """o/W + t_lat for the boundary after layer ``after``, at each tier's bandwidth (or,
+        with arrays for both, for each (boundary, option) pair)."""
         return self.out_bytes[after] / self.bandwidth[tiers] + self.latency
 
     def sync(self, start: int, end: int) -> np.ndarray:
@@ -413,9 +414,9 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
         first, before = origin[row], before[row]
         fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
         bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
-        upload = chain.out_bytes[end] / chain.bandwidth[option] + chain.latency
+        upload = chain.transfer(end, option)
         # the download into the stage is at its own option's bandwidth (none into the first stage)
-        download = np.where(first > 0, chain.out_bytes[first - 1] / chain.bandwidth[option] + chain.latency, 0.0)
+        download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
         rows = np.empty((len(row), 3))
         rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
         rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
@@ -652,7 +653,7 @@ class _Search:
         offset = offsets[label]
         old = old[label]
         fwd, bwd, sync = row.forward[offset, option], row.backward[offset, option], row.sync[offset, option]
-        upload = chain.out_bytes[start + offset] / chain.bandwidth[option] + chain.latency   # at this stage's bandwidth
+        upload = chain.transfer(start + offset, option)                      # at this stage's bandwidth
         values = np.empty((len(label), 5))
         values[:, V] = fwd + bwd + 2 * upload + old[:, V]
         values[:, P] = chain.price[option] + old[:, P]
