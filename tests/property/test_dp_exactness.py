@@ -137,3 +137,64 @@ def test_exact_front_is_every_non_dominated_point_of_brute_force(problem):
         assert math.isclose(dollars_found, dollars_expected, rel_tol=1e-9)
     tagged = {label for plan in front.plans for label in plan.predictions["weights"]}
     assert tagged == {goal.weights.label() for goal in WEIGHTED}
+
+
+def _suffix(search, start: int, row: int) -> tuple:
+    """The stages (start, end, memory MB, replicas) of label ``row`` of layer ``start``."""
+    stages = []
+    while row >= 0:
+        labels = search.labels[start]
+        end, option = int(labels.end[row]), int(labels.tier[row])
+        stages.append((start, end, search.chain.tiers[option].memory_mb, search.chain.replicas))
+        start, row = end + 1, int(labels.next_row[row])
+    return tuple(stages)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(exactness_problems(max_layers=5), st.sampled_from(WEIGHTED))
+def test_label_bound_never_exceeds_its_best_completion(problem, goal):
+    """The bound dp prunes with (``_Search._lower_scores``: the prefix fronts, the prefix
+    quantities at their least) is a lower bound: for every label an unpruned pass keeps, it
+    is never above the best score of the plans brute force prices that end in the label's
+    stages, at the label's (M, d). (A front that dropped a prefix whose forward bottleneck
+    alone is smaller would break this where a label's synchronization dominates.)"""
+    from flatpack.partitioner.objective import dollars_per_mb_s
+    from flatpack.partitioner.solvers import funcpipe_dp
+    from flatpack.partitioner.solvers.brute import plans as every_plan
+    from flatpack.partitioner.space import SearchSpace
+
+    space = SearchSpace.of(problem)
+    try:
+        configurations, chains = funcpipe_dp._tables(problem, space)
+    except PlanError:
+        return
+    best: dict[tuple, float] = {}     # (M, S, suffix stages) → least score of a plan ending in them
+    for plan in every_plan(problem, space):
+        evaluation = evaluate(problem, plan)
+        if not evaluation.fits:
+            continue
+        score = goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars)[0]
+        stages = tuple((stage.start, stage.end, stage.memory_mb, stage.replicas) for stage in plan.stages)
+        for first in range(1, len(stages)):
+            key = (plan.micro_batches, len(stages), stages[first:])
+            best[key] = min(best.get(key, math.inf), score)
+    unit = dollars_per_mb_s(problem.platform)
+    for config in configurations:
+        chain = chains[config]
+        if chain.recompute.any():
+            continue     # brute force prices no recomputing stage
+        search = funcpipe_dp._Search(chain, funcpipe_dp._Objective(goal, chain.replicas, unit), math.inf, None,
+                                     funcpipe_dp._Stats())
+        search.run()
+        for start in range(1, chain.layers):
+            labels = search.labels[start]
+            if not len(labels.tier):
+                continue
+            bounds = search._lower_scores(start, labels.values)[0]
+            for row, bound in enumerate(bounds):
+                suffix = _suffix(search, start, row)
+                completions = [score for (micro, count, stages), score in best.items()
+                               if micro == chain.micro_batches and stages == suffix
+                               and (chain.stage_count is None or count == chain.stage_count)]
+                if completions:
+                    assert bound <= min(completions) * (1 + 1e-9), (config, start, suffix, bound, min(completions))

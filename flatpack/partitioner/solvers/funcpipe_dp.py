@@ -73,8 +73,8 @@ if TYPE_CHECKING:
 
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
-_PARETO_CHUNK = 64
-_PIVOTS = 16
+_FRONT_BATCH = 32          # first batch of :func:`_front` (it doubles up to the max)
+_FRONT_BATCH_MAX = 256
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
@@ -95,7 +95,7 @@ class _Chain:
     forward_prefix: np.ndarray       # (K, L+1) slowdown-scaled forward seconds, prefix sums
     backward_prefix: np.ndarray
     out_bytes: np.ndarray            # (L,) bytes after each layer per micro-batch (last unused)
-    fits: list[list[np.ndarray]]     # fits[i][j - i]: (K,) bool, stage i..j fits on tier k
+    fits: list[np.ndarray]           # fits[i][j - i]: (K,) bool, stage i..j fits on option k
     gradients: list[list[float]]     # gradients[i][j - i]: bytes the stage synchronizes
     sync_method: str
     # per option k: whether the stage recomputes its activations (tiers[k] is then listed once
@@ -111,8 +111,9 @@ class _Chain:
         return (self.forward_prefix[:, end + 1] - self.forward_prefix[:, start],
                 self.backward_prefix[:, end + 1] - self.backward_prefix[:, start])
 
-    def transfer(self, after: int, tiers: np.ndarray | slice = slice(None)) -> np.ndarray:
-        """o/W + t_lat for the boundary after layer ``after``, at each tier's bandwidth."""
+    def transfer(self, after: int | np.ndarray, tiers: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """o/W + t_lat for the boundary after layer ``after``, at each tier's bandwidth (or,
+        with arrays for both, for each (boundary, option) pair)."""
         return self.out_bytes[after] / self.bandwidth[tiers] + self.latency
 
     def sync(self, start: int, end: int) -> np.ndarray:
@@ -127,24 +128,42 @@ class _Chain:
         gamma, delta = scatter_reduce_coefficients(self.sync_method, self.replicas)
         return gamma * gradients[:, None] / self.bandwidth[None, :] + delta * self.latency
 
-    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
-        """Stage start..end: the tiers worth trying and their seconds, computed once per
-        chain for every stage from ``start`` (the beam pass, the exact pass, the prefix
-        fronts and every goal of a front read them)."""
+    def stage_row(self, start: int) -> "_StageRow":
+        """Every stage from ``start``: the options worth trying and their seconds, computed
+        once per chain (the beam pass, the exact pass, the prefix fronts and every goal of a
+        front read them)."""
         if start not in self._stage_options:
-            self._stage_options[start] = self._row_options(start)
-        row = self._stage_options[start]
-        return row[end - start] if end - start < len(row) else None
+            self._stage_options[start] = self._row(start)
+        return self._stage_options[start]
 
-    def _row_options(self, start: int) -> "list[_StageOptions | None]":
+    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
+        """Stage start..end alone (None when it fits no option): a row of :meth:`stage_row`."""
+        row = self.stage_row(start)
+        offset = end - start
+        if offset >= len(row.kept) or not row.kept[offset].any():
+            return None
+        return _StageOptions(np.flatnonzero(row.kept[offset]), row.forward[offset], row.backward[offset],
+                             row.sync[offset])
+
+    def _row(self, start: int) -> "_StageRow":
         fits = np.array(self.fits[start], dtype=bool).reshape(-1, len(self.tiers))      # (E, K)
         ends = start + np.arange(len(fits))
         forward = (self.forward_prefix[:, ends + 1] - self.forward_prefix[:, [start]]).T
         backward = (self.backward_prefix[:, ends + 1] - self.backward_prefix[:, [start]]).T
         sync = self._sync(np.array(self.gradients[start], dtype=float))
-        kept = _undominated_tiers(self, fits, forward, backward, sync)
-        return [_StageOptions(np.flatnonzero(kept[row]), forward[row], backward[row], sync[row])
-                if fits[row].any() else None for row in range(len(fits))]
+        return _StageRow(_undominated_tiers(self, fits, forward, backward, sync), forward, backward, sync)
+
+    @cached_property
+    def kept_table(self) -> np.ndarray:
+        """(L, E, K) bool: ``[start, end − start, k]`` whether option k is worth trying for the
+        stage start..end (:meth:`stage_row`'s ``kept``, padded with False), for passes that
+        take every stage ending at one layer at once."""
+        longest = max(len(row) for row in self.fits)
+        table = np.zeros((self.layers, longest, len(self.tiers)), dtype=bool)
+        for start in range(self.layers):
+            kept = self.stage_row(start).kept
+            table[start, :len(kept)] = kept
+        return table
 
     @cached_property
     def prefix_bounds(self) -> "_PrefixBounds":
@@ -156,6 +175,16 @@ class _Chain:
         bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
         least work, a many-stage one the least bottleneck, and no prefix has both."""
         return _prefix_fronts(self)
+
+
+@dataclass(frozen=True)
+class _StageRow:
+    """The stages start..start+e of one first layer, as (E, K) arrays over options."""
+
+    kept: np.ndarray         # fitting options no other fitting option beats for the stage
+    forward: np.ndarray      # seconds
+    backward: np.ndarray
+    sync: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -263,36 +292,38 @@ def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_bat
     # price and bandwidth, a backward longer by the forward and a smaller memory need
     choices = problem.workload.recompute_choices
     recompute = [flag for _ in tiers for flag in choices]
-    tiers = [tier for tier in tiers for _ in choices]
     platform = problem.platform
     micro = problem.workload.micro_batch_size
     mu = micro_batches_per_replica(problem, replicas)
+    count = len(problem.chain)
+    # per tier, then repeated per recompute flag (the layer times do not depend on the flag)
+    seconds = np.array([[problem.layer_seconds(index, tier, micro) for index in range(count)] for tier in tiers])
+    tiers = [tier for tier in tiers for _ in choices]
+    seconds = np.repeat(seconds.reshape(-1, count, 2), len(choices), axis=0)          # (K, L, 2)
+    backward_seconds = np.array([recompute_seconds(seconds[k, :, 0], seconds[k, :, 1], flag)
+                                 for k, flag in enumerate(recompute)])
+    forward = np.concatenate([np.zeros((len(tiers), 1)), np.cumsum(seconds[..., 0], axis=1)], axis=1)
+    backward = np.concatenate([np.zeros((len(tiers), 1)), np.cumsum(backward_seconds, axis=1)], axis=1)
     bandwidth = np.array([tier.bandwidth_bytes_s for tier in tiers], dtype=float)
     if platform.aggregate_bandwidth_bytes_s is not None and stage_count is not None:
         bandwidth = np.minimum(bandwidth, platform.aggregate_bandwidth_bytes_s / (replicas * stage_count))
-    count = len(problem.chain)
-    forward = np.zeros((len(tiers), count + 1))
-    backward = np.zeros((len(tiers), count + 1))
-    for k, tier in enumerate(tiers):
-        for index in range(count):
-            fwd, bwd = problem.layer_seconds(index, tier, micro)
-            forward[k, index + 1] = forward[k, index] + fwd
-            backward[k, index + 1] = backward[k, index] + recompute_seconds(fwd, bwd, recompute[k])
     slowdown = platform.overlap_slowdown
     out_bytes = np.array([problem.boundary_bytes(index, micro) for index in range(count)], dtype=float)
-    limits = [memory_limit(problem, tier) for tier in tiers]
+    limit, base = np.array([memory_limit(problem, tier) for tier in tiers], dtype=float).reshape(-1, 2).T
+    flag_column = [choices.index(flag) for flag in recompute]
     sync_copies = 2 if replicas > 1 else 0
     fits, gradients = [], []
+
+    def need(stage, flag: bool) -> int:
+        """The stage's need apart from the runtime base (each tier adds its own)."""
+        need = memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu, sync_buffer_copies=sync_copies,
+                           recompute=flag)
+        return need.total - need.base
+
     for row in tensors:
-        fit_row, grad_row = [], []
-        for stage in row:
-            needs = {flag: memory_need(problem, stage, tiers[0], micro_batches_in_flight=mu,
-                                       sync_buffer_copies=sync_copies, recompute=flag) for flag in choices}
-            fit_row.append(np.array([needs[flag].total - needs[flag].base + base <= limit
-                                     for (limit, base), flag in zip(limits, recompute)]))
-            grad_row.append(stage.gradients)
-        fits.append(fit_row)
-        gradients.append(grad_row)
+        needs = np.array([[need(stage, flag) for flag in choices] for stage in row], dtype=float)    # (E, flags)
+        fits.append(needs[:, flag_column] + base[None, :] <= limit[None, :])
+        gradients.append([stage.gradients for stage in row])
     return _Chain(micro_batches, replicas, mu, stage_count, tiers, np.array([t.price_per_s for t in tiers]),
                   bandwidth, platform.storage_latency_s, slowdown * forward, slowdown * backward, out_bytes,
                   fits, gradients, problem.workload.sync, np.array(recompute, dtype=bool))
@@ -359,35 +390,42 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
     """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
     i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
     a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
-    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V. A left-to-right
+    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V; and where d > 1,
+    the bound's synchronization term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f
+    without W_p (F_min is the same for every prefix), so (µ−1)·Δ_f alone is a key too: a
+    prefix with less work but a larger Δ_f must not stand for one with a smaller Δ_f there
+    (with d = 1, Q ≤ (µ−1)·Δ_b and that term never exceeds the other). A left-to-right
     pass over the same stages and tiers as the search, without price, Q and synchronization
     (the bound takes those at their least: with them the fronts grow tenfold and cost more
     than they save)."""
     count, lag = chain.layers, chain.mu - 1
+    kept = chain.kept_table
     fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
     for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
-        parts = []
-        for start in range(max(0, end + 1 - max(len(row) for row in chain.fits)), end + 1):
-            before = fronts[start]
-            if end - start >= len(chain.fits[start]) or len(before) == 0:
-                continue
-            options = chain.stage_options(start, end)
-            if options is None:
-                continue
-            tiers = options.tiers
-            upload = chain.transfer(end, tiers)[:, None]
-            download = chain.transfer(start - 1, tiers)[:, None] if start > 0 else np.zeros((len(tiers), 1))
-            fwd, bwd = options.forward[tiers][:, None], options.backward[tiers][:, None]
-            rows = np.empty((len(tiers), len(before), 3))
-            rows[..., 0] = before[None, :, 0] + fwd + bwd + 2 * (upload + download)
-            rows[..., 1] = np.maximum(before[None, :, 1], np.maximum(np.maximum(fwd, upload), download))
-            rows[..., 2] = np.maximum(before[None, :, 2], np.maximum(np.maximum(bwd, upload), download))
-            parts.append(rows.reshape(-1, 3))
-        if not parts:
+        # every prefix front that a fitting stage start..end extends, all starts in one numpy pass
+        candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
+        usable = kept[candidates, end - candidates].any(axis=1)
+        starts = [start for start, fits in zip(candidates.tolist(), usable.tolist()) if fits and len(fronts[start])]
+        if not starts:
             continue
-        rows = np.concatenate(parts)
+        before = np.concatenate([fronts[start] for start in starts])
+        origin = np.repeat(starts, [len(fronts[start]) for start in starts])
+        row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
+        first, before = origin[row], before[row]
+        fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
+        bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
+        upload = chain.transfer(end, option)
+        # the download into the stage is at its own option's bandwidth (none into the first stage)
+        download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
+        rows = np.empty((len(row), 3))
+        rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
+        rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
+        rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
-        keys = np.stack([work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag], axis=1)
+        keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag]
+        if chain.replicas > 1:     # the synchronization term's Δ_f alone (docstring)
+            keys.append(forward_lag)
+        keys = np.stack(keys, axis=1)
         fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
     return fronts
 
@@ -436,54 +474,54 @@ def _pareto(keys: np.ndarray, groups: np.ndarray) -> np.ndarray:
     kept among equal ones)."""
     if len(keys) <= 1:
         return np.arange(len(keys))
-    all_keys = keys
+    if (groups == groups[0]).all():
+        return _front(keys)
     kept_rows = []
     for group in np.unique(groups):
         members = np.flatnonzero(groups == group)
-        keys = all_keys[members]
-        survivors = _not_dominated_by_pivots(keys)
-        members, keys = members[survivors], keys[survivors]
-        order = np.lexsort(keys.T[::-1])
-        kept_rows.append(members[order[_front_of_sorted(keys[order])]])
+        kept_rows.append(members[_front(keys[members])])
     return np.sort(np.concatenate(kept_rows))
 
 
-def _not_dominated_by_pivots(keys: np.ndarray) -> np.ndarray:
-    """Positions of the rows that none of a few strong rows (the smallest by the sum of
-    normalized coordinates, each non-dominated or the first of its equals) dominates: a
-    cheap first filter that removes most rows before the exact one."""
-    if len(keys) <= _PIVOTS:
-        return np.arange(len(keys))
+def _front(keys: np.ndarray) -> np.ndarray:
+    """Positions of the non-dominated rows of ``keys`` (the first of equal rows), sorted.
+
+    The rows are ordered so that a row's dominators all come before it: by the sum of the
+    keys normalized to [0, 1] (floating-point sums are monotone, so a dominator's is no
+    larger), ties by the keys themselves. Then, repeatedly, the first rows still undecided
+    are a batch whose non-dominated members are on the front (whatever could dominate them
+    came earlier and is on the front or was dominated by it), and every later row one of
+    them dominates is dropped at once. The strongest rows come first and remove most
+    others in the first rounds; the batch doubles as the front is found."""
+    count, width = keys.shape
+    if count <= 1:
+        return np.arange(count)
     low, high = keys.min(axis=0), keys.max(axis=0)
-    spread = np.where(high > low, high - low, 1.0)
-    strength = ((keys - low) / spread).sum(axis=1)
-    pivots = np.argpartition(strength, _PIVOTS)[:_PIVOTS]
-    no_worse = np.all(keys[pivots][None, :, :] <= keys[:, None, :], axis=2)
-    better = np.any(keys[pivots][None, :, :] < keys[:, None, :], axis=2)
-    # equal to a pivot: dropped unless it is that pivot or the first of its equals among them
-    equal = no_worse & ~better
-    first_equal = np.where(equal.any(axis=1), np.argmax(equal, axis=1), -1)
-    dominated = (no_worse & better).any(axis=1)
-    duplicate = equal.any(axis=1) & (pivots[np.maximum(first_equal, 0)] != np.arange(len(keys)))
-    return np.flatnonzero(~dominated & ~duplicate)
+    strength = ((keys - low) / np.where(high > low, high - low, 1.0)).sum(axis=1)
+    order = np.lexsort((*keys.T[::-1], strength))
+    ordered = keys[order]
+    undecided = np.arange(count)
+    kept = []
+    size = _FRONT_BATCH
+    while len(undecided):
+        head, undecided = undecided[:size], undecided[size:]
+        head_keys = ordered[head]
+        beaten = _no_worse(head_keys, head_keys) & np.tri(len(head), k=-1, dtype=bool)
+        winners = ~beaten.any(axis=1)
+        kept.append(head[winners])
+        if len(undecided):
+            undecided = undecided[~_no_worse(head_keys[winners], ordered[undecided]).any(axis=1)]
+        size = min(2 * size, _FRONT_BATCH_MAX)
+    return np.sort(order[np.concatenate(kept)])
 
 
-def _front_of_sorted(keys: np.ndarray) -> np.ndarray:
-    """Positions of the non-dominated rows of ``keys``, sorted lexicographically: only an
-    earlier row can dominate a later one, so each block is checked against the front so far
-    and then against itself."""
-    front = np.empty((0, keys.shape[1]))
-    positions = []
-    for start in range(0, len(keys), _PARETO_CHUNK):
-        block = keys[start:start + _PARETO_CHUNK]
-        alive = ~np.all(front[None, :, :] <= block[:, None, :], axis=2).any(axis=1)
-        inner = np.all(block[None, :, :] <= block[:, None, :], axis=2)
-        inner &= np.tri(len(block), k=-1, dtype=bool)
-        # a row dominated only by a row that is itself dominated is still dominated (transitivity)
-        alive &= ~inner.any(axis=1)
-        positions.append(start + np.flatnonzero(alive))
-        front = np.concatenate([front, block[alive]])
-    return np.concatenate(positions)
+def _no_worse(rows: np.ndarray, others: np.ndarray) -> np.ndarray:
+    """(len(others), len(rows)) bool: whether rows[j] is no worse than others[i] in every
+    key (one column at a time: no (n, m, k) temporary)."""
+    result = rows[None, :, 0] <= others[:, None, 0]
+    for column in range(1, rows.shape[1]):
+        result &= rows[None, :, column] <= others[:, None, column]
+    return result
 
 
 class _Search:
@@ -558,15 +596,16 @@ class _Search:
 
     def _labels_from(self, start: int) -> _Labels:
         chain = self.chain
+        last = chain.layers - 1
         parts: list[tuple] = []
-        for end in range(start, start + len(chain.fits[start])):
-            options = chain.stage_options(start, end)
-            if options is None:
-                continue
-            if end == chain.layers - 1:
-                parts.append(self._last_stage(end, options))
-            elif len(self.labels[end + 1].tier):
-                parts.append(self._extend(end, options))
+        options = chain.stage_options(start, last)
+        if options is not None:
+            parts.append(self._last_stage(last, options))
+        row = chain.stage_row(start)
+        ends = [end for end in range(start, min(start + len(row.kept), last))
+                if len(self.labels[end + 1].tier) and row.kept[end - start].any()]
+        if ends:
+            parts.append(self._extend(start, row, ends))
         if not parts:
             return _empty_labels()
         values = np.concatenate([part[0] for part in parts])
@@ -599,25 +638,30 @@ class _Search:
         n = len(tiers)
         return values, tiers, np.full(n, end), np.full(n, -1), np.ones(n, dtype=int)
 
-    def _extend(self, end: int, options: _StageOptions) -> tuple:
-        """Prepend stage (start..end) on each of its tiers to every label of end + 1
-        (whose values already hold the download across boundary ``end``, see :func:`_enter`)."""
-        tiers, forward, backward, sync = options.tiers, options.forward, options.backward, options.sync
+    def _extend(self, start: int, row: _StageRow, ends: list[int]) -> tuple:
+        """Prepend each stage start..end (``ends``) on each of its options to every label of
+        end + 1 (whose values already hold the download across boundary ``end``, see
+        :func:`_enter`), all stages in one numpy pass: per layer, the Python work is a few
+        calls however many stages and labels there are."""
         chain = self.chain
-        after = self.labels[end + 1]
-        upload = chain.transfer(end, tiers)[:, None]                  # at this stage's bandwidth
-        old = after.values
-        fwd, bwd = forward[tiers][:, None], backward[tiers][:, None]
-        values = np.empty((len(tiers), len(after.tier), 5))
-        values[..., V] = fwd + bwd + 2 * upload + old[None, :, V]
-        values[..., P] = chain.price[tiers][:, None] + old[None, :, P]
-        values[..., DF] = np.maximum(np.maximum(fwd, upload), old[None, :, DF])
-        values[..., DB] = np.maximum(np.maximum(bwd, upload), old[None, :, DB])
-        values[..., Q] = np.maximum((chain.mu - 1) * values[..., DB] + sync[tiers][:, None],
-                                    old[None, :, Q] - (bwd + upload))
-        rows = np.tile(np.arange(len(after.tier)), len(tiers))
-        return (values.reshape(-1, 5), np.repeat(tiers, len(after.tier)), np.full(rows.size, end), rows,
-                np.tile(after.count + 1, len(tiers)))
+        blocks = [self.labels[end + 1] for end in ends]
+        sizes = np.array([len(block.tier) for block in blocks])
+        old = np.concatenate([block.values for block in blocks])
+        offsets = np.repeat(np.array(ends) - start, sizes)                  # stage end − start, per old label
+        rows = np.arange(len(old)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        label, option = np.nonzero(row.kept[offsets])                        # every (old label, option) pair
+        offset = offsets[label]
+        old = old[label]
+        fwd, bwd, sync = row.forward[offset, option], row.backward[offset, option], row.sync[offset, option]
+        upload = chain.transfer(start + offset, option)                      # at this stage's bandwidth
+        values = np.empty((len(label), 5))
+        values[:, V] = fwd + bwd + 2 * upload + old[:, V]
+        values[:, P] = chain.price[option] + old[:, P]
+        values[:, DF] = np.maximum(np.maximum(fwd, upload), old[:, DF])
+        values[:, DB] = np.maximum(np.maximum(bwd, upload), old[:, DB])
+        values[:, Q] = np.maximum((chain.mu - 1) * values[:, DB] + sync, old[:, Q] - (bwd + upload))
+        counts = np.concatenate([block.count for block in blocks])
+        return values, option, start + offset, rows[label], counts[label] + 1
 
     def _lower_scores(self, start: int, values: np.ndarray, coarse: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Lower bounds on the score and t_iter of any completion of each label (``coarse``,
@@ -648,15 +692,19 @@ class _Search:
         if len(front) == 0:   # no prefix fits
             return times.copy(), times
         lag = chain.mu - 1
+        # the terms of one side computed once: (µ−1)·Δ of the rows and of the labels, the
+        # rows' work with the sync, the labels' F_min + Q; then five (labels × rows) operations
+        row_forward, row_backward, row_work = lag * front[:, 1], lag * front[:, 2], front[:, 0] + bounds.first_sync
+        label_forward, label_backward = lag * values[:, DF], lag * values[:, DB]
+        label_sync = bounds.forward[start].min() + values[:, Q]
         step = max(1, _BOUND_CELLS // len(front))
         for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
-            part = values[first:first + step]
-            df = np.maximum(part[:, None, DF], front[None, :, 1])
-            db = np.maximum(part[:, None, DB], front[None, :, 2])
-            prefix_times = np.maximum(front[None, :, 0] + lag * db + bounds.first_sync,
-                                      bounds.forward[start].min() + part[:, None, Q])
-            part_times = part[:, None, V] + lag * df + prefix_times
-            times[first:first + step] = part_times.min(axis=1)
+            part = slice(first, first + step)
+            prefix_times = np.maximum(label_backward[part, None], row_backward[None, :])
+            prefix_times += row_work[None, :]
+            np.maximum(prefix_times, label_sync[part, None], out=prefix_times)
+            prefix_times += np.maximum(label_forward[part, None], row_forward[None, :])
+            times[part] = values[part, V] + prefix_times.min(axis=1)
         scores = self.objective.score(times, values[:, P] + bounds.price[start])
         return scores, times
 
