@@ -40,7 +40,8 @@ def token_shards(root: Path, shards: int = 2, rows: int = 8) -> None:
             save_file(named, str(root / f"part-{index}.safetensors"))
 
 
-RUN = ["--batch", "8", "--micro-batches", "2", "--replicas", "1", "--solver", "balanced", "--epochs", "2"]
+# one epoch of the two shards (2 iterations); --epochs itself: test_data.py and test_training_knobs.py
+RUN = ["--batch", "8", "--micro-batches", "2", "--replicas", "1", "--solver", "balanced", "--epochs", "1"]
 
 
 def loads_into_the_original_model(path: Path) -> torch.nn.Module:

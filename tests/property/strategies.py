@@ -55,7 +55,8 @@ DTYPE = torch.float64
 
 
 def scaled(examples: int) -> int:
-    """``examples`` under the ci profile (200 examples), proportionally fewer (at least 5) otherwise."""
+    """``examples`` under the ci profile (200 examples), proportionally fewer (at least 5) under
+    dev and five times as many under soak (``benchmarks/property_trials.py``)."""
     return max(5, examples * settings.default.max_examples // 200)
 
 # --------------------------------------------------------------------------------------------

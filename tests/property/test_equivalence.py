@@ -226,7 +226,7 @@ def test_staged_module_equals_original(spec, pipeline, data):
     check_equivalence(case, compiled)
 
 
-@settings(max_examples=S.scaled(80))
+@settings(max_examples=S.scaled(40))
 @given(spec=S.cnn_specs(train=True), pipeline=S.pipelines(), data=st.data())
 def test_train_mode_batchnorm(spec, pipeline, data):
     """BatchNorm in train mode: batch statistics, running statistics and ``num_batches_tracked``
@@ -241,7 +241,7 @@ def test_train_mode_batchnorm(spec, pipeline, data):
     check_equivalence(case, compiled)
 
 
-@settings(max_examples=S.scaled(80))
+@settings(max_examples=S.scaled(30))
 @given(spec=S.vector_specs(wrap_dict=True), pipeline=S.pipelines(), data=st.data())
 def test_export_frontend(spec, pipeline, data):
     """Tensor inputs nested in a dict: fx cannot trace that, so torch.export does."""
@@ -252,7 +252,7 @@ def test_export_frontend(spec, pipeline, data):
     check_equivalence(case, compiled)
 
 
-@settings(max_examples=S.scaled(50))
+@settings(max_examples=S.scaled(25))
 @given(spec=S.model_specs(), pipeline=S.pipelines(), data=st.data())
 def test_saved_and_loaded_equals_original(spec, pipeline, data):
     """The same, after ``save`` and ``flatpack.load`` (no model code, weights from safetensors)."""
@@ -266,7 +266,7 @@ def test_saved_and_loaded_equals_original(spec, pipeline, data):
     check_equivalence(case, compiled, loaded.as_module())
 
 
-@settings(max_examples=S.scaled(60))
+@settings(max_examples=S.scaled(25))
 @given(spec=S.model_specs(), pipeline=S.pipelines(), data=st.data())
 def test_plan_does_not_change_the_chain(spec, pipeline, data):
     """Two different plans over the same passes see the same layers and the same boundaries."""

@@ -81,7 +81,7 @@ def assert_branches_merged(graph: LayerGraph, when: str) -> None:
         assert len(joined) <= allowed, f"{when}: boundary {boundary} carries {joined} to later layers"
 
 
-@settings(max_examples=S.scaled(200))
+@settings(max_examples=S.scaled(100))
 @given(spec=S.model_specs(), pipeline=S.pipelines(max_size=5))
 def test_pass_properties(spec, pipeline):
     case = S.build_case(spec)
@@ -122,7 +122,7 @@ def test_pass_properties(spec, pipeline):
     assert parse_pipeline(",".join(pass_spec(p) for p in objects)) == objects
 
 
-@settings(max_examples=S.scaled(100))
+@settings(max_examples=S.scaled(40))
 @given(spec=S.model_specs(), pipeline=S.pipelines(), data=st.data())
 def test_balanced_solver(spec, pipeline, data):
     """K stages tile the chain, and no K-stage split has a lighter heaviest stage (brute force)."""
