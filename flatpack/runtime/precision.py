@@ -58,7 +58,9 @@ def wire_dtype(value: Any, precision: str) -> torch.dtype | None:
 def for_wire(values: dict[str, Any], precision: str) -> dict[str, Any]:
     """``values`` as they cross a stage boundary: float32 tensors in the precision's wire
     dtype (detached: what travels is data, not graph); integers, masks and other values as
-    they are."""
+    they are (under fp32: ``values`` itself)."""
+    if WIRE_DTYPES[precision] is None:
+        return values
     return {name: value if (dtype := wire_dtype(value, precision)) is None else value.detach().to(dtype)
             for name, value in values.items()}
 
