@@ -5,7 +5,7 @@ blocks of width D with dropout, a classifier), cut by flatpack's dp solver or in
 balanced stages, trained on the local backend (one process per stage, the local S3 server
 in between; 2 shared cores, so times are noisy: medians of the iterations after the first).
 
-1. bf16 against fp32, the same plan and batches: the bytes the stages move through the store
+1. bf16 and fp16 against fp32, the same plan and batches: the bytes the stages move through the store
    per iteration (activations forward, their gradients back; measured from the upload
    events, and as the cost model predicts them), the median iteration time, the loss after
    the same samples; then what dp plans for each on AWS Lambda from the same profile.
@@ -15,7 +15,7 @@ in between; 2 shared cores, so times are noisy: medians of the iterations after 
    stages recomputing and keeping their activations: each stage's predicted memory need
    against its function's measured peak (VmHWM, what Lambda reports as Max Memory Used).
 
-    PYTHONPATH=. python benchmarks/precision_knobs.py [--width 128] [--layers 4] [--seq 64]
+    PYTHONPATH=. python benchmarks/precision_knobs.py [--width 128] [--layers 4] [--seq 64] [--no-recompute]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.objective import Weights
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
-from flatpack.partitioner.workload import Workload
+from flatpack.partitioner.workload import PRECISIONS, Workload
 from flatpack.runtime.s3server import LocalS3Server
 
 MIB = 2 ** 20
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--measure-at", type=int, default=64, help="samples per micro-batch of the measured runs")
+    parser.add_argument("--no-recompute", action="store_true", help="measure the precisions only (part 1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -133,11 +134,11 @@ def main() -> None:
     server = LocalS3Server()
     server.start()
     try:
-        print("\n1. bf16 vs fp32 (same plan, same batches)")
+        print("\n1. bf16 and fp16 vs fp32 (same plan, same batches; fp16 with GradScaler's default loss scaling)")
         print(f"{'precision':>9}  {'moved/iter (measured)':>22}  {'predicted':>10}  {'iteration ms':>12}  "
               f"{'loss after':>10}")
         compiled = flatpack.compile(model, (data[0][0],), plan=plan)
-        for precision in ("fp32", "bf16"):
+        for precision in PRECISIONS:
             result = train(server, compiled, data, precision=precision)
             seconds, moved = per_iteration(result)
             problem = dataclasses.replace(base.problem, workload=dataclasses.replace(workload, precision=precision))
@@ -147,13 +148,15 @@ def main() -> None:
         lambda_model = flatpack.compile(model, (data[0][0],), target="aws-lambda", solver="dp", profile=profile,
                                         workload=workload, replicas=(1,))
         print("   dp on aws-lambda from the same profile (fastest plan, one replica):")
-        for precision in ("fp32", "bf16"):
+        for precision in PRECISIONS:
             problem = dataclasses.replace(lambda_model.problem,
                                           workload=dataclasses.replace(workload, precision=precision))
             chosen = get_solver("dp").solve(problem, Goal(Weights(0, 1)))
             cost = funcpipe.iteration(problem, chosen)
             print(f"   {precision}: {len(chosen.stages)} stages {chosen.ranges} on {list(chosen.memory_mb)} MB: "
                   f"predicted {cost.iteration_s * 1000:.0f} ms, ${cost.dollars_per_iteration:.3g} per iteration")
+        if args.no_recompute:
+            return
 
         print(f"\n2. recomputation: the largest micro-batch dp fits on the {SMALLEST_TIER} MB tier alone "
               f"(M = {args.micro_batches}, cost model)")

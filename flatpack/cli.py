@@ -1022,9 +1022,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="checkpoint every N iterations (0, the default: the shortest interval whose "
                                  "upload costs at most 5%% of an iteration, by the cost model); a lost function "
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
-    run_parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+    run_parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                             help="bf16: autocast in every stage with float32 master weights and optimizer state; "
-                                 "tensors cross stage boundaries in bfloat16 (half the bytes, which the planner counts)")
+                                 "tensors cross stage boundaries in bfloat16 (half the bytes, which the planner "
+                                 "counts). fp16: the same in float16, with torch.amp.GradScaler's loss scaling (a "
+                                 "step any stage overflowed in is skipped on every stage)")
     run_parser.add_argument("--recompute", default="never", choices=["never", "auto"],
                             help="auto: the solver may let a stage recompute its activations in the backward instead "
                                  "of keeping them (less memory, one more forward); the plan shows which do")

@@ -284,6 +284,10 @@ class StagedModule(nn.Module):
         # every stage, as they would every submodule of the original
         self.training = bool(info.get("training", stages[0].training if stages else True))
         self._mode_fixed: list[str] = list(info.get("mode_fixed", []))
+        # the precision whose wire dtype the tensors between stages are rounded to
+        # (runtime.precision.crossed), as a pipelined run under that precision sends them;
+        # "fp32" (the default) passes them as they are
+        self.wire_precision = "fp32"
 
     def train(self, mode: bool = True) -> "StagedModule":
         if self._mode_fixed and bool(mode) != bool(self._compiled_training):
@@ -309,6 +313,8 @@ class StagedModule(nn.Module):
             yield name, getattr(self.stages[index], attr)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from flatpack.runtime.precision import crossed
+
         leaves, given = flatten_inputs(self._signature, args, kwargs)
         if given != self._input_structure:
             raise InputError(f"the inputs are structured as {given}, but the model was compiled for "
@@ -316,9 +322,17 @@ class StagedModule(nn.Module):
                              "were fixed at compile time). Call it the way the example inputs did.")
         check_inputs(self._input_specs, self._input_names, leaves)
         env = dict(zip(self._input_names, leaves))
+        # a stage output as the stages that read it receive it (one rounding per value, however
+        # many stages read it: the producing stage sends it once to each, all equal)
+        received = dict(env)
         for stage in self.stages:
             manifest = stage.flatpack_manifest
-            outputs = stage(*(env[entry["name"]] for entry in manifest["inputs"]))
+            args = []
+            for entry in manifest["inputs"]:
+                if entry["name"] not in received:
+                    received[entry["name"]] = crossed(env[entry["name"]], self.wire_precision)
+                args.append(received[entry["name"]])
+            outputs = stage(*args)
             env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
         return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
 

@@ -25,7 +25,7 @@ from flatpack.errors import FlatpackError, InputError
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
-from flatpack.runtime.reference import call, first_output
+from flatpack.runtime.reference import call, first_output, torch_threads
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
 from flatpack.verdict import pipeline_optimizer_state, verdict
 
@@ -99,8 +99,9 @@ class JobOptions:
     # the prediction uses its measurements instead of the catalog's and the store round trip
     # measured at deploy; the plan records its digest
     calibration: Path | None = None
-    # "bf16": autocast in every stage, float32 master weights and optimizer state, bfloat16
-    # tensors between stages (runtime.precision); the verdict's reference autocasts too
+    # "bf16"/"fp16": autocast in every stage, float32 master weights and optimizer state,
+    # bfloat16/float16 tensors between stages, fp16 with GradScaler's loss scaling
+    # (runtime.precision); the verdict's reference autocasts and rounds at the cuts too
     precision: str = "fp32"
     # "auto": the solver may let a stage recompute its activations in the backward instead of
     # keeping them (a smaller tier for one more forward); "never": every stage keeps them
@@ -145,7 +146,7 @@ class JobOptions:
              f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
         spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
         need(self.schedule in SCHEDULES, f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        check_async_options(self.schedule, self.vertical_sync, self.replicas, spec)
+        check_async_options(self.schedule, self.vertical_sync, self.replicas, spec, precision=self.precision)
         need(self.iterations is None or self.iterations % spec.accumulate == 0,
              f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
              f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
@@ -205,8 +206,8 @@ class JobOptions:
         from flatpack.partitioner.workload import PRECISIONS, RECOMPUTE
 
         need(self.precision in PRECISIONS,
-             f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default) or bf16 "
-             "(autocast with float32 master weights; fp16 needs a loss scaler and is not offered)")
+             f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default), bf16 "
+             "(autocast with float32 master weights) or fp16 (the same with a loss scaler)")
         need(self.recompute in RECOMPUTE,
              f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}; use never (the default: every "
              "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
@@ -706,17 +707,6 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
         return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``count`` inside the block, restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],

@@ -30,6 +30,7 @@ from flatpack.partitioner.workload import Workload
 from flatpack.runtime import chaos, timeline, wire
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
+from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, split_value, stage_specs
 from flatpack.runtime.store import Store, open_store
 from flatpack.runtime.training import TARGET, pack_values
@@ -214,7 +215,7 @@ class FunctionDeployment:
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
               timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
               store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32",
-              vertical_sync: bool = False) -> TrainResult:
+              vertical_sync: bool = False, loss_scaling: LossScaling | dict | None = None) -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -231,8 +232,10 @@ class FunctionDeployment:
         :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
         store errors and stalls injected into the functions' store clients for chaos runs
         (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
-        ``precision``: "fp32", or "bf16" (autocast in every stage, float32 master weights and
-        optimizer state, bfloat16 tensors between stages: ``runtime.precision``).
+        ``precision``: "fp32", "bf16" (autocast in every stage, float32 master weights and
+        optimizer state, bfloat16 tensors between stages: ``runtime.precision``) or "fp16"
+        (the same in float16, the loss scaled as ``torch.amp.GradScaler`` scales it, with
+        ``loss_scaling``'s settings: ``precision.LossScaling``, None for GradScaler's defaults).
         ``schedule``: "sync" (FuncPipe), "1f1b" (PipeDream's 1F1B with a flush per
         iteration) or "1f1b-async" (PipeDream's 1F1B without a flush, an optimizer step per
         micro-batch with weight stashing, and with ``vertical_sync`` every stage on the first
@@ -275,7 +278,7 @@ class FunctionDeployment:
                        first_iteration=first, initial_checkpoint=self.consistent_checkpoint(),
                        shared=self._shared(),
                        faults=tuple(faults), store_faults=store_faults, precision=precision,
-                       vertical_sync=vertical_sync)
+                       vertical_sync=vertical_sync, loss_scaling=LossScaling.of(loss_scaling))
         if spec.asynchronous and elastic is not None:
             raise InputError("elastic re-scaling changes replica degrees between epochs, and 1f1b-async runs one "
                              "replica per stage; use --schedule 1f1b for an elastic run, or leave elastic out")
@@ -284,7 +287,8 @@ class FunctionDeployment:
                             {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
                              "schedule": schedule, "sync": sync, "threads": threads,
                              "checkpoint_every": checkpoint_every, "precision": precision,
-                             "vertical_sync": vertical_sync})
+                             "vertical_sync": vertical_sync,
+                             "loss_scaling": dataclasses.asdict(spec.loss_scaling)})
         self.store.put(self.keys.call(first), record.dumps())
         run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
                    epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite)

@@ -64,6 +64,7 @@ from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES
                                           RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
                                           timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values
 
@@ -110,16 +111,11 @@ def example_batch(compiled: Compiled) -> int | None:
 def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
               backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
-              run: str | None = None, precision: str = "fp32") -> DistributedRun:
+              run: str | None = None, precision: str = "fp32",
+              loss_scaling: LossScaling | dict | None = None) -> DistributedRun:
     """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
-    peer. The loss and ``precision`` are checked by ``RunSpec``. A plan whose stages
-    recompute their activations is refused: the ranks keep them (only the functions runtime
-    recomputes)."""
-    recomputing = [index for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
-    if recomputing:
-        raise InputError(f"the plan has stages {recomputing} recompute their activations, which GPU-container ranks "
-                         "do not do; compile with Workload(recompute=\"never\") (flatpack run --recompute never) "
-                         "for this target, or train these stages on functions")
+    peer. The loss and ``precision`` are checked by ``RunSpec``; a stage the plan lets
+    recompute its activations recomputes them on its ranks (``training.stage_backward``)."""
     if schedule == ASYNC_SCHEDULE:
         raise InputError("the 1f1b-async schedule runs on functions (the local, Lambda and Alibaba FC backends); "
                          "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target")
@@ -130,10 +126,12 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     manifests = [artifact.manifest for artifact in compiled.artifacts]
     # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
     stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],
-                         [stage.memory_mb for stage in compiled.plan.stages], None)
+                         [stage.memory_mb for stage in compiled.plan.stages], None,
+                         [stage.recompute for stage in compiled.plan.stages])
     spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
                    batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(compiled),
-                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision)
+                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision,
+                   loss_scaling=LossScaling.of(loss_scaling))
     return DistributedRun(spec=spec, iterations=iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
                           example_batch=example_batch(compiled), seed=seed)
@@ -184,7 +182,8 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     batches (mount it); without it the Job trains on synthetic batches (a throughput run).
     ``base_image``: ``name:tag@sha256:<digest>`` instead of the catalog's; ``lock``: a hash-locked
     requirements text instead of the committed ``gpu`` lock (an unhashed pin is refused).
-    ``precision``: "fp32" or "bf16" (autocast, float32 master weights, bfloat16 between stages).
+    ``precision``: "fp32", "bf16" (autocast, float32 master weights, bfloat16 between stages)
+    or "fp16" (float16, with GradScaler's default loss scaling).
     """
     _check_name(name)
     pinned = pinned_base_image(NAME, base_image)
@@ -700,7 +699,7 @@ class GpuContainerDeployment:
                 optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                 micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
                 timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None,
-                precision: str = "fp32") -> RunLaunch:
+                precision: str = "fp32", loss_scaling: LossScaling | dict | None = None) -> RunLaunch:
         """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
         checked (batch 0's size included) before any data is written, and a run that fails
         to be written leaves nothing behind."""
@@ -716,7 +715,7 @@ class GpuContainerDeployment:
             batch = first[2]
         run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
                         optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s, precision=precision)
+                        seed=seed, timeout_s=timeout_s, precision=precision, loss_scaling=loss_scaling)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
@@ -735,7 +734,8 @@ class GpuContainerDeployment:
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
               micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
               timeout_s: float = 600.0, wait_timeout_s: float = 300.0, warmup: int = 1, seed: int = 0,
-              threads: int | None = None, precision: str = "fp32") -> TrainResult:
+              threads: int | None = None, precision: str = "fp32",
+              loss_scaling: LossScaling | dict | None = None) -> TrainResult:
         """Trains ``iterations`` global batches with one process per rank on this machine and
         returns the final parameters, the losses and the timeline, as the local backend does.
 
@@ -743,14 +743,15 @@ class GpuContainerDeployment:
         None trains on synthetic batches of ``batch`` samples (a throughput run; the losses
         are of random data). ``timeout_s`` bounds the whole run, ``wait_timeout_s`` each
         rank's wait on a peer. ``warmup``: iterations left out of each rank's median.
-        ``precision`` "bf16": autocast on the ranks' device, bfloat16 between stages. The
+        ``precision`` "bf16": autocast on the ranks' device, bfloat16 between stages; "fp16":
+        float16, with ``torch.amp.GradScaler``'s loss scaling (``loss_scaling``). The
         batches written for the run are removed when it ends; its logs and outputs stay
         under the work directory until ``teardown``.
         """
         launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
                               timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,
-                              precision=precision)
+                              precision=precision, loss_scaling=loss_scaling)
         started = time.time()
         try:
             for role in launch.run.layout.roles():

@@ -10,7 +10,7 @@ from flatpack.ir.profile import OPTIMIZERS
 
 MODES = ("train", "infer")
 SYNC_METHODS = ("pipelined", "lambdaml")
-PRECISIONS = ("fp32", "bf16")   # runtime.precision: autocast, bfloat16 between stages
+PRECISIONS = ("fp32", "bf16", "fp16")   # runtime.precision: autocast, 16-bit floats between stages
 # per stage, keep activations for the backward or recompute them there: "never" keeps them
 # in every stage, "auto" lets the solver choose per stage
 RECOMPUTE = ("never", "auto")
@@ -27,8 +27,8 @@ class Workload:
     ``sync`` picks the gradient synchronization model: FuncPipe's pipelined scatter-reduce
     (eq. 2) or LambdaML's three-phase scatter-reduce (eq. 1). ``slo_s`` is a latency bound
     (per iteration for training, per request for inference) for the SLO solvers.
-    ``precision`` "bf16": boundary tensors cross in bfloat16, half the bytes of the float32
-    profile (``Problem.boundary_bytes``). ``recompute``: see RECOMPUTE; the solvers that
+    ``precision`` "bf16" or "fp16": boundary tensors cross in bfloat16 or float16, half the
+    bytes of the float32 profile (``Problem.boundary_bytes``). ``recompute``: see RECOMPUTE; the solvers that
     choose tiers treat "recompute this stage" as one more option per stage."""
 
     mode: str = "train"
@@ -82,7 +82,7 @@ class Workload:
     @property
     def boundary_scale(self) -> float:
         """Bytes of a boundary tensor on the wire relative to the float32 profile."""
-        return 0.5 if self.precision == "bf16" else 1.0
+        return 1.0 if self.precision == "fp32" else 0.5
 
     @property
     def micro_batch_size(self) -> float:

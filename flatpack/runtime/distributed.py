@@ -25,11 +25,12 @@ Tied parameters (manifest ``shared_with``) are all-reduced over every replica of
 stage that holds them, so all copies take the same summed gradient (README, "Tied
 weights"), and are left out of the per-stage all-reduce.
 
-The micro-batch compute — parameter discovery, the loss scaled by b/B for a micro-batch of
-b samples, the backward through the outputs, the flat gradient buffer — is
-``training.py``'s own (``stage_tensors``, ``scaled_loss``, ``backward_outputs``,
-``flat_grads``), so the parameters after N iterations equal the store runtime's and
-single-process training (``reference.py``).
+The micro-batch compute — parameter discovery, the forward under the precision's autocast
+with the micro-batch's dropout seed, the loss scaled by b/B for a micro-batch of b samples,
+the backward through the outputs (after recomputing the forward on a stage whose plan says
+so), the flat gradient buffer — is ``training.py``'s own (``stage_tensors``,
+``stage_forward``, ``stage_backward``, ``flat_grads``), so the parameters after N
+iterations equal the store runtime's and single-process training (``reference.py``).
 
 Run it under ``torchrun`` (or with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT set)::
@@ -72,10 +73,10 @@ from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
 from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import clipping, timeline
-from flatpack.runtime.precision import autocast, for_wire, received_specs
+from flatpack.runtime.precision import for_wire, loss_scaler, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
-from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, backward_outputs, compute_order,
-                                       flat_grads, input_gradients, scaled_loss, split_values, stage_tensors)
+from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, compute_order, flat_grads,
+                                       input_gradients, split_values, stage_backward, stage_forward, stage_tensors)
 from flatpack.runtime.wire import META_KEY
 
 RUN_FILE = "run.json"
@@ -392,6 +393,7 @@ class StageRank:
         self.state_tensors, self.trainable = stage_tensors(self.module)
         self.optimizer = self.spec.optimizer.build(self.trainable.values())
         self.scheduler = self.spec.optimizer.build_schedule(self.optimizer)
+        self.scaler = loss_scaler(self.spec.precision, self.spec.loss_scaling, device)    # fp16 only
         self.accumulated = 0    # iterations whose gradients .grad holds since the last step
         self.channels = channels
         self.recorder = timeline.Recorder(role.stage, role.replica)
@@ -510,14 +512,12 @@ class StageRank:
             args.append(value)
         check_stage_inputs(self.input_specs, state.inputs.items(),
                            where=f"stage {self.role.stage} rank, iteration {iteration}, micro-batch {m}: ")
-        with (self.recorder.task("forward", iteration, micro_batch=m), torch.enable_grad(),
-              autocast(self.spec.precision, torch.device(self.device).type)):
-            outputs = self.module(*args)
-            state.outputs = dict(zip(self.stage.outputs, outputs))
-            if self.is_last:
-                target = data.get(TARGET)
-                target = target.to(self.device) if isinstance(target, torch.Tensor) else target
-                state.loss = scaled_loss(self.spec, m, state.outputs[self.spec.loss_output], target)
+        if self.is_last:
+            target = data.get(TARGET)
+            state.target = target.to(self.device) if isinstance(target, torch.Tensor) else target
+        # a recomputing stage keeps only its inputs; its backward runs the forward again
+        with self.recorder.task("forward", iteration, micro_batch=m), torch.set_grad_enabled(not self.stage.recompute):
+            stage_forward(self.module, self.spec, self.stage, iteration, m, state, device_type=self.device.type)
         states[m] = state
         for consumer in self.stage.consumers:
             values = {name: state.outputs[name] for name in self._names_read_by(consumer)}
@@ -530,12 +530,11 @@ class StageRank:
             for name, grad in self.messenger.recv(self._peer(consumer, m), m, BACKWARD, iteration).items():
                 grads[name] = grads[name] + grad if name in grads else grad
         with self.recorder.task("backward", iteration, micro_batch=m):
+            stage_backward(self.module, self.spec, self.stage, iteration, m, state, grads,
+                           device_type=self.device.type, scaler=self.scaler)
             if self.is_last:
-                state.loss.backward()
                 # read once per iteration: no sync here; the batch's mean, whatever accumulation's 1/K
                 self._loss_total = self._loss_total + state.loss.detach() * self.spec.optimizer.accumulate
-            else:
-                backward_outputs(state.outputs, grads)
         input_grads = input_gradients(state.inputs)
         for producer in self.producers:
             # always a message, possibly empty: the producer waits for one from every consumer
@@ -563,20 +562,21 @@ class StageRank:
                                if held == holders and name in self.trainable)
                 self._all_reduce(names, group)
 
-    def _clip(self) -> None:
-        """Global-norm clipping (``runtime.clipping``): replica 0 of every stage contributes
-        its squared gradient norm (a tied weight at its first holder), one float64 all-reduce
-        over every rank (on the CPU group) gives the total, each rank scales alike."""
-        limit = self.spec.optimizer.clip_grad_norm
-        if limit is None:
-            return
+    def _checked_step(self) -> bool:
+        """Unscaling (fp16), the global overflow check and global-norm clipping
+        (``clipping.checked_step``): replica 0 of every stage contributes its squared gradient
+        norm (a tied weight at its first holder) and whether it overflowed, one float64
+        all-reduce over every rank (on the CPU group) gives the totals; whether to step."""
         counted = [param.grad for name, param in self.trainable.items()
                    if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
-        total = torch.tensor([clipping.squared_norm(counted) if self.role.replica == 0 else 0.0],
-                             dtype=torch.float64)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.channels.control_gradients)
-        clipping.scale_gradients(self.trainable.values(),
-                                 clipping.clip_coefficient(float(total[0]) ** 0.5, limit))
+
+        def reduce(own: list[float]) -> list[float]:
+            total = torch.tensor(own if self.role.replica == 0 else [0.0] * len(own), dtype=torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.channels.control_gradients)
+            return total.tolist()
+
+        return clipping.checked_step(list(self.trainable.values()), counted, self.spec.optimizer.clip_grad_norm,
+                                     self.scaler, reduce)
 
     def run_iteration(self, iteration: int) -> None:
         self._loss_total = 0.0
@@ -595,8 +595,11 @@ class StageRank:
             self.accumulated = 0
             self._synchronize(iteration)
             with self.recorder.task("update", iteration):
-                self._clip()
-                self.optimizer.step()
+                steps = self._checked_step()
+                if steps:
+                    self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.update(not steps)
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)

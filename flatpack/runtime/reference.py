@@ -9,8 +9,9 @@ parameters with these. :func:`train_async_single_process` simulates the asynchro
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,6 +47,19 @@ def optimizer_tensors(opt: torch.optim.Optimizer,
                    if isinstance(value, torch.Tensor) and value.dim()} for name, param in named}
 
 
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside the block (None: left as they are),
+    restored after it."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _training_copy(model: nn.Module, micro_batches: int, optimizer: Any, precision: str,
                    copy_model: bool) -> tuple[nn.Module, OptimizerSpec, list[tuple[str, nn.Parameter]]]:
     """What both references train: the checked options, the model (a copy unless
@@ -61,12 +75,49 @@ def _training_copy(model: nn.Module, micro_batches: int, optimizer: Any, precisi
     return trained, OptimizerSpec.of(optimizer), named
 
 
+def through_stages(trained: nn.Module, pipeline: Any, precision: str) -> tuple[nn.Module, dict[str, list[str]]]:
+    """What the reference calls for its forward, and each of ``trained``'s tensors' names in it.
+
+    ``pipeline`` None: ``trained`` itself. A compiled model: its stages chained in this
+    process (``Compiled.as_module``) computing on ``trained``'s own parameters and buffers
+    (the optimizer and the checks keep the original names), with every tensor one stage
+    hands another rounded to ``precision``'s wire dtype forward and backward
+    (``precision.crossed``): what the stages of a pipelined run compute, boundary rounding
+    included, in one process. A tensor of ``trained`` that no stage holds raises."""
+    if pipeline is None:
+        return trained, {name: [name] for name, _ in trained.named_parameters()}
+    staged = pipeline.as_module()
+    staged.wire_precision = precision
+    tensors = {**dict(trained.named_parameters(remove_duplicate=False)),
+               **dict(trained.named_buffers(remove_duplicate=False))}
+    paths: dict[str, list[str]] = {}
+    for index, stage in enumerate(staged.stages):
+        for entry in stage.flatpack_manifest["parameters"]:
+            names = [name for name in (entry["name"], *(entry.get("aliases") or [])) if name in tensors]
+            if not names:
+                continue      # a constant the trace made; the stage keeps its own
+            tensor, attr = tensors[names[0]], entry["attr"]
+            if attr in stage._parameters:
+                stage.register_parameter(attr, tensor)
+            else:
+                stage.register_buffer(attr, tensor)
+            for name in names:
+                paths.setdefault(name, []).append(f"stages.{index}.{attr}")
+    missing = [name for name, _ in trained.named_parameters() if name not in paths]
+    if missing:
+        raise InputError(f"the compiled stages hold no parameter {missing[:5]} of the model; pass the model the "
+                         "pipeline was compiled from")
+    return staged.train(), paths
+
+
 def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
                          optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                          copy_model: bool = True, micro_batches: int = 1,
                          fixed_buffers: Callable[[int], Collection[str]] | None = None,
                          optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
-                         precision: str = "fp32") -> tuple[nn.Module, list[float]]:
+                         precision: str = "fp32", pipeline: Any = None, loss_scaling: Any = None,
+                         scaler_state: dict[str, float] | None = None,
+                         threads: int | None = None) -> tuple[nn.Module, list[float]]:
     """Trains (a copy of) ``model`` for ``iterations`` global batches; returns it and the losses.
 
     ``micro_batches`` = M: each global batch is cut as the pipeline cuts it
@@ -86,53 +137,88 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     with d replicas reports replica 0's buffers, which only its micro-batches (m mod d = 0)
     update. ``optimizer_state``: filled with each trainable parameter's final optimizer
     tensors (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) by name.
+
+    ``precision``: the forward under its autocast (``precision.autocast``). ``pipeline``: a
+    compiled model of ``model``; the forward then runs through its stages with the tensors
+    between them rounded as a pipelined run sends them (:func:`through_stages`); what a
+    bf16 run is compared with (``verdict``).
+
+    ``precision`` "fp16" trains as torch's recipe with ``torch.amp.GradScaler`` (settings:
+    ``loss_scaling``, a ``precision.LossScaling`` or its dict; None: GradScaler's defaults):
+    each micro-batch's loss scaled before its backward, and at each step ``unscale_``, the
+    clipping, ``scaler.step`` (skipped after an overflow), ``scaler.update``, then the
+    schedule. ``scaler_state``: filled with the final ``scale`` and ``growth_tracker``.
+
+    ``threads``: torch's intra-op threads while it trains (None: the process's), restored
+    after. Give the run's per-worker count (``flatpack run``'s functions use one) wherever a
+    result is compared under bf16/fp16: a 16-bit GEMM rounds its float32 sums to 16 bits,
+    and how a CPU kernel splits a sum across threads moves some of them across a rounding
+    boundary (one thread against two: 5.6e-3 of the update apart after one step, 5 % after
+    eight, on the transformer of tests/integration/test_precision_knobs.py).
     """
-    from flatpack.runtime.precision import autocast
+    from flatpack.runtime.precision import SCALED, LossScaling, autocast
     from flatpack.runtime.spec import micro_batch_size, split_value
 
-    trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
-    opt = spec.build(p for _, p in named)
-    scheduler = spec.build_schedule(opt)
-    weight = 1 / spec.accumulate
-    buffers = dict(trained.named_buffers(remove_duplicate=False))
-    batch_for = batches if callable(batches) else batches.__getitem__
-    losses = []
-    for iteration in range(iterations):
-        inputs, target = batch_for(iteration)
-        rows = next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
-                     if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
-        if micro_batches == 1 or rows is None:
-            with autocast(precision):
-                value = loss_value(loss, first_output(call(trained, inputs)), target)
-            (value * weight).backward()
-            total = float(value.detach())
-        else:
-            total = 0.0
-            for m in range(micro_batches):
-                piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
-                piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-                kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
-                        if name in buffers}
+    with torch_threads(threads):
+        trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
+        forward, _ = through_stages(trained, pipeline, precision)
+        scaler = LossScaling.of(loss_scaling).grad_scaler() if precision in SCALED else None
+
+        def backward(loss: torch.Tensor) -> None:
+            (loss if scaler is None else scaler.scale(loss)).backward()
+
+        opt = spec.build(p for _, p in named)
+        scheduler = spec.build_schedule(opt)
+        weight = 1 / spec.accumulate
+        buffers = dict(trained.named_buffers(remove_duplicate=False))
+        batch_for = batches if callable(batches) else batches.__getitem__
+        losses = []
+        for iteration in range(iterations):
+            inputs, target = batch_for(iteration)
+            rows = next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
+                         if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+            if micro_batches == 1 or rows is None:
                 with autocast(precision):
-                    output = first_output(call(trained, piece))
-                    value = loss_value(loss, output, piece_target) * (micro_batch_size(rows, micro_batches, m) / rows)
-                (value * weight).backward()
-                total += float(value.detach())
-                with torch.no_grad():
-                    for name, saved in kept.items():
-                        buffers[name].copy_(saved)
-        losses.append(total)
-        if (iteration + 1) % spec.accumulate:
-            continue
-        if spec.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.clip_grad_norm)
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-        opt.zero_grad(set_to_none=True)
-    if optimizer_state is not None:
-        optimizer_state.update(optimizer_tensors(opt, named))
-    return trained, losses
+                    value = loss_value(loss, first_output(call(forward, inputs)), target)
+                backward(value * weight)
+                total = float(value.detach())
+            else:
+                total = 0.0
+                for m in range(micro_batches):
+                    piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
+                    piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
+                    kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
+                            if name in buffers}
+                    with autocast(precision):
+                        output = first_output(call(forward, piece))
+                        share = micro_batch_size(rows, micro_batches, m) / rows
+                        value = loss_value(loss, output, piece_target) * share
+                    backward(value * weight)
+                    total += float(value.detach())
+                    with torch.no_grad():
+                        for name, saved in kept.items():
+                            buffers[name].copy_(saved)
+            losses.append(total)
+            if (iteration + 1) % spec.accumulate:
+                continue
+            if scaler is not None:
+                scaler.unscale_(opt)
+            if spec.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.clip_grad_norm)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            if scheduler is not None:
+                scheduler.step()
+            opt.zero_grad(set_to_none=True)
+        if optimizer_state is not None:
+            optimizer_state.update(optimizer_tensors(opt, named))
+        if scaler_state is not None and scaler is not None:
+            scaler_state.update(scale=float(scaler.get_scale()),
+                                growth_tracker=int(scaler.state_dict()["_growth_tracker"]))
+        return trained, losses
 
 
 def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
@@ -140,7 +226,8 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
                                optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                                vertical_sync: bool = False, call_iterations: int | None = None,
                                optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
-                               copy_model: bool = True, precision: str = "fp32") -> tuple[nn.Module, list[float]]:
+                               copy_model: bool = True, precision: str = "fp32",
+                               pipeline: Any = None, threads: int | None = None) -> tuple[nn.Module, list[float]]:
     """Single-process simulation of PipeDream's asynchronous 1F1B with weight stashing
     (``schedule="1f1b-async"``, ``runtime.stashing``): what such a pipelined run must equal.
 
@@ -154,52 +241,58 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     ``call_iterations`` N simulates calls of N iterations each (None: one call). Every
     version is kept here; a stage keeps only those its in-flight micro-batches hold. The
     losses are each global batch's mean (micro-batch means weighted by their share);
-    ``optimizer_state`` as :func:`train_single_process` fills it."""
+    ``optimizer_state``, ``precision``, ``pipeline`` and ``threads`` as
+    :func:`train_single_process` takes them."""
     from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import micro_batch_size, split_value
+    from flatpack.runtime.spec import ASYNC_SCHEDULE, check_async_options, micro_batch_size, split_value
     from flatpack.runtime.stashing import forward_version
 
-    trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
-    missing = [name for name, _ in named if name not in stage_of]
-    if missing:
-        raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's stage")
-    opt = spec.build(p for _, p in named)
-    scheduler = spec.build_schedule(opt)
-    if call_iterations is not None and call_iterations < 1:
-        raise InputError(f"call_iterations must be at least 1 (iterations per train() call), got {call_iterations}")
-    history = {0: {name: p.detach().clone() for name, p in named}}     # steps taken -> weights
-    batch_for = batches if callable(batches) else batches.__getitem__
-    losses = []
-    for iteration in range(iterations):
-        inputs, target = batch_for(iteration)
-        rows = next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
-                    if isinstance(leaf, torch.Tensor) and leaf.dim())
-        total = 0.0
-        for m in range(micro_batches):
-            steps = iteration * micro_batches + m
-            # the micro-batch's place in its call's 1F1B sequence, and the steps before the call
-            call_start = (iteration - iteration % call_iterations if call_iterations else 0) * micro_batches
-            sequence = steps - call_start
-            piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
-            piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-            versions = {name: call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)
-                        for name, _ in named}
-            weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
-            args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
-                                                                         else tuple(piece), {})
-            with autocast(precision):
-                output = first_output(torch.func.functional_call(trained, weights, args, kwargs))
-                value = loss_value(loss, output, piece_target)
-            value.backward()
-            total += float(value.detach()) * micro_batch_size(rows, micro_batches, m) / rows
-            for name, param in named:
-                param.grad = weights[name].grad
-            opt.step()
-            if scheduler is not None:
-                scheduler.step()
-            opt.zero_grad(set_to_none=True)
-            history[steps + 1] = {name: p.detach().clone() for name, p in named}
-        losses.append(total)
-    if optimizer_state is not None:
-        optimizer_state.update(optimizer_tensors(opt, named))
-    return trained, losses
+    with torch_threads(threads):
+        trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
+        check_async_options(ASYNC_SCHEDULE, vertical_sync, [1] * stages, spec, precision=precision)
+        forward, paths = through_stages(trained, pipeline, precision)
+        missing = [name for name, _ in named if name not in stage_of]
+        if missing:
+            raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's "
+                             "stage")
+        opt = spec.build(p for _, p in named)
+        scheduler = spec.build_schedule(opt)
+        if call_iterations is not None and call_iterations < 1:
+            raise InputError(f"call_iterations must be at least 1 (iterations per train() call), got {call_iterations}")
+        history = {0: {name: p.detach().clone() for name, p in named}}     # steps taken -> weights
+        batch_for = batches if callable(batches) else batches.__getitem__
+        losses = []
+        for iteration in range(iterations):
+            inputs, target = batch_for(iteration)
+            rows = next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
+                        if isinstance(leaf, torch.Tensor) and leaf.dim())
+            total = 0.0
+            for m in range(micro_batches):
+                steps = iteration * micro_batches + m
+                # the micro-batch's place in its call's 1F1B sequence, and the steps before the call
+                call_start = (iteration - iteration % call_iterations if call_iterations else 0) * micro_batches
+                sequence = steps - call_start
+                piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
+                piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
+                versions = {name: call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)
+                            for name, _ in named}
+                weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
+                args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
+                                                                             else tuple(piece), {})
+                replaced = {path: weights[name] for name, _ in named for path in paths[name]}
+                with autocast(precision):
+                    output = first_output(torch.func.functional_call(forward, replaced, args, kwargs))
+                    value = loss_value(loss, output, piece_target)
+                value.backward()
+                total += float(value.detach()) * micro_batch_size(rows, micro_batches, m) / rows
+                for name, param in named:
+                    param.grad = weights[name].grad
+                opt.step()
+                if scheduler is not None:
+                    scheduler.step()
+                opt.zero_grad(set_to_none=True)
+                history[steps + 1] = {name: p.detach().clone() for name, p in named}
+            losses.append(total)
+        if optimizer_state is not None:
+            optimizer_state.update(optimizer_tensors(opt, named))
+        return trained, losses

@@ -11,11 +11,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flatpack.errors import InputError
-# "bf16": stages compute under autocast (float32 master weights and optimizer state) and the
-# tensors crossing stage boundaries travel as bfloat16 (runtime.precision)
+# "bf16"/"fp16": stages compute under autocast (float32 master weights and optimizer state) and
+# the tensors crossing stage boundaries travel as bfloat16/float16; fp16 scales its loss
+# (runtime.precision)
 from flatpack.partitioner.workload import PRECISIONS
 from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
+from flatpack.runtime.precision import SCALED, LossScaling
 
 # "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
 # weight stashing (runtime.stashing)
@@ -73,12 +75,14 @@ class RunSpec:
     # 1f1b-async only: every stage uses the weight version the first stage used for a
     # micro-batch (PipeDream's vertical sync), not its own latest
     vertical_sync: bool = False
+    # fp16 only: torch.amp.GradScaler's settings for every stage's loss scaler
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         check_async_options(self.schedule, self.vertical_sync, [stage.replicas for stage in self.stages],
-                            self.optimizer, sorted(self.shared), self.time_limit_s)
+                            self.optimizer, sorted(self.shared), self.time_limit_s, self.precision)
         check_precision(self.precision)
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
@@ -128,7 +132,8 @@ class RunSpec:
                        for entry in data.pop("stages"))
         return cls(stages=stages, optimizer=OptimizerSpec.from_json(data.pop("optimizer")),
                    shared={k: tuple(v) for k, v in data.pop("shared").items()},
-                   faults=tuple(data.pop("faults")), **data)
+                   faults=tuple(data.pop("faults")), loss_scaling=LossScaling.of(data.pop("loss_scaling", None)),
+                   **data)
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,8 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
 
 
 def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[int], optimizer: OptimizerSpec,
-                        shared: Sequence[str] = (), time_limit_s: float | None = None) -> None:
+                        shared: Sequence[str] = (), time_limit_s: float | None = None,
+                        precision: str = "fp32") -> None:
     """Refuses what the asynchronous 1F1B does not combine with, before any function starts
     (``RunSpec`` and ``flatpack run``'s options both ask): it steps each stage after every
     micro-batch on that stage's own gradient, so nothing that needs every stage (or every
@@ -200,6 +206,10 @@ def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[i
     if optimizer.clip_grad_norm is not None:
         raise InputError(f"--clip-grad-norm {optimizer.clip_grad_norm} needs every stage's gradient of one step, but "
                          f"1f1b-async steps each stage on its own micro-batch; {fix}")
+    if precision in SCALED:
+        raise InputError(f"--precision {precision} skips a step wherever any stage's gradient overflowed, which needs "
+                         f"every stage's gradient of one step, but 1f1b-async steps each stage on its own "
+                         f"micro-batch; use --precision bf16 (no loss scaler), or {fix}")
     if optimizer.accumulate != 1:
         raise InputError(f"--accumulate {optimizer.accumulate}: 1f1b-async steps after every micro-batch (PipeDream's "
                          f"minibatch), so there is nothing to accumulate; use larger micro-batches, or {fix}")
@@ -215,8 +225,9 @@ def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[i
 def check_precision(precision: Any) -> None:
     """Refuses a precision the runtime does not train in, naming the ones it does."""
     if precision not in PRECISIONS:
-        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default) or "
-                         "bf16 (autocast, float32 master weights, bfloat16 tensors between stages)")
+        raise InputError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default), "
+                         "bf16 (autocast, float32 master weights, bfloat16 tensors between stages) or fp16 (the "
+                         "same in float16, with a loss scaler)")
 
 
 def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees: Sequence[int],

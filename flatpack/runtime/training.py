@@ -32,8 +32,8 @@ from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
-from flatpack.runtime.precision import autocast, for_wire, received_specs
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, micro_batch_size
+from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler, received_specs
+from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, micro_batch_size
 from flatpack.runtime.stashing import AsyncTask, WeightStash, async_chunks, forward_version
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
@@ -159,6 +159,67 @@ class MicroBatchState:
     weights: dict[str, torch.Tensor] | None = None
 
 
+def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration: int, micro_batch: int,
+                  state: MicroBatchState, *, attrs: dict[str, str] | None = None, device_type: str = "cpu") -> None:
+    """The stage's forward of one micro-batch into ``state`` (its outputs, and on the last
+    stage its loss), under the precision's autocast and with the micro-batch's dropout seed
+    (:func:`micro_batch_seed`), so that a recomputed forward draws the same masks. With
+    ``state.weights`` (1f1b-async) the forward computes on that stashed version, mapped to
+    the module's attributes by ``attrs``. Autograd records it or not as the caller's grad
+    mode says: a recomputing stage's first forward runs without."""
+    args = [state.inputs[name] for name in stage.inputs]
+    with torch.random.fork_rng(devices=[]), autocast(spec.precision, device_type):
+        torch.manual_seed(micro_batch_seed(iteration, stage.index, micro_batch))
+        if state.weights is None:
+            outputs = module(*args)
+        else:
+            # the stashed version in place of the live parameters (which later steps change)
+            outputs = torch.func.functional_call(
+                module, {attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
+        state.outputs = dict(zip(stage.outputs, outputs))
+        if stage.index == len(spec.stages) - 1 and spec.asynchronous:
+            # each micro-batch is a step of its own (PipeDream's minibatch): its mean loss
+            state.loss = loss_value(spec.loss, state.outputs[spec.loss_output], state.target)
+        elif stage.index == len(spec.stages) - 1:
+            state.loss = scaled_loss(spec, micro_batch, state.outputs[spec.loss_output], state.target)
+
+
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Puts ``module``'s buffers back as they were once the block (a recomputed forward and
+    its backward) is done: the first forward already moved BatchNorm's running statistics
+    for this micro-batch, and moving them twice would differ from training that keeps its
+    activations. Not before the backward: autograd saved those tensors and checks that
+    nothing changed them."""
+    saved = [buffer.clone() for buffer in module.buffers()]
+    yield
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), saved):
+            buffer.copy_(value)
+
+
+def stage_backward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration: int, micro_batch: int,
+                   state: MicroBatchState, grads: dict[str, torch.Tensor], *, attrs: dict[str, str] | None = None,
+                   device_type: str = "cpu", scaler: LossScaler | None = None) -> None:
+    """The backward of one micro-batch: from the loss on the last stage (times fp16's loss
+    scale: ``scaler``), else from the consumers' ``grads`` through the outputs. A stage that
+    recomputes (``StageSpec.recompute``) kept only the inputs, so it first runs
+    :func:`stage_forward` again, with autograd."""
+    def backpropagate() -> None:
+        if stage.index == len(spec.stages) - 1:
+            (state.loss if scaler is None else scaler.scaled(state.loss)).backward()
+        else:
+            backward_outputs(state.outputs, grads)
+
+    if not stage.recompute:
+        backpropagate()
+        return
+    with buffers_kept(module):
+        with torch.enable_grad():
+            stage_forward(module, spec, stage, iteration, micro_batch, state, attrs=attrs, device_type=device_type)
+        backpropagate()
+
+
 # (kind "F" | "B", iteration, micro-batch, weight version, the weights the task computes with)
 WeightObserver = Callable[[str, int, int, int, dict[str, torch.Tensor]], None]
 
@@ -183,7 +244,8 @@ class StageTrainer:
         self.state_tensors, self.trainable = stage_tensors(module)
         self.optimizer = spec.optimizer.build(self.trainable.values())
         self.scheduler = spec.optimizer.build_schedule(self.optimizer)
-        self.steps = 0     # optimizer steps taken: the schedule's position
+        self.scaler = loss_scaler(spec.precision, spec.loss_scaling)    # fp16 only
+        self.steps = 0     # optimizer steps taken (or skipped for an overflow): the schedule's position
         # gradient accumulation: the reduced gradients of the iterations since the last step,
         # and how many iterations they hold (kept in checkpoints, not derived from iteration
         # numbers, which a resumed call does not continue)
@@ -225,7 +287,8 @@ class StageTrainer:
         return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
                                     "scalars": scalars, "steps": self.steps,
                                     "accumulated": self.accumulated_count,
-                                    "optimizer_class": type(self.optimizer).__name__})
+                                    "optimizer_class": type(self.optimizer).__name__,
+                                    "loss_scale": self.scaler.state() if self.scaler is not None else None})
 
     def load_state(self, data: bytes) -> int:
         """Installs a checkpoint; returns the iteration it was taken after. The optimizer
@@ -238,6 +301,8 @@ class StageTrainer:
         self.steps = int(meta.get("steps", 0))
         self.accumulated = {key[2:]: value for key, value in tensors.items() if key.startswith("a/")}
         self.accumulated_count = int(meta.get("accumulated", 0))
+        if self.scaler is not None and meta.get("loss_scale"):
+            self.scaler.load(meta["loss_scale"])
         if (meta.get("optimizer_class", type(self.optimizer).__name__) != type(self.optimizer).__name__
                 or len(meta["param_groups"]) != len(self.optimizer.param_groups)):
             self.scheduler = self.spec.optimizer.restore_schedule(self.optimizer, self.steps)
@@ -316,71 +381,21 @@ class StageTrainer:
             self._stashed_weights("F", iteration, micro_batch, state)
         start = time.time()
         # a recomputing stage keeps only its inputs: the forward builds no autograd graph and
-        # the backward runs it again (``_recompute``)
+        # the backward runs it again (``stage_backward``)
         with torch.set_grad_enabled(not self.stage.recompute):
-            self.throttle_compute(lambda: self._run_forward(iteration, micro_batch, state))
+            self.throttle_compute(lambda: stage_forward(self.module, self.spec, self.stage, iteration, micro_batch,
+                                                        state, attrs=self.attrs))
         states[micro_batch] = state
         self._record("forward", iteration, micro_batch, start, 0, "compute")
         self.after_task("forward", iteration, micro_batch)
-
-    def _run_forward(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
-        """The stage's forward of one micro-batch (and the loss on the last stage), with the
-        micro-batch's dropout seed: a recomputed forward draws the same masks."""
-        args = [state.inputs[name] for name in self.stage.inputs]
-        with torch.random.fork_rng(devices=[]), autocast(self.spec.precision):
-            torch.manual_seed(micro_batch_seed(iteration, self.role.stage, micro_batch))
-            if state.weights is None:
-                outputs = self.module(*args)
-            else:
-                # the stashed version in place of the live parameters (which later steps change)
-                outputs = torch.func.functional_call(
-                    self.module, {self.attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
-            state.outputs = dict(zip(self.stage.outputs, outputs))
-            if self.is_last and self.spec.asynchronous:
-                # each micro-batch is a step of its own (PipeDream's minibatch): its mean loss
-                state.loss = loss_value(self.spec.loss, state.outputs[self.spec.loss_output], state.target)
-            elif self.is_last:
-                state.loss = scaled_loss(self.spec, micro_batch, state.outputs[self.spec.loss_output], state.target)
-
-    def _recompute(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
-        """The forward again, with autograd, before the backward of a recomputing stage."""
-        with torch.enable_grad():
-            self._run_forward(iteration, micro_batch, state)
-
-    @contextlib.contextmanager
-    def _buffers_kept(self) -> Iterator[None]:
-        """Puts the stage's buffers back as they were once the block (a recomputed forward and
-        its backward) is done: the first forward already moved BatchNorm's running statistics
-        for this micro-batch, and moving them twice would differ from training that keeps its
-        activations. Not before the backward: autograd saved those tensors and checks that
-        nothing changed them."""
-        saved = [buffer.clone() for buffer in self.module.buffers()]
-        yield
-        with torch.no_grad():
-            for buffer, value in zip(self.module.buffers(), saved):
-                buffer.copy_(value)
 
     def _backward(self, iteration: int, micro_batch: int, fetched: Future | None,
                   states: dict[int, MicroBatchState]) -> bytes | None:
         state = states[micro_batch]
         grads = fetched.result() if fetched is not None else {}
         start = time.time()
-
-        def run() -> None:
-            if not self.stage.recompute:
-                backpropagate()
-                return
-            with self._buffers_kept():
-                self._recompute(iteration, micro_batch, state)
-                backpropagate()
-
-        def backpropagate() -> None:
-            if self.is_last:
-                state.loss.backward()
-                return
-            backward_outputs(state.outputs, grads)
-
-        self.throttle_compute(run)
+        self.throttle_compute(lambda: stage_backward(self.module, self.spec, self.stage, iteration, micro_batch, state,
+                                                     grads, attrs=self.attrs, scaler=self.scaler))
         input_grads = input_gradients(state.inputs)
         if self.is_last and state.loss is not None:
             # the report's loss is the batch's mean, whatever the accumulation's 1/K weight
@@ -612,15 +627,22 @@ class StageTrainer:
         return True
 
     def _apply_step(self, iteration: int) -> None:
-        """Clips the gradients to the global norm, steps the optimizer and the schedule."""
-        limit = self.spec.optimizer.clip_grad_norm
-        if limit is not None:
-            counted = [param.grad for name, param in self.trainable.items()
-                       if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
-            norm = clipping.global_norm(self.store, self.keys, iteration, self.role.stage, len(self.spec.stages),
-                                        self.role.replica, clipping.squared_norm(counted), self.spec.wait_timeout_s)
-            clipping.scale_gradients(self.trainable.values(), clipping.clip_coefficient(norm, limit))
-        self.throttle_compute(self.optimizer.step)
+        """Unscales (fp16) and clips the gradients to the global norm (``clipping.checked_step``),
+        steps the optimizer unless a stage overflowed, updates the loss scale and steps the
+        schedule (as torch's recipe does, skipped step or not)."""
+        counted = [param.grad for name, param in self.trainable.items()
+                   if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
+
+        def reduce(own: list[float]) -> list[float]:
+            return clipping.global_sums(self.store, self.keys, iteration, self.role.stage, len(self.spec.stages),
+                                        self.role.replica, own, self.spec.wait_timeout_s)
+
+        steps = clipping.checked_step(list(self.trainable.values()), counted, self.spec.optimizer.clip_grad_norm,
+                                      self.scaler, reduce)
+        if steps:
+            self.throttle_compute(self.optimizer.step)
+        if self.scaler is not None:
+            self.scaler.update(not steps)
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1

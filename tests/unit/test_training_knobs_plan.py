@@ -113,7 +113,7 @@ def test_older_plans_without_recompute_load_as_keeping_activations():
 
 @pytest.mark.parametrize(("options", "named"), [
     ({"recompute": "sometimes"}, "recompute 'sometimes' is not one of never, auto"),
-    ({"precision": "fp8"}, "precision 'fp8' is not one of fp32, bf16"),
+    ({"precision": "fp8"}, "precision 'fp8' is not one of fp32, bf16, fp16"),
 ])
 def test_bad_workload_options_are_refused_with_the_choices(options, named):
     with pytest.raises(InputError, match=named):
@@ -129,7 +129,7 @@ def test_a_stage_keeps_its_boundaries_in_the_wire_precision():
 # --- bad options: refused before anything is compiled or started ----------------------------
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--precision", "fp16"], "invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
+    (["--precision", "fp8"], "invalid choice: 'fp8' (choose from 'fp32', 'bf16', 'fp16')"),
     (["--recompute", "always"], "invalid choice: 'always' (choose from 'never', 'auto')"),
 ])
 def test_bad_run_options_exit_2_before_the_model_is_built(args, words, capsys, monkeypatch, tmp_path):
@@ -143,7 +143,8 @@ def test_bad_run_options_exit_2_before_the_model_is_built(args, words, capsys, m
 
 
 @pytest.mark.parametrize(("options", "words"), [
-    ({"precision": "fp16"}, "--precision 'fp16' is not one of fp32, bf16; .*fp16 needs a loss scaler"),
+    ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16; .*fp16 \\(the same with a loss "
+                           "scaler\\)"),
     ({"recompute": "yes"}, "--recompute 'yes' is not one of never, auto; use never"),
 ])
 def test_job_options_refuse_a_bad_precision_or_recompute(options, words, tmp_path):
@@ -160,10 +161,10 @@ def test_the_runtime_and_the_reference_refuse_an_unknown_precision():
     from flatpack.runtime.reference import train_single_process
     from flatpack.runtime.spec import RunSpec
 
-    with pytest.raises(InputError, match="precision 'fp8' is not one of fp32, bf16; use fp32"):
+    with pytest.raises(InputError, match="precision 'fp8' is not one of fp32, bf16, fp16; use fp32"):
         RunSpec(run="r", stages=(), micro_batches=1, batch=1, optimizer=OptimizerSpec.of("sgd"), loss="mse",
                 loss_output="out", precision="fp8")
-    with pytest.raises(InputError, match="precision 'half' is not one of fp32, bf16"):
+    with pytest.raises(InputError, match="precision 'half' is not one of fp32, bf16, fp16"):
         train_single_process(torch.nn.Linear(2, 2), [(torch.randn(4, 2), torch.randn(4, 2))], 1, loss="mse",
                              precision="half")
 
