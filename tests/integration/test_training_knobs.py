@@ -313,3 +313,21 @@ def test_a_call_with_another_optimizer_continues_the_weights_with_a_fresh_state(
         deployment.train(data[:2], iterations=2, optimizer=first)
         result = deployment.train(data[2:4], iterations=2, optimizer=second)
     assert_same_parameters(result, reference)
+
+
+def test_a_huggingface_transformer_trains_with_adamw_cosine_warmup_clipping_and_bf16(tmp_path, capsys):
+    """The README's training-knobs command on the HuggingFace BERT example (synthetic batches
+    here instead of shards): AdamW without decay on biases and norms, a cosine schedule after
+    a warm-up, global-norm clipping and bf16 train, report the held-out loss, and equal the
+    single-process autocast reference computed as the stages compute."""
+    from flatpack.cli import main
+
+    code = main(["run", "bert", "--eval-every", "2", "--batch", "8", "--micro-batches", "2", "--stages", "2",
+                 "--replicas", "1", "--iterations", "4", "--optimizer", "adamw", "--optimizer-args",
+                 "lr=3e-4,weight_decay=0.01", "--no-decay-bias-norm", "--schedule-lr", "cosine", "--warmup", "1",
+                 "--clip-grad-norm", "1.0", "--precision", "bf16", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "held-out evaluation (through the inference path): iter 2: loss" in out
+    assert "equivalence with single-process training: passed" in out
+    assert "AdamW(lr=0.0003, weight_decay=0.01), no decay on biases and norms, cosine schedule after 1 warm-up" in out
