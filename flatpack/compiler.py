@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from flatpack.backends import check_workload
 from flatpack.backends.catalog import platform_names
 from flatpack.codegen.artifact import build_module, parse_stage, serialize
 from flatpack.codegen.emit import StageArtifact, emit_stages
@@ -40,6 +41,7 @@ from flatpack.partitioner.plan import Plan, Provenance
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
 from flatpack.partitioner.workload import Workload
+from flatpack.layout import stage_dirname
 from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
@@ -51,10 +53,6 @@ PROBLEM_OPTIONS: frozenset[str] = frozenset({
     "memory_mb", "replicas", "micro_batches", "max_workers", "weights", "cost_model", "hydrozoa_alpha",
     "hydrozoa_beta", "comm_delay",
 })
-
-
-def stage_dirname(index: int) -> str:
-    return f"stage_{index:03d}"
 
 
 class Compiled:
@@ -383,7 +381,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     see ``ir.profiler``), so that cost-model solvers can run. ``workload``: what
     the plan is for (train or infer, batch, micro-batches, optimizer); with a profile and a
     training workload, a layer that cannot fit the target's largest tier even alone is
-    reported before solving. ``calibration``: a
+    reported before solving, and a workload the target's backend cannot run (``backends.protocol``:
+    inference or recomputing stages where it has no such capability) is refused before tracing.
+    ``calibration``: a
     :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
     the target, overriding the host-to-tier compute model; the plan records its digest.
     A plan solved here records its :class:`~flatpack.partitioner.plan.Provenance`; a
@@ -397,6 +397,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
     _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
+    if workload is not None:
+        # before tracing: a plan the target's backend cannot run is refused now, not at deploy
+        check_workload(target, workload.mode, workload.recompute)
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     if measured is not None:

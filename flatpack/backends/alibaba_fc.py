@@ -24,17 +24,21 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import TrainResult
+from flatpack.backends.functions import FUNCTION_CAPABILITIES, TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
+from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import s3_addressing_style
 from flatpack.runtime.worker import STORE_ENV
 
-__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "FcDeployment", "TrainResult"]
+__all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "FcDeployment",
+           "TrainResult"]
 
 NAME = "alibaba-fc"
+CAPABILITIES = FUNCTION_CAPABILITIES
+LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 PROFILE_FUNCTIONS = True         # deploy(profile_tiers=...) starts a profiler function per memory tier
 API_VERSION = "2023-03-30"
 TIMEOUT_S = 86400                # FC 3.0's longest execution; long enough that no run re-invokes itself

@@ -33,17 +33,21 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import TrainResult
+from flatpack.backends.functions import FUNCTION_CAPABILITIES, TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
+from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import s3_addressing_style
 from flatpack.runtime.worker import STORE_ENV
 
-__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LambdaDeployment", "TrainResult"]
+__all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LambdaDeployment",
+           "TrainResult"]
 
 NAME = "aws-lambda"
+CAPABILITIES = FUNCTION_CAPABILITIES
+LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 PROFILE_FUNCTIONS = True        # deploy(profile_tiers=...) starts a profiler function per memory tier
 TIMEOUT_S = 900                 # Lambda's maximum; the runtime re-invokes itself before it
 TIME_LIMIT_MARGIN_S = 60        # a function checkpoints and asks to be invoked again this early

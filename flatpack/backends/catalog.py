@@ -29,14 +29,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 from flatpack.errors import InputError
 from flatpack.registry import Registry
 from flatpack.table import format_table
+from flatpack.units import GBIT_S, GIB, MB_S, MIB
 
 if TYPE_CHECKING:
     from flatpack.ir.profile import HostInfo
 
-MIB = 1024 * 1024
-GIB = 1024 * MIB
-MB_S = 1_000_000            # bandwidth figures are decimal: "70 MB/s" is 70e6 bytes per second
-GBIT_S = 125_000_000        # 1 Gbit/s in bytes per second
 KINDS = ("serverless", "container", "local")
 
 # Where the numbers come from. Papers are cited by file name in ../shared/papers/ (beside the repository).

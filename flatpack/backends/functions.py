@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from flatpack.backends.batch_checks import check_training_call
+from flatpack.batching import batch_rows
+from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
@@ -34,8 +36,10 @@ from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, spli
 from flatpack.runtime.store import Store, open_store
 from flatpack.runtime.training import TARGET, pack_values
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
+from flatpack.units import MIB
 
-MB = 1 << 20
+# every function backend (local, aws-lambda, alibaba-fc) runs FunctionDeployment: all of it
+FUNCTION_CAPABILITIES = frozenset(Capability)
 POLL_S = 0.05
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
@@ -569,10 +573,10 @@ def memory_suggestion_mb(peak_bytes: int, tiers_mb: Sequence[int] = ()) -> int:
     smallest of ``tiers_mb`` (the platform's) holding the peak plus headroom; without tiers,
     or when none holds it, that amount rounded up to 64 MB."""
     needed = peak_bytes * MEMORY_HEADROOM
-    fitting = [tier for tier in tiers_mb if tier * MB >= needed]
+    fitting = [tier for tier in tiers_mb if tier * MIB >= needed]
     if fitting:
         return min(fitting)
-    return int(math.ceil(needed / (64 * MB))) * 64
+    return int(math.ceil(needed / (64 * MIB))) * 64
 
 
 def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> FunctionOutOfMemory:
@@ -604,17 +608,12 @@ def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
-def batch_size_of(leaves: list[Any]) -> int | None:
-    """Rows of the first input tensor with a batch dimension."""
-    return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
-
-
 def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[str, Any], Any, int]:
     """A global ``(inputs, target)`` batch as the runtimes take it: the input leaves by input
     name, the target, and the batch's rows (its first batched input's)."""
     inputs, target = inputs_and_target(batch, iteration)
     leaves = compiled.input_leaves(inputs)
-    rows = batch_size_of(leaves)
+    rows = batch_rows(leaves)
     if rows is None:
         raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
                          "the batch into micro-batches along the first dimension of its inputs")
@@ -642,8 +641,7 @@ def workload_of(compiled: Compiled) -> Workload | None:
 
 def default_micro_batches(compiled: Compiled) -> int:
     """M when ``train`` is not given one: the plan's, else the workload's, else 1."""
-    workload = workload_of(compiled)
-    return compiled.plan.micro_batches or (workload.micro_batches if workload else None) or 1
+    return compiled.plan.micro_batches_for(workload_of(compiled))
 
 
 def loss_output(compiled: Compiled) -> str:

@@ -54,20 +54,29 @@ from flatpack.backends.functions import (TrainResult, batch_values, default_micr
 from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
                                      hardening_problems, runtime_sources, write_files)
 from flatpack.backends.lock import committed_lock, lock_problems
+from flatpack.backends.protocol import Capability
 from flatpack.codegen.artifact import parse_stage
 from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
+from flatpack.ir import structure
 from flatpack.runtime import timeline
-from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES_DIR, DistributedRun, Layout,
-                                          RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
-                                          timeline_file)
+from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE, STAGES_DIR, TRAIN, DistributedRun,
+                                          Layout, RankRole, data_file, error_file, iter_reports, output_key,
+                                          outputs_file, parameters_file, stage_path, timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, shared_holders, stage_specs
-from flatpack.runtime.training import TARGET, pack_values
+from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
+from flatpack.runtime.forkjoin import join_batch
+from flatpack.runtime.training import TARGET, pack_values, unpack_values
 
 NAME = "gpu-container"
+CAPABILITIES = frozenset(Capability) - {Capability.RESUME, Capability.RECOMPUTE}
+LIMITS = {
+    Capability.RESUME: "its ranks keep no checkpoints between calls (a failed train() is run again from the start)",
+    Capability.RECOMPUTE: "its ranks keep every stage's activations for the backward; plan with "
+                          "Workload(recompute=\"never\") (flatpack run --recompute never)",
+}
 # what the image installs: lock.LOCKS['gpu'] (PyPI's torch, the CUDA build, and the rank program's numpy and
 # safetensors), committed as flatpack/backends/locks/gpu.txt
 APP_DIR = "/app"
@@ -110,13 +119,14 @@ def example_batch(compiled: Compiled) -> int | None:
 def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
               backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
-              run: str | None = None, precision: str = "fp32") -> DistributedRun:
+              run: str | None = None, precision: str = "fp32", mode: str = TRAIN) -> DistributedRun:
     """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
-    peer. The loss and ``precision`` are checked by ``RunSpec``. A plan whose stages
+    peer. The loss and ``precision`` are checked by ``RunSpec``. A training plan whose stages
     recompute their activations is refused: the ranks keep them (only the functions runtime
-    recomputes)."""
+    recomputes). ``mode`` "infer": forward passes only, the model's outputs written back."""
+    training = mode == TRAIN
     recomputing = [index for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
-    if recomputing:
+    if recomputing and training:
         raise InputError(f"the plan has stages {recomputing} recompute their activations, which GPU-container ranks "
                          "do not do; compile with Workload(recompute=\"never\") (flatpack run --recompute never) "
                          "for this target, or train these stages on functions")
@@ -131,12 +141,16 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
     stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],
                          [stage.memory_mb for stage in compiled.plan.stages], None)
+    output_names = tuple(compiled.info["output_names"])
+    # an inference computes no loss: any stage may produce the first output
+    read_by_loss = loss_output(compiled) if training else output_names[0]
     spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
-                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(compiled),
+                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=read_by_loss,
                    schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision)
     return DistributedRun(spec=spec, iterations=iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
-                          example_batch=example_batch(compiled), seed=seed)
+                          example_batch=example_batch(compiled), seed=seed, mode=mode,
+                          outputs=() if training else output_names)
 
 
 # -- the build context -----------------------------------------------------------------------
@@ -580,6 +594,7 @@ class RunLaunch:
     warmup: int
     threads: int
     processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+    parameters: Path | None = None   # a finished run's out/: the weights the ranks start from
 
     @property
     def out(self) -> Path:
@@ -642,6 +657,8 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
     command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
+    if launch.parameters is not None:
+        command += ["--parameters", str(launch.parameters)]
     log = open(launch.log(role.rank), "wb")
     try:
         process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -677,6 +694,8 @@ class GpuContainerDeployment:
         self.python = python
         self.current: RunLaunch | None = None
         self.reports: list[RankReport] = []
+        self.trained: Path | None = None     # the last finished training run's out/: what infer computes with
+        self.last_latency_s: float | None = None
 
     # data -----------------------------------------------------------------------------------
     def _write_batches(self, directory: Path, first: tuple[dict[str, Any], Any, int],
@@ -700,10 +719,11 @@ class GpuContainerDeployment:
                 optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                 micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
                 timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None,
-                precision: str = "fp32") -> RunLaunch:
+                precision: str = "fp32", mode: str = TRAIN, parameters: Path | None = None) -> RunLaunch:
         """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
         checked (batch 0's size included) before any data is written, and a run that fails
-        to be written leaves nothing behind."""
+        to be written leaves nothing behind. ``mode`` "infer": a forward-only run
+        (:meth:`infer`); ``parameters``: a finished run's output directory to start from."""
         first = None
         batch_for: Callable[[int], Any] | None = None
         if batches is None:
@@ -716,7 +736,7 @@ class GpuContainerDeployment:
             batch = first[2]
         run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
                         optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s, precision=precision)
+                        seed=seed, timeout_s=timeout_s, precision=precision, mode=mode)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
@@ -728,7 +748,8 @@ class GpuContainerDeployment:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         threads = threads or max(1, (os.cpu_count() or 1) // run.layout.world_size)
-        self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads)
+        self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads,
+                                 parameters=parameters)
         return self.current
 
     def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
@@ -751,6 +772,27 @@ class GpuContainerDeployment:
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
                               timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,
                               precision=precision)
+        wall = self._execute(launch, timeout_s)
+        result = self._result(launch, wall)
+        self.trained = launch.out
+        return result
+
+    def infer(self, inputs: Any, *, micro_batches: int | None = None, timeout_s: float = 600.0,
+              wait_timeout_s: float = 300.0, threads: int | None = None, precision: str = "fp32") -> Any:
+        """Runs one request through the ranks, forwards only, and returns the model's outputs,
+        structured as the model returns them. The ranks compute with the weights of the last
+        ``train`` on this deployment, else the compiled ones. ``micro_batches`` cuts the
+        request as a training batch is cut (default: the plan's), so every replica of a
+        stage takes its share; the request needs at least that many samples. Every call
+        starts the ranks afresh (a container job, not a warm server)."""
+        launch = self.prepare([(inputs, None)], iterations=1, micro_batches=micro_batches, timeout_s=wait_timeout_s,
+                              warmup=0, threads=threads, precision=precision, mode=INFER, parameters=self.trained)
+        self.last_latency_s = self._execute(launch, timeout_s)
+        return self._outputs(launch)
+
+    def _execute(self, launch: RunLaunch, timeout_s: float) -> float:
+        """Starts every rank of ``launch``, waits for them all and returns the seconds it took;
+        the batches written for it are removed whatever happens."""
         started = time.time()
         try:
             for role in launch.run.layout.roles():
@@ -761,8 +803,27 @@ class GpuContainerDeployment:
             if launch.data is not None:
                 # every iteration's global batch: as large as the data trained on
                 shutil.rmtree(launch.data, ignore_errors=True)
-        wall = time.time() - started
-        return self._result(launch, wall)
+        return time.time() - started
+
+    def _outputs(self, launch: RunLaunch) -> Any:
+        """The model's outputs of an inference run's one request: each micro-batch's pieces as
+        the ranks wrote them, joined along the batch in micro-batch order."""
+        spec = launch.run.spec
+        written: dict[str, Any] = {}
+        for rank in range(launch.run.layout.world_size):
+            path = outputs_file(launch.out, rank)
+            if path.is_file():
+                written.update(unpack_values(path.read_bytes()))
+        names = launch.run.outputs
+        missing = [output_key(0, m, name) for m in range(spec.micro_batches) for name in names
+                   if output_key(0, m, name) not in written]
+        if missing:
+            raise RunFailure(f"the ranks finished but wrote no {', '.join(missing)} to {launch.out}; the logs are "
+                             f"{launch.directory}/rank_*.log")
+        parts = [{name: written[output_key(0, m, name)] for name in names} for m in range(spec.micro_batches)]
+        sizes = [micro_batch_size(spec.batch, spec.micro_batches, m) for m in range(spec.micro_batches)]
+        outputs = join_batch(parts, sizes)
+        return structure.rebuild(self.compiled.info["output_structure"], lambda index: outputs[names[index]])
 
     def _wait(self, launch: RunLaunch, timeout_s: float) -> None:
         deadline = time.time() + timeout_s

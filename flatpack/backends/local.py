@@ -25,7 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flatpack.backends.functions import FunctionDeployment, Restart, TrainResult, oom_error, read_status
+from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
+                                         read_status)
+from flatpack.backends.protocol import Capability
 from flatpack.codegen.integrity import INDEX_FILE, check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -34,10 +36,12 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.worker import ROLE_ENV, STORE_ENV
 
-__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart", "TrainResult",
-           "read_status", "oom_error"]
+__all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart",
+           "TrainResult", "read_status", "oom_error"]
 
 NAME = "local"
+CAPABILITIES = FUNCTION_CAPABILITIES
+LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 
 
 def package(compiled: Compiled) -> dict[str, bytes]:

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flatpack.batching import batch_rows, has_batch_dimension
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
@@ -506,10 +507,10 @@ def optimizer_state_bytes(params: Sequence[nn.Parameter]) -> dict[str, int]:
 
 
 def _example_batch(tensors: Sequence[torch.Tensor]) -> int:
-    batched = [tensor for tensor in tensors if tensor.dim() > 0]
-    if not batched:
+    rows = batch_rows(tensors)
+    if rows is None:
         raise InputError("profiling needs at least one tensor input with a batch dimension (dim 0)")
-    return batched[0].shape[0]
+    return rows
 
 
 def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.device) -> list[Any]:
@@ -519,7 +520,7 @@ def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.dev
     resized = []
     for value in inputs:
         if isinstance(value, torch.Tensor):
-            if value.dim() > 0 and value.shape[0] == example_batch:
+            if has_batch_dimension(value, example_batch):
                 value = value.index_select(0, rows)
             value = value.to(device)
         resized.append(value)

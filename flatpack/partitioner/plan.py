@@ -11,10 +11,13 @@ import dataclasses
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
 from flatpack.version import PLAN_SCHEMA_VERSION, __version__
+
+if TYPE_CHECKING:
+    from flatpack.partitioner.workload import Workload
 
 
 class PlanReuseWarning(UserWarning):
@@ -161,6 +164,11 @@ class Plan:
     @property
     def replicas(self) -> tuple[int, ...]:
         return tuple(stage.replicas for stage in self.stages)
+
+    def micro_batches_for(self, workload: Workload | None) -> int:
+        """M when this plan runs: the plan's own (a solver that chose it), else the workload's,
+        else 1 (a plan made without a workload)."""
+        return self.micro_batches or (workload.micro_batches if workload else None) or 1
 
     @property
     def memory_mb(self) -> tuple[int | None, ...]:

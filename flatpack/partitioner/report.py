@@ -90,7 +90,7 @@ def front_table(problem: Problem, selection: Selection) -> str:
     rows = []
     for index, plan in enumerate(selection.plans):
         row = [str(index), str(len(plan.stages)), _layer_ranges(plan), _tiers(plan), _replicas(plan),
-               "-" if inference else str(plan.micro_batches or problem.workload.micro_batches),
+               "-" if inference else str(plan.micro_batches_for(problem.workload)),
                f"{time_of(plan):.4g}", f"{dollars_of(plan):.3e}", _mb_s(plan)]
         if on_front:
             row.append(_efficiency(plan, cheapest))
@@ -196,7 +196,7 @@ def _memory_lines(stages: Sequence[Any], label: str) -> list[str]:
 
 
 def _funcpipe_breakdown(problem: Problem, plan: Plan, cost: PipelineCost, evaluation: Evaluation) -> str:
-    micro_batches = plan.micro_batches or problem.workload.micro_batches
+    micro_batches = plan.micro_batches_for(problem.workload)
     lines = [
         _summary(problem, evaluation),
         f"  d = {cost.replicas} replica(s) of every stage, M = {micro_batches} micro-batches of "

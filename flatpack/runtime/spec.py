@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flatpack.batching import has_batch_dimension
 from flatpack.errors import InputError
 # "bf16": stages compute under autocast (float32 master weights and optimizer state) and the
 # tensors crossing stage boundaries travel as bfloat16 (runtime.precision)
@@ -261,6 +262,6 @@ def split_value(value: Any, batch: int, micro_batches: int) -> list[Any]:
     :func:`micro_batch_size` counts: a tensor whose first dimension is the batch is cut with
     ``tensor_split``; anything else (a mask without a batch dimension, a size) is the same
     for every micro-batch."""
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+    if has_batch_dimension(value, batch):
         return [piece.contiguous() for piece in torch.tensor_split(value, micro_batches)]
     return [value] * micro_batches

@@ -25,8 +25,9 @@ from flatpack.backends.lock import committed_lock
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.codegen.artifact import load_stage
-from flatpack.runtime.distributed import (Layout, StageRank, data_file, iter_reports, stage_path, synthetic_generator,
-                                          synthetic_tensor, with_overrides)
+from flatpack.partitioner.workload import MODES
+from flatpack.runtime.distributed import (RUN_MODES, DistributedRun, Layout, StageRank, data_file, iter_reports,
+                                          stage_path, synthetic_generator, synthetic_tensor, with_overrides)
 from flatpack.runtime.reference import train_single_process
 from flatpack.runtime.training import TARGET, pack_values
 
@@ -316,6 +317,44 @@ def test_gloo_pipeline_equals_single_process(hybrid):
         assert not list(deployment.workdir.glob("runs/*/data")), "train removes the batches it wrote"
         workdir = deployment.workdir
     assert not workdir.exists(), "teardown removes the work directory deploy created"
+
+
+@pytest.mark.slow
+def test_gloo_inference_equals_the_model_before_and_after_training(hybrid):
+    """infer sends the forwards through the same ranks: the outputs equal the original
+    model's on the compiled weights, and after a train the trained model's."""
+    inputs = batches(1)[0][0]
+    data = batches(2)
+    optimizer = {"name": "sgd", "lr": 0.1}
+    with gpu_container.deploy(hybrid, backend="gloo") as deployment:
+        model = make_model().eval()
+        torch.testing.assert_close(deployment.infer(inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+        deployment.train(data, iterations=2, optimizer=optimizer)
+        reference, _ = train_single_process(make_model(), data, 2, optimizer=optimizer)
+        trained = deployment.infer(inputs)
+        assert not list(deployment.workdir.glob("runs/*/data")), "infer removes the request it wrote"
+    torch.testing.assert_close(trained, reference.eval()(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_inference_runs_forwards_only_and_writes_the_model_outputs(hybrid):
+    run = gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo", mode="infer")
+    assert run.mode == "infer" and run.outputs == tuple(hybrid.info["output_names"])
+    assert DistributedRun.loads(run.dumps()) == run, "run.json carries the mode and the outputs"
+    assert gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo").outputs == ()
+
+
+def test_the_run_modes_are_the_workload_modes():
+    assert RUN_MODES == MODES
+
+
+def test_an_inference_request_smaller_than_the_micro_batches_is_refused_before_any_rank_starts(hybrid, tmp_path):
+    small = (torch.randn(2, 8), torch.ones(2, 8))
+    with gpu_container.deploy(hybrid, backend="gloo", workdir=tmp_path / "work") as deployment:
+        with pytest.raises(InputError, match="cannot be cut into 4 micro-batches"):
+            deployment.infer(small)
+        assert deployment.current is None, "nothing was launched"
+    with pytest.raises(InputError, match="run mode 'serve' is not one of train, infer"):
+        gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo", mode="serve")
 
 
 @pytest.mark.slow

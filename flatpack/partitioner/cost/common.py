@@ -12,11 +12,11 @@ from flatpack.errors import PlanError
 from flatpack.ir.profile import Linear, SavedLineSum
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
+from flatpack.units import MIB
 
 if TYPE_CHECKING:
     from flatpack.backends.catalog import Tier
 
-MIB = 1024 * 1024
 
 
 def mb(nbytes: float) -> str:
