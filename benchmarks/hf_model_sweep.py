@@ -39,7 +39,8 @@ print("model | frontend | layers (default passes) | stages | result | compile s"
 print("--- | --- | --- | --- | --- | ---")
 for name in names:
     try:
-        model, inputs = cases[name](); model.eval()
+        model, inputs = cases[name]()
+        model.eval()
         t = time.perf_counter()
         probe = flatpack.compile(model, inputs, stages=1)
         layers = len(probe.graph.layers)

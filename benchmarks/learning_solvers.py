@@ -39,7 +39,7 @@ from typing import Any
 if __package__ in (None, ""):  # ``python benchmarks/learning_solvers.py`` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.solvers import BATCH, MICRO_BATCHES, TIMED_OUT, base_chain, in_child, problem_at  # noqa: E402
+from benchmarks.solvers import BATCH, MICRO_BATCHES, TIMED_OUT, base_chain, in_child, problem_at
 
 INFER_MODELS = ("vgg11", "vgg16", "wrn50-4")
 TRAIN_MODELS = ("bert-large", "amoebanet-d36")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     train_profile = ProfileOptions(batch_sizes=tuple(int(b) for b in split(args.train_profile_batches)), repeats=1,
                                    progress=False)
     found = cases(args, infer_profile, train_profile)
-    import flatpack.partitioner.solvers.bayes  # noqa: F401 - imported once, before the children fork
+    import flatpack.partitioner.solvers.bayes  # imported once, before the children fork
     import flatpack.partitioner.solvers.rl  # noqa: F401
 
     header = "model | mode | L | goal | solver | median gap % | worst gap % | met SLO/fit | median s | plans priced " \

@@ -317,8 +317,8 @@ def profiled_solve(solver, problem, goal, budget_s: float) -> dict:
     for group, functions in PROFILE_GROUPS.items():
         seconds = 0.0
         for (filename, _, function), (_, _, _, cumtime, _) in raw.items():
-            if function in functions and ("funcpipe_dp" in filename or function == "evaluate"
-                                          and "objective" in filename):
+            if function in functions and ("funcpipe_dp" in filename or (function == "evaluate"
+                                          and "objective" in filename)):
                 seconds += cumtime
         groups[group] = seconds
     top = sorted(((tottime, f"{Path(filename).name}:{function}", calls)
@@ -593,9 +593,9 @@ def main(argv: list[str] | None = None) -> None:
           f"repeats {args.repeats}\n")
 
     # import every solver module here, once, so that no child's timed solve pays for an import
-    import flatpack.partitioner.solvers.brute  # noqa: F401
-    import flatpack.partitioner.solvers.dp  # noqa: F401
-    import flatpack.partitioner.solvers.funcpipe_dp  # noqa: F401
+    import flatpack.partitioner.solvers.brute
+    import flatpack.partitioner.solvers.dp
+    import flatpack.partitioner.solvers.funcpipe_dp
     if "miqp" in args.solvers:
         try:
             import flatpack.partitioner.solvers.miqp  # noqa: F401

@@ -111,7 +111,7 @@ class Compiled:
         args, keywords = _as_call(inputs, kwargs)
         return flatten_inputs(Signature.from_json(self.info["signature"]), args, keywords)[0]
 
-    def as_module(self) -> "StagedModule":
+    def as_module(self) -> StagedModule:
         """The stages chained in-process: call it like the original model, forward and backward."""
         return StagedModule(self.stage_modules(), self.info)
 
@@ -283,7 +283,7 @@ class StagedModule(nn.Module):
         self.training = bool(info.get("training", stages[0].training if stages else True))
         self._mode_fixed: list[str] = list(info.get("mode_fixed", []))
 
-    def train(self, mode: bool = True) -> "StagedModule":
+    def train(self, mode: bool = True) -> StagedModule:
         if self._mode_fixed and bool(mode) != bool(self._compiled_training):
             warnings.warn(f"switching the staged model to {'train' if mode else 'eval'} mode, but it was compiled in "
                           f"{'train' if self._compiled_training else 'eval'} mode and these parts cannot switch: "

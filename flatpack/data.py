@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -101,7 +101,7 @@ def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
 class _Shape:
     """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
 
-    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    _DTYPES: ClassVar[dict[str, str]] = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
     def __init__(self, view: Any) -> None:
@@ -220,7 +220,9 @@ class ShardDirectory(ShardSource):
                 from safetensors import safe_open
 
                 with safe_open(str(path), framework="pt") as handle:
-                    return shard_schema({key: _Shape(handle.get_slice(key)) for key in handle.keys()}, name)
+                    # a safetensors handle has keys() but is not iterable itself
+                    shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}  # noqa: SIM118
+                    return shard_schema(shapes, name)
             if name.endswith(".pt"):
                 return shard_schema(_as_named(torch.load(path, weights_only=True, mmap=True, map_location="cpu"),
                                               name), name)
@@ -508,7 +510,7 @@ def check_against_example(example: Any, inputs: Any, where: str) -> None:
                                                 "to what the model takes.")
 
 
-def loader_batches(loader: Any, iterations: int | None = None) -> "Batches":
+def loader_batches(loader: Any, iterations: int | None = None) -> Batches:
     """A DataLoader as what ``Deployment.train`` takes: its batches in order, again after
     the last (``iterations`` past one epoch), dict samples bound to the model's inputs by name."""
     return make_batches(LoaderSource(loader), None, None, batch=loader.batch_size or 1, iterations=iterations)
@@ -733,8 +735,7 @@ def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, An
 
     def epoch_batches() -> Iterator[Any]:
         if loader is not None:
-            for item in loader:
-                yield item
+            yield from loader
             return
         chunk: list[Any] = []
         for sample in source.dataset:

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import io
+import itertools
 import math
 import time
 import uuid
@@ -121,7 +122,7 @@ class JobOptions:
              f"--micro-batches {self.micro_batches} is more than the {self.batch} samples of a batch, so some "
              f"micro-batches would be empty; use at most --micro-batches {self.batch} or a larger --batch")
         if self.batch % self.micro_batches:
-            fits = [m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0][0]
+            fits = next(m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0)
             raise InputError(f"--batch {self.batch} does not divide into {self.micro_batches} equal micro-batches "
                              f"(the plan and the cost model assume equal ones); use --micro-batches {fits} or a "
                              f"--batch that is a multiple of {self.micro_batches}, e.g. "
@@ -305,7 +306,7 @@ class FixedCuts:
                              "modules in the order the model runs them, none of them the first layer, each in a "
                              "different layer (see flatpack inspect MODEL for the layers)")
         bounds = [0, *starts, len(problem.chain)]
-        return Plan.from_ranges([(begin, end - 1) for begin, end in zip(bounds, bounds[1:])], len(problem.chain),
+        return Plan.from_ranges([(begin, end - 1) for begin, end in itertools.pairwise(bounds)], len(problem.chain),
                                 "split-points")
 
 

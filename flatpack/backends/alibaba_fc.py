@@ -250,7 +250,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
            endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None, digest: str | None = None) -> "FcDeployment":
+           lock: str | None = None, digest: str | None = None) -> FcDeployment:
     """Creates the deployment and returns it. ``account``: the Alibaba Cloud account id (FC's
     endpoint is ``<account>.<region>.fc.aliyuncs.com``); ``role_arn``: the RAM role the
     functions run as (``ram/policy.json`` in the package is its least-privilege policy).
@@ -363,12 +363,12 @@ def _deleters(clients: _Clients) -> dict[str, Callable[[dict[str, str]], None]]:
     return {"function": delete_function, "bucket": lambda e: cloud.delete_bucket(clients.s3, e["name"])}
 
 
-def invoke(deployment: "FcDeployment", role: Role) -> cloud.ThreadInvocation:
+def invoke(deployment: FcDeployment, role: Role) -> cloud.ThreadInvocation:
     """Invokes the role's function synchronously on a thread (FC's InvokeFunction)."""
     return deployment.launch(role)
 
 
-def teardown(deployment: "FcDeployment | str | os.PathLike") -> list[str]:
+def teardown(deployment: FcDeployment | str | os.PathLike) -> list[str]:
     """Removes everything the deployment created; a deployment record's directory works too.
     Images stay in Container Registry (flatpack did not create the repository)."""
     if isinstance(deployment, FcDeployment):

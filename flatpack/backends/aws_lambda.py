@@ -249,7 +249,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
            session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None, tls_only: bool = True, digest: str | None = None) -> "LambdaDeployment":
+           lock: str | None = None, tls_only: bool = True, digest: str | None = None) -> LambdaDeployment:
     """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
     points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
     the tests' local stand-ins). ``out``: where the build contexts and the deployment record
@@ -371,12 +371,12 @@ def _deleters(clients: _Clients) -> dict[str, Callable[[dict[str, str]], None]]:
     }
 
 
-def invoke(deployment: "LambdaDeployment", role: Role) -> cloud.ThreadInvocation:
+def invoke(deployment: LambdaDeployment, role: Role) -> cloud.ThreadInvocation:
     """Invokes the role's function synchronously on a thread (Lambda's Invoke API)."""
     return deployment.launch(role)
 
 
-def teardown(deployment: "LambdaDeployment | str | os.PathLike", *, session: Any = None) -> list[str]:
+def teardown(deployment: LambdaDeployment | str | os.PathLike, *, session: Any = None) -> list[str]:
     """Removes everything the deployment created; a deployment record's directory works too
     (``flatpack teardown DIR``). Returns what was removed."""
     if isinstance(deployment, LambdaDeployment):

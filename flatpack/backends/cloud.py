@@ -212,7 +212,7 @@ class Ledger:
                 "created": self.created, "details": self.details}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str) -> "Ledger":
+    def from_json(cls, data: dict[str, Any], where: str) -> Ledger:
         if data.get("format") != RECORD_FORMAT:
             raise InputError(f"{where} is not a flatpack deployment record (format {data.get('format')!r})")
         return cls(data["target"], data["name"], data["region"], list(data["created"]), dict(data.get("details", {})))
@@ -226,7 +226,7 @@ class Ledger:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Ledger":
+    def load(cls, directory: str | Path) -> Ledger:
         path = Path(directory)
         path = path / RECORD_FILE if path.is_dir() else path
         if not path.exists():

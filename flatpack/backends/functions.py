@@ -129,7 +129,7 @@ class CallRecord:
         return json.dumps(dataclasses.asdict(self)).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "CallRecord":
+    def loads(cls, raw: bytes) -> CallRecord:
         return cls(**json.loads(raw))
 
 
@@ -295,7 +295,7 @@ class FunctionDeployment:
         return run.execute()
 
     # calls and checkpoints ------------------------------------------------------------------
-    def calls(self) -> list["CallRecord"]:
+    def calls(self) -> list[CallRecord]:
         """The run's train() calls so far, oldest first (read from the store: a deployment
         opened by another process sees them too)."""
         return [CallRecord.loads(self.store.get(key)) for key in sorted(self.store.list(self.keys.calls()))]
@@ -498,7 +498,7 @@ class FunctionDeployment:
         except Exception:  # noqa: BLE001 - the server may already be gone; nothing else to clean
             pass
 
-    def __enter__(self) -> "FunctionDeployment":
+    def __enter__(self) -> FunctionDeployment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -576,7 +576,7 @@ def memory_suggestion_mb(peak_bytes: int, tiers_mb: Sequence[int] = ()) -> int:
     fitting = [tier for tier in tiers_mb if tier * MIB >= needed]
     if fitting:
         return min(fitting)
-    return int(math.ceil(needed / (64 * MIB))) * 64
+    return math.ceil(needed / (64 * MIB)) * 64
 
 
 def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> FunctionOutOfMemory:
@@ -587,8 +587,8 @@ def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> Functio
     suggestion = memory_suggestion_mb(peak, tiers_mb)
     what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
     return FunctionOutOfMemory(
-        f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
-        f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
+        f"{what} ran out of memory: its peak was {peak / MIB:.0f} MB during "
+        f"{status['task']}, and its tier is {limit / MIB:.0f} MB ({over / MIB:.0f} MB over). Give stage "
         f"{role.stage} a tier of at least {suggestion} MB (from the command line: run again with --memory "
         f"{suggestion}, the tiers the solver may choose from), or cut it into smaller stages (a new plan starts "
         "a new run: the checkpoints of this one fit its stages only).",

@@ -606,7 +606,7 @@ class RunLaunch:
 
 def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
            workdir: str | os.PathLike | None = None, python: str | None = None,
-           digest: str | None = None) -> "GpuContainerDeployment":
+           digest: str | None = None) -> GpuContainerDeployment:
     """Writes what the ranks load — the flatpack source and the stage artifacts, not the
     cluster's build context (:func:`package`) — to ``workdir`` (a fresh temporary directory
     when None, removed by ``teardown``) for runs on this machine. ``backend``: "gloo",
@@ -643,7 +643,7 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     return GpuContainerDeployment(compiled, directory, created, backend, device, python or sys.executable)
 
 
-def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
+def invoke(deployment: GpuContainerDeployment, role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
     """Starts one rank of ``launch`` (default: the deployment's last prepared run) as a fresh
     interpreter that imports the packaged flatpack, the way a container would."""
     launch = launch or deployment.current
@@ -659,17 +659,14 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
     if launch.parameters is not None:
         command += ["--parameters", str(launch.parameters)]
-    log = open(launch.log(role.rank), "wb")
-    try:
+    with open(launch.log(role.rank), "wb") as log:   # the child holds its own copy of the descriptor
         process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
-    finally:
-        log.close()
     launch.processes[role.rank] = process
     return process
 
 
-def teardown(deployment: "GpuContainerDeployment") -> None:
+def teardown(deployment: GpuContainerDeployment) -> None:
     deployment.teardown()
 
 
@@ -923,7 +920,7 @@ class GpuContainerDeployment:
         if self.created:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "GpuContainerDeployment":
+    def __enter__(self) -> GpuContainerDeployment:
         return self
 
     def __exit__(self, *exc: object) -> None:

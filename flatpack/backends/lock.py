@@ -400,7 +400,7 @@ def hashes_of(text: str) -> dict[str, list[str]]:
     current = None
     for raw in text.replace("\\\n", " ").splitlines():
         line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
-        if not line or line.startswith("--") and not line.startswith("--hash"):
+        if not line or (line.startswith("--") and not line.startswith("--hash")):
             continue
         if not line.startswith("--hash"):
             current = line.split()[0]

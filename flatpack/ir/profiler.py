@@ -294,7 +294,7 @@ def _direct(compute: Callable[[], Any]) -> Any:
 
 
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,
-                warmup: int, budget_s: float | None = None, progress: "_Progress | None" = None, batch: int = 0,
+                warmup: int, budget_s: float | None = None, progress: _Progress | None = None, batch: int = 0,
                 execute: Callable[[Callable[[], Any]], Any] = _direct,
                 inference: bool = True,
                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[tuple[float, float]], list[float]]:

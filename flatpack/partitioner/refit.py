@@ -40,7 +40,7 @@ def _ratio(measured: float | None, predicted: float) -> float | None:
 
 
 def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
-          source: str = "a run") -> "Calibration":
+          source: str = "a run") -> Calibration:
     """A per-layer :class:`~flatpack.backends.calibration.Calibration` of the tiers ``plan``
     ran on, fitted to ``events`` (the iterations after ``skip_first``)."""
     from flatpack.backends.calibration import Calibration, TierCalibration
@@ -119,7 +119,7 @@ class Replan:
     old_predicted_s: float
     new_predicted_s: float
     measured_s: float
-    calibration: "Calibration"
+    calibration: Calibration
 
     @property
     def saving_s(self) -> float:
@@ -192,7 +192,7 @@ def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
     return problem, compiled.plan, timeline.loads(events_path.read_bytes())
 
 
-def refit_run(run_dir: str | Path) -> "Calibration":
+def refit_run(run_dir: str | Path) -> Calibration:
     """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))

@@ -49,19 +49,19 @@ class Selection:
             raise PlanError(f"selection index {self.chosen} is outside its {len(self.plans)} plan(s)")
 
     @classmethod
-    def of_front(cls, front: Front) -> "Selection":
+    def of_front(cls, front: Front) -> Selection:
         return cls(tuple(front.plans), front.recommended, "front", "recommended")
 
     @classmethod
-    def within_slo(cls, plan: Plan, slo_s: float) -> "Selection":
+    def within_slo(cls, plan: Plan, slo_s: float) -> Selection:
         return cls((plan,), 0, "slo", f"cheapest within {slo_s:g} s", slo_s)
 
     @classmethod
-    def of_weights(cls, plan: Plan, label: str) -> "Selection":
+    def of_weights(cls, plan: Plan, label: str) -> Selection:
         return cls((plan,), 0, "weights", f"optimum of weights {label}")
 
     @classmethod
-    def of_cuts(cls, plan: Plan, label: str) -> "Selection":
+    def of_cuts(cls, plan: Plan, label: str) -> Selection:
         """The one plan whose cuts the user fixed (``--stages``, ``--split-points``)."""
         return cls((plan,), 0, "fixed", label)
 

@@ -228,7 +228,7 @@ class DistributedRun:
         return (json.dumps(document, indent=2) + "\n").encode()
 
     @classmethod
-    def loads(cls, raw: bytes | str) -> "DistributedRun":
+    def loads(cls, raw: bytes | str) -> DistributedRun:
         document = json.loads(raw)
         if document.get("kind") != RUN_KIND or document.get("version") != RUN_VERSION:
             raise InputError(f"this is not a {RUN_KIND} document of version {RUN_VERSION}; repackage the model "
@@ -317,7 +317,7 @@ class Channels:
     shared: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, run: DistributedRun, role: RankRole) -> "Channels":
+    def create(cls, run: DistributedRun, role: RankRole) -> Channels:
         """Every rank creates every group in the same order (``new_group`` is collective)."""
         layout = run.layout
         gradients = dist.new_group(list(range(layout.world_size)))

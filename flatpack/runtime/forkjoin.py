@@ -72,7 +72,7 @@ class ForkJoinSpec:
         return json.dumps({"kind": "forkjoin", **asdict(self)}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "ForkJoinSpec":
+    def loads(cls, raw: bytes) -> ForkJoinSpec:
         data = json.loads(raw)
         data.pop("kind")
         groups = tuple(GroupSpec(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"]),

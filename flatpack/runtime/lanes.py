@@ -42,7 +42,7 @@ class Lanes:
         for pool in self._pools.values():
             pool.shutdown(wait=not cancel, cancel_futures=cancel)
 
-    def __enter__(self) -> "Lanes":
+    def __enter__(self) -> Lanes:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -77,7 +77,7 @@ _JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",
 _GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "client", "msg_broker", "msg_agent")
 _SECRETS = "secrets"
 
-_live: "weakref.WeakSet[LocalS3Server]" = weakref.WeakSet()
+_live: weakref.WeakSet[LocalS3Server] = weakref.WeakSet()
 
 
 def _stop_all_at_exit() -> None:
@@ -136,7 +136,7 @@ class LocalS3Server:
 
     # ---- lifecycle
 
-    def start(self) -> "LocalS3Server":
+    def start(self) -> LocalS3Server:
         """Start the server and wait until the bucket answers; retried on port races."""
         if self._proc is not None:
             return self
@@ -307,7 +307,7 @@ class LocalS3Server:
                         path.unlink()
         self._ports = {}
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

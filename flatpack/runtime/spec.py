@@ -111,7 +111,7 @@ class RunSpec:
         previous iteration, or at the call's first iteration the call's initial one."""
         return self.initial_checkpoint if start_iteration == self.first_iteration else start_iteration - 1
 
-    def with_replicas(self, degrees: list[int]) -> "RunSpec":
+    def with_replicas(self, degrees: list[int]) -> RunSpec:
         stages = tuple(replace(stage, replicas=degree) for stage, degree in zip(self.stages, degrees))
         return replace(self, stages=stages)
 
@@ -121,7 +121,7 @@ class RunSpec:
         return json.dumps(data).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "RunSpec":
+    def loads(cls, raw: bytes) -> RunSpec:
         data = json.loads(raw)
         stages = tuple(StageSpec(**{**entry, "inputs": tuple(entry["inputs"]), "outputs": tuple(entry["outputs"]),
                                     "sources": {k: int(v) for k, v in entry["sources"].items()},
@@ -153,7 +153,7 @@ class Role:
         return json.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, raw: str) -> "Role":
+    def loads(cls, raw: str) -> Role:
         return cls(**json.loads(raw))
 
     @property

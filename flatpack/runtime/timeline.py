@@ -72,7 +72,7 @@ class Event:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Event":
+    def from_json(cls, data: dict[str, Any]) -> Event:
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
 
@@ -307,9 +307,7 @@ def summarize(events: Iterable[Event], *, skip_first: int = 1) -> Measured:
     for (stage, _replica, _iteration), mine in per_worker.items():
         figures = samples[stage]
         for e in mine:
-            if e.kind in ("forward", "backward") and e.lane == "compute":
-                figures[e.kind].append(e.seconds)
-            elif e.kind in ("upload", "download") and e.micro_batch is not None:
+            if (e.kind in ("forward", "backward") and e.lane == "compute") or (e.kind in ("upload", "download") and e.micro_batch is not None):
                 figures[e.kind].append(e.seconds)
         for name, values in _split_transfers(mine).items():
             figures[name].extend(values)

@@ -83,7 +83,7 @@ def fc(moto_server, monkeypatch, oss_api):
 
 
 def deploy(compiled, fc, tmp_path, **options):
-    service, contexts, endpoints = fc
+    _service, contexts, endpoints = fc
     deployment = alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, endpoint_urls=endpoints,
                                    push=lambda image, context, uri: contexts.__setitem__(uri, str(context)),
                                    role_arn=f"acs:ram::{ACCOUNT}:role/flatpack-fc", out=tmp_path, **options)

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 import torch
-from torch import nn
 
 import flatpack
 from flatpack import cli
@@ -85,7 +84,7 @@ def test_bf16_asynchronous_run_keeps_float32_masters_and_the_simulations_losses(
     compounds it faster, so the run is as far from the bf16 simulation as from the fp32 one."""
     model, data = transformer_case()
     compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=4)
-    simulated, losses = train_async_single_process(model, data, 2, stage_of=parameter_stages(compiled), stages=2,
+    _simulated, losses = train_async_single_process(model, data, 2, stage_of=parameter_stages(compiled), stages=2,
                                                    micro_batches=4, optimizer=SGD, precision="bf16")
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         result = deployment.train(data, iterations=2, optimizer=SGD, schedule="1f1b-async", precision="bf16")

@@ -26,7 +26,7 @@ METHODS = {Capability.TRAIN: "train", Capability.INFER: "infer", Capability.RESU
 def test_every_backend_offers_or_declares_each_operation(name):
     backend = get_backend(name)
     assert isinstance(backend, Backend)
-    assert backend.NAME == name
+    assert name == backend.NAME
     assert not backend.CAPABILITIES & set(backend.LIMITS), "an operation is offered or limited, not both"
     assert backend.CAPABILITIES | set(backend.LIMITS) == set(Capability), "every operation is offered or declared"
     assert all(reason.strip() for reason in backend.LIMITS.values())

@@ -5,6 +5,7 @@ tied weights saved once and loaded back under every name."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_a_shard_directory_gives_every_sample_once_per_epoch_shuffled_by_seed(tm
     assert len(batches) == 8 and batches.per_epoch == 4
     first = [sample_ids(batches, i) for i in range(4)]
     second = [sample_ids(batches, i) for i in range(4, 8)]
-    assert sorted(sum(first, [])) == list(range(16)) == sorted(sum(second, []))
+    assert sorted(itertools.chain(*first)) == list(range(16)) == sorted(itertools.chain(*second))
     assert first != second, "each epoch is reshuffled"
     again = make_batches(parse_source(str(tmp_path / "shards")), Keyword(), KEYWORD_EXAMPLE, batch=4, epochs=2, seed=3)
     assert [sample_ids(again, i) for i in range(4)] == first, "the same seed gives the same order"

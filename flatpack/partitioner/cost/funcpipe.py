@@ -90,7 +90,7 @@ class PipelineCost:
     dollars_per_iteration: float   # c_iter (eq. 6)
     fits: bool
     unfit_stage: int | None        # the first stage whose memory need exceeds its tier
-    overheads: "Overheads | None" = None   # the measured terms added to the paper's (None: the paper's model)
+    overheads: Overheads | None = None   # the measured terms added to the paper's (None: the paper's model)
 
     def to_json(self) -> dict:
         return to_json(self, MODEL)
@@ -125,7 +125,7 @@ class Overheads:
     contention: float = 1.0
 
     @classmethod
-    def of(cls, problem: Problem, plan: Plan) -> "Overheads":
+    def of(cls, problem: Problem, plan: Plan) -> Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
         calibration; each term that nothing measured is 0."""
         replicas = uniform_replicas(plan, "FuncPipe")
@@ -311,7 +311,7 @@ def checkpoint_cost(problem: Problem, plan: Plan) -> CheckpointCost:
     return CheckpointCost(tuple(sizes), tuple(seconds))
 
 
-def layer_memory(problem: Problem, index: int, tier: "Tier", replicas: int = 1) -> MemoryNeed:
+def layer_memory(problem: Problem, index: int, tier: Tier, replicas: int = 1) -> MemoryNeed:
     """Eq. 3b for a stage holding layer ``index`` alone on ``tier``, with d = ``replicas``."""
     mu = micro_batches_per_replica(problem, replicas)
     return stage_memory(problem, index, index, tier, micro_batches_in_flight=mu,
@@ -384,7 +384,7 @@ def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
     )
 
 
-def largest_tier(problem: Problem) -> "Tier":
+def largest_tier(problem: Problem) -> Tier:
     """The tier with the most memory for a stage's tensors: the listed tiers, and the
     platform's maximum size where the platform allows sizes beyond the listed ones."""
     platform = problem.platform

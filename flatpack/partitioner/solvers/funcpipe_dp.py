@@ -88,7 +88,7 @@ class _Chain:
     replicas: int
     mu: int
     stage_count: int | None          # S when bandwidth depends on it, else None
-    tiers: list["Tier"]
+    tiers: list[Tier]
     price: np.ndarray                # (K,) dollars per second of one worker
     bandwidth: np.ndarray            # (K,) bytes per second
     latency: float
@@ -127,7 +127,7 @@ class _Chain:
         gamma, delta = scatter_reduce_coefficients(self.sync_method, self.replicas)
         return gamma * gradients[:, None] / self.bandwidth[None, :] + delta * self.latency
 
-    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
+    def stage_options(self, start: int, end: int) -> _StageOptions | None:
         """Stage start..end: the tiers worth trying and their seconds, computed once per
         chain for every stage from ``start`` (the beam pass, the exact pass, the prefix
         fronts and every goal of a front read them)."""
@@ -136,7 +136,7 @@ class _Chain:
         row = self._stage_options[start]
         return row[end - start] if end - start < len(row) else None
 
-    def _row_options(self, start: int) -> "list[_StageOptions | None]":
+    def _row_options(self, start: int) -> list[_StageOptions | None]:
         fits = np.array(self.fits[start], dtype=bool).reshape(-1, len(self.tiers))      # (E, K)
         ends = start + np.arange(len(fits))
         forward = (self.forward_prefix[:, ends + 1] - self.forward_prefix[:, [start]]).T
@@ -147,7 +147,7 @@ class _Chain:
                 if fits[row].any() else None for row in range(len(fits))]
 
     @cached_property
-    def prefix_bounds(self) -> "_PrefixBounds":
+    def prefix_bounds(self) -> _PrefixBounds:
         return _prefix_bounds(self)
 
     @cached_property
@@ -256,7 +256,7 @@ def _stage_tensor_table(problem: Problem) -> list[list]:
     return table
 
 
-def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_batches: int, replicas: int,
+def _chain(problem: Problem, tensors: list[list], tiers: list[Tier], micro_batches: int, replicas: int,
            stage_count: int | None) -> _Chain:
     problem = with_micro_batches(problem, micro_batches)
     # each (tier, recompute) pair is one option of a stage: a recomputing option has the tier's
@@ -491,7 +491,7 @@ class _Search:
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
                  stats: _Stats, reference: bool = False, deadline: float | None = None,
-                 staircase: "_Staircase | None" = None) -> None:
+                 staircase: _Staircase | None = None) -> None:
         self.chain = chain
         self.deadline = deadline
         self.staircase = staircase            # the exact front's pass prunes with it, not the incumbent
