@@ -17,11 +17,12 @@ Problems (full-size zoo models, traced, profiled once and cached by the profiler
   ``--train-layers``; goals FuncPipe's weight pairs (1, 2¹⁶) and (1, 2²²), and the cheapest
   plan within 1.5× the fastest iteration.
 
-Per (problem, goal): dp's own solve seconds; per (problem, goal, solver), over ``--seeds`` (each solve in a forked child, killed at 3 ×
-budget + 60 s): the median gap of the goal's objective to the exact optimum (SLO goals:
-dollars; weighted goals: α₁·MB·s + α₂·s), how many runs returned a plan that fits and meets
-the SLO, the median solve seconds, the median plans priced, and the plan's allocated memory
-(Σ tier × degree over stages) over the exact plan's — FuncPipe's "BO over-provisions memory".
+Per (problem, goal): dp's own solve seconds; per (problem, goal, solver), over ``--seeds``
+(each solve in a forked child, killed at 3 × budget + 60 s): the median gap of the goal's
+objective to the exact optimum (SLO goals: dollars; weighted goals: α₁·MB·s + α₂·s), how many
+runs returned a plan that fits and meets the SLO, the median solve seconds, the median plans
+priced, and the plan's allocated memory (Σ tier × degree over stages) over the exact plan's —
+FuncPipe's "BO over-provisions memory".
 A solver that returns no plan has no gap; its run counts as a miss.
 """
 
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                     result = {"plan": None, "seconds": None}
                 runs.append(result)
             row = summarize(case, solver_name, runs)
-            print(f"{case.model} | {case.mode} | {case.layers} | {case.label} | {solver_name} | {fmt(row['gap'], '.1f')} "
-                  f"| {fmt(row['worst'], '.1f')} | {row['met']} | {fmt(row['seconds'], '.1f')} | "
+            print(f"{case.model} | {case.mode} | {case.layers} | {case.label} | {solver_name} | "
+                  f"{fmt(row['gap'], '.1f')} | {fmt(row['worst'], '.1f')} | {row['met']} | "
+                  f"{fmt(row['seconds'], '.1f')} | "
                   f"{fmt(row['priced'], ',.0f')} | {fmt(row['memory'], '.2f')}", flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

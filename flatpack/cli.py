@@ -131,7 +131,8 @@ def pipeline_for(args: argparse.Namespace) -> str | None:
 def _compile_args(parser: argparse.ArgumentParser, model_optional: bool = False) -> None:
     """MODEL and how it is cut; ``model_optional``: a verb that can take its model from
     elsewhere (plan --from-run) declares MODEL with ``nargs="?"``."""
-    parser.add_argument("model", nargs="?" if model_optional else None, default=None, help="path/to/file.py:factory, package.module:factory, a built-in "
+    parser.add_argument("model", nargs="?" if model_optional else None, default=None,
+                        help="path/to/file.py:factory, package.module:factory, a built-in "
                                       "example (tiny-resnet, mlp, bert, hf-gpt2, llama, vit, hf-resnet) or a "
                                       "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
@@ -1015,7 +1016,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "recovers with any N, and `flatpack resume` restarts after the last checkpoint")
     run_parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                             help="bf16: autocast in every stage with float32 master weights and optimizer state; "
-                                 "tensors cross stage boundaries in bfloat16 (half the bytes, which the planner counts)")
+                                 "tensors cross stage boundaries in bfloat16 (half the bytes, which the planner "
+                                 "counts)")
     run_parser.add_argument("--recompute", default="never", choices=["never", "auto"],
                             help="auto: the solver may let a stage recompute its activations in the backward instead "
                                  "of keeping them (less memory, one more forward); the plan shows which do")
@@ -1099,7 +1101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "HuggingFace ones included, e.g. --model bert")
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
-                             help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
+                             help="the run directory: chart, artifacts, logs, trained weights (default "
+                                  "./flatpack-demo)")
     demo_parser.add_argument("--calibration", default=None, metavar="FILE",
                              help="predict with what `flatpack calibrate --target local` measured")
     _json_flag(demo_parser, "demo")

@@ -101,8 +101,9 @@ def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
 class _Shape:
     """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
 
-    _DTYPES: ClassVar[dict[str, str]] = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    _DTYPES: ClassVar[dict[str, str]] = {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
     def __init__(self, view: Any) -> None:
         self.shape = tuple(view.get_shape())

@@ -602,8 +602,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
         cost = funcpipe.predicted(compiled.problem, compiled.plan)
-        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
-            "iteration")
+        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
+            f"${cost.dollars_per_iteration:.3g} per iteration")
         recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
         if recomputing:
             say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -856,7 +856,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                     LOG.info(f"training the run's last {record.iterations - trained} iterations")
                     rest = deployment.train(lambda index: batches[trained + index],
                                             iterations=record.iterations - trained, loss=record.loss,
-                                            progress=logs.progress_enabled(), batch_offset=trained, **(record.train_options or {}))
+                                            progress=logs.progress_enabled(), batch_offset=trained,
+                                            **(record.train_options or {}))
                     result = rest if result is None else merge_results([result, rest])
             parameters = deployment.parameters()
         if result is not None:

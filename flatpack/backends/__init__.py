@@ -4,10 +4,10 @@ Every backend module exports the same small set of functions — ``package(compi
 ``deploy(compiled, **options) -> deployment``, ``invoke(deployment, role)`` and
 ``teardown(deployment)`` — and the operations it offers (``CAPABILITIES``, and ``LIMITS`` for
 the rest), the :class:`~flatpack.backends.protocol.Backend` protocol; it is looked up by
-target name in :data:`BACKENDS` (a registry that refuses duplicate names). ``local`` runs every stage replica as its own process
-sharing only a local S3 server; ``aws-lambda`` and ``alibaba-fc`` deploy the same functions
-as container images (``images``, ``cloud``) and share the local backend's invoker
-(``functions``); ``gpu-container`` runs stages as containers that talk to each other with
+target name in :data:`BACKENDS` (a registry that refuses duplicate names). ``local`` runs
+every stage replica as its own process sharing only a local S3 server; ``aws-lambda`` and
+``alibaba-fc`` deploy the same functions as container images (``images``, ``cloud``) and share
+the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
 ``torch.distributed``. The platform data behind each target (tiers,
 bandwidth, prices, limits, with sources) is in :mod:`flatpack.backends.catalog`.
 """

@@ -53,7 +53,8 @@ CREDENTIAL_CHAIN = ("environment variables ALIBABA_CLOUD_ACCESS_KEY_ID / ALIBABA
                     "(and ALIBABA_CLOUD_SECURITY_TOKEN)", "OIDC role (ALIBABA_CLOUD_ROLE_ARN, "
                     "ALIBABA_CLOUD_OIDC_PROVIDER_ARN, ALIBABA_CLOUD_OIDC_TOKEN_FILE)",
                     "the CLI profile file ~/.aliyun/config.json (ALIBABA_CLOUD_PROFILE)",
-                    "the ECS instance RAM role (metadata service)", "the credentials URI (ALIBABA_CLOUD_CREDENTIALS_URI)")
+                    "the ECS instance RAM role (metadata service)",
+                    "the credentials URI (ALIBABA_CLOUD_CREDENTIALS_URI)")
 
 Push = Callable[[ImageContext, Path, str], None]
 
@@ -107,8 +108,10 @@ def oss_tls_only_policy(bucket: str) -> dict[str, Any]:
 
 # OSS's native bodies (its S3-compatible endpoint has no encryption, policy or public access
 # block operation: PutBucket, PutBucketACL, PutBucketLifecycle and PutBucketLogging only)
-OSS_ENCRYPTION_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<ServerSideEncryptionRule><ApplyServerSideEncryptionByDefault>'
-                      '<SSEAlgorithm>AES256</SSEAlgorithm></ApplyServerSideEncryptionByDefault></ServerSideEncryptionRule>\n')
+OSS_ENCRYPTION_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                      '<ServerSideEncryptionRule><ApplyServerSideEncryptionByDefault>'
+                      '<SSEAlgorithm>AES256</SSEAlgorithm></ApplyServerSideEncryptionByDefault>'
+                      '</ServerSideEncryptionRule>\n')
 OSS_PUBLIC_ACCESS_BLOCK_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<PublicAccessBlockConfiguration>'
                                '<BlockPublicAccess>true</BlockPublicAccess></PublicAccessBlockConfiguration>\n')
 
@@ -273,7 +276,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
                          "`flatpack deploy --dry-run`'s ram/policy.json attached. Nothing was deployed")
     if push is None and shutil.which("docker") is None:
         raise InputError("deploying to alibaba-fc builds container images, and no `docker` is on PATH. Install Docker, "
-                         "or run `flatpack deploy --dry-run --out DIR` and push with DIR/commands.sh. Nothing was deployed")
+                         "or run `flatpack deploy --dry-run --out DIR` and push with DIR/commands.sh. Nothing was "
+                         "deployed")
     res = resources(compiled, name, region, account, bucket=bucket, namespace=namespace, role_arn=role_arn,
                     store_endpoint=endpoint_urls.get("oss"), profile_tiers=profile_tiers)
     cloud.check_bucket_name(res["bucket"])
@@ -281,7 +285,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
     clients = _Clients(credential_client, credential, res, endpoint_urls)
     cloud.create_recorded(ledger, _deleters(clients),
-                          lambda: _create(res, images, ledger, clients, out_dir, push or (lambda image, context, uri: docker_build_and_push(context, uri))),
+                          lambda: _create(res, images, ledger, clients, out_dir,
+                                          push or (lambda image, context, uri: docker_build_and_push(context, uri))),
                           out_dir, f"deploying {name} to alibaba-fc ({region})")
     return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                         (credential.get_access_key_id(), credential.get_access_key_secret(),
@@ -375,7 +380,8 @@ def teardown(deployment: FcDeployment | str | os.PathLike) -> list[str]:
         return deployment.teardown()
     ledger = cloud.Ledger.load(deployment)
     credential_client, credential = credentials()
-    clients = _Clients(credential_client, credential, ledger.details["resources"], ledger.details.get("endpoint_urls", {}))
+    clients = _Clients(credential_client, credential, ledger.details["resources"],
+                       ledger.details.get("endpoint_urls", {}))
     return cloud.remove(ledger, _deleters(clients), Path(deployment))
 
 

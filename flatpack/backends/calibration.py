@@ -165,7 +165,8 @@ class TierCalibration:
         where = f"tiers[{key}]"
         lines: dict[str, tuple[Linear, ...]] = {}
         if layer_count:
-            lines = {kind: _lines(tier.get(kind), layer_count, f"{where}.{kind}") for kind in ("forward_s", "backward_s")}
+            lines = {kind: _lines(tier.get(kind), layer_count, f"{where}.{kind}")
+                     for kind in ("forward_s", "backward_s")}
         figures = {name: _number(tier[name], f"{where}.{name}", positive=True)
                    for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s")
                    if tier.get(name) is not None}
@@ -216,8 +217,8 @@ class StoreLatency:
     @classmethod
     def from_json(cls, data: Any) -> StoreLatency:
         if not isinstance(data, dict) or data.get("distribution") != "exponnorm":
-            raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", \"K\": ..., "
-                             "\"loc\": ..., \"scale\": ..., \"samples\": ...}")
+            raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", "
+                             "\"K\": ..., \"loc\": ..., \"scale\": ..., \"samples\": ...}")
         loc = data.get("loc")
         if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not math.isfinite(loc):
             raise InputError(f"calibration file: store_latency.loc must be a finite number, got {loc!r}")

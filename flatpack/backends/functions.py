@@ -62,7 +62,8 @@ class Invocation(Protocol):
 class Restart:
     worker: str
     iteration: int
-    reason: str            # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
+    # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
+    reason: str
     attempt: int
     behind_s: float = 0.0  # straggler: how far behind its peers when relaunched
     cost_s: float = 0.0    # seconds the iteration took beyond the peers' pace because of it
@@ -762,8 +763,9 @@ class _Run:
             self.dollars += price * (now - last_tick)
             last_tick = now
             if now > deadline:
-                raise RunFailure(f"the run did not finish within {self.timeout_s:.0f} s (iterations {begin}..{end - 1}); "
-                                 f"worker logs are in {self.deployment.workdir}. Raise timeout_s for bigger models")
+                raise RunFailure(f"the run did not finish within {self.timeout_s:.0f} s (iterations "
+                                 f"{begin}..{end - 1}); worker logs are in {self.deployment.workdir}. Raise "
+                                 "timeout_s for bigger models")
             for key, worker in list(workers.items()):
                 code = worker.process.poll()
                 if code is not None:
@@ -796,8 +798,8 @@ class _Run:
         if status.get("status") == "input":
             raise input_error(worker.role, status)
         if status.get("status") == "error":
-            raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
-                             f"failed:\n{status['traceback']}")
+            raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
+                             f"{worker.role.replica}) failed:\n{status['traceback']}")
         # no status: the process was lost (SIGKILL, a crash of the host): restart from the checkpoint
         self._relaunch(key, worker, self._resume_point(worker.role), "lost")
 

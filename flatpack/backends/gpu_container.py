@@ -434,14 +434,15 @@ def parse_yaml_documents(text: str) -> list[dict[str, Any]]:
 
 def check_package(files: Mapping[str, bytes]) -> None:
     """Validates a build context from :func:`package`: everything the Dockerfile COPYs is
-    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the manifests parse, the world size is the
-    sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
+    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the
+    manifests parse, the world size is the sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
     problems = copy_problems(files)
     dockerfile = [line.strip() for line in files.get("Dockerfile", b"").decode().splitlines()
                   if line.strip() and not line.lstrip().startswith("#")]
     problems += hardening_problems(dockerfile)
-    problems += [f"requirements.txt: {problem}" for problem in lock_problems(files.get("requirements.txt", b"").decode())]
+    problems += [f"requirements.txt: {problem}"
+                 for problem in lock_problems(files.get("requirements.txt", b"").decode())]
     try:
         run = DistributedRun.loads(files[RUN_FILE])
     except (KeyError, ValueError, InputError) as err:
@@ -510,7 +511,8 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
     index_bytes = files.get(f"{STAGES_DIR}/{INDEX_FILE}")
     if index_bytes is not None and env.get(DIGEST_ENV) != sha256_hex(index_bytes):
         problems.append(f"the Job's {DIGEST_ENV} ({env.get(DIGEST_ENV)!r}) is not the digest of "
-                        f"{STAGES_DIR}/{INDEX_FILE}: the ranks would refuse their stages, or check them against nothing")
+                        f"{STAGES_DIR}/{INDEX_FILE}: the ranks would refuse their stages, or check them against "
+                        "nothing")
     if env.get("MASTER_ADDR") != f"{name}-0.{service['metadata']['name']}":
         problems.append(f"MASTER_ADDR {env.get('MASTER_ADDR')!r} is not the index-0 pod's DNS name")
     command = container.get("command", [])

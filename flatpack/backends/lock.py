@@ -448,7 +448,8 @@ def committed_lock(kind: str) -> str:
     """The text of a committed lock (``function`` or ``gpu``)."""
     path = LOCKS_DIR / f"{kind}.txt"
     if kind not in LOCKS or not path.exists():
-        raise LockError(f"no committed lock {kind!r} ({path}); generate it with python -m flatpack.backends.lock {kind}")
+        raise LockError(f"no committed lock {kind!r} ({path}); generate it with python -m flatpack.backends.lock "
+                        f"{kind}")
     return path.read_text()
 
 

@@ -81,8 +81,9 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
             backward_lines.append(_scaled(profile.backward_s, micro, backward_s * backward_factor))
         per_byte = optimizer.get(memory_mb)
         tiers[memory_mb] = TierCalibration(tuple(forward_lines), tuple(backward_lines), tier.bandwidth_bytes_s,
-                                           optimizer_s_per_byte={problem.workload.optimizer: statistics.median(per_byte)}
-                                           if per_byte else {})
+                                           optimizer_s_per_byte=(
+                                               {problem.workload.optimizer: statistics.median(per_byte)}
+                                               if per_byte else {}))
     # uploads, and the first stage's prefetches of data the invoker wrote long before: neither
     # waits for a producer, so their seconds beyond bytes/W are the request's own
     overheads = [event.seconds - event.nbytes / cost.stages[event.stage].bandwidth_bytes_s

@@ -442,7 +442,8 @@ def _remove_dead_weed_sockets() -> None:
     for name in glob.glob("/tmp/seaweedfs-*.sock"):       # also the local sockets older versions left
         with contextlib.suppress(OSError):
             info = os.lstat(name)
-            if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid() or now - info.st_mtime < _DEAD_SOCKET_AGE_S:
+            if (not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid()
+                    or now - info.st_mtime < _DEAD_SOCKET_AGE_S):
                 continue
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

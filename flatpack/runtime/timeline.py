@@ -307,7 +307,8 @@ def summarize(events: Iterable[Event], *, skip_first: int = 1) -> Measured:
     for (stage, _replica, _iteration), mine in per_worker.items():
         figures = samples[stage]
         for e in mine:
-            if (e.kind in ("forward", "backward") and e.lane == "compute") or (e.kind in ("upload", "download") and e.micro_batch is not None):
+            if ((e.kind in ("forward", "backward") and e.lane == "compute")
+                    or (e.kind in ("upload", "download") and e.micro_batch is not None)):
                 figures[e.kind].append(e.seconds)
         for name, values in _split_transfers(mine).items():
             figures[name].extend(values)

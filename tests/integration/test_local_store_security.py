@@ -95,7 +95,8 @@ def test_s3_without_a_signature_is_refused_and_with_the_keys_works(s3_server, ke
 def test_admin_http_port_serves_nothing(s3_server):
     port = s3_server.ports["admin.port"]
     for method, path in (("GET", "/"), ("POST", "/api/s3/buckets"), ("POST", "/api/users")):
-        assert _http(method, f"http://127.0.0.1:{port}{path}", b"{}" if method == "POST" else None)[0] in (401, 403, 404)
+        body = b"{}" if method == "POST" else None
+        assert _http(method, f"http://127.0.0.1:{port}{path}", body)[0] in (401, 403, 404)
 
 
 @pytest.mark.parametrize("flag", ["master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc",

@@ -74,7 +74,8 @@ def test_host_seconds_map_to_a_tier_by_the_measured_ratio_at_the_same_thread_cou
     tier = base.platform.tier(512)
     host_forward = base.layer_profile(0).forward_s.at(2)
     assert calibrated.layer_seconds(0, tier, 2)[0] == pytest.approx(host_forward * 4.0)   # median ratio
-    assert calibrated.layer_seconds(0, base.platform.tier(1024), 2) == base.layer_seconds(0, base.platform.tier(1024), 2)
+    other = base.platform.tier(1024)
+    assert calibrated.layer_seconds(0, other, 2) == base.layer_seconds(0, other, 2)
     four_threads = dataclasses.replace(calibrated, host=dataclasses.replace(HOST, threads=4))
     assert four_threads.layer_seconds(0, tier, 2) == dataclasses.replace(base, host=four_threads.host) \
         .layer_seconds(0, tier, 2)   # measured at 1 thread: says nothing of 4

@@ -246,7 +246,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
                               sync_buffer_copies=sync_copies, recompute=stage.recompute)
         stages.append(StageCost(
             index=s, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth[s],
-            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag, backward_done_s=done,
+            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag,
+            backward_done_s=done,
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
