@@ -300,7 +300,7 @@ class S3Shards(ShardSource):
                              "shards are the keys under it)")
         prefix = prefix if prefix.endswith("/") else prefix + "/"   # train/, not train2/ too
         self.url, self.bucket, self.prefix, self.endpoint = url, bucket, prefix, endpoint
-        self._credentials = credentials
+        self._credentials: dict[str, Any] = dict(credentials)   # S3Store keywords
         self._store: Any = None
         self._lock = threading.Lock()
 

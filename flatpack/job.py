@@ -164,7 +164,7 @@ class JobOptions:
              "use e.g. --eval-fraction 0.1")
         need(not self.eval_every or self.data is None or self.eval_data is not None or self.eval_fraction > 0,
              "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
-        need(self.eval_every or (self.eval_data is None and not self.eval_fraction),
+        need(bool(self.eval_every) or (self.eval_data is None and not self.eval_fraction),
              "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
         need(not self.eval_fraction or self.data is not None,
              "--eval-fraction holds out a share of --data; give --data SOURCE, or --eval-data SOURCE instead")
@@ -577,7 +577,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                             optimizer_state_factor=spec.state_factor(),
                             precision=options.precision, recompute=options.recompute)
         started = time.perf_counter()
-        extra = {"replicas": options.replicas}
+        extra: dict[str, Any] = {"replicas": options.replicas}
         if options.memory_mb:
             extra["memory_mb"] = options.memory_mb
         # profile at the micro-batch size the workers run (and two smaller ones for the fit):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import sys
 import threading
@@ -230,7 +231,7 @@ class Ledger:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> Ledger:
+    def load(cls, directory: str | os.PathLike) -> Ledger:
         path = Path(directory)
         path = path / RECORD_FILE if path.is_dir() else path
         if not path.exists():

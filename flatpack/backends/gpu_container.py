@@ -740,7 +740,7 @@ class GpuContainerDeployment:
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
         try:
-            if data is not None:
+            if data is not None and first is not None and batch_for is not None:   # given batches, not synthetic
                 self._write_batches(data, first, batch_for, iterations)
             (directory / RUN_FILE).write_bytes(run.dumps())
         except BaseException:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ class ImageContext:
         return write_files(self.files, directory)
 
 
-def write_files(files: Mapping[str, bytes], directory: str | Path) -> Path:
+def write_files(files: Mapping[str, bytes], directory: str | os.PathLike) -> Path:
     """Writes a build context (files by relative path) under ``directory``; returns it."""
     root = Path(directory)
     for path, data in files.items():

@@ -16,6 +16,7 @@ tiers), and reports the old plan, the new plan and the predicted saving.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,7 @@ def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
     return problem, compiled.plan, timeline.loads(events_path.read_bytes())
 
 
-def refit_run(run_dir: str | Path) -> Calibration:
+def refit_run(run_dir: str | os.PathLike) -> Calibration:
     """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))

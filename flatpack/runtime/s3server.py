@@ -49,7 +49,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 from flatpack.errors import StoreError
 from flatpack.interrupts import die_with_parent, stopping, track
@@ -329,7 +329,7 @@ class LocalS3Server:
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_DEFAULT_REGION": "us-east-1"}
 
-    def store(self, prefix: str = "", **options: object) -> S3Store:
+    def store(self, prefix: str = "", **options: Any) -> S3Store:
         """An S3Store on this server's bucket, with this server's credentials passed in-process."""
         if self.endpoint_url is None:
             raise StoreError("the local S3 server is not started; call start() or use it as a context manager")

@@ -149,16 +149,16 @@ def _median(values: list[float]) -> float | None:
 
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     total = 0.0
-    current_start = current_end = None
+    current: tuple[float, float] | None = None   # the union's interval being extended
     for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (start, end)
         else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        total += current[1] - current[0]
     return total
 
 

@@ -559,8 +559,8 @@ class Miqp(CostSolver):
                     score = _score(problem, goal, outcome.plan)
                     if score is not None and better(score, best_score):
                         best_plan, best_score = outcome.plan, score
-        outcomes = [outcomes[index] for index in order if index in outcomes]
-        return self._result(problem, goal, best_plan, best_score, hint_plan, hint_note, outcomes,
+        ordered = [outcomes[index] for index in order if index in outcomes]
+        return self._result(problem, goal, best_plan, best_score, hint_plan, hint_note, ordered,
                             time.perf_counter() - started + hint_s, build_s, hint_s)
 
     # -- pieces ---------------------------------------------------------------------------
@@ -671,7 +671,7 @@ def _score(problem: Problem, goal: Goal, plan: Plan):
 
 
 def _micro_batches(problem: Problem, plan: Plan) -> int:
-    return plan.micro_batches if plan.micro_batches is not None else problem.workload.micro_batches
+    return plan.micro_batches_for(problem.workload)
 
 
 def _refuse_other_models(problem: Problem) -> None:
