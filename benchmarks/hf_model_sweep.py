@@ -7,6 +7,7 @@ on outputs and every input and parameter gradient. Run: python benchmarks/hf_mod
 import os
 import sys
 import time
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
@@ -21,10 +22,10 @@ ids = torch.randint(0, 100, (2, 12))
 mask = torch.ones_like(ids)
 img = torch.randn(2, 3, 32, 32)
 TEXT = {"input_ids": ids, "attention_mask": mask}
-SMALL = {"vocab_size": 100, "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 64,
-         "max_position_embeddings": 64}
-DECODER = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
+SMALL: dict[str, Any] = {"vocab_size": 100, "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 64,
+                         "max_position_embeddings": 64}
+DECODER: dict[str, Any] = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
 cases = {
  "distilbert": lambda: (tf.DistilBertForMaskedLM(tf.DistilBertConfig(
      vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)), TEXT),

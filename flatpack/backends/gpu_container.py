@@ -847,14 +847,16 @@ class GpuContainerDeployment:
         grace = time.time() + FAILURE_GRACE_S
         while time.time() < grace and any(process.poll() is None for process in launch.processes.values()):
             time.sleep(POLL_S)
-        failed = sorted(rank for rank, process in launch.processes.items() if process.poll() not in (None, 0))
+        # every rank that has exited, and not cleanly, with its exit code
+        codes = {rank: code for rank, process in launch.processes.items()
+                 if (code := process.poll()) is not None and code != 0}
+        failed = sorted(codes)
         times = {}
         for rank in failed:
             try:
                 times[rank] = json.loads(error_file(launch.out, rank).read_text())["time"]
             except (OSError, ValueError, KeyError):
                 times[rank] = float("inf")   # killed without a record (a signal, out of memory)
-        codes = {rank: launch.processes[rank].poll() for rank in failed}
         # a rank killed by a signal (SIGKILL when out of memory) left no record but is the likelier cause
         first = min(failed, key=lambda rank: (codes[rank] >= 0, times[rank], rank))
         role = launch.run.layout.role(first)

@@ -22,6 +22,7 @@ import flatpack
 from flatpack.backends import gpu_container
 from flatpack.backends.catalog import BASE_IMAGES
 from flatpack.backends.lock import committed_lock
+from flatpack.backends.protocol import Deployment
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.codegen.artifact import load_stage
@@ -330,6 +331,7 @@ def test_gloo_inference_equals_the_model_before_and_after_training(hybrid):
     data = batches(2)
     optimizer = {"name": "sgd", "lr": 0.1}
     with gpu_container.deploy(hybrid, backend="gloo") as deployment:
+        assert isinstance(deployment, Deployment)
         model = make_model().eval()
         torch.testing.assert_close(deployment.infer(inputs), model(*inputs), rtol=1e-5, atol=1e-6)
         deployment.train(data, iterations=2, optimizer=optimizer)
