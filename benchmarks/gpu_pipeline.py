@@ -12,8 +12,8 @@ What runs. The zoo model (``flatpack.zoo.build``; default ResNet-34, 21.8M param
 ``--replicas`` (one number for every stage, or one per stage). ``deploy`` writes what the
 ranks load (the flatpack source and the stages) and ``train(None, batch=...)`` starts one
 process per rank on 127.0.0.1, each training on synthetic batches generated from the stage
-manifests' shapes (so the data path costs nothing). A rank's seconds per iteration are the gaps between its iteration ends,
-and the pipeline's samples/s is the global batch over the slowest rank's median after
+manifests' shapes (so the data path costs nothing). A rank's seconds per iteration are the
+gaps between its iteration ends, and the pipeline's samples/s is the global batch over the slowest rank's median after
 ``--warmup`` iterations. The single-process row trains the original model on the same
 device with the same optimizer (SGD with momentum) and batch, timed the same way.
 

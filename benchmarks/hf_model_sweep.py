@@ -7,6 +7,7 @@ on outputs and every input and parameter gradient. Run: python benchmarks/hf_mod
 import os
 import sys
 import time
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
@@ -20,26 +21,46 @@ torch.manual_seed(0)
 ids = torch.randint(0, 100, (2, 12))
 mask = torch.ones_like(ids)
 img = torch.randn(2, 3, 32, 32)
+TEXT = {"input_ids": ids, "attention_mask": mask}
+SMALL: dict[str, Any] = {"vocab_size": 100, "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 64,
+                         "max_position_embeddings": 64}
+DECODER: dict[str, Any] = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
 cases = {
- "distilbert": lambda: (tf.DistilBertForMaskedLM(tf.DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)), {"input_ids": ids, "attention_mask": mask}),
- "roberta": lambda: (tf.RobertaForMaskedLM(tf.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)), {"input_ids": ids, "attention_mask": mask}),
- "albert(shared layers)": lambda: (tf.AlbertForMaskedLM(tf.AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)), {"input_ids": ids}),
- "electra": lambda: (tf.ElectraForSequenceClassification(tf.ElectraConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)), {"input_ids": ids}),
- "mistral": lambda: (tf.MistralForCausalLM(tf.MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, use_cache=False)), {"input_ids": ids}),
- "qwen2": lambda: (tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, use_cache=False)), {"input_ids": ids}),
- "bart": lambda: (tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, use_cache=False)), {"input_ids": ids, "decoder_input_ids": ids}),
- "t5": lambda: (tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)), {"input_ids": ids, "decoder_input_ids": ids}),
- "convnext": lambda: (tf.ConvNextForImageClassification(tf.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=5)), {"pixel_values": img}),
- "swin": lambda: (tf.SwinForImageClassification(tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5)), {"pixel_values": img}),
- "mobilenet_v2": lambda: (tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=5)), {"pixel_values": img}),
- "regnet": lambda: (tf.RegNetForImageClassification(tf.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], groups_width=8, num_labels=5)), {"pixel_values": img}),
+ "distilbert": lambda: (tf.DistilBertForMaskedLM(tf.DistilBertConfig(
+     vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)), TEXT),
+ "roberta": lambda: (tf.RobertaForMaskedLM(tf.RobertaConfig(hidden_size=32, **SMALL)), TEXT),
+ "albert(shared layers)": lambda: (tf.AlbertForMaskedLM(tf.AlbertConfig(embedding_size=16, hidden_size=32, **SMALL)),
+                                   {"input_ids": ids}),
+ "electra": lambda: (tf.ElectraForSequenceClassification(tf.ElectraConfig(embedding_size=16, hidden_size=32,
+                                                                          **SMALL)), {"input_ids": ids}),
+ "mistral": lambda: (tf.MistralForCausalLM(tf.MistralConfig(**DECODER)), {"input_ids": ids}),
+ "qwen2": lambda: (tf.Qwen2ForCausalLM(tf.Qwen2Config(**DECODER)), {"input_ids": ids}),
+ "bart": lambda: (tf.BartForConditionalGeneration(tf.BartConfig(
+     vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, use_cache=False)),
+     {"input_ids": ids, "decoder_input_ids": ids}),
+ "t5": lambda: (tf.T5ForConditionalGeneration(tf.T5Config(
+     vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)),
+     {"input_ids": ids, "decoder_input_ids": ids}),
+ "convnext": lambda: (tf.ConvNextForImageClassification(tf.ConvNextConfig(
+     num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=5)), {"pixel_values": img}),
+ "swin": lambda: (tf.SwinForImageClassification(tf.SwinConfig(
+     image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5)),
+     {"pixel_values": img}),
+ "mobilenet_v2": lambda: (tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
+     image_size=32, depth_multiplier=0.25, num_labels=5)), {"pixel_values": img}),
+ "regnet": lambda: (tf.RegNetForImageClassification(tf.RegNetConfig(
+     embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], groups_width=8, num_labels=5)),
+     {"pixel_values": img}),
 }
 names = sys.argv[1:] or list(cases)
 print("model | frontend | layers (default passes) | stages | result | compile s")
 print("--- | --- | --- | --- | --- | ---")
 for name in names:
     try:
-        model, inputs = cases[name](); model.eval()
+        model, inputs = cases[name]()
+        model.eval()
         t = time.perf_counter()
         probe = flatpack.compile(model, inputs, stages=1)
         layers = len(probe.graph.layers)

@@ -17,11 +17,12 @@ Problems (full-size zoo models, traced, profiled once and cached by the profiler
   ``--train-layers``; goals FuncPipe's weight pairs (1, 2¹⁶) and (1, 2²²), and the cheapest
   plan within 1.5× the fastest iteration.
 
-Per (problem, goal): dp's own solve seconds; per (problem, goal, solver), over ``--seeds`` (each solve in a forked child, killed at 3 ×
-budget + 60 s): the median gap of the goal's objective to the exact optimum (SLO goals:
-dollars; weighted goals: α₁·MB·s + α₂·s), how many runs returned a plan that fits and meets
-the SLO, the median solve seconds, the median plans priced, and the plan's allocated memory
-(Σ tier × degree over stages) over the exact plan's — FuncPipe's "BO over-provisions memory".
+Per (problem, goal): dp's own solve seconds; per (problem, goal, solver), over ``--seeds``
+(each solve in a forked child, killed at 3 × budget + 60 s): the median gap of the goal's
+objective to the exact optimum (SLO goals: dollars; weighted goals: α₁·MB·s + α₂·s), how many
+runs returned a plan that fits and meets the SLO, the median solve seconds, the median plans
+priced, and the plan's allocated memory (Σ tier × degree over stages) over the exact plan's —
+FuncPipe's "BO over-provisions memory".
 A solver that returns no plan has no gap; its run counts as a miss.
 """
 
@@ -39,7 +40,7 @@ from typing import Any
 if __package__ in (None, ""):  # ``python benchmarks/learning_solvers.py`` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.solvers import BATCH, MICRO_BATCHES, TIMED_OUT, base_chain, in_child, problem_at  # noqa: E402
+from benchmarks.solvers import BATCH, MICRO_BATCHES, TIMED_OUT, base_chain, in_child, problem_at
 
 INFER_MODELS = ("vgg11", "vgg16", "wrn50-4")
 TRAIN_MODELS = ("bert-large", "amoebanet-d36")
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     train_profile = ProfileOptions(batch_sizes=tuple(int(b) for b in split(args.train_profile_batches)), repeats=1,
                                    progress=False)
     found = cases(args, infer_profile, train_profile)
-    import flatpack.partitioner.solvers.bayes  # noqa: F401 - imported once, before the children fork
+    import flatpack.partitioner.solvers.bayes  # imported once, before the children fork
     import flatpack.partitioner.solvers.rl  # noqa: F401
 
     header = "model | mode | L | goal | solver | median gap % | worst gap % | met SLO/fit | median s | plans priced " \
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                     result = {"plan": None, "seconds": None}
                 runs.append(result)
             row = summarize(case, solver_name, runs)
-            print(f"{case.model} | {case.mode} | {case.layers} | {case.label} | {solver_name} | {fmt(row['gap'], '.1f')} "
-                  f"| {fmt(row['worst'], '.1f')} | {row['met']} | {fmt(row['seconds'], '.1f')} | "
+            print(f"{case.model} | {case.mode} | {case.layers} | {case.label} | {solver_name} | "
+                  f"{fmt(row['gap'], '.1f')} | {fmt(row['worst'], '.1f')} | {row['met']} | "
+                  f"{fmt(row['seconds'], '.1f')} | "
                   f"{fmt(row['priced'], ',.0f')} | {fmt(row['memory'], '.2f')}", flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -29,8 +29,8 @@ from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.solvers import miqp
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
+from flatpack.units import MIB
 
-MIB = 1024 * 1024
 # Lambda-like: price proportional to memory; more memory, more CPU share and bandwidth
 TIERS = [(128, 1, 20.0), (256, 1, 30.0), (512, 1, 40.0), (1024, 1, 50.0), (1536, 2, 60.0), (2048, 2, 70.0),
          (3072, 2, 80.0), (4096, 2, 90.0)]

@@ -38,8 +38,8 @@ from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import PRECISIONS, Workload
 from flatpack.runtime.s3server import LocalS3Server
+from flatpack.units import MIB
 
-MIB = 2 ** 20
 SMALLEST_TIER = 512
 
 

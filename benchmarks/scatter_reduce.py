@@ -51,8 +51,8 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.s3server import LocalS3Server
 from flatpack.runtime.store import open_store
 from flatpack.runtime.throttle import Throttled
+from flatpack.units import MIB
 
-MIB = 1 << 20
 METHODS = ("pipelined", "lambdaml")
 TIMEOUT_S = 300.0
 

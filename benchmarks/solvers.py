@@ -317,8 +317,8 @@ def profiled_solve(solver, problem, goal, budget_s: float) -> dict:
     for group, functions in PROFILE_GROUPS.items():
         seconds = 0.0
         for (filename, _, function), (_, _, _, cumtime, _) in raw.items():
-            if function in functions and ("funcpipe_dp" in filename or function == "evaluate"
-                                          and "objective" in filename):
+            if function in functions and ("funcpipe_dp" in filename or (function == "evaluate"
+                                          and "objective" in filename)):
                 seconds += cumtime
         groups[group] = seconds
     top = sorted(((tottime, f"{Path(filename).name}:{function}", calls)
@@ -497,7 +497,8 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
     reference_ratios = {name: objectives["dp-reference", name] / objectives["dp", name]
                         for name in (w.label() for w in weights_list)
                         if ("dp-reference", name) in objectives and ("dp", name) in objectives}
-    summary[model, label] = {"front": front, "front_call": front_call, "dp_done": len(done), "dp_max": max(done) if done else None,
+    summary[model, label] = {"front": front, "front_call": front_call, "dp_done": len(done),
+                             "dp_max": max(done) if done else None,
                              "ratios": ratios, "brute_ratios": brute_ratios, "brute_plans": brute_plans,
                              "reference_ratios": reference_ratios}
     if "dp" in args.solvers and args.profile:
@@ -518,8 +519,8 @@ def summary_line(key: tuple[str, str], info: dict, build_s: float | None) -> str
              or f"— ({info['brute_plans']:.3g} plans)")
     call = fmt(info["front_call"], ".2f") if info["front_call"] is not None else "timed out"
     reference = ", ".join(f"{name}: {ratio:.12f}" for name, ratio in info["reference_ratios"].items()) or "—"
-    return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(info['dp_max'], '.2f')} | {ratios} | "
-            f"{brute} | {reference} |")
+    return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(info['dp_max'], '.2f')} | "
+            f"{ratios} | {brute} | {reference} |")
 
 
 def print_profile(model: str, label: str, weights: str, result: Any, file=None) -> None:
@@ -593,9 +594,9 @@ def main(argv: list[str] | None = None) -> None:
           f"repeats {args.repeats}\n")
 
     # import every solver module here, once, so that no child's timed solve pays for an import
-    import flatpack.partitioner.solvers.brute  # noqa: F401
-    import flatpack.partitioner.solvers.dp  # noqa: F401
-    import flatpack.partitioner.solvers.funcpipe_dp  # noqa: F401
+    import flatpack.partitioner.solvers.brute
+    import flatpack.partitioner.solvers.dp
+    import flatpack.partitioner.solvers.funcpipe_dp
     if "miqp" in args.solvers:
         try:
             import flatpack.partitioner.solvers.miqp  # noqa: F401

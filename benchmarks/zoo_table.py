@@ -23,8 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flatpack.ir.profiler import saved_tensors
 from flatpack.zoo import ZOO, build
+from flatpack.units import MIB
 
-MIB = 2 ** 20
 
 
 def _tensor_bytes(value: object) -> int:

@@ -109,10 +109,11 @@ def profile_table(profile: Any) -> str:
                     f"batch sizes: {', '.join(map(str, profile.batch_sizes))}   repeats: {profile.repeats}")
     layers = profile.layers
     lines.append(f"whole model as one stage, per sample: fwd+bwd "
-                 f"{sum(l.forward_s.per_sample + l.backward_s.per_sample for l in layers) * 1e3:.3f} ms "
-                 f"(+{sum(l.forward_s.fixed + l.backward_s.fixed for l in layers) * 1e3:.3f} ms per micro-batch), "
+                 f"{sum(layer.forward_s.per_sample + layer.backward_s.per_sample for layer in layers) * 1e3:.3f} ms "
+                 f"(+{sum(layer.forward_s.fixed + layer.backward_s.fixed for layer in layers) * 1e3:.3f} ms per "
+                 "micro-batch), "
                  f"saved activations {human_bytes(stage_saved_bytes(layers, 1))} at batch 1, "
-                 f"parameters {human_bytes(sum(l.param_bytes for l in layers))}")
+                 f"parameters {human_bytes(sum(layer.param_bytes for layer in layers))}")
     lines.extend(f"note: {note}" for note in profile.notes)
     return "\n".join(lines)
 
@@ -130,7 +131,8 @@ def pipeline_for(args: argparse.Namespace) -> str | None:
 def _compile_args(parser: argparse.ArgumentParser, model_optional: bool = False) -> None:
     """MODEL and how it is cut; ``model_optional``: a verb that can take its model from
     elsewhere (plan --from-run) declares MODEL with ``nargs="?"``."""
-    parser.add_argument("model", nargs="?" if model_optional else None, default=None, help="path/to/file.py:factory, package.module:factory, a built-in "
+    parser.add_argument("model", nargs="?" if model_optional else None, default=None,
+                        help="path/to/file.py:factory, package.module:factory, a built-in "
                                       "example (tiny-resnet, mlp, bert, hf-gpt2, llama, vit, hf-resnet) or a "
                                       "zoo model (vgg16, resnet50, amoebanet-d18, bert-large, rnn-3, ...)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
@@ -1110,7 +1112,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "HuggingFace ones included, e.g. --model bert")
     demo_parser.add_argument("--iterations", type=int, default=4)
     demo_parser.add_argument("--out", default="flatpack-demo",
-                             help="the run directory: chart, artifacts, logs, trained weights (default ./flatpack-demo)")
+                             help="the run directory: chart, artifacts, logs, trained weights (default "
+                                  "./flatpack-demo)")
     demo_parser.add_argument("--calibration", default="auto", metavar="FILE|auto|none",
                              help="predict with what `flatpack calibrate --target local` measured: a file, auto (the "
                                   "default: this host's, measured on the first demo and cached) or none (the "
@@ -1216,7 +1219,7 @@ def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any
             value = ",".join(str(item) for item in value)
         wanted = action.type if action.type in (int, float) else None
         if wanted is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                   or wanted is int and isinstance(value, float)):
+                                   or (wanted is int and isinstance(value, float))):
             raise InputError(f"--config {path}: {key!r} takes {'a whole number' if wanted is int else 'a number'}, "
                              f"got {value!r}")
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and not isinstance(value, bool):

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from flatpack.backends import check_workload
 from flatpack.backends.catalog import platform_names
 from flatpack.codegen.artifact import build_module, parse_stage, serialize
 from flatpack.codegen.emit import StageArtifact, emit_stages
@@ -40,6 +41,7 @@ from flatpack.partitioner.plan import Plan, Provenance
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
 from flatpack.partitioner.workload import Workload
+from flatpack.layout import stage_dirname
 from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
@@ -51,10 +53,6 @@ PROBLEM_OPTIONS: frozenset[str] = frozenset({
     "memory_mb", "replicas", "micro_batches", "max_workers", "weights", "cost_model", "hydrozoa_alpha",
     "hydrozoa_beta", "comm_delay",
 })
-
-
-def stage_dirname(index: int) -> str:
-    return f"stage_{index:03d}"
 
 
 class Compiled:
@@ -113,7 +111,7 @@ class Compiled:
         args, keywords = _as_call(inputs, kwargs)
         return flatten_inputs(Signature.from_json(self.info["signature"]), args, keywords)[0]
 
-    def as_module(self) -> "StagedModule":
+    def as_module(self) -> StagedModule:
         """The stages chained in-process: call it like the original model, forward and backward."""
         return StagedModule(self.stage_modules(), self.info)
 
@@ -289,7 +287,7 @@ class StagedModule(nn.Module):
         # "fp32" (the default) passes them as they are
         self.wire_precision = "fp32"
 
-    def train(self, mode: bool = True) -> "StagedModule":
+    def train(self, mode: bool = True) -> StagedModule:
         if self._mode_fixed and bool(mode) != bool(self._compiled_training):
             warnings.warn(f"switching the staged model to {'train' if mode else 'eval'} mode, but it was compiled in "
                           f"{'train' if self._compiled_training else 'eval'} mode and these parts cannot switch: "
@@ -397,7 +395,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     see ``ir.profiler``), so that cost-model solvers can run. ``workload``: what
     the plan is for (train or infer, batch, micro-batches, optimizer); with a profile and a
     training workload, a layer that cannot fit the target's largest tier even alone is
-    reported before solving. ``calibration``: a
+    reported before solving, and a workload the target's backend cannot run (``backends.protocol``:
+    inference or recomputing stages where it has no such capability) is refused before tracing.
+    ``calibration``: a
     :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
     the target, overriding the host-to-tier compute model; the plan records its digest.
     A plan solved here records its :class:`~flatpack.partitioner.plan.Provenance`; a
@@ -411,6 +411,9 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
     _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
+    if workload is not None:
+        # before tracing: a plan the target's backend cannot run is refused now, not at deploy
+        check_workload(target, workload.mode, workload.recompute)
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     if measured is not None:

@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -101,8 +101,9 @@ def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
 class _Shape:
     """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
 
-    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    _DTYPES: ClassVar[dict[str, str]] = {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
     def __init__(self, view: Any) -> None:
         self.shape = tuple(view.get_shape())
@@ -220,7 +221,9 @@ class ShardDirectory(ShardSource):
                 from safetensors import safe_open
 
                 with safe_open(str(path), framework="pt") as handle:
-                    return shard_schema({key: _Shape(handle.get_slice(key)) for key in handle.keys()}, name)
+                    # a safetensors handle has keys() but is not iterable itself
+                    shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}  # noqa: SIM118
+                    return shard_schema(shapes, name)
             if name.endswith(".pt"):
                 return shard_schema(_as_named(torch.load(path, weights_only=True, mmap=True, map_location="cpu"),
                                               name), name)
@@ -297,7 +300,7 @@ class S3Shards(ShardSource):
                              "shards are the keys under it)")
         prefix = prefix if prefix.endswith("/") else prefix + "/"   # train/, not train2/ too
         self.url, self.bucket, self.prefix, self.endpoint = url, bucket, prefix, endpoint
-        self._credentials = credentials
+        self._credentials: dict[str, Any] = dict(credentials)   # S3Store keywords
         self._store: Any = None
         self._lock = threading.Lock()
 
@@ -508,7 +511,7 @@ def check_against_example(example: Any, inputs: Any, where: str) -> None:
                                                 "to what the model takes.")
 
 
-def loader_batches(loader: Any, iterations: int | None = None) -> "Batches":
+def loader_batches(loader: Any, iterations: int | None = None) -> Batches:
     """A DataLoader as what ``Deployment.train`` takes: its batches in order, again after
     the last (``iterations`` past one epoch), dict samples bound to the model's inputs by name."""
     return make_batches(LoaderSource(loader), None, None, batch=loader.batch_size or 1, iterations=iterations)
@@ -733,8 +736,7 @@ def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, An
 
     def epoch_batches() -> Iterator[Any]:
         if loader is not None:
-            for item in loader:
-                yield item
+            yield from loader
             return
         chunk: list[Any] = []
         for sample in source.dataset:

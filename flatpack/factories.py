@@ -25,6 +25,8 @@ def import_factory(spec: str, flag: str) -> Callable[..., Any]:
         if not path.is_file():
             raise InputError(f"{flag} {spec}: no such file {path}")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise InputError(f"{flag} {spec}: {path} cannot be imported as a Python module; name a .py file")
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.parent.resolve()))
         module_spec.loader.exec_module(module)

@@ -42,8 +42,8 @@ __all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "track", "kill_ch
 FORCE_AFTER_S = 20.0        # a teardown that takes longer than this after the first signal is cut short
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 
-_workers: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
-_servers: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+_workers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+_servers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
 _stopping = threading.Event()
 
 

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import io
+import itertools
 import math
 import time
 import uuid
@@ -122,7 +123,7 @@ class JobOptions:
              f"--micro-batches {self.micro_batches} is more than the {self.batch} samples of a batch, so some "
              f"micro-batches would be empty; use at most --micro-batches {self.batch} or a larger --batch")
         if self.batch % self.micro_batches:
-            fits = [m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0][0]
+            fits = next(m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0)
             raise InputError(f"--batch {self.batch} does not divide into {self.micro_batches} equal micro-batches "
                              f"(the plan and the cost model assume equal ones); use --micro-batches {fits} or a "
                              f"--batch that is a multiple of {self.micro_batches}, e.g. "
@@ -164,7 +165,7 @@ class JobOptions:
              "use e.g. --eval-fraction 0.1")
         need(not self.eval_every or self.data is None or self.eval_data is not None or self.eval_fraction > 0,
              "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
-        need(self.eval_every or (self.eval_data is None and not self.eval_fraction),
+        need(bool(self.eval_every) or (self.eval_data is None and not self.eval_fraction),
              "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
         need(not self.eval_fraction or self.data is not None,
              "--eval-fraction holds out a share of --data; give --data SOURCE, or --eval-data SOURCE instead")
@@ -306,7 +307,7 @@ class FixedCuts:
                              "modules in the order the model runs them, none of them the first layer, each in a "
                              "different layer (see flatpack inspect MODEL for the layers)")
         bounds = [0, *starts, len(problem.chain)]
-        return Plan.from_ranges([(begin, end - 1) for begin, end in zip(bounds, bounds[1:])], len(problem.chain),
+        return Plan.from_ranges([(begin, end - 1) for begin, end in itertools.pairwise(bounds)], len(problem.chain),
                                 "split-points")
 
 
@@ -577,7 +578,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                             optimizer_state_factor=spec.state_factor(),
                             precision=options.precision, recompute=options.recompute)
         started = time.perf_counter()
-        extra = {"replicas": options.replicas}
+        extra: dict[str, Any] = {"replicas": options.replicas}
         if options.memory_mb:
             extra["memory_mb"] = options.memory_mb
         # profile at the micro-batch size the workers run (and two smaller ones for the fit):
@@ -602,8 +603,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
         cost = funcpipe.predicted(compiled.problem, compiled.plan)
-        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per "
-            "iteration")
+        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
+            f"${cost.dollars_per_iteration:.3g} per iteration")
         recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
         if recomputing:
             say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -848,7 +849,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                     LOG.info(f"training the run's last {record.iterations - trained} iterations")
                     rest = deployment.train(lambda index: batches[trained + index],
                                             iterations=record.iterations - trained, loss=record.loss,
-                                            progress=logs.progress_enabled(), batch_offset=trained, **(record.train_options or {}))
+                                            progress=logs.progress_enabled(), batch_offset=trained,
+                                            **(record.train_options or {}))
                     result = rest if result is None else merge_results([result, rest])
             parameters = deployment.parameters()
         if result is not None:

@@ -52,10 +52,15 @@ def register_builtins(registry: Registry[NamedModel]) -> Registry[NamedModel]:
     either list) raises InputError naming it."""
     for name, factory in examples.EXAMPLES.items():
         summary = (factory.__doc__ or f"built-in example {name}").strip().splitlines()[0]
-        registry.register(name, NamedModel(name, EXAMPLE, summary, _example_builder(factory)))
+        _register(registry, NamedModel(name, EXAMPLE, summary, _example_builder(factory)))
     for name, entry in zoo.ZOO.items():
-        registry.register(name, NamedModel(name, ZOO, entry.summary, _zoo_builder(name), entry.passes))
+        _register(registry, NamedModel(name, ZOO, entry.summary, _zoo_builder(name), entry.passes))
     return registry
+
+
+def _register(registry: Registry[NamedModel], model: NamedModel) -> None:
+    # a registry holds factories: this one hands out the model's (immutable) entry
+    registry.register(model.name, lambda: model)
 
 
 MODELS: Registry[NamedModel] = register_builtins(Registry("model", InputError, {}))
@@ -63,12 +68,12 @@ MODELS: Registry[NamedModel] = register_builtins(Registry("model", InputError, {
 
 def model_names(origin: str | None = None) -> list[str]:
     """Every registered name (of one ``origin``, EXAMPLE or ZOO, if given), in registration order."""
-    return [name for name, model in MODELS.factories.items() if origin is None or model.origin == origin]
+    return [name for name, factory in MODELS.factories.items() if origin is None or factory().origin == origin]
 
 
 def find(name: str) -> NamedModel | None:
     """The model registered as ``name``, or None (MODEL is then a factory path)."""
-    return MODELS.factories.get(name)
+    return MODELS.make(name) if name in MODELS.factories else None
 
 
 def close_matches(name: str) -> list[str]:

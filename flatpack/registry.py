@@ -43,7 +43,7 @@ class Registry(Generic[T]):
         the error lists the known ones."""
         factory = self.factory(name)
         options = options or {}
-        if dataclasses.is_dataclass(factory):
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
             fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
             unknown = {key.replace("_", "-") for key in options} - fields
             if unknown:

@@ -54,7 +54,7 @@ class RunRecord:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @classmethod
-    def loads(cls, text: str, where: Path) -> "RunRecord":
+    def loads(cls, text: str, where: Path) -> RunRecord:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

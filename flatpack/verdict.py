@@ -318,7 +318,7 @@ def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[s
     return found
 
 
-def verdict(initial: nn.Module, compiled: Any, batches: list, options: "JobOptions", loss: str,
+def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOptions, loss: str,
             parameters: dict[str, torch.Tensor], pipelined_state: dict[str, dict[str, torch.Tensor]], *,
             dropouts: int, example: Any) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and

@@ -93,7 +93,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            state = {name: handle.get_tensor(name) for name in handle.keys()}
+            # a safetensors handle has keys() but is not iterable itself
+            state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file: say which
         raise InputError(f"{path} is not a readable safetensors file ({err})") from None
     aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))

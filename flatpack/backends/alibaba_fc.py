@@ -24,17 +24,21 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import TrainResult
+from flatpack.backends.functions import FUNCTION_CAPABILITIES, TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
+from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import s3_addressing_style
 from flatpack.runtime.worker import STORE_ENV
 
-__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "FcDeployment", "TrainResult"]
+__all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "FcDeployment",
+           "TrainResult"]
 
 NAME = "alibaba-fc"
+CAPABILITIES = FUNCTION_CAPABILITIES
+LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 PROFILE_FUNCTIONS = True         # deploy(profile_tiers=...) starts a profiler function per memory tier
 API_VERSION = "2023-03-30"
 TIMEOUT_S = 86400                # FC 3.0's longest execution; long enough that no run re-invokes itself
@@ -49,7 +53,8 @@ CREDENTIAL_CHAIN = ("environment variables ALIBABA_CLOUD_ACCESS_KEY_ID / ALIBABA
                     "(and ALIBABA_CLOUD_SECURITY_TOKEN)", "OIDC role (ALIBABA_CLOUD_ROLE_ARN, "
                     "ALIBABA_CLOUD_OIDC_PROVIDER_ARN, ALIBABA_CLOUD_OIDC_TOKEN_FILE)",
                     "the CLI profile file ~/.aliyun/config.json (ALIBABA_CLOUD_PROFILE)",
-                    "the ECS instance RAM role (metadata service)", "the credentials URI (ALIBABA_CLOUD_CREDENTIALS_URI)")
+                    "the ECS instance RAM role (metadata service)",
+                    "the credentials URI (ALIBABA_CLOUD_CREDENTIALS_URI)")
 
 Push = Callable[[ImageContext, Path, str], None]
 
@@ -103,8 +108,10 @@ def oss_tls_only_policy(bucket: str) -> dict[str, Any]:
 
 # OSS's native bodies (its S3-compatible endpoint has no encryption, policy or public access
 # block operation: PutBucket, PutBucketACL, PutBucketLifecycle and PutBucketLogging only)
-OSS_ENCRYPTION_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<ServerSideEncryptionRule><ApplyServerSideEncryptionByDefault>'
-                      '<SSEAlgorithm>AES256</SSEAlgorithm></ApplyServerSideEncryptionByDefault></ServerSideEncryptionRule>\n')
+OSS_ENCRYPTION_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                      '<ServerSideEncryptionRule><ApplyServerSideEncryptionByDefault>'
+                      '<SSEAlgorithm>AES256</SSEAlgorithm></ApplyServerSideEncryptionByDefault>'
+                      '</ServerSideEncryptionRule>\n')
 OSS_PUBLIC_ACCESS_BLOCK_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<PublicAccessBlockConfiguration>'
                                '<BlockPublicAccess>true</BlockPublicAccess></PublicAccessBlockConfiguration>\n')
 
@@ -246,7 +253,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
            endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None, digest: str | None = None) -> "FcDeployment":
+           lock: str | None = None, digest: str | None = None) -> FcDeployment:
     """Creates the deployment and returns it. ``account``: the Alibaba Cloud account id (FC's
     endpoint is ``<account>.<region>.fc.aliyuncs.com``); ``role_arn``: the RAM role the
     functions run as (``ram/policy.json`` in the package is its least-privilege policy).
@@ -269,7 +276,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
                          "`flatpack deploy --dry-run`'s ram/policy.json attached. Nothing was deployed")
     if push is None and shutil.which("docker") is None:
         raise InputError("deploying to alibaba-fc builds container images, and no `docker` is on PATH. Install Docker, "
-                         "or run `flatpack deploy --dry-run --out DIR` and push with DIR/commands.sh. Nothing was deployed")
+                         "or run `flatpack deploy --dry-run --out DIR` and push with DIR/commands.sh. Nothing was "
+                         "deployed")
     res = resources(compiled, name, region, account, bucket=bucket, namespace=namespace, role_arn=role_arn,
                     store_endpoint=endpoint_urls.get("oss"), profile_tiers=profile_tiers)
     cloud.check_bucket_name(res["bucket"])
@@ -277,7 +285,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls})
     clients = _Clients(credential_client, credential, res, endpoint_urls)
     cloud.create_recorded(ledger, _deleters(clients),
-                          lambda: _create(res, images, ledger, clients, out_dir, push or (lambda image, context, uri: docker_build_and_push(context, uri))),
+                          lambda: _create(res, images, ledger, clients, out_dir,
+                                          push or (lambda image, context, uri: docker_build_and_push(context, uri))),
                           out_dir, f"deploying {name} to alibaba-fc ({region})")
     return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                         (credential.get_access_key_id(), credential.get_access_key_secret(),
@@ -359,19 +368,20 @@ def _deleters(clients: _Clients) -> dict[str, Callable[[dict[str, str]], None]]:
     return {"function": delete_function, "bucket": lambda e: cloud.delete_bucket(clients.s3, e["name"])}
 
 
-def invoke(deployment: "FcDeployment", role: Role) -> cloud.ThreadInvocation:
+def invoke(deployment: FcDeployment, role: Role) -> cloud.ThreadInvocation:
     """Invokes the role's function synchronously on a thread (FC's InvokeFunction)."""
     return deployment.launch(role)
 
 
-def teardown(deployment: "FcDeployment | str | os.PathLike") -> list[str]:
+def teardown(deployment: FcDeployment | str | os.PathLike) -> list[str]:
     """Removes everything the deployment created; a deployment record's directory works too.
     Images stay in Container Registry (flatpack did not create the repository)."""
     if isinstance(deployment, FcDeployment):
         return deployment.teardown()
     ledger = cloud.Ledger.load(deployment)
     credential_client, credential = credentials()
-    clients = _Clients(credential_client, credential, ledger.details["resources"], ledger.details.get("endpoint_urls", {}))
+    clients = _Clients(credential_client, credential, ledger.details["resources"],
+                       ledger.details.get("endpoint_urls", {}))
     return cloud.remove(ledger, _deleters(clients), Path(deployment))
 
 

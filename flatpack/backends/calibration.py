@@ -189,13 +189,14 @@ class TierCalibration:
         return data
 
     @classmethod
-    def from_json(cls, tier: Any, key: str, layer_count: int) -> "TierCalibration":
+    def from_json(cls, tier: Any, key: str, layer_count: int) -> TierCalibration:
         if not isinstance(tier, dict):
             raise InputError(f"calibration file: tier {key} MB must be an object of measurements")
         where = f"tiers[{key}]"
         lines: dict[str, tuple[Linear, ...]] = {}
         if layer_count:
-            lines = {kind: _lines(tier.get(kind), layer_count, f"{where}.{kind}") for kind in ("forward_s", "backward_s")}
+            lines = {kind: _lines(tier.get(kind), layer_count, f"{where}.{kind}")
+                     for kind in ("forward_s", "backward_s")}
         figures = {name: _number(tier[name], f"{where}.{name}", positive=True)
                    for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s")
                    if tier.get(name) is not None}
@@ -224,7 +225,7 @@ class StoreLatency:
         return self.loc + self.k * self.scale
 
     @classmethod
-    def fit(cls, seconds: Sequence[float]) -> "StoreLatency":
+    def fit(cls, seconds: Sequence[float]) -> StoreLatency:
         """Maximum-likelihood fit of measured request seconds (scipy, on the invoker's side)."""
         from scipy.stats import exponnorm
 
@@ -246,10 +247,10 @@ class StoreLatency:
                 "samples": self.samples, "mean_s": self.mean_s}
 
     @classmethod
-    def from_json(cls, data: Any) -> "StoreLatency":
+    def from_json(cls, data: Any) -> StoreLatency:
         if not isinstance(data, dict) or data.get("distribution") != "exponnorm":
-            raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", \"K\": ..., "
-                             "\"loc\": ..., \"scale\": ..., \"samples\": ...}")
+            raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", "
+                             "\"K\": ..., \"loc\": ..., \"scale\": ..., \"samples\": ...}")
         loc = data.get("loc")
         if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not math.isfinite(loc):
             raise InputError(f"calibration file: store_latency.loc must be a finite number, got {loc!r}")
@@ -273,7 +274,7 @@ class TargetInfo:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> "TargetInfo":
+    def from_json(cls, data: Any) -> TargetInfo:
         if not isinstance(data, dict):
             raise InputError("calibration file: \"target\" must be an object (name, date, host, flatpack_version)")
         missing = [key for key in ("name", "date", "host", "flatpack_version") if key not in data]
@@ -424,7 +425,7 @@ class Calibration:
             return None
         return tier.optimizer_s_per_byte[optimizer] * parameter_bytes
 
-    def apply(self, platform: "Platform") -> "Platform":
+    def apply(self, platform: Platform) -> Platform:
         """``platform`` with this file's measured bandwidth, storage latency, β, polling
         overhead and host cores in place of the catalog's, each source noting that it was
         measured."""
@@ -469,7 +470,7 @@ class Calibration:
         return data
 
     @classmethod
-    def from_json(cls, data: Any) -> "Calibration":
+    def from_json(cls, data: Any) -> Calibration:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InputError(f"not a flatpack calibration file: expected a JSON object with \"format\": "
                              f"\"{FORMAT}\"")
@@ -521,7 +522,7 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Calibration":
+    def load(cls, path: str | os.PathLike) -> Calibration:
         path = Path(path)
         try:
             text = path.read_text()

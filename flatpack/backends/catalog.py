@@ -23,20 +23,17 @@ import numbers
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any, Mapping
 
 from flatpack.errors import InputError
 from flatpack.registry import Registry
 from flatpack.table import format_table
+from flatpack.units import GBIT_S, GIB, MB_S, MIB
 
 if TYPE_CHECKING:
     from flatpack.ir.profile import HostInfo
 
-MIB = 1024 * 1024
-GIB = 1024 * MIB
-MB_S = 1_000_000            # bandwidth figures are decimal: "70 MB/s" is 70e6 bytes per second
-GBIT_S = 125_000_000        # 1 Gbit/s in bytes per second
 KINDS = ("serverless", "container", "local")
 
 # Where the numbers come from. Papers are cited by file name in ../shared/papers/ (beside the repository).
@@ -93,7 +90,7 @@ class Tier:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Tier":
+    def from_json(cls, data: Mapping[str, Any]) -> Tier:
         return cls(int(data["memory_mb"]), float(data["vcpus"]), float(data["bandwidth_bytes_s"]),
                    float(data["price_per_s"]), int(data.get("gpus", 0)), data.get("gpu_model"),
                    int(data.get("gpu_memory_mb", 0)))
@@ -160,7 +157,7 @@ class Scaling:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Scaling":
+    def from_json(cls, data: Mapping[str, Any]) -> Scaling:
         values = dict(data)
         values["bandwidth_points"] = tuple((float(m), float(b)) for m, b in data["bandwidth_points"])
         return cls(**values)
@@ -268,7 +265,7 @@ class Platform:
 
     # -- time and money --------------------------------------------------------------------
 
-    def compute_seconds(self, host_seconds: float, host: "HostInfo", tier: Tier) -> float:
+    def compute_seconds(self, host_seconds: float, host: HostInfo, tier: Tier) -> float:
         """Seconds a computation that took ``host_seconds`` on the profiling host takes on a
         worker of ``tier``. The model, and what it assumes:
 
@@ -307,7 +304,7 @@ class Platform:
             tier_rate = min(tier.vcpus, host.threads) * self.cpu_speed_ratio
         return host_seconds * host_rate / tier_rate
 
-    def _host_rate(self, host: "HostInfo", tier: Tier) -> float:
+    def _host_rate(self, host: HostInfo, tier: Tier) -> float:
         if host.device == "cpu":
             return float(host.threads)
         if not tier.gpus:
@@ -374,7 +371,7 @@ class Platform:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Platform":
+    def from_json(cls, data: Mapping[str, Any]) -> Platform:
         missing = [key for key in ("name", "kind", "tiers", "min_memory_mb", "max_memory_mb", "storage_latency_s",
                                    "price_per_request", "billing_granularity_s", "base_memory_bytes",
                                    "overlap_slowdown") if key not in data]
@@ -467,7 +464,7 @@ LAMBDA_SOURCES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def aws_lambda() -> Platform:
     scaling = Scaling(memory_step_mb=1, mb_per_vcpu=LAMBDA_MB_PER_VCPU, max_vcpus=6.0,
                       bandwidth_points=LAMBDA_BANDWIDTH_POINTS, price_per_gb_s=LAMBDA_PRICE_PER_GB_S)
@@ -484,7 +481,7 @@ FC_CU_PRICE = 0.000020            # USD per CU, tier 1 (up to 100 million CU a m
 FC_CU_PER_VCPU_S = 1.0
 FC_CU_PER_GB_S = 0.15
 FC_CU_PER_INVOCATION = 75 / 10_000
-ALIBABA_TIERS_MB = FUNCPIPE_TIERS_MB + (16384, 32768)
+ALIBABA_TIERS_MB = (*FUNCPIPE_TIERS_MB, 16384, 32768)
 # Documented per-instance maximum bandwidth (performance-instance table), not a measurement.
 ALIBABA_BANDWIDTH_POINTS = ((128.0, 1.0 * GBIT_S), (4096.0, 1.0 * GBIT_S), (8192.0, 1.5 * GBIT_S),
                             (16384.0, 2.5 * GBIT_S), (32768.0, 5.0 * GBIT_S))
@@ -532,7 +529,7 @@ ALIBABA_SOURCES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def alibaba_fc() -> Platform:
     scaling = Scaling(memory_step_mb=64, mb_per_vcpu=2048, max_vcpus=16.0, min_vcpus=0.05, vcpu_step=0.05,
                       bandwidth_points=ALIBABA_BANDWIDTH_POINTS, price_per_gb_s=FC_CU_PRICE * FC_CU_PER_GB_S,
@@ -597,7 +594,7 @@ GPU_CONTAINER_SOURCES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def gpu_container() -> Platform:
     tiers = tuple(_aci_tier(*config) for config in ACI_CONFIGS)
     return Platform(
@@ -645,7 +642,7 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def local() -> Platform:
     cpus = os.cpu_count() or 1
     lam = aws_lambda()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import sys
 import threading
@@ -69,7 +70,8 @@ def preflight(compiled: Compiled, target: str, name: str | None, bucket: str | N
         check_digest(compiled.index.raw, digest, "the artifact to deploy")
     functions(compiled, "check", target, profile_tiers)
     # a profiler function needs every layer: one image holds them all
-    images = function_images(compiled, target, share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES,
+    images = function_images(compiled, target,
+                             share_below_bytes=sys.maxsize if profile_tiers else SHARE_IMAGE_BELOW_BYTES,
                              base=base_image, lock=lock)
     name = name or deployment_name(compiled)
     check_name(name)
@@ -114,7 +116,8 @@ def check_tiers(compiled: Compiled, target: str) -> None:
     for index, stage in enumerate(compiled.plan.stages):
         if stage.memory_mb is None:
             raise InputError(f"stage {index} has no memory tier; {target} functions need one. Compile with "
-                             f"target={target!r} and a solver that picks tiers (dp, miqp), or set memory_mb in the plan")
+                             f"target={target!r} and a solver that picks tiers (dp, miqp), or set memory_mb in the "
+                             "plan")
         if not platform.min_memory_mb <= stage.memory_mb <= platform.max_memory_mb:
             raise InputError(f"stage {index} asks for {stage.memory_mb} MB, but {target} functions have "
                              f"{platform.min_memory_mb}-{platform.max_memory_mb} MB. Cut the model into more stages "
@@ -127,7 +130,8 @@ def function_name(name: str, role_kind: str, index: int) -> str:
     return f"{name}-p{index:05d}" if role_kind in ("profile", "calibrate") else f"{name}-s{index:03d}"
 
 
-def functions(compiled: Compiled, name: str, target: str, profile_tiers: Sequence[int] | None = None) -> list[dict[str, Any]]:
+def functions(compiled: Compiled, name: str, target: str,
+              profile_tiers: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """The deployment's functions: one per stage with the stage's tier, or for in-target
     profiling one per memory tier (each holds every layer's artifact)."""
     from flatpack.backends.catalog import get_platform
@@ -156,7 +160,8 @@ def check_bucket_name(name: str) -> None:
     """S3's bucket naming rules (OSS's are the same subset, less dots)."""
     problem = None
     if not _BUCKET.match(name):
-        problem = "3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit"
+        problem = ("3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a letter "
+                   "or digit")
     elif "." in name:
         # S3 allows them, but flatpack reaches buckets virtual-hosted over HTTPS, where a dot
         # in the host name breaks the certificate match (OSS allows no dots at all)
@@ -212,7 +217,7 @@ class Ledger:
                 "created": self.created, "details": self.details}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str) -> "Ledger":
+    def from_json(cls, data: dict[str, Any], where: str) -> Ledger:
         if data.get("format") != RECORD_FORMAT:
             raise InputError(f"{where} is not a flatpack deployment record (format {data.get('format')!r})")
         return cls(data["target"], data["name"], data["region"], list(data["created"]), dict(data.get("details", {})))
@@ -226,7 +231,7 @@ class Ledger:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Ledger":
+    def load(cls, directory: str | os.PathLike) -> Ledger:
         path = Path(directory)
         path = path / RECORD_FILE if path.is_dir() else path
         if not path.exists():

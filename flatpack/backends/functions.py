@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from flatpack.backends.batch_checks import check_training_call
+from flatpack.batching import batch_rows
+from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
 from flatpack.partitioner.workload import Workload
@@ -35,8 +37,10 @@ from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, spli
 from flatpack.runtime.store import Store, open_store
 from flatpack.runtime.training import TARGET, pack_values
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
+from flatpack.units import MIB
 
-MB = 1 << 20
+# every function backend (local, aws-lambda, alibaba-fc) runs FunctionDeployment: all of it
+FUNCTION_CAPABILITIES = frozenset(Capability)
 POLL_S = 0.05
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
@@ -59,7 +63,8 @@ class Invocation(Protocol):
 class Restart:
     worker: str
     iteration: int
-    reason: str            # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
+    # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
+    reason: str
     attempt: int
     behind_s: float = 0.0  # straggler: how far behind its peers when relaunched
     cost_s: float = 0.0    # seconds the iteration took beyond the peers' pace because of it
@@ -126,7 +131,7 @@ class CallRecord:
         return json.dumps(dataclasses.asdict(self)).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "CallRecord":
+    def loads(cls, raw: bytes) -> CallRecord:
         return cls(**json.loads(raw))
 
 
@@ -295,7 +300,7 @@ class FunctionDeployment:
         return run.execute()
 
     # calls and checkpoints ------------------------------------------------------------------
-    def calls(self) -> list["CallRecord"]:
+    def calls(self) -> list[CallRecord]:
         """The run's train() calls so far, oldest first (read from the store: a deployment
         opened by another process sees them too)."""
         return [CallRecord.loads(self.store.get(key)) for key in sorted(self.store.list(self.keys.calls()))]
@@ -498,7 +503,7 @@ class FunctionDeployment:
         except Exception:  # noqa: BLE001 - the server may already be gone; nothing else to clean
             pass
 
-    def __enter__(self) -> "FunctionDeployment":
+    def __enter__(self) -> FunctionDeployment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -573,10 +578,10 @@ def memory_suggestion_mb(peak_bytes: int, tiers_mb: Sequence[int] = ()) -> int:
     smallest of ``tiers_mb`` (the platform's) holding the peak plus headroom; without tiers,
     or when none holds it, that amount rounded up to 64 MB."""
     needed = peak_bytes * MEMORY_HEADROOM
-    fitting = [tier for tier in tiers_mb if tier * MB >= needed]
+    fitting = [tier for tier in tiers_mb if tier * MIB >= needed]
     if fitting:
         return min(fitting)
-    return int(math.ceil(needed / (64 * MB))) * 64
+    return math.ceil(needed / (64 * MIB)) * 64
 
 
 def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> FunctionOutOfMemory:
@@ -587,8 +592,8 @@ def oom_error(role: Role, status: dict, tiers_mb: Sequence[int] = ()) -> Functio
     suggestion = memory_suggestion_mb(peak, tiers_mb)
     what = f"stage {role.stage} replica {role.replica}" if role.kind == "train" else f"{role.kind} {role.worker}"
     return FunctionOutOfMemory(
-        f"{what} ran out of memory: its peak was {peak / MB:.0f} MB during "
-        f"{status['task']}, and its tier is {limit / MB:.0f} MB ({over / MB:.0f} MB over). Give stage "
+        f"{what} ran out of memory: its peak was {peak / MIB:.0f} MB during "
+        f"{status['task']}, and its tier is {limit / MIB:.0f} MB ({over / MIB:.0f} MB over). Give stage "
         f"{role.stage} a tier of at least {suggestion} MB (from the command line: run again with --memory "
         f"{suggestion}, the tiers the solver may choose from), or cut it into smaller stages (a new plan starts "
         "a new run: the checkpoints of this one fit its stages only).",
@@ -608,17 +613,12 @@ def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
-def batch_size_of(leaves: list[Any]) -> int | None:
-    """Rows of the first input tensor with a batch dimension."""
-    return next((int(leaf.shape[0]) for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
-
-
 def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[str, Any], Any, int]:
     """A global ``(inputs, target)`` batch as the runtimes take it: the input leaves by input
     name, the target, and the batch's rows (its first batched input's)."""
     inputs, target = inputs_and_target(batch, iteration)
     leaves = compiled.input_leaves(inputs)
-    rows = batch_size_of(leaves)
+    rows = batch_rows(leaves)
     if rows is None:
         raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
                          "the batch into micro-batches along the first dimension of its inputs")
@@ -646,8 +646,7 @@ def workload_of(compiled: Compiled) -> Workload | None:
 
 def default_micro_batches(compiled: Compiled) -> int:
     """M when ``train`` is not given one: the plan's, else the workload's, else 1."""
-    workload = workload_of(compiled)
-    return compiled.plan.micro_batches or (workload.micro_batches if workload else None) or 1
+    return compiled.plan.micro_batches_for(workload_of(compiled))
 
 
 def loss_output(compiled: Compiled) -> str:
@@ -768,8 +767,9 @@ class _Run:
             self.dollars += price * (now - last_tick)
             last_tick = now
             if now > deadline:
-                raise RunFailure(f"the run did not finish within {self.timeout_s:.0f} s (iterations {begin}..{end - 1}); "
-                                 f"worker logs are in {self.deployment.workdir}. Raise timeout_s for bigger models")
+                raise RunFailure(f"the run did not finish within {self.timeout_s:.0f} s (iterations "
+                                 f"{begin}..{end - 1}); worker logs are in {self.deployment.workdir}. Raise "
+                                 "timeout_s for bigger models")
             for key, worker in list(workers.items()):
                 code = worker.process.poll()
                 if code is not None:
@@ -802,8 +802,8 @@ class _Run:
         if status.get("status") == "input":
             raise input_error(worker.role, status)
         if status.get("status") == "error":
-            raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica {worker.role.replica}) "
-                             f"failed:\n{status['traceback']}")
+            raise RunFailure(f"function {worker.role.worker} (stage {worker.role.stage}, replica "
+                             f"{worker.role.replica}) failed:\n{status['traceback']}")
         # no status: the process was lost (SIGKILL, a crash of the host): restart from the checkpoint
         self._relaunch(key, worker, self._resume_point(worker.role), "lost")
 

@@ -54,21 +54,28 @@ from flatpack.backends.functions import (TrainResult, batch_values, default_micr
 from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
                                      hardening_problems, runtime_sources, write_files)
 from flatpack.backends.lock import committed_lock, lock_problems
+from flatpack.backends.protocol import Capability
 from flatpack.codegen.artifact import parse_stage
 from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
+from flatpack.ir import structure
 from flatpack.runtime import timeline
-from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, RUN_FILE, STAGES_DIR, DistributedRun, Layout,
-                                          RankRole, data_file, error_file, iter_reports, parameters_file, stage_path,
-                                          timeline_file)
+from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE, STAGES_DIR, TRAIN, DistributedRun,
+                                          Layout, RankRole, data_file, error_file, iter_reports, output_key,
+                                          outputs_file, parameters_file, stage_path, timeline_file)
 from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.forkjoin import join_batch
 from flatpack.runtime.precision import LossScaling
-from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, shared_holders, stage_specs
-from flatpack.runtime.training import TARGET, pack_values
+from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
+from flatpack.runtime.training import TARGET, pack_values, unpack_values
 
 NAME = "gpu-container"
+CAPABILITIES = frozenset(Capability) - {Capability.RESUME}
+LIMITS = {
+    Capability.RESUME: "its ranks keep no checkpoints between calls (a failed train() is run again from the start)",
+}
 # what the image installs: lock.LOCKS['gpu'] (PyPI's torch, the CUDA build, and the rank program's numpy and
 # safetensors), committed as flatpack/backends/locks/gpu.txt
 APP_DIR = "/app"
@@ -112,10 +119,12 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
               optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
               backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
               run: str | None = None, precision: str = "fp32",
-              loss_scaling: LossScaling | dict | None = None) -> DistributedRun:
+              loss_scaling: LossScaling | dict | None = None, mode: str = TRAIN) -> DistributedRun:
     """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
     peer. The loss and ``precision`` are checked by ``RunSpec``; a stage the plan lets
-    recompute its activations recomputes them on its ranks (``training.stage_backward``)."""
+    recompute its activations recomputes them on its ranks (``training.stage_backward``).
+    ``mode`` "infer": forward passes only, the model's outputs written back."""
+    training = mode == TRAIN
     if schedule == ASYNC_SCHEDULE:
         raise InputError("the 1f1b-async schedule runs on functions (the local, Lambda and Alibaba FC backends); "
                          "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target")
@@ -128,13 +137,17 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],
                          [stage.memory_mb for stage in compiled.plan.stages], None,
                          [stage.recompute for stage in compiled.plan.stages])
+    output_names = tuple(compiled.info["output_names"])
+    # an inference computes no loss: any stage may produce the first output
+    read_by_loss = loss_output(compiled) if training else output_names[0]
     spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
-                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(compiled),
+                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=read_by_loss,
                    schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision,
                    loss_scaling=LossScaling.of(loss_scaling))
     return DistributedRun(spec=spec, iterations=iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
-                          example_batch=example_batch(compiled), seed=seed)
+                          example_batch=example_batch(compiled), seed=seed, mode=mode,
+                          outputs=() if training else output_names)
 
 
 # -- the build context -----------------------------------------------------------------------
@@ -419,14 +432,15 @@ def parse_yaml_documents(text: str) -> list[dict[str, Any]]:
 
 def check_package(files: Mapping[str, bytes]) -> None:
     """Validates a build context from :func:`package`: everything the Dockerfile COPYs is
-    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the manifests parse, the world size is the
-    sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
+    there, every stage verifies against ``stages/flatpack.index.json``, ``run.json`` and the
+    manifests parse, the world size is the sum of the degrees, and the pods × ranks per pod and GPU limits agree. Raises
     ArtifactError listing every problem."""
     problems = copy_problems(files)
     dockerfile = [line.strip() for line in files.get("Dockerfile", b"").decode().splitlines()
                   if line.strip() and not line.lstrip().startswith("#")]
     problems += hardening_problems(dockerfile)
-    problems += [f"requirements.txt: {problem}" for problem in lock_problems(files.get("requirements.txt", b"").decode())]
+    problems += [f"requirements.txt: {problem}"
+                 for problem in lock_problems(files.get("requirements.txt", b"").decode())]
     try:
         run = DistributedRun.loads(files[RUN_FILE])
     except (KeyError, ValueError, InputError) as err:
@@ -495,7 +509,8 @@ def _check_job(files: Mapping[str, bytes], run: DistributedRun) -> list[str]:
     index_bytes = files.get(f"{STAGES_DIR}/{INDEX_FILE}")
     if index_bytes is not None and env.get(DIGEST_ENV) != sha256_hex(index_bytes):
         problems.append(f"the Job's {DIGEST_ENV} ({env.get(DIGEST_ENV)!r}) is not the digest of "
-                        f"{STAGES_DIR}/{INDEX_FILE}: the ranks would refuse their stages, or check them against nothing")
+                        f"{STAGES_DIR}/{INDEX_FILE}: the ranks would refuse their stages, or check them against "
+                        "nothing")
     if env.get("MASTER_ADDR") != f"{name}-0.{service['metadata']['name']}":
         problems.append(f"MASTER_ADDR {env.get('MASTER_ADDR')!r} is not the index-0 pod's DNS name")
     command = container.get("command", [])
@@ -579,6 +594,7 @@ class RunLaunch:
     warmup: int
     threads: int
     processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+    parameters: Path | None = None   # a finished run's out/: the weights the ranks start from
 
     @property
     def out(self) -> Path:
@@ -590,7 +606,7 @@ class RunLaunch:
 
 def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None = None,
            workdir: str | os.PathLike | None = None, python: str | None = None,
-           digest: str | None = None) -> "GpuContainerDeployment":
+           digest: str | None = None) -> GpuContainerDeployment:
     """Writes what the ranks load — the flatpack source and the stage artifacts, not the
     cluster's build context (:func:`package`) — to ``workdir`` (a fresh temporary directory
     when None, removed by ``teardown``) for runs on this machine. ``backend``: "gloo",
@@ -627,7 +643,7 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     return GpuContainerDeployment(compiled, directory, created, backend, device, python or sys.executable)
 
 
-def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
+def invoke(deployment: GpuContainerDeployment, role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
     """Starts one rank of ``launch`` (default: the deployment's last prepared run) as a fresh
     interpreter that imports the packaged flatpack, the way a container would."""
     launch = launch or deployment.current
@@ -641,17 +657,16 @@ def invoke(deployment: "GpuContainerDeployment", role: RankRole, launch: RunLaun
     command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
-    log = open(launch.log(role.rank), "wb")
-    try:
+    if launch.parameters is not None:
+        command += ["--parameters", str(launch.parameters)]
+    with open(launch.log(role.rank), "wb") as log:   # the child holds its own copy of the descriptor
         process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
-    finally:
-        log.close()
     launch.processes[role.rank] = process
     return process
 
 
-def teardown(deployment: "GpuContainerDeployment") -> None:
+def teardown(deployment: GpuContainerDeployment) -> None:
     deployment.teardown()
 
 
@@ -676,6 +691,8 @@ class GpuContainerDeployment:
         self.python = python
         self.current: RunLaunch | None = None
         self.reports: list[RankReport] = []
+        self.trained: Path | None = None     # the last finished training run's out/: what infer computes with
+        self.last_latency_s: float | None = None
 
     # data -----------------------------------------------------------------------------------
     def _write_batches(self, directory: Path, first: tuple[dict[str, Any], Any, int],
@@ -699,10 +716,12 @@ class GpuContainerDeployment:
                 optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                 micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
                 timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None,
-                precision: str = "fp32", loss_scaling: LossScaling | dict | None = None) -> RunLaunch:
+                precision: str = "fp32", loss_scaling: LossScaling | dict | None = None, mode: str = TRAIN,
+                parameters: Path | None = None) -> RunLaunch:
         """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
         checked (batch 0's size included) before any data is written, and a run that fails
-        to be written leaves nothing behind."""
+        to be written leaves nothing behind. ``mode`` "infer": a forward-only run
+        (:meth:`infer`); ``parameters``: a finished run's output directory to start from."""
         first = None
         batch_for: Callable[[int], Any] | None = None
         if batches is None:
@@ -715,19 +734,20 @@ class GpuContainerDeployment:
             batch = first[2]
         run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
                         optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s, precision=precision, loss_scaling=loss_scaling)
+                        seed=seed, timeout_s=timeout_s, precision=precision, loss_scaling=loss_scaling, mode=mode)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
         try:
-            if data is not None:
+            if data is not None and first is not None and batch_for is not None:   # given batches, not synthetic
                 self._write_batches(data, first, batch_for, iterations)
             (directory / RUN_FILE).write_bytes(run.dumps())
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         threads = threads or max(1, (os.cpu_count() or 1) // run.layout.world_size)
-        self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads)
+        self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads,
+                                 parameters=parameters)
         return self.current
 
     def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
@@ -752,6 +772,27 @@ class GpuContainerDeployment:
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
                               timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,
                               precision=precision, loss_scaling=loss_scaling)
+        wall = self._execute(launch, timeout_s)
+        result = self._result(launch, wall)
+        self.trained = launch.out
+        return result
+
+    def infer(self, inputs: Any, *, micro_batches: int | None = None, timeout_s: float = 600.0,
+              wait_timeout_s: float = 300.0, threads: int | None = None, precision: str = "fp32") -> Any:
+        """Runs one request through the ranks, forwards only, and returns the model's outputs,
+        structured as the model returns them. The ranks compute with the weights of the last
+        ``train`` on this deployment, else the compiled ones. ``micro_batches`` cuts the
+        request as a training batch is cut (default: the plan's), so every replica of a
+        stage takes its share; the request needs at least that many samples. Every call
+        starts the ranks afresh (a container job, not a warm server)."""
+        launch = self.prepare([(inputs, None)], iterations=1, micro_batches=micro_batches, timeout_s=wait_timeout_s,
+                              warmup=0, threads=threads, precision=precision, mode=INFER, parameters=self.trained)
+        self.last_latency_s = self._execute(launch, timeout_s)
+        return self._outputs(launch)
+
+    def _execute(self, launch: RunLaunch, timeout_s: float) -> float:
+        """Starts every rank of ``launch``, waits for them all and returns the seconds it took;
+        the batches written for it are removed whatever happens."""
         started = time.time()
         try:
             for role in launch.run.layout.roles():
@@ -762,8 +803,27 @@ class GpuContainerDeployment:
             if launch.data is not None:
                 # every iteration's global batch: as large as the data trained on
                 shutil.rmtree(launch.data, ignore_errors=True)
-        wall = time.time() - started
-        return self._result(launch, wall)
+        return time.time() - started
+
+    def _outputs(self, launch: RunLaunch) -> Any:
+        """The model's outputs of an inference run's one request: each micro-batch's pieces as
+        the ranks wrote them, joined along the batch in micro-batch order."""
+        spec = launch.run.spec
+        written: dict[str, Any] = {}
+        for rank in range(launch.run.layout.world_size):
+            path = outputs_file(launch.out, rank)
+            if path.is_file():
+                written.update(unpack_values(path.read_bytes()))
+        names = launch.run.outputs
+        missing = [output_key(0, m, name) for m in range(spec.micro_batches) for name in names
+                   if output_key(0, m, name) not in written]
+        if missing:
+            raise RunFailure(f"the ranks finished but wrote no {', '.join(missing)} to {launch.out}; the logs are "
+                             f"{launch.directory}/rank_*.log")
+        parts = [{name: written[output_key(0, m, name)] for name in names} for m in range(spec.micro_batches)]
+        sizes = [micro_batch_size(spec.batch, spec.micro_batches, m) for m in range(spec.micro_batches)]
+        outputs = join_batch(parts, sizes)
+        return structure.rebuild(self.compiled.info["output_structure"], lambda index: outputs[names[index]])
 
     def _wait(self, launch: RunLaunch, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
@@ -788,14 +848,16 @@ class GpuContainerDeployment:
         grace = time.time() + FAILURE_GRACE_S
         while time.time() < grace and any(process.poll() is None for process in launch.processes.values()):
             time.sleep(POLL_S)
-        failed = sorted(rank for rank, process in launch.processes.items() if process.poll() not in (None, 0))
+        # every rank that has exited, and not cleanly, with its exit code
+        codes = {rank: code for rank, process in launch.processes.items()
+                 if (code := process.poll()) is not None and code != 0}
+        failed = sorted(codes)
         times = {}
         for rank in failed:
             try:
                 times[rank] = json.loads(error_file(launch.out, rank).read_text())["time"]
             except (OSError, ValueError, KeyError):
                 times[rank] = float("inf")   # killed without a record (a signal, out of memory)
-        codes = {rank: launch.processes[rank].poll() for rank in failed}
         # a rank killed by a signal (SIGKILL when out of memory) left no record but is the likelier cause
         first = min(failed, key=lambda rank: (codes[rank] >= 0, times[rank], rank))
         role = launch.run.layout.role(first)
@@ -863,7 +925,7 @@ class GpuContainerDeployment:
         if self.created:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "GpuContainerDeployment":
+    def __enter__(self) -> GpuContainerDeployment:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ from flatpack.codegen.artifact import serialize
 from flatpack.codegen.integrity import INDEX_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
+from flatpack.layout import stage_dirname
+from flatpack.units import MIB
 
-MIB = 1 << 20
 GIB = 1 << 30
 TORCH_REQUIREMENT = "torch==2.13.0"
 # the CPU wheels: the default index's torch pulls gigabytes of CUDA libraries
@@ -99,7 +101,7 @@ class ImageContext:
         return write_files(self.files, directory)
 
 
-def write_files(files: Mapping[str, bytes], directory: str | Path) -> Path:
+def write_files(files: Mapping[str, bytes], directory: str | os.PathLike) -> Path:
     """Writes a build context (files by relative path) under ``directory``; returns it."""
     root = Path(directory)
     for path, data in files.items():
@@ -124,7 +126,7 @@ def function_images(compiled: Compiled, target: str, *, share_below_bytes: int =
     pinned = base_image(target, base)
     lock_text = committed_lock("function") if lock is None else lock
     check_lock(lock_text)
-    artifacts = {artifact.index: {f"artifacts/stage_{artifact.index:03d}/{name}": data
+    artifacts = {artifact.index: {f"artifacts/{stage_dirname(artifact.index)}/{name}": data
                                   for name, data in serialize(artifact).items()}
                  for artifact in compiled.artifacts}
     groups = _share(artifacts, share_below_bytes)

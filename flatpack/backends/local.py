@@ -25,7 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flatpack.backends.functions import FunctionDeployment, Restart, TrainResult, oom_error, read_status
+from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
+                                         read_status)
+from flatpack.backends.protocol import Capability
 from flatpack.codegen.integrity import INDEX_FILE, check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
@@ -34,10 +36,12 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.worker import ROLE_ENV, STORE_ENV
 
-__all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart", "TrainResult",
-           "read_status", "oom_error"]
+__all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart",
+           "TrainResult", "read_status", "oom_error"]
 
 NAME = "local"
+CAPABILITIES = FUNCTION_CAPABILITIES
+LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 
 
 def package(compiled: Compiled) -> dict[str, bytes]:
@@ -51,7 +55,7 @@ def package(compiled: Compiled) -> dict[str, bytes]:
 
 def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, str] | None = None,
            workdir: str | os.PathLike | None = None, run: str | None = None,
-           data_dir: str | os.PathLike | None = None, digest: str | None = None) -> "LocalDeployment":
+           data_dir: str | os.PathLike | None = None, digest: str | None = None) -> LocalDeployment:
     """Starts the local S3 server (unless ``store_url`` names a store to use, with ``env``
     holding its credentials) and uploads the stage artifacts under a fresh run prefix.
 
@@ -99,24 +103,22 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
     return deployment
 
 
-def invoke(deployment: "LocalDeployment", role: Role) -> subprocess.Popen:
+def invoke(deployment: LocalDeployment, role: Role) -> subprocess.Popen:
     """Starts one function: a fresh interpreter given only its role and the store's address."""
     if stopping():
         raise KeyboardInterrupt("flatpack is stopping: no new function starts")
     env = {**os.environ, **deployment.env, ROLE_ENV: role.dumps(), STORE_ENV: deployment.store_url,
            "PYTHONUNBUFFERED": "1"}
-    log = open(deployment.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log", "wb")
-    try:
+    # the child holds its own copy of the log's descriptor
+    with open(deployment.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log", "wb") as log:
         # own session: a terminal's Ctrl-C reaches the invoker only, which kills its functions;
         # and a function dies with the invoker even when that is SIGKILLed (Linux)
         return track(subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=die_with_parent()))
-    finally:
-        log.close()
 
 
-def teardown(deployment: "LocalDeployment", clean: bool | None = None) -> None:
+def teardown(deployment: LocalDeployment, clean: bool | None = None) -> None:
     deployment.teardown(clean=clean)
 
 

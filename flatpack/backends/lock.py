@@ -82,7 +82,7 @@ class Target:
     def environment(self) -> dict[str, str]:
         """PEP 508 marker values of the target (not of this machine)."""
         version = f"{self.python[0]}.{self.python[1]}"
-        env = dict(default_environment())
+        env = {key: str(value) for key, value in default_environment().items()}
         env.update({"implementation_name": "cpython", "platform_python_implementation": "CPython",
                     "python_version": version, "python_full_version": f"{version}.0",
                     "implementation_version": f"{version}.0", "os_name": "posix", "sys_platform": "linux",
@@ -400,7 +400,7 @@ def hashes_of(text: str) -> dict[str, list[str]]:
     current = None
     for raw in text.replace("\\\n", " ").splitlines():
         line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
-        if not line or line.startswith("--") and not line.startswith("--hash"):
+        if not line or (line.startswith("--") and not line.startswith("--hash")):
             continue
         if not line.startswith("--hash"):
             current = line.split()[0]
@@ -435,12 +435,22 @@ TORCH_CPU_SOURCE = ("the PyTorch CPU index's listing of torch 2.13.0 wheels as r
                     "github.com/asanderson/llm-redact scripts/cpu_torch.py (commit b4efc9ea); the cp312 aarch64 "
                     "sibling's digest in that list matches an independent record elsewhere")
 
+@dataclass(frozen=True)
+class LockSpec:
+    """What one committed lock closes over: its requirements, for which interpreter, from
+    which indexes (the first is the default)."""
+
+    requirements: tuple[str, ...]
+    target: Target
+    indexes: tuple[str, ...]
+
+
 LOCKS = {
     # Lambda and FC function images: CPython 3.12, CPU torch from the PyTorch index
-    "function": dict(requirements=["torch==2.13.0+cpu", "numpy", "safetensors", "boto3"], target=Target((3, 12)),
-                     indexes=[PYPI, TORCH_CPU_INDEX]),
+    "function": LockSpec(("torch==2.13.0+cpu", "numpy", "safetensors", "boto3"), Target((3, 12)),
+                         (PYPI, TORCH_CPU_INDEX)),
     # gpu-container: CPython 3.11, PyPI's torch (the CUDA build, its runtime as nvidia-* wheels)
-    "gpu": dict(requirements=["torch==2.13.0", "numpy", "safetensors"], target=Target((3, 11)), indexes=[PYPI]),
+    "gpu": LockSpec(("torch==2.13.0", "numpy", "safetensors"), Target((3, 11)), (PYPI,)),
 }
 
 
@@ -448,7 +458,8 @@ def committed_lock(kind: str) -> str:
     """The text of a committed lock (``function`` or ``gpu``)."""
     path = LOCKS_DIR / f"{kind}.txt"
     if kind not in LOCKS or not path.exists():
-        raise LockError(f"no committed lock {kind!r} ({path}); generate it with python -m flatpack.backends.lock {kind}")
+        raise LockError(f"no committed lock {kind!r} ({path}); generate it with python -m flatpack.backends.lock "
+                        f"{kind}")
     return path.read_text()
 
 
@@ -465,8 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = {TORCH_CPU_WHEEL: TORCH_CPU_SHA256}
     known.update(dict(item.split("=", 1) for item in args.hash))
     offline = {"https://download.pytorch.org/whl/cpu": _recorded_torch_page}
-    indexes = [Index(url, offline.get(url, http_fetch)) for url in (args.index or spec["indexes"])]
-    result = lock(spec["requirements"], indexes, spec["target"], known_hashes=known)
+    indexes = [Index(url, offline.get(url, http_fetch)) for url in (args.index or spec.indexes)]
+    result = lock(spec.requirements, indexes, spec.target, known_hashes=known)
     out = args.out or LOCKS_DIR / f"{args.kind}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.text())

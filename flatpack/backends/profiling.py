@@ -187,8 +187,9 @@ def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers
     report (the table, and the calibration as JSON for ``--json``); default: the text on stdout.
     Progress goes to the ``flatpack.profiling`` logger."""
     if region is not None and (emulate or target == "local"):
-        raise InputError(f"--region places profiler functions in a cloud region; {'emulated tiers' if emulate else 'the local target'} "
-                         "run on this machine. Leave --region out")
+        raise InputError("--region places profiler functions in a cloud region; "
+                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region "
+                         "out")
     out = Path(out) if out is not None else Path(f"calibration-{target}.json")
     calibration = profile_in_target(model, example_inputs, target=target, tiers=tiers, batch_sizes=batch_sizes,
                                     repeats=repeats, passes=passes, emulate=emulate, parallel=parallel,

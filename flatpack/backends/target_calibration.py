@@ -79,7 +79,8 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     local = emulate or target == "local"
     if region is not None and local:
         raise InputError(f"--region places calibration functions in a cloud region; "
-                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region out")
+                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region "
+                         "out")
     if task_iterations and task_iterations <= task_overheads.SKIP:
         raise InputError(f"--probe-iterations {task_iterations}: the probe pipelines' first {task_overheads.SKIP} "
                          f"iterations are not measured; give at least {task_overheads.SKIP + 1}, or 0 to skip them")
@@ -125,7 +126,8 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                 else:
                     results[(role.stage, invocation)] = result
         if failed:
-            reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(keys, mb, COLD))}" for mb in sorted(set(failed)))
+            reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(keys, mb, COLD))}"
+                                for mb in sorted(set(failed)))
             raise RunFailure(f"the calibration function failed on {reasons}. "
                              + profiling._next_step(deployment, emulated))
     measured = _tiers(memory_sizes, results, launched, host_seconds)
@@ -306,7 +308,8 @@ def calibration_summary(calibration: Calibration) -> str:
                  f"{'cold s':>7}  {'warm s':>7}  {'adam ns/B':>9}")
     for memory_mb in calibration.tiers_mb:
         tier = calibration.tiers[memory_mb]
-        ratios = "/".join(f"{tier.compute_ratio.get(name, float('nan')):.2f}" for name in ("conv", "matmul", "elementwise"))
+        ratios = "/".join(f"{tier.compute_ratio.get(name, float('nan')):.2f}"
+                          for name in ("conv", "matmul", "elementwise"))
         lines.append(f"{memory_mb:>8}  {ratios:>42}  {(tier.upload_bytes_s or 0) / 1e6:>8.1f}  "
                      f"{(tier.download_bytes_s or 0) / 1e6:>9.1f}  {tier.invoke_cold_s or 0:>7.2f}  "
                      f"{tier.invoke_warm_s or 0:>7.2f}  {tier.optimizer_s_per_byte.get('adam', 0) * 1e9:>9.3f}")

@@ -68,7 +68,8 @@ def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
     try:
         manifest = json.loads(contents[MANIFEST_FILE])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{manifest_name} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
+        raise ArtifactError(f"{manifest_name} is not valid JSON ({err}); the artifact is corrupted, "
+                            "recompile it") from None
     if manifest.get("kind") != STAGE_KIND:
         raise ArtifactError(f"{manifest_name} is not a flatpack stage manifest (kind={manifest.get('kind')!r})")
     if manifest.get("schema_version") != STAGE_SCHEMA_VERSION:

@@ -87,7 +87,7 @@ class Index:
         return sha256_hex(self.raw)
 
     @classmethod
-    def build(cls, files: Mapping[str, bytes]) -> "Index":
+    def build(cls, files: Mapping[str, bytes]) -> Index:
         """The index of ``files`` (relative path -> bytes), in canonical form."""
         for name in files:
             check_relative_path(name, "the files to index")
@@ -97,7 +97,7 @@ class Index:
         return cls.parse(raw, "the new index")
 
     @classmethod
-    def parse(cls, raw: bytes, where: str) -> "Index":
+    def parse(cls, raw: bytes, where: str) -> Index:
         """Parses and checks an index's bytes (call it after the digest or signature check)."""
         try:
             document = json.loads(raw)

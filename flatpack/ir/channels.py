@@ -381,7 +381,7 @@ def summarize(analysis: ChannelAnalysis, nodes: list[torch.fx.Node], flops_of: C
                         sliced_out / out_total, partial_out / out_total)
 
 
-def group_table(graph: "LayerGraph") -> dict[tuple[int, int], ChannelGroup]:
+def group_table(graph: LayerGraph) -> dict[tuple[int, int], ChannelGroup]:
     """The channel split of every group start..end of the chain that has one, by the same
     rules the runtime applies to the group's stage module (``runtime/channel_split.py``).
 

@@ -246,7 +246,7 @@ class LayerGraph:
 
     # construction -------------------------------------------------------------------------
     @classmethod
-    def from_traced(cls, traced: Traced) -> "LayerGraph":
+    def from_traced(cls, traced: Traced) -> LayerGraph:
         ValueProp(traced.gm).propagate(*traced.example_leaves)
         ops.annotate_flops(traced.gm.graph)
         analysis = GraphAnalysis(traced)
@@ -258,13 +258,13 @@ class LayerGraph:
         graph.validate()
         return graph
 
-    def with_layers(self, groups: list[list[str]]) -> "LayerGraph":
+    def with_layers(self, groups: list[list[str]]) -> LayerGraph:
         """A new LayerGraph over the same nodes, cut into ``groups`` (lists of node names)."""
         position = self.analysis.position
         layers = [Layer(name="", nodes=sorted(group, key=position.__getitem__)) for group in groups if group]
         return LayerGraph(self.analysis, layers, self.meta)
 
-    def merged(self, ranges: list[tuple[int, int]]) -> "LayerGraph":
+    def merged(self, ranges: list[tuple[int, int]]) -> LayerGraph:
         """Merges each inclusive range of consecutive layers into one; ranges cover the chain.
         Profiles (``meta.PROFILE``) merge too when every layer of a range has one."""
         groups = [[name for layer in self.layers[start:end + 1] for name in layer.nodes] for start, end in ranges]

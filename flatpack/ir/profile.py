@@ -27,14 +27,14 @@ class Linear:
     def at(self, batch: float) -> float:
         return self.per_sample * batch + self.fixed
 
-    def __add__(self, other: "Linear") -> "Linear":
+    def __add__(self, other: Linear) -> Linear:
         return Linear(self.per_sample + other.per_sample, self.fixed + other.fixed)
 
-    def scaled(self, factor: float) -> "Linear":
+    def scaled(self, factor: float) -> Linear:
         return Linear(self.per_sample * factor, self.fixed * factor)
 
     @classmethod
-    def fit(cls, batches: Sequence[float], values: Sequence[float]) -> "Linear":
+    def fit(cls, batches: Sequence[float], values: Sequence[float]) -> Linear:
         """Least-squares line through ``(batch, value)``; a single point gives a line through
         the origin. Negative terms (noise on a near-constant cost) are clamped to zero and the
         other term refitted, so the fit never predicts a negative time or size."""
@@ -59,7 +59,7 @@ class Linear:
         return [self.per_sample, self.fixed]
 
     @classmethod
-    def from_json(cls, data: Sequence[float]) -> "Linear":
+    def from_json(cls, data: Sequence[float]) -> Linear:
         per_sample, fixed = data
         return cls(float(per_sample), float(fixed))
 
@@ -115,7 +115,7 @@ class LayerProfile:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "LayerProfile":
+    def from_json(cls, data: dict[str, Any]) -> LayerProfile:
         lines = {key: Linear.from_json(data[key]) for key in _LINES}
         lines["saved_boundary_bytes"] = {name: Linear.from_json(line)
                                          for name, line in data.get("saved_boundary_bytes", {}).items()}
@@ -241,7 +241,7 @@ class HostInfo:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HostInfo":
+    def from_json(cls, data: dict[str, Any]) -> HostInfo:
         return cls(**data)
 
 
@@ -275,7 +275,7 @@ class ChainProfile:
                 "wall_s": self.wall_s, "flat_slopes": list(self.flat_slopes)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], cache_hit: bool = False) -> "ChainProfile":
+    def from_json(cls, data: dict[str, Any], cache_hit: bool = False) -> ChainProfile:
         return cls(tuple(LayerProfile.from_json(layer) for layer in data["layers"]), HostInfo.from_json(data["host"]),
                    tuple(data["batch_sizes"]), data["graph_hash"], data["dtype"], int(data["repeats"]),
                    Linear.from_json(data["input_bytes"]), tuple(data.get("notes", ())), float(data.get("wall_s", 0.0)),

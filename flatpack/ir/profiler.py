@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flatpack.batching import batch_rows, has_batch_dimension
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
@@ -305,7 +306,7 @@ def host_clock(device: torch.device) -> Callable[[], float]:
 
 
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,
-                warmup: int, budget_s: float | None = None, progress: "_Progress | None" = None, batch: int = 0,
+                warmup: int, budget_s: float | None = None, progress: _Progress | None = None, batch: int = 0,
                 execute: Callable[[Callable[[], Any]], Any] = _direct,
                 inference: bool = True,
                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[tuple[float, float]], list[float]]:
@@ -518,10 +519,10 @@ def optimizer_state_bytes(params: Sequence[nn.Parameter]) -> dict[str, int]:
 
 
 def _example_batch(tensors: Sequence[torch.Tensor]) -> int:
-    batched = [tensor for tensor in tensors if tensor.dim() > 0]
-    if not batched:
+    rows = batch_rows(tensors)
+    if rows is None:
         raise InputError("profiling needs at least one tensor input with a batch dimension (dim 0)")
-    return batched[0].shape[0]
+    return rows
 
 
 def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.device) -> list[Any]:
@@ -531,7 +532,7 @@ def _resize(inputs: list[Any], batch: int, example_batch: int, device: torch.dev
     resized = []
     for value in inputs:
         if isinstance(value, torch.Tensor):
-            if value.dim() > 0 and value.shape[0] == example_batch:
+            if has_batch_dimension(value, example_batch):
                 value = value.index_select(0, rows)
             value = value.to(device)
         resized.append(value)

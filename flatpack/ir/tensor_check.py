@@ -32,7 +32,7 @@ class TensorSpec:
     free_dims: tuple[int, ...] | None = None
 
     @classmethod
-    def from_json(cls, entry: Mapping[str, Any], default_free: tuple[int, ...] | None = None) -> "TensorSpec":
+    def from_json(cls, entry: Mapping[str, Any], default_free: tuple[int, ...] | None = None) -> TensorSpec:
         """From a manifest or ``input_specs`` entry (``shape``, ``dtype``, optional ``dynamic``:
         the free dimensions where the frontend knows them, else ``default_free``)."""
         dynamic = entry.get("dynamic")
@@ -40,7 +40,7 @@ class TensorSpec:
         return cls(tuple(int(size) for size in entry["shape"]), str(entry["dtype"]), free)
 
     @classmethod
-    def of(cls, example: torch.Tensor, free_dims: tuple[int, ...] | None = None) -> "TensorSpec":
+    def of(cls, example: torch.Tensor, free_dims: tuple[int, ...] | None = None) -> TensorSpec:
         return cls(tuple(example.shape), dtype_name(example.dtype), free_dims)
 
     def describe(self) -> str:

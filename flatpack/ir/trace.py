@@ -50,7 +50,7 @@ class Signature:
     parameters: list[tuple[str, str, bool]]  # (name, inspect kind name, has a default)
 
     @classmethod
-    def of(cls, model: nn.Module) -> "Signature":
+    def of(cls, model: nn.Module) -> Signature:
         params = inspect.signature(model.forward).parameters.values()
         return cls([(p.name, p.kind.name, p.default is not inspect.Parameter.empty) for p in params])
 
@@ -79,7 +79,7 @@ class Signature:
         return [list(p) for p in self.parameters]
 
     @classmethod
-    def from_json(cls, data: list) -> "Signature":
+    def from_json(cls, data: list) -> Signature:
         return cls([(name, kind_name, bool(has_default)) for name, kind_name, has_default in data])
 
 
@@ -335,7 +335,7 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
             else:
                 if any(0 in dims for dims in _dynamic_dims(retraced.graph_module.graph)):
                     exported = retraced
-                    notes[:] = again + ["the example has batch 1, which torch.export fixes; traced the example "
+                    notes[:] = [*again, "the example has batch 1, which torch.export fixes; traced the example "
                                         "repeated to batch 2 so that the batch dimension stays dynamic"]
     gm = exported.module()
     graph = gm.graph

@@ -34,7 +34,7 @@ class ValueInfo:
     python_type: str = ""
 
     @classmethod
-    def of(cls, value: Any) -> "ValueInfo":
+    def of(cls, value: Any) -> ValueInfo:
         if isinstance(value, torch.Tensor):
             return cls(
                 kind=TENSOR,

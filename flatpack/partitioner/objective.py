@@ -45,7 +45,7 @@ class Weights:
             raise InputError(f"objective weights must be >= 0 and not both 0, got (cost={self.cost}, time={self.time})")
 
     @classmethod
-    def of(cls, value: "Weights | tuple[float, float] | None") -> "Weights":
+    def of(cls, value: Weights | tuple[float, float] | None) -> Weights:
         if value is None:
             return cls()
         if isinstance(value, Weights):
@@ -63,7 +63,7 @@ class Weights:
         return f"({power(self.cost)}, {power(self.time)})"
 
 
-def dollars_per_mb_s(platform: "Platform") -> float:
+def dollars_per_mb_s(platform: Platform) -> float:
     """Dollars of one MB for one second on the platform's cheapest tier per MB."""
     return min(tier.price_per_s / tier.memory_mb for tier in platform.tiers)
 

@@ -80,7 +80,7 @@ class Front:
     recommended: int
 
     @classmethod
-    def of(cls, plans: Iterable[Plan], threshold: float = RECOMMEND_EFFICIENCY) -> "Front":
+    def of(cls, plans: Iterable[Plan], threshold: float = RECOMMEND_EFFICIENCY) -> Front:
         kept = non_dominated(plans)
         if not kept:
             raise PlanError("no plan to build a front from")

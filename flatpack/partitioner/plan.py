@@ -11,10 +11,13 @@ import dataclasses
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
 from flatpack.version import PLAN_SCHEMA_VERSION, __version__
+
+if TYPE_CHECKING:
+    from flatpack.partitioner.workload import Workload
 
 
 class PlanReuseWarning(UserWarning):
@@ -34,7 +37,7 @@ class Provenance:
     calibration_digest: str | None = None
     flatpack_version: str = __version__
 
-    def differences(self, other: "Provenance") -> list[str]:
+    def differences(self, other: Provenance) -> list[str]:
         """What differs from ``other`` (what the plan is now used for), one phrase each."""
         found = []
         for name, what in (("graph_hash", "graph"), ("target", "target"), ("workload", "workload"),
@@ -44,7 +47,7 @@ class Provenance:
                 found.append(f"{what}: made for {made!r}, used for {used!r}")
         return found
 
-    def check(self, current: "Provenance", force: bool = False) -> None:
+    def check(self, current: Provenance, force: bool = False) -> None:
         """Refuses (``PlanError``) a plan made for something other than ``current``; with
         ``force``, warns (:class:`PlanReuseWarning`) and lets it through."""
         differences = self.differences(current)
@@ -62,7 +65,7 @@ class Provenance:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> "Provenance":
+    def from_json(cls, data: Any) -> Provenance:
         if not isinstance(data, dict) or not isinstance(data.get("graph_hash"), str) \
                 or not isinstance(data.get("target"), str):
             raise PlanError("malformed plan JSON: \"provenance\" must hold at least graph_hash and target strings")
@@ -112,13 +115,13 @@ class Plan:
     provenance: Provenance | None = field(default=None, compare=False, hash=False)
 
     @classmethod
-    def from_ranges(cls, ranges: list[tuple[int, int]], num_layers: int, solver: str = "manual") -> "Plan":
+    def from_ranges(cls, ranges: list[tuple[int, int]], num_layers: int, solver: str = "manual") -> Plan:
         plan = cls(tuple(StagePlan(start, end) for start, end in ranges), num_layers, solver)
         plan.check_against(num_layers)
         return plan
 
     @classmethod
-    def from_cuts(cls, cuts: list[int], num_layers: int, solver: str = "manual") -> "Plan":
+    def from_cuts(cls, cuts: list[int], num_layers: int, solver: str = "manual") -> Plan:
         """``cuts`` are the layer indices after which a new stage starts."""
         points = sorted(set(cuts))
         starts = [0, *(cut + 1 for cut in points)]
@@ -162,11 +165,16 @@ class Plan:
     def replicas(self) -> tuple[int, ...]:
         return tuple(stage.replicas for stage in self.stages)
 
+    def micro_batches_for(self, workload: Workload | None) -> int:
+        """M when this plan runs: the plan's own (a solver that chose it), else the workload's,
+        else 1 (a plan made without a workload)."""
+        return self.micro_batches or (workload.micro_batches if workload else None) or 1
+
     @property
     def memory_mb(self) -> tuple[int | None, ...]:
         return tuple(stage.memory_mb for stage in self.stages)
 
-    def with_predictions(self, **predictions: Any) -> "Plan":
+    def with_predictions(self, **predictions: Any) -> Plan:
         """The same plan with ``predictions`` merged into its predictions."""
         return dataclasses.replace(self, predictions={**self.predictions, **predictions})
 
@@ -182,7 +190,7 @@ class Plan:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Plan":
+    def from_json(cls, data: dict) -> Plan:
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise PlanError(f"plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}; "
                             "re-plan with this flatpack version")
@@ -197,7 +205,7 @@ class Plan:
         return plan
 
     @classmethod
-    def loads(cls, text: str) -> "Plan":
+    def loads(cls, text: str) -> Plan:
         return cls.from_json(json.loads(text))
 
 

@@ -36,22 +36,22 @@ class Problem:
     """
 
     chain: tuple[ChainLayer, ...]
-    platform: "Platform"
+    platform: Platform
     workload: Workload = field(default_factory=Workload)
     host: HostInfo | None = None
-    calibration: "Calibration | None" = None
+    calibration: Calibration | None = None
     stages: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     input_bytes: Linear | None = None   # the model's inputs per micro-batch, when profiled
     # Gillis's channel split of each group start..end that has one (``ir/channels.py``),
     # analysed for inference workloads; None: not analysed (a hand-made chain), and the
     # Gillis model takes every group as channel-splittable with all its weights split
-    channel_groups: "dict[tuple[int, int], ChannelGroup] | None" = None
+    channel_groups: dict[tuple[int, int], ChannelGroup] | None = None
 
     @classmethod
-    def from_graph(cls, graph: "LayerGraph", stages: int | None = None, target: str = "local",
+    def from_graph(cls, graph: LayerGraph, stages: int | None = None, target: str = "local",
                    workload: Workload | None = None, profile: ChainProfile | None = None,
-                   calibration: "Calibration | None" = None, **options: Any) -> "Problem":
+                   calibration: Calibration | None = None, **options: Any) -> Problem:
         from flatpack.backends.catalog import get_platform
         from flatpack.ir.channels import group_table
 
@@ -75,7 +75,7 @@ class Problem:
 
     @classmethod
     def from_saved(cls, chain: dict[str, Any], profile: ChainProfile, target: str, workload: Workload | None = None,
-                   calibration: "Calibration | None" = None, **options: Any) -> "Problem":
+                   calibration: Calibration | None = None, **options: Any) -> Problem:
         """The problem of a saved artifact (``Compiled.load``, which keeps no graph): its
         chain's JSON (``info["chain"]``) and its profile, as :meth:`from_graph` builds it."""
         from flatpack.backends.catalog import get_platform
@@ -119,7 +119,7 @@ class Problem:
             return self.input_bytes.at(micro_batch)
         return self.layer_profile(index).output_bytes.at(micro_batch) * self.workload.boundary_scale
 
-    def layer_seconds(self, index: int, tier: "Tier", micro_batch: float) -> tuple[float, float]:
+    def layer_seconds(self, index: int, tier: Tier, micro_batch: float) -> tuple[float, float]:
         """Forward and backward seconds of layer ``index`` for one micro-batch on ``tier``:
         the calibration's figure when it has one, else the host profile mapped through the
         platform's compute model."""
@@ -131,7 +131,7 @@ class Problem:
         return (self._on_tier(profile.forward_s.at(micro_batch), tier),
                 self._on_tier(profile.backward_s.at(micro_batch), tier))
 
-    def layer_inference_seconds(self, index: int, tier: "Tier", batch: float) -> float:
+    def layer_inference_seconds(self, index: int, tier: Tier, batch: float) -> float:
         """Seconds of layer ``index``'s forward when serving (no autograd graph) a batch on
         ``tier``. A calibration's forward line, when it has the tier, is taken as measured
         for serving too (the runtime's calibration runs forwards without gradients)."""
@@ -141,7 +141,7 @@ class Problem:
                 return calibrated[0]
         return self._on_tier(self.layer_profile(index).inference_line().at(batch), tier)
 
-    def _on_tier(self, host_seconds: float, tier: "Tier") -> float:
+    def _on_tier(self, host_seconds: float, tier: Tier) -> float:
         """Host seconds on ``tier``: times the speed ratio ``flatpack calibrate`` measured on
         the tier when the calibration has one for this profile's thread count (a CPU
         profile), else through the platform's compute model."""

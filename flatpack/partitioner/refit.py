@@ -16,6 +16,7 @@ tiers), and reports the old plan, the new plan and the predicted saving.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ def _ratio(measured: float | None, predicted: float) -> float | None:
 
 
 def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
-          source: str = "a run") -> "Calibration":
+          source: str = "a run") -> Calibration:
     """A per-layer :class:`~flatpack.backends.calibration.Calibration` of the tiers ``plan``
     ran on, fitted to ``events`` (the iterations after ``skip_first``)."""
     from flatpack.backends.calibration import Calibration, TierCalibration
@@ -81,8 +82,9 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
             backward_lines.append(_scaled(profile.backward_s, micro, backward_s * backward_factor))
         per_byte = optimizer.get(memory_mb)
         tiers[memory_mb] = TierCalibration(tuple(forward_lines), tuple(backward_lines), tier.bandwidth_bytes_s,
-                                           optimizer_s_per_byte={problem.workload.optimizer: statistics.median(per_byte)}
-                                           if per_byte else {})
+                                           optimizer_s_per_byte=(
+                                               {problem.workload.optimizer: statistics.median(per_byte)}
+                                               if per_byte else {}))
     # uploads, and the first stage's prefetches of data the invoker wrote long before: neither
     # waits for a producer, so their seconds beyond bytes/W are the request's own
     overheads = [event.seconds - event.nbytes / cost.stages[event.stage].bandwidth_bytes_s
@@ -119,7 +121,7 @@ class Replan:
     old_predicted_s: float
     new_predicted_s: float
     measured_s: float
-    calibration: "Calibration"
+    calibration: Calibration
 
     @property
     def saving_s(self) -> float:
@@ -192,7 +194,7 @@ def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
     return problem, compiled.plan, timeline.loads(events_path.read_bytes())
 
 
-def refit_run(run_dir: str | Path) -> "Calibration":
+def refit_run(run_dir: str | os.PathLike) -> Calibration:
     """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))

@@ -49,19 +49,19 @@ class Selection:
             raise PlanError(f"selection index {self.chosen} is outside its {len(self.plans)} plan(s)")
 
     @classmethod
-    def of_front(cls, front: Front) -> "Selection":
+    def of_front(cls, front: Front) -> Selection:
         return cls(tuple(front.plans), front.recommended, "front", "recommended")
 
     @classmethod
-    def within_slo(cls, plan: Plan, slo_s: float) -> "Selection":
+    def within_slo(cls, plan: Plan, slo_s: float) -> Selection:
         return cls((plan,), 0, "slo", f"cheapest within {slo_s:g} s", slo_s)
 
     @classmethod
-    def of_weights(cls, plan: Plan, label: str) -> "Selection":
+    def of_weights(cls, plan: Plan, label: str) -> Selection:
         return cls((plan,), 0, "weights", f"optimum of weights {label}")
 
     @classmethod
-    def of_cuts(cls, plan: Plan, label: str) -> "Selection":
+    def of_cuts(cls, plan: Plan, label: str) -> Selection:
         """The one plan whose cuts the user fixed (``--stages``, ``--split-points``)."""
         return cls((plan,), 0, "fixed", label)
 
@@ -90,7 +90,7 @@ def front_table(problem: Problem, selection: Selection) -> str:
     rows = []
     for index, plan in enumerate(selection.plans):
         row = [str(index), str(len(plan.stages)), _layer_ranges(plan), _tiers(plan), _replicas(plan),
-               "-" if inference else str(plan.micro_batches or problem.workload.micro_batches),
+               "-" if inference else str(plan.micro_batches_for(problem.workload)),
                f"{time_of(plan):.4g}", f"{dollars_of(plan):.3e}", _mb_s(plan)]
         if on_front:
             row.append(_efficiency(plan, cheapest))
@@ -196,7 +196,7 @@ def _memory_lines(stages: Sequence[Any], label: str) -> list[str]:
 
 
 def _funcpipe_breakdown(problem: Problem, plan: Plan, cost: PipelineCost, evaluation: Evaluation) -> str:
-    micro_batches = plan.micro_batches or problem.workload.micro_batches
+    micro_batches = plan.micro_batches_for(problem.workload)
     lines = [
         _summary(problem, evaluation),
         f"  d = {cost.replicas} replica(s) of every stage, M = {micro_batches} micro-batches of "

@@ -38,7 +38,7 @@ class SearchSpace:
     max_workers: int
 
     @classmethod
-    def of(cls, problem: Problem) -> "SearchSpace":
+    def of(cls, problem: Problem) -> SearchSpace:
         options = problem.options
         platform = problem.platform
         memory = _positive_ints(options.get("memory_mb", platform.memory_choices), "memory_mb")

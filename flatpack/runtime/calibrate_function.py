@@ -84,7 +84,7 @@ class CalibrateSpec:
         return json.dumps({"format": SPEC_FORMAT, **asdict(self)}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "CalibrateSpec":
+    def loads(cls, raw: bytes) -> CalibrateSpec:
         data = json.loads(raw)
         if data.pop("format", None) != SPEC_FORMAT:
             raise ValueError(f"not a calibrate spec (expected \"format\": \"{SPEC_FORMAT}\")")
@@ -114,7 +114,7 @@ class CalibrateResult:
         return json.dumps({"format": RESULT_FORMAT, **asdict(self)}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "CalibrateResult":
+    def loads(cls, raw: bytes) -> CalibrateResult:
         data = json.loads(raw)
         if data.pop("format", None) != RESULT_FORMAT:
             raise ValueError(f"not a calibrate result (expected \"format\": \"{RESULT_FORMAT}\")")

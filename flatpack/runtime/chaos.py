@@ -70,12 +70,14 @@ class FaultyStore(WrappedStore):
         if not isinstance(stall_s, (int, float)) or not 0.0 <= stall_s < float("inf"):
             raise StoreError(f"store fault stall_s={stall_s!r} must be a number of seconds >= 0")
         if read_timeout_s is not None and not read_timeout_s > 0:
-            raise StoreError(f"store fault read_timeout_s={read_timeout_s!r} must be > 0 seconds (None: the wrapped store's own, if it has one)")
+            raise StoreError(f"store fault read_timeout_s={read_timeout_s!r} must be > 0 seconds (None: the wrapped "
+                             "store's own, if it has one)")
         self.error_rate, self.stall_rate, self.stall_s = float(error_rate), float(stall_rate), float(stall_s)
         self.seed = int(seed)
         self.read_timeout_s = read_timeout_s if read_timeout_s is not None else getattr(base, "read_timeout_s", None)
         inner_budget = getattr(base, "retry_s", None)
-        self.retry_s = retry_s if retry_s is not None else inner_budget if inner_budget is not None else default_retry_s()
+        self.retry_s = (retry_s if retry_s is not None else inner_budget if inner_budget is not None
+                        else default_retry_s())
         self._sleep, self._clock = sleep, clock
         self._counts: dict[tuple[str, str], int] = {}
 
@@ -153,7 +155,8 @@ class FaultyStore(WrappedStore):
 def check_faults(faults: Mapping[str, Any]) -> dict[str, Any]:
     """``faults`` as FaultyStore's keyword arguments; a StoreError names an unknown key."""
     if not isinstance(faults, Mapping):
-        raise StoreError(f"store faults must be a dict like {{'error_rate': 0.1, 'seed': 1}}, got {type(faults).__name__}")
+        raise StoreError(f"store faults must be a dict like {{'error_rate': 0.1, 'seed': 1}}, got "
+                         f"{type(faults).__name__}")
     unknown = sorted(set(faults) - set(FAULT_KEYS))
     if unknown:
         raise StoreError(f"unknown store fault option(s) {unknown}; known: {', '.join(FAULT_KEYS)}")

@@ -45,6 +45,11 @@ takes from the data, and cuts them into its micro-batches (``spec.split_value``)
 At the end, replica 0 of each stage writes ``stage_NNN.safetensors`` (final parameters under
 their original names) and every rank writes ``rank_NNNNN.json`` (losses, seconds per
 iteration, samples/s) and ``timeline_rank_NNNNN.json`` into the output directory.
+
+An inference run (``DistributedRun.mode`` "infer") sends the same forward messages with no
+backward: the modules run in eval mode without autograd, and every rank writes the model
+outputs its stage produced, per iteration and micro-batch, to ``outputs_rank_NNNNN.bin``
+(``training.pack_values``); ``--parameters DIR`` loads a finished training run's weights first.
 """
 
 from __future__ import annotations
@@ -66,17 +71,19 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
+from flatpack.layout import stage_dirname
 from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import clipping, timeline
-from flatpack.runtime.precision import for_wire, loss_scaler, received_specs
+from flatpack.runtime.precision import autocast, for_wire, loss_scaler, received_specs
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, compute_order, flat_grads,
-                                       input_gradients, split_values, stage_backward, stage_forward, stage_tensors)
+                                       input_gradients, pack_values, split_values, stage_backward, stage_forward,
+                                       stage_tensors)
 from flatpack.runtime.wire import META_KEY
 
 RUN_FILE = "run.json"
@@ -88,10 +95,14 @@ RUN_VERSION = 1
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 FORWARD, BACKWARD = 0, 1
+# what a run does: the Workload modes (partitioner.workload.MODES, which a test holds these to),
+# spelled here so that a rank does not import the partitioner
+TRAIN, INFER = "train", "infer"
+RUN_MODES = (TRAIN, INFER)
 
 
 def stage_path(context: str | os.PathLike, stage: int) -> Path:
-    return Path(context) / STAGES_DIR / f"stage_{stage:03d}"
+    return Path(context) / STAGES_DIR / stage_dirname(stage)
 
 
 def data_file(directory: str | os.PathLike, iteration: int) -> Path:
@@ -107,11 +118,20 @@ def timeline_file(out: str | os.PathLike, rank: int) -> Path:
 
 
 def parameters_file(out: str | os.PathLike, stage: int) -> Path:
-    return Path(out) / f"stage_{stage:03d}.safetensors"
+    return Path(out) / f"{stage_dirname(stage)}.safetensors"
 
 
 def error_file(out: str | os.PathLike, rank: int) -> Path:
     return Path(out) / f"error_rank_{rank:05d}.json"
+
+
+def outputs_file(out: str | os.PathLike, rank: int) -> Path:
+    """An inference run's model outputs that one rank computed (``output_key`` names them)."""
+    return Path(out) / f"outputs_rank_{rank:05d}.bin"
+
+
+def output_key(iteration: int, micro_batch: int, name: str) -> str:
+    return f"{iteration}/{micro_batch}/{name}"
 
 
 # -- who is who ------------------------------------------------------------------------------
@@ -171,7 +191,9 @@ class DistributedRun:
 
     ``example_batch``: the batch of the compile-time inputs, so that ``--synthetic`` can
     scale the manifest's shapes to a micro-batch. Every wait on a peer is bounded by the
-    spec's ``wait_timeout_s``.
+    spec's ``wait_timeout_s``. ``mode`` "infer": forward passes only (the modules in eval
+    mode, no gradients, no optimizer step); every rank writes the model ``outputs`` its
+    stage produced (:func:`outputs_file`).
     """
 
     spec: RunSpec
@@ -180,6 +202,8 @@ class DistributedRun:
     device: str = "cpu"
     example_batch: int | None = None
     seed: int = 0
+    mode: str = TRAIN
+    outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -190,6 +214,8 @@ class DistributedRun:
             raise InputError("the nccl backend moves CUDA tensors only; use device 'cuda' with it, or backend 'gloo'")
         if self.iterations < 1:
             raise InputError(f"a run needs at least one iteration, got {self.iterations}")
+        if self.mode not in RUN_MODES:
+            raise InputError(f"run mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
 
     @property
     def layout(self) -> Layout:
@@ -198,18 +224,20 @@ class DistributedRun:
     def dumps(self) -> bytes:
         document = {"kind": RUN_KIND, "version": RUN_VERSION, "spec": json.loads(self.spec.dumps()),
                     "iterations": self.iterations, "backend": self.backend, "device": self.device,
-                    "example_batch": self.example_batch, "seed": self.seed}
+                    "example_batch": self.example_batch, "seed": self.seed, "mode": self.mode,
+                    "outputs": list(self.outputs)}
         return (json.dumps(document, indent=2) + "\n").encode()
 
     @classmethod
-    def loads(cls, raw: bytes | str) -> "DistributedRun":
+    def loads(cls, raw: bytes | str) -> DistributedRun:
         document = json.loads(raw)
         if document.get("kind") != RUN_KIND or document.get("version") != RUN_VERSION:
             raise InputError(f"this is not a {RUN_KIND} document of version {RUN_VERSION}; repackage the model "
                              "with this flatpack")
         return cls(spec=RunSpec.loads(json.dumps(document["spec"]).encode()), iterations=int(document["iterations"]),
                    backend=document["backend"], device=document["device"], example_batch=document["example_batch"],
-                   seed=int(document["seed"]))
+                   seed=int(document["seed"]), mode=document.get("mode", TRAIN),
+                   outputs=tuple(document.get("outputs", ())))
 
 
 # -- micro-batches ---------------------------------------------------------------------------
@@ -290,7 +318,7 @@ class Channels:
     shared: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, run: DistributedRun, role: RankRole) -> "Channels":
+    def create(cls, run: DistributedRun, role: RankRole) -> Channels:
         """Every rank creates every group in the same order (``new_group`` is collective)."""
         layout = run.layout
         gradients = dist.new_group(list(range(layout.world_size)))
@@ -386,7 +414,8 @@ class StageRank:
         self.layout = run.layout
         self.stage: StageSpec = run.spec.stages[role.stage]
         self.device = device
-        self.module = module.to(device).train()
+        self.training = run.mode == TRAIN
+        self.module = module.to(device).train(self.training)
         self.manifest: dict[str, Any] = module.flatpack_manifest
         self.input_specs = received_specs(stage_input_specs(self.manifest),
                                           self.stage, self.spec.precision)
@@ -413,6 +442,9 @@ class StageRank:
         self.inputs_from = {producer: [name for name in self.stage.inputs if self.stage.sources[name] == producer]
                             for producer in self.producers}
         self.local_parameters = [name for name in self.trainable if name not in self.spec.shared]
+        # an inference run: the model outputs this stage produces, by output_key
+        self.model_outputs = [name for name in self.stage.outputs if name in run.outputs]
+        self.results: dict[str, Any] = {}
         self.synthetic_batches: dict[int, dict[str, Any]] = {}
         if data_dir is None and (self.data_inputs or self.is_last):
             self.synthetic_batches = {m: self._synthetic(m) for m in self.owned}
@@ -477,7 +509,7 @@ class StageRank:
             name: synthetic_tensor(entries[name], rows, self.run.example_batch,
                                    synthetic_generator(self.run.seed, m, name, self.device))
             for name in self.data_inputs}
-        if self.is_last:
+        if self.is_last and self.training:
             output = next(entry for entry in self.manifest["outputs"] if entry["name"] == self.spec.loss_output)
             target = synthetic_target(self.spec.loss, output, rows, self.run.example_batch,
                                       synthetic_generator(self.run.seed, m, TARGET, self.device))
@@ -506,19 +538,29 @@ class StageRank:
                 value = value.to(self.device) if isinstance(value, torch.Tensor) else value
             else:
                 value = received[name]
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                if self.training and isinstance(value, torch.Tensor) and value.is_floating_point():
                     value = value.detach().requires_grad_(True)
             state.inputs[name] = value
             args.append(value)
         check_stage_inputs(self.input_specs, state.inputs.items(),
                            where=f"stage {self.role.stage} rank, iteration {iteration}, micro-batch {m}: ")
-        if self.is_last:
-            target = data.get(TARGET)
-            state.target = target.to(self.device) if isinstance(target, torch.Tensor) else target
-        # a recomputing stage keeps only its inputs; its backward runs the forward again
-        with self.recorder.task("forward", iteration, micro_batch=m), torch.set_grad_enabled(not self.stage.recompute):
-            stage_forward(self.module, self.spec, self.stage, iteration, m, state, device_type=self.device.type)
-        states[m] = state
+        if self.training:
+            if self.is_last:
+                target = data.get(TARGET)
+                state.target = target.to(self.device) if isinstance(target, torch.Tensor) else target
+            # a recomputing stage keeps only its inputs; its backward runs the forward again
+            with (self.recorder.task("forward", iteration, micro_batch=m),
+                  torch.set_grad_enabled(not self.stage.recompute)):
+                stage_forward(self.module, self.spec, self.stage, iteration, m, state, device_type=self.device.type)
+            states[m] = state   # kept for the backward
+        else:
+            # serving: the outputs alone, without autograd or a loss
+            with (self.recorder.task("forward", iteration, micro_batch=m), torch.no_grad(),
+                  autocast(self.spec.precision, self.device.type)):
+                state.outputs = dict(zip(self.stage.outputs, self.module(*args)))
+        for name in self.model_outputs:
+            value = state.outputs[name]
+            self.results[output_key(iteration, m, name)] = value.cpu() if isinstance(value, torch.Tensor) else value
         for consumer in self.stage.consumers:
             values = {name: state.outputs[name] for name in self._names_read_by(consumer)}
             self.messenger.send(for_wire(values, self.spec.precision), self._peer(consumer, m), m, FORWARD, iteration)
@@ -579,6 +621,9 @@ class StageRank:
                                      self.scaler, reduce)
 
     def run_iteration(self, iteration: int) -> None:
+        if not self.training:
+            self.infer_iteration(iteration)
+            return
         self._loss_total = 0.0
         data = self._data(iteration)
         states: dict[int, MicroBatchState] = {}
@@ -609,6 +654,31 @@ class StageRank:
         if self.is_last:
             self.losses[iteration] = float(self._loss_total)
 
+    def infer_iteration(self, iteration: int) -> None:
+        """One request: the forwards of this rank's micro-batches, in order (the same sends
+        and receives as a training iteration's forwards, so the routes are the same)."""
+        data = self._data(iteration)
+        for m in self.owned:
+            self._forward(iteration, m, data.get(m, {}), {})
+        self.messenger.flush()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.iteration_ends.append(time.time())
+
+    def load_parameters(self, directory: Path) -> None:
+        """This stage's parameters and buffers from ``parameters_file(directory, stage)`` (a
+        finished training run's output): what an inference after training computes with."""
+        path = parameters_file(directory, self.role.stage)
+        if not path.is_file():
+            raise InputError(f"rank {self.role.rank} (stage {self.role.stage}) found no parameters at {path}; give "
+                             "the output directory of a finished training run of this plan, or leave --parameters out")
+        with torch.no_grad():
+            for name, tensor in load_file(str(path)).items():
+                if name not in self.state_tensors:
+                    raise InputError(f"{path} holds {name!r}, which stage {self.role.stage} does not have; it was "
+                                     "written for another plan")
+                self.state_tensors[name].copy_(tensor)
+
     def train(self) -> None:
         self.started = time.time()
         for iteration in range(self.run.iterations):
@@ -637,7 +707,9 @@ class StageRank:
 
     def write_outputs(self, out: Path, warmup: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        if self.role.replica == 0:
+        if self.results:
+            _write_atomic(outputs_file(out, self.role.rank), pack_values(self.results))
+        if self.role.replica == 0 and self.training:
             tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_tensors.items()}
             save_file(tensors, str(parameters_file(out, self.role.stage)), metadata={"stage": str(self.role.stage)})
         timeline_file(out, self.role.rank).write_bytes(timeline.dumps(self.recorder.drain()))
@@ -671,8 +743,10 @@ def device_for(run: DistributedRun, local_rank: int) -> torch.device:
 
 
 def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | None, rank: int, local_rank: int,
-             warmup: int = 1, digest: str | None = None) -> None:
-    """Joins the process group (``env://``: MASTER_ADDR, MASTER_PORT), trains, writes outputs.
+             warmup: int = 1, digest: str | None = None, parameters: Path | None = None) -> None:
+    """Joins the process group (``env://``: MASTER_ADDR, MASTER_PORT), trains (or infers),
+    writes outputs. ``parameters``: a finished run's output directory whose weights replace
+    the artifact's (:meth:`StageRank.load_parameters`).
 
     The rank's stage is verified before it is loaded: against the context's
     ``stages/flatpack.index.json``, which must have sha256 ``digest`` when one is given
@@ -693,6 +767,8 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
     try:
         channels = Channels.create(run, role)
         worker = StageRank(run, role, module, device, channels, data_dir)
+        if parameters is not None:
+            worker.load_parameters(parameters)
         worker.train()
         worker.write_outputs(out, warmup)
         # nobody leaves before everyone has sent everything: a peer may still be reading
@@ -703,7 +779,8 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m flatpack.runtime.distributed",
-                                     description="One rank of a gpu-container training run (start it with torchrun).")
+                                     description="One rank of a gpu-container training or inference run (start it "
+                                                 "with torchrun).")
     parser.add_argument("--context", required=True, help="the packaged context: run.json and stages/")
     parser.add_argument("--run", help=f"the run document (default: CONTEXT/{RUN_FILE})")
     parser.add_argument("--data", help=f"directory of iter_NNNNNN.safetensors batches (default: CONTEXT/{DATA_DIR})")
@@ -713,6 +790,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, help="override the global batch (synthetic throughput runs)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations left out of the median seconds")
     parser.add_argument("--digest", help=f"the artifact digest the stages must match (default: ${DIGEST_ENV})")
+    parser.add_argument("--parameters", help="a finished training run's output directory: its stage_NNN.safetensors "
+                                             "replace the artifact's weights")
     return parser.parse_args(argv)
 
 
@@ -727,7 +806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = with_overrides(run, iterations=args.iterations, batch=args.batch)
         data_dir = None if args.synthetic else Path(args.data or context / DATA_DIR)
         run_rank(run, context, Path(args.out), data_dir=data_dir, rank=rank, local_rank=local_rank,
-                 warmup=args.warmup, digest=args.digest or os.environ.get(DIGEST_ENV) or None)
+                 warmup=args.warmup, digest=args.digest or os.environ.get(DIGEST_ENV) or None,
+                 parameters=Path(args.parameters) if args.parameters else None)
     except Exception:  # noqa: BLE001 - the launcher reads the traceback from this rank's log
         failed_at = time.time()
         trace = traceback.format_exc()

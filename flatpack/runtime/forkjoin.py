@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from flatpack.batching import has_batch_dimension
 from flatpack.runtime import channel_split, timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
@@ -71,7 +72,7 @@ class ForkJoinSpec:
         return json.dumps({"kind": "forkjoin", **asdict(self)}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "ForkJoinSpec":
+    def loads(cls, raw: bytes) -> ForkJoinSpec:
         data = json.loads(raw)
         data.pop("kind")
         groups = tuple(GroupSpec(**{**g, "inputs": tuple(g["inputs"]), "outputs": tuple(g["outputs"]),
@@ -87,7 +88,7 @@ def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     batch = request_batch(values)
     pieces: list[dict[str, Any]] = [{} for _ in range(parts)]
     for name, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        if has_batch_dimension(value, batch):
             for piece, chunk in zip(pieces, torch.tensor_split(value, parts)):
                 piece[name] = chunk.contiguous()
         else:
@@ -99,8 +100,7 @@ def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
 def join_batch(parts: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str, Any]:
     joined = {}
     for name, first in parts[0].items():
-        if isinstance(first, torch.Tensor) and first.dim() \
-                and all(p[name].shape[0] == size for p, size in zip(parts, batch_sizes)):
+        if all(has_batch_dimension(p[name], size) for p, size in zip(parts, batch_sizes)):
             joined[name] = torch.cat([p[name] for p in parts])
         else:
             joined[name] = first

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flatpack.layout import stage_dirname
+
 
 def _n(value: int) -> str:
     return f"{value:06d}"
@@ -59,14 +61,14 @@ class RunKeys:
         return f"{self.run}/"
 
     def artifact(self, stage: int, filename: str) -> str:
-        return f"{self.run}/artifacts/stage_{stage:03d}/{filename}"
+        return f"{self.artifacts(stage)}{filename}"
 
     def artifact_index(self) -> str:
         """The artifact's index (``flatpack.index.json``); workers check it against their digest."""
         return f"{self.run}/artifacts/flatpack.index.json"
 
     def artifacts(self, stage: int) -> str:
-        return f"{self.run}/artifacts/stage_{stage:03d}/"
+        return f"{self.run}/artifacts/{stage_dirname(stage)}/"
 
     def spec(self, first_iteration: int) -> str:
         """The settings of the segment (fixed replica degrees) that starts at ``first_iteration``."""

@@ -19,7 +19,8 @@ class Lanes:
     """One single-thread executor per lane. ``submit`` returns a Future; a failed dependency
     fails its dependents with the same error, so the first failure surfaces once."""
 
-    def __init__(self, names: Iterable[str] = LANE_NAMES, *, on_compute_thread: Callable[[], None] | None = None) -> None:
+    def __init__(self, names: Iterable[str] = LANE_NAMES, *,
+                 on_compute_thread: Callable[[], None] | None = None) -> None:
         self._pools = {name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flatpack-{name}")
                        for name in names}
         self._closed = threading.Event()
@@ -42,7 +43,7 @@ class Lanes:
         for pool in self._pools.values():
             pool.shutdown(wait=not cancel, cancel_futures=cancel)
 
-    def __enter__(self) -> "Lanes":
+    def __enter__(self) -> Lanes:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -165,7 +165,7 @@ class ScheduleSpec:
         key = str(self.name).lower()
         return schedule_classes()[SCHEDULE_ALIASES.get(key, key)]
 
-    def with_length(self, steps: int) -> "ScheduleSpec":
+    def with_length(self, steps: int) -> ScheduleSpec:
         """The spec with the schedule's length (``T_max``, ``total_iters``, ``total_steps``)
         set to the ``steps`` after the warm-up where the schedule takes one and none was given."""
         length = max(1, steps - self.warmup)
@@ -368,7 +368,7 @@ class OptimizerSpec:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "OptimizerSpec":
+    def from_json(cls, data: dict) -> OptimizerSpec:
         """The spec of an option dict. Besides the fields, a flat key (``{"name": "adam",
         "betas": [0.9, 0.95]}``) is an option of the optimizer; one it does not take is an
         InputError naming it and the valid ones."""
@@ -391,7 +391,7 @@ class OptimizerSpec:
                    schedule=ScheduleSpec(**schedule) if isinstance(schedule, dict) else schedule)
 
     @classmethod
-    def of(cls, value: "OptimizerSpec | str | dict") -> "OptimizerSpec":
+    def of(cls, value: OptimizerSpec | str | dict) -> OptimizerSpec:
         if isinstance(value, OptimizerSpec):
             return value
         if isinstance(value, str):

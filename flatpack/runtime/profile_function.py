@@ -109,7 +109,7 @@ class ProfileSpec:
         return json.dumps({"format": SPEC_FORMAT, **asdict(self)}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "ProfileSpec":
+    def loads(cls, raw: bytes) -> ProfileSpec:
         data = json.loads(raw)
         if data.pop("format", None) != SPEC_FORMAT:
             raise ValueError(f"not a profile spec (expected \"format\": \"{SPEC_FORMAT}\")")
@@ -138,7 +138,7 @@ class LayerResult:
                 "over_tier_at": self.over_tier_at, "notes": list(self.notes)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "LayerResult":
+    def from_json(cls, data: dict[str, Any]) -> LayerResult:
         return cls(name=data["name"],
                    forward_s=Linear.from_json(data["forward_s"]) if data.get("forward_s") else None,
                    backward_s=Linear.from_json(data["backward_s"]) if data.get("backward_s") else None,
@@ -164,7 +164,7 @@ class TierResult:
         return json.dumps({"format": RESULT_FORMAT, **data}).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "TierResult":
+    def loads(cls, raw: bytes) -> TierResult:
         data = json.loads(raw)
         if data.pop("format", None) != RESULT_FORMAT:
             raise ValueError(f"not a profile result (expected \"format\": \"{RESULT_FORMAT}\")")

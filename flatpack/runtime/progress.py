@@ -77,7 +77,7 @@ class Progress:
         elif self._pending is not None:
             self._write(self._pending, self.clock())
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -128,7 +128,7 @@ class ProgressLine:
     def close(self) -> None:
         self.progress.close()
 
-    def __enter__(self) -> "ProgressLine":
+    def __enter__(self) -> ProgressLine:
         return self
 
     def __exit__(self, *_exc: object) -> None:

@@ -49,7 +49,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 from flatpack.errors import StoreError
 from flatpack.interrupts import die_with_parent, stopping, track
@@ -77,7 +77,7 @@ _JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",
 _GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "client", "msg_broker", "msg_agent")
 _SECRETS = "secrets"
 
-_live: "weakref.WeakSet[LocalS3Server]" = weakref.WeakSet()
+_live: weakref.WeakSet[LocalS3Server] = weakref.WeakSet()
 
 
 def _stop_all_at_exit() -> None:
@@ -136,7 +136,7 @@ class LocalS3Server:
 
     # ---- lifecycle
 
-    def start(self) -> "LocalS3Server":
+    def start(self) -> LocalS3Server:
         """Start the server and wait until the bucket answers; retried on port races."""
         if self._proc is not None:
             return self
@@ -307,7 +307,7 @@ class LocalS3Server:
                         path.unlink()
         self._ports = {}
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -329,7 +329,7 @@ class LocalS3Server:
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_DEFAULT_REGION": "us-east-1"}
 
-    def store(self, prefix: str = "", **options: object) -> S3Store:
+    def store(self, prefix: str = "", **options: Any) -> S3Store:
         """An S3Store on this server's bucket, with this server's credentials passed in-process."""
         if self.endpoint_url is None:
             raise StoreError("the local S3 server is not started; call start() or use it as a context manager")
@@ -442,7 +442,8 @@ def _remove_dead_weed_sockets() -> None:
     for name in glob.glob("/tmp/seaweedfs-*.sock"):       # also the local sockets older versions left
         with contextlib.suppress(OSError):
             info = os.lstat(name)
-            if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid() or now - info.st_mtime < _DEAD_SOCKET_AGE_S:
+            if (not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid()
+                    or now - info.st_mtime < _DEAD_SOCKET_AGE_S):
                 continue
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

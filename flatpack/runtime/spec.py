@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flatpack.batching import has_batch_dimension
 from flatpack.errors import InputError
 # "bf16"/"fp16": stages compute under autocast (float32 master weights and optimizer state) and
 # the tensors crossing stage boundaries travel as bfloat16/float16; fp16 scales its loss
@@ -114,7 +115,7 @@ class RunSpec:
         previous iteration, or at the call's first iteration the call's initial one."""
         return self.initial_checkpoint if start_iteration == self.first_iteration else start_iteration - 1
 
-    def with_replicas(self, degrees: list[int]) -> "RunSpec":
+    def with_replicas(self, degrees: list[int]) -> RunSpec:
         stages = tuple(replace(stage, replicas=degree) for stage, degree in zip(self.stages, degrees))
         return replace(self, stages=stages)
 
@@ -124,7 +125,7 @@ class RunSpec:
         return json.dumps(data).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> "RunSpec":
+    def loads(cls, raw: bytes) -> RunSpec:
         data = json.loads(raw)
         stages = tuple(StageSpec(**{**entry, "inputs": tuple(entry["inputs"]), "outputs": tuple(entry["outputs"]),
                                     "sources": {k: int(v) for k, v in entry["sources"].items()},
@@ -157,7 +158,7 @@ class Role:
         return json.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, raw: str) -> "Role":
+    def loads(cls, raw: str) -> Role:
         return cls(**json.loads(raw))
 
     @property
@@ -165,7 +166,8 @@ class Role:
         return f"s{self.stage}r{self.replica}"
 
 
-def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
+def routing(manifests: list[dict[str, Any]],
+            input_names: list[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
     """For each stage, where each input comes from (the nearest earlier stage that outputs
     it, else the data) and which later stages read its outputs."""
     known_inputs = set(input_names)
@@ -272,6 +274,6 @@ def split_value(value: Any, batch: int, micro_batches: int) -> list[Any]:
     :func:`micro_batch_size` counts: a tensor whose first dimension is the batch is cut with
     ``tensor_split``; anything else (a mask without a batch dimension, a size) is the same
     for every micro-batch."""
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+    if has_batch_dimension(value, batch):
         return [piece.contiguous() for piece in torch.tensor_split(value, micro_batches)]
     return [value] * micro_batches

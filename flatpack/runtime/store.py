@@ -109,7 +109,8 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise StoreError(f"a store key must be a non-empty str, got {key!r}")
     if key.startswith("/"):
-        raise StoreError(f"store key {key!r} is absolute; keys are relative names like 'run/act/i000001/s000000/m000000'")
+        raise StoreError(f"store key {key!r} is absolute; keys are relative names like "
+                         "'run/act/i000001/s000000/m000000'")
     _check_segments(key.split("/"), key)
     return key
 
@@ -128,7 +129,8 @@ def check_prefix(prefix: str) -> str:
 def _check_segments(segments: list[str], key: str) -> None:
     for segment in segments:
         if segment in ("", ".", ".."):
-            raise StoreError(f"store key {key!r} has an empty, '.' or '..' segment; use plain names separated by single '/'")
+            raise StoreError(f"store key {key!r} has an empty, '.' or '..' segment; use plain names separated by "
+                             "single '/'")
         if any(ord(c) < 32 or c == "\x7f" for c in segment):
             raise StoreError(f"store key {key!r} contains a control character; use printable names")
 
@@ -417,10 +419,10 @@ class Store(abc.ABC):
         self._delete_many(keys)
         return len(keys)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default stores override only when they hold connections
         """Release connections; the default holds none."""
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -816,7 +818,8 @@ class RedisStore(Store):
         try:
             import redis
         except ImportError as exc:
-            raise StoreError("RedisStore needs the redis client: pip install redis (or pip install 'flatpack[redis]')") from exc
+            raise StoreError("RedisStore needs the redis client: pip install redis (or pip install "
+                             "'flatpack[redis]')") from exc
         self.host, self.port, self.db = host, int(port), int(db)
         self.prefix = _normalize_root_prefix(prefix)
         self.attempts = attempts
@@ -887,7 +890,8 @@ class OssStore(Store):
         try:
             import oss2
         except ImportError as exc:
-            raise StoreError("OssStore needs Alibaba's oss2 SDK: pip install oss2 (or pip install 'flatpack[oss]')") from exc
+            raise StoreError("OssStore needs Alibaba's oss2 SDK: pip install oss2 (or pip install "
+                             "'flatpack[oss]')") from exc
         if not endpoint:
             raise StoreError("OssStore needs endpoint=, e.g. https://oss-cn-hangzhou.aliyuncs.com (url: oss://bucket/prefix?endpoint=...)")
         key_id = access_key_id or os.environ.get("OSS_ACCESS_KEY_ID")
@@ -1022,7 +1026,8 @@ def _open_redis(parts: Any, options: dict[str, Any]) -> Store:
     db_text = parts.path.strip("/") or "0"
     if not db_text.isdigit():
         raise StoreError(f"redis url path must be a database number (redis://host:port/0), got {parts.path!r}")
-    return RedisStore(parts.hostname or "127.0.0.1", parts.port or 6379, int(db_text), query.get("prefix", ""), **options)
+    return RedisStore(parts.hostname or "127.0.0.1", parts.port or 6379, int(db_text), query.get("prefix", ""),
+                      **options)
 
 
 def _open_oss(parts: Any, options: dict[str, Any]) -> Store:

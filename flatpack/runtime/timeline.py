@@ -72,7 +72,7 @@ class Event:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Event":
+    def from_json(cls, data: dict[str, Any]) -> Event:
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
 
@@ -149,16 +149,16 @@ def _median(values: list[float]) -> float | None:
 
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     total = 0.0
-    current_start = current_end = None
+    current: tuple[float, float] | None = None   # the union's interval being extended
     for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (start, end)
         else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        total += current[1] - current[0]
     return total
 
 
@@ -307,9 +307,8 @@ def summarize(events: Iterable[Event], *, skip_first: int = 1) -> Measured:
     for (stage, _replica, _iteration), mine in per_worker.items():
         figures = samples[stage]
         for e in mine:
-            if e.kind in ("forward", "backward") and e.lane == "compute":
-                figures[e.kind].append(e.seconds)
-            elif e.kind in ("upload", "download") and e.micro_batch is not None:
+            if ((e.kind in ("forward", "backward") and e.lane == "compute")
+                    or (e.kind in ("upload", "download") and e.micro_batch is not None)):
                 figures[e.kind].append(e.seconds)
         for name, values in _split_transfers(mine).items():
             figures[name].extend(values)

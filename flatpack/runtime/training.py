@@ -583,7 +583,8 @@ class StageTrainer:
             for name in mine:
                 grad = self.trainable[name].grad
                 self.store.put(self.keys.shared_gradient(iteration, self.role.stage, name),
-                               wire.dumps({"grad": grad if grad is not None else torch.zeros_like(self.trainable[name])}))
+                               wire.dumps({"grad": grad if grad is not None
+                                           else torch.zeros_like(self.trainable[name])}))
         for name, holders in mine.items():
             param = self.trainable[name]
             total = param.grad if param.grad is not None else torch.zeros_like(param)

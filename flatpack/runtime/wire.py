@@ -30,7 +30,8 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 def dumps(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> bytes:
     """Encode named tensors (and an optional JSON-able ``meta`` dict) as safetensors bytes."""
     if not isinstance(tensors, dict):
-        raise WireError(f"dumps() takes a dict of name -> tensor, got {type(tensors).__name__}; wrap a single tensor as {{'x': t}}")
+        raise WireError(f"dumps() takes a dict of name -> tensor, got {type(tensors).__name__}; wrap a single tensor "
+                        f"as {{'x': t}}")
     if meta is not None and not isinstance(meta, dict):
         raise WireError(f"dumps(meta=...) takes a dict or None, got {type(meta).__name__}")
     metadata = {META_KEY: _meta_json(meta or {})}
@@ -60,7 +61,8 @@ def dumps_json(obj: Any) -> bytes:
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
     except (TypeError, ValueError) as exc:
-        raise WireError(f"cannot encode as JSON ({exc}); pass plain dicts, lists, str, int, float, bool or None") from exc
+        raise WireError(f"cannot encode as JSON ({exc}); pass plain dicts, lists, str, int, float, bool or "
+                        "None") from exc
 
 
 def loads_json(data: bytes) -> Any:
@@ -75,7 +77,8 @@ def _meta_json(meta: dict) -> str:
     try:
         return json.dumps(meta, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise WireError(f"meta must be JSON-serializable ({exc}); convert tensors and numpy values to lists or numbers") from exc
+        raise WireError(f"meta must be JSON-serializable ({exc}); convert tensors and numpy values to lists or "
+                        "numbers") from exc
 
 
 def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -110,7 +113,8 @@ def _read_meta(data: bytes) -> dict:
         raise WireError(f"the payload is {len(data)} bytes, shorter than a safetensors header; it was truncated")
     (n,) = _HEADER_LEN.unpack_from(data)
     if n > _MAX_HEADER_BYTES or _HEADER_LEN.size + n > len(data):
-        raise WireError(f"the payload claims a {n}-byte header but has {len(data)} bytes; it is truncated or not safetensors")
+        raise WireError(f"the payload claims a {n}-byte header but has {len(data)} bytes; it is truncated or not "
+                        "safetensors")
     try:
         header = json.loads(data[_HEADER_LEN.size:_HEADER_LEN.size + n])
     except ValueError as exc:

@@ -38,6 +38,8 @@ from flatpack.codegen.artifact import build_module, parse_stage
 from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, verify_files
 from flatpack.errors import ArtifactError, InputError
+from flatpack.layout import stage_dirname
+from flatpack.units import MIB
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
@@ -49,7 +51,6 @@ STORE_ENV = "FLATPACK_STORE"
 ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
 REINVOKE = 75
 OUT_OF_MEMORY = 86
-MIB = 1 << 20
 
 
 class OutOfMemory(Exception):
@@ -152,7 +153,7 @@ def load_module(store: Store, keys: RunKeys, stage: int, digest: str) -> torch.n
     the store's), then the stage's files against the index (``tests/security/test_worker.py``).
     """
     baked = os.environ.get(ARTIFACTS_ENV)
-    prefix = f"stage_{stage:03d}"
+    prefix = stage_dirname(stage)
     names = (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
     index = artifact_index(store, keys, digest, baked)
     if baked and os.path.isdir(os.path.join(baked, prefix)):

@@ -46,7 +46,7 @@ class Moto:
 
     url: str
 
-    def session(self, **credentials: str) -> "boto3.Session":
+    def session(self, **credentials: str) -> boto3.Session:
         import boto3
 
         return boto3.Session(aws_access_key_id=credentials.get("key", "testing"),
@@ -75,7 +75,7 @@ def moto_server() -> Iterator[Moto]:
         server.stop()
 
 
-def ecr_push(session: "boto3.Session", url: str) -> Callable[..., None]:
+def ecr_push(session: boto3.Session, url: str) -> Callable[..., None]:
     """What `docker push` does to the registry, without a Docker engine: the image's manifest
     is registered in ECR under its tag, so Lambda's control plane finds the image."""
     import json

@@ -83,7 +83,7 @@ def fc(moto_server, monkeypatch, oss_api):
 
 
 def deploy(compiled, fc, tmp_path, **options):
-    service, contexts, endpoints = fc
+    _service, contexts, endpoints = fc
     deployment = alibaba_fc.deploy(compiled, region="cn-hangzhou", account=ACCOUNT, endpoint_urls=endpoints,
                                    push=lambda image, context, uri: contexts.__setitem__(uri, str(context)),
                                    role_arn=f"acs:ram::{ACCOUNT}:role/flatpack-fc", out=tmp_path, **options)
@@ -100,7 +100,8 @@ def test_deploy_train_and_teardown_through_the_fc_sdk(fc, oss_api, moto_server, 
         sent = {path.split("?", 1)[1].rstrip("="): (headers, body) for _, path, headers, body in oss_api.requests}
         assert sorted(sent) == ["encryption", "policy", "publicAccessBlock"]
         assert all(path.startswith(f"/{bucket}/?") for _, path, _, _ in oss_api.requests)
-        assert all({k.lower(): v for k, v in headers.items()}["authorization"].startswith(f"OSS4-HMAC-SHA256 Credential={KEY_ID}/")
+        credential = f"OSS4-HMAC-SHA256 Credential={KEY_ID}/"
+        assert all({k.lower(): v for k, v in headers.items()}["authorization"].startswith(credential)
                    for headers, _ in sent.values())
         assert b"<BlockPublicAccess>true</BlockPublicAccess>" in sent["publicAccessBlock"][1]
         assert b"<SSEAlgorithm>AES256</SSEAlgorithm>" in sent["encryption"][1]

@@ -88,7 +88,8 @@ def assert_hardened(target: str, out: Path) -> None:
         assert images.hardening_problems(instructions) == []
         assert re.search(r"^FROM \S+@sha256:[0-9a-f]{64}$", dockerfile, re.MULTILINE)
         assert re.search(r"^USER 10001:10001$", dockerfile, re.MULTILINE)
-    requirements = [out / "requirements.txt"] if target == "gpu-container" else list(out.glob("images/*/requirements.txt"))
+    requirements = ([out / "requirements.txt"] if target == "gpu-container"
+                    else list(out.glob("images/*/requirements.txt")))
     assert requirements and all(lock_problems(path.read_text()) == [] for path in requirements)
     commands = (out / "commands.sh").read_text()
     if target == "gpu-container":

@@ -129,7 +129,7 @@ def test_in_target_profiling_deploys_a_profiler_function_per_tier(moto_server, t
 def test_a_lost_or_timed_out_invocation_is_invoked_again(lambda_deployment, faults, options, reason):
     deployment, endpoint = lambda_deployment
     data = batches(3)
-    reference, losses = train_single_process(make_model(), data, 3, optimizer="adam")
+    reference, _losses = train_single_process(make_model(), data, 3, optimizer="adam")
     result = deployment.train(data, iterations=3, optimizer="adam", faults=faults, timeout_s=300, **options)
     assert_same_parameters(result, reference)
     assert any(restart.reason == reason for restart in result.restarts)

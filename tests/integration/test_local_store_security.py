@@ -95,7 +95,8 @@ def test_s3_without_a_signature_is_refused_and_with_the_keys_works(s3_server, ke
 def test_admin_http_port_serves_nothing(s3_server):
     port = s3_server.ports["admin.port"]
     for method, path in (("GET", "/"), ("POST", "/api/s3/buckets"), ("POST", "/api/users")):
-        assert _http(method, f"http://127.0.0.1:{port}{path}", b"{}" if method == "POST" else None)[0] in (401, 403, 404)
+        body = b"{}" if method == "POST" else None
+        assert _http(method, f"http://127.0.0.1:{port}{path}", body)[0] in (401, 403, 404)
 
 
 @pytest.mark.parametrize("flag", ["master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc",
@@ -109,7 +110,7 @@ def test_grpc_ports_require_the_servers_client_certificate(s3_server, flag):
         plain.sendall(_H2_PREFACE + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))    # preface + empty SETTINGS
         try:
             answer = plain.recv(64)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             answer = b""
     assert answer[3:4] != b"\x04", "a plaintext gRPC client got an HTTP/2 SETTINGS frame"
 

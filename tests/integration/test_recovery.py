@@ -118,8 +118,9 @@ deployment.train(batches(8), optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.
 def _start_runner(run: str, server, workdir: Path) -> subprocess.Popen:
     """RUNNER in its own session: 8 iterations, checkpoints after 2, 5 and 7, stage 1 asleep at 4."""
     arguments = {"run": run, "url": server.url(""), "env": server.env(), "workdir": str(workdir)}
-    return subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(arguments)], cwd=Path(__file__).resolve().parents[2],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(arguments)],
+                            cwd=Path(__file__).resolve().parents[2], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _wait_for_iteration_3(run: str, server, runner: subprocess.Popen) -> None:

@@ -83,7 +83,7 @@ class Run:
         self.temp.mkdir()
         self.out = tmp_path / "out"
         self.log_path = tmp_path / "run.log"
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - open for the run's life, closed in close()
         env = {**os.environ, "TMPDIR": str(self.temp), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flatpack", "run", "vgg16", "--batch", "16", "--micro-batches", "2",

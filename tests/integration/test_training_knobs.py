@@ -75,7 +75,8 @@ def transformer_case() -> tuple[nn.Module, list]:
     return TinyTransformer(), data
 
 
-def compiled_with(model: nn.Module, example: torch.Tensor, replicas: list[int], micro_batches: int) -> flatpack.Compiled:
+def compiled_with(model: nn.Module, example: torch.Tensor, replicas: list[int],
+                  micro_batches: int) -> flatpack.Compiled:
     base = flatpack.compile(model, (example,), stages=len(replicas))
     plan = Plan(tuple(StagePlan(stage.start, stage.end, None, degree)
                       for stage, degree in zip(base.plan.stages, replicas)), base.plan.num_layers,
@@ -173,7 +174,8 @@ def test_flatpack_run_trains_with_the_knobs_and_reports_held_out_loss_and_accura
     generator = torch.Generator().manual_seed(4)
     for index in range(4):
         save_file({"x": torch.randn(8, 64, generator=generator),
-                   "target": torch.randint(0, 10, (8,), generator=generator)}, str(shards / f"part-{index}.safetensors"))
+                   "target": torch.randint(0, 10, (8,), generator=generator)},
+                  str(shards / f"part-{index}.safetensors"))
     # evaluations after 3 and 6 iterations: the second call begins mid-accumulation
     code = main(["run", "mlp", "--data", str(shards), "--eval-fraction", "0.25", "--eval-every", "3", "--batch", "8",
                  "--micro-batches", "2", "--replicas", "1", "--stages", "2", "--epochs", "2", "--optimizer", "adamw",
@@ -187,7 +189,8 @@ def test_flatpack_run_trains_with_the_knobs_and_reports_held_out_loss_and_accura
     assert "3 batches of 8 per epoch, 6 iterations" in captured.err
     for iteration in (3, 6):
         assert f"evaluation after {iteration} iterations on 8 held-out samples: loss" in out
-    assert "eval loss" in captured.err and "acc" in captured.err   # the progress line (stderr) carries the last evaluation
+    # the progress line (stderr) carries the last evaluation
+    assert "eval loss" in captured.err and "acc" in captured.err
     assert "held-out evaluation (through the inference path): iter 3: loss" in out
     assert "equivalence with single-process training: passed" in out
     assert "AdamW(lr=0.003, weight_decay=0.01), no decay on biases and norms, cosine schedule after 1 warm-up" in out

@@ -9,8 +9,8 @@ from flatpack.backends.catalog import Platform, Tier
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
+from flatpack.units import MIB
 
-MIB = 1024 * 1024
 HOST = HostInfo(device="cpu", threads=2, cpu="test", torch_version="test")
 BASE = 64 * MIB
 

@@ -65,7 +65,7 @@ def test_dp_equals_brute_force_on_200_instances(problem, slo):
                 dp.solve_all(problem, goals)
             except PlanError:
                 continue
-            raise AssertionError(f"{dp} found a plan where no plan fits")
+            raise AssertionError(f"{dp} found a plan where no plan fits") from None
         return
     for dp in FILTERS:
         found = dp.solve_all(problem, goals)

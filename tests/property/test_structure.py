@@ -138,7 +138,7 @@ def test_balanced_solver(spec, pipeline, data):
 
     def heaviest(cuts: tuple[int, ...]) -> int:
         edges = [0, *(cut + 1 for cut in cuts), count]
-        return max(sum(weights[a:b]) for a, b in zip(edges, edges[1:]))
+        return max(sum(weights[a:b]) for a, b in itertools.pairwise(edges))
 
     assert plan.predictions["max_stage_param_bytes"] == heaviest(tuple(plan.cuts))
     if math.comb(count - 1, stages - 1) <= 3000:

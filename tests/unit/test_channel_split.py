@@ -26,7 +26,7 @@ CASES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_of(case):
     torch.manual_seed(0)
     return CASES[case][0]().eval()
@@ -36,7 +36,7 @@ def sample(case, batch):
     return CASES[case][1](batch)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_as(case, ranges=None):
     """The model compiled with these stages, or as one stage with the planner's channel
     table (cached: the transformer's export takes seconds)."""

@@ -118,7 +118,8 @@ def test_a_config_file_gives_the_verbs_defaults_and_the_command_line_wins(tmp_pa
     config = tmp_path / "run.toml"
     config.write_text('batch = 64\nmicro-batches = 8\nreplicas = [1, 2]\nschedule = "1f1b"\nno_verify = true\n')
     args = cli.parse_arguments(cli.build_parser(), ["run", "mlp", "--config", str(config), "--batch", "32"])
-    assert (args.batch, args.micro_batches, args.replicas, args.schedule, args.no_verify) == (32, 8, "1,2", "1f1b", True)
+    settings = (args.batch, args.micro_batches, args.replicas, args.schedule, args.no_verify)
+    assert settings == (32, 8, "1,2", "1f1b", True)
 
 
 @pytest.mark.parametrize("text, words", [

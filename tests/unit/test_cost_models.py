@@ -26,8 +26,8 @@ from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_lay
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
+from flatpack.units import MIB
 
-MIB = 1024 * 1024
 HOST = HostInfo(device="cpu", threads=1, cpu="test", torch_version="test")
 LATENCY = 0.01
 BASE = 100 * MIB

@@ -5,6 +5,7 @@ tied weights saved once and loaded back under every name."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_a_shard_directory_gives_every_sample_once_per_epoch_shuffled_by_seed(tm
     assert len(batches) == 8 and batches.per_epoch == 4
     first = [sample_ids(batches, i) for i in range(4)]
     second = [sample_ids(batches, i) for i in range(4, 8)]
-    assert sorted(sum(first, [])) == list(range(16)) == sorted(sum(second, []))
+    assert sorted(itertools.chain(*first)) == list(range(16)) == sorted(itertools.chain(*second))
     assert first != second, "each epoch is reshuffled"
     again = make_batches(parse_source(str(tmp_path / "shards")), Keyword(), KEYWORD_EXAMPLE, batch=4, epochs=2, seed=3)
     assert [sample_ids(again, i) for i in range(4)] == first, "the same seed gives the same order"
@@ -90,7 +91,8 @@ def test_a_shard_directory_gives_every_sample_once_per_epoch_shuffled_by_seed(tm
 def test_the_last_partial_batch_is_refused_unless_dropped(tmp_path):
     write_shards(tmp_path / "shards", rows=(6, 4, 7))
     source = parse_source(str(tmp_path / "shards"))
-    with pytest.raises(InputError, match=r"17 samples.*last batch of each epoch would have 1 instead of 4.*--drop-last"):
+    with pytest.raises(InputError,
+                       match=r"17 samples.*last batch of each epoch would have 1 instead of 4.*--drop-last"):
         make_batches(source, Keyword(), KEYWORD_EXAMPLE, batch=4)
     batches = make_batches(source, Keyword(), KEYWORD_EXAMPLE, batch=4, drop_last=True, shuffle=False)
     assert len(batches) == 4 and sample_ids(batches, 3) == [12, 13, 14, 15]
@@ -240,9 +242,11 @@ def test_tied_weights_are_saved_once_and_loaded_under_every_name(tmp_path):
 
 def test_data_the_model_was_not_written_for_is_refused_before_compiling(tmp_path):
     example = (torch.randn(2, 3),)
-    with pytest.raises(InputError, match=r"--data x: input 0 has dtype float64, but the model's example has float32.*astype"):
+    with pytest.raises(InputError, match=r"--data x: input 0 has dtype float64, but the model's example has "
+                                         r"float32.*astype"):
         check_against_example(example, (torch.randn(4, 3, dtype=torch.float64),), "--data x")
-    with pytest.raises(InputError, match=r"input 0 has shape \(4, 3, 1\), 3 dimensions, but the model's example has 2: \(2, 3\)"):
+    with pytest.raises(InputError, match=r"input 0 has shape \(4, 3, 1\), 3 dimensions, but the model's example has 2: "
+                                         r"\(2, 3\)"):
         check_against_example(example, (torch.randn(4, 3, 1),), "--data x")
     with pytest.raises(InputError, match="'attention_mask'|attention_mask .* is missing"):
         check_against_example(KEYWORD_EXAMPLE, {"input_ids": torch.zeros(4, 9, dtype=torch.long)}, "--data x")

@@ -93,7 +93,8 @@ def test_large_stages_get_an_image_each_and_tags_follow_content():
      "sets no USER"),
     (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b" --require-hashes", b"")),
      "pip installs without --require-hashes"),
-    (lambda files: files.update(Dockerfile=files["Dockerfile"].replace(b"COPY handler.py", b"COPY --chown=10001 handler.py")),
+    (lambda files: files.update(
+        Dockerfile=files["Dockerfile"].replace(b"COPY handler.py", b"COPY --chown=10001 handler.py")),
      "files must stay root's"),
     (lambda files: files.update({"requirements.txt": b"torch==2.13.0+cpu\n"}), "has no --hash"),
     (lambda files: files.update({"handler.py": b"x = 1\n"}), "defines no handler"),
@@ -119,12 +120,13 @@ def test_a_tag_only_base_image_is_refused_saying_how_to_get_its_digest():
 
 
 def test_an_unhashed_lock_is_refused_before_anything_is_written():
-    with pytest.raises(InputError, match=r"(?s)not hash-locked.*numpy==2.0 has no --hash.*python -m flatpack.backends.lock"):
+    with pytest.raises(InputError, match=r"(?s)not hash-locked.*numpy==2.0 has no --hash.*python -m "
+                                         r"flatpack.backends.lock"):
         images.function_images(compiled_model(), "aws-lambda", lock="numpy==2.0\n")
 
 
 def test_the_recorded_base_images_are_digests_with_a_date_and_source():
-    for target, base in BASE_IMAGES.items():
+    for base in BASE_IMAGES.values():
         assert re.fullmatch(r"sha256:[0-9a-f]{64}", base.digest) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", base.observed)
         assert "github.com/" in base.source and base.user.split(":")[0] not in ("0", "root")
 

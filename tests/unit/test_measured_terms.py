@@ -72,7 +72,8 @@ def test_contention_stretches_requests_and_only_compute_that_outgrows_its_share(
 
 def test_host_contention_counts_the_workers_and_the_store_on_the_local_host():
     local = dataclasses.replace(platform(), kind="local", host_cores=2)
-    assert host_contention(dataclasses.replace(problem(), platform=local), TWO_STAGES) == pytest.approx((4 * 1.0 + 1) / 2)
+    assert host_contention(dataclasses.replace(problem(), platform=local),
+                           TWO_STAGES) == pytest.approx((4 * 1.0 + 1) / 2)
     assert host_contention(dataclasses.replace(problem(), platform=local), ONE_STAGE) == 1.0   # (1 + 1) / 2
     assert host_contention(problem(), TWO_STAGES) == 1.0   # a cloud function's CPU is its own
 
@@ -115,7 +116,8 @@ def test_refit_reproduces_the_measured_stage_times_and_latency():
     fitted = dataclasses.replace(case, calibration=fitted_calibration, platform=fitted_calibration.apply(case.platform))
     before, after = funcpipe.predicted(case, ran), funcpipe.predicted(fitted, ran)
     for old, new in zip(before.stages, after.stages):
-        assert new.forward_s == pytest.approx(2.0 * old.forward_s) and new.backward_s == pytest.approx(0.5 * old.backward_s)
+        assert new.forward_s == pytest.approx(2.0 * old.forward_s)
+        assert new.backward_s == pytest.approx(0.5 * old.backward_s)
     assert fitted.platform.storage_latency_s == pytest.approx(0.03)
     assert fitted_calibration.tiers_mb == (1024,)
 

@@ -138,7 +138,7 @@ class LeakyWhereStack(nn.Module):
 def test_fuse_elementwise_keeps_a_multi_op_activation_with_its_producer(pre_norm):
     model = LeakyWhereStack(pre_norm=pre_norm)
     fused = chain(model, torch.randn(2, 8), passes="fuse-elementwise")
-    for index, layer in enumerate(fused.layers):
+    for index in range(len(fused.layers)):
         names = [flatpack.ir.ops.op_name(node) for node in ops_of(fused, index)]
         # gt, mul and where of one activation sit in the same layer as the op they read
         assert names.count("gt") == names.count("where") == names.count("mul"), names

@@ -50,7 +50,7 @@ def brute_force(weights, stages):
     best = None
     for cuts in itertools.combinations(range(len(weights) - 1), stages - 1):
         bounds = [0, *(c + 1 for c in cuts), len(weights)]
-        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
         best = worst if best is None else min(best, worst)
     return best
 

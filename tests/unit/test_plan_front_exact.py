@@ -4,6 +4,7 @@ Reuses test_plan_cli's MLP, space and profile cache."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def test_exact_front_holds_the_weight_pairs_front_and_tags_each_pair(plan):
                    for t, d in points(exact)), (time_s, dollars)
     found = points(exact)
     assert found == sorted(found)
-    assert all(later[1] < earlier[1] for earlier, later in zip(found, found[1:]))   # each point cheaper
+    assert all(later[1] < earlier[1] for earlier, later in itertools.pairwise(found))   # each point cheaper
     tags = [label for entry in exact["plans"] for label in entry["predictions"]["weights"]]
     assert sorted(tags) == sorted(["(1, 0)", "(1, 2^16)", "(1, 2^19)", "(1, 2^22)"])
 

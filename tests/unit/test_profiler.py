@@ -15,7 +15,7 @@ from torch import nn
 import flatpack
 from flatpack.errors import InputError
 from flatpack.ir import meta
-from flatpack.ir.profile import ChainProfile, Linear
+from flatpack.ir.profile import ChainProfile, LayerProfile, Linear
 from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
 
 FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
@@ -353,9 +353,7 @@ def test_a_pass_that_drops_profiles_after_coarsen_gets_the_chain_profiled_again(
 # --- profiles that can be trusted ---------------------------------------------------------------
 
 
-def _layer(name: str, forward: Linear, backward: Linear) -> "LayerProfile":
-    from flatpack.ir.profile import LayerProfile
-
+def _layer(name: str, forward: Linear, backward: Linear) -> LayerProfile:
     zero = Linear(0.0, 0.0)
     return LayerProfile(name=name, forward_s=forward, backward_s=backward, param_bytes=0, grad_bytes=0,
                         buffer_bytes=0, saved_bytes=zero, output_bytes=zero, peak_bytes=zero)

@@ -68,7 +68,8 @@ def test_batches_are_checked_against_the_compiled_example():
     compiled = _compiled()
     good = ((torch.randn(16, 64),), torch.randint(0, 10, (16,)))
     assert check_training_call(compiled, [good, good], iterations=2, micro_batches=4) == 16
-    with pytest.raises(InputError, match=r"batch 0: input 'input_1' has shape \(16, 32\).*dimension 0 may differ.*dim 1 must be 64, got 32"):
+    with pytest.raises(InputError, match=r"batch 0: input 'input_1' has shape \(16, 32\).*dimension 0 may differ.*dim "
+                                         r"1 must be 64, got 32"):
         check_batch(compiled, ((torch.randn(16, 32),), good[1]), 0)
     with pytest.raises(InputError, match="dtype float64"):
         check_batch(compiled, ((torch.randn(16, 64, dtype=torch.float64),), good[1]), 0)

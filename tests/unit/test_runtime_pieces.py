@@ -3,6 +3,7 @@ scatter-reduce schedules over a real (filesystem) store with threads as replicas
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -44,7 +45,7 @@ def test_1f1b_warms_up_then_alternates_and_keeps_every_task_once(stage, stages, 
 def test_chunk_bounds_tile_the_vector(numel, parts):
     bounds = chunk_bounds(numel, parts)
     assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
 
 
@@ -163,7 +164,7 @@ def test_every_backend_exports_the_backend_functions():
 
     for name in BACKENDS.names():
         module = get_backend(name)
-        assert module.NAME == name
+        assert name == module.NAME
         for function in BACKEND_FUNCTIONS:
             assert callable(getattr(module, function)), f"backend {name} lacks {function}"
 

@@ -145,7 +145,7 @@ def test_a_worker_failure_is_transient_only_when_its_cause_is():
         try:
             raise ConnectionResetError("reset")
         except ConnectionResetError:
-            raise ValueError("mat1 and mat2 shapes cannot be multiplied")
+            raise ValueError("mat1 and mat2 shapes cannot be multiplied")  # noqa: B904 - the chain is the case
     except ValueError as code_error:
         assert not is_transient_failure(code_error)
     assert not is_transient_failure(StoreError("S3 denied get"))

@@ -255,7 +255,7 @@ def check_schedule(problem, plan) -> tuple[float, funcpipe.PipelineCost, list[Ev
         assert sorted(e.micro_batch for e in mine if e.kind == "forward") == list(range(r, total, d))
         for lane in timeline.LANES:
             on_lane = sorted((e for e in mine if e.lane == lane), key=lambda e: e.start)
-            assert all(a.end <= b.start + 1e-12 for a, b in zip(on_lane, on_lane[1:]))
+            assert all(a.end <= b.start + 1e-12 for a, b in itertools.pairwise(on_lane))
         assert sum(e.kind == "sync" for e in mine) == (d > 1) and sum(e.kind == "update" for e in mine) == 1
     # a download starts after the upload it reads
     for e in events:

@@ -43,7 +43,7 @@ def test_a_recomputing_stage_keeps_inputs_and_outputs_and_one_micro_batch():
     assert recomputed.activations == pytest.approx(8 * 2 * (1 + 0.25) * MIB + 32 * MIB)
     assert not kept.fits and recomputed.fits
     assert recomputed.total - recomputed.activations == kept.total - kept.activations
-    assert BASE == recomputed.base
+    assert recomputed.base == BASE
 
 
 def test_a_recomputing_stage_runs_its_forward_again_in_the_backward():

@@ -142,7 +142,7 @@ def test_no_model_name_is_defined_twice_across_the_examples_and_the_zoo():
     assert models.find("gpt2").origin == models.ZOO and models.find("hf-gpt2").origin == models.EXAMPLE
     # a second definition of a registered name is refused, naming it
     with pytest.raises(InputError, match="'gpt2' is already registered"):
-        models.MODELS.register("gpt2", models.find("hf-gpt2"))
+        models.MODELS.register("gpt2", lambda: models.find("hf-gpt2"))
     with pytest.raises(InputError, match="'tiny-resnet' is already registered"):
         models.register_builtins(models.MODELS)
 

@@ -76,7 +76,7 @@ class Response:
 
 class _NoDelayServer(ThreadingHTTPServer):
     daemon_threads = True
-    service: "LocalHTTPService"
+    service: LocalHTTPService
 
     def get_request(self) -> tuple[socket.socket, Any]:
         connection, address = super().get_request()

@@ -26,7 +26,8 @@ class FuseElementwise:
     each of its ops, so each op alone looks like the start of a branch. When every reader of
     ``x`` belongs to such a function (element-wise ops whose inputs are ``x``, each other and
     parameters), it is one op: it joins ``x``'s producer, and the block boundary after it
-    carries one value (``tests/unit/test_passes.py::test_fuse_elementwise_keeps_a_multi_op_activation_with_its_producer``).
+    carries one value
+    (``tests/unit/test_passes.py::test_fuse_elementwise_keeps_a_multi_op_activation_with_its_producer``).
 
     Parameter-free layers computed from the inputs alone (attention masks, position ids,
     casts, sizes) join the first layer that reads them: they are preprocessing, not a

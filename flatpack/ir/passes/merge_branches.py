@@ -147,7 +147,7 @@ class MergeBranches:
         without having been made in block ``N``: they pass a whole block by."""
         nodes = graph.analysis.nodes
         found: set[str] = set()
-        for boundary, (parent, earlier, later) in modules.items():
+        for boundary, (_parent, earlier, later) in modules.items():
             first, second = earlier.rsplit(".", 1)[-1], later.rsplit(".", 1)[-1]
             if not (first.isdigit() and second.isdigit() and int(second) == int(first) + 1):
                 continue

@@ -12,11 +12,11 @@ from flatpack.errors import PlanError
 from flatpack.ir.profile import Linear, SavedLineSum
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
+from flatpack.units import MIB
 
 if TYPE_CHECKING:
     from flatpack.backends.catalog import Tier
 
-MIB = 1024 * 1024
 
 
 def mb(nbytes: float) -> str:
@@ -36,7 +36,7 @@ def check_training_plan(problem: Problem, plan: Plan, model: str) -> None:
         raise PlanError(f"the {model} model is a training model; use the Gillis model for inference workloads")
 
 
-def stage_tier(problem: Problem, stage: StagePlan, index: int) -> "Tier":
+def stage_tier(problem: Problem, stage: StagePlan, index: int) -> Tier:
     """The tier a stage runs on; cost models cannot price or time a stage without one."""
     if stage.memory_mb is None:
         raise PlanError(f"stage {index} (layers {stage.start}..{stage.end}) has no memory tier (memory_mb is "
@@ -64,7 +64,7 @@ def micro_batches_per_replica(problem: Problem, replicas: int) -> int:
     return math.ceil(total / replicas)
 
 
-def layer_times(problem: Problem, start: int, end: int, tier: "Tier", micro_batch: float) -> tuple[float, float]:
+def layer_times(problem: Problem, start: int, end: int, tier: Tier, micro_batch: float) -> tuple[float, float]:
     """Forward and backward seconds of layers start..end for one micro-batch on ``tier``,
     through ``Problem.layer_seconds`` so that calibration applies."""
     forward = backward = 0.0
@@ -107,7 +107,7 @@ class MemoryNeed:
                 f"runtime {mb(self.base)}")
 
 
-def memory_limit(problem: Problem, tier: "Tier") -> tuple[int, int]:
+def memory_limit(problem: Problem, tier: Tier) -> tuple[int, int]:
     """(limit, runtime) bytes a stage's tensors are checked against: a CPU worker's memory
     with the runtime s₀ in it; on a GPU tier the device memory, with s₀ left to the host
     memory beside it (the tensors a stage trains with live on the device)."""
@@ -180,7 +180,7 @@ def activation_bytes(problem: Problem, tensors: StageTensors, micro_batches_in_f
     return micro_batches_in_flight * tensors.saved.at(micro)
 
 
-def memory_need(problem: Problem, tensors: StageTensors, tier: "Tier", *, micro_batches_in_flight: float,
+def memory_need(problem: Problem, tensors: StageTensors, tier: Tier, *, micro_batches_in_flight: float,
                 weight_versions: int = 1, sync_buffer_copies: int = 0, recompute: bool = False) -> MemoryNeed:
     """:func:`stage_memory` from a stage's :class:`StageTensors` (solvers reuse the sums)."""
     limit, base = memory_limit(problem, tier)
@@ -195,7 +195,7 @@ def memory_need(problem: Problem, tensors: StageTensors, tier: "Tier", *, micro_
     )
 
 
-def stage_memory(problem: Problem, start: int, end: int, tier: "Tier", *, micro_batches_in_flight: float,
+def stage_memory(problem: Problem, start: int, end: int, tier: Tier, *, micro_batches_in_flight: float,
                  weight_versions: int = 1, sync_buffer_copies: int = 0, recompute: bool = False) -> MemoryNeed:
     """Memory of a worker holding layers start..end.
 

@@ -90,7 +90,7 @@ class PipelineCost:
     dollars_per_iteration: float   # c_iter (eq. 6)
     fits: bool
     unfit_stage: int | None        # the first stage whose memory need exceeds its tier
-    overheads: "Overheads | None" = None   # the measured terms added to the paper's (None: the paper's model)
+    overheads: Overheads | None = None   # the measured terms added to the paper's (None: the paper's model)
 
     def to_json(self) -> dict:
         return to_json(self, MODEL)
@@ -154,7 +154,7 @@ class Overheads:
         return values[stage] if stage < len(values) else 0.0
 
     @classmethod
-    def of(cls, problem: Problem, plan: Plan) -> "Overheads":
+    def of(cls, problem: Problem, plan: Plan) -> Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
         calibration; each term that nothing measured is 0."""
         replicas = uniform_replicas(plan, "FuncPipe")
@@ -285,7 +285,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
                               sync_buffer_copies=sync_copies, recompute=stage.recompute)
         stages.append(StageCost(
             index=s, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth[s],
-            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag, backward_done_s=done,
+            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag,
+            backward_done_s=done,
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
@@ -351,7 +352,7 @@ def checkpoint_cost(problem: Problem, plan: Plan) -> CheckpointCost:
     return CheckpointCost(tuple(sizes), tuple(seconds))
 
 
-def layer_memory(problem: Problem, index: int, tier: "Tier", replicas: int = 1) -> MemoryNeed:
+def layer_memory(problem: Problem, index: int, tier: Tier, replicas: int = 1) -> MemoryNeed:
     """Eq. 3b for a stage holding layer ``index`` alone on ``tier``, with d = ``replicas``."""
     mu = micro_batches_per_replica(problem, replicas)
     return stage_memory(problem, index, index, tier, micro_batches_in_flight=mu,
@@ -424,7 +425,7 @@ def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
     )
 
 
-def largest_tier(problem: Problem) -> "Tier":
+def largest_tier(problem: Problem) -> Tier:
     """The tier with the most memory for a stage's tensors: the listed tiers, and the
     platform's maximum size where the platform allows sizes beyond the listed ones."""
     platform = problem.platform

@@ -124,7 +124,7 @@ class CommDelay:
         return float(low + step * (values.sum() - (values[0] + values[-1]) / 2))
 
 
-def billed_seconds(platform: "Platform", durations: Sequence[float]) -> float:
+def billed_seconds(platform: Platform, durations: Sequence[float]) -> float:
     """C = (⌈T/D⌉ + Σ_w ⌈T_w/D⌉)·D (001_af86584f8598a88a.txt §IV-C, "billed function
     duration"; D = 1 ms on Lambda, 100 ms on Google Cloud Functions at the time): the sum of
     each function's duration rounded up by ``Platform.billed_seconds``."""
@@ -156,7 +156,7 @@ class ForkJoinPlan:
     num_layers: int
 
     @classmethod
-    def from_plan(cls, plan: Plan, problem: Problem | None = None) -> "ForkJoinPlan":
+    def from_plan(cls, plan: Plan, problem: Problem | None = None) -> ForkJoinPlan:
         """One replica: the master runs the group alone; r > 1: r workers, split by the
         stage's ``split``, or when it has none by :func:`choose_split` on ``problem`` (by
         batch without one)."""
@@ -267,7 +267,7 @@ def group_weight_bytes(problem: Problem, start: int, end: int) -> int:
                for i in range(start, end + 1))
 
 
-def channel_group(problem: Problem, start: int, end: int, parts: int) -> "ChannelGroup | None":
+def channel_group(problem: Problem, start: int, end: int, parts: int) -> ChannelGroup | None:
     """The channel split of layers start..end; None when the problem has no channel
     analysis (Gillis's ideal split). PlanError when the group has none, or fewer channels
     than ``parts``."""
@@ -286,7 +286,7 @@ def channel_group(problem: Problem, start: int, end: int, parts: int) -> "Channe
     return shape
 
 
-def group_cost(problem: Problem, tier: "Tier", group: Group, forward_s: float, weight_bytes: int,
+def group_cost(problem: Problem, tier: Tier, group: Group, forward_s: float, weight_bytes: int,
                fork_delay_s: float, index: int = 0) -> GroupCost:
     """One group's compute, transfer, latency, worker duration and partition weights under
     its split (module docstring); PlanError when the split cannot run this group."""

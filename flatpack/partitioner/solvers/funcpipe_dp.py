@@ -88,7 +88,7 @@ class _Chain:
     replicas: int
     mu: int
     stage_count: int | None          # S when bandwidth depends on it, else None
-    tiers: list["Tier"]
+    tiers: list[Tier]
     price: np.ndarray                # (K,) dollars per second of one worker
     bandwidth: np.ndarray            # (K,) bytes per second
     latency: float
@@ -166,7 +166,7 @@ class _Chain:
         return table
 
     @cached_property
-    def prefix_bounds(self) -> "_PrefixBounds":
+    def prefix_bounds(self) -> _PrefixBounds:
         return _prefix_bounds(self)
 
     @cached_property
@@ -285,7 +285,7 @@ def _stage_tensor_table(problem: Problem) -> list[list]:
     return table
 
 
-def _chain(problem: Problem, tensors: list[list], tiers: list["Tier"], micro_batches: int, replicas: int,
+def _chain(problem: Problem, tensors: list[list], tiers: list[Tier], micro_batches: int, replicas: int,
            stage_count: int | None) -> _Chain:
     problem = with_micro_batches(problem, micro_batches)
     # each (tier, recompute) pair is one option of a stage: a recomputing option has the tier's
@@ -529,7 +529,7 @@ class _Search:
 
     def __init__(self, chain: _Chain, objective: _Objective, incumbent: float, beam: int | None,
                  stats: _Stats, reference: bool = False, deadline: float | None = None,
-                 staircase: "_Staircase | None" = None) -> None:
+                 staircase: _Staircase | None = None) -> None:
         self.chain = chain
         self.deadline = deadline
         self.staircase = staircase            # the exact front's pass prunes with it, not the incumbent

@@ -71,7 +71,7 @@ class Label(NamedTuple):
     latency_s: float
     worker_dollars: float
     master_bytes: int
-    previous: "Label | None"
+    previous: Label | None
     option: GroupOption | None
 
 
@@ -82,7 +82,7 @@ class TierTables:
     def __init__(self, problem: Problem, memory_mb: int, degrees: tuple[int, ...]):
         platform = problem.platform
         self.problem = problem
-        self.tier: "Tier" = platform.tier(memory_mb)
+        self.tier: Tier = platform.tier(memory_mb)
         self.memory_mb = memory_mb
         limit, runtime = memory_limit(problem, self.tier)
         self.runtime_bytes = runtime

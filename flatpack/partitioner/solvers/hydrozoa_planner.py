@@ -74,7 +74,7 @@ class ShardTables:
         self.micro_batches = micro_batches
         self.groups = groups
         self.per_group = math.ceil(micro_batches / groups)   # µ
-        self.tiers: list["Tier"] = [problem.platform.tier(memory) for memory in memory_mb]
+        self.tiers: list[Tier] = [problem.platform.tier(memory) for memory in memory_mb]
         self.prices = [tier.price_per_s for tier in self.tiers]
         alpha, beta = sync_overheads(problem)
         micro = problem.workload.micro_batch_size
@@ -139,7 +139,7 @@ class ShardTables:
                         cut = 2 * self.comm[i - 1][p][t] if i > 0 and p < len(self.tiers) else 0.0
                         self.rest_time[i][p] = min(self.rest_time[i][p], after + cut)
 
-    def next_stages(self, position: int, tier: int | None) -> "NextStages":
+    def next_stages(self, position: int, tier: int | None) -> NextStages:
         """Every stage that can start at ``position`` after a stage on ``tier`` (None: the
         first stage), with what a bound needs, as arrays; cached per state."""
         key = (position, tier)
@@ -174,7 +174,7 @@ class NextStages:
     floor_sync: np.ndarray
 
     @classmethod
-    def of(cls, tables: "ShardTables", position: int, tier: int | None) -> "NextStages":
+    def of(cls, tables: ShardTables, position: int, tier: int | None) -> NextStages:
         rows: list[tuple] = []
         for nxt, stages in enumerate(tables.stage[position]):
             comm = tables.comm[position - 1][tier][nxt] if tier is not None else 0.0
@@ -204,7 +204,7 @@ class Label(NamedTuple):
     backward_lag: float
     sync: float
     price: float
-    previous: "Label | None"
+    previous: Label | None
     stage: tuple[int, int, int] | None   # (start, end, tier) of its last stage
 
     def model_parallel(self, per_group: int) -> float:
@@ -328,7 +328,7 @@ class HybridSearch:
         return reached
 
     def _extend(self, tables: ShardTables, label: Label, position: int, tier: int | None,
-                pending: list[list[list["Pending"]]], cutoff: float) -> None:
+                pending: list[list[list[Pending]]], cutoff: float) -> None:
         """Every stage that can follow ``label``, kept when its bound makes the cutoff; all
         next stages at once, in numpy, since this is the inner loop. The bound: the sums so
         far plus the least Σ(f + b) + 2Σc of any completion, the maxima raised to their
@@ -474,7 +474,7 @@ class Strategy:
                 "memory_mb": stages[0].memory_mb, "time_s": self.time_s, "dollars": self.dollars}
 
 
-def partitions_by_shards(problem: Problem, memory: StageMemory, tier: "Tier", per_group: int,
+def partitions_by_shards(problem: Problem, memory: StageMemory, tier: Tier, per_group: int,
                          bounds: int) -> dict[int, list[tuple[int, int]]]:
     """Hydrozoa's partitioner (App. A.2) on one tier: for each shard count k, the cut of
     least T^(M) among the least-communication cuts under each of ``bounds``² (t_k, r_1)

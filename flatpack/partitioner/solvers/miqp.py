@@ -197,7 +197,7 @@ class Subproblem:
         path = [index.get(key, index.get(stand_ins.get(key))) for key in keys]
         return None if any(arc is None for arc in path) else path
 
-    def with_arcs(self, arcs: Iterable[Arc]) -> "Subproblem":
+    def with_arcs(self, arcs: Iterable[Arc]) -> Subproblem:
         return dataclasses.replace(self, arcs=tuple(arcs))
 
 
@@ -270,7 +270,7 @@ def undominated_arcs(arcs: Sequence[Arc]) -> tuple[list[Arc], tuple]:
     return kept, tuple(stand_ins)
 
 
-def _bandwidth_groups(cap: float | None, tiers: Sequence["Tier"], replicas: int,
+def _bandwidth_groups(cap: float | None, tiers: Sequence[Tier], replicas: int,
                       count: int) -> list[tuple[int, int, dict[int, float]]]:
     """(S_low, S_high, bandwidth by tier) with the same bandwidths for every S in the range —
     computed as ``funcpipe._bandwidths`` does, so that the floats are identical."""
@@ -288,7 +288,7 @@ def _bandwidth_groups(cap: float | None, tiers: Sequence["Tier"], replicas: int,
     return groups
 
 
-def _stage_table(problem: Problem, tiers: Sequence["Tier"], replicas: int,
+def _stage_table(problem: Problem, tiers: Sequence[Tier], replicas: int,
                  per_replica: int) -> dict[tuple[int, int, int], _StageTable]:
     """Compute, gradients and memory fit of every (start, end, tier), summed in the order
     ``common.layer_times`` sums them so that the floats equal the cost model's."""
@@ -310,7 +310,7 @@ def _stage_table(problem: Problem, tiers: Sequence["Tier"], replicas: int,
     return table
 
 
-def _arcs(problem: Problem, tiers: Sequence["Tier"], table: dict[tuple[int, int, int], _StageTable],
+def _arcs(problem: Problem, tiers: Sequence[Tier], table: dict[tuple[int, int, int], _StageTable],
           replicas: int, bandwidth: dict[int, float]) -> list[Arc]:
     platform = problem.platform
     micro = problem.workload.micro_batch_size
@@ -424,7 +424,7 @@ class _Objective:
     slo_s: float | None
 
     @classmethod
-    def of(cls, goal: Goal, replicas: int, unit: float) -> "_Objective":
+    def of(cls, goal: Goal, replicas: int, unit: float) -> _Objective:
         if goal.slo_s is not None:
             return cls(float(replicas), 0.0, True, goal.slo_s)
         weights = goal.weights
@@ -559,8 +559,8 @@ class Miqp(CostSolver):
                     score = _score(problem, goal, outcome.plan)
                     if score is not None and better(score, best_score):
                         best_plan, best_score = outcome.plan, score
-        outcomes = [outcomes[index] for index in order if index in outcomes]
-        return self._result(problem, goal, best_plan, best_score, hint_plan, hint_note, outcomes,
+        ordered = [outcomes[index] for index in order if index in outcomes]
+        return self._result(problem, goal, best_plan, best_score, hint_plan, hint_note, ordered,
                             time.perf_counter() - started + hint_s, build_s, hint_s)
 
     # -- pieces ---------------------------------------------------------------------------
@@ -671,7 +671,7 @@ def _score(problem: Problem, goal: Goal, plan: Plan):
 
 
 def _micro_batches(problem: Problem, plan: Plan) -> int:
-    return plan.micro_batches if plan.micro_batches is not None else problem.workload.micro_batches
+    return plan.micro_batches_for(problem.workload)
 
 
 def _refuse_other_models(problem: Problem) -> None:
@@ -957,5 +957,5 @@ class _CpModel:
             return status, None
         path = sorted((arc for variable, arc in zip(self.x, self.part.arcs) if solver.boolean_value(variable)),
                       key=lambda arc: arc.start)
-        return status, {"path": path, "objective": int(round(solver.objective_value)),
+        return status, {"path": path, "objective": round(solver.objective_value),
                         "bound": solver.best_objective_bound}

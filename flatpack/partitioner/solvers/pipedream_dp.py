@@ -53,7 +53,7 @@ class StageMemory:
     def __init__(self) -> None:
         self._tensors: dict[tuple[int, int], StageTensors] = {}
 
-    def need(self, problem: Problem, start: int, end: int, tier: "Tier", *, micro_batches_in_flight: float,
+    def need(self, problem: Problem, start: int, end: int, tier: Tier, *, micro_batches_in_flight: float,
              weight_versions: int = 1) -> MemoryNeed:
         key = (start, end)
         if key not in self._tensors:
@@ -62,7 +62,7 @@ class StageMemory:
                            weight_versions=weight_versions)
 
 
-def max_versions(problem: Problem, memory: StageMemory, start: int, end: int, tier: "Tier", cap: int) -> int:
+def max_versions(problem: Problem, memory: StageMemory, start: int, end: int, tier: Tier, cap: int) -> int:
     """The most (weights, activations) versions, at most ``cap``, that layers start..end
     can keep on ``tier`` (0 when even one does not fit), as ``stage_memory`` counts them."""
     def fits(versions: int) -> bool:
@@ -159,7 +159,7 @@ class Entry(NamedTuple):
     end: int
     tier: int
     replicas: int
-    rest: "Entry | None"
+    rest: Entry | None
 
 
 def non_dominated(entries: list[Entry]) -> list[Entry]:

@@ -41,7 +41,7 @@ class DecisionSpace:
     space: SearchSpace
 
     @classmethod
-    def of(cls, problem: Problem) -> "DecisionSpace":
+    def of(cls, problem: Problem) -> DecisionSpace:
         """The space's choices; an M that leaves every replica degree idle (d > M for all d
         offered) is no choice, so that every M here has a degree to go with it."""
         space = SearchSpace.of(problem)

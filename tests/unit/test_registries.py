@@ -1,0 +1,48 @@
+"""Every registry of named things — passes, solvers, platforms, backends, models — is one
+:class:`flatpack.registry.Registry`: a name can be registered once, and an entry that knows its
+own name is registered under it."""
+
+from __future__ import annotations
+
+import pytest
+
+from flatpack.backends import BACKENDS
+from flatpack.backends.catalog import PLATFORMS
+from flatpack.ir.passes import PASSES
+from flatpack.models import MODELS
+from flatpack.partitioner.solvers import SOLVERS
+from flatpack.registry import Registry
+
+REGISTRIES = {"pass": PASSES, "solver": SOLVERS, "platform": PLATFORMS, "backend": BACKENDS, "model": MODELS}
+
+
+def entry_name(entry: object) -> str | None:
+    """The name an entry gives itself: ``name`` (passes, solvers, platforms, models) or a
+    backend module's ``NAME``."""
+    return getattr(entry, "name", None) or getattr(entry, "NAME", None)
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRIES))
+def test_every_registry_is_the_one_helper(kind):
+    registry = REGISTRIES[kind]
+    assert isinstance(registry, Registry) and registry.kind == kind
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRIES))
+def test_each_key_is_its_entry_s_name(kind):
+    registry = REGISTRIES[kind]
+    named = 0
+    for key in registry.names():
+        name = entry_name(registry.make(key))
+        if name is not None:
+            named += 1
+            assert name == key, f"{kind} registered as {key!r} calls itself {name!r}"
+    assert named, f"no {kind} entry has a name to check"
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRIES))
+def test_a_taken_name_is_refused(kind):
+    registry = REGISTRIES[kind]
+    taken = registry.names()[0]
+    with pytest.raises(registry.error, match=f"a {kind} named {taken!r} is already registered; pick another name"):
+        registry.register(taken, lambda: None)
