@@ -48,7 +48,7 @@ from flatpack.partitioner.workload import Workload
 if __package__ in (None, ""):  # ``python benchmarks/forkjoin_split.py`` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fidelity import calibrate  # noqa: E402
+from benchmarks.fidelity import calibrate
 
 MEMORY_MB = 1024
 

@@ -28,7 +28,8 @@ from flatpack.table import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FILES = ("tests/property/test_equivalence.py", "tests/property/test_structure.py")
-# hypothesis --hypothesis-show-statistics: "tests/x.py::test_y:" then "- 12 passing examples, 0 failing examples, 3 invalid examples"
+# hypothesis --hypothesis-show-statistics: "tests/x.py::test_y:" then
+# "- 12 passing examples, 0 failing examples, 3 invalid examples"
 TEST_LINE = re.compile(r"^(?P<test>\S+::\S+):$")
 COUNTS_LINE = re.compile(r"(?P<passing>\d+) passing examples?, (?P<failing>\d+) failing examples?, "
                          r"(?P<invalid>\d+) invalid examples?")

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from flatpack.backends import task_overheads
-from flatpack.backends.calibration import SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo,
+                                           TierCalibration)
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes

@@ -156,7 +156,7 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
     whole = {(event.stage, event.replica, event.iteration, event.kind): event
              for event in kept if event.micro_batch is None and event.lane == "compute"}
     pairs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for (stage, iteration, kind, micro_batch), event in tasks.items():
+    for (stage, _, kind, _), event in tasks.items():
         seconds = event.end - event.start
         if kind in ("forward", "backward"):
             modelled = cost.stages[stage].forward_s if kind == "forward" else cost.stages[stage].backward_s

@@ -66,7 +66,7 @@ def global_norm(store: Store, keys: RunKeys, iteration: int, stage: int, stages:
 
 
 def checked_step(params: Sequence[torch.Tensor], counted: Iterable[torch.Tensor | None],
-                 max_norm: float | None, scaler: "LossScaler | None",
+                 max_norm: float | None, scaler: LossScaler | None,
                  reduce: Callable[[list[float]], list[float]]) -> bool:
     """What a stage does between its gradients (those of ``params``, all its trainable
     parameters) and its optimizer step: unscales them (fp16's ``scaler``), learns through

@@ -75,7 +75,7 @@ def crossed(value: Any, precision: str) -> Any:
 
 
 
-def received_specs(specs: Mapping[str, TensorSpec], stage: "StageSpec", precision: str) -> dict[str, TensorSpec]:
+def received_specs(specs: Mapping[str, TensorSpec], stage: StageSpec, precision: str) -> dict[str, TensorSpec]:
     """What a stage's worker checks its inputs against: the manifest's specs, with the float32
     inputs another stage sends in the precision's wire dtype, since :func:`for_wire` cast them
     on the way (the model's own inputs, ``DATA_SOURCE``, arrive as the data has them)."""
@@ -119,7 +119,7 @@ class LossScaling:
                              f"the scale grows), got {self.growth_interval!r}; GradScaler's default is 2000")
 
     @classmethod
-    def of(cls, value: "LossScaling | dict | None") -> "LossScaling":
+    def of(cls, value: LossScaling | dict | None) -> LossScaling:
         """From plain data (the spec's JSON, ``train(loss_scaling={...})``) or as given."""
         if value is None:
             return cls()

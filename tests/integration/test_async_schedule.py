@@ -50,8 +50,9 @@ def test_async_run_equals_the_single_process_simulation_of_the_same_schedule(s3_
     model, data = case()
     compiled = compiled_with(model, data[0][0], [1] * stages, micro_batches=4)
     assert len(compiled.plan.stages) == stages
-    simulated, losses = train_async_single_process(model, data, ITERATIONS, stage_of=parameter_stages(compiled), stages=stages,
-                                                   micro_batches=4, optimizer=ADAM, vertical_sync=vertical_sync)
+    simulated, losses = train_async_single_process(model, data, ITERATIONS, stage_of=parameter_stages(compiled),
+                                                   stages=stages, micro_batches=4, optimizer=ADAM,
+                                                   vertical_sync=vertical_sync)
     # the schedule matters: flushed training on the same batches ends elsewhere
     flushed, _ = train_single_process(model, data, ITERATIONS, optimizer=ADAM, micro_batches=4)
     assert any(not torch.allclose(a, b, atol=1e-3) for a, b in zip(simulated.parameters(), flushed.parameters()))

@@ -1,7 +1,8 @@
 """`flatpack calibrate --target local` for real: a calibration function per tier, each a
 separate process held to its tier's CPU share and link, sharing only the local S3 server,
-then the probe pipeline of each tier with 2 and 4 workers (the task terms); then `flatpack compile --calibration` records the file's digest in the plan, and reusing
-that plan without the calibration is refused (item 5). No wall-clock time is asserted
+then the probe pipeline of each tier with 2 and 4 workers and the served probe (the task
+terms); then `flatpack compile --calibration` records the file's digest in the plan, and
+reusing that plan without the calibration is refused (item 5). No wall-clock time is asserted
 beyond orderings with wide margins."""
 
 from __future__ import annotations

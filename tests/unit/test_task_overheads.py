@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flatpack.backends.calibration import Calibration, TierCalibration
+from flatpack.backends.calibration import Calibration
 from flatpack.backends.task_overheads import fit
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe
@@ -104,7 +104,8 @@ def test_the_calibration_file_keeps_the_terms_and_refuses_bad_ones(tmp_path):
     # the sync, measured with 4 workers only, is that figure at every count; nothing measured is 0
     assert loaded.task_overhead(512, "sync", 8) == 0.01 and loaded.task_overhead(1024, "forward", 2) == 0.0
     data = json.loads((tmp_path / "calibration.json").read_text())
-    for bad, message in (({"2": {"forwards": 0.001}}, r"task_overhead_s.2 names forwards; the tasks measured are forward"),
+    for bad, message in (({"2": {"forwards": 0.001}},
+                          r"task_overhead_s.2 names forwards; the tasks measured are forward"),
                          ({"2": {"forward": -0.001}}, r"task_overhead_s.2.forward must be non-negative"),
                          ({"two": {"forward": 0.001}}, "must map worker counts")):
         broken = {**data, "tiers": {"512": {**data["tiers"]["512"], "task_overhead_s": bad}}}
@@ -121,7 +122,8 @@ def test_each_task_term_enters_where_its_task_is_spent():
     terms = Overheads(forward_task_s=(0.001, 0.002), backward_task_s=(0.003, 0.004), upload_task_s=(0.01, 0.02),
                       download_task_s=(0.03, 0.04), step_task_s=(0.5, 0.25), iteration_s=0.125, sync_task_s=(1.0, 1.0))
     found = funcpipe.iteration(problem(), TWO, terms)
-    assert [s.forward_s for s in found.stages] == pytest.approx([s.forward_s + o for s, o in zip(base.stages, (0.001, 0.002))])
+    assert [s.forward_s for s in found.stages] == pytest.approx([s.forward_s + o
+                                                                 for s, o in zip(base.stages, (0.001, 0.002))])
     assert [s.backward_s for s in found.stages] == pytest.approx([s.backward_s + o
                                                                   for s, o in zip(base.stages, (0.003, 0.004))])
     boundary, before = found.boundaries[0], base.boundaries[0]
@@ -140,8 +142,9 @@ def test_each_task_term_enters_where_its_task_is_spent():
     assert [s.sync_s for s in found.stages] == [0.0, 0.0]
     replicated = plan((0, 1, 1024, 2), (2, 2, 1024, 2))
     synced = funcpipe.iteration(problem(), replicated, Overheads(sync_task_s=(1.0, 2.0)))
-    assert [s.sync_s for s in synced.stages] == pytest.approx(
-        [s.sync_s + extra for s, extra in zip(funcpipe.iteration(problem(), replicated, Overheads()).stages, (1.0, 2.0))])
+    unsynced = funcpipe.iteration(problem(), replicated, Overheads())
+    assert [s.sync_s for s in synced.stages] == pytest.approx([s.sync_s + extra
+                                                               for s, extra in zip(unsynced.stages, (1.0, 2.0))])
 
 
 def test_the_terms_come_from_the_calibration_at_the_plans_worker_count():

@@ -176,7 +176,7 @@ class Overheads:
         calibration = problem.calibration
         workers = sum(stage.replicas for stage in plan.stages)
 
-        def measured(kind: str, tier: "Tier") -> float:
+        def measured(kind: str, tier: Tier) -> float:
             return calibration.task_overhead(tier.memory_mb, kind, workers) if calibration is not None else 0.0
 
         tasks = {f"{kind}_task_s": tuple(measured(kind, tier) for tier in tiers)

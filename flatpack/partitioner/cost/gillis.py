@@ -247,7 +247,7 @@ def _default_delay(problem: Problem) -> CommDelay:
     return CommDelay(problem.platform.storage_latency_s)
 
 
-def _request_overhead(problem: Problem, tier: "Tier", fork_join: "ForkJoinPlan", invocations: int) -> float:
+def _request_overhead(problem: Problem, tier: Tier, fork_join: ForkJoinPlan, invocations: int) -> float:
     """What a request costs beyond the paper's equations, as ``flatpack calibrate`` measured
     it on the tier (``backends.task_overheads.measure_serving``; 0 where nothing measured it):
     the request's own round trip once (its upload, the master's wait, the response's upload

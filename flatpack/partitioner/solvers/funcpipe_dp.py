@@ -128,7 +128,7 @@ class _Chain:
         gamma, delta = scatter_reduce_coefficients(self.sync_method, self.replicas)
         return gamma * gradients[:, None] / self.bandwidth[None, :] + delta * self.latency
 
-    def stage_row(self, start: int) -> "_StageRow":
+    def stage_row(self, start: int) -> _StageRow:
         """Every stage from ``start``: the options worth trying and their seconds, computed
         once per chain (the beam pass, the exact pass, the prefix fronts and every goal of a
         front read them)."""
@@ -136,7 +136,7 @@ class _Chain:
             self._stage_options[start] = self._row(start)
         return self._stage_options[start]
 
-    def stage_options(self, start: int, end: int) -> "_StageOptions | None":
+    def stage_options(self, start: int, end: int) -> _StageOptions | None:
         """Stage start..end alone (None when it fits no option): a row of :meth:`stage_row`."""
         row = self.stage_row(start)
         offset = end - start
@@ -145,7 +145,7 @@ class _Chain:
         return _StageOptions(np.flatnonzero(row.kept[offset]), row.forward[offset], row.backward[offset],
                              row.sync[offset])
 
-    def _row(self, start: int) -> "_StageRow":
+    def _row(self, start: int) -> _StageRow:
         fits = np.array(self.fits[start], dtype=bool).reshape(-1, len(self.tiers))      # (E, K)
         ends = start + np.arange(len(fits))
         forward = (self.forward_prefix[:, ends + 1] - self.forward_prefix[:, [start]]).T
@@ -493,7 +493,7 @@ def _front(keys: np.ndarray) -> np.ndarray:
     came earlier and is on the front or was dominated by it), and every later row one of
     them dominates is dropped at once. The strongest rows come first and remove most
     others in the first rounds; the batch doubles as the front is found."""
-    count, width = keys.shape
+    count = keys.shape[0]
     if count <= 1:
         return np.arange(count)
     low, high = keys.min(axis=0), keys.max(axis=0)
