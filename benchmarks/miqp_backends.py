@@ -22,13 +22,13 @@ import math
 import random
 import time
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.objective import Weights, dollars_per_mb_s
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.solvers import miqp
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import Platform, Tier
 
 MIB = 1024 * 1024
 # Lambda-like: price proportional to memory; more memory, more CPU share and bandwidth

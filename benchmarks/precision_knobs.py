@@ -31,12 +31,12 @@ from torch import nn
 import flatpack
 from flatpack.backends import local
 from flatpack.errors import PlanError
-from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.objective import Weights
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
+from flatpack.profiler import ProfileOptions
 from flatpack.runtime.s3server import LocalS3Server
 
 MIB = 2 ** 20

@@ -16,8 +16,9 @@ import torch
 from flatpack import logs
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
-from flatpack.partitioner.workload import MODES, SYNC_METHODS
+from flatpack.partitioner.workload import MODES
 from flatpack.runtime.spec import SCHEDULES
+from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
 
 LOG = logs.get("cli")
@@ -220,7 +221,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_sign(args: argparse.Namespace) -> int:
     """Signs an artifact's index after checking every file against it."""
-    from flatpack.codegen.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
+    from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
 
     verified = read_verified(args.dir, digest=args.digest)
     signature = Path(args.dir) / SIGNATURE_FILE
@@ -232,7 +233,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
-    from flatpack.codegen.integrity import read_verified
+    from flatpack.stage.integrity import read_verified
     from flatpack.compiler import COMPILED_FILE
     from flatpack.ir import structure
 
@@ -250,7 +251,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     import flatpack
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
 
     model, inputs = load_factory(args.model, args.size)
     if args.target:
@@ -375,7 +376,7 @@ def _plan_workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
     """Unknown tiers are refused before profiling, not after."""
-    from flatpack.backends.catalog import get_platform, platform_names
+    from flatpack.platform.catalog import get_platform, platform_names
 
     if target not in platform_names():
         raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
@@ -386,7 +387,7 @@ def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from flatpack.compiler import build_problem
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.partitioner import report as plan_report
     from flatpack.partitioner.objective import Weights, cost_model_for
 
@@ -464,7 +465,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_from_run(args: argparse.Namespace) -> int:
     """``flatpack plan --from-run RUN_DIR``: re-fit the model to the run's timeline, solve
     again, print old plan, new plan and the predicted saving (``--json FILE``: the new plan)."""
-    from flatpack.partitioner.refit import replan_run
+    from flatpack.compiler import replan_run
 
     if args.model is not None:
         raise InputError(f"--from-run {args.from_run} re-plans the model that run trained; leave MODEL "
@@ -519,7 +520,7 @@ def _plot_title(args: argparse.Namespace, problem: Any) -> str:
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
-    from flatpack.backends.catalog import describe_platforms, get_platform, platform_names
+    from flatpack.platform.catalog import describe_platforms, get_platform, platform_names
 
     names = args.names or platform_names()
     report(args, None if args.json else describe_platforms(names),
@@ -621,7 +622,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     import flatpack
     from flatpack.job import FastestOnFront
     from flatpack.backends import get_backend
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.partitioner.workload import Workload
 
     if args.target not in CLOUD_OPTIONS:

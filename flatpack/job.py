@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from flatpack import logs
-from flatpack.errors import FlatpackError, InputError
 from flatpack.backends.batch_checks import NON_FINITE
+from flatpack.errors import FlatpackError, InputError
 from flatpack.rundir import RunDirectory, RunRecord
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
 from flatpack.runtime.reference import call, first_output
@@ -176,7 +176,7 @@ class JobOptions:
              f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {self.micro_batches} "
              "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
         if self.memory_mb:
-            from flatpack.backends.catalog import get_platform
+            from flatpack.platform.catalog import get_platform
 
             platform = get_platform("local")
             for size in self.memory_mb:
@@ -190,7 +190,7 @@ class JobOptions:
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
         if self.calibration is not None:
-            from flatpack.backends.calibration import Calibration
+            from flatpack.platform.calibration import Calibration
 
             # read and checked now: a bad file is refused before anything is compiled or started
             need(Calibration.load(self.calibration).platform == "local",
@@ -202,7 +202,8 @@ class JobOptions:
              "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
         need((self.stages is None and not self.split_points) or self.pick == "recommended",
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
-        from flatpack.partitioner.workload import PRECISIONS, RECOMPUTE
+        from flatpack.partitioner.workload import RECOMPUTE
+        from flatpack.stage.settings import PRECISIONS
 
         need(self.precision in PRECISIONS,
              f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default) or bf16 "
@@ -538,10 +539,10 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
     import flatpack
     from flatpack.backends import local
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload
-    from flatpack.partitioner.refit import EVENTS_FILE
+    from flatpack.runtime.refit import EVENTS_FILE
     from flatpack.runtime import chrome_trace, gantt, report, timeline
 
     def say(text: str = "") -> None:
@@ -685,7 +686,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
                 "on the later iterations")
-        # the timeline, for `flatpack plan --from-run` (partitioner.refit) to re-fit the model to
+        # the timeline, for `flatpack plan --from-run` (runtime.refit) to re-fit the model to
         (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
@@ -728,7 +729,7 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
     from flatpack.backends.functions import merge_results
     from flatpack.data import first_batch_rows
     from flatpack.evaluation import evaluate
-    from flatpack.runtime.progress import ProgressLine
+    from flatpack.progress import ProgressLine
 
     if not eval_every:
         return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),

@@ -8,13 +8,13 @@ sharing only a local S3 server; ``aws-lambda`` and ``alibaba-fc`` deploy the sam
 as container images (``images``, ``cloud``) and share the local backend's invoker
 (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
 ``torch.distributed``. The platform data behind each target (tiers,
-bandwidth, prices, limits, with sources) is in :mod:`flatpack.backends.catalog`.
+bandwidth, prices, limits, with sources) is in :mod:`flatpack.platform.catalog`.
 """
 
 from types import ModuleType
 
-from flatpack.backends.catalog import BUILTIN_PLATFORMS
 from flatpack.errors import InputError
+from flatpack.platform.catalog import BUILTIN_PLATFORMS
 from flatpack.registry import Registry
 
 # The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container.

@@ -37,9 +37,9 @@ from flatpack.backends.functions import TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
+from flatpack.runtime.function import STORE_ENV
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import s3_addressing_style
-from flatpack.runtime.worker import STORE_ENV
 
 __all__ = ["NAME", "package", "deploy", "invoke", "teardown", "LambdaDeployment", "TrainResult"]
 

@@ -1,5 +1,5 @@
 """``flatpack calibrate --target T``: measure the target itself, for every model, and write
-the calibration file (:mod:`flatpack.backends.calibration`, schema 2) that ``compile``,
+the calibration file (:mod:`flatpack.platform.calibration`, schema 2) that ``compile``,
 ``plan`` and ``run`` take with ``--calibration``.
 
 How: a one-layer probe model is compiled for the target and deployed with the target's
@@ -29,11 +29,17 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.backends import profiling
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.backends.profiling import _status_detail
+from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
+from flatpack.platform.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
+from flatpack.platform.catalog import get_platform, host_cores
+from flatpack.profiler import host_info
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
 from flatpack.runtime.spec import Role
+from flatpack.version import __version__
 
 DEFAULT_TIMEOUT_S = 300.0
 COLD, WARM = 0, 1
@@ -59,12 +65,6 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     stages and the host profile run. ``round_trips``: small store requests each way per
     tier (the latency fit needs at least 8). ``probe_bytes``: each bandwidth probe.
     ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment)."""
-    from flatpack.backends import profiling
-    from flatpack.backends.catalog import get_platform, host_cores
-    from flatpack.compiler import compile as compile_model
-    from flatpack.ir.profiler import host_info
-    from flatpack.version import __version__
-
     platform = get_platform(target)
     memory_sizes = profiling._tier_sizes(platform, tiers)
     local = emulate or target == "local"
@@ -155,8 +155,6 @@ def _collect(deployment: FunctionDeployment, role: Role) -> CalibrateResult | No
 
 
 def _why(deployment: FunctionDeployment, role: Role) -> str:
-    from flatpack.backends.profiling import _status_detail
-
     return _status_detail(read_status(deployment.store, deployment.keys, role)) or "it wrote no result"
 
 
@@ -185,8 +183,6 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
 
 def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
                 host_seconds: dict[str, float]) -> dict[str, str]:
-    from flatpack.ir.profiler import host_info
-
     where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share and link by the local "
              "backend: emulated, not measured on the platform" if emulated
              else f"one calibration function per memory tier on {target}, at the platform's own CPU share and link")

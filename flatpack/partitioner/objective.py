@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import InputError, PlanError
+from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Platform
+    from flatpack.platform.catalog import Platform
 
 FUNCPIPE_WEIGHTS: tuple[tuple[float, float], ...] = ((1.0, 0.0), (1.0, 2.0 ** 16), (1.0, 2.0 ** 19), (1.0, 2.0 ** 22))
 COST_MODELS = ("funcpipe", "hydrozoa", "pipedream", "gillis")
@@ -121,8 +122,6 @@ class Evaluation:
 
 def evaluate(problem: Problem, plan: Plan) -> Evaluation:
     """Time, dollars and fit of ``plan`` under the problem's cost model."""
-    from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
-
     model = cost_model_for(problem)
     problem = problem_for(problem, plan)
     if model == "gillis":

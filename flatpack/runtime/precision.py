@@ -17,8 +17,8 @@ from typing import Any, ContextManager, Mapping
 
 import torch
 
-from flatpack.ir.tensor_check import TensorSpec, dtype_name
 from flatpack.runtime.spec import DATA_SOURCE, StageSpec
+from flatpack.stage.tensor_check import TensorSpec, dtype_name
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 

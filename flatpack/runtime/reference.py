@@ -18,6 +18,9 @@ from torch import nn
 
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, loss_value
+from flatpack.runtime.precision import autocast
+from flatpack.runtime.spec import check_precision, micro_batch_size, split_value
+from flatpack.runtime.stashing import forward_version
 
 
 def first_output(output: Any) -> torch.Tensor:
@@ -50,8 +53,6 @@ def _training_copy(model: nn.Module, micro_batches: int, optimizer: Any, precisi
                    copy_model: bool) -> tuple[nn.Module, OptimizerSpec, list[tuple[str, nn.Parameter]]]:
     """What both references train: the checked options, the model (a copy unless
     ``copy_model`` is False) in train mode, its optimizer spec and trainable parameters."""
-    from flatpack.runtime.spec import check_precision
-
     check_precision(precision)
     if micro_batches < 1:
         raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
@@ -87,9 +88,6 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     update. ``optimizer_state``: filled with each trainable parameter's final optimizer
     tensors (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) by name.
     """
-    from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import micro_batch_size, split_value
-
     trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
     opt = spec.build(p for _, p in named)
     scheduler = spec.build_schedule(opt)
@@ -155,10 +153,6 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     version is kept here; a stage keeps only those its in-flight micro-batches hold. The
     losses are each global batch's mean (micro-batch means weighted by their share);
     ``optimizer_state`` as :func:`train_single_process` fills it."""
-    from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import micro_batch_size, split_value
-    from flatpack.runtime.stashing import forward_version
-
     trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
     missing = [name for name, _ in named if name not in stage_of]
     if missing:

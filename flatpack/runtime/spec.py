@@ -11,11 +11,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flatpack.errors import InputError
-# "bf16": stages compute under autocast (float32 master weights and optimizer state) and the
-# tensors crossing stage boundaries travel as bfloat16 (runtime.precision)
-from flatpack.partitioner.workload import PRECISIONS
-from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
+from flatpack.stage.manifest import Manifest
+from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
 
 # "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
 # weight stashing (runtime.stashing)
@@ -160,7 +158,7 @@ class Role:
         return f"s{self.stage}r{self.replica}"
 
 
-def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
+def routing(manifests: Sequence[Manifest], input_names: Sequence[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
     """For each stage, where each input comes from (the nearest earlier stage that outputs
     it, else the data) and which later stages read its outputs."""
     known_inputs = set(input_names)
@@ -168,10 +166,9 @@ def routing(manifests: list[dict[str, Any]], input_names: list[str]) -> tuple[li
     consumers: list[set[int]] = [set() for _ in manifests]
     for index, manifest in enumerate(manifests):
         stage_sources = {}
-        for entry in manifest["inputs"]:
-            name = entry["name"]
+        for name in manifest.input_names:
             producer = next((earlier for earlier in range(index - 1, -1, -1)
-                             if name in {out["name"] for out in manifests[earlier]["outputs"]}), DATA_SOURCE)
+                             if name in manifests[earlier].output_names), DATA_SOURCE)
             if producer == DATA_SOURCE and name not in known_inputs:
                 raise InputError(f"stage {index} reads {name!r}, which no earlier stage outputs and the model does "
                                  "not take as input; recompile the model")
@@ -219,7 +216,7 @@ def check_precision(precision: Any) -> None:
                          "bf16 (autocast, float32 master weights, bfloat16 tensors between stages)")
 
 
-def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees: Sequence[int],
+def stage_specs(manifests: Sequence[Manifest], input_names: Sequence[str], degrees: Sequence[int],
                 memory_mb: Sequence[int | None], tier_of: Callable[[int], Any] | None = None,
                 recompute: Sequence[bool] | None = None) -> tuple[StageSpec, ...]:
     """The runtime's view of a plan's stages: routing, degrees, and each stage's tier as the
@@ -234,19 +231,18 @@ def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees
         specs.append(StageSpec(
             index=index, replicas=degrees[index], memory_mb=memory_mb[index],
             vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
-            inputs=tuple(entry["name"] for entry in manifest["inputs"]),
-            outputs=tuple(entry["name"] for entry in manifest["outputs"]),
+            inputs=manifest.input_names, outputs=manifest.output_names,
             sources=sources[index], consumers=consumers[index], recompute=bool(recompute[index])))
     return tuple(specs)
 
 
-def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+def shared_holders(manifests: Sequence[Manifest]) -> dict[str, tuple[int, ...]]:
     """Tied parameter name -> the stages holding a copy (from the manifests' ``shared_with``)."""
     shared: dict[str, set[int]] = {}
     for index, manifest in enumerate(manifests):
-        for entry in manifest["parameters"]:
-            if entry.get("shared_with"):
-                shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
+        for entry in manifest.parameters:
+            if entry.shared_with:
+                shared.setdefault(entry.name, set()).update([index, *entry.shared_with])
     return {name: tuple(sorted(holders)) for name, holders in shared.items()}
 
 

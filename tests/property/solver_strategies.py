@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import Platform, Tier
 
 MIB = 1024 * 1024
 HOST = HostInfo(device="cpu", threads=2, cpu="test", torch_version="test")

@@ -17,7 +17,6 @@ import re
 import numpy as np
 import pytest
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.errors import PlanError
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_layers_fit, funcpipe, gillis, hydrozoa,
@@ -26,6 +25,7 @@ from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_lay
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import Platform, Tier
 
 MIB = 1024 * 1024
 HOST = HostInfo(device="cpu", threads=1, cpu="test", torch_version="test")

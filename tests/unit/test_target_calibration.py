@@ -12,13 +12,13 @@ from scipy.stats import exponnorm
 
 from flatpack import cli
 from flatpack.backends import aws_lambda, cloud, profiling
-from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.backends.target_calibration import calibrate_target, calibration_summary
 from flatpack.errors import InputError
+from flatpack.platform.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.runtime.calibrate_function import (CALIBRATE_KIND, CalibrateResult, CalibrateSpec, calibrate_role,
                                                  run_calibrate)
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.store import open_store
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.throttle import DEFAULT_BURST_S
 from tests.unit.test_cost_models import HOST, platform, problem
 

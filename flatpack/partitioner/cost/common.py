@@ -14,7 +14,7 @@ from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 MIB = 1024 * 1024
 

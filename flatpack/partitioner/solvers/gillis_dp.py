@@ -43,7 +43,7 @@ from flatpack.partitioner.solvers.base import Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 MASTER_ALONE = 1          # a stage's replicas when the master runs the group by itself

@@ -42,17 +42,17 @@ from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
 from flatpack.partitioner.cost.common import mb, stage_memory
 from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
-from flatpack.partitioner.objective import Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit
+from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
+                                            with_micro_batches)
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import CostSolver, Goal, better
-from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.solvers.pipedream_dp import StageMemory
 from flatpack.partitioner.space import SearchSpace
 from flatpack.partitioner.workload import divisors_up_to
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 BEAM_WIDTH = 8            # labels per state in the pass that finds a first incumbent

@@ -40,7 +40,7 @@ from flatpack.partitioner.solvers.base import Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never prunes an optimum
