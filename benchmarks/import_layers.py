@@ -24,64 +24,11 @@ import os
 import statistics
 import subprocess
 import sys
-from collections import Counter, defaultdict
 
-from flatpack.sources import PACKAGE, ROOT, closure, import_graph
+from flatpack.backends.images import FUNCTION_ENTRIES
+from flatpack.sources import PACKAGE, ROOT, closure, cycles, import_graph, package_graph
 
 WORKERS = ("flatpack.runtime.worker", "flatpack.runtime.handler", "flatpack.runtime.distributed")
-IMAGE_ENTRIES = ("flatpack.runtime.handler", "flatpack.runtime.fc_server")
-
-
-def subpackage(module: str) -> str:
-    """``flatpack.ir.passes.coarsen`` -> ``ir``; a top-level module is its own node."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
-def package_graph(files: dict[str, Counter[str]]) -> dict[str, Counter[str]]:
-    graph: dict[str, Counter[str]] = defaultdict(Counter)
-    for source, targets in files.items():
-        graph[subpackage(source)]  # every sub-package is a node, even one that imports nothing
-        for target, count in targets.items():
-            if subpackage(target) != subpackage(source):
-                graph[subpackage(source)][subpackage(target)] += count
-    return graph
-
-
-def cycles(graph: dict[str, Counter[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one member (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-    sys.setrecursionlimit(10_000)
-
-    def connect(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for target in graph.get(node, ()):
-            if target not in index:
-                connect(target)
-                low[node] = min(low[node], low[target])
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                components.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            connect(node)
-    return components
 
 
 def worker_imports(module: str) -> tuple[list[str], float]:
@@ -130,9 +77,9 @@ def main() -> None:
         print(f"import {module}: {len(modules)} flatpack modules, {seconds:.3f} s beyond torch "
               f"(median of {args.repeat}; torch imported first)")
         print("  " + " ".join(modules))
-    shipped = closure(IMAGE_ENTRIES, files)
+    shipped = closure(FUNCTION_ENTRIES, files)
     print(f"a function image ships {len(shipped)} of {len(files)} flatpack modules "
-          f"(the closure of {', '.join(IMAGE_ENTRIES)})")
+          f"(the closure of {', '.join(FUNCTION_ENTRIES)})")
 
 
 if __name__ == "__main__":

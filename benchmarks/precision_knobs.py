@@ -89,7 +89,7 @@ def plan_at(problem, size: int, micro_batches: int, recompute: str):
     workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
                         recompute=recompute)
     candidate = dataclasses.replace(problem, workload=workload,
-                                    options={**problem.options, "memory_mb": (SMALLEST_TIER,), "replicas": (1,)})
+                                    options=problem.options.with_changes(memory_mb=(SMALLEST_TIER,), replicas=(1,)))
     try:
         return candidate, get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
     except PlanError:

@@ -30,6 +30,7 @@ from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
 from flatpack.partitioner.cost import gillis
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan, Provenance
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
@@ -48,13 +49,6 @@ from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
 COMPILED_FILE = "flatpack.json"
-# What ``Problem.options`` may hold, and so what ``compile`` and ``build_problem`` accept as
-# keyword options: the search space (partitioner/space.py), the objective (solvers/base.py)
-# and the cost models' knobs (objective.py, cost/gillis.py).
-PROBLEM_OPTIONS: frozenset[str] = frozenset({
-    "memory_mb", "replicas", "micro_batches", "max_workers", "weights", "cost_model", "hydrozoa_alpha",
-    "hydrozoa_beta", "comm_delay",
-})
 
 
 def stage_dirname(index: int) -> str:
@@ -429,11 +423,11 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     warning when ``force``. ``measured``: a finished ``flatpack run`` directory whose
     timeline re-fits the per-layer and per-transfer times (``runtime.refit``) in place
     of ``calibration``; the solver then searches the tiers that run measured unless
-    ``memory_mb`` says otherwise. ``options``: the cost-model
-    solvers' search space and objective (``PROBLEM_OPTIONS``): ``memory_mb``, ``replicas``,
-    ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
+    ``memory_mb`` says otherwise. ``options``: the cost-model solvers' search space and
+    objective (:class:`~flatpack.partitioner.options.ProblemOptions`): ``memory_mb``,
+    ``replicas``, ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
-    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
+    _check_request(model, target, options, "flatpack.compile")
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     if measured is not None:
@@ -514,9 +508,10 @@ def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "
                   stages: int | None = None, **options: Any) -> Problem:
     """The :class:`Problem` that ``compile`` would hand its solver, without solving or emitting
     stages: trace, passes, profile (on by default, since cost-model solvers need it), platform
-    and workload. ``options`` go to ``Problem.options`` (see ``PROBLEM_OPTIONS``: the search
-    space, ``weights``, ``cost_model``...). ``flatpack plan`` uses it to draw fronts."""
-    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.build_problem")
+    and workload. ``options`` go to ``Problem.options`` (see
+    :class:`~flatpack.partitioner.options.ProblemOptions`: the search space, ``weights``,
+    ``cost_model``...). ``flatpack plan`` uses it to draw fronts."""
+    _check_request(model, target, options, "flatpack.build_problem")
     args, kwargs = _as_call(example_inputs, example_kwargs)
     Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
@@ -524,16 +519,13 @@ def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "
                   calibration=calibration, options=options).problem
 
 
-def _check_request(model: Any, target: str, options: dict[str, Any], known: frozenset[str], caller: str) -> None:
+def _check_request(model: Any, target: str, options: dict[str, Any], caller: str) -> None:
     if not isinstance(model, nn.Module):
         raise InputError(f"{caller} expects a torch.nn.Module, got {type(model).__name__}; "
                          "wrap the function in an nn.Module whose forward calls it")
     if target not in platform_names():
         raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
-    unknown = set(options) - known
-    if unknown:
-        allowed = f" (known: {', '.join(sorted(known))})" if known else ""
-        raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for {caller}{allowed}")
+    ProblemOptions.of(options, caller)   # an unknown option is refused before anything is traced
 
 
 @dataclasses.dataclass(frozen=True)

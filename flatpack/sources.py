@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 PACKAGE = "flatpack"
 ROOT = Path(__file__).resolve().parent
@@ -99,3 +99,57 @@ def source_files(entries: Iterable[str], root: Path = ROOT) -> dict[str, bytes]:
     """The source of the modules ``entries`` need (:func:`closure`), by ``flatpack/...`` path."""
     return {f"{PACKAGE}/{module_path(name, root).relative_to(root).as_posix()}": module_path(name, root).read_bytes()
             for name in sorted(closure(entries, import_graph(root)))}
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one member (Tarjan): each is a set of
+    modules (or packages) that import one another, directly or not."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return components
+
+
+def subpackage(module: str) -> str:
+    """``flatpack.ir.passes.coarsen`` -> ``ir``; a top-level module is its own node, the package's
+    ``__init__`` is ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def package_graph(files: Mapping[str, Counter[str]]) -> dict[str, Counter[str]]:
+    """The import graph between sub-packages (and top-level modules), with import counts."""
+    graph: dict[str, Counter[str]] = {}
+    for source, targets in files.items():
+        edges = graph.setdefault(subpackage(source), Counter())
+        for target, count in targets.items():
+            if subpackage(target) != subpackage(source):
+                edges[subpackage(target)] += count
+    return graph

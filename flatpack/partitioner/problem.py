@@ -10,6 +10,7 @@ from flatpack.errors import PlanError
 from flatpack.ir import meta
 from flatpack.ir.channels import group_table
 from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.workload import Workload
 from flatpack.platform.catalog import get_platform
 
@@ -43,12 +44,16 @@ class Problem:
     host: HostInfo | None = None
     calibration: "Calibration | None" = None
     stages: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    # a mapping is accepted and checked (ProblemOptions.of): a misspelt option is refused here
+    options: ProblemOptions = field(default_factory=ProblemOptions)
     input_bytes: Linear | None = None   # the model's inputs per micro-batch, when profiled
     # Gillis's channel split of each group start..end that has one (``ir/channels.py``),
     # analysed for inference workloads; None: not analysed (a hand-made chain), and the
     # Gillis model takes every group as channel-splittable with all its weights split
     channel_groups: "dict[tuple[int, int], ChannelGroup] | None" = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", ProblemOptions.of(self.options))
 
     @classmethod
     def from_graph(cls, graph: "LayerGraph", stages: int | None = None, target: str = "local",

@@ -145,7 +145,7 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
 
     events = list(events)
     calibration = refit(problem, plan, events, skip_first=skip_first, source=source)
-    options = {**problem.options, "memory_mb": tuple(sorted(calibration.tiers))}
+    options = problem.options.with_changes(memory_mb=tuple(sorted(calibration.tiers)))
     fitted = dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
                                  options=options)
     solving = get_solver(solver)

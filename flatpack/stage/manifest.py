@@ -21,6 +21,10 @@ TENSOR = "tensor"
 PARAMETER_KINDS = ("parameter", "frozen", "buffer", "constant")
 
 
+# how a field's expected JSON type reads in an error
+_JSON_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+
+
 class _Invalid(Exception):
     """A field of the manifest is missing or has the wrong type (the message names it)."""
 
@@ -31,7 +35,7 @@ def _field(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     value = data[key]
     # bool is an int to isinstance: a count or an index given as true/false is refused too
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise _Invalid(f"{where}'s {key!r} is {value!r}, not a {kind.__name__}")
+        raise _Invalid(f"{where}'s {key!r} is {value!r}, not {_JSON_NAMES.get(kind, kind.__name__)}")
     return value
 
 

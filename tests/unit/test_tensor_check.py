@@ -58,11 +58,12 @@ def test_stage_manifests_record_the_dimensions_export_left_free():
 
 
 def test_a_stage_checks_its_tensor_inputs_from_its_manifest():
+    from flatpack.stage.manifest import Manifest, ValueEntry
     from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
 
-    manifest = {"inputs": [{"name": "hidden", "kind": "tensor", "shape": [4, 16, 8], "dtype": "float32",
-                            "dynamic": [0, 1]},
-                           {"name": "size", "kind": "scalar", "type": "int"}]}
+    inputs = (ValueEntry("hidden", "tensor", 2048, (4, 16, 8), "float32", dynamic=(0, 1)),
+              ValueEntry("size", "scalar", 8, python_type="int"))
+    manifest = Manifest(1, 2, (3, 3), ("l3",), "export", True, True, (), inputs, (), (), "test")
     specs = stage_input_specs(manifest)
     assert set(specs) == {"hidden"}           # scalars cross boundaries unchecked
     check_stage_inputs(specs, [("hidden", torch.zeros(2, 7, 8)), ("size", 7)], where="stage 1: ")

@@ -156,7 +156,7 @@ def host_contention(problem: Problem, plan: Plan) -> float:
     cores = problem.platform.host_cores
     if cores is None or problem.platform.kind != "local":
         return 1.0
-    threads = problem.options.get("threads", 1)
+    threads = problem.options.threads
     demand = sum(stage.replicas * min(stage_tier(problem, stage, index).vcpus, threads)
                  for index, stage in enumerate(plan.stages)) + 1.0
     return max(1.0, demand / cores)

@@ -232,9 +232,9 @@ class ForkJoinCost:
 
 
 def _default_delay(problem: Problem) -> CommDelay:
-    """Measured EMG parameters from ``problem.options["comm_delay"]``, else the platform's
+    """Measured EMG parameters from ``problem.options.comm_delay``, else the platform's
     storage latency as a fixed delay (no spread: the order statistic is then the latency)."""
-    delay = problem.options.get("comm_delay")
+    delay = problem.options.comm_delay
     if isinstance(delay, CommDelay):
         return delay
     if isinstance(delay, dict):
