@@ -267,7 +267,8 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:
 
 
 def refit_run(run_dir: str | os.PathLike) -> Calibration:
-    """:func:`~flatpack.runtime.refit.refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
+    """:func:`~flatpack.runtime.refit.refit` of what ``flatpack run`` left in ``run_dir``
+    (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))
 

@@ -46,11 +46,12 @@ class ProblemOptions:
             return given
         if not isinstance(given, Mapping):
             raise InputError(f"{caller}'s options must be keyword options, got {type(given).__name__}")
-        unknown = sorted(set(given) - set(cls.names()))
+        known = cls.names()
+        unknown = sorted(set(given) - set(known))
         if unknown:
-            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, cls.names(), 1))
+            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
                      else repr(name) for name in unknown]
-            raise InputError(f"unknown option(s) {', '.join(hints)} for {caller} (known: {', '.join(sorted(cls.names()))})")
+            raise InputError(f"unknown option(s) {', '.join(hints)} for {caller} (known: {', '.join(sorted(known))})")
         return cls(**given)
 
     def given(self) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
 from flatpack.runtime.training import unpack_values
+from flatpack.stage.artifact import stage_manifest
 
 PROFILE_KIND = "profile"
 SPEC_FORMAT = "flatpack-profile-spec"

@@ -158,7 +158,8 @@ class Role:
         return f"s{self.stage}r{self.replica}"
 
 
-def routing(manifests: Sequence[Manifest], input_names: Sequence[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
+def routing(manifests: Sequence[Manifest],
+            input_names: Sequence[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
     """For each stage, where each input comes from (the nearest earlier stage that outputs
     it, else the data) and which later stages read its outputs."""
     known_inputs = set(input_names)

@@ -29,7 +29,6 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
 
 import torch
 

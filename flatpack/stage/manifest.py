@@ -22,7 +22,8 @@ PARAMETER_KINDS = ("parameter", "frozen", "buffer", "constant")
 
 
 # how a field's expected JSON type reads in an error
-_JSON_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+_JSON_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", list: "a list",
+                                dict: "an object"}
 
 
 class _Invalid(Exception):
