@@ -46,7 +46,6 @@ from flatpack.ir.graph import LayerGraph
 from flatpack.ir.profile import CACHE_ENV, ChainProfile, HostInfo, LayerProfile, Linear, ProfileWarning
 from flatpack.ir.trace import EXPORT, _first_line
 from flatpack.partitioner.plan import Plan
-from flatpack.progress import Progress
 from flatpack.stage.artifact import build_module, stage_manifest
 
 log = logging.getLogger("flatpack.profiler")
@@ -689,6 +688,10 @@ class _Progress:
     on a terminal, periodic plain lines elsewhere): steps done, elapsed time, what runs now."""
 
     def __init__(self, total: int, enabled: bool) -> None:
+        # optional dependency: tqdm is not in a function image, where the profile role times layers
+        # without a display
+        from flatpack.progress import Progress
+
         self.total, self.done = total, 0
         self.started = time.perf_counter()
         self.display = Progress(total, "profiling ", sys.stderr) if enabled else None

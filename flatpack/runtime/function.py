@@ -26,14 +26,12 @@ from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, verify_fil
 ROLE_ENV = "FLATPACK_ROLE"
 STORE_ENV = "FLATPACK_STORE"
 ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
-MIB = 1 << 20
 
 
 class OutOfMemory(Exception):
     def __init__(self, peak_bytes: int, limit_bytes: int, task: str) -> None:
         super().__init__(f"peak {peak_bytes} bytes over the {limit_bytes}-byte tier during {task}")
         self.peak_bytes, self.limit_bytes, self.task = peak_bytes, limit_bytes, task
-
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set since it started (Linux VmHWM; elsewhere ru_maxrss)."""
@@ -46,7 +44,6 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
 
 def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], Any]], Any]:
     """Runs a computation and stretches it to CPU time / share when the tier has less than
@@ -66,7 +63,6 @@ def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], An
 
     return run
 
-
 def emulated_clock(vcpus: float, threads: int) -> Callable[[], float]:
     """A clock of a tier with ``vcpus`` running ``threads`` compute threads: the process's CPU
     seconds over the CPUs it may use, min(vcpus, threads) (the catalog's compute model). An
@@ -75,7 +71,6 @@ def emulated_clock(vcpus: float, threads: int) -> Callable[[], float]:
     whole vCPU is not measured slower than it is while the machine is busy."""
     usable = min(vcpus, threads)
     return lambda: time.process_time() / usable
-
 
 def artifact_index(store: Store, keys: RunKeys, digest: str, baked: str | None) -> Index:
     """The artifact's index, checked against ``digest`` (from the invocation) before it is
@@ -92,7 +87,6 @@ def artifact_index(store: Store, keys: RunKeys, digest: str, baked: str | None) 
         raw, where = store.get(keys.artifact_index()), f"store:{keys.artifact_index()}"
     check_digest(raw, digest, where)
     return Index.parse(raw, where)
-
 
 def load_module(store: Store, keys: RunKeys, stage: int, digest: str) -> torch.nn.Module:
     """The stage's module, from the artifacts baked into the function's image
@@ -117,7 +111,6 @@ def load_module(store: Store, keys: RunKeys, stage: int, digest: str) -> torch.n
     verify_files(index, {f"{prefix}/{name}": data for name, data in contents.items()}, where)
     artifact = parse_stage(contents, f"{where}/{prefix}")
     return build_module(artifact, f"<flatpack stage {stage}>")
-
 
 def tier_link(base: Store, bandwidth_bytes_s: float | None) -> Store:
     """The function's view of the store: its tier's bandwidth each way (full duplex)."""

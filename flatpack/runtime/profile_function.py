@@ -47,9 +47,6 @@ import torch
 
 from flatpack.ir.profile import Linear
 from flatpack.ir.trace import _first_line
-# the cost models' byte units; partitioner.cost.common imports none of the solvers' dependencies
-# (ortools, optuna, scipy), which a function's image does not install
-from flatpack.partitioner.cost.common import MIB, mb
 from flatpack.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
 from flatpack.runtime.function import cpu_throttle, emulated_clock, load_module, peak_rss_bytes
 from flatpack.runtime.keys import RunKeys
@@ -57,6 +54,7 @@ from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
 from flatpack.runtime.training import unpack_values
 from flatpack.stage.artifact import stage_manifest
+from flatpack.units import MIB, mb
 
 PROFILE_KIND = "profile"
 SPEC_FORMAT = "flatpack-profile-spec"

@@ -33,12 +33,12 @@ import traceback
 import torch
 
 from flatpack.errors import ArtifactError, InputError
-from flatpack.runtime import timeline
-from flatpack.runtime.function import (MIB, ROLE_ENV, STORE_ENV, OutOfMemory, cpu_throttle, load_module, peak_rss_bytes,
+from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, cpu_throttle, load_module, peak_rss_bytes,
                                        tier_link)
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role, RunSpec
 from flatpack.runtime.store import Store, StoreUnavailable, is_transient_failure, open_plain_store
+from flatpack.units import MIB
 
 REINVOKE = 75
 OUT_OF_MEMORY = 86
@@ -80,7 +80,8 @@ def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
 
 
 def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
-    # start-up time: a function loads what its role runs (train: the trainer and its lanes)
+    # start-up time: a function loads what its role runs (train: the trainer, its lanes and timeline)
+    from flatpack.runtime import timeline
     from flatpack.runtime.lanes import Lanes
     from flatpack.runtime.training import StageTrainer
 

@@ -9,7 +9,9 @@ third-party imports, what a process really loads, and that the shipped files suf
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,8 @@ import pytest
 
 import flatpack
 from flatpack.backends.images import FUNCTION_ENTRIES, runtime_sources
-from flatpack.sources import ROOT, closure, cycles, import_graph, module_name, package_graph
+from flatpack.backends.gpu_container import RANK_ENTRIES
+from flatpack.sources import ROOT, closure, cycles, import_graph, module_name, module_path, package_graph
 
 # what the stage kernel may import besides the standard library
 KERNEL_THIRD_PARTY = {"torch", "safetensors"}
@@ -102,6 +105,49 @@ def test_the_public_names_load_on_first_use():
     assert set(flatpack.__all__) <= set(dir(flatpack))
     with pytest.raises(AttributeError, match="no attribute 'compiel'"):
         flatpack.compiel  # noqa: B018
+
+
+def _locked_distributions(lock: str) -> set[str]:
+    text = (ROOT / "backends" / "locks" / lock).read_text()
+    return {re.sub(r"[-_.]+", "-", name).lower() for name in re.findall(r"^([A-Za-z0-9_.-]+)==", text, re.M)}
+
+
+def _module_level_imports(tree: ast.AST):
+    """The modules a file imports when it is imported: its top level, and the bodies of
+    top-level ``if``/``try`` blocks except ``if TYPE_CHECKING:``."""
+    for node in getattr(tree, "body", ()):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            yield from _module_level_imports(ast.Module(body=node.body + node.orelse, type_ignores=[]))
+        elif isinstance(node, ast.Try):
+            yield from _module_level_imports(ast.Module(body=node.body, type_ignores=[]))
+
+
+# what each image's processes import: the function's every role, the gpu-container rank
+FUNCTION_ROLES = (*FUNCTION_ENTRIES, "flatpack.runtime.training", "flatpack.runtime.forkjoin",
+                  "flatpack.runtime.profile_function", "flatpack.runtime.calibrate_function")
+
+
+@pytest.mark.parametrize("modules, lock", [(FUNCTION_ROLES, "function.txt"), (RANK_ENTRIES, "gpu.txt")])
+def test_what_an_image_imports_at_load_is_installed_in_it(modules, lock):
+    """An image installs only its lock (torch, numpy, safetensors, boto3 for a function): the
+    flatpack modules its roles load may import anything else (scipy, tqdm, ortools) only
+    inside a function those roles never call."""
+    installed = _locked_distributions(lock)
+    providers = importlib.metadata.packages_distributions()
+    loaded = _run(f"import sys, {', '.join(modules)}\n"
+                  "print(' '.join(name for name in sys.modules if name.startswith('flatpack')))", ROOT.parent).split()
+    for name in sorted(loaded):
+        for imported in _module_level_imports(ast.parse(module_path(name).read_text())):
+            root = imported.split(".")[0]
+            if root == "flatpack" or root in sys.stdlib_module_names:
+                continue
+            distributions = {re.sub(r"[-_.]+", "-", dist).lower() for dist in providers.get(root, [root])}
+            assert distributions & installed, f"{name} imports {imported} when loaded, but the {lock} image " \
+                                              f"does not install {sorted(distributions)}"
 
 
 def test_an_image_ships_what_its_entry_points_import_and_nothing_else(tmp_path):

@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
-from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times, mb,
+from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               memory_limit, micro_batches_per_replica, recompute_seconds, stage_memory,
                                               stage_tensors, stage_tier, to_json, uniform_replicas)
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.space import SearchSpace
+from flatpack.units import mb
 
 if TYPE_CHECKING:
     from flatpack.platform.catalog import Tier

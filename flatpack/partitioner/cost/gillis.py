@@ -60,7 +60,8 @@ import numpy as np
 from scipy import stats
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import mb, memory_limit, to_json
+from flatpack.partitioner.cost.common import memory_limit, to_json
+from flatpack.units import mb
 from flatpack.partitioner.plan import FORK_JOIN_SPLITS, Plan
 from flatpack.partitioner.problem import Problem
 

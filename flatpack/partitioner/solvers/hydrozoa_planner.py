@@ -40,7 +40,8 @@ import numpy as np
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
-from flatpack.partitioner.cost.common import mb, stage_memory
+from flatpack.partitioner.cost.common import stage_memory
+from flatpack.units import mb
 from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
 from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
                                             with_micro_batches)

@@ -122,7 +122,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
-from flatpack.partitioner.cost.common import gradient_bytes, mb, micro_batches_per_replica, stage_memory
+from flatpack.partitioner.cost.common import gradient_bytes, micro_batches_per_replica, stage_memory
+from flatpack.units import mb
 from flatpack.partitioner.objective import annotate, cost_model_for, dollars_per_mb_s, evaluate, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import MemoryNeed, StageTensors, mb, memory_need, stage_memory, stage_tensors
+from flatpack.partitioner.cost.common import MemoryNeed, StageTensors, memory_need, stage_memory, stage_tensors
+from flatpack.units import mb
 from flatpack.partitioner.cost.pipedream import stage_seconds
 from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, require_fit, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
