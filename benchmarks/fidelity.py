@@ -26,7 +26,7 @@ with other work are distorted by it (the model's κ counts only this run's worke
 run it on a quiet machine.
 
 ``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
-``partitioner.refit.replan``), runs the new plan and measures it.
+``runtime.refit.replan``), runs the new plan and measures it.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
         [--models vgg16,rnn-3] [--iterations 7]
@@ -51,13 +51,13 @@ import torch
 from scipy.stats import spearmanr
 
 from flatpack import zoo
-from flatpack.backends.catalog import get_platform
-from flatpack.ir.profiler import CACHE_ENV
+from flatpack.ir.profile import CACHE_ENV
 from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
-from flatpack.partitioner.refit import replan
+from flatpack.platform.catalog import get_platform
+from flatpack.runtime.refit import replan
 
 
 @dataclass(frozen=True)

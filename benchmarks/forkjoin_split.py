@@ -40,7 +40,7 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import local
-from flatpack.ir.profiler import CACHE_ENV
+from flatpack.profiler import CACHE_ENV
 from flatpack.partitioner.cost import CommDelay, gillis
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             seeds[:1], 10.0
 
     import torch
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
 
     print(f"host: {os.cpu_count()} cores, torch {torch.__version__}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; budget {args.budget:g} s per solve, seeds {seeds}")

@@ -22,7 +22,6 @@ import math
 import random
 import time
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.objective import Weights, dollars_per_mb_s
 from flatpack.partitioner.problem import ChainLayer, Problem
@@ -30,6 +29,7 @@ from flatpack.partitioner.solvers import miqp
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
 from flatpack.units import MIB
+from flatpack.platform.catalog import Platform, Tier
 
 # Lambda-like: price proportional to memory; more memory, more CPU share and bandwidth
 TIERS = [(128, 1, 20.0), (256, 1, 30.0), (512, 1, 40.0), (1024, 1, 50.0), (1536, 2, 60.0), (2048, 2, 70.0),

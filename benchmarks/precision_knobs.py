@@ -31,12 +31,13 @@ from torch import nn
 import flatpack
 from flatpack.backends import local
 from flatpack.errors import PlanError
-from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.objective import Weights
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
-from flatpack.partitioner.workload import PRECISIONS, Workload
+from flatpack.partitioner.workload import Workload
+from flatpack.profiler import ProfileOptions
+from flatpack.stage.settings import PRECISIONS
 from flatpack.runtime.s3server import LocalS3Server
 from flatpack.units import MIB
 
@@ -89,7 +90,7 @@ def plan_at(problem, size: int, micro_batches: int, recompute: str):
     workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
                         recompute=recompute)
     candidate = dataclasses.replace(problem, workload=workload,
-                                    options={**problem.options, "memory_mb": (SMALLEST_TIER,), "replicas": (1,)})
+                                    options=problem.options.with_changes(memory_mb=(SMALLEST_TIER,), replicas=(1,)))
     try:
         return candidate, get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
     except PlanError:

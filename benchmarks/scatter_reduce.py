@@ -49,7 +49,7 @@ from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.s3server import LocalS3Server
-from flatpack.runtime.store import open_store
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.throttle import Throttled
 from flatpack.units import MIB
 

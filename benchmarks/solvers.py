@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.miqp_timeout is None:
         args.miqp_timeout = 2 * args.miqp_time_limit + 60
 
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     import torch
 
     profile_options = ProfileOptions(batch_sizes=tuple(int(b) for b in args.profile_batches.split(",")),

@@ -1,14 +1,46 @@
-"""flatpack: cut PyTorch models into pipeline stages that fit serverless functions, and run them."""
+"""flatpack: cut PyTorch models into pipeline stages that fit serverless functions, and run them.
 
-from flatpack.compiler import Compiled, StagedModule, compile, load
-from flatpack.errors import (ArtifactError, CodegenError, FlatpackError, InputError, PassError, PlanError,
-                             TraceError)
-from flatpack.partitioner.plan import Plan, StagePlan
+The public names that need the compiler load on first use (PEP 562, start-up time): a stage
+worker imports ``flatpack.stage`` and ``flatpack.runtime``, and this ``__init__`` runs first;
+importing the compiler here would put every flatpack module and the libraries they use into
+the cold start of each function, and into every image (the layering: docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from flatpack.errors import ArtifactError, CodegenError, FlatpackError, InputError, PassError, PlanError, TraceError
 from flatpack.version import __version__
-from flatpack.weights import load_state_dict, save_state_dict
+
+if TYPE_CHECKING:
+    from flatpack.api import compile
+    from flatpack.compiler import Compiled, StagedModule, load
+    from flatpack.partitioner.plan import Plan, StagePlan
+    from flatpack.weights import load_state_dict, save_state_dict
+
+# public name -> the module that defines it, imported when the name is first read
+_LAZY = {
+    "Compiled": "flatpack.compiler", "StagedModule": "flatpack.compiler", "compile": "flatpack.api",
+    "load": "flatpack.compiler", "Plan": "flatpack.partitioner.plan", "StagePlan": "flatpack.partitioner.plan",
+    "load_state_dict": "flatpack.weights", "save_state_dict": "flatpack.weights",
+}
 
 __all__ = [
     "ArtifactError", "CodegenError", "Compiled", "FlatpackError", "InputError", "PassError", "Plan",
     "PlanError", "StagePlan", "StagedModule", "TraceError", "__version__", "compile", "load",
     "load_state_dict", "save_state_dict",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flatpack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value   # later reads find it without calling this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

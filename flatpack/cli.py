@@ -16,8 +16,9 @@ import torch
 from flatpack import logs
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.ir.profile import OPTIMIZERS
-from flatpack.partitioner.workload import MODES, SYNC_METHODS
+from flatpack.partitioner.workload import MODES
 from flatpack.runtime.spec import SCHEDULES
+from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
 
 LOG = logs.get("cli")
@@ -26,6 +27,7 @@ LOG = logs.get("cli")
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
     """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a registered model
     name (flatpack.models: a built-in example, or a zoo model built at ``size``)."""
+    # start-up time: a verb imports what it runs
     from flatpack import models
 
     named = models.find(spec)
@@ -41,6 +43,7 @@ def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
         raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
                          f"of the built-in examples ({', '.join(models.model_names(models.EXAMPLE))}) or a zoo "
                          f"model ({', '.join(models.model_names(models.ZOO))})")
+    # start-up time: a verb imports what it runs
     from flatpack.factories import import_factory
 
     factory = import_factory(spec, "MODEL")
@@ -89,6 +92,7 @@ def chain_table(chain: dict, plan_ranges: list[tuple[int, int]] | None = None) -
 
 
 def profile_table(profile: Any) -> str:
+    # start-up time: a verb imports what it runs
     from flatpack.ir.profile import stage_saved_bytes
 
     """Per layer: forward and backward milliseconds at batch 1 and per extra sample, the
@@ -120,6 +124,7 @@ def profile_table(profile: Any) -> str:
 
 def pipeline_for(args: argparse.Namespace) -> str | None:
     """The --passes given, else a named model's own pipeline, else the default (None)."""
+    # start-up time: a verb imports what it runs
     from flatpack import models
 
     named = models.find(args.model)
@@ -186,6 +191,7 @@ def _json_text(document: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     import flatpack
 
     model, inputs = load_factory(args.model, args.size)
@@ -195,8 +201,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     import flatpack
 
+    # start-up time: a verb imports what it runs
     from flatpack.partitioner.plan import Plan
 
     plan = None
@@ -222,7 +230,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_sign(args: argparse.Namespace) -> int:
     """Signs an artifact's index after checking every file against it."""
-    from flatpack.codegen.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
+    # start-up time: a verb imports what it runs
+    from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
 
     verified = read_verified(args.dir, digest=args.digest)
     signature = Path(args.dir) / SIGNATURE_FILE
@@ -234,7 +243,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
-    from flatpack.codegen.integrity import read_verified
+    # start-up time: a verb imports what it runs
+    from flatpack.stage.integrity import read_verified
     from flatpack.compiler import COMPILED_FILE
     from flatpack.ir import structure
 
@@ -251,11 +261,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     import flatpack
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
 
     model, inputs = load_factory(args.model, args.size)
     if args.target:
+        # start-up time: a verb imports what it runs
         from flatpack.backends.profiling import profile_command
 
         return profile_command(model, inputs, target=args.target,
@@ -302,6 +314,7 @@ def _weights(text: str) -> tuple[float, float]:
 def _cost_solver(name: str) -> Any:
     """The named solver, if it prices plans with the cost models (it has a front and an SLO
     mode); otherwise an error listing the ones that do."""
+    # start-up time: a verb imports what it runs
     from flatpack.partitioner.solvers import available_solvers, get_solver
 
     try:
@@ -344,8 +357,10 @@ def _with_time_limit(solver: Any, args: argparse.Namespace) -> Any:
     return dataclasses.replace(solver, time_limit_s=limit)
 
 
-def _plan_workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def _plan_workload(args: argparse.Namespace) -> tuple[Any, Any]:
     """The Workload and the search-space options (Problem.options) the flags ask for."""
+    # start-up time: a verb imports what it runs
+    from flatpack.partitioner.options import ProblemOptions
     from flatpack.partitioner.workload import Workload
 
     options: dict[str, Any] = {}
@@ -372,12 +387,13 @@ def _plan_workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         options["weights"] = _weights(args.weights)
     workload = Workload(args.mode, batch=args.batch, micro_batches=micro_batches, optimizer=args.optimizer,
                         sync=args.sync, slo_s=args.slo)
-    return workload, options
+    return workload, ProblemOptions.of(options, "flatpack plan")
 
 
 def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
     """Unknown tiers are refused before profiling, not after."""
-    from flatpack.backends.catalog import get_platform, platform_names
+    # start-up time: a verb imports what it runs
+    from flatpack.platform.catalog import get_platform, platform_names
 
     if target not in platform_names():
         raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
@@ -387,8 +403,9 @@ def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.compiler import build_problem
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.partitioner import report as plan_report
     from flatpack.partitioner.objective import Weights, cost_model_for
 
@@ -405,8 +422,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "other")
     solver = _with_time_limit(solver, args)
     workload, options = _plan_workload(args)
-    _check_tiers(args.target, options.get("memory_mb", ()))
+    _check_tiers(args.target, options.memory_mb or ())
     if args.plot:
+        # start-up time: a verb imports what it runs
         from flatpack.partitioner import plot
 
         plot.require_matplotlib()
@@ -426,16 +444,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError(f"--stages must be a positive number of stages, got {args.stages}")
     model, inputs = load_factory(args.model, args.size)
     if split_points:
+        # start-up time: a verb imports what it runs
         from flatpack.job import check_split_points
 
         check_split_points(model, split_points)
     problem = build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
-                            workload=workload, calibration=args.calibration, **options)
+                            workload=workload, calibration=args.calibration, **options.given())
     started = time.perf_counter()
     if args.stages is not None or split_points:
+        # start-up time: a verb imports what it runs
         from flatpack.job import FixedCuts
         from flatpack.partitioner.cost.funcpipe import with_tiers
-
         from flatpack.partitioner.objective import annotate, evaluate
 
         cuts = FixedCuts(split_points, args.stages)
@@ -444,7 +463,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif workload.slo_s is not None:
         selection = plan_report.Selection.within_slo(solver.within_slo(problem, workload.slo_s), workload.slo_s)
     elif args.weights is not None:
-        selection = plan_report.Selection.of_weights(solver(problem), Weights.of(options["weights"]).label())
+        selection = plan_report.Selection.of_weights(solver(problem), Weights.of(options.weights).label())
     else:
         selection = plan_report.Selection.of_front(solver.exact_front(problem) if args.front == "exact"
                                                    else solver.front(problem))
@@ -466,7 +485,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_from_run(args: argparse.Namespace) -> int:
     """``flatpack plan --from-run RUN_DIR``: re-fit the model to the run's timeline, solve
     again, print old plan, new plan and the predicted saving (``--json FILE``: the new plan)."""
-    from flatpack.partitioner.refit import replan_run
+    # start-up time: a verb imports what it runs
+    from flatpack.compiler import replan_run
 
     if args.model is not None:
         raise InputError(f"--from-run {args.from_run} re-plans the model that run trained; leave MODEL "
@@ -479,6 +499,7 @@ def _plan_from_run(args: argparse.Namespace) -> int:
 def _front_for_context(solver: Any, problem: Any) -> tuple:
     """The front behind an SLO or weighted pick; none when it cannot be solved (the pick
     alone is still worth drawing). The front ignores the SLO and the weights option."""
+    # start-up time: a verb imports what it runs
     from flatpack.errors import PlanError
 
     try:
@@ -488,6 +509,7 @@ def _front_for_context(solver: Any, problem: Any) -> tuple:
 
 
 def _model_label(args: argparse.Namespace) -> str:
+    # start-up time: a verb imports what it runs
     from flatpack import models
 
     named = models.find(args.model)
@@ -496,6 +518,7 @@ def _model_label(args: argparse.Namespace) -> str:
 
 def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
     """What a JSON report records about the run, beside the plans."""
+    # start-up time: a verb imports what it runs
     from flatpack.partitioner.objective import cost_model_for
 
     workload = problem.workload
@@ -504,7 +527,7 @@ def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
             "sync": workload.sync, "solver": args.solver, "cost_model": cost_model_for(problem),
             "layers": len(problem.chain), "layer_names": [layer.name for layer in problem.chain],
             "options": {key: list(value) if isinstance(value, tuple) else value
-                        for key, value in problem.options.items()}}
+                        for key, value in problem.options.given().items()}}
 
 
 def _plan_title(args: argparse.Namespace, problem: Any, cost_model: str, solve_s: float) -> str:
@@ -521,7 +544,8 @@ def _plot_title(args: argparse.Namespace, problem: Any) -> str:
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
-    from flatpack.backends.catalog import describe_platforms, get_platform, platform_names
+    # start-up time: a verb imports what it runs
+    from flatpack.platform.catalog import describe_platforms, get_platform, platform_names
 
     names = args.names or platform_names()
     report(args, None if args.json else describe_platforms(names),
@@ -530,6 +554,7 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.job import JobOptions, run_training
 
     iterations = args.iterations if args.iterations is not None or args.data else 4
@@ -564,6 +589,7 @@ def _text_stream(args: argparse.Namespace) -> Any:
 
 def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The JobOptions of the run parser's training-knob block."""
+    # start-up time: a verb imports what it runs
     from flatpack.runtime.optim import parse_options
 
     return {"optimizer": args.optimizer, "lr": args.lr,
@@ -575,6 +601,7 @@ def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.job import resume_training
 
     result = resume_training(Path(args.run_dir), stream=_text_stream(args), clean=args.clean, digest=args.digest,
@@ -596,6 +623,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.backends.target_calibration import cached_local_calibration
     from flatpack.job import JobOptions, run_training
 
@@ -625,10 +653,11 @@ CLOUD_OPTIONS = {
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Compiles MODEL for a target, then writes everything a deployment needs into --out and
     (without --dry-run) creates it in the account."""
+    # start-up time: a verb imports what it runs
     import flatpack
     from flatpack.job import FastestOnFront
     from flatpack.backends import get_backend
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.partitioner.workload import Workload
 
     if args.target not in CLOUD_OPTIONS:
@@ -715,6 +744,7 @@ def _file_tree(out: Path, files: dict[str, bytes]) -> str:
 
 
 def cmd_teardown(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.backends import cloud, get_backend
 
     ledger = cloud.Ledger.load(args.record)
@@ -756,6 +786,7 @@ def _verbosity_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.backends.target_calibration import calibrate_target, calibration_summary
 
     path = Path(args.out) if args.out is not None else Path("calibration.json")
@@ -770,6 +801,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # start-up time: a verb imports what it runs
     from flatpack.version import __version__
 
     parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
@@ -1124,6 +1156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # start-up time: a verb imports what it runs
     from flatpack.interrupts import Interrupted, clean_shutdown
 
     logs.configure(0)

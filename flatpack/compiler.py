@@ -20,39 +20,37 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from flatpack.backends import check_workload
-from flatpack.backends.catalog import platform_names
-from flatpack.codegen.artifact import build_module, parse_stage, serialize
-from flatpack.codegen.emit import StageArtifact, emit_stages
-from flatpack.codegen.integrity import INDEX_FILE, Index, read_verified
+from flatpack.codegen.emit import emit_stages
 from flatpack.errors import ArtifactError, InputError, PlanError
 from flatpack.ir import meta, structure
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import Pass, pass_spec, resolve, run_pipeline
 from flatpack.ir.profile import ChainProfile
-from flatpack.ir.profiler import ProfileOptions, attach, graph_hash, profile_graph
-from flatpack.ir.tensor_check import TensorSpec, check_tensor
 from flatpack.ir.trace import ModeWarning, Signature, flatten_inputs, trace
 from flatpack.partitioner.cost import gillis
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import with_micro_batches
-from flatpack.partitioner.space import SearchSpace
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan, Provenance
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers import Solver, get_solver
+from flatpack.partitioner.space import SearchSpace
 from flatpack.partitioner.workload import Workload
-from flatpack.layout import stage_dirname
+from flatpack.stage.artifact import stage_dirname
+from flatpack.platform.calibration import Calibration
+from flatpack.platform.catalog import platform_names
+from flatpack.profiler import ProfileOptions, attach, graph_hash, profile_graph
+from flatpack.runtime import timeline
+from flatpack.runtime.precision import crossed
+from flatpack.runtime.refit import COMPILED_DIR, EVENTS_FILE, Replan, refit, replan
+from flatpack.runtime.timeline import Event
+from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
+from flatpack.stage.integrity import INDEX_FILE, Index, read_verified
+from flatpack.stage.tensor_check import TensorSpec, check_tensor
 from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
 
 COMPILED_KIND = "flatpack-compiled"
 COMPILED_FILE = "flatpack.json"
-# What ``Problem.options`` may hold, and so what ``compile`` and ``build_problem`` accept as
-# keyword options: the search space (partitioner/space.py), the objective (solvers/base.py)
-# and the cost models' knobs (objective.py, cost/gillis.py).
-PROBLEM_OPTIONS: frozenset[str] = frozenset({
-    "memory_mb", "replicas", "micro_batches", "max_workers", "weights", "cost_model", "hydrozoa_alpha",
-    "hydrozoa_beta", "comm_delay",
-})
 
 
 class Compiled:
@@ -106,7 +104,6 @@ class Compiled:
         """The model's flat inputs for a call like ``model(inputs)`` (a tensor, a tuple of
         positional inputs or a dict of keyword inputs), in the graph's placeholder order:
         what the stages' data inputs are named by (``info["input_names"]``)."""
-        from flatpack.ir.trace import Signature, flatten_inputs
 
         args, keywords = _as_call(inputs, kwargs)
         return flatten_inputs(Signature.from_json(self.info["signature"]), args, keywords)[0]
@@ -245,6 +242,41 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
     return compiled
 
 
+def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:
+    """The problem, plan and timeline a ``flatpack run`` left in ``run_dir`` (for
+    :func:`flatpack.runtime.refit.refit`, ``compile(measured=RUN_DIR)`` and ``flatpack plan --from-run``)."""
+    run_dir = Path(run_dir)
+    events_path, compiled_dir = run_dir / EVENTS_FILE, run_dir / COMPILED_DIR
+    for path in (events_path, compiled_dir):
+        if not path.exists():
+            raise InputError(f"{run_dir} is not a finished flatpack run: it has no {path.name} (flatpack run --out "
+                             "DIR writes it when training ends)")
+    compiled = load(compiled_dir)
+    if compiled.profile is None:
+        raise InputError(f"the artifact in {compiled_dir} has no profile: re-plan needs the run's per-layer profile")
+    provenance = compiled.plan.provenance
+    if provenance is None or provenance.workload is None:
+        raise InputError(f"the plan in {compiled_dir} does not record its workload (made by an older flatpack); "
+                         "run again with this flatpack")
+    workload = Workload(**{key: provenance.workload[key]
+                           for key in ("mode", "batch", "micro_batches", "optimizer", "sync")})
+    problem = Problem.from_saved(compiled.info["chain"], compiled.profile, compiled.target, workload)
+    return problem, compiled.plan, timeline.loads(events_path.read_bytes())
+
+
+def refit_run(run_dir: str | os.PathLike) -> Calibration:
+    """:func:`~flatpack.runtime.refit.refit` of what ``flatpack run`` left in ``run_dir``
+    (``compile(measured=...)``)."""
+    problem, plan, events = load_run(run_dir)
+    return refit(problem, plan, events, source=str(run_dir))
+
+
+def replan_run(run_dir: str | os.PathLike, *, solver: str = "dp") -> Replan:
+    """:func:`~flatpack.runtime.refit.replan` of what ``flatpack run`` left in ``run_dir``."""
+    problem, plan, events = load_run(run_dir)
+    return replan(problem, plan, events, solver=solver, source=str(run_dir))
+
+
 class StagedModule(nn.Module):
     """The stage modules run one after another in this process.
 
@@ -265,14 +297,14 @@ class StagedModule(nn.Module):
         self._by_name: dict[str, tuple[int, str]] = {}
         self._aliases: dict[str, str] = {}
         for index, stage in enumerate(self.stages):
-            for entry in stage.flatpack_manifest["parameters"]:
-                name, attr = entry["name"], entry["attr"]
-                for alias in entry["aliases"]:
+            for entry in stage_manifest(stage).parameters:
+                name, attr = entry.name, entry.attr
+                for alias in entry.aliases:
                     self._aliases[alias] = name
                 if name in self._by_name:
                     first_index, first_attr = self._by_name[name]
                     shared = getattr(self.stages[first_index], first_attr)
-                    if entry["kind"] in ("parameter", "frozen"):
+                    if entry.kind in ("parameter", "frozen"):
                         stage.register_parameter(attr, shared)
                     else:
                         stage.register_buffer(attr, shared)
@@ -296,7 +328,7 @@ class StagedModule(nn.Module):
 
     @property
     def _compiled_training(self) -> bool:
-        return bool(self.stages[0].flatpack_manifest.get("training", True)) if len(self.stages) else True
+        return stage_manifest(self.stages[0]).training if len(self.stages) else True
 
     def tensor(self, name: str) -> torch.Tensor:
         """The stages' tensor for an original parameter or buffer name (any alias of a tied one)."""
@@ -311,8 +343,6 @@ class StagedModule(nn.Module):
             yield name, getattr(self.stages[index], attr)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from flatpack.runtime.precision import crossed
-
         leaves, given = flatten_inputs(self._signature, args, kwargs)
         if given != self._input_structure:
             raise InputError(f"the inputs are structured as {given}, but the model was compiled for "
@@ -324,14 +354,14 @@ class StagedModule(nn.Module):
         # many stages read it: the producing stage sends it once to each, all equal)
         received = dict(env)
         for stage in self.stages:
-            manifest = stage.flatpack_manifest
+            manifest = stage_manifest(stage)
             args = []
-            for entry in manifest["inputs"]:
-                if entry["name"] not in received:
-                    received[entry["name"]] = crossed(env[entry["name"]], self.wire_precision)
-                args.append(received[entry["name"]])
+            for name in manifest.input_names:
+                if name not in received:
+                    received[name] = crossed(env[name], self.wire_precision)
+                args.append(received[name])
             outputs = stage(*args)
-            env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+            env.update(zip(manifest.output_names, outputs))
         return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
 
 
@@ -392,36 +422,30 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     which skips the solver. ``out_dir``: also save there (see ``Compiled.save``).
     ``profile``: True or :class:`ProfileOptions` measures every layer after the passes, or
     just before ``coarsen{by=time}`` so that it balances measured seconds (cached on disk;
-    see ``ir.profiler``), so that cost-model solvers can run. ``workload``: what
+    see ``flatpack.profiler``), so that cost-model solvers can run. ``workload``: what
     the plan is for (train or infer, batch, micro-batches, optimizer); with a profile and a
     training workload, a layer that cannot fit the target's largest tier even alone is
-    reported before solving, and a workload the target's backend cannot run (``backends.protocol``:
-    inference or recomputing stages where it has no such capability) is refused before tracing.
-    ``calibration``: a
-    :class:`~flatpack.backends.calibration.Calibration` or the path of one, measured inside
+    reported before solving (``flatpack.compile`` first refuses a workload the target's
+    backend cannot run, ``flatpack.api``). ``calibration``: a
+    :class:`~flatpack.platform.calibration.Calibration` or the path of one, measured inside
     the target, overriding the host-to-tier compute model; the plan records its digest.
     A plan solved here records its :class:`~flatpack.partitioner.plan.Provenance`; a
     ``plan`` given with one is refused (``PlanError``) when made for another graph, target,
     workload (when ``workload`` is given), calibration or flatpack version, or used with a
     warning when ``force``. ``measured``: a finished ``flatpack run`` directory whose
-    timeline re-fits the per-layer and per-transfer times (``partitioner.refit``) in place
+    timeline re-fits the per-layer and per-transfer times (``runtime.refit``) in place
     of ``calibration``; the solver then searches the tiers that run measured unless
-    ``memory_mb`` says otherwise. ``options``: the cost-model
-    solvers' search space and objective (``PROBLEM_OPTIONS``): ``memory_mb``, ``replicas``,
-    ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
+    ``memory_mb`` says otherwise. ``options``: the cost-model solvers' search space and
+    objective (:class:`~flatpack.partitioner.options.ProblemOptions`): ``memory_mb``,
+    ``replicas``, ``micro_batches``, ``max_workers``, ``weights=(α₁, α₂)``, ``cost_model``...
     """
-    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.compile")
-    if workload is not None:
-        # before tracing: a plan the target's backend cannot run is refused now, not at deploy
-        check_workload(target, workload.mode, workload.recompute)
+    _check_request(model, target, options, "flatpack.compile")
     if out_dir is not None:
         check_out_dir(Path(out_dir))
     if measured is not None:
         if calibration is not None:
             raise InputError("measured=RUN_DIR re-fits the model to a run, calibration=FILE gives it measurements: "
                              "give one or the other")
-        from flatpack.partitioner.refit import refit_run
-
         calibration = refit_run(measured)
         options.setdefault("memory_mb", tuple(sorted(calibration.tiers)))
     args, kwargs = _as_call(example_inputs, example_kwargs)
@@ -496,9 +520,10 @@ def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "
                   stages: int | None = None, **options: Any) -> Problem:
     """The :class:`Problem` that ``compile`` would hand its solver, without solving or emitting
     stages: trace, passes, profile (on by default, since cost-model solvers need it), platform
-    and workload. ``options`` go to ``Problem.options`` (see ``PROBLEM_OPTIONS``: the search
-    space, ``weights``, ``cost_model``...). ``flatpack plan`` uses it to draw fronts."""
-    _check_request(model, target, options, PROBLEM_OPTIONS, "flatpack.build_problem")
+    and workload. ``options`` go to ``Problem.options`` (see
+    :class:`~flatpack.partitioner.options.ProblemOptions`: the search space, ``weights``,
+    ``cost_model``...). ``flatpack plan`` uses it to draw fronts."""
+    _check_request(model, target, options, "flatpack.build_problem")
     args, kwargs = _as_call(example_inputs, example_kwargs)
     Signature.of(model).bind(args, kwargs)
     pipeline = resolve(passes)
@@ -506,16 +531,13 @@ def build_problem(model: nn.Module, example_inputs: Any = (), *, target: str = "
                   calibration=calibration, options=options).problem
 
 
-def _check_request(model: Any, target: str, options: dict[str, Any], known: frozenset[str], caller: str) -> None:
+def _check_request(model: Any, target: str, options: dict[str, Any], caller: str) -> None:
     if not isinstance(model, nn.Module):
         raise InputError(f"{caller} expects a torch.nn.Module, got {type(model).__name__}; "
                          "wrap the function in an nn.Module whose forward calls it")
     if target not in platform_names():
         raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
-    unknown = set(options) - known
-    if unknown:
-        allowed = f" (known: {', '.join(sorted(known))})" if known else ""
-        raise InputError(f"unknown option(s) {', '.join(sorted(unknown))} for {caller}{allowed}")
+    ProblemOptions.of(options, caller)   # an unknown option is refused before anything is traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -604,7 +626,6 @@ def _profile(graph: LayerGraph, leaves: list[Any], options: ProfileOptions) -> C
 def _load_calibration(calibration: Any) -> Any:
     if calibration is None or not isinstance(calibration, (str, os.PathLike)):
         return calibration
-    from flatpack.backends.calibration import Calibration
 
     return Calibration.load(calibration)
 

@@ -45,7 +45,9 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 
 from flatpack.errors import InputError
-from flatpack.ir.tensor_check import TensorSpec, check_tensor
+from flatpack.factories import import_factory
+from flatpack.runtime.store import S3Store
+from flatpack.stage.tensor_check import TensorSpec, check_tensor
 
 SHARD_SUFFIXES = (".safetensors", ".pt", ".npz")
 TARGET_KEYS = ("target", "targets", "y")
@@ -307,8 +309,6 @@ class S3Shards(ShardSource):
     def store(self) -> Any:
         with self._lock:
             if self._store is None:
-                from flatpack.runtime.store import S3Store
-
                 self._store = S3Store(self.bucket, "", endpoint_url=self.endpoint, **self._credentials)
             return self._store
 
@@ -382,7 +382,6 @@ def _call_factory(spec: str) -> Any:
     if not colon or not source or not attribute:
         raise InputError(f"--data {spec!r} must be a directory, s3://bucket/prefix, or package.module:factory / "
                          "path/to/file.py:factory returning a Dataset")
-    from flatpack.factories import import_factory
 
     factory = import_factory(spec, "--data")
     return factory()

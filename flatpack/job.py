@@ -21,14 +21,34 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 from torch import nn
 
+import flatpack
 from flatpack import logs
-from flatpack.errors import FlatpackError, InputError
+from flatpack.backends import local
 from flatpack.backends.batch_checks import NON_FINITE
+from flatpack.backends.functions import merge_results
+from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
+                           parse_source, split_shards)
+from flatpack.errors import FlatpackError, InputError
+from flatpack.evaluation import evaluate
+from flatpack.partitioner import report as plan_report
+from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.cost.funcpipe import with_tiers
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.solvers import available_solvers, get_solver
+from flatpack.partitioner.workload import RECOMPUTE, Workload
+from flatpack.platform.calibration import Calibration
+from flatpack.platform.catalog import get_platform
+from flatpack.profiler import ProfileOptions
+from flatpack.progress import ProgressLine
 from flatpack.rundir import RunDirectory, RunRecord
-from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
+from flatpack.runtime import chrome_trace, gantt, report, timeline
+from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.reference import call, first_output, torch_threads
+from flatpack.runtime.refit import EVENTS_FILE
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
+from flatpack.stage.settings import PRECISIONS
 from flatpack.verdict import pipeline_optimizer_state, verdict
+from flatpack.weights import save_state_dict, state_dict_of
 
 LOG = logs.get("job")
 
@@ -136,8 +156,6 @@ class JobOptions:
         need(self.data is not None or (self.epochs == 1 and not self.drop_last and self.store_endpoint is None),
              "--epochs, --drop-last and --store-endpoint apply to --data; give --data SOURCE or leave them out")
         if ":" in str(self.loss):
-            from flatpack.runtime.optim import check_loss
-
             check_loss(self.loss)      # refuses it, saying why (data never names code)
         need(self.loss == "auto" or self.loss in LOSS_NAMES,
              f"--loss must be auto or one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
@@ -178,8 +196,6 @@ class JobOptions:
              f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {self.micro_batches} "
              "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
         if self.memory_mb:
-            from flatpack.backends.catalog import get_platform
-
             platform = get_platform("local")
             for size in self.memory_mb:
                 need(isinstance(size, int) and size >= 1, f"--memory takes tiers in MB, each positive, got {size}")
@@ -192,8 +208,6 @@ class JobOptions:
         need(not self.out.exists() or self.out.is_dir(),
              f"--out {self.out} is a file; give a directory (it is created if missing)")
         if self.calibration is not None:
-            from flatpack.backends.calibration import Calibration
-
             # read and checked now: a bad file is refused before anything is compiled or started
             need(Calibration.load(self.calibration).platform == "local",
                  f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
@@ -204,7 +218,6 @@ class JobOptions:
              "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
         need((self.stages is None and not self.split_points) or self.pick == "recommended",
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
-        from flatpack.partitioner.workload import PRECISIONS, RECOMPUTE
 
         need(self.precision in PRECISIONS,
              f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default), bf16 "
@@ -253,8 +266,6 @@ def solver_for(name: Any) -> Any:
     cuts (``balanced`` leaves every stage without a memory tier) the smallest tier that fits
     each stage, so the cost model can predict the run (:func:`funcpipe.with_tiers`). An
     unknown name is refused with the close matches."""
-    from flatpack.partitioner.solvers import available_solvers, get_solver
-
     if isinstance(name, str):
         base = name.split("{", 1)[0].strip()
         names = list(available_solvers())
@@ -276,8 +287,6 @@ class WithTiers:
         return getattr(self.solver, "name", str(self.solver))
 
     def __call__(self, problem: Any) -> Any:
-        from flatpack.partitioner.cost.funcpipe import with_tiers
-
         return with_tiers(problem, self.solver(problem))
 
 
@@ -296,9 +305,6 @@ class FixedCuts:
         return f"split-points {','.join(self.split_points)}" if self.split_points else f"{self.stages} stages"
 
     def __call__(self, problem: Any) -> Any:
-        from flatpack.partitioner.plan import Plan
-        from flatpack.partitioner.solvers import get_solver
-
         if not self.split_points:
             return get_solver("balanced")(dataclasses.replace(problem, stages=self.stages))
         starts = [split_layer(problem.chain, point) for point in self.split_points]
@@ -343,8 +349,6 @@ class FastestOnFront:
     name: str = "dp-fastest"
 
     def __call__(self, problem: Any) -> Any:
-        from flatpack.partitioner.solvers import get_solver
-
         return get_solver("dp").front(problem).plans[0]
 
 
@@ -494,7 +498,6 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
             raise InputError(f"--loss {options.loss} needs real targets; the synthetic batches (no --data) train "
                              f"with {loss}. Give --data SOURCE, or leave --loss out")
         return batches, loss, count
-    from flatpack.data import make_batches, parse_source, split_shards
 
     source = parse_source(options.data, endpoint=options.store_endpoint)
     if options.eval_fraction:
@@ -503,7 +506,6 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
                            iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
                            drop_last=options.drop_last)
     inputs, target = batches(0)
-    from flatpack.data import check_against_example
 
     check_against_example(example, inputs, f"--data {batches.description}")
     if batches.batch != options.batch:
@@ -518,8 +520,6 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss
     synthetic batches drawn with another seed. Checked against the model and the training
     ``loss`` before launch (held-out data without the labels a model's own loss needs would
     otherwise be scored on its logits)."""
-    from flatpack.data import check_against_example, make_batches, parse_source, split_shards
-
     if options.eval_data is None and not options.eval_fraction:
         return synthetic_batches(model, example, options.batch, 2, options.seed + 1)[0]
     if options.eval_data is not None:
@@ -538,14 +538,6 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
-    import flatpack
-    from flatpack.backends import local
-    from flatpack.ir.profiler import ProfileOptions
-    from flatpack.partitioner.cost import funcpipe
-    from flatpack.partitioner.workload import Workload
-    from flatpack.partitioner.refit import EVENTS_FILE
-    from flatpack.runtime import chrome_trace, gantt, report, timeline
-
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -690,7 +682,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
                 "on the later iterations")
-        # the timeline, for `flatpack plan --from-run` (partitioner.refit) to re-fit the model to
+        # the timeline, for `flatpack plan --from-run` (runtime.refit) to re-fit the model to
         (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
@@ -719,11 +711,6 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
     inference path (the deployment serves the latest checkpoint) and the loss (and accuracy)
     joins the progress line and the report. Returns the calls' results as one and the
     evaluations."""
-    from flatpack.backends.functions import merge_results
-    from flatpack.data import first_batch_rows
-    from flatpack.evaluation import evaluate
-    from flatpack.runtime.progress import ProgressLine
-
     if not eval_every:
         return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),
                                 **train_options), []
@@ -763,8 +750,6 @@ def _data_record(batches: Any, options: JobOptions) -> dict | None:
     """What ``run.json`` records of a ``--data`` source so that ``flatpack resume`` reads the
     same batches again: the source and how it was batched (None: synthetic batches, or a
     DataLoader, which cannot be reopened by name: the run directory keeps those batches)."""
-    from flatpack.data import Batches
-
     if not isinstance(batches, Batches) or batches.source is None or batches.source.to_json() is None:
         return None
     return {"source": batches.source.to_json(), "batch": options.batch, "epochs": options.epochs,
@@ -776,8 +761,6 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
             say: Any, save: Path | None = None) -> None:
     """A finished run: its trained weights in the run directory (and at ``save``), the
     store's data removed."""
-    from flatpack.weights import save_state_dict, state_dict_of
-
     state = state_dict_of(compiled, parameters)
     trained = save_state_dict(state, directory.trained_path)
     directory.write(dataclasses.replace(record, state="done"))
@@ -796,10 +779,6 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     ``digest`` / ``verify_key``: what the run's compiled artifact is checked against
     (``flatpack.load``). ``data``: a run whose data came from a dataset factory names it
     again (``run.json`` is data and never names code to import)."""
-    import flatpack
-    from flatpack.backends import local
-    from flatpack.backends.functions import merge_results
-
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -820,8 +799,6 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                          "Start it again with flatpack run")
     compiled = flatpack.load(directory.compiled, digest=digest, verify_key=verify_key)
     if record.data is not None:
-        from flatpack.data import batches_from_record
-
         batches = batches_from_record(record.data, factory=data)
         LOG.info(f"re-reading the run's data: {batches.description}")
     else:
@@ -863,9 +840,6 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
 
 
 def _print_front(compiled: Any, say: Any) -> None:
-    from flatpack.partitioner.solvers import get_solver
-    from flatpack.partitioner import report as plan_report
-
     try:
         front = get_solver("dp").front(compiled.problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs

@@ -10,3 +10,7 @@ GIB = 1 << 30
 MB_S = 1_000_000            # bytes per second in one MB/s
 GBIT_S = 125_000_000        # bytes per second in one Gbit/s
 
+
+def mb(nbytes: float) -> str:
+    """Bytes in the unit tiers are sold in (``Tier.memory_mb`` counts 2**20 bytes)."""
+    return f"{nbytes / MIB:,.1f} MB"

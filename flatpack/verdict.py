@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from flatpack.backends.functions import checkpoint_tensors
+from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.reference import call, first_output, train_async_single_process, train_single_process
 from flatpack.runtime.spec import ASYNC_SCHEDULE
+from flatpack.weights import with_aliases
 
 if TYPE_CHECKING:
     from flatpack.job import JobOptions
@@ -167,8 +170,6 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
     reference's; returns them and a note naming what is missing, if anything. A bf16 run
     under SGD needs the ``initial`` state: its weights are held to the gradient tolerance of how
     far training moved each tensor."""
-    from flatpack.runtime.optim import OptimizerSpec
-
     spec = OptimizerSpec.of(optimizer)
     trainable = {id(p) for p in reference.parameters() if p.requires_grad}
     weights = {"worst": 0.0, "where": "", "ok": True}
@@ -285,8 +286,8 @@ def fixed_buffers_of(compiled: Any) -> Any:
     stages with d replicas where m mod d != 0 (a stage reports replica 0's buffers)."""
     by_stage = []
     for artifact, stage in zip(compiled.artifacts, compiled.plan.stages):
-        names = {alias for entry in artifact.manifest["parameters"] if entry.get("kind") == "buffer"
-                 for alias in (entry.get("aliases") or [entry["name"]])}
+        names = {alias for entry in artifact.manifest.parameters if entry.kind == "buffer"
+                 for alias in (entry.aliases or (entry.name,))}
         by_stage.append((stage.replicas, names))
     return lambda m: {name for replicas, names in by_stage if m % replicas for name in names}
 
@@ -294,26 +295,24 @@ def fixed_buffers_of(compiled: Any) -> Any:
 def parameter_stages(compiled: Any) -> dict[str, int]:
     """Each parameter's stage by every name it has (the stages' manifests): which stage's
     weight versions it follows in the asynchronous schedule's simulation."""
-    return {alias: artifact.index for artifact in compiled.artifacts for entry in artifact.manifest["parameters"]
-            for alias in {entry["name"], *(entry.get("aliases") or [])}}
+    return {alias: artifact.index for artifact in compiled.artifacts for entry in artifact.manifest.parameters
+            for alias in entry.all_names}
 
 
 def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Each trainable parameter's optimizer tensors in the last checkpoint every stage took,
     by every name the parameter has (stage optimizers index them in manifest order)."""
-    from flatpack.backends.functions import checkpoint_tensors
-
     iteration = deployment.consistent_checkpoint()
     found: dict[str, dict[str, torch.Tensor]] = {}
     if iteration is None:
         return found
     for index, artifact in enumerate(compiled.artifacts):
         tensors = checkpoint_tensors(deployment.store, deployment.keys, index, iteration)
-        trainable = [entry for entry in artifact.manifest["parameters"] if entry.get("kind") == "parameter"]
+        trainable = [entry for entry in artifact.manifest.parameters if entry.trainable]
         for position, entry in enumerate(trainable):
             entries = {key.rsplit("/", 1)[1]: tensor for key, tensor in tensors.items()
                        if key.startswith(f"o/{position}/")}
-            for alias in {entry["name"], *(entry.get("aliases") or [])}:
+            for alias in entry.all_names:
                 found.setdefault(alias, entries)
     return found
 
@@ -333,7 +332,6 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
                       "switches off), so no run can be compared with single-process training; train it without "
                       "them to check equivalence")
         return found
-    from flatpack.weights import with_aliases
 
     # a tied weight is checkpointed under one name; the reference's state_dict has each
     parameters = with_aliases(compiled, parameters)

@@ -44,8 +44,8 @@ def with_aliases(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict[
     """``parameters`` with every name the manifests give a tied weight (its aliases)."""
     found = dict(parameters)
     for artifact in compiled.artifacts:
-        for entry in artifact.manifest["parameters"]:
-            names = [entry["name"], *(entry.get("aliases") or [])]
+        for entry in artifact.manifest.parameters:
+            names = [entry.name, *entry.aliases]
             tensor = next((found[name] for name in names if name in found), None)
             if tensor is None:
                 continue

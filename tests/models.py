@@ -89,7 +89,7 @@ class Outer(nn.Module):
 class ConvBlocks(nn.Module):
     """Conv → batch norm → ReLU, a second conv plus a per-pixel term of the input (a whole
     value broadcast against split channels), pooling over space and a linear head: the ops
-    a channel split cuts (``ir/channels.py``)."""
+    a channel split cuts (``stage/channels.py``)."""
 
     def __init__(self, channels: int = 3, width: int = 8, out: int = 6, classes: int = 5) -> None:
         super().__init__()

@@ -9,12 +9,12 @@ every stage replica as its own process sharing only a local S3 server; ``aws-lam
 ``alibaba-fc`` deploy the same functions as container images (``images``, ``cloud``) and share
 the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
 ``torch.distributed``. The platform data behind each target (tiers,
-bandwidth, prices, limits, with sources) is in :mod:`flatpack.backends.catalog`.
+bandwidth, prices, limits, with sources) is in :mod:`flatpack.platform.catalog`.
 """
 
-from flatpack.backends.catalog import BUILTIN_PLATFORMS
 from flatpack.backends.protocol import Backend, Capability
 from flatpack.errors import InputError
+from flatpack.platform.catalog import BUILTIN_PLATFORMS
 from flatpack.registry import Registry
 
 # The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container.

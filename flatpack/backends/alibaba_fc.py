@@ -29,9 +29,10 @@ from flatpack.backends.images import ImageContext, docker_build_and_push, functi
 from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
+from flatpack.platform.catalog import get_platform
+from flatpack.runtime.function import STORE_ENV
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import s3_addressing_style
-from flatpack.runtime.worker import STORE_ENV
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "FcDeployment",
            "TrainResult"]
@@ -62,8 +63,6 @@ Push = Callable[[ImageContext, Path, str], None]
 def vcpus_for(memory_mb: int) -> float:
     """The catalog's vCPU share for the tier, moved into FC's allowed range: a multiple of
     0.05 with vCPU:GB between 1:1 and 1:4."""
-    from flatpack.backends.catalog import get_platform
-
     memory_gb = memory_mb / 1024
     wanted = get_platform(NAME).tier(memory_mb).vcpus
     low, high = math.ceil(memory_gb / 4 / 0.05) * 0.05, math.floor(memory_gb / 0.05) * 0.05

@@ -17,29 +17,49 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flatpack.batching import batch_rows
+from flatpack.compiler import Compiled
 from flatpack.errors import InputError
-from flatpack.ir.tensor_check import TensorSpec, check_tensor
 from flatpack.runtime.optim import OptimizerSpec
+from flatpack.stage.manifest import ValueEntry
+from flatpack.stage.tensor_check import TensorSpec, check_tensor
 
 NON_FINITE = ("warn", "error", "ignore")
 
 
-def example_inputs(compiled: Any) -> dict[str, dict]:
+def example_inputs(compiled: Any) -> dict[str, ValueEntry]:
     """The compiled example's data inputs by name: ``kind``, ``shape`` (the batch first) and ``dtype``."""
     names = list(compiled.info["input_names"])
-    found: dict[str, dict] = {}
+    found: dict[str, ValueEntry] = {}
     for artifact in compiled.artifacts:
-        for entry in artifact.manifest["inputs"]:
-            if entry["name"] in names:
-                found.setdefault(entry["name"], entry)
+        for entry in artifact.manifest.inputs:
+            if entry.name in names:
+                found.setdefault(entry.name, entry)
     return found
+
+
+def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
+    return batch[0], batch[1]
+
+
+def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[str, Any], Any, int]:
+    """A global ``(inputs, target)`` batch as the runtimes take it: the input leaves by input
+    name, the target, and the batch's rows (its first batched input's)."""
+    inputs, target = inputs_and_target(batch, iteration)
+    leaves = compiled.input_leaves(inputs)
+    rows = batch_rows(leaves)
+    if rows is None:
+        raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
+                         "the batch into micro-batches along the first dimension of its inputs")
+    return dict(zip(compiled.info["input_names"], leaves)), target, rows
 
 
 def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None = None,
                 non_finite: str = "warn") -> int:
     """Checks batch ``index`` (``(inputs, target)``) against the compiled example; returns
     its batch size. ``batch_size``: the size every batch must have (the first batch's)."""
-    from flatpack.backends.functions import batch_values
 
     if non_finite not in NON_FINITE:
         raise InputError(f"non_finite must be one of {', '.join(NON_FINITE)}, got {non_finite!r}")
@@ -54,10 +74,10 @@ def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None
     expected = example_inputs(compiled)
     for name, value in values.items():
         entry = expected.get(name)
-        if entry is None or entry.get("kind", "tensor") != "tensor":
+        if entry is None or not entry.is_tensor:
             continue
         # the batch dimension is free; so are the others a graph traced with dynamic shapes leaves free
-        check_tensor(name, value, TensorSpec.from_json(entry, default_free=(0,)), where=f"batch {index}: ",
+        check_tensor(name, value, TensorSpec.of_entry(entry, default_free=(0,)), where=f"batch {index}: ",
                      fix="Reshape or convert the input, or compile with an example of this shape.")
         if value.dim() and value.shape[0] != rows:
             raise InputError(f"batch {index}: input {name!r} has {value.shape[0]} rows but the batch has {rows}; "

@@ -20,11 +20,13 @@ from typing import Any, Callable, Sequence
 
 from flatpack.backends.functions import FunctionDeployment
 from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images, model_label
-from flatpack.codegen.integrity import check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
+from flatpack.platform.catalog import get_platform
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
+from flatpack.runtime.store_url import open_store
+from flatpack.stage.integrity import check_digest
 
 # the run's tensors that are dead once their iteration (or request) is done; the invoker
 # deletes them as it goes, the lifecycle rule catches what a crashed invoker left behind
@@ -110,8 +112,6 @@ def push_images(images: Sequence[ImageContext], repository_uri: str, out_dir: Pa
 
 def check_tiers(compiled: Compiled, target: str) -> None:
     """Every stage has a memory tier the platform offers; caught before any API call."""
-    from flatpack.backends.catalog import get_platform
-
     platform = get_platform(target)
     for index, stage in enumerate(compiled.plan.stages):
         if stage.memory_mb is None:
@@ -134,8 +134,6 @@ def functions(compiled: Compiled, name: str, target: str,
               profile_tiers: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """The deployment's functions: one per stage with the stage's tier, or for in-target
     profiling one per memory tier (each holds every layer's artifact)."""
-    from flatpack.backends.catalog import get_platform
-
     if not profile_tiers:
         check_tiers(compiled, target)
         return [{"name": function_name(name, "train", index), "stage": index, "memory_mb": stage.memory_mb}
@@ -399,8 +397,6 @@ class CloudDeployment(FunctionDeployment):
 
     def __init__(self, compiled: Compiled, res: dict[str, Any], ledger: Ledger, clients: Any, workdir: Path,
                  credentials: tuple[str, str, str | None]) -> None:
-        from flatpack.runtime.store import open_store
-
         key, secret, token = credentials
         store = open_store(res["store_url"], aws_access_key_id=key, aws_secret_access_key=secret,
                            aws_session_token=token or None)

@@ -23,21 +23,30 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from flatpack.backends.batch_checks import check_training_call
-from flatpack.batching import batch_rows
+from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
+from flatpack.data import loader_batches
 from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
+from flatpack.ir import structure
+from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.partitioner.workload import Workload
-from flatpack.runtime import chaos, timeline, wire
+from flatpack.platform.catalog import get_platform
+from flatpack.progress import ProgressLine
+from flatpack.runtime import channel_split, chaos, forkjoin, timeline
+from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec, stop_message
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, split_value, stage_specs
-from flatpack.runtime.store import Store, open_store
+from flatpack.runtime.store import Store
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.training import TARGET, pack_values
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
+from flatpack.stage import wire
+from flatpack.stage.artifact import build_module
 from flatpack.units import MIB
+from flatpack.weights import state_dict_of
 
 # every function backend (local, aws-lambda, alibaba-fc) runs FunctionDeployment: all of it
 FUNCTION_CAPABILITIES = frozenset(Capability)
@@ -179,8 +188,6 @@ class FunctionDeployment:
 
     # settings -----------------------------------------------------------------------------
     def _stage_specs(self, degrees: Sequence[int]) -> tuple[StageSpec, ...]:
-        from flatpack.backends.catalog import get_platform
-
         return stage_specs(self.manifests, self.compiled.info["input_names"], degrees,
                            [stage.memory_mb for stage in self.compiled.plan.stages],
                            get_platform(self.platform).tier if self.emulate_tiers else None,
@@ -190,8 +197,6 @@ class FunctionDeployment:
         return shared_holders(self.manifests)
 
     def dollars_per_second(self, degrees: Sequence[int]) -> float:
-        from flatpack.backends.catalog import get_platform
-
         platform = get_platform(self.platform)
         return sum(platform.tier(stage.memory_mb).price_per_s * degree
                    for stage, degree in zip(self.compiled.plan.stages, degrees) if stage.memory_mb)
@@ -253,8 +258,6 @@ class FunctionDeployment:
         from torch.utils.data import DataLoader
 
         if isinstance(batches, DataLoader):
-            from flatpack.data import loader_batches
-
             batches = loader_batches(batches, iterations)
             iterations = iterations or len(batches)
         # the data and settings, checked before any function starts
@@ -332,8 +335,6 @@ class FunctionDeployment:
         (tied weights under each of their names, persistent buffers) after ``iteration``, by
         default the latest every stage checkpointed (:func:`flatpack.weights.state_dict_of`).
         Save it with :func:`flatpack.save_state_dict`."""
-        from flatpack.weights import state_dict_of
-
         return state_dict_of(self.compiled, self.parameters(iteration))
 
     def resume(self, batches: Sequence[Any] | Callable[[int], Any], **options: Any) -> TrainResult | None:
@@ -374,9 +375,6 @@ class FunctionDeployment:
         """Serves one request through Gillis's fork-join (``runtime.forkjoin``) and returns
         the model's outputs, structured as the model returns them. The first call starts
         the master and the workers; they stay warm for later requests."""
-        from flatpack.ir import structure
-        from flatpack.runtime import forkjoin
-
         names = self.compiled.info["input_names"]
         values = dict(zip(names, self.compiled.input_leaves(inputs)))
         self._check_batch_splits(forkjoin.request_batch(values))
@@ -416,8 +414,6 @@ class FunctionDeployment:
     def _check_batch_splits(self, batch: int) -> None:
         """InputError, before any function starts, when a group split by batch has more
         partitions than the request has samples."""
-        from flatpack.partitioner.cost.gillis import ForkJoinPlan
-
         for index, group in enumerate(ForkJoinPlan.from_plan(self.compiled.plan).groups):
             if group.workers and group.split == "batch" and group.partitions > batch:
                 raise InputError(f"group {index} (layers {group.start}..{group.end}) splits the request's batch over "
@@ -426,12 +422,6 @@ class FunctionDeployment:
                                  "fewer replicas)")
 
     def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
-        from flatpack.backends.catalog import get_platform
-        from flatpack.codegen.artifact import build_module
-        from flatpack.partitioner.cost.gillis import ForkJoinPlan
-        from flatpack.runtime import channel_split
-        from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec
-
         plan = ForkJoinPlan.from_plan(self.compiled.plan)
         tier = get_platform(self.platform).tier(plan.memory_mb) if plan.memory_mb and self.emulate_tiers else None
         groups = []
@@ -444,8 +434,7 @@ class FunctionDeployment:
                 analysis.check_partitions(group.partitions, where)
                 joins = channel_split.joins(analysis)
             groups.append(GroupSpec(index, group.workers, group.on_master,
-                                    tuple(entry["name"] for entry in manifest["inputs"]),
-                                    tuple(entry["name"] for entry in manifest["outputs"]), group.split, joins))
+                                    manifest.input_names, manifest.output_names, group.split, joins))
         groups = tuple(groups)
         spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
                             tier.bandwidth_bytes_s if tier else None, tuple(self.compiled.info["input_names"]),
@@ -462,8 +451,6 @@ class FunctionDeployment:
 
     def stop_inference(self) -> None:
         """Tells the warm inference functions to end (they exit after their current request)."""
-        from flatpack.runtime.forkjoin import stop_message
-
         if self._inference is None:
             return
         request = str(self._requests)
@@ -607,24 +594,6 @@ def platform_tiers_mb(compiled: Compiled) -> tuple[int, ...]:
     return tuple(tier.memory_mb for tier in problem.platform.tiers) if problem is not None else ()
 
 
-def inputs_and_target(batch: Any, iteration: int) -> tuple[Any, Any]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise InputError(f"batch {iteration} must be (inputs, target), got {type(batch).__name__}")
-    return batch[0], batch[1]
-
-
-def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[str, Any], Any, int]:
-    """A global ``(inputs, target)`` batch as the runtimes take it: the input leaves by input
-    name, the target, and the batch's rows (its first batched input's)."""
-    inputs, target = inputs_and_target(batch, iteration)
-    leaves = compiled.input_leaves(inputs)
-    rows = batch_rows(leaves)
-    if rows is None:
-        raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
-                         "the batch into micro-batches along the first dimension of its inputs")
-    return dict(zip(compiled.info["input_names"], leaves)), target, rows
-
-
 def iteration_count(batches: Sequence[Any] | Callable[[int], Any], iterations: int | None) -> int:
     """How many iterations ``train`` runs: ``iterations``, else one per batch given."""
     if iterations is None:
@@ -653,7 +622,7 @@ def loss_output(compiled: Compiled) -> str:
     """The output the loss reads: the model's first, which must come out of the last stage
     (the loss runs there)."""
     first = compiled.info["output_names"][0]
-    if first not in {entry["name"] for entry in compiled.artifacts[-1].manifest["outputs"]}:
+    if first not in compiled.artifacts[-1].manifest.output_names:
         raise InputError(f"the model's first output {first!r} is not produced by the last stage; the loss runs in "
                          "the last stage")
     return first
@@ -701,7 +670,6 @@ class _Run:
         started = time.time()
         degrees_seen = []
         segment, begin = 0, self.first
-        from flatpack.runtime.progress import ProgressLine
 
         shared_line = isinstance(self.progress, ProgressLine)   # the caller's, spanning several calls
         if shared_line:

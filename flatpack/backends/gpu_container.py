@@ -47,29 +47,27 @@ import torch
 import yaml
 
 import flatpack
-from flatpack.backends.catalog import BaseImage, Tier, get_platform
-from flatpack.backends.catalog import base_image as pinned_base_image
-from flatpack.backends.functions import (TrainResult, batch_values, default_micro_batches, iteration_count,
-                                         loss_output, workload_of)
+from flatpack.backends.batch_checks import batch_values
+from flatpack.backends.functions import TrainResult, default_micro_batches, iteration_count, loss_output, workload_of
 from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
-                                     hardening_problems, runtime_sources, write_files)
+                                      hardening_problems, runtime_sources, write_files)
 from flatpack.backends.lock import committed_lock, lock_problems
 from flatpack.backends.protocol import Capability
-from flatpack.codegen.artifact import parse_stage
-from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
-from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.ir import structure
+from flatpack.platform.catalog import BaseImage, Tier, base_image as pinned_base_image, get_platform
 from flatpack.runtime import timeline
 from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE, STAGES_DIR, TRAIN, DistributedRun,
                                           Layout, RankRole, data_file, error_file, iter_reports, output_key,
                                           outputs_file, parameters_file, stage_path, timeline_file)
-from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.forkjoin import join_batch
+from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET, pack_values, unpack_values
+from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, parse_stage
+from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 
 NAME = "gpu-container"
 CAPABILITIES = frozenset(Capability) - {Capability.RESUME}
@@ -80,6 +78,7 @@ LIMITS = {
 # safetensors), committed as flatpack/backends/locks/gpu.txt
 APP_DIR = "/app"
 MASTER_PORT = 29500
+RANK_ENTRIES = ("flatpack.runtime.distributed",)   # what torchrun starts on every rank; its image ships what it imports
 GPU_RESOURCE = "nvidia.com/gpu"
 JOB_FILE = "k8s/job.yaml"
 LAUNCH_FILE = "launch.sh"
@@ -109,9 +108,9 @@ def example_batch(compiled: Compiled) -> int | None:
     """Rows of the first data input at compile time: what ``--synthetic`` scales from."""
     names = set(compiled.info["input_names"])
     for artifact in compiled.artifacts:
-        for entry in artifact.manifest["inputs"]:
-            if entry["name"] in names and entry.get("kind") == "tensor" and entry.get("shape"):
-                return int(entry["shape"][0])
+        for entry in artifact.manifest.inputs:
+            if entry.name in names and entry.is_tensor and entry.shape:
+                return entry.shape[0]
     return None
 
 
@@ -224,7 +223,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
                             data=data).encode(),
     }
     files.update(stage_files(compiled))
-    files.update(runtime_sources())
+    files.update(runtime_sources(RANK_ENTRIES))
     files[COMMANDS_FILE] = _commands(name, image, world, pods).encode()
     return files
 
@@ -635,7 +634,7 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     directory = Path(tempfile.mkdtemp(prefix="flatpack-gpu-")) if created else Path(workdir)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_files({**runtime_sources(), **stage_files(compiled)}, directory)
+        write_files({**runtime_sources(RANK_ENTRIES), **stage_files(compiled)}, directory)
     except BaseException:
         if created:
             shutil.rmtree(directory, ignore_errors=True)

@@ -36,16 +36,20 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import flatpack
-from flatpack.backends.catalog import BaseImage, base_image
 from flatpack.backends.lock import TORCH_CPU_INDEX, committed_lock, lock_problems
-from flatpack.codegen.artifact import serialize
-from flatpack.codegen.integrity import INDEX_FILE
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
-from flatpack.layout import stage_dirname
+from flatpack.stage.artifact import stage_dirname
+from flatpack.platform.catalog import BaseImage, base_image, get_platform
+from flatpack.sources import source_files
+from flatpack.stage.artifact import serialize
+from flatpack.stage.integrity import INDEX_FILE
 from flatpack.units import MIB
 
 GIB = 1 << 30
+# the modules a function image starts from: the handler its CMD names (aws-lambda: handler.py
+# imports it) and the HTTP server around it (alibaba-fc); an image ships these and what they import
+FUNCTION_ENTRIES = ("flatpack.runtime.handler", "flatpack.runtime.fc_server")
 TORCH_REQUIREMENT = "torch==2.13.0"
 # the CPU wheels: the default index's torch pulls gigabytes of CUDA libraries
 TORCH_INDEX = TORCH_CPU_INDEX
@@ -168,8 +172,6 @@ def _share(artifacts: dict[int, dict[str, bytes]], share_below_bytes: int) -> li
 
 
 def check_image_sizes(images: Sequence[ImageContext], target: str) -> None:
-    from flatpack.backends.catalog import get_platform
-
     limit = get_platform(target).image_limit_bytes
     if limit is None:
         return
@@ -264,12 +266,12 @@ def _common_files(flavor: Flavor, lock_text: str) -> dict[str, bytes]:
             **runtime_sources()}
 
 
-def runtime_sources() -> dict[str, bytes]:
-    """flatpack's own Python source by ``flatpack/...`` path, as an image imports it: pure
-    Python, so a copy runs wherever torch does."""
-    root = Path(flatpack.__file__).resolve().parent
-    return {f"flatpack/{path.relative_to(root).as_posix()}": path.read_bytes()
-            for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts}
+def runtime_sources(entries: Sequence[str] = FUNCTION_ENTRIES) -> dict[str, bytes]:
+    """flatpack's Python source an image needs, by ``flatpack/...`` path: the modules its
+    entry points import, directly or not (:func:`flatpack.sources.closure`), and no other, so
+    the compiler, the solvers and the backends stay out of every function. Pure Python, so a
+    copy runs wherever torch does."""
+    return source_files(entries)
 
 
 def check_context(files: dict[str, bytes]) -> list[str]:

@@ -28,13 +28,14 @@ from typing import Any
 from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
                                          read_status)
 from flatpack.backends.protocol import Capability
-from flatpack.codegen.integrity import INDEX_FILE, check_digest
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.interrupts import die_with_parent, stopping, track
+from flatpack.runtime.function import ROLE_ENV, STORE_ENV
 from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.s3server import LocalS3Server
 from flatpack.runtime.spec import Role
-from flatpack.runtime.worker import ROLE_ENV, STORE_ENV
+from flatpack.stage.integrity import INDEX_FILE, check_digest
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart",
            "TrainResult", "read_status", "oom_error"]
@@ -75,7 +76,6 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
     temporary: Path | None = None
     try:
         if store_url is None:
-            from flatpack.runtime.s3server import LocalS3Server
             server = LocalS3Server(data_dir=data_dir).start()
             store_url, env = server.url(""), server.env()
         if workdir is None:

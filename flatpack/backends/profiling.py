@@ -1,5 +1,5 @@
 """In-target profiling (FuncPipe §3.1 step 3): measure every layer on every memory tier
-inside the target and write the calibration file (:mod:`flatpack.backends.calibration`)
+inside the target and write the calibration file (:mod:`flatpack.platform.calibration`)
 that makes plans for that target use measured rather than scaled compute times.
 
 How: the model is compiled with the same passes a plan is made with, but one layer per
@@ -45,15 +45,21 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from flatpack.backends.calibration import Calibration, TierCalibration
+from flatpack.backends import get_backend
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
-from flatpack.ir.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, example_batch_size, graph_hash
+from flatpack.ir.passes import resolve
 from flatpack.partitioner.plan import Plan
+from flatpack.platform.calibration import Calibration, TierCalibration
+from flatpack.platform.catalog import get_platform
+from flatpack.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, example_batch_size, graph_hash, host_info
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
 from flatpack.runtime.spec import Role
 from flatpack.runtime.training import pack_values
+from flatpack.stage.manifest import Manifest
 from flatpack.table import format_table
+from flatpack.version import __version__
 
 log = logging.getLogger("flatpack.profiling")
 
@@ -110,8 +116,6 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
     logs is then kept, and named. When no tier could be calibrated, :class:`RunFailure`
     says where the logs are.
     """
-    from flatpack.backends.catalog import get_platform
-
     platform = get_platform(target)
     memory_sizes = _tier_sizes(platform, tiers)
     # ProfileOptions checks the sizes (each a positive int), repeats and warmup as the host profiler does
@@ -143,8 +147,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         keys = deployment.keys
         deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info["input_names"], leaves))))
         grad_values = _grad_values(compiled)
-        layer_inputs = tuple(tuple(entry["name"] for entry in artifact.manifest["inputs"])
-                             for artifact in compiled.artifacts)
+        layer_inputs = tuple(artifact.manifest.input_names for artifact in compiled.artifacts)
         weights, gradients = zip(*(_weight_and_grad_bytes(artifact.manifest) for artifact in compiled.artifacts))
         roles = []
         for memory_mb in memory_sizes:
@@ -257,9 +260,6 @@ def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: 
                                  profile: bool | ProfileOptions, example_kwargs: dict | None) -> Any:
     """The chain a plan for ``target`` is made on (same passes; a host profile only when a
     pass reads one), emitted one layer per stage."""
-    from flatpack.compiler import compile as compile_model
-    from flatpack.ir.passes import resolve
-
     reads_profile = any(getattr(graph_pass, "reads_profile", False) for graph_pass in resolve(passes))
     return compile_model(model, example_inputs, target=target, passes=passes, example_kwargs=example_kwargs,
                          solver=_one_layer_per_stage, profile=(profile or True) if reads_profile else False)
@@ -268,18 +268,18 @@ def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: 
 def _grad_values(compiled: Any) -> tuple[str, ...]:
     """Values entering a layer whose gradient a stage computes: those that depend on a
     parameter (the host profiler's rule, ``graph.analysis.param_dependent``)."""
-    entering = {entry["name"] for artifact in compiled.artifacts for entry in artifact.manifest["inputs"]}
+    entering = {name for artifact in compiled.artifacts for name in artifact.manifest.input_names}
     return tuple(sorted(entering & compiled.graph.analysis.param_dependent))
 
 
-def _weight_and_grad_bytes(manifest: dict[str, Any]) -> tuple[int, int]:
+def _weight_and_grad_bytes(manifest: Manifest) -> tuple[int, int]:
     """A stage's parameter and buffer bytes, and its trainable parameters' (their gradients),
     from its manifest."""
     weights = gradients = 0
-    for entry in manifest["parameters"]:
-        nbytes = math.prod(int(size) for size in entry["shape"]) * getattr(torch, entry["dtype"]).itemsize
+    for entry in manifest.parameters:
+        nbytes = math.prod(entry.shape) * getattr(torch, entry.dtype).itemsize
         weights += nbytes
-        if entry["kind"] == "parameter":
+        if entry.trainable:
             gradients += nbytes
     return weights, gradients
 
@@ -293,8 +293,6 @@ def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...],
     tier's memory with every layer's artifact (``PROFILE_FUNCTIONS = True``;
     ``deploy(compiled, profile_tiers=...)``, and ``launch`` sizing a ``"profile"`` role by
     ``role.stage`` MB)."""
-    from flatpack.backends import get_backend
-
     if emulate or target == "local":
         scratch = Path(tempfile.mkdtemp(prefix="flatpack-profile-"))
         return partial(get_backend("local").deploy, workdir=scratch), scratch
@@ -438,13 +436,10 @@ def _calibrated_tier_remarks(result: TierResult) -> str:
 
 def _provenance(target: str, emulated: bool, batch_sizes: tuple[int, ...], repeats: int,
                 threads: int) -> dict[str, str]:
-    from flatpack.ir.profiler import host_info
-    from flatpack.version import __version__
-
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     if emulated:
         where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share by "
-                 "runtime.worker.cpu_throttle: the tier CPU share was emulated on the local backend, not measured "
+                 "runtime.function.cpu_throttle: the tier CPU share was emulated on the local backend, not measured "
                  f"on {target}")
     else:
         where = f"one profiler function per memory tier on {target}, at the platform's own CPU share"

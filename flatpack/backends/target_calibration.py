@@ -1,5 +1,5 @@
 """``flatpack calibrate --target T``: measure the target itself, for every model, and write
-the calibration file (:mod:`flatpack.backends.calibration`, schema 2) that ``compile``,
+the calibration file (:mod:`flatpack.platform.calibration`, schema 2) that ``compile``,
 ``plan`` and ``run`` take with ``--calibration``.
 
 How: a one-layer probe model is compiled for the target and deployed with the target's
@@ -33,13 +33,18 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from flatpack.backends import task_overheads
-from flatpack.backends.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo,
-                                           TierCalibration)
+from flatpack.backends import profiling, task_overheads
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.backends.profiling import _status_detail
+from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
+from flatpack.platform.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo,
+                                           TierCalibration)
+from flatpack.platform.catalog import get_platform, host_cores
+from flatpack.profiler import default_cache_dir, host_info
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
 from flatpack.runtime.spec import Role
+from flatpack.version import __version__
 
 DEFAULT_TIMEOUT_S = 300.0
 COLD, WARM = 0, 1
@@ -67,14 +72,8 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     tier (the latency fit needs at least 8). ``probe_bytes``: each bandwidth probe.
     ``deploy`` / ``launch``: override the backend's (tests; a caller's own deployment).
     ``task_iterations``: then run the probe pipelines on each tier, this many iterations
-    each, and record the task terms and β they measure (:mod:`flatpack.backends.task_overheads`;
+    each, and record the task terms they measure (:mod:`flatpack.backends.task_overheads`;
     0: not measured)."""
-    from flatpack.backends import profiling
-    from flatpack.backends.catalog import get_platform, host_cores
-    from flatpack.compiler import compile as compile_model
-    from flatpack.ir.profiler import host_info
-    from flatpack.version import __version__
-
     platform = get_platform(target)
     memory_sizes = profiling._tier_sizes(platform, tiers)
     local = emulate or target == "local"
@@ -158,9 +157,6 @@ def cached_local_calibration(tiers: Sequence[int], report: Callable[[str], None]
     flatpack and torch, measured now (:func:`calibrate_target`) unless one is cached (next to
     the profile cache: ``$FLATPACK_CACHE_DIR`` or the user's cache directory). ``flatpack
     demo`` predicts with it, so that its prediction is calibrated on a fresh machine too."""
-    from flatpack.backends.catalog import host_cores
-    from flatpack.ir.profiler import default_cache_dir, host_info
-    from flatpack.version import __version__
 
     say = report or (lambda line: None)
     identity = {"host": host_info().cpu, "cores": host_cores(), "torch": torch.__version__, "flatpack": __version__,
@@ -185,8 +181,6 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
                          timeout_s: float, say: Callable[[str], None]) -> Calibration:
     """``calibration`` with each tier's task terms, measured by the probe pipeline on the tier
     with the figures measured so far (``task_overheads.measure_tier``)."""
-    from flatpack.backends import profiling
-
     tiers = dict(calibration.tiers)
     for memory_mb in memory_sizes:
         say(f"running the probe pipeline (2 stages, "
@@ -246,8 +240,6 @@ def _collect(deployment: FunctionDeployment, role: Role) -> CalibrateResult | No
 
 
 def _why(deployment: FunctionDeployment, role: Role) -> str:
-    from flatpack.backends.profiling import _status_detail
-
     return _status_detail(read_status(deployment.store, deployment.keys, role)) or "it wrote no result"
 
 
@@ -276,8 +268,6 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
 
 def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
                 host_seconds: dict[str, float]) -> dict[str, str]:
-    from flatpack.ir.profiler import host_info
-
     where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share and link by the local "
              "backend: emulated, not measured on the platform" if emulated
              else f"one calibration function per memory tier on {target}, at the platform's own CPU share and link")

@@ -43,6 +43,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from flatpack.compiler import compile as compile_model
+from flatpack.partitioner.cost import funcpipe, gillis
+from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.partitioner.workload import Workload
+from flatpack.profiler import ProfileOptions, ProfileWarning
 from flatpack.runtime.timeline import Event
 
 PROBE_ITERATIONS = 8
@@ -87,11 +92,6 @@ def measure_tier(target: str, memory_mb: int, calibration: Any, deploy: Callable
 
 def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], replicas: int,
                iterations: int, timeout_s: float) -> tuple[Any, list[Event]]:
-    from flatpack.compiler import compile as compile_model
-    from flatpack.ir.profiler import ProfileOptions, ProfileWarning
-    from flatpack.partitioner.cost import funcpipe
-    from flatpack.partitioner.workload import Workload
-
     model, example = probe_model()
     micro = PROBE_BATCH // PROBE_MICRO_BATCHES
     workload = Workload("train", batch=PROBE_BATCH, micro_batches=PROBE_MICRO_BATCHES, optimizer="adam")
@@ -124,8 +124,6 @@ class _TwoStages:
         self.memory_mb, self.replicas = memory_mb, replicas
 
     def __call__(self, problem: Any) -> Any:
-        from flatpack.partitioner.plan import Plan, StagePlan
-
         layers = len(problem.chain)
         ranges = Plan.from_cuts([0], layers).ranges
         return Plan(tuple(StagePlan(start, end, self.memory_mb, self.replicas) for start, end in ranges), layers,
@@ -230,8 +228,6 @@ def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Calla
     its middle layer split by channel over each of ``SERVING_PARTITIONS`` workers; each
     figure is the median over ``requests`` requests after 2 warm-ups, less what
     ``gillis.latency`` models (with the calibration's delay distribution), at least 0."""
-    from flatpack.partitioner.cost import gillis
-
     terms: dict[int, dict[str, float]] = {}
     request = 0.0
     for partitions in (1, *SERVING_PARTITIONS):
@@ -248,11 +244,6 @@ def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Calla
 
 def _serve_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], partitions: int,
                  requests: int, timeout_s: float) -> tuple[Any, float]:
-    from flatpack.compiler import compile as compile_model
-    from flatpack.ir.profiler import ProfileOptions, ProfileWarning
-    from flatpack.partitioner.plan import Plan, StagePlan
-    from flatpack.partitioner.workload import Workload
-
     model, _ = probe_model()
     model.eval()
     example = (torch.zeros(1, 32),)

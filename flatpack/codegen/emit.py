@@ -11,13 +11,11 @@ stay equal. ``Compiled.as_module()`` implements the rule in-process by giving al
 from __future__ import annotations
 
 import builtins
-import hashlib
 import importlib
 import keyword
 import math
 import operator
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,26 +25,13 @@ from torch import nn
 from flatpack.errors import CodegenError
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.trace import MODE_ARGS, fetch_attr, free_dims
-from flatpack.ir.values import value_info
+from flatpack.ir.values import TENSOR, value_info
 from flatpack.partitioner.plan import Plan
-from flatpack.version import STAGE_SCHEMA_VERSION, __version__
-
-STAGE_KIND = "flatpack-stage"
-SOURCE_FILE = "stage.py"
-WEIGHTS_FILE = "weights.safetensors"
-MANIFEST_FILE = "manifest.json"
+from flatpack.stage.artifact import StageArtifact
+from flatpack.stage.manifest import Manifest, ParameterEntry, ValueEntry
+from flatpack.version import __version__
 
 _ALLOWED_MODULE_ROOTS = {"torch", "math", "operator", "builtins", "_operator"}
-
-
-@dataclass
-class StageArtifact:
-    """A stage held in memory; ``codegen.artifact`` writes and reads it."""
-
-    index: int
-    source: str
-    tensors: dict[str, torch.Tensor]  # canonical parameter name -> tensor
-    manifest: dict[str, Any]
 
 
 def attribute_name(target: str, taken: set[str]) -> str:
@@ -61,7 +46,6 @@ def attribute_name(target: str, taken: set[str]) -> str:
     taken.add(name)
     return name
 
-
 def emit_stages(graph: LayerGraph, plan: Plan) -> list[StageArtifact]:
     """Emits every stage of ``plan``; each artifact runs with torch alone."""
     plan.check_against(len(graph.layers))
@@ -72,7 +56,6 @@ def emit_stages(graph: LayerGraph, plan: Plan) -> list[StageArtifact]:
                 if index not in holders.setdefault(param, []):
                     holders[param].append(index)
     return [_emit_stage(graph, plan, index, holders) for index in range(len(plan.stages))]
-
 
 def _emit_stage(graph: LayerGraph, plan: Plan, index: int, holders: dict[str, list[int]]) -> StageArtifact:
     stage = plan.stages[index]
@@ -114,38 +97,35 @@ def _emit_stage(graph: LayerGraph, plan: Plan, index: int, holders: dict[str, li
     python_code = new_graph.python_code(root_module="self")
     imports = _imports_for(python_code.globals, python_code.src, index)
     tensors = {target: _fetch_tensor(graph.gm, target) for target in attributes}
-    manifest = {
-        "kind": STAGE_KIND,
-        "schema_version": STAGE_SCHEMA_VERSION,
-        "flatpack_version": __version__,
-        "stage": index,
-        "num_stages": len(plan.stages),
-        "layers": [stage.start, stage.end],
-        "layer_names": [layer.name for layer in graph.layers[stage.start:stage.end + 1]],
-        "frontend": graph.traced.frontend,
-        "dynamic_batch": graph.traced.dynamic_batch,
+    manifest = Manifest(
+        stage=index,
+        num_stages=len(plan.stages),
+        layers=(stage.start, stage.end),
+        layer_names=tuple(layer.name for layer in graph.layers[stage.start:stage.end + 1]),
+        frontend=graph.traced.frontend,
+        dynamic_batch=graph.traced.dynamic_batch,
         # the mode the model was traced in, which the stage starts in; ``mode_fixed``: what
         # keeps that mode's behaviour after .train()/.eval() (see ir.trace.switch_modes)
-        "training": graph.traced.training,
-        "mode_fixed": list(graph.traced.mode_fixed),
-        "inputs": [_io_entry(graph, name) for name in input_names],
-        "outputs": [_io_entry(graph, name) for name in output_names],
-        "parameters": [
-            {
-                "name": target,
-                "attr": attr,
-                "kind": graph.traced.param_kinds.get(target, "constant"),
-                "shape": list(tensors[target].shape),
-                "dtype": str(tensors[target].dtype).removeprefix("torch."),
-                "aliases": graph.traced.aliases.get(target, [target]),
-                "shared_with": [other for other in holders.get(target, []) if other != index],
-            }
+        training=graph.traced.training,
+        mode_fixed=tuple(graph.traced.mode_fixed),
+        inputs=tuple(_io_entry(graph, name) for name in input_names),
+        outputs=tuple(_io_entry(graph, name) for name in output_names),
+        parameters=tuple(
+            ParameterEntry(
+                name=target,
+                attr=attr,
+                kind=graph.traced.param_kinds.get(target, "constant"),
+                shape=tuple(tensors[target].shape),
+                dtype=str(tensors[target].dtype).removeprefix("torch."),
+                aliases=tuple(graph.traced.aliases.get(target, [target])),
+                shared_with=tuple(other for other in holders.get(target, []) if other != index),
+            )
             for target, attr in attributes.items()
-        ],
-    }
+        ),
+        flatpack_version=__version__,
+    )
     source = _render_source(python_code.src, imports, manifest)
     return StageArtifact(index, source, tensors, manifest)
-
 
 def _follow_mode(graph: torch.fx.Graph, node: torch.fx.Node, mode_args: dict) -> None:
     """Replaces the node's mode-dependent constants with functions of ``self.training``:
@@ -169,17 +149,17 @@ def _follow_mode(graph: torch.fx.Graph, node: torch.fx.Node, mode_args: dict) ->
                 kwargs[key] = value
     node.args, node.kwargs = tuple(args), kwargs
 
-
-def _io_entry(graph: LayerGraph, name: str) -> dict:
+def _io_entry(graph: LayerGraph, name: str) -> ValueEntry:
     """A stage input's or output's name, kind, shape and dtype; for a tensor of a graph traced
     with a dynamic batch, ``dynamic``: the dimensions whose size may differ from the example's
-    (the stage worker checks what it is given against it, flatpack/ir/tensor_check.py)."""
+    (the stage worker checks what it is given against it, flatpack/stage/tensor_check.py)."""
     node = graph.analysis.nodes[name]
-    entry = {"name": name, **value_info(node).to_json()}
-    dynamic = free_dims(node) if graph.traced.dynamic_batch and entry.get("kind") == "tensor" else None
-    if dynamic is not None:
-        entry["dynamic"] = dynamic
-    return entry
+    info = value_info(node)
+    if info.kind != TENSOR:
+        return ValueEntry(name, info.kind, info.nbytes, python_type=info.python_type)
+    dynamic = free_dims(node) if graph.traced.dynamic_batch else None
+    return ValueEntry(name, info.kind, info.nbytes, info.shape, info.dtype,
+                      dynamic=tuple(dynamic) if dynamic is not None else None)
 
 
 def _fetch_tensor(root: nn.Module, target: str) -> torch.Tensor:
@@ -193,7 +173,6 @@ def _fetch_tensor(root: nn.Module, target: str) -> torch.Tensor:
                            "stages can only carry tensors as weights")
     # A snapshot: the artifact keeps the weights of compile time even if the model trains on.
     return value.detach().clone()
-
 
 def _imports_for(globals_: dict[str, Any], src: str, index: int) -> list[str]:
     """Import lines that define every global name the generated forward uses."""
@@ -217,7 +196,6 @@ def _imports_for(globals_: dict[str, Any], src: str, index: int) -> list[str]:
             lines.append(_import_callable(name, obj, index))
     return lines
 
-
 def _import_callable(name: str, obj: Any, index: int) -> str:
     module_name = getattr(obj, "__module__", None) or ""
     qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "")
@@ -238,15 +216,14 @@ def _import_callable(name: str, obj: Any, index: int) -> str:
         return f"from {module_name} import {head} as {name}"
     return f"from {module_name} import {head} as _{name}_owner\n{name} = _{name}_owner.{rest}"
 
-
-def _render_source(forward_src: str, imports: list[str], manifest: dict) -> str:
+def _render_source(forward_src: str, imports: list[str], manifest: Manifest) -> str:
     body = "\n".join(f"    {line}" if line.strip() else "" for line in forward_src.strip("\n").splitlines())
-    inputs = ", ".join(entry["name"] for entry in manifest["inputs"]) or "none"
-    outputs = ", ".join(entry["name"] for entry in manifest["outputs"]) or "none"
-    first, last = manifest["layers"]
+    inputs = ", ".join(manifest.input_names) or "none"
+    outputs = ", ".join(manifest.output_names) or "none"
+    first, last = manifest.layers
     header = [
-        f"# Generated by flatpack {manifest['flatpack_version']}: stage {manifest['stage']} of "
-        f"{manifest['num_stages']}, layers {first}..{last}.",
+        f"# Generated by flatpack {manifest.flatpack_version}: stage {manifest.stage} of "
+        f"{manifest.num_stages}, layers {first}..{last}.",
         "# Do not edit: the artifact's flatpack.index.json records this file's sha256. Weights live in "
         "weights.safetensors.",
         "import torch",
@@ -254,14 +231,10 @@ def _render_source(forward_src: str, imports: list[str], manifest: dict) -> str:
         "",
         "",
         "class Stage(torch.nn.Module):",
-        f'    """Layers {first}..{last}: {", ".join(manifest["layer_names"])[:200]}',
+        f'    """Layers {first}..{last}: {", ".join(manifest.layer_names)[:200]}',
         "",
         f"    Inputs: {inputs}",
         f"    Outputs: {outputs}",
         '    """',
     ]
     return "\n".join(header) + "\n" + body + "\n"
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -26,7 +26,7 @@ On layers (``layer.meta[...]``), filled by the analyses and passes of each issue
 ``FLOPS`` ("flops")
     Sum of the nodes' FLOP estimates; the stand-in for time until a profile exists.
 ``PROFILE`` ("profile")
-    :class:`flatpack.ir.profile.LayerProfile` written by ``ir.profiler.attach``: measured
+    :class:`flatpack.ir.profile.LayerProfile` written by ``profiler.attach``: measured
     seconds (fitted in the micro-batch size) and bytes of the layer. When present,
     ``coarsen{by=time}`` ranks layers by its forward+backward seconds at batch 1 instead of
     ``FLOPS``. ``LayerGraph.merged`` (what ``coarsen`` uses) merges the profiles of the

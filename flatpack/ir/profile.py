@@ -1,5 +1,5 @@
 """What the profiler measured, as plain data (no torch): the contract between the profiler
-(``ir/profiler.py``), the cost models and the solvers.
+(``profiler.py``), the cost models and the solvers.
 
 Times and sizes that grow with the micro-batch are stored as :class:`Linear` fits
 ``per_sample * batch + fixed`` over the batch sizes the profiler ran, as FuncPipe's model
@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from flatpack.errors import InputError
+
+# the directory profiles are cached in (flatpack.profiler), and the rl solver's policies beside them
+CACHE_ENV = "FLATPACK_CACHE_DIR"
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import InputError, PlanError
+from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Platform
+    from flatpack.platform.catalog import Platform
 
 FUNCPIPE_WEIGHTS: tuple[tuple[float, float], ...] = ((1.0, 0.0), (1.0, 2.0 ** 16), (1.0, 2.0 ** 19), (1.0, 2.0 ** 22))
 COST_MODELS = ("funcpipe", "hydrozoa", "pipedream", "gillis")
@@ -69,11 +70,11 @@ def dollars_per_mb_s(platform: Platform) -> float:
 
 
 def cost_model_for(problem: Problem) -> str:
-    """The cost model a problem's plans are judged by; ``options["cost_model"]`` overrides
+    """The cost model a problem's plans are judged by; ``options.cost_model`` overrides
     the default for GPU-container training (``"hydrozoa"`` or ``"pipedream"``)."""
     if problem.workload.mode == "infer":
         return "gillis"
-    chosen = problem.options.get("cost_model")
+    chosen = problem.options.cost_model
     if problem.platform.kind == "container":
         chosen = chosen or "hydrozoa"
         if chosen not in ("hydrozoa", "pipedream", "funcpipe"):
@@ -121,8 +122,6 @@ class Evaluation:
 
 def evaluate(problem: Problem, plan: Plan) -> Evaluation:
     """Time, dollars and fit of ``plan`` under the problem's cost model."""
-    from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
-
     model = cost_model_for(problem)
     problem = problem_for(problem, plan)
     if model == "gillis":
@@ -132,9 +131,8 @@ def evaluate(problem: Problem, plan: Plan) -> Evaluation:
         result = funcpipe.iteration(problem, plan)
         time_s, dollars, fits = result.iteration_s, result.dollars_per_iteration, result.fits
     elif model == "hydrozoa":
-        options = problem.options
-        result = hydrozoa.iteration(problem, plan, float(options.get("hydrozoa_alpha", 0.0)),
-                                    float(options.get("hydrozoa_beta", 0.0)))
+        result = hydrozoa.iteration(problem, plan, float(problem.options.hydrozoa_alpha),
+                                    float(problem.options.hydrozoa_beta))
         time_s, dollars, fits = result.iteration_s, result.dollars_per_iteration, result.fits
     else:
         result = pipedream.iteration(problem, plan)

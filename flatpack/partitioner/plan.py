@@ -26,7 +26,7 @@ class PlanReuseWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Provenance:
-    """What a plan was made for: the graph (``ir.profiler.graph_hash``), the target, the
+    """What a plan was made for: the graph (``profiler.graph_hash``), the target, the
     workload (mode, batch, micro-batches, optimizer, sync; None when compiled without one),
     the calibration file's digest (None: the catalog's models) and flatpack's version. A
     plan's predictions hold for exactly these."""

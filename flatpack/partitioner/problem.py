@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
 from flatpack.ir import meta
+from flatpack.ir.channels import group_table
 from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import get_platform
 
 if TYPE_CHECKING:
-    from flatpack.backends.calibration import Calibration
-    from flatpack.backends.catalog import Platform, Tier
+    from flatpack.platform.calibration import Calibration
+    from flatpack.platform.catalog import Platform, Tier
     from flatpack.ir.channels import ChannelGroup
     from flatpack.ir.graph import LayerGraph
 
@@ -41,20 +44,21 @@ class Problem:
     host: HostInfo | None = None
     calibration: Calibration | None = None
     stages: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    # a mapping is accepted and checked (ProblemOptions.of): a misspelt option is refused here
+    options: ProblemOptions = field(default_factory=ProblemOptions)
     input_bytes: Linear | None = None   # the model's inputs per micro-batch, when profiled
     # Gillis's channel split of each group start..end that has one (``ir/channels.py``),
     # analysed for inference workloads; None: not analysed (a hand-made chain), and the
     # Gillis model takes every group as channel-splittable with all its weights split
     channel_groups: dict[tuple[int, int], ChannelGroup] | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", ProblemOptions.of(self.options))
+
     @classmethod
     def from_graph(cls, graph: LayerGraph, stages: int | None = None, target: str = "local",
                    workload: Workload | None = None, profile: ChainProfile | None = None,
                    calibration: Calibration | None = None, **options: Any) -> Problem:
-        from flatpack.backends.catalog import get_platform
-        from flatpack.ir.channels import group_table
-
         if profile is not None and len(profile.layers) != len(graph.layers):
             raise PlanError(f"the profile has {len(profile.layers)} layers but the chain has {len(graph.layers)}; "
                             "profile the graph after running the passes")
@@ -78,8 +82,6 @@ class Problem:
                    calibration: Calibration | None = None, **options: Any) -> Problem:
         """The problem of a saved artifact (``Compiled.load``, which keeps no graph): its
         chain's JSON (``info["chain"]``) and its profile, as :meth:`from_graph` builds it."""
-        from flatpack.backends.catalog import get_platform
-
         layers = chain.get("layers") if isinstance(chain, dict) else None
         if not isinstance(layers, list) or len(layers) != len(profile.layers):
             raise PlanError(f"the saved chain has {len(layers) if isinstance(layers, list) else 'no'} layers but its "
@@ -102,7 +104,7 @@ class Problem:
         profile = self.chain[index].profile
         if profile is None:
             raise PlanError(f"layer {index} ({self.chain[index].name}) has no profile; cost models need a "
-                            "profiled chain: compile with profile=True or run flatpack.ir.profiler.profile_graph")
+                            "profiled chain: compile with profile=True or run flatpack.profiler.profile_graph")
         return profile
 
     def boundary_bytes(self, index: int, micro_batch: float) -> float:

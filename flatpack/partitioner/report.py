@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import MIB
+from flatpack.units import MIB
 from flatpack.partitioner.cost.funcpipe import PipelineCost
 from flatpack.partitioner.cost.gillis import ForkJoinCost
 from flatpack.partitioner.cost.hydrozoa import HybridCost

@@ -23,6 +23,10 @@ DEFAULT_REPLICAS = (1, 2, 4, 8, 16)
 DEFAULT_MAX_WORKERS = 8
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _positive_ints(value: Any, what: str) -> tuple[int, ...]:
     items = (value,) if isinstance(value, int) else tuple(value)
     if not items or any(not isinstance(item, int) or isinstance(item, bool) or item < 1 for item in items):
@@ -41,22 +45,22 @@ class SearchSpace:
     def of(cls, problem: Problem) -> SearchSpace:
         options = problem.options
         platform = problem.platform
-        memory = _positive_ints(options.get("memory_mb", platform.memory_choices), "memory_mb")
+        memory = _positive_ints(_given(options.memory_mb, platform.memory_choices), "memory_mb")
         for size in memory:
             platform.tier(size)  # raises, naming the allowed sizes, when the platform has no such tier
         workload = problem.workload
         if workload.mode == "infer":
             micro_batches: tuple[int, ...] = (workload.micro_batches,)
         else:
-            micro_batches = _positive_ints(options.get("micro_batches", workload.micro_batches), "micro_batches")
+            micro_batches = _positive_ints(_given(options.micro_batches, workload.micro_batches), "micro_batches")
             for count in micro_batches:
                 check_divides(workload.batch, count)
-        replicas = _positive_ints(options.get("replicas", DEFAULT_REPLICAS), "replicas")
+        replicas = _positive_ints(_given(options.replicas, DEFAULT_REPLICAS), "replicas")
         usable = tuple(d for d in replicas if d <= max(micro_batches))
         if workload.mode == "train" and not usable:
             raise PlanError(f"every replica degree in {list(replicas)} exceeds the {max(micro_batches)} micro-batches "
                             "of an iteration, so some replicas would idle; allow replicas=1 or more micro-batches")
-        max_workers = int(options.get("max_workers", DEFAULT_MAX_WORKERS))
+        max_workers = int(_given(options.max_workers, DEFAULT_MAX_WORKERS))
         if max_workers < 0:
             raise InputError(f"option max_workers must be >= 0, got {max_workers}")
         return cls(memory, usable or (1,), micro_batches, max_workers)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from flatpack.errors import InputError
 from flatpack.ir.profile import OPTIMIZERS
+from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
 
 MODES = ("train", "infer")
-SYNC_METHODS = ("pipelined", "lambdaml")
-PRECISIONS = ("fp32", "bf16", "fp16")   # runtime.precision: autocast, 16-bit floats between stages
 # per stage, keep activations for the backward or recompute them there: "never" keeps them
 # in every stage, "auto" lets the solver choose per stage
 RECOMPUTE = ("never", "auto")

@@ -10,7 +10,7 @@ invocation (0) measures everything; a warm one (1) only says when it was ready, 
 invoker can time a second start.
 
 What it measures, compute on the tier's own clock (an emulated tier: CPU seconds over its
-usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler function times layers, so
+usable vCPUs, ``runtime.function.emulated_clock``, as the profiler function times layers, so
 that whatever else the host runs does not inflate the figure; a real platform: wall time):
 
 * compute: one probe per op class (conv, matmul, elementwise), the same code the invoker
@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from flatpack.runtime.function import emulated_clock, tier_link
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
@@ -145,7 +146,7 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
 def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Median seconds by ``clock`` of each op class's probe (after one warm-up). In a
     function of an emulated tier: the tier's own clock (CPU
-    seconds over its usable vCPUs, ``runtime.worker.emulated_clock``, as the profiler
+    seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
     function times layers), so that other load on the host does not inflate the ratio (this
     run's own workers' contention is the cost model's κ); on a real platform: wall time.
     On the host: CPU seconds of this process at the same thread count."""
@@ -246,8 +247,6 @@ def _collective() -> dict[str, Any]:
 def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> int:
     """Measures this function's tier and writes a :class:`CalibrateResult`; returns 0 once
     written. A failure (the store) raises, for the worker to record in its status."""
-    from flatpack.runtime.worker import emulated_clock, tier_link
-
     ready = time.time()
     spec = CalibrateSpec.loads(raw_spec)
     keys = RunKeys(spec.run)

@@ -1,5 +1,5 @@
 """Runs one partition of a channel-split group (Gillis §II-C Fig. 2b; the rules are in
-``ir/channels.py``): the stage module traced, its split weights cut to the partition's
+``stage/channels.py``): the stage module traced, its split weights cut to the partition's
 channels, and the master's join of the partitions' outputs."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch.fx.passes.shape_prop import ShapeProp
 
-from flatpack.ir.channels import PARTIAL, ChannelAnalysis, NotChannelSplittable, Sliced, analyse, channel_ranges
+from flatpack.stage.artifact import stage_manifest
+from flatpack.stage.channels import PARTIAL, ChannelAnalysis, NotChannelSplittable, Sliced, analyse, channel_ranges
 
 JOIN_SUM = "sum"
 JOIN_WHOLE = "whole"
@@ -19,14 +20,14 @@ JOIN_CAT = "cat:"
 def analyse_stage(module: torch.nn.Module, where: str = "the group") -> tuple[torch.fx.GraphModule, ChannelAnalysis]:
     """The stage module traced, with shapes from a run on zero inputs of its manifest's
     example shapes, and its channel split."""
-    manifest = module.flatpack_manifest
+    manifest = stage_manifest(module)
     traced = torch.fx.symbolic_trace(module)
     example = []
-    for entry in manifest["inputs"]:
-        if entry.get("kind") != "tensor":
-            raise NotChannelSplittable(f"{where}: input {entry['name']} is a {entry.get('kind')}, not a tensor; "
+    for entry in manifest.inputs:
+        if not entry.is_tensor:
+            raise NotChannelSplittable(f"{where}: input {entry.name} is a {entry.kind}, not a tensor; "
                                        "only tensor inputs can be broadcast to channel partitions")
-        example.append(torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"])))
+        example.append(torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype)))
     with torch.no_grad():
         ShapeProp(traced).propagate(*example)
 
@@ -38,7 +39,7 @@ def analyse_stage(module: torch.nn.Module, where: str = "the group") -> tuple[to
         tensor = getattr(traced, str(node.target))
         return tensor.numel() * tensor.element_size()
 
-    names = {entry["attr"]: entry["name"] for entry in manifest["parameters"]}
+    names = {entry.attr: entry.name for entry in manifest.parameters}
     return traced, analyse(traced.graph.nodes, shape_of, param_bytes, where,
                            lambda node: names.get(str(node.target), str(node.target)))
 

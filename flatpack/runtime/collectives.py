@@ -22,12 +22,12 @@ from typing import Callable
 
 import torch
 
-from flatpack.runtime import wire
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.store import Store
+from flatpack.stage import wire
+from flatpack.stage.settings import SYNC_METHODS
 
-SYNC_METHODS = ("pipelined", "lambdaml")
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

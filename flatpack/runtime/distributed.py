@@ -74,17 +74,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from flatpack.codegen.artifact import load_stage
 from flatpack.errors import InputError
-from flatpack.layout import stage_dirname
-from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
 from flatpack.runtime import clipping, timeline
-from flatpack.runtime.precision import autocast, for_wire, loss_scaler, received_specs
-from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, split_value
+from flatpack.runtime.precision import autocast, for_wire, loss_scaler
+from flatpack.runtime.spec import (DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs,
+                                   split_value)
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, compute_order, flat_grads,
                                        input_gradients, pack_values, split_values, stage_backward, stage_forward,
                                        stage_tensors)
-from flatpack.runtime.wire import META_KEY
+from flatpack.stage.artifact import load_stage, stage_dirname, stage_manifest
+from flatpack.stage.manifest import ValueEntry
+from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
+from flatpack.stage.wire import META_KEY
 
 RUN_FILE = "run.json"
 STAGES_DIR = "stages"
@@ -267,17 +268,17 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def synthetic_tensor(entry: dict[str, Any], rows: int, example_batch: int | None,
+def synthetic_tensor(entry: ValueEntry, rows: int, example_batch: int | None,
                      generator: torch.Generator) -> torch.Tensor:
     """A random tensor of a manifest I/O entry's dtype and shape, its batch dimension (the
     first, when it equals the compile-time batch) set to ``rows``, on the generator's device."""
-    if entry.get("kind") != "tensor":
-        raise InputError(f"--synthetic cannot make the input {entry['name']!r}: it is a {entry.get('type', 'value')}, "
+    if not entry.is_tensor:
+        raise InputError(f"--synthetic cannot make the input {entry.name!r}: it is a {entry.python_type or 'value'}, "
                          "not a tensor. Write the batches as files instead")
-    shape = list(entry["shape"])
+    shape = list(entry.shape)
     if shape and example_batch is not None and shape[0] == example_batch:
         shape[0] = rows
-    dtype = _dtype(entry["dtype"])
+    dtype = _dtype(entry.dtype)
     device = generator.device
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, device=device).to(dtype)
@@ -287,12 +288,12 @@ def synthetic_tensor(entry: dict[str, Any], rows: int, example_batch: int | None
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def synthetic_target(loss: str, output: dict[str, Any], rows: int, example_batch: int | None,
+def synthetic_target(loss: str, output: ValueEntry, rows: int, example_batch: int | None,
                      generator: torch.Generator) -> torch.Tensor | None:
     """A target the loss accepts for an output of the manifest entry ``output``."""
     if loss == "output":
         return None
-    shape = list(output["shape"])
+    shape = list(output.shape)
     if shape and example_batch is not None and shape[0] == example_batch:
         shape[0] = rows
     if loss == "cross_entropy":
@@ -416,7 +417,7 @@ class StageRank:
         self.device = device
         self.training = run.mode == TRAIN
         self.module = module.to(device).train(self.training)
-        self.manifest: dict[str, Any] = module.flatpack_manifest
+        self.manifest = stage_manifest(module)
         self.input_specs = received_specs(stage_input_specs(self.manifest),
                                           self.stage, self.spec.precision)
         self.state_tensors, self.trainable = stage_tensors(self.module)
@@ -504,13 +505,13 @@ class StageRank:
         measured). Each input is drawn from its own generator (``synthetic_generator``), so
         every stage reading an input sees the same values."""
         rows = micro_batch_size(self.spec.batch, self.spec.micro_batches, m)
-        entries = {entry["name"]: entry for entry in self.manifest["inputs"]}
+        entries = {entry.name: entry for entry in self.manifest.inputs}
         values: dict[str, Any] = {
             name: synthetic_tensor(entries[name], rows, self.run.example_batch,
                                    synthetic_generator(self.run.seed, m, name, self.device))
             for name in self.data_inputs}
         if self.is_last and self.training:
-            output = next(entry for entry in self.manifest["outputs"] if entry["name"] == self.spec.loss_output)
+            output = next(entry for entry in self.manifest.outputs if entry.name == self.spec.loss_output)
             target = synthetic_target(self.spec.loss, output, rows, self.run.example_batch,
                                       synthetic_generator(self.run.seed, m, TARGET, self.device))
             if target is not None:

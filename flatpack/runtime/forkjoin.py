@@ -6,7 +6,7 @@ A group splits as its plan says (``GroupSpec.split``, the plan's ``StagePlan.spl
 
 * ``"channel"`` (Gillis §II-C Fig. 2b): every partition gets the group's whole inputs and
   runs its stage module cut to a slice of the filters (``runtime/channel_split.py``, rules
-  in ``ir/channels.py``); the master concatenates the sliced outputs, sums the partial
+  in ``stage/channels.py``); the master concatenates the sliced outputs, sums the partial
   ones and takes the whole ones from partition 0. A one-sample request splits this way.
 * ``"batch"``: every partition holds the group's whole weights and a slice of the
   request's samples, which is exact for any stage whose code does not fix the batch (the
@@ -30,6 +30,7 @@ import torch
 
 from flatpack.batching import has_batch_dimension
 from flatpack.runtime import channel_split, timeline
+from flatpack.runtime.function import load_module
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
@@ -116,8 +117,6 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
           throttle_compute: Any = None) -> int:
     """The loop of an inference function: the master (``infer-master``) or a group's
     worker (``infer-worker``, stage = group, replica = partition)."""
-    from flatpack.runtime.worker import load_module
-
     spec = ForkJoinSpec.loads(raw_spec)
     keys = RunKeys(spec.run)
     link = throttled or store

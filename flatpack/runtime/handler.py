@@ -16,9 +16,10 @@ import os
 import time
 from typing import Any
 
+from flatpack.runtime.function import ARTIFACTS_ENV, STORE_ENV, peak_rss_bytes
 from flatpack.runtime.spec import Role
-from flatpack.runtime.store import open_store
-from flatpack.runtime.worker import ARTIFACTS_ENV, STORE_ENV, peak_rss_bytes, run_role
+from flatpack.runtime.store import open_plain_store
+from flatpack.runtime.worker import run_role
 
 TASK_ROOT_ENV = "LAMBDA_TASK_ROOT"
 
@@ -35,7 +36,7 @@ def handle(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     _alibaba_credentials_for_s3()
     os.environ.setdefault(ARTIFACTS_ENV, os.path.join(os.environ.get(TASK_ROOT_ENV, os.getcwd()), "artifacts"))
     role = Role.loads(event["role"] if isinstance(event["role"], str) else json.dumps(event["role"]))
-    code = run_role(role, open_store(store_url), started)
+    code = run_role(role, open_plain_store(store_url), started)
     return {"exit": code, "worker": role.worker, "peak_bytes": peak_rss_bytes()}
 
 

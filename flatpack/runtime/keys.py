@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatpack.layout import stage_dirname
+from flatpack.stage.artifact import stage_dirname
 
 
 def _n(value: int) -> str:

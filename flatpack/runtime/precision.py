@@ -24,15 +24,12 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Mapping
+from typing import Any, ContextManager, Iterable
 
 import torch
 
 from flatpack.errors import InputError
-from flatpack.ir.tensor_check import TensorSpec, dtype_name
 
-if TYPE_CHECKING:     # spec.py holds a LossScaling in every RunSpec, so it imports this module
-    from flatpack.runtime.spec import StageSpec
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALED = ("fp16",)   # the precisions that train with a loss scaler
@@ -73,21 +70,6 @@ def crossed(value: Any, precision: str) -> Any:
     dtype = wire_dtype(value, precision)
     return value if dtype is None else value.to(dtype)
 
-
-
-def received_specs(specs: Mapping[str, TensorSpec], stage: StageSpec, precision: str) -> dict[str, TensorSpec]:
-    """What a stage's worker checks its inputs against: the manifest's specs, with the float32
-    inputs another stage sends in the precision's wire dtype, since :func:`for_wire` cast them
-    on the way (the model's own inputs, ``DATA_SOURCE``, arrive as the data has them)."""
-    from flatpack.runtime.spec import DATA_SOURCE
-
-    dtype = WIRE_DTYPES[precision]
-    if dtype is None:
-        return dict(specs)
-    received = {name for name in stage.inputs if stage.sources[name] != DATA_SOURCE}
-    return {name: dataclasses.replace(spec, dtype=dtype_name(dtype))
-            if name in received and spec.dtype == dtype_name(torch.float32) else spec
-            for name, spec in specs.items()}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ It runs the chain layer by layer, each layer's artifact loaded alone and dropped
 the real example inputs (cut or repeated to each micro-batch size), so every layer sees the
 values it sees in a run — token ids in range, masks, sizes that depend on the batch —
 rather than values invented from the manifest's shapes. Each layer is timed by the host
-profiler's own code (``ir.profiler.time_layer``), forward and backward, median of the
+profiler's own code (``profiler.time_layer``), forward and backward, median of the
 repeats, and fitted as ``a·micro_batch + b``.
 
 Memory: before any measurement every layer's weights and gradients are checked against the
@@ -25,9 +25,9 @@ nothing. Micro-batch sizes whose need (runtime + weights + the measured peak of 
 backward, extrapolated from the smaller sizes before running) passes the tier are left out
 of the fit and noted, so a real function is not run out of memory.
 
-CPU: on the local backend the tier's CPU share is emulated (``runtime.worker.cpu_throttle``)
+CPU: on the local backend the tier's CPU share is emulated (``runtime.function.cpu_throttle``)
 and its layers are timed by the tier's own clock, CPU seconds over its usable vCPUs
-(``runtime.worker.emulated_clock``), so the host's other load does not inflate them; on a
+(``runtime.function.emulated_clock``), so the host's other load does not inflate them; on a
 real platform the share is the platform's own, the spec says not to emulate, and layers are
 timed by wall time.
 
@@ -46,14 +46,15 @@ from typing import Any, Callable
 import torch
 
 from flatpack.ir.profile import Linear
-from flatpack.ir.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
 from flatpack.ir.trace import _first_line
-# imported with the flatpack package anyway, and without the solvers' dependencies (ortools,
-# optuna, scipy), which a function's image does not install
-from flatpack.partitioner.cost.common import MIB, mb
+from flatpack.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
+from flatpack.runtime.function import cpu_throttle, emulated_clock, load_module, peak_rss_bytes
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
+from flatpack.runtime.training import unpack_values
+from flatpack.stage.artifact import stage_manifest
+from flatpack.units import MIB, mb
 
 PROFILE_KIND = "profile"
 SPEC_FORMAT = "flatpack-profile-spec"
@@ -183,8 +184,6 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     the measurement (the store, an artifact) raises, for the worker to record in its status.
     Of ``role`` only the artifact digest is read (each layer's stage is verified against it);
     the spec says all else the function needs (the tier is ``spec.memory_mb``, as ``role.stage`` is)."""
-    from flatpack.runtime.worker import cpu_throttle, emulated_clock, peak_rss_bytes
-
     spec = ProfileSpec.loads(raw_spec)
     keys = RunKeys(spec.run)
     torch.set_num_threads(spec.threads)
@@ -209,8 +208,6 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
                                      for name, reason in zip(spec.layers, too_big)],
                       f"the {spec.memory_mb} MB tier cannot hold " + "; ".join(reasons))
 
-    from flatpack.runtime.training import unpack_values
-    from flatpack.runtime.worker import load_module
 
     given = unpack_values(store.get(keys.profile("inputs")))
     leaves = [given[name] for name in spec.input_names]
@@ -224,8 +221,9 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
     measured: list[LayerResult] = []
     for index, name in enumerate(spec.layers):
         module = load_module(store, keys, index, role.digest)
-        if module.flatpack_manifest["layer_names"] != [name]:
-            raise ValueError(f"stage {index} of the run holds layers {module.flatpack_manifest['layer_names']}, not "
+        layer_names = list(stage_manifest(module).layer_names)
+        if layer_names != [name]:
+            raise ValueError(f"stage {index} of the run holds layers {layer_names}, not "
                              f"the one layer {name!r}: the profiler needs the chain compiled one layer per stage")
         layer = _profile_layer(module, index, envs, spec, throttle, clock)
         measured.append(layer)

@@ -19,6 +19,10 @@ from torch import nn
 
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, loss_value
+from flatpack.runtime.precision import SCALED, LossScaling, autocast
+from flatpack.runtime.spec import (ASYNC_SCHEDULE, check_async_options, check_precision, micro_batch_size,
+                                   split_value)
+from flatpack.runtime.stashing import forward_version
 
 
 def first_output(output: Any) -> torch.Tensor:
@@ -64,8 +68,6 @@ def _training_copy(model: nn.Module, micro_batches: int, optimizer: Any, precisi
                    copy_model: bool) -> tuple[nn.Module, OptimizerSpec, list[tuple[str, nn.Parameter]]]:
     """What both references train: the checked options, the model (a copy unless
     ``copy_model`` is False) in train mode, its optimizer spec and trainable parameters."""
-    from flatpack.runtime.spec import check_precision
-
     check_precision(precision)
     if micro_batches < 1:
         raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
@@ -156,9 +158,6 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     boundary (one thread against two: 5.6e-3 of the update apart after one step, 5 % after
     eight, on the transformer of tests/integration/test_precision_knobs.py).
     """
-    from flatpack.runtime.precision import SCALED, LossScaling, autocast
-    from flatpack.runtime.spec import micro_batch_size, split_value
-
     with torch_threads(threads):
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
         forward, _ = through_stages(trained, pipeline, precision)
@@ -243,10 +242,6 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     losses are each global batch's mean (micro-batch means weighted by their share);
     ``optimizer_state``, ``precision``, ``pipeline`` and ``threads`` as
     :func:`train_single_process` takes them."""
-    from flatpack.runtime.precision import autocast
-    from flatpack.runtime.spec import ASYNC_SCHEDULE, check_async_options, micro_batch_size, split_value
-    from flatpack.runtime.stashing import forward_version
-
     with torch_threads(threads):
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
         check_async_options(ASYNC_SCHEDULE, vertical_sync, [1] * stages, spec, precision=precision)

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from flatpack.batching import has_batch_dimension
 from flatpack.errors import InputError
-# "bf16"/"fp16": stages compute under autocast (float32 master weights and optimizer state) and
-# the tensors crossing stage boundaries travel as bfloat16/float16; fp16 scales its loss
-# (runtime.precision)
-from flatpack.partitioner.workload import PRECISIONS
-from flatpack.runtime.collectives import SYNC_METHODS
 from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.precision import SCALED, LossScaling
+from flatpack.runtime.precision import SCALED, WIRE_DTYPES, LossScaling
+from flatpack.stage.manifest import Manifest
+from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
+from flatpack.stage.tensor_check import TensorSpec, dtype_name
 
 # "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
 # weight stashing (runtime.stashing)
@@ -166,8 +164,8 @@ class Role:
         return f"s{self.stage}r{self.replica}"
 
 
-def routing(manifests: list[dict[str, Any]],
-            input_names: list[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
+def routing(manifests: Sequence[Manifest],
+            input_names: Sequence[str]) -> tuple[list[dict[str, int]], list[tuple[int, ...]]]:
     """For each stage, where each input comes from (the nearest earlier stage that outputs
     it, else the data) and which later stages read its outputs."""
     known_inputs = set(input_names)
@@ -175,10 +173,9 @@ def routing(manifests: list[dict[str, Any]],
     consumers: list[set[int]] = [set() for _ in manifests]
     for index, manifest in enumerate(manifests):
         stage_sources = {}
-        for entry in manifest["inputs"]:
-            name = entry["name"]
+        for name in manifest.input_names:
             producer = next((earlier for earlier in range(index - 1, -1, -1)
-                             if name in {out["name"] for out in manifests[earlier]["outputs"]}), DATA_SOURCE)
+                             if name in manifests[earlier].output_names), DATA_SOURCE)
             if producer == DATA_SOURCE and name not in known_inputs:
                 raise InputError(f"stage {index} reads {name!r}, which no earlier stage outputs and the model does "
                                  "not take as input; recompile the model")
@@ -232,7 +229,7 @@ def check_precision(precision: Any) -> None:
                          "same in float16, with a loss scaler)")
 
 
-def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees: Sequence[int],
+def stage_specs(manifests: Sequence[Manifest], input_names: Sequence[str], degrees: Sequence[int],
                 memory_mb: Sequence[int | None], tier_of: Callable[[int], Any] | None = None,
                 recompute: Sequence[bool] | None = None) -> tuple[StageSpec, ...]:
     """The runtime's view of a plan's stages: routing, degrees, and each stage's tier as the
@@ -247,19 +244,18 @@ def stage_specs(manifests: list[dict[str, Any]], input_names: list[str], degrees
         specs.append(StageSpec(
             index=index, replicas=degrees[index], memory_mb=memory_mb[index],
             vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,
-            inputs=tuple(entry["name"] for entry in manifest["inputs"]),
-            outputs=tuple(entry["name"] for entry in manifest["outputs"]),
+            inputs=manifest.input_names, outputs=manifest.output_names,
             sources=sources[index], consumers=consumers[index], recompute=bool(recompute[index])))
     return tuple(specs)
 
 
-def shared_holders(manifests: Sequence[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+def shared_holders(manifests: Sequence[Manifest]) -> dict[str, tuple[int, ...]]:
     """Tied parameter name -> the stages holding a copy (from the manifests' ``shared_with``)."""
     shared: dict[str, set[int]] = {}
     for index, manifest in enumerate(manifests):
-        for entry in manifest["parameters"]:
-            if entry.get("shared_with"):
-                shared.setdefault(entry["name"], set()).update([index, *entry["shared_with"]])
+        for entry in manifest.parameters:
+            if entry.shared_with:
+                shared.setdefault(entry.name, set()).update([index, *entry.shared_with])
     return {name: tuple(sorted(holders)) for name, holders in shared.items()}
 
 
@@ -277,3 +273,16 @@ def split_value(value: Any, batch: int, micro_batches: int) -> list[Any]:
     if has_batch_dimension(value, batch):
         return [piece.contiguous() for piece in torch.tensor_split(value, micro_batches)]
     return [value] * micro_batches
+
+
+def received_specs(specs: Mapping[str, TensorSpec], stage: StageSpec, precision: str) -> dict[str, TensorSpec]:
+    """What a stage's worker checks its inputs against: the manifest's specs, with the float32
+    inputs another stage sends in the precision's wire dtype, since ``precision.for_wire`` cast them
+    on the way (the model's own inputs, ``DATA_SOURCE``, arrive as the data has them)."""
+    dtype = WIRE_DTYPES[precision]
+    if dtype is None:
+        return dict(specs)
+    received = {name for name in stage.inputs if stage.sources[name] != DATA_SOURCE}
+    return {name: replace(spec, dtype=dtype_name(dtype))
+            if name in received and spec.dtype == dtype_name(torch.float32) else spec
+            for name, spec in specs.items()}

@@ -9,7 +9,7 @@ objects pass through it. Every backend keeps the same contract:
 - ``get`` of an absent key raises :class:`StoreKeyError` naming the key.
 - ``list``/``delete_prefix`` take a non-empty prefix ending in ``/`` and never list a whole
   bucket, so a run only ever touches its own prefix (see :mod:`flatpack.runtime.keys`).
-- ``url`` is what another process passes to :func:`open_store`; it never holds a secret.
+- ``url`` is what another process passes to :func:`flatpack.runtime.store_url.open_store`; it never holds a secret.
   Credentials come from each platform's own chain (env vars, profiles, instance roles).
 
 Every network call goes through :func:`retrying`: transient failures (connection errors,
@@ -950,24 +950,14 @@ class OssStore(Store):
             self._call("batch-delete", keys[i], lambda: self._bucket.batch_delete_objects(batch))
 
 
-# --------------------------------------------------------------------------- open_store
+# --------------------------------------------------------------------------- opening a store by url
 
 
-def open_store(url: str, **options: Any) -> Store:
-    """Open the store a :attr:`Store.url` names.
-
-    ``upload_bytes_s``/``download_bytes_s`` wrap it in :class:`~flatpack.runtime.throttle.Throttled`
-    (emulating a function's network bandwidth); ``faults`` (a dict, see
-    :func:`flatpack.runtime.chaos.wrap`) in a :class:`~flatpack.runtime.chaos.FaultyStore`
-    that injects transient errors and stalls; other options go to the backend's constructor
-    (e.g. ``read_timeout_s`` for S3, ``retry_s`` for S3, Redis and OSS, which their urls
-    also accept as ``?retry_s=`` and ``?read_timeout_s=``; an option wins over the url).
-    """
+def open_plain_store(url: str, **options: Any) -> Store:
+    """The store a :attr:`Store.url` names, without the wrappers :func:`flatpack.runtime.store_url.open_store`
+    adds (bandwidth, faults); ``options`` go to the backend's constructor."""
     if not isinstance(url, str) or "://" not in url:
         raise StoreError(f"store url {url!r} has no scheme; use one of {', '.join(s + '://' for s in SCHEMES)}")
-    upload = options.pop("upload_bytes_s", None)
-    download = options.pop("download_bytes_s", None)
-    faults = options.pop("faults", None)
     parts = urlsplit(url)
     if parts.username or parts.password:
         raise StoreError(f"store urls never carry credentials ({parts.scheme}://<user:secret>@...); "
@@ -975,16 +965,7 @@ def open_store(url: str, **options: Any) -> Store:
     opener = _OPENERS.get(parts.scheme)
     if opener is None:
         raise StoreError(f"unknown store scheme {parts.scheme!r} in {url!r}; known schemes: {', '.join(SCHEMES)}")
-    store = opener(parts, options)
-    if faults:
-        from flatpack.runtime.chaos import wrap
-
-        store = wrap(store, faults)
-    if upload is None and download is None:
-        return store
-    from flatpack.runtime.throttle import Throttled
-
-    return Throttled(store, upload_bytes_s=upload, download_bytes_s=download)
+    return opener(parts, options)
 
 
 def _query(parts: Any, allowed: tuple[str, ...]) -> dict[str, str]:

@@ -26,17 +26,19 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
-from flatpack.runtime import clipping, wire
+from flatpack.runtime import clipping
 from flatpack.runtime.collectives import scatter_reduce
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
-from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler, received_specs
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, micro_batch_size
+from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler
+from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, micro_batch_size, received_specs
 from flatpack.runtime.stashing import AsyncTask, WeightStash, async_chunks, forward_version
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
+from flatpack.stage import wire
+from flatpack.stage.artifact import stage_manifest
+from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
 
 TARGET = "__target__"     # the data blob's entry holding a micro-batch's targets
 
@@ -79,7 +81,7 @@ def unpack_values(data: bytes) -> dict[str, Any]:
 def stage_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
     """A stage module's parameters and buffers by their original names, and the trainable
     parameters among them (the optimizer's, in manifest order)."""
-    attrs = {entry["name"]: entry["attr"] for entry in module.flatpack_manifest["parameters"]}
+    attrs = stage_manifest(module).attributes()
     state = {name: getattr(module, attr) for name, attr in attrs.items()}
     trainable = {name: tensor for name, tensor in state.items()
                  if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
@@ -258,7 +260,7 @@ class StageTrainer:
         # across iterations, the weight versions they hold, the steps taken since the call
         # began and the forwards run (the version a vertical-sync forward asks for)
         self.observe_weights = observe_weights
-        self.attrs = {entry["name"]: entry["attr"] for entry in module.flatpack_manifest["parameters"]}
+        self.attrs = stage_manifest(module).attributes()
         self.stash = WeightStash(self.trainable) if spec.asynchronous else None
         self._chunks: list[list[AsyncTask]] | None = None
         self._in_flight: dict[int, dict[int, MicroBatchState]] = {}
@@ -266,7 +268,7 @@ class StageTrainer:
         self._forwards_run = 0
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
-        self.input_specs = received_specs(stage_input_specs(getattr(module, "flatpack_manifest", {})),
+        self.input_specs = received_specs(stage_input_specs(stage_manifest(module)),
                                           self.stage, spec.precision)
 
     # state ----------------------------------------------------------------------------------

@@ -25,80 +25,23 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
 
 import torch
 
-from flatpack.codegen.artifact import build_module, parse_stage
-from flatpack.codegen.emit import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE
-from flatpack.codegen.integrity import INDEX_FILE, Index, check_digest, verify_files
 from flatpack.errors import ArtifactError, InputError
-from flatpack.layout import stage_dirname
-from flatpack.units import MIB
-from flatpack.runtime import timeline
+from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, cpu_throttle, load_module, peak_rss_bytes,
+                                       tier_link)
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.spec import Role, RunSpec
-from flatpack.runtime.store import Store, open_store
+from flatpack.runtime.store import Store, StoreUnavailable, is_transient_failure, open_plain_store
+from flatpack.units import MIB
 
-ROLE_ENV = "FLATPACK_ROLE"
-STORE_ENV = "FLATPACK_STORE"
-ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
 REINVOKE = 75
 OUT_OF_MEMORY = 86
-
-
-class OutOfMemory(Exception):
-    def __init__(self, peak_bytes: int, limit_bytes: int, task: str) -> None:
-        super().__init__(f"peak {peak_bytes} bytes over the {limit_bytes}-byte tier during {task}")
-        self.peak_bytes, self.limit_bytes, self.task = peak_bytes, limit_bytes, task
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set since it started (Linux VmHWM; elsewhere ru_maxrss)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], Any]], Any]:
-    """Runs a computation and stretches it to CPU time / share when the tier has less than
-    one vCPU per thread (the catalog's compute model: speed ∝ min(v, threads)/threads)."""
-    share = 1.0 if vcpus is None else min(vcpus, threads) / threads
-
-    def run(fn: Callable[[], Any]) -> Any:
-        if share >= 1.0:
-            return fn()
-        wall, cpu = time.perf_counter(), time.thread_time()
-        result = fn()
-        stretched = (time.thread_time() - cpu) / share
-        remaining = stretched - (time.perf_counter() - wall)
-        if remaining > 0:
-            time.sleep(remaining)
-        return result
-
-    return run
-
-
-def emulated_clock(vcpus: float, threads: int) -> Callable[[], float]:
-    """A clock of a tier with ``vcpus`` running ``threads`` compute threads: the process's CPU
-    seconds over the CPUs it may use, min(vcpus, threads) (the catalog's compute model). An
-    emulated tier profiles by it, not by wall time: the host's other processes (2 shared
-    cores) stretch wall time, but not the CPU time a computation needs, so a tier with a
-    whole vCPU is not measured slower than it is while the machine is busy."""
-    usable = min(vcpus, threads)
-    return lambda: time.process_time() / usable
 
 
 def matching_faults(spec: RunSpec, role: Role, iteration: int, at: str, micro_batch: int | None) -> list[dict]:
@@ -128,56 +71,6 @@ def apply_fault(fault: dict) -> None:
         raise ValueError(f"unknown fault action {action!r}")
 
 
-def artifact_index(store: Store, keys: RunKeys, digest: str, baked: str | None) -> Index:
-    """The artifact's index, checked against ``digest`` (from the invocation) before it is
-    parsed: from the image when one is baked there, else from the store."""
-    if not digest:
-        raise ArtifactError("this invocation carries no artifact digest (Role.digest), so the stage cannot be "
-                            "verified and will not be loaded; deploy with this flatpack version, which puts "
-                            "Compiled.digest in every invocation")
-    baked_index = os.path.join(baked, INDEX_FILE) if baked else None
-    if baked_index and os.path.isfile(baked_index):
-        with open(baked_index, "rb") as file:
-            raw, where = file.read(), baked_index
-    else:
-        raw, where = store.get(keys.artifact_index()), f"store:{keys.artifact_index()}"
-    check_digest(raw, digest, where)
-    return Index.parse(raw, where)
-
-
-def load_module(store: Store, keys: RunKeys, stage: int, digest: str) -> torch.nn.Module:
-    """The stage's module, from the artifacts baked into the function's image
-    (``FLATPACK_ARTIFACTS``, the cloud backends) or else from the store (the local backend).
-
-    Verified before its source runs: the index against ``digest`` (the invocation's, never
-    the store's), then the stage's files against the index (``tests/security/test_worker.py``).
-    """
-    baked = os.environ.get(ARTIFACTS_ENV)
-    prefix = stage_dirname(stage)
-    names = (MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE)
-    index = artifact_index(store, keys, digest, baked)
-    if baked and os.path.isdir(os.path.join(baked, prefix)):
-        where = baked
-        contents = {}
-        for name in names:
-            with open(os.path.join(baked, prefix, name), "rb") as file:
-                contents[name] = file.read()
-    else:
-        where = f"store:{keys.run}/artifacts"
-        contents = {name: store.get(keys.artifact(stage, name)) for name in names}
-    verify_files(index, {f"{prefix}/{name}": data for name, data in contents.items()}, where)
-    artifact = parse_stage(contents, f"{where}/{prefix}")
-    return build_module(artifact, f"<flatpack stage {stage}>")
-
-
-def tier_link(base: Store, bandwidth_bytes_s: float | None) -> Store:
-    """The function's view of the store: its tier's bandwidth each way (full duplex)."""
-    if bandwidth_bytes_s is None:
-        return base
-    from flatpack.runtime.throttle import Throttled
-    return Throttled(base, bandwidth_bytes_s, bandwidth_bytes_s)
-
-
 def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
     try:
         store.put(keys.status(role.stage, role.replica, role.attempt, role.start_iteration),
@@ -187,6 +80,9 @@ def write_status(store: Store, keys: RunKeys, role: Role, status: dict) -> None:
 
 
 def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
+    # start-up time: a function loads what its role runs (train: the trainer, its lanes and timeline)
+    from flatpack.runtime import timeline
+    from flatpack.runtime.lanes import Lanes
     from flatpack.runtime.training import StageTrainer
 
     keys = RunKeys(spec.run)
@@ -250,7 +146,7 @@ def train(store: Store, spec: RunSpec, role: Role, started: float) -> int:
 
 
 def infer(store: Store, raw_spec: bytes, role: Role) -> int:
-    from flatpack.runtime import forkjoin
+    from flatpack.runtime import forkjoin   # start-up time: only an inference role serves fork-join
 
     spec = forkjoin.ForkJoinSpec.loads(raw_spec)
     torch.set_num_threads(spec.threads)
@@ -271,21 +167,20 @@ def run_role(role: Role, store: Store, started: float) -> int:
     when its stage artifact failed verification (nothing of it ran), ``oom``, or
     ``transient`` when the cause was transient (a store unreachable or throttled for its
     whole retry budget; the invoker relaunches the function), else ``error`` with the traceback."""
-    from flatpack.runtime.store import StoreUnavailable, is_transient_failure
-
     keys = RunKeys(role.spec_key.split("/", 1)[0])
     try:
         raw = store.wait(role.spec_key, 120)
         if role.kind == "profile":
+            # start-up time: only the profile role loads the profiler (and ir, codegen beneath it)
             from flatpack.runtime.profile_function import run_profile
             return run_profile(store, role, raw)
         if role.kind == "calibrate":
-            from flatpack.runtime.calibrate_function import run_calibrate
+            from flatpack.runtime.calibrate_function import run_calibrate   # start-up time: calibrate role only
             return run_calibrate(store, role, raw, started)
         if role.kind == "train":
             spec = RunSpec.loads(raw)
             if spec.store_faults:   # a chaos run: this worker's store requests fail and stall at the spec's rates
-                from flatpack.runtime.chaos import for_role
+                from flatpack.runtime.chaos import for_role   # start-up time: chaos runs only
                 store = for_role(store, spec.store_faults, role)
             torch.set_num_threads(spec.threads)
             return train(store, spec, role, started)
@@ -295,7 +190,7 @@ def run_role(role: Role, store: Store, started: float) -> int:
         write_status(store, keys, role, {"status": "refused", "error": str(err)})
         return 1
     except InputError as err:
-        # a value the stage was not compiled for (flatpack/ir/tensor_check.py): the message names it
+        # a value the stage was not compiled for (flatpack/stage/tensor_check.py): the message names it
         write_status(store, keys, role, {"status": "input", "error": str(err)})
         return 1
     except OutOfMemory as err:
@@ -322,7 +217,7 @@ def run_role(role: Role, store: Store, started: float) -> int:
 def main() -> None:
     started = time.time()
     role = Role.loads(os.environ[ROLE_ENV])
-    code = run_role(role, open_store(os.environ[STORE_ENV]), started)
+    code = run_role(role, open_plain_store(os.environ[STORE_ENV]), started)
     sys.stdout.flush()
     sys.stderr.flush()
     # lanes may still wait on keys a failed peer never writes; a function just ends

@@ -16,9 +16,7 @@ import torch
 import flatpack
 from flatpack import cli
 from flatpack.backends import local
-from flatpack.codegen.artifact import build_module
 from flatpack.errors import InputError
-from flatpack.runtime import wire
 from flatpack.partitioner.cost import pipedream
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
@@ -29,6 +27,8 @@ from flatpack.runtime.stashing import forward_version
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
 from flatpack.runtime.training import TARGET, StageTrainer, pack_values
+from flatpack.stage import wire
+from flatpack.stage.artifact import build_module
 from flatpack.verdict import parameter_stages, pipeline_optimizer_state
 from tests.integration.test_training_knobs import assert_same_parameters, compiled_with, conv_case, transformer_case
 
@@ -103,7 +103,8 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
     """Every stage's StageTrainer in a thread of this process over a file store (what the
     functions run, without their processes), recording each task's weight version and a
     fingerprint of the weights it computes with: (stage, kind, sequence, version, step, sum)."""
-    from flatpack.backends.functions import batch_values, loss_output
+    from flatpack.backends.batch_checks import batch_values
+    from flatpack.backends.functions import loss_output
 
     store = FileStore(tmp_path / "store")
     keys = RunKeys("versions")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flatpack.backends.calibration import TASK_KINDS, Calibration
+from flatpack.platform.calibration import TASK_KINDS, Calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
 def test_plan_from_run_refits_a_finished_run(tmp_path):
     import flatpack as fp
     from flatpack.examples import mlp
-    from flatpack.partitioner.refit import replan_run
+    from flatpack.compiler import replan_run
     from flatpack.partitioner.workload import Workload
 
     run = tmp_path / "run"

@@ -20,17 +20,18 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import gpu_container
-from flatpack.backends.catalog import BASE_IMAGES
 from flatpack.backends.lock import committed_lock
 from flatpack.backends.protocol import Deployment
 from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
-from flatpack.codegen.artifact import load_stage
 from flatpack.partitioner.workload import MODES
+from flatpack.platform.catalog import BASE_IMAGES
 from flatpack.runtime.distributed import (RUN_MODES, DistributedRun, Layout, StageRank, data_file, iter_reports,
                                           stage_path, synthetic_generator, synthetic_tensor, with_overrides)
+from flatpack.stage.artifact import load_stage
 from flatpack.runtime.reference import train_single_process
 from flatpack.runtime.training import TARGET, pack_values
+from flatpack.stage.artifact import load_stage
 
 BATCH = 12
 PASSES = "fuse-elementwise"   # keeps the layers apart, so cuts carry the skip and the mask
@@ -286,7 +287,7 @@ def test_a_rank_reads_its_micro_batches_and_refuses_a_wrong_batch_file(hybrid, t
 def test_synthetic_inputs_are_drawn_per_input_so_every_stage_sees_the_same(hybrid, tmp_path):
     run = gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo", seed=3)
     rank = stage_rank(hybrid, run, 0, tmp_path, None)
-    entry = next(entry for entry in rank.manifest["inputs"] if entry["name"] == "mask")
+    entry = next(entry for entry in rank.manifest.inputs if entry.name == "mask")
     # what a stage reading only the mask would draw: it does not depend on x being drawn too
     alone = synthetic_tensor(entry, BATCH // 4, run.example_batch, synthetic_generator(3, 2, "mask", rank.device))
     torch.testing.assert_close(rank.synthetic_batches[2]["mask"], alone)

@@ -52,11 +52,11 @@ def test_gpt2_tied_lm_head_is_shared_and_its_gradient_sums(tmp_path):
     model, inputs = gpt2()
     compiled = flatpack.compile(model, inputs, stages=3, out_dir=tmp_path / "out")
     holders = [a.index for a in compiled.artifacts
-               if any(set(p["aliases"]) >= {"transformer.wte.weight", "lm_head.weight"}
-                      for p in a.manifest["parameters"])]
+               if any(set(p.aliases) >= {"transformer.wte.weight", "lm_head.weight"}
+                      for p in a.manifest.parameters)]
     assert holders == [0, 2], "the tied embedding is replicated into the first and last stage"
-    first = next(p for p in compiled.artifacts[0].manifest["parameters"] if "lm_head.weight" in p["aliases"])
-    assert first["shared_with"] == [2]
+    first = next(p for p in compiled.artifacts[0].manifest.parameters if "lm_head.weight" in p.aliases)
+    assert first.shared_with == (2,)
     assert_equivalent(model, inputs, staged=flatpack.load(tmp_path / "out").as_module())
 
 
@@ -65,7 +65,7 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
     """Export-traced graphs with keyword inputs (ids, mask) are resized per batch size, and
     the per-layer saved bytes add up to what autograd keeps for the whole model."""
     from flatpack.ir.profile import stage_saved_bytes
-    from flatpack.ir.profiler import ProfileOptions, saved_tensors
+    from flatpack.profiler import ProfileOptions, saved_tensors
 
     model, inputs = factory()
     model.train()

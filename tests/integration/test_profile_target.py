@@ -22,13 +22,13 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import local
-from flatpack.backends.calibration import Calibration
 from flatpack.backends.profiling import profile_in_target
 from flatpack.errors import InputError, RunFailure
-from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.objective import evaluate
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.calibration import Calibration
+from flatpack.profiler import ProfileOptions
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.profile_function import run_profile
 from flatpack.runtime.store import FileStore

@@ -65,8 +65,8 @@ stages = sorted(p for p in out.iterdir() if p.name.startswith("stage_"))
 for directory in stages:
     stage = load_stage(directory)
     manifest = stage.flatpack_manifest
-    outputs = stage(*(env[entry["name"]] for entry in manifest["inputs"]))
-    env.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+    outputs = stage(*(env[name] for name in manifest.input_names))
+    env.update(zip(manifest.output_names, outputs))
 final = [env[name] for name in json.loads((out / "flatpack.json").read_text())["output_names"]]
 torch.testing.assert_close(final[0], data["expected"])
 assert not any(name.split(".")[0] in {BLOCKED!r} for name in sys.modules), "user code was imported"

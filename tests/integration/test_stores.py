@@ -22,10 +22,11 @@ import torch
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from flatpack.errors import StoreError, StoreKeyError, StoreTimeout, WireError
-from flatpack.runtime import wire
 from flatpack.runtime.s3server import free_ports
-from flatpack.runtime.store import FileStore, RedisStore, S3Store, Store, open_store, retrying
+from flatpack.runtime.store import FileStore, RedisStore, S3Store, Store, retrying
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.throttle import Throttled, TokenBucket
+from flatpack.stage import wire
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1_000_000
@@ -240,7 +241,7 @@ def test_urls_carry_no_secret(s3_server, s3_store):
 
 def test_a_child_process_opens_the_url_with_env_credentials(s3_server, s3_store):
     s3_store.put("run/in", b"from parent")
-    code = ("import sys; from flatpack.runtime.store import open_store; s = open_store(sys.argv[1]); "
+    code = ("import sys; from flatpack.runtime.store_url import open_store; s = open_store(sys.argv[1]); "
             "s.put('run/out', s.get('run/in') + b' and child')")
     env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):

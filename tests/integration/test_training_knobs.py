@@ -268,8 +268,8 @@ def test_a_tied_weight_on_two_stages_counts_once_in_the_global_norm(s3_server):
     data = [(torch.randint(0, 32, (BATCH, 5), generator=generator), torch.randint(0, 32, (BATCH,), generator=generator))
             for _ in range(3)]
     compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=2)
-    holders = {entry["name"] for artifact in compiled.artifacts for entry in artifact.manifest["parameters"]
-               if entry.get("shared_with")}
+    holders = {entry.name for artifact in compiled.artifacts for entry in artifact.manifest.parameters
+               if entry.shared_with}
     assert holders, "the tied weight is held by both stages"
     spec = OptimizerSpec("sgd", lr=0.5, clip_grad_norm=0.05)
     reference, _ = train_single_process(model, data, 3, optimizer=spec, micro_batches=2)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
 from flatpack.units import MIB
+from flatpack.platform.catalog import Platform, Tier
 
 HOST = HostInfo(device="cpu", threads=2, cpu="test", torch_version="test")
 BASE = 64 * MIB

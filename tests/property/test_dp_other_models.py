@@ -51,7 +51,7 @@ def heavy_inference_problems(draw, max_layers: int = 4):
 
 
 def with_model(problem: Problem, model: str, **options) -> Problem:
-    return dataclasses.replace(problem, options={**problem.options, "cost_model": model, **options})
+    return dataclasses.replace(problem, options=problem.options.with_changes(cost_model=model, **options))
 
 
 def brute_force(problem: Problem) -> list[tuple[Plan, Evaluation]]:

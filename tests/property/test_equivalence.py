@@ -144,7 +144,7 @@ def assert_updated_buffers_held(model: nn.Module, staged: flatpack.StagedModule,
 
 
 def batch_is_dynamic(compiled: flatpack.Compiled) -> bool:
-    return compiled.frontend == "fx" or bool(compiled.artifacts[0].manifest["dynamic_batch"])
+    return compiled.frontend == "fx" or compiled.artifacts[0].manifest.dynamic_batch
 
 
 def check_equivalence(case: S.Case, compiled: flatpack.Compiled, staged: nn.Module | None = None) -> None:
@@ -283,9 +283,9 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
     available = set(second.info["input_names"])
     for index, artifact in enumerate(second.artifacts):
         manifest = artifact.manifest
-        assert manifest["layers"] == [stages[index].start, stages[index].end]
-        inputs = [entry["name"] for entry in manifest["inputs"]]
+        assert manifest.layers == (stages[index].start, stages[index].end)
+        inputs = list(manifest.input_names)
         assert set(inputs) <= available, f"stage {index} reads {set(inputs) - available}, which no one made"
         assert inputs == second.graph.crossing(stages[index].start - 1)
-        available |= {entry["name"] for entry in manifest["outputs"]}
-    assert set(second.info["output_names"]) <= {e["name"] for e in second.artifacts[-1].manifest["outputs"]}
+        available |= set(manifest.output_names)
+    assert set(second.info["output_names"]) <= set(second.artifacts[-1].manifest.output_names)

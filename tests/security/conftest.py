@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import flatpack
-from flatpack.codegen.integrity import INDEX_FILE, Index
+from flatpack.stage.integrity import INDEX_FILE, Index
 from tests.integration.conftest import s3_server  # noqa: F401 - the shared SeaweedFS fixture
 
 BATCH = 4

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import flatpack
-from flatpack.codegen.artifact import load_stage
-from flatpack.codegen.integrity import INDEX_FILE, SIGNATURE_FILE, check_safetensors, sign_index
 from flatpack.errors import ArtifactError
+from flatpack.stage.artifact import load_stage
+from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, check_safetensors, sign_index
 from tests.security.conftest import hostile_stage_source, rewrite_index
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from flatpack.backends import local
-from flatpack.codegen.integrity import Index
 from flatpack.errors import ArtifactRefused
+from flatpack.runtime.function import load_module
 from flatpack.runtime.spec import Role
-from flatpack.runtime.worker import load_module
+from flatpack.stage.integrity import Index
 from tests.security.conftest import BATCH, hostile_stage_source
 
 
@@ -71,7 +71,7 @@ def test_load_module_checks_the_invocation_digest_not_the_store(s3_server, compi
             load_module(store, keys, 0, "")
         with pytest.raises(Exception, match="expected digest"):
             load_module(store, keys, 0, "0" * 64)
-        assert load_module(store, keys, 1, compiled.digest).flatpack_manifest["stage"] == 1
+        assert load_module(store, keys, 1, compiled.digest).flatpack_manifest.stage == 1
         _tamper_in_store(deployment, sentinel, rewrite_index=False)
         with pytest.raises(Exception, match="stage_000/(stage.py|manifest.json)"):
             load_module(store, keys, 0, compiled.digest)
@@ -97,14 +97,14 @@ def test_a_gpu_container_rank_checks_its_stage_against_the_context_index(compile
     """What a rank loads (``distributed.run_rank``): the stage from the context's ``stages/``,
     verified against ``stages/flatpack.index.json`` and the digest it was started with."""
     from flatpack.backends.gpu_container import stage_files
-    from flatpack.codegen.artifact import load_stage
+    from flatpack.stage.artifact import load_stage
     from flatpack.errors import ArtifactError
     from flatpack.runtime.distributed import stage_path
 
     for name, data in stage_files(compiled).items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
-    assert load_stage(stage_path(tmp_path, 1), digest=compiled.digest).flatpack_manifest["stage"] == 1
+    assert load_stage(stage_path(tmp_path, 1), digest=compiled.digest).flatpack_manifest.stage == 1
     source = stage_path(tmp_path, 0) / "stage.py"
     source.write_text(hostile_stage_source(source.read_text(), sentinel))
     with pytest.raises(ArtifactError, match="stage_000/stage.py"):
@@ -134,10 +134,10 @@ def test_an_inference_function_refuses_a_stage_changed_in_the_store(s3_server, c
 def test_a_function_checks_the_stages_baked_into_its_image(compiled, sentinel, tmp_path, monkeypatch):
     """The cloud functions' path: the stages baked under ``$FLATPACK_ARTIFACTS`` (the image
     holds no index yet), the index read from the store and checked against the role's digest."""
-    from flatpack.codegen.artifact import serialize
+    from flatpack.stage.artifact import serialize
     from flatpack.runtime.keys import RunKeys
     from flatpack.runtime.store import FileStore
-    from flatpack.runtime.worker import ARTIFACTS_ENV
+    from flatpack.runtime.function import ARTIFACTS_ENV
 
     baked = tmp_path / "image" / "artifacts"
     for artifact in compiled.artifacts:
@@ -147,7 +147,7 @@ def test_a_function_checks_the_stages_baked_into_its_image(compiled, sentinel, t
     store, keys = FileStore(tmp_path / "store"), RunKeys("run-baked")
     store.put(keys.artifact_index(), compiled.index.raw)
     monkeypatch.setenv(ARTIFACTS_ENV, str(baked))
-    assert load_module(store, keys, 1, compiled.digest).flatpack_manifest["stage"] == 1
+    assert load_module(store, keys, 1, compiled.digest).flatpack_manifest.stage == 1
     source = baked / "stage_000" / "stage.py"
     source.write_text(hostile_stage_source(source.read_text(), sentinel))
     with pytest.raises(Exception, match=f"{baked}/stage_000/stage.py"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flatpack
-from flatpack.codegen.integrity import INDEX_FILE, Index
 from flatpack.errors import ArtifactError, InputError, PlanError
+from flatpack.stage.integrity import INDEX_FILE, Index
 from tests.models import MLP
 
 

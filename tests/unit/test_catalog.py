@@ -8,12 +8,12 @@ import os
 import pytest
 
 from flatpack.backends import TARGETS
-from flatpack.backends.calibration import SCHEMA_VERSION, Calibration, TierCalibration
-from flatpack.backends.catalog import (BUILTIN_PLATFORMS, MB_S, PLATFORMS, Platform, describe_platforms,
-                                       get_platform, register_platform)
 from flatpack.errors import InputError
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.problem import ChainLayer, Problem
+from flatpack.platform.calibration import SCHEMA_VERSION, Calibration, TierCalibration
+from flatpack.platform.catalog import (BUILTIN_PLATFORMS, MB_S, PLATFORMS, Platform, describe_platforms, get_platform,
+                                       register_platform)
 
 CPU1 = HostInfo(device="cpu", threads=1, cpu="test cpu", torch_version="2.13.0")
 CPU2 = HostInfo(device="cpu", threads=2, cpu="test cpu", torch_version="2.13.0")

@@ -1,4 +1,4 @@
-"""Gillis's channel split (``ir/channels.py``, ``runtime/channel_split.py``): every group the
+"""Gillis's channel split (``stage/channels.py``, ``ir/channels.py``, ``runtime/channel_split.py``): every group the
 planner can split by channel, run as p partitions in this process and joined as the master
 joins them, gives the model's outputs; the planner's table and the runtime's analysis agree
 on which groups split; and too many partitions are refused, naming the layer."""
@@ -12,10 +12,10 @@ import torch
 
 import flatpack
 from flatpack.errors import PlanError
-from flatpack.ir.channels import channel_ranges
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime import channel_split
+from flatpack.stage.channels import channel_ranges
 from tests.models import ConvBlocks, TinyTransformer
 
 PARTS = (2, 3, 4)
@@ -72,8 +72,8 @@ def run_split(compiled, stage, partitions, x):
     for index, module in enumerate(compiled.stage_modules()):
         module.eval()
         manifest = module.flatpack_manifest
-        inputs = [env[entry["name"]] for entry in manifest["inputs"]]
-        names = tuple(entry["name"] for entry in manifest["outputs"])
+        inputs = [env[name] for name in manifest.input_names]
+        names = manifest.output_names
         with torch.no_grad():
             if index != stage:
                 env.update(zip(names, module(*inputs)))

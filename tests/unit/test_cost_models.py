@@ -17,7 +17,6 @@ import re
 import numpy as np
 import pytest
 
-from flatpack.backends.catalog import Platform, Tier
 from flatpack.errors import PlanError
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_layers_fit, funcpipe, gillis, hydrozoa,
@@ -27,6 +26,7 @@ from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
 from flatpack.units import MIB
+from flatpack.platform.catalog import Platform, Tier
 
 HOST = HostInfo(device="cpu", threads=1, cpu="test", torch_version="test")
 LATENCY = 0.01

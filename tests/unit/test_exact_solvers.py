@@ -10,13 +10,13 @@ import torch
 
 import flatpack
 from flatpack.errors import InputError, PlanError
-from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.objective import Weights, evaluate
 from flatpack.partitioner.pareto import Front, efficiency, recommend
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
+from flatpack.profiler import ProfileOptions
 from tests.models import MLP
 from tests.property.solver_strategies import make_platform, make_problem
 

@@ -14,10 +14,10 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import cloud, images
-from flatpack.backends.catalog import BASE_IMAGES
 from flatpack.backends.lock import committed_lock
 from flatpack.errors import DeployError, InputError
 from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.platform.catalog import BASE_IMAGES
 
 
 def compiled_model(memory_mb: int | None = 512, stages: int = 3) -> flatpack.Compiled:
@@ -59,7 +59,7 @@ def test_contexts_are_sound_and_shared_while_small(target):
 def test_images_bake_the_artifact_index():
     """Every image holds the whole artifact's index beside its stages, byte for byte the one
     whose sha256 is compiled.digest, and each baked stage file matches its entry."""
-    from flatpack.codegen.integrity import INDEX_FILE, Index
+    from flatpack.stage.integrity import INDEX_FILE, Index
 
     compiled = compiled_model()
     for image in images.function_images(compiled, "aws-lambda", share_below_bytes=1):

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.compiler import load_run
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
 from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance
-from flatpack.partitioner.refit import load_run, refit, replan
 from flatpack.partitioner.workload import Workload
+from flatpack.runtime.refit import refit, replan
 from flatpack.runtime.timeline import Event
 from tests.unit.test_cost_models import LATENCY, MIB, TWO_STAGES, plan, platform, problem
 from tests.unit.test_target_calibration import target_calibration

@@ -142,8 +142,8 @@ def test_emitted_stage_reads_self_training(tmp_path):
     assert "training = self.training" in source
     assert "training = True" not in source and "training = False" not in source
     assert [line for line in source.splitlines() if line.startswith(("import ", "from "))] == ["import torch"]
-    assert compiled.artifacts[0].manifest["training"] is True
-    assert compiled.artifacts[0].manifest["mode_fixed"] == []
+    assert compiled.artifacts[0].manifest.training is True
+    assert compiled.artifacts[0].manifest.mode_fixed == ()
 
 
 def test_branch_on_training_is_reported_and_documented_in_the_manifest(tmp_path):
@@ -153,7 +153,7 @@ def test_branch_on_training_is_reported_and_documented_in_the_manifest(tmp_path)
     with pytest.warns(ModeWarning, match=r"drop_path.*DropPath"):
         compiled = flatpack.compile(model, x, stages=2)
     assert any("drop_path" in entry for entry in compiled.info["mode_fixed"])
-    assert all(any("drop_path" in entry for entry in artifact.manifest["mode_fixed"])
+    assert all(any("drop_path" in entry for entry in artifact.manifest.mode_fixed)
                for artifact in compiled.artifacts)
     staged = compiled.as_module()
     with pytest.warns(ModeWarning, match="drop_path"):

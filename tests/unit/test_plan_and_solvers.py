@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatpack.backends.catalog import get_platform
 from flatpack.errors import PlanError
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.solvers import SOLVERS, get_solver, register_solver
 from flatpack.partitioner.solvers.balanced import Balanced
+from flatpack.platform.catalog import get_platform
 
 
 def test_plan_json_round_trip():

@@ -16,7 +16,7 @@ import flatpack
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.profile import ChainProfile, LayerProfile, Linear
-from flatpack.ir.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
+from flatpack.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
 
 FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
 
@@ -284,7 +284,7 @@ def test_a_layer_larger_than_the_largest_tier_is_reported_before_solving(tmp_pat
 
 
 def calibration_for(compiled, names=None, graph_hash=None, platform="aws-lambda"):
-    from flatpack.backends.calibration import Calibration, TierCalibration
+    from flatpack.platform.calibration import Calibration, TierCalibration
 
     names = tuple(names or (layer.name for layer in compiled.profile.layers))
     lines = tuple(Linear(0.5, 0.25) for _ in names)
@@ -322,7 +322,7 @@ def test_a_calibration_file_for_another_graph_or_platform_is_refused(tmp_path, c
 def test_coarsen_by_time_runs_on_measured_seconds_and_merges_the_profiles(tmp_path):
     from flatpack import zoo
     from flatpack.ir.profile import stage_saved_bytes
-    from flatpack.ir.profiler import graph_hash
+    from flatpack.profiler import graph_hash
 
     model, inputs = zoo.build("vgg11", "tiny", batch=4)
     model.train()
@@ -361,7 +361,7 @@ def _layer(name: str, forward: Linear, backward: Linear) -> LayerProfile:
 
 def test_a_time_that_does_not_grow_with_the_batch_is_reported_not_used_silently():
     from flatpack.ir.profile import HostInfo, ProfileWarning
-    from flatpack.ir.profiler import _warn_flat_slopes, flat_slopes
+    from flatpack.profiler import _warn_flat_slopes, flat_slopes
 
     falling = Linear.fit([1, 2, 4], [3e-3, 2e-3, 1e-3])  # clamped to a zero slope
     layers = [_layer("grows", Linear(1e-3, 1e-4), Linear(2e-3, 0.0)), _layer("flat", falling, Linear(1e-3, 0.0))]
@@ -423,7 +423,7 @@ def test_a_one_thread_cpu_profile_is_timed_by_the_threads_cpu_seconds():
     throttle stretches exactly those (runtime.worker.cpu_throttle times by thread_time)."""
     import time
 
-    from flatpack.ir.profiler import host_clock
+    from flatpack.profiler import host_clock
 
     previous = torch.get_num_threads()
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flatpack.backends import BACKENDS
-from flatpack.backends.catalog import PLATFORMS
+from flatpack.platform.catalog import PLATFORMS
 from flatpack.ir.passes import PASSES
 from flatpack.models import MODELS
 from flatpack.partitioner.solvers import SOLVERS

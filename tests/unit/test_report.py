@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from flatpack.backends.catalog import get_platform
 from flatpack.errors import InputError, PlanError
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner import report
@@ -17,6 +16,7 @@ from flatpack.partitioner.pareto import Front
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import get_platform
 
 MIB = 1024 * 1024
 HOST = HostInfo(device="cpu", threads=2, cpu="test", torch_version="test")

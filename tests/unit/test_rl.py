@@ -10,7 +10,6 @@ import torch
 
 import flatpack
 from flatpack.errors import PlanError
-from flatpack.ir.profiler import ProfileOptions
 from flatpack.partitioner.objective import Weights, evaluate
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
@@ -18,6 +17,7 @@ from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.solvers.rl import OOM_BUDGETS, Rl
 from flatpack.partitioner.solvers.sampled import DecisionSpace, neighbours
 from flatpack.partitioner.workload import Workload
+from flatpack.profiler import ProfileOptions
 from tests.models import MLP
 from tests.property.solver_strategies import make_platform, make_problem
 

@@ -15,6 +15,7 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, routing
+from flatpack.stage.manifest import Manifest, ValueEntry
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
 from flatpack.runtime.training import compute_order, pack_values, unpack_values
@@ -49,11 +50,20 @@ def test_chunk_bounds_tile_the_vector(numel, parts):
     assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
 
 
+def _manifest(index: int, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Manifest:
+    """A stage manifest that says only what crosses its boundaries (routing reads no more)."""
+    def values(names: tuple[str, ...]) -> tuple[ValueEntry, ...]:
+        return tuple(ValueEntry(name, "tensor", 4, (1,), "float32") for name in names)
+
+    return Manifest(index, 3, (index, index), (f"l{index}",), "fx", False, True, (), values(inputs), values(outputs),
+                    (), "test")
+
+
 def test_routing_finds_the_nearest_producer_and_the_consumers():
     manifests = [
-        {"inputs": [{"name": "x"}], "outputs": [{"name": "a"}, {"name": "mask"}]},
-        {"inputs": [{"name": "a"}, {"name": "mask"}], "outputs": [{"name": "b"}, {"name": "mask"}]},
-        {"inputs": [{"name": "b"}, {"name": "mask"}, {"name": "x"}], "outputs": [{"name": "y"}]},
+        _manifest(0, ("x",), ("a", "mask")),
+        _manifest(1, ("a", "mask"), ("b", "mask")),
+        _manifest(2, ("b", "mask", "x"), ("y",)),
     ]
     sources, consumers = routing(manifests, ["x"])
     assert sources == [{"x": DATA_SOURCE}, {"a": 0, "mask": 0}, {"b": 1, "mask": 1, "x": DATA_SOURCE}]
@@ -62,7 +72,7 @@ def test_routing_finds_the_nearest_producer_and_the_consumers():
 
 def test_routing_refuses_an_input_nobody_produces():
     with pytest.raises(Exception, match="no earlier stage outputs"):
-        routing([{"inputs": [{"name": "ghost"}], "outputs": []}], ["x"])
+        routing([_manifest(0, ("ghost",), ())], ["x"])
 
 
 def _spec(replicas: int = 2, micro_batches: int = 4) -> RunSpec:

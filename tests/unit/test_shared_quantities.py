@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from flatpack import units
-from flatpack.backends import catalog, images
+from flatpack.backends import images
+from flatpack.platform import catalog
 from flatpack.batching import batch_rows, has_batch_dimension
-from flatpack.layout import stage_dirname
+from flatpack.stage.artifact import stage_dirname
 from flatpack.partitioner.cost import common
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.workload import Workload

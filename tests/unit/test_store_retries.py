@@ -25,20 +25,9 @@ from flatpack.runtime import chaos
 from flatpack.runtime.chaos import FaultyStore, InjectedStall, InjectedStoreError
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec
-from flatpack.runtime.store import (
-    DEFAULT_RETRY_S,
-    READ_TIMEOUT_S,
-    RETRY_CAP_S,
-    RETRY_ENV,
-    FileStore,
-    S3Store,
-    StoreUnavailable,
-    default_retry_s,
-    is_transient,
-    is_transient_failure,
-    open_store,
-    retrying,
-)
+from flatpack.runtime.store import (DEFAULT_RETRY_S, READ_TIMEOUT_S, RETRY_CAP_S, RETRY_ENV, FileStore, S3Store,
+                                    StoreUnavailable, default_retry_s, is_transient, is_transient_failure, retrying)
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.worker import run_role
 
 

@@ -12,13 +12,13 @@ from scipy.stats import exponnorm
 
 from flatpack import cli
 from flatpack.backends import aws_lambda, cloud, profiling
-from flatpack.backends.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.backends.target_calibration import calibrate_target, calibration_summary
 from flatpack.errors import InputError
+from flatpack.platform.calibration import Calibration, StoreLatency, TargetInfo, TierCalibration
 from flatpack.runtime.calibrate_function import (CALIBRATE_KIND, CalibrateResult, CalibrateSpec, calibrate_role,
                                                  run_calibrate)
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.store import open_store
+from flatpack.runtime.store_url import open_store
 from flatpack.runtime.throttle import DEFAULT_BURST_S
 from tests.unit.test_cost_models import HOST, platform, problem
 
@@ -174,5 +174,5 @@ def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():
     assert delay == CommDelay(0.002, 0.0005, 2.0 * 0.0005)
     assert delay.mean == pytest.approx(target_calibration().store_latency.mean_s)
     assert _default_delay(problem()) == CommDelay(problem().platform.storage_latency_s)
-    explicit = dataclasses.replace(infer, options={**infer.options, "comm_delay": {"mu_s": 0.01}})
+    explicit = dataclasses.replace(infer, options=infer.options.with_changes(comm_delay={"mu_s": 0.01}))
     assert _default_delay(explicit) == CommDelay(0.01)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flatpack.backends.calibration import Calibration
+from flatpack.platform.calibration import Calibration
 from flatpack.backends.task_overheads import fit
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe

@@ -1,4 +1,4 @@
-"""The one tensor-input check (flatpack/ir/tensor_check.py) that compiled models, train()
+"""The one tensor-input check (flatpack/stage/tensor_check.py) that compiled models, train()
 batches, --data sources and stage workers share."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import flatpack
 from flatpack.errors import InputError
-from flatpack.ir.tensor_check import TensorSpec, check_tensor
+from flatpack.stage.tensor_check import TensorSpec, check_tensor
 
 FIX = "Do the fix."
 
@@ -49,21 +49,21 @@ def test_stage_manifests_record_the_dimensions_export_left_free():
     model, inputs = bert()
     compiled = flatpack.compile(model, inputs, stages=2)
     assert compiled.frontend == "export"
-    entries = [entry for artifact in compiled.artifacts for entry in artifact.manifest["inputs"]
-               if entry["kind"] == "tensor"]
-    assert entries and all("dynamic" in entry for entry in entries)
-    first = {entry["name"]: entry for entry in compiled.artifacts[0].manifest["inputs"]}
-    assert first["input_ids"]["dynamic"] == [0, 1]      # batch and sequence length
-    hidden = [entry for entry in compiled.artifacts[1].manifest["inputs"] if len(entry.get("shape", ())) == 3]
-    assert hidden and all(2 not in entry["dynamic"] for entry in hidden)   # the width is fixed
+    entries = [entry for artifact in compiled.artifacts for entry in artifact.manifest.inputs if entry.is_tensor]
+    assert entries and all(entry.dynamic is not None for entry in entries)
+    first = {entry.name: entry for entry in compiled.artifacts[0].manifest.inputs}
+    assert first["input_ids"].dynamic == (0, 1)      # batch and sequence length
+    hidden = [entry for entry in compiled.artifacts[1].manifest.inputs if len(entry.shape) == 3]
+    assert hidden and all(2 not in entry.dynamic for entry in hidden)   # the width is fixed
 
 
 def test_a_stage_checks_its_tensor_inputs_from_its_manifest():
-    from flatpack.ir.tensor_check import check_stage_inputs, stage_input_specs
+    from flatpack.stage.manifest import Manifest, ValueEntry
+    from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
 
-    manifest = {"inputs": [{"name": "hidden", "kind": "tensor", "shape": [4, 16, 8], "dtype": "float32",
-                            "dynamic": [0, 1]},
-                           {"name": "size", "kind": "scalar", "type": "int"}]}
+    inputs = (ValueEntry("hidden", "tensor", 2048, (4, 16, 8), "float32", dynamic=(0, 1)),
+              ValueEntry("size", "scalar", 8, python_type="int"))
+    manifest = Manifest(1, 2, (3, 3), ("l3",), "export", True, True, (), inputs, (), (), "test")
     specs = stage_input_specs(manifest)
     assert set(specs) == {"hidden"}           # scalars cross boundaries unchecked
     check_stage_inputs(specs, [("hidden", torch.zeros(2, 7, 8)), ("size", 7)], where="stage 1: ")

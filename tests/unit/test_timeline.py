@@ -16,8 +16,8 @@ from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
+from flatpack.progress import Progress, ProgressLine
 from flatpack.runtime import timeline
-from flatpack.runtime.progress import Progress, ProgressLine
 from flatpack.runtime.report import compare, predicted_schedule
 from flatpack.runtime.timeline import Event, Recorder, dumps, loads, summarize
 from tests.property.solver_strategies import make_platform, make_problem

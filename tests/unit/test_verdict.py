@@ -8,8 +8,8 @@ import copy
 import torch
 from torch import nn
 
-from flatpack.verdict import Verdict, adam_step_bound, adam_weight_bound, compare_training
 from flatpack.runtime.reference import train_single_process
+from flatpack.verdict import Verdict, adam_step_bound, adam_weight_bound, compare_training
 
 
 def _model() -> nn.Module:
@@ -111,7 +111,7 @@ def test_the_verdict_names_what_it_covered():
 def test_balanced_plans_get_memory_tiers_before_costing():
     import flatpack
     from flatpack.examples import mlp
-    from flatpack.ir.profiler import ProfileOptions
+    from flatpack.profiler import ProfileOptions
     from flatpack.job import solver_for
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload

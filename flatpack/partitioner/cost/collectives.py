@@ -8,7 +8,7 @@ Hydrozoa and PipeDream both model.
 from __future__ import annotations
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.workload import SYNC_METHODS
+from flatpack.stage.settings import SYNC_METHODS
 
 
 def _check(nbytes: float, workers: int, bandwidth_bytes_s: float) -> None:

@@ -12,16 +12,10 @@ from flatpack.errors import PlanError
 from flatpack.ir.profile import Linear, SavedLineSum
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
-from flatpack.units import MIB
+from flatpack.units import MIB, mb
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
-
-
-
-def mb(nbytes: float) -> str:
-    """Bytes in the unit tiers are sold in (``Tier.memory_mb`` counts 2**20 bytes)."""
-    return f"{nbytes / MIB:,.1f} MB"
+    from flatpack.platform.catalog import Tier
 
 
 def to_json(result: Any, model: str) -> dict[str, Any]:

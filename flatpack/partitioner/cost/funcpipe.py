@@ -33,13 +33,15 @@ from typing import TYPE_CHECKING
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
-                                              mb, memory_limit, micro_batches_per_replica, recompute_seconds,
-                                              stage_memory, stage_tensors, stage_tier, to_json, uniform_replicas)
+                                              memory_limit, micro_batches_per_replica, recompute_seconds, stage_memory,
+                                              stage_tensors, stage_tier, to_json, uniform_replicas)
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.space import SearchSpace
+from flatpack.units import mb
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 MODEL = "funcpipe"
 
@@ -193,7 +195,7 @@ def host_contention(problem: Problem, plan: Plan) -> float:
     cores = problem.platform.host_cores
     if cores is None or problem.platform.kind != "local":
         return 1.0
-    threads = problem.options.get("threads", 1)
+    threads = problem.options.threads
     demand = sum(stage.replicas * min(stage_tier(problem, stage, index).vcpus, threads)
                  for index, stage in enumerate(plan.stages)) + 1.0
     return max(1.0, demand / cores)
@@ -367,7 +369,6 @@ def with_tiers(problem: Problem, plan: Plan) -> Plan:
     then reports the stage as unfit). Stages that have a tier keep it."""
     import dataclasses
 
-    from flatpack.partitioner.space import SearchSpace
 
     if all(stage.memory_mb is not None for stage in plan.stages) or not problem.profiled:
         return plan   # unprofiled: no memory need to fit (and no cost model to feed)

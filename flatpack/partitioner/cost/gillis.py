@@ -12,7 +12,7 @@ range, its number of workers, whether the master computes a partition, and how t
 is split (``StagePlan.split``, Gillis §II-C Fig. 2):
 
 * ``"channel"``: every partition receives the group's whole input (broadcast) and keeps a
-  slice of the filters of its conv and linear layers (``ir/channels.py`` has the rules the
+  slice of the filters of its conv and linear layers (``stage/channels.py`` has the rules the
   runtime applies: the next layer's input channels follow, partial sums are added by the
   master). A partition holds the sliced weights' largest share plus the weights every
   partition needs whole (``ChannelGroup.partition_bytes``); it repeats the ops that see
@@ -60,12 +60,13 @@ import numpy as np
 from scipy import stats
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import mb, memory_limit, to_json
+from flatpack.partitioner.cost.common import memory_limit, to_json
+from flatpack.units import mb
 from flatpack.partitioner.plan import FORK_JOIN_SPLITS, Plan
 from flatpack.partitioner.problem import Problem
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Platform, Tier
+    from flatpack.platform.catalog import Platform, Tier
     from flatpack.ir.channels import ChannelGroup
 
 MODEL = "gillis"
@@ -232,11 +233,11 @@ class ForkJoinCost:
 
 
 def _default_delay(problem: Problem) -> CommDelay:
-    """Measured EMG parameters from ``problem.options["comm_delay"]``; else the EMG that
+    """Measured EMG parameters from ``problem.options.comm_delay``; else the EMG that
     ``flatpack calibrate`` fitted to the target's store requests (``scipy.stats.exponnorm``'s
     K, loc, scale: µ = loc, σ = scale, 1/λ = K·scale); else the platform's storage latency as
     a fixed delay (no spread: the order statistic is then the latency)."""
-    delay = problem.options.get("comm_delay")
+    delay = problem.options.comm_delay
     if isinstance(delay, CommDelay):
         return delay
     if isinstance(delay, dict):
@@ -277,7 +278,7 @@ def channel_group(problem: Problem, start: int, end: int, parts: int) -> Channel
     shape = problem.channel_groups.get((start, end))
     if shape is None:
         raise PlanError(f"{names} cannot be split by channel: an op in it mixes or reshapes the split channels "
-                        "(ir/channels.py lists the ops a channel split cuts) or an input is not a tensor; split "
+                        "(stage/channels.py lists the ops a channel split cuts) or an input is not a tensor; split "
                         "the group by batch, or group the layers differently")
     if parts > shape.max_partitions:
         raise PlanError(f"{names}: layer {shape.limiting_layer} has {shape.max_partitions} output channels, fewer "

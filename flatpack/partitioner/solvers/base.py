@@ -7,7 +7,7 @@ the goal's SLO; raising PlanError when no plan fits memory at all). :class:`Cost
 turns that into the ``Problem -> Plan`` protocol:
 
 * ``workload.slo_s`` set: the cheapest plan whose time meets the SLO (Gillis §IV-C);
-* ``options["weights"] = (α₁, α₂)``: the plan minimizing α₁·cost + α₂·time (FuncPipe eq. 3a);
+* ``options.weights = (α₁, α₂)``: the plan minimizing α₁·cost + α₂·time (FuncPipe eq. 3a);
 * otherwise FuncPipe's recommendation (§5.1) among the optima of the four default weight
   pairs.
 """
@@ -64,8 +64,8 @@ class CostSolver:
     def __call__(self, problem: Problem) -> Plan:
         if problem.workload.slo_s is not None:
             return self.within_slo(problem, problem.workload.slo_s)
-        if problem.options.get("weights") is not None:
-            return self._solved(problem, Goal(Weights.of(problem.options["weights"])))
+        if problem.options.weights is not None:
+            return self._solved(problem, Goal(Weights.of(problem.options.weights)))
         front = self.front(problem)
         return front.recommendation.with_predictions(recommended=True)
 

@@ -61,7 +61,7 @@ from flatpack.partitioner.cost.common import (memory_limit, memory_need, micro_b
                                               stage_tensor_rows)
 from flatpack.partitioner.cost.funcpipe import check_layers_fit
 from flatpack.partitioner.objective import (FUNCPIPE_WEIGHTS, Weights, annotate, dollars_per_mb_s, evaluate,
-                                             with_micro_batches)
+                                            with_micro_batches)
 from flatpack.partitioner.pareto import non_dominated
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
@@ -69,7 +69,7 @@ from flatpack.partitioner.solvers.base import Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16

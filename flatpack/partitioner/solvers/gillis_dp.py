@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import mb, memory_limit
+from flatpack.partitioner.cost.common import memory_limit
+from flatpack.units import mb
 from flatpack.partitioner.cost.gillis import SPLITS, Group, _default_delay, group_cost
 from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, require_fit
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -43,7 +44,7 @@ from flatpack.partitioner.solvers.base import Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 MASTER_ALONE = 1          # a stage's replicas when the master runs the group by itself

@@ -40,19 +40,20 @@ import numpy as np
 
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
-from flatpack.partitioner.cost.common import mb, stage_memory
+from flatpack.partitioner.cost.common import stage_memory
+from flatpack.units import mb
 from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
-from flatpack.partitioner.objective import Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit
+from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
+                                            with_micro_batches)
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import CostSolver, Goal, better
-from flatpack.partitioner.objective import with_micro_batches
 from flatpack.partitioner.solvers.pipedream_dp import StageMemory
 from flatpack.partitioner.space import SearchSpace
 from flatpack.partitioner.workload import divisors_up_to
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 BEAM_WIDTH = 8            # labels per state in the pass that finds a first incumbent
@@ -61,7 +62,7 @@ BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never pr
 
 def sync_overheads(problem: Problem) -> tuple[float, float]:
     """Hydrozoa's α (per byte) and β (per round) of the all-reduce, as ``evaluate`` reads them."""
-    return float(problem.options.get("hydrozoa_alpha", 0.0)), float(problem.options.get("hydrozoa_beta", 0.0))
+    return float(problem.options.hydrozoa_alpha), float(problem.options.hydrozoa_beta)
 
 
 class ShardTables:
@@ -611,7 +612,7 @@ class _Planner:
         self.fitted = False
         self.probed: set[int] = set()
         # the replica degrees asked for, up to the most micro-batches any probe may use
-        most = self.space.micro_batches if "micro_batches" in problem.options else (problem.workload.batch,)
+        most = self.space.micro_batches if problem.options.micro_batches is not None else (problem.workload.batch,)
         self.degrees = SearchSpace.of(with_micro_batches(problem, max(most))).replicas
         self.partitions: dict[tuple[int, int, int], dict[int, list[tuple[int, int]]]] = {}
         self.evaluations: dict[Plan, Evaluation] = {}
@@ -621,7 +622,7 @@ class _Planner:
         on the count between the last fitting and the first failing size. Counts divide the
         batch (a micro-batch holds whole samples)."""
         batch = self.problem.workload.batch
-        if "micro_batches" in self.problem.options:
+        if self.problem.options.micro_batches is not None:
             counts = sorted(self.space.micro_batches, reverse=True)
         else:
             counts = [batch // 2 ** k for k in range(batch.bit_length()) if batch % 2 ** k == 0]
@@ -630,7 +631,7 @@ class _Planner:
             if self.probe(count, "size"):
                 last_fit = count
             elif last_fit is not None:
-                if "micro_batches" not in self.problem.options:
+                if self.problem.options.micro_batches is None:
                     self._binary_search(count, last_fit)
                 return
 
@@ -674,7 +675,7 @@ class _Planner:
         return bool(fitting)
 
     def _cluster_sizes(self, degrees: tuple[int, ...]) -> list[int]:
-        given = self.problem.options.get("cluster_size")
+        given = self.problem.options.cluster_size
         if given is not None:
             if not isinstance(given, int) or isinstance(given, bool) or given < 1:
                 raise PlanError(f"option cluster_size (Alg. 1's desired workers) must be a positive integer, "

@@ -122,15 +122,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
-from flatpack.partitioner.cost.common import gradient_bytes, mb, micro_batches_per_replica, stage_memory
+from flatpack.partitioner.cost.common import gradient_bytes, micro_batches_per_replica, stage_memory
+from flatpack.units import mb
 from flatpack.partitioner.objective import annotate, cost_model_for, dollars_per_mb_s, evaluate, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
+from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import CostSolver, Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 BACKEND = "cp-sat"
 DEFAULT_SCALE_BITS = 40   # t_iter·Q < 2^40; see "Integer scaling" for why not more
@@ -568,7 +570,6 @@ class Miqp(CostSolver):
     def _warm_start(self, problem: Problem, goal: Goal) -> tuple[Plan | None, str]:
         if self.hint is None:
             return None, "none"
-        from flatpack.partitioner.solvers import get_solver
 
         try:
             solver = get_solver(self.hint)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.common import MemoryNeed, StageTensors, mb, memory_need, stage_memory, stage_tensors
+from flatpack.partitioner.cost.common import MemoryNeed, StageTensors, memory_need, stage_memory, stage_tensors
+from flatpack.units import mb
 from flatpack.partitioner.cost.pipedream import stage_seconds
 from flatpack.partitioner.objective import annotate, dollars_per_mb_s, evaluate, require_fit, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -40,7 +41,7 @@ from flatpack.partitioner.solvers.base import Goal, better
 from flatpack.partitioner.space import SearchSpace
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Tier
+    from flatpack.platform.catalog import Tier
 
 SOLVER = "dp"
 BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never prunes an optimum

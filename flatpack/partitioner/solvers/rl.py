@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from flatpack.errors import InputError
+from flatpack.ir.profile import CACHE_ENV
 from flatpack.partitioner.objective import Evaluation
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -67,8 +68,6 @@ _POSITIONS = 3              # sine/cosine pairs that tell the layers apart by po
 
 def default_policy_dir() -> Path:
     """``$FLATPACK_POLICY_DIR``, else ``policies`` beside the profile cache."""
-    from flatpack.ir.profiler import CACHE_ENV
-
     if os.environ.get(POLICY_DIR_ENV):
         return Path(os.environ[POLICY_DIR_ENV])
     if os.environ.get(CACHE_ENV):

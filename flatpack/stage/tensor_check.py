@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from flatpack.errors import InputError
+from flatpack.stage.manifest import Manifest, ValueEntry
 
 COMPILED_FOR = "the model was compiled for"
 
@@ -38,6 +39,12 @@ class TensorSpec:
         dynamic = entry.get("dynamic")
         free = tuple(int(dim) for dim in dynamic) if dynamic is not None else default_free
         return cls(tuple(int(size) for size in entry["shape"]), str(entry["dtype"]), free)
+
+    @classmethod
+    def of_entry(cls, entry: ValueEntry, default_free: tuple[int, ...] | None = None) -> TensorSpec:
+        """From a manifest's tensor input (its ``dynamic`` dimensions where the frontend knows
+        them, else ``default_free``)."""
+        return cls(entry.shape, entry.dtype, entry.dynamic if entry.dynamic is not None else default_free)
 
     @classmethod
     def of(cls, example: torch.Tensor, free_dims: tuple[int, ...] | None = None) -> TensorSpec:
@@ -100,11 +107,11 @@ STAGE_FIX = ("Every batch must have the shapes and dtypes of the example the mod
              "function's later batches are checked only here).")
 
 
-def stage_input_specs(manifest: Mapping[str, Any]) -> dict[str, TensorSpec]:
+def stage_input_specs(manifest: Manifest) -> dict[str, TensorSpec]:
     """A stage's tensor inputs by name, from its manifest: the example's shape and dtype, and
     the dimensions export left free (unknown for fx graphs: then only rank and dtype)."""
-    return {entry["name"]: TensorSpec.from_json(entry) for entry in manifest.get("inputs", ())
-            if entry.get("kind") == "tensor"}
+    return {entry.name: TensorSpec.of_entry(entry)
+            for entry in manifest.inputs if entry.is_tensor}
 
 
 def check_stage_inputs(specs: Mapping[str, TensorSpec], values: Iterable[tuple[str, Any]], where: str) -> None:

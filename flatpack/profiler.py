@@ -40,17 +40,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatpack.batching import batch_rows, has_batch_dimension
+from flatpack.codegen.emit import emit_stages
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
-from flatpack.ir.profile import ChainProfile, HostInfo, LayerProfile, Linear, ProfileWarning
+from flatpack.ir.profile import CACHE_ENV, ChainProfile, HostInfo, LayerProfile, Linear, ProfileWarning
 from flatpack.ir.trace import EXPORT, _first_line
+from flatpack.partitioner.plan import Plan
+from flatpack.stage.artifact import build_module, stage_manifest
 
 log = logging.getLogger("flatpack.profiler")
 
 PROFILE_SCHEMA_VERSION = 4     # 4: a CPU profile at one thread is timed by the thread's CPU seconds
 DEFAULT_BATCH_SIZES = (1, 2, 4)
-CACHE_ENV = "FLATPACK_CACHE_DIR"
 
 
 @dataclass(frozen=True)
@@ -228,10 +230,6 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
     """The layers' profiles, the batch sizes they were fitted over, and notes on the sizes
     the model refused (training-mode BatchNorm cannot normalize one value per channel, so
     batch 1 fails where the spatial size has shrunk to 1×1)."""
-    from flatpack.codegen.artifact import build_module
-    from flatpack.codegen.emit import emit_stages
-    from flatpack.partitioner.plan import Plan
-
     count = len(graph.layers)
     plan = Plan.from_ranges([(index, index) for index in range(count)], count, solver="profiler")
     device = torch.device(options.device)
@@ -321,8 +319,8 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
     ``budget_s``: once spent, no further run starts (one timed run always happens).
     ``progress`` (with ``batch`` for its messages): a bar to advance, if any. ``execute``
     runs each timed computation: directly, or through a tier's CPU throttle
-    (``runtime.worker.cpu_throttle``) when profiling inside an emulated tier, and ``clock``
-    times it: wall time, or an emulated tier's own clock (``runtime.worker.emulated_clock``:
+    (``runtime.function.cpu_throttle``) when profiling inside an emulated tier, and ``clock``
+    times it: wall time, or an emulated tier's own clock (``runtime.function.emulated_clock``:
     CPU seconds over the tier's share, which the host's other load does not inflate). Returns
     (forward, backward) per layer, and the no-grad forward per layer (empty when not
     ``inference``)."""
@@ -344,7 +342,7 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
             synchronize()
             forward_times[index].append(clock() - begin)
             outputs.append(result)
-            names = (entry["name"] for entry in module.flatpack_manifest["outputs"])
+            names = stage_manifest(module).output_names
             values.update(zip(names, (value.detach() if isinstance(value, torch.Tensor) else value
                                       for value in result)))
         for index in reversed(range(len(modules))):
@@ -373,9 +371,8 @@ def _layer_sample(module: nn.Module, args: list[Any], times: tuple[float, float,
                   env: dict[str, Any]) -> _Sample:
     """The layer's timing plus what it holds in memory, measured on the layer alone."""
     memory = _memory(module, args)
-    manifest = module.flatpack_manifest
-    named = {**dict(zip((entry["name"] for entry in manifest["inputs"]), args)),
-             **dict(zip((entry["name"] for entry in manifest["outputs"]), memory.outputs))}
+    manifest = stage_manifest(module)
+    named = {**dict(zip(manifest.input_names, args)), **dict(zip(manifest.output_names, memory.outputs))}
     output_bytes = sum(_nbytes(env[name]) for name in crossing)
     return _Sample(times[0], times[1], times[2], memory.saved_bytes, memory.saved_boundary_bytes(named),
                    output_bytes, memory.peak, memory.grad_bytes)
@@ -555,15 +552,15 @@ def _serve_chain(modules: list[nn.Module], values: dict[str, Any], seconds: list
     by ``clock``."""
     with torch.no_grad():
         for index, module in enumerate(modules):
-            manifest = module.flatpack_manifest
-            args = [values[entry["name"]] for entry in manifest["inputs"]]
+            manifest = stage_manifest(module)
+            args = [values[name] for name in manifest.input_names]
             synchronize()
             begin = clock()
             outputs = execute(lambda: module(*args))
             synchronize()
             if seconds is not None:
                 seconds[index].append(clock() - begin)
-            values.update(zip((entry["name"] for entry in manifest["outputs"]), outputs))
+            values.update(zip(manifest.output_names, outputs))
 
 
 def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collection[str]) -> list[Any]:
@@ -571,8 +568,8 @@ def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collec
     depend on a parameter, ``grad_values``: ``graph.analysis.param_dependent``) require grad,
     so backward computes the gradient it would send."""
     args = []
-    for entry in module.flatpack_manifest["inputs"]:
-        value = env[entry["name"]]
+    for name in stage_manifest(module).input_names:
+        value = env[name]
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if value.untyped_storage().nbytes() > value.numel() * value.element_size():
@@ -580,7 +577,7 @@ def _layer_inputs(module: nn.Module, env: Mapping[str, Any], grad_values: Collec
                 # before): a stage receives it as a tensor of its own, and autograd's saved
                 # bytes count whole storages, so give it one
                 value = value.clone()
-            if value.is_floating_point() and entry["name"] in grad_values:
+            if value.is_floating_point() and name in grad_values:
                 value.requires_grad_(True)
         args.append(value)
     return args
@@ -618,7 +615,7 @@ def time_layer(module: nn.Module, values: Mapping[str, Any], grad_values: Collec
     whole chain, the layer's weights stay in the caches between repeats). The inputs named
     in ``grad_values`` (values that depend on a parameter) require grad, so backward
     computes the gradient a stage sends back. ``execute`` wraps each timed computation
-    (``runtime.worker.cpu_throttle`` emulates a tier's CPU share) and ``clock`` times it
+    (``runtime.function.cpu_throttle`` emulates a tier's CPU share) and ``clock`` times it
     (see :func:`_time_chain`). The no-grad forward is not timed: a calibration holds
     training lines only."""
     training, _ = _time_chain([module], dict(values), grad_values, repeats=repeats, warmup=warmup, execute=execute,
@@ -700,11 +697,13 @@ def _write_cache(path: Path, profile: ChainProfile) -> None:
 
 
 class _Progress:
-    """The profiler's steps as a progress display on stderr (flatpack.runtime.progress: a bar
+    """The profiler's steps as a progress display on stderr (flatpack.progress: a bar
     on a terminal, periodic plain lines elsewhere): steps done, elapsed time, what runs now."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        from flatpack.runtime.progress import Progress
+        # optional dependency: tqdm is not in a function image, where the profile role times layers
+        # without a display
+        from flatpack.progress import Progress
 
         self.total, self.done = total, 0
         self.started = time.perf_counter()

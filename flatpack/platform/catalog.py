@@ -7,7 +7,7 @@ configuration, derived by the platform's :class:`Scaling` rule (serverless funct
 one memory knob sets vCPU share, bandwidth and price) or looked up among discrete
 configurations (GPU containers). :meth:`Platform.compute_seconds` is the host-to-tier
 compute-time model; a calibration file measured inside the target overrides it
-(:mod:`flatpack.backends.calibration`). ``docs/platforms.md`` has the same numbers as tables.
+(:mod:`flatpack.platform.calibration`). ``docs/platforms.md`` has the same numbers as tables.
 
 Every number carries a source in ``Platform.sources``: a paper in ``../shared/papers/`` (beside the repository)
 (by section), a provider's public documentation page, a measurement on the build host, or
@@ -659,10 +659,10 @@ def local() -> Platform:
 # -- the registry ----------------------------------------------------------------------------
 
 BUILTIN_PLATFORMS = {
-    "local": "flatpack.backends.catalog:local",
-    "aws-lambda": "flatpack.backends.catalog:aws_lambda",
-    "alibaba-fc": "flatpack.backends.catalog:alibaba_fc",
-    "gpu-container": "flatpack.backends.catalog:gpu_container",
+    "local": "flatpack.platform.catalog:local",
+    "aws-lambda": "flatpack.platform.catalog:aws_lambda",
+    "alibaba-fc": "flatpack.platform.catalog:alibaba_fc",
+    "gpu-container": "flatpack.platform.catalog:gpu_container",
 }
 
 PLATFORMS: Registry[Platform] = Registry("platform", InputError, BUILTIN_PLATFORMS)

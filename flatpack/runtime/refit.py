@@ -2,7 +2,7 @@
 and ``compile(..., measured=RUN_DIR)``.
 
 A run's timeline says what each stage's forward, backward, upload and optimizer step took.
-:func:`refit` turns it into a per-layer calibration (``backends.calibration``, the format
+:func:`refit` turns it into a per-layer calibration (``platform.calibration``, the format
 ``flatpack profile --target`` writes) for the tiers the run used: each layer's predicted
 line is scaled by its stage's measured-over-predicted ratio (the timeline times stages, not
 layers, so the layers of a stage share its ratio), t_lat is re-fitted as an activation
@@ -16,11 +16,9 @@ tiers), and reports the old plan, the new plan and the predicted saving.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from flatpack.errors import InputError, PlanError
 from flatpack.ir.profile import Linear
@@ -28,9 +26,9 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.common import gradient_bytes, layer_times
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
-
-if TYPE_CHECKING:
-    from flatpack.backends.calibration import Calibration
+from flatpack.partitioner.solvers import get_solver
+from flatpack.platform.calibration import Calibration, TierCalibration
+from flatpack.runtime.timeline import summarize
 
 EVENTS_FILE = "events.json"      # a run directory's timeline (``flatpack run`` writes it)
 COMPILED_DIR = "compiled"
@@ -42,10 +40,8 @@ def _ratio(measured: float | None, predicted: float) -> float | None:
 
 def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
           source: str = "a run") -> Calibration:
-    """A per-layer :class:`~flatpack.backends.calibration.Calibration` of the tiers ``plan``
+    """A per-layer :class:`~flatpack.platform.calibration.Calibration` of the tiers ``plan``
     ran on, fitted to ``events`` (the iterations after ``skip_first``)."""
-    from flatpack.backends.calibration import Calibration, TierCalibration
-    from flatpack.runtime.timeline import summarize
 
     events = list(events)
     measured = summarize(events, skip_first=skip_first)
@@ -147,12 +143,10 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
     """Re-fits ``problem`` to ``events`` of ``plan`` (:func:`refit`) and solves again over
     the tiers the run used; the new plan is the fastest predicted among the solver's front
     and the old plan (so it is never predicted slower than the plan that ran)."""
-    from flatpack.partitioner.solvers import get_solver
-    from flatpack.runtime.timeline import summarize
 
     events = list(events)
     calibration = refit(problem, plan, events, skip_first=skip_first, source=source)
-    options = {**problem.options, "memory_mb": tuple(sorted(calibration.tiers))}
+    options = problem.options.with_changes(memory_mb=tuple(sorted(calibration.tiers)))
     fitted = dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
                                  options=options)
     solving = get_solver(solver)
@@ -167,40 +161,3 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
         if seconds < best_s:
             best, best_s = candidate, seconds
     return Replan(plan, best, old_s, best_s, summarize(events, skip_first=skip_first).iteration_s, calibration)
-
-
-def load_run(run_dir: str | Path) -> tuple[Problem, Plan, list[Any]]:
-    """The problem, plan and timeline a ``flatpack run`` left in ``run_dir``."""
-    from flatpack.compiler import load
-    from flatpack.partitioner.workload import Workload
-    from flatpack.runtime import timeline
-
-    run_dir = Path(run_dir)
-    events_path, compiled_dir = run_dir / EVENTS_FILE, run_dir / COMPILED_DIR
-    for path in (events_path, compiled_dir):
-        if not path.exists():
-            raise InputError(f"{run_dir} is not a finished flatpack run: it has no {path.name} (flatpack run --out "
-                             "DIR writes it when training ends)")
-    compiled = load(compiled_dir)
-    if compiled.profile is None:
-        raise InputError(f"the artifact in {compiled_dir} has no profile: re-plan needs the run's per-layer profile")
-    provenance = compiled.plan.provenance
-    if provenance is None or provenance.workload is None:
-        raise InputError(f"the plan in {compiled_dir} does not record its workload (made by an older flatpack); "
-                         "run again with this flatpack")
-    workload = Workload(**{key: provenance.workload[key]
-                           for key in ("mode", "batch", "micro_batches", "optimizer", "sync")})
-    problem = Problem.from_saved(compiled.info["chain"], compiled.profile, compiled.target, workload)
-    return problem, compiled.plan, timeline.loads(events_path.read_bytes())
-
-
-def refit_run(run_dir: str | os.PathLike) -> Calibration:
-    """:func:`refit` of what ``flatpack run`` left in ``run_dir`` (``compile(measured=...)``)."""
-    problem, plan, events = load_run(run_dir)
-    return refit(problem, plan, events, source=str(run_dir))
-
-
-def replan_run(run_dir: str | Path, *, solver: str = "dp") -> Replan:
-    """:func:`replan` of what ``flatpack run`` left in ``run_dir``."""
-    problem, plan, events = load_run(run_dir)
-    return replan(problem, plan, events, solver=solver, source=str(run_dir))

@@ -52,7 +52,7 @@ def loads(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = _st_load(data)
     except Exception as exc:  # safetensors raises its own SafetensorError (not importable by a stable name)
         raise WireError(f"the payload is not valid safetensors ({type(exc).__name__}: {exc}); it is truncated or "
-                        "was not written by flatpack.runtime.wire.dumps") from exc
+                        "was not written by flatpack.stage.wire.dumps") from exc
     return tensors, meta
 
 

@@ -74,7 +74,7 @@ from flatpack.errors import InputError
 from flatpack.ir.profile import Linear
 
 if TYPE_CHECKING:
-    from flatpack.backends.catalog import Platform
+    from flatpack.platform.catalog import Platform
 
 FORMAT = "flatpack-calibration"
 SCHEMA_VERSION = 2

@@ -1,29 +1,51 @@
-"""Serializing, verifying and loading stages (``stage.py``, weights, ``manifest.json``).
+"""A stage artifact's files (``stage.py``, ``weights.safetensors``, ``manifest.json``): their
+names, serializing them, verifying and loading them.
 
 Loading never unpickles: the source is flatpack's own generated Python, the weights are
 safetensors, the manifest is JSON. A stage is verified against the artifact's index
-(``codegen.integrity``: sizes, sha256, the weights' safetensors framing) before its source is
-executed; the manifest's own hashes are a second, internal consistency check only, since
-whoever can rewrite a file can rewrite the manifest beside it.
+(:mod:`flatpack.stage.integrity`: sizes, sha256, the weights' safetensors framing) before its
+source is executed; the manifest's own hashes are a second, internal consistency check only,
+since whoever can rewrite a file can rewrite the manifest beside it.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from flatpack.codegen.emit import (MANIFEST_FILE, SOURCE_FILE, STAGE_KIND, WEIGHTS_FILE, StageArtifact,
-                                   sha256_bytes)
-from flatpack.codegen.integrity import check_safetensors, read_verified
 from flatpack.errors import ArtifactError
-from flatpack.version import STAGE_SCHEMA_VERSION
+from flatpack.stage.integrity import check_safetensors, read_verified, sha256_hex
+from flatpack.stage.manifest import FileHash, Manifest
+
+SOURCE_FILE = "stage.py"
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def stage_dirname(index: int) -> str:
+    """The name of stage ``index``'s directory in an artifact (``stage_007``), defined once for
+    every layer that lays out or looks up a stage's files (the compiler, the images, the store
+    keys, the worker, the gpu-container ranks); a run's per-stage parameters file takes the
+    same name."""
+    return f"stage_{index:03d}"
+
+
+@dataclass
+class StageArtifact:
+    """A stage held in memory; :func:`serialize` writes it, :func:`parse_stage` reads it."""
+
+    index: int
+    source: str
+    tensors: dict[str, torch.Tensor]  # canonical parameter name -> tensor
+    manifest: Manifest
 
 
 def serialize(artifact: StageArtifact) -> dict[str, bytes]:
@@ -31,16 +53,11 @@ def serialize(artifact: StageArtifact) -> dict[str, bytes]:
     tensors = {name: tensor.detach().contiguous().clone() for name, tensor in artifact.tensors.items()}
     weights = save_safetensors(tensors, metadata={"stage": str(artifact.index)})
     source = artifact.source.encode()
-    manifest = dict(artifact.manifest)
-    manifest["files"] = {
-        SOURCE_FILE: {"sha256": sha256_bytes(source), "bytes": len(source)},
-        WEIGHTS_FILE: {"sha256": sha256_bytes(weights), "bytes": len(weights)},
-    }
-    return {
-        SOURCE_FILE: source,
-        WEIGHTS_FILE: weights,
-        MANIFEST_FILE: (json.dumps(manifest, indent=2) + "\n").encode(),
-    }
+    manifest = dataclasses.replace(artifact.manifest, files={
+        SOURCE_FILE: FileHash(sha256_hex(source), len(source)),
+        WEIGHTS_FILE: FileHash(sha256_hex(weights), len(weights)),
+    })
+    return {SOURCE_FILE: source, WEIGHTS_FILE: weights, MANIFEST_FILE: manifest.dumps()}
 
 
 def read_stage(directory: str | os.PathLike, *, digest: str | None = None,
@@ -62,25 +79,16 @@ def read_stage(directory: str | os.PathLike, *, digest: str | None = None,
 def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
     """Verifies and parses a stage's files given as bytes (from a directory or a store);
     ``where`` names their origin in errors."""
-    manifest_name = f"{where}/{MANIFEST_FILE}"
     if MANIFEST_FILE not in contents:
         raise ArtifactError(f"{where} has no {MANIFEST_FILE}: it is not a flatpack stage")
-    try:
-        manifest = json.loads(contents[MANIFEST_FILE])
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{manifest_name} is not valid JSON ({err}); the artifact is corrupted, "
-                            "recompile it") from None
-    if manifest.get("kind") != STAGE_KIND:
-        raise ArtifactError(f"{manifest_name} is not a flatpack stage manifest (kind={manifest.get('kind')!r})")
-    if manifest.get("schema_version") != STAGE_SCHEMA_VERSION:
-        raise ArtifactError(f"{where} uses stage schema {manifest.get('schema_version')}, this flatpack "
-                            f"reads schema {STAGE_SCHEMA_VERSION}; recompile with this version")
+    manifest = Manifest.parse(contents[MANIFEST_FILE], f"{where}/{MANIFEST_FILE}")
     for name in (SOURCE_FILE, WEIGHTS_FILE):
         path = f"{where}/{name}"
         if name not in contents:
             raise ArtifactError(f"{path} is missing; the stage is incomplete, recompile it")
-        expected = manifest.get("files", {}).get(name, {}).get("sha256")
-        actual = sha256_bytes(contents[name])
+        recorded = manifest.files.get(name)
+        expected = recorded.sha256 if recorded else None
+        actual = sha256_hex(contents[name])
         if actual != expected:
             raise ArtifactError(f"{path} has sha256 {actual[:16]}… but the manifest records "
                                 f"{str(expected)[:16]}…: the file was modified or corrupted. "
@@ -88,30 +96,38 @@ def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
     # the framing is checked before safetensors parses it (header size, tensor bounds)
     check_safetensors(contents[WEIGHTS_FILE], f"{where}/{WEIGHTS_FILE}")
     tensors = load_safetensors(contents[WEIGHTS_FILE])
-    missing = {entry["name"] for entry in manifest["parameters"]} - tensors.keys()
+    missing = {entry.name for entry in manifest.parameters} - tensors.keys()
     if missing:
         raise ArtifactError(f"{where}/{WEIGHTS_FILE} lacks {sorted(missing)[:3]}; recompile the model")
-    return StageArtifact(manifest["stage"], contents[SOURCE_FILE].decode(), tensors, manifest)
+    return StageArtifact(manifest.stage, contents[SOURCE_FILE].decode(), tensors, manifest)
 
 
 def build_module(artifact: StageArtifact, filename: str = "<flatpack stage>") -> nn.Module:
-    """Executes the stage source and installs its weights: an ``nn.Module`` ready to run."""
+    """Executes the stage source and installs its weights: an ``nn.Module`` ready to run;
+    ``module.flatpack_manifest`` is its :class:`~flatpack.stage.manifest.Manifest`."""
     namespace = types.ModuleType(f"flatpack_stage_{artifact.index}")
     namespace.__file__ = filename
     exec(compile(artifact.source, filename, "exec"), namespace.__dict__)  # noqa: S102 - our own generated code
     module = namespace.Stage()
-    for entry in artifact.manifest["parameters"]:
-        tensor = artifact.tensors[entry["name"]]
-        if entry["kind"] in ("parameter", "frozen"):
-            trainable = entry["kind"] == "parameter"
-            module.register_parameter(entry["attr"], nn.Parameter(tensor.clone(), requires_grad=trainable))
+    for entry in artifact.manifest.parameters:
+        tensor = artifact.tensors[entry.name]
+        if entry.kind in ("parameter", "frozen"):
+            module.register_parameter(entry.attr, nn.Parameter(tensor.clone(), requires_grad=entry.trainable))
         else:
-            module.register_buffer(entry["attr"], tensor.clone())
+            module.register_buffer(entry.attr, tensor.clone())
     module.flatpack_manifest = artifact.manifest
     # a stage starts in the mode its model was compiled in; .train()/.eval() switch it
     # (emitted code reads self.training wherever the model's ops depend on the mode)
-    module.train(bool(artifact.manifest.get("training", True)))
+    module.train(artifact.manifest.training)
     return module
+
+
+def stage_manifest(module: nn.Module) -> Manifest:
+    """The manifest of a stage module :func:`build_module` made."""
+    manifest = getattr(module, "flatpack_manifest", None)
+    if not isinstance(manifest, Manifest):
+        raise TypeError(f"{type(module).__name__} is not a flatpack stage module (build_module makes those)")
+    return manifest
 
 
 def load_stage(path: str | os.PathLike, *, digest: str | None = None,
@@ -124,9 +140,3 @@ def load_stage(path: str | os.PathLike, *, digest: str | None = None,
     """
     path = Path(path)
     return build_module(read_stage(path, digest=digest, verify_key=verify_key), str(path / SOURCE_FILE))
-
-
-def parameter_names(module: nn.Module) -> dict[str, str]:
-    """attribute -> canonical parameter name, for a module built by ``build_module``."""
-    manifest: dict[str, Any] = module.flatpack_manifest
-    return {entry["attr"]: entry["name"] for entry in manifest["parameters"]}

@@ -175,6 +175,7 @@ def sign_index(raw: bytes, key: str | os.PathLike) -> bytes:
         algorithm = HMAC_SHA256
         signature = hmac.new(_hmac_key(str(key), "signing"), message, hashlib.sha256).hexdigest()
     else:
+        # optional dependency: only an Ed25519 key needs it (a function verifies by digest)
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
@@ -207,6 +208,7 @@ def check_signature(raw: bytes, signature_doc: bytes | None, verify_key: str | o
         expected = hmac.new(_hmac_key(str(verify_key), "verifying"), message, hashlib.sha256).digest()
         valid = algorithm == HMAC_SHA256 and hmac.compare_digest(expected, signature)
     else:
+        # optional dependency: only an Ed25519 key needs it (a function verifies by digest)
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
         from cryptography.hazmat.primitives.serialization import load_pem_public_key
