@@ -103,6 +103,7 @@ def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[
                                  profile=ProfileOptions(batch_sizes=(micro // 2, micro), repeats=5, progress=False),
                                  solver=_TwoStages(memory_mb, replicas), replicas=(replicas,), memory_mb=(memory_mb,))
     problem, plan = compiled.problem, compiled.plan
+    assert problem is not None     # compiled with a profile and a workload: it has a problem
     cost = funcpipe.iteration(problem, plan, funcpipe.Overheads.of(problem, plan))
     deployment = deploy(compiled)
     try:
@@ -253,6 +254,7 @@ def _serve_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable
         base = compile_model(model, example, target=target, workload=workload, calibration=calibration,
                              profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False), stages=1,
                              memory_mb=(memory_mb,))
+        assert base.problem is not None     # compiled with a profile and a workload
         layers = len(base.problem.chain)
         if layers < 3:
             raise ValueError(f"the serving probe needs 3 layers after the passes, the probe model has {layers}")
