@@ -19,7 +19,7 @@ from torch import nn
 
 import flatpack
 from flatpack.backends import local
-from flatpack.runtime import wire
+from flatpack.stage import wire
 from flatpack.runtime.reference import torch_threads, train_single_process
 from flatpack.verdict import compare_training, pipeline_optimizer_state
 
