@@ -23,6 +23,7 @@ from flatpack.runtime.precision import SCALED, LossScaling, autocast
 from flatpack.runtime.spec import (ASYNC_SCHEDULE, check_async_options, check_precision, micro_batch_size,
                                    split_value)
 from flatpack.runtime.stashing import forward_version
+from flatpack.stage.artifact import stage_manifest
 
 
 def first_output(output: Any) -> torch.Tensor:
@@ -94,11 +95,11 @@ def through_stages(trained: nn.Module, pipeline: Any, precision: str) -> tuple[n
                **dict(trained.named_buffers(remove_duplicate=False))}
     paths: dict[str, list[str]] = {}
     for index, stage in enumerate(staged.stages):
-        for entry in stage.flatpack_manifest["parameters"]:
-            names = [name for name in (entry["name"], *(entry.get("aliases") or [])) if name in tensors]
+        for entry in stage_manifest(stage).parameters:
+            names = [name for name in (entry.name, *entry.aliases) if name in tensors]
             if not names:
                 continue      # a constant the trace made; the stage keeps its own
-            tensor, attr = tensors[names[0]], entry["attr"]
+            tensor, attr = tensors[names[0]], entry.attr
             if attr in stage._parameters:
                 stage.register_parameter(attr, tensor)
             else:

@@ -203,8 +203,8 @@ def test_bf16_over_eight_steps_is_autocast_computed_as_the_stages_compute(s3_ser
         assert not all(check.passed for check in checks), wrong
     # the wire: stage 0's activations in bfloat16, half of what they are in float32
     stage0 = compiled.stage_modules()[0]
-    names = [entry["name"] for entry in compiled.artifacts[1].manifest["inputs"]]
-    outputs = dict(zip((entry["name"] for entry in stage0.flatpack_manifest["outputs"]),
+    names = compiled.artifacts[1].manifest.input_names
+    outputs = dict(zip(stage0.flatpack_manifest.output_names,
                        stage0(data[0][0][:BATCH // MICRO_BATCHES])))
     float32_bytes = sum(value.numel() * 4 for key, value in outputs.items()
                         if key in names and isinstance(value, torch.Tensor) and value.is_floating_point())
@@ -219,8 +219,8 @@ def test_a_cut_carrying_float32_is_rounded_on_the_wire_in_the_reference_too(s3_s
     the original module under autocast (no rounding at the cut) is not."""
     model, data = make("residual")
     compiled = compiled_with(model, data, (False, False))
-    assert any(entry["dtype"] == "float32" for entry in compiled.artifacts[1].manifest["inputs"]
-               if entry["name"] not in compiled.info["input_names"])
+    assert any(entry.dtype == "float32" for entry in compiled.artifacts[1].manifest.inputs
+               if entry.name not in compiled.info["input_names"])
     run, _ = train(s3_server, compiled, data, 2, precision="bf16")
     rounded, _ = train_single_process(model, data, 2, optimizer=SGD, micro_batches=MICRO_BATCHES, precision="bf16",
                                       pipeline=compiled, threads=THREADS)
