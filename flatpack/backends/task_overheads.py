@@ -182,7 +182,8 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
         if sync is not None:
             waited.append(sync.end)
         if waited:
-            pairs["step"].append((_optimizer(cost, stage), update.end - max(waited)))
+            # the model's update without the task terms it is measuring (the probe's calibration has none)
+            pairs["step"].append((cost.overheads.step(stage), update.end - max(waited)))
         if stage == 0:
             following = [e.start for (s, i, k, m), e in tasks.items()
                          if s == 0 and i == iteration + 1 and k == "forward" and m % replicas == replica]
@@ -206,17 +207,11 @@ def _download(event: Event, tasks: Mapping[tuple, Event], cost: Any) -> tuple[fl
     return modelled, event.end - max(event.start, producer.end)
 
 
-def _optimizer(cost: Any, stage: int) -> float:
-    overheads = cost.overheads
-    if overheads is None or stage >= len(overheads.optimizer_s):
-        return 0.0
-    return overheads.optimizer_s[stage]
-
-
 # --- serving: Gillis's fork-join ------------------------------------------------------------
 
 SERVING_REQUESTS = PROBE_ITERATIONS + 1     # timed requests, after 2 warm-ups
 SERVING_PARTITIONS = (2, 4)      # the middle layer split by channel over this many workers
+SERVING_WORKLOAD = Workload("infer", batch=1, micro_batches=1)
 
 
 def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], *,
@@ -229,10 +224,19 @@ def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Calla
     its middle layer split by channel over each of ``SERVING_PARTITIONS`` workers; each
     figure is the median over ``requests`` requests after 2 warm-ups, less what
     ``gillis.latency`` models (with the calibration's delay distribution), at least 0."""
+    model, _ = probe_model()
+    model.eval()
+    layers = _serving_layers(model, target, memory_mb, calibration)
     terms: dict[int, dict[str, float]] = {}
     request = 0.0
     for partitions in (1, *SERVING_PARTITIONS):
-        compiled, measured = _serve_probe(target, memory_mb, calibration, deploy, partitions, requests, timeout_s)
+        # the middle layer on its own, split (the master computes the rest); alone: one stage
+        stages = ((StagePlan(0, layers - 1, memory_mb, 1),) if partitions == 1 else
+                  (StagePlan(0, 0, memory_mb, 1), StagePlan(1, 1, memory_mb, partitions, split="channel"),
+                   StagePlan(2, layers - 1, memory_mb, 1)))
+        compiled = _serving_compile(model, target, calibration, plan=Plan(stages, layers, "probe"))
+        measured = _serve_probe(compiled, deploy, requests, timeout_s)
+        assert compiled.problem is not None     # compiled with a profile and a workload
         cost = gillis.latency(compiled.problem, compiled.plan)
         residual = measured - cost.latency_s
         if partitions == 1:
@@ -243,28 +247,30 @@ def measure_serving(target: str, memory_mb: int, calibration: Any, deploy: Calla
     return terms
 
 
-def _serve_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], partitions: int,
-                 requests: int, timeout_s: float) -> tuple[Any, float]:
-    model, _ = probe_model()
-    model.eval()
-    example = (torch.zeros(1, 32),)
-    workload = Workload("infer", batch=1, micro_batches=1)
+def _serving_compile(model: nn.Module, target: str, calibration: Any, **choice: Any) -> Any:
+    """The probe model compiled to serve batch 1 on ``target``; ``choice``: the plan, or how
+    to make one."""
     with warnings.catch_warnings():
+        # layers this small have times flat in the batch size, which the profiler warns of
         warnings.simplefilter("ignore", ProfileWarning)
-        base = compile_model(model, example, target=target, workload=workload, calibration=calibration,
-                             profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False), stages=1,
-                             memory_mb=(memory_mb,))
-        assert base.problem is not None     # compiled with a profile and a workload
-        layers = len(base.problem.chain)
-        if layers < 3:
-            raise ValueError(f"the serving probe needs 3 layers after the passes, the probe model has {layers}")
-        # the middle layer on its own, split (the master computes the rest); alone: one stage
-        stages = ((StagePlan(0, layers - 1, memory_mb, 1),) if partitions == 1 else
-                  (StagePlan(0, 0, memory_mb, 1), StagePlan(1, 1, memory_mb, partitions, split="channel"),
-                   StagePlan(2, layers - 1, memory_mb, 1)))
-        compiled = compile_model(model, example, target=target, workload=workload, calibration=calibration,
-                                 profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False),
-                                 plan=Plan(stages, layers, "probe"))
+        return compile_model(model, (torch.zeros(1, 32),), target=target, workload=SERVING_WORKLOAD,
+                             calibration=calibration,
+                             profile=ProfileOptions(batch_sizes=(1, 2), repeats=5, progress=False), **choice)
+
+
+def _serving_layers(model: nn.Module, target: str, memory_mb: int, calibration: Any) -> int:
+    """How many layers the probe model's chain has after the passes (a split needs 3)."""
+    problem = _serving_compile(model, target, calibration, stages=1, memory_mb=(memory_mb,)).problem
+    assert problem is not None     # compiled with a profile and a workload
+    layers = len(problem.chain)
+    if layers < 3:
+        raise ValueError(f"the serving probe needs 3 layers after the passes, the probe model has {layers}")
+    return layers
+
+
+def _serve_probe(compiled: Any, deploy: Callable[[Any], Any], requests: int, timeout_s: float) -> float:
+    """The median latency of ``requests`` requests of ``compiled`` deployed with ``deploy``,
+    after 2 warm-ups."""
     generator = torch.Generator().manual_seed(0)
     latencies = []
     deployment = deploy(compiled)
@@ -276,4 +282,4 @@ def _serve_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable
         deployment.stop_inference()
     finally:
         deployment.teardown()
-    return compiled, statistics.median(latencies)
+    return statistics.median(latencies)

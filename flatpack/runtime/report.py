@@ -220,10 +220,7 @@ def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
             if d > 1:
                 tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
                 last = [("s", s, r)]
-            step = 0.0
-            if cost.overheads is not None:
-                step = (cost.overheads.optimizer_s[s] if cost.overheads.optimizer_s else 0.0) \
-                    + cost.overheads.task("step", s)
+            step = cost.overheads.step(s) if cost.overheads is not None else 0.0
             tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
             programs[(s, r)] = tasks
 

@@ -52,6 +52,15 @@ def _strings(values: Any, where: str) -> tuple[str, ...]:
     return tuple(values)
 
 
+def _named(data: Any, where: str) -> tuple[str, str, str]:
+    """An entry's ``name`` and ``kind``, and where it is named by its name from then on."""
+    if not isinstance(data, dict):
+        raise _Invalid(f"{where} is {data!r}, not an object")
+    name = _field(data, "name", str, where)
+    where = f"{where} ({name})"
+    return name, _field(data, "kind", str, where), where
+
+
 @dataclass(frozen=True)
 class ValueEntry:
     """A value that enters or leaves the stage: a tensor (``shape``, ``dtype``, and ``dynamic``,
@@ -82,11 +91,7 @@ class ValueEntry:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ValueEntry:
-        if not isinstance(data, dict):
-            raise _Invalid(f"{where} is {data!r}, not an object")
-        name = _field(data, "name", str, where)
-        where = f"{where} ({name})"
-        kind = _field(data, "kind", str, where)
+        name, kind, where = _named(data, where)
         nbytes = _field(data, "bytes", int, where)
         dynamic = _ints(data["dynamic"], f"{where}'s 'dynamic'") if data.get("dynamic") is not None else None
         if kind != TENSOR:
@@ -125,11 +130,7 @@ class ParameterEntry:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ParameterEntry:
-        if not isinstance(data, dict):
-            raise _Invalid(f"{where} is {data!r}, not an object")
-        name = _field(data, "name", str, where)
-        where = f"{where} ({name})"
-        kind = _field(data, "kind", str, where)
+        name, kind, where = _named(data, where)
         if kind not in PARAMETER_KINDS:
             raise _Invalid(f"{where}'s kind is {kind!r}, not one of {', '.join(PARAMETER_KINDS)}")
         return cls(name, _field(data, "attr", str, where), kind,

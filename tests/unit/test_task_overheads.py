@@ -30,7 +30,7 @@ def probe_cost(forward_s: float = 0.0002, backward_s: float = 0.0004) -> SimpleN
     boundary = SimpleNamespace(forward_upload_s=UPLOAD, forward_download_s=DOWNLOAD,
                                backward_upload_s=UPLOAD, backward_download_s=DOWNLOAD)
     return SimpleNamespace(replicas=1, stages=(stage, stage), boundaries=(boundary,),
-                           overheads=SimpleNamespace(optimizer_s=(OPTIMIZER, OPTIMIZER)))
+                           overheads=Overheads(optimizer_s=(OPTIMIZER, OPTIMIZER)))
 
 
 def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:

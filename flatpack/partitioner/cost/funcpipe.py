@@ -155,6 +155,13 @@ class Overheads:
         values = getattr(self, f"{kind}_task_s")
         return values[stage] if stage < len(values) else 0.0
 
+    def step(self, stage: int) -> float:
+        """The update of ``stage`` after its sync: t_opt,s + o_step (0 where nothing measured
+        them). ``iteration`` adds it to the stage's t_b + t_s, ``report.predicted_schedule``
+        makes it the update task, and the probe pipeline's fit sets the update beside it."""
+        optimizer = self.optimizer_s[stage] if stage < len(self.optimizer_s) else 0.0
+        return optimizer + self.task("step", stage)
+
     @classmethod
     def of(cls, problem: Problem, plan: Plan) -> Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
@@ -168,14 +175,14 @@ class Overheads:
         input_s = 0.0
         if problem.input_bytes is not None:
             input_s = problem.boundary_bytes(-1, problem.workload.micro_batch_size) / bandwidth[0] + latency
+        calibration = problem.calibration
         optimizer = []
         for stage, tier in zip(plan.stages, tiers):
             seconds = None
-            if problem.calibration is not None:
-                seconds = problem.calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
-                                                                gradient_bytes(problem, stage.start, stage.end))
+            if calibration is not None:
+                seconds = calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
+                                                        gradient_bytes(problem, stage.start, stage.end))
             optimizer.append((seconds or 0.0) * max(1.0, contention * min(tier.vcpus, 1.0)))
-        calibration = problem.calibration
         workers = sum(stage.replicas for stage in plan.stages)
 
         def measured(kind: str, tier: Tier) -> float:
@@ -292,8 +299,7 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
             sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
         ))
 
-    optimizer = [(extra.optimizer_s[s] if s < len(extra.optimizer_s) else 0.0) + extra.task("step", s)
-                 for s in range(count)]
+    optimizer = [extra.step(s) for s in range(count)]
     iteration_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
                                       for stage, step in zip(stages, optimizer)) + extra.iteration_s
     memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
