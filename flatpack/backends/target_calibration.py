@@ -41,7 +41,7 @@ from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.platform.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo,
                                            TierCalibration)
 from flatpack.platform.catalog import get_platform, host_cores
-from flatpack.profiler import default_cache_dir, host_info
+from flatpack.profiler import default_cache_dir, host_clock, host_info
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
 from flatpack.runtime.spec import Role
 from flatpack.version import __version__
@@ -221,12 +221,13 @@ def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, m
 
 
 def _on_host(threads: int) -> dict[str, float]:
-    """The compute probes on this (the profiling) host, unthrottled, at ``threads``, by
-    CPU seconds (the functions of emulated tiers time by CPU too)."""
+    """The compute probes on this (the profiling) host, unthrottled, at ``threads``, by the
+    clock the host profile times layers by (``profiler.host_clock``: at one thread, this
+    thread's CPU seconds), so that a ratio maps profiled seconds to the tier's."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return time_op_classes(HOST_REPEATS, time.process_time)
+        return time_op_classes(HOST_REPEATS, host_clock(torch.device("cpu")))
     finally:
         torch.set_num_threads(previous)
 

@@ -64,13 +64,18 @@ def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], An
     return run
 
 def emulated_clock(vcpus: float, threads: int) -> Callable[[], float]:
-    """A clock of a tier with ``vcpus`` running ``threads`` compute threads: the process's CPU
-    seconds over the CPUs it may use, min(vcpus, threads) (the catalog's compute model). An
-    emulated tier profiles by it, not by wall time: the host's other processes (2 shared
-    cores) stretch wall time, but not the CPU time a computation needs, so a tier with a
-    whole vCPU is not measured slower than it is while the machine is busy."""
+    """A clock of a tier with ``vcpus`` running ``threads`` compute threads: CPU seconds over
+    the CPUs it may use, min(vcpus, threads) (the catalog's compute model). An emulated tier
+    times by it, not by wall time: the host's other processes (2 shared cores) stretch wall
+    time, but not the CPU time a computation needs, so a tier with a whole vCPU is not
+    measured slower than it is while the machine is busy. At one thread the CPU seconds are
+    the calling thread's (``time.thread_time``), what :func:`cpu_throttle` stretches a
+    stage's compute by and what the host profile is timed by (``profiler.host_clock``): the
+    process's CPU time would also count its other threads, e.g. torch's intra-op pool
+    spinning after earlier parallel work, and read a computation as slower than it is."""
     usable = min(vcpus, threads)
-    return lambda: time.process_time() / usable
+    cpu_seconds = time.thread_time if threads == 1 else time.process_time
+    return lambda: cpu_seconds() / usable
 
 def artifact_index(store: Store, keys: RunKeys, digest: str, baked: str | None) -> Index:
     """The artifact's index, checked against ``digest`` (from the invocation) before it is

@@ -121,9 +121,11 @@ class Comparison:
         }
 
 
-def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1) -> Comparison:
-    """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``."""
-    cost = funcpipe.predicted(problem, plan)
+def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1,
+            reads_target: bool = True) -> Comparison:
+    """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``
+    (``reads_target``: the run's loss reads a target, :func:`funcpipe.predicted`)."""
+    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
                       predicted_iteration_s=cost.iteration_s, cost=cost)
 
@@ -159,7 +161,7 @@ def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: 
 # --- the model's prediction as a timeline ---------------------------------------------
 
 
-def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
+def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = True) -> list[Event]:
     """One iteration of FuncPipe's synchronous schedule, simulated with the model's
     predicted per-micro-batch durations, starting at time 0.
 
@@ -178,7 +180,7 @@ def predicted_schedule(problem: Problem, plan: Plan) -> list[Event]:
     t_iter, since the model lets no stage start its backward before the whole pipeline's
     forward has drained.
     """
-    cost = funcpipe.predicted(problem, plan)
+    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     d = cost.replicas
     count = len(cost.stages)
     total = problem.workload.micro_batches

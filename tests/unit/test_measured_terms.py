@@ -32,10 +32,27 @@ ONE_STAGE = plan((0, 2, 1024, 1))
 def test_no_overheads_is_the_papers_model():
     paper = funcpipe.iteration(problem(), TWO_STAGES)
     assert dataclasses.replace(funcpipe.iteration(problem(), TWO_STAGES, Overheads()), overheads=None) == paper
-    # a platform that states no polling, no host, and no calibration: only the marker's request (d = 2)
-    assert funcpipe.predicted(problem(), TWO_STAGES).iteration_s == pytest.approx(paper.iteration_s + LATENCY)
-    assert funcpipe.predicted(problem(), ONE_STAGE).iteration_s == \
+    # a platform that states no polling, no host, and no calibration, and a model that returns
+    # its own loss (no target key): only the marker's request (d = 2)
+    assert funcpipe.predicted(problem(), TWO_STAGES, reads_target=False).iteration_s == \
+        pytest.approx(paper.iteration_s + LATENCY)
+    assert funcpipe.predicted(problem(), ONE_STAGE, reads_target=False).iteration_s == \
         pytest.approx(funcpipe.iteration(problem(), ONE_STAGE).iteration_s)
+
+
+def test_the_last_stage_reads_its_target_as_one_more_request():
+    # the runtime's last stage downloads a micro-batch's activations, then its target: a key of
+    # its own (training.StageTrainer._fetch_inputs), one request more on the last boundary's t_fd
+    without = funcpipe.predicted(problem(), TWO_STAGES, reads_target=False)
+    with_target = funcpipe.predicted(problem(), TWO_STAGES)
+    assert with_target.boundaries[-1].forward_download_s == \
+        pytest.approx(without.boundaries[-1].forward_download_s + LATENCY)
+    assert with_target.boundaries[-1].backward_download_s == without.boundaries[-1].backward_download_s
+    assert with_target.first_forward_s == pytest.approx(without.first_forward_s + LATENCY)
+    # with one stage the first stage is the last: its prefetch reads the data and the target
+    one = Overheads.of(problem(), ONE_STAGE)
+    assert one.target_s == pytest.approx(LATENCY)
+    assert Overheads.of(problem(), ONE_STAGE, reads_target=False).target_s == 0.0
 
 
 def test_each_term_enters_where_it_is_spent():

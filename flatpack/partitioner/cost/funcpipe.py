@@ -108,8 +108,14 @@ class Overheads:
       (``Store.wait`` backs off up to 5 ms); the mean delay after the write, measured by
       ``flatpack calibrate``. Added to every download: t_fd, t_bd and the sync's.
     * ``input_s`` (t_in): the first stage downloads each micro-batch's input data,
-      o_in/W_0 + t_lat. Prefetched an iteration ahead, it is on no micro-batch's path, but it
-      occupies the first stage's link: a term of Δ_f.
+      o_in/W_0 + t_lat + o_d. Prefetched an iteration ahead, it is on no micro-batch's path,
+      but its lane runs one download at a time: a term of Δ_f. A one-stage plan's stage is
+      also the last, and its prefetch reads the target too (+ ``target_s``).
+    * ``target_s`` (t_tgt): the last stage reads each micro-batch's target (the loss's
+      second argument) as a key of its own, one request after its activations in the same
+      download task: t_lat + o_d of the last stage, added to the last boundary's t_fd (or to
+      t_in with one stage). The labels' bytes (a few per sample) are not counted. 0 for a
+      run whose model returns its own loss (``loss="output"``: no target key).
     * ``optimizer_s`` (t_opt,s): the optimizer step after the sync, per stage: the stage's
       parameter bytes times the step's seconds per byte measured on the tier.
     * ``marker_s`` (t_mark): the "computed" marker for the invoker's straggler watch goes
@@ -138,6 +144,7 @@ class Overheads:
 
     poll_s: float = 0.0
     input_s: float = 0.0
+    target_s: float = 0.0
     optimizer_s: tuple[float, ...] = ()
     marker_s: float = 0.0
     contention: float = 1.0
@@ -163,18 +170,16 @@ class Overheads:
         return optimizer + self.task("step", stage)
 
     @classmethod
-    def of(cls, problem: Problem, plan: Plan) -> Overheads:
+    def of(cls, problem: Problem, plan: Plan, *, reads_target: bool = True) -> Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
-        calibration; each term that nothing measured is 0."""
+        calibration; each term that nothing measured is 0. ``reads_target``: the last stage
+        downloads a target per micro-batch (every loss but ``"output"``)."""
         replicas = uniform_replicas(plan, "FuncPipe")
         platform = problem.platform
         tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
         bandwidth = _bandwidths(problem, tiers, replicas)
         contention = host_contention(problem, plan)
         latency = platform.storage_latency_s * contention
-        input_s = 0.0
-        if problem.input_bytes is not None:
-            input_s = problem.boundary_bytes(-1, problem.workload.micro_batch_size) / bandwidth[0] + latency
         calibration = problem.calibration
         optimizer = []
         for stage, tier in zip(plan.stages, tiers):
@@ -190,7 +195,13 @@ class Overheads:
 
         tasks = {f"{kind}_task_s": tuple(measured(kind, tier) for tier in tiers)
                  for kind in ("forward", "backward", "upload", "download", "sync", "step")}
-        return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s,
+        # a request for a key already written: no poll, the download task's own term
+        target_s = latency + tasks["download_task_s"][-1] if reads_target else 0.0
+        input_s = 0.0
+        if problem.input_bytes is not None:
+            input_s = (problem.boundary_bytes(-1, problem.workload.micro_batch_size) / bandwidth[0] + latency
+                       + tasks["download_task_s"][0] + (target_s if len(plan.stages) == 1 else 0.0))
+        return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s, target_s=target_s,
                    optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention,
                    iteration_s=measured("iteration", tiers[0]), **tasks)
 
@@ -216,11 +227,11 @@ def _bandwidths(problem: Problem, tiers: list, replicas: int) -> list[float]:
     return [min(tier.bandwidth_bytes_s, share) for tier in tiers]
 
 
-def predicted(problem: Problem, plan: Plan) -> PipelineCost:
+def predicted(problem: Problem, plan: Plan, *, reads_target: bool = True) -> PipelineCost:
     """:func:`iteration` with the measured :class:`Overheads`: what a run is predicted to
     take (``flatpack run``'s report, the fidelity benchmark, ``plan --from-run``). The
     solvers search :func:`iteration`, the paper's model."""
-    return iteration(problem, plan, Overheads.of(problem, plan))
+    return iteration(problem, plan, Overheads.of(problem, plan, reads_target=reads_target))
 
 
 def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) -> PipelineCost:
@@ -239,7 +250,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     c_mem = d·Σ m (eq. 5); c_iter = P·t_iter·c_mem (eq. 6).
 
     ``overheads``: the measured terms of :class:`Overheads`, each entering where it is
-    spent: t_lat·κ for t_lat, + t_poll on every download, t_in in Δ_f, κ on compute when
+    spent: t_lat·κ for t_lat, + t_poll on every download, t_in in Δ_f, t_tgt on the last
+    boundary's t_fd, κ on compute when
     κ·v > 1, t_s + t_mark, and t_iter = t_f + max_s (t_b + t_s + t_opt,s). None (the
     solvers' form): the paper's equations alone.
     """
@@ -269,7 +281,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         boundaries.append(BoundaryCost(
             after_layer=plan.stages[b].end, bytes=nbytes,
             forward_upload_s=nbytes / bandwidth[b] + latency + extra.task("upload", b),
-            forward_download_s=nbytes / bandwidth[b + 1] + latency + poll + extra.task("download", b + 1),
+            forward_download_s=(nbytes / bandwidth[b + 1] + latency + poll + extra.task("download", b + 1)
+                                + (extra.target_s if b == count - 2 else 0.0)),
             backward_upload_s=nbytes / bandwidth[b + 1] + latency + extra.task("upload", b + 1),
             backward_download_s=nbytes / bandwidth[b] + latency + poll + extra.task("download", b),
         ))
