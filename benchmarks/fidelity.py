@@ -9,12 +9,12 @@ memory) and its median iteration is set beside:
 
 * uncalibrated: FuncPipe's t_iter from the catalog alone (``funcpipe.iteration``, β = 1,
   t_lat = the catalog's 2 ms);
-* calibrated: ``funcpipe.predicted`` with the calibration file: the measured compute
-  ratios, latency distribution's mean, bandwidth, polling, optimizer step and the host's
-  cores (``funcpipe.Overheads``).
-
-1F1B with a flush has the synchronous schedule's bubble, so both schedules are predicted by the
-same t_iter; the 1f1b rows test that reading.
+* calibrated: ``runtime.report.predicted_iteration`` with the calibration file: for the
+  synchronous schedule ``funcpipe.predicted`` (the measured compute ratios, latency
+  distribution's mean, bandwidth, polling, optimizer step, the host's cores and the task
+  terms: ``funcpipe.Overheads``); for 1F1B with a flush, the same per-task figures laid out
+  in the order the runtime issues 1F1B's tasks (``report.predicted_schedule``), whose span
+  exceeds FuncPipe's t_iter when transfers are as long as the compute.
 
 Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
 billed-duration arithmetic on the measured iteration (every worker billed for it, rounded

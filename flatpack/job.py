@@ -594,7 +594,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
-        cost = funcpipe.predicted(compiled.problem, compiled.plan, reads_target=loss != "output")
+        cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=loss != "output",
+                                          schedule=options.schedule)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
             f"${cost.dollars_per_iteration:.3g} per iteration")
         recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
@@ -664,7 +665,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
         skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
         reads_target = loss != "output"    # a model that returns its loss reads no target key
-        comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip, reads_target=reads_target)
+        comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip, reads_target=reads_target,
+                                    schedule=options.schedule)
         say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
         say(comparison.table())
         calibrated = None
@@ -679,7 +681,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             tuned = None
         if tuned is not None:
             calibrated = report.compare(tuned, compiled.plan, result.events, skip_first=skip,
-                                        reads_target=reads_target)
+                                        reads_target=reads_target, schedule=options.schedule)
             say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
@@ -688,7 +690,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
-        schedule = report.predicted_schedule(problem, compiled.plan, reads_target=reads_target)
+        schedule = report.predicted_schedule(problem, compiled.plan, reads_target=reads_target,
+                                             schedule=options.schedule)
         files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png", predicted=schedule,
                                                       title=f"{type(model).__name__}: {len(compiled.plan.stages)} "
                                                             "stages on local functions"),

@@ -23,6 +23,7 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.runtime.timeline import Event, Measured, summarize
+from flatpack.runtime.training import compute_order
 from flatpack.table import format_table
 
 
@@ -122,12 +123,29 @@ class Comparison:
 
 
 def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1,
-            reads_target: bool = True) -> Comparison:
-    """FuncPipe's prediction for ``plan`` beside the summary of a run's ``events``
-    (``reads_target``: the run's loss reads a target, :func:`funcpipe.predicted`)."""
-    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
+            reads_target: bool = True, schedule: str = "sync") -> Comparison:
+    """The model's prediction for ``plan`` run under ``schedule`` (:func:`predicted_iteration`)
+    beside the summary of a run's ``events`` (``reads_target``: the run's loss reads a
+    target, :func:`funcpipe.predicted`)."""
+    cost = predicted_iteration(problem, plan, reads_target=reads_target, schedule=schedule)
     return Comparison(predicted=predictions(cost), measured=summarize(events, skip_first=skip_first),
                       predicted_iteration_s=cost.iteration_s, cost=cost)
+
+
+def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = True,
+                        schedule: str = "sync") -> funcpipe.PipelineCost:
+    """What one iteration of ``plan`` is predicted to take and cost under ``schedule``.
+    Synchronous: FuncPipe's t_iter with the measured terms (:func:`funcpipe.predicted`). 1F1B
+    with a flush has the same bubble only while transfers are short beside the compute: its
+    prediction is the span of :func:`predicted_schedule` under 1F1B's order, plus the
+    iteration's own term o_it, and dollars at that span (the other terms are FuncPipe's)."""
+    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
+    if schedule != "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
+        return cost
+    events = predicted_schedule(problem, plan, reads_target=reads_target, schedule=schedule)
+    iteration_s = max(event.end for event in events) + (cost.overheads.iteration_s if cost.overheads else 0.0)
+    return dataclasses.replace(cost, iteration_s=iteration_s,
+                               dollars_per_iteration=cost.dollars_per_iteration * iteration_s / cost.iteration_s)
 
 
 def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: int) -> tuple[Problem, float, float]:
@@ -161,24 +179,28 @@ def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: 
 # --- the model's prediction as a timeline ---------------------------------------------
 
 
-def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = True) -> list[Event]:
-    """One iteration of FuncPipe's synchronous schedule, simulated with the model's
-    predicted per-micro-batch durations, starting at time 0.
+def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = True,
+                       schedule: str = "sync") -> list[Event]:
+    """One iteration of ``schedule`` ("sync": FuncPipe's; "1f1b": PipeDream's 1F1B with a
+    flush), simulated with the model's predicted per-micro-batch durations, starting at time 0.
 
-    Every replica r of every stage runs, in order, for each micro-batch m it owns
-    (m % d == r): download the input (stage > 0), forward, upload the output (not the last
-    stage); once all its forwards are done, in reverse micro-batch order: download the
-    output gradient (not the last stage), backward, upload the input gradient (stage > 0);
-    then synchronize (d > 1) and update (t_opt,s of the measured terms; 0 where nothing
-    measured the optimizer step). A download
-    waits for the upload it reads; each lane of a worker (compute, upload, download) runs
-    one task at a time, in the order above. List scheduling: a task starts as soon as its
-    lane and its inputs are ready.
+    Every replica r of every stage runs its compute tasks in the runtime's order
+    (``training.compute_order``) over the micro-batches m it owns (m % d == r): a forward
+    downloads its input first (stage > 0) and uploads its output after (not the last stage);
+    a backward downloads its output gradient first (not the last stage) and uploads its input
+    gradient after (stage > 0), and waits, as the runtime's does, for its forward and that
+    forward's upload; then synchronize (d > 1) and update (t_opt,s + o_step of the measured
+    terms). A download waits for the upload it reads; each lane of a worker (compute,
+    upload, download) runs one task at a time, in the order the tasks were issued. List
+    scheduling: a task starts as soon as its lane and its inputs are ready.
 
-    With one micro-batch per replica the span equals the model's t_iter exactly (the
-    model's forward and backward are then the critical path); with more it is at most
+    Synchronous: with one micro-batch per replica the span equals the model's t_iter exactly
+    (the model's forward and backward are then the critical path); with more it is at most
     t_iter, since the model lets no stage start its backward before the whole pipeline's
-    forward has drained.
+    forward has drained. 1F1B: each backward on a stage waits for the round trip through
+    the stages above, and the forwards issued after it wait for it, so with transfers as
+    long as the compute its span exceeds the synchronous one; :func:`predicted_iteration`
+    takes it as 1F1B's prediction.
     """
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     d = cost.replicas
@@ -192,27 +214,25 @@ def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = Tru
         below = boundaries[s - 1] if s > 0 else None
         above = boundaries[s] if s < count - 1 else None
         for r in range(d):
-            owned = list(range(r, total, d))
             tasks: list[tuple] = []
-            forwards = []
-            for m in owned:
-                needs = []
-                if below:
-                    tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
-                                  int(below.bytes), [("fu", s - 1, m)]))
-                    needs = [("fd", s, m)]
-                tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
-                forwards.append(("f", s, m))
-                if above:
-                    tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
-                                  [("f", s, m)]))
             backwards = []
-            for m in reversed(owned):
-                needs = list(forwards)
+            for direction, m in compute_order(schedule, list(range(r, total, d)), s, count):
+                if direction == "F":
+                    needs = []
+                    if below:
+                        tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
+                                      int(below.bytes), [("fu", s - 1, m)]))
+                        needs = [("fd", s, m)]
+                    tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
+                    if above:
+                        tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
+                                      [("f", s, m)]))
+                    continue
+                needs = [("f", s, m)]
                 if above:
                     tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
                                   int(above.bytes), [("bu", s + 1, m)]))
-                    needs.append(("bd", s, m))
+                    needs += [("fu", s, m), ("bd", s, m)]
                 tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
                 backwards.append(("b", s, m))
                 if below:

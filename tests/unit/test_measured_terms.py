@@ -222,3 +222,30 @@ def test_the_predicted_schedule_gives_the_update_its_measured_step():
                                                                   tiers={1024: target_calibration().tiers[512]}))
     updates = [event for event in predicted_schedule(measured, ONE_STAGE) if event.kind == "update"]
     assert [event.seconds for event in updates] == pytest.approx([4e-9 * 350 * MIB])
+
+
+def test_1f1b_is_predicted_by_simulating_the_order_the_runtime_issues():
+    from flatpack.runtime.report import predicted_iteration, predicted_schedule
+    from flatpack.runtime.training import compute_order
+
+    single = plan((0, 1, 1024, 1), (2, 2, 2048, 1))
+    # the simulated first stage computes in the runtime's 1F1B order: one warm-up forward, then
+    # alternating, then the remaining backwards
+    compute = [(event.kind[0].upper(), event.micro_batch) for event in predicted_schedule(problem(), single,
+                                                                                        schedule="1f1b")
+               if event.stage == 0 and event.lane == "compute" and event.micro_batch is not None]
+    assert compute == compute_order("1f1b", [0, 1, 2, 3], 0, 2)
+    sync = predicted_iteration(problem(), single, schedule="sync")
+    assert sync == funcpipe.predicted(problem(), single)
+    # transfers far longer than the compute: each backward on the first stage waits for the
+    # round trip through the second, and the forwards issued after it wait too, so 1F1B's
+    # span exceeds FuncPipe's t_iter (the synchronous schedule's bubble)
+    slow_link = dataclasses.replace(platform(), storage_latency_s=1.0)
+    slow = dataclasses.replace(problem(), platform=slow_link)
+    one_f_one_b = predicted_iteration(slow, single, schedule="1f1b")
+    synchronous = predicted_iteration(slow, single, schedule="sync")
+    assert one_f_one_b.iteration_s > synchronous.iteration_s
+    assert one_f_one_b.dollars_per_iteration == pytest.approx(
+        synchronous.dollars_per_iteration * one_f_one_b.iteration_s / synchronous.iteration_s)
+    # the asynchronous 1F1B has no flush: it keeps FuncPipe's t_iter
+    assert predicted_iteration(slow, single, schedule="1f1b-async") == synchronous
