@@ -18,6 +18,7 @@ them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -58,7 +59,7 @@ class Priced:
 
 
 @dataclass(frozen=True)
-class CostModel:
+class CostModel(ABC):
     """One cost model: what it prices (class attributes) and its options (fields)."""
 
     name: ClassVar[str]
@@ -79,8 +80,9 @@ class CostModel:
         """Whether this model describes ``mode`` workloads on ``platform_kind`` platforms."""
         return mode in cls.modes and platform_kind in cls.platform_kinds
 
+    @abstractmethod
     def price(self, problem: Problem, plan: Plan) -> Priced:
-        raise NotImplementedError(f"cost model {self.name!r} does not define price()")
+        """Time, dollars and fit of ``plan`` (whose micro-batch count the problem carries)."""
 
 
 @dataclass(frozen=True)
