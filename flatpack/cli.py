@@ -469,7 +469,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                    else solver.front(problem))
     solve_s = time.perf_counter() - started
 
-    text = plan_report.text_report(problem, selection, _plan_title(args, problem, cost_model_for(problem), solve_s))
+    title = _plan_title(args, problem, cost_model_for(problem).name, solve_s)
+    text = plan_report.text_report(problem, selection, title)
     if args.time_limit is not None:
         text += "\n\n" + plan_report.proof_summary(selection, args.time_limit)
     report(args, text, lambda: plan_report.report_json(problem, selection, _plan_context(args, problem)))
@@ -524,7 +525,7 @@ def _plan_context(args: argparse.Namespace, problem: Any) -> dict[str, Any]:
     workload = problem.workload
     return {"model": _model_label(args), "target": problem.platform.name, "mode": workload.mode,
             "batch": workload.batch, "micro_batches": workload.micro_batches, "optimizer": workload.optimizer,
-            "sync": workload.sync, "solver": args.solver, "cost_model": cost_model_for(problem),
+            "sync": workload.sync, "solver": args.solver, "cost_model": cost_model_for(problem).name,
             "layers": len(problem.chain), "layer_names": [layer.name for layer in problem.chain],
             "options": {key: list(value) if isinstance(value, tuple) else value
                         for key, value in problem.options.given().items()}}

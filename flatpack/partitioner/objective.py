@@ -2,8 +2,9 @@
 
 :func:`evaluate` prices and times a plan with the cost model that fits the problem —
 FuncPipe's for training on serverless (and local) targets, Hydrozoa's or PipeDream's for
-training on GPU containers, Gillis's for inference — so that every solver, brute force
-included, is judged by the same numbers.
+training on GPU containers, Gillis's for inference, as :func:`cost_model_for` picks it from
+the registry (``cost/registry.py``) — so that every solver, brute force included, is judged
+by the same numbers.
 
 :class:`Weights` is FuncPipe's weighted sum α₁·c_iter + α₂·t_iter
 (000_2f8f665d06f7d6de.txt eq. 3a). FuncPipe's default pairs (1, 0), (1, 2¹⁶), (1, 2¹⁹),
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import InputError, PlanError
-from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
+# re-exported: the solvers and the command line have always asked here
+from flatpack.partitioner.cost.registry import COST_MODELS as COST_MODELS, cost_model_for as cost_model_for
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from flatpack.platform.catalog import Platform
 
 FUNCPIPE_WEIGHTS: tuple[tuple[float, float], ...] = ((1.0, 0.0), (1.0, 2.0 ** 16), (1.0, 2.0 ** 19), (1.0, 2.0 ** 22))
-COST_MODELS = ("funcpipe", "hydrozoa", "pipedream", "gillis")
 
 
 @dataclass(frozen=True)
@@ -67,23 +68,6 @@ class Weights:
 def dollars_per_mb_s(platform: Platform) -> float:
     """Dollars of one MB for one second on the platform's cheapest tier per MB."""
     return min(tier.price_per_s / tier.memory_mb for tier in platform.tiers)
-
-
-def cost_model_for(problem: Problem) -> str:
-    """The cost model a problem's plans are judged by; ``options.cost_model`` overrides
-    the default for GPU-container training (``"hydrozoa"`` or ``"pipedream"``)."""
-    if problem.workload.mode == "infer":
-        return "gillis"
-    chosen = problem.options.cost_model
-    if problem.platform.kind == "container":
-        chosen = chosen or "hydrozoa"
-        if chosen not in ("hydrozoa", "pipedream", "funcpipe"):
-            raise InputError(f"cost_model {chosen!r} cannot price GPU-container training; use hydrozoa or pipedream")
-        return chosen
-    if chosen not in (None, "funcpipe"):
-        raise InputError(f"cost_model {chosen!r} cannot price training on {problem.platform.name}: workers there "
-                         "share only storage, which FuncPipe's model describes; leave cost_model out")
-    return "funcpipe"
 
 
 def problem_for(problem: Problem, plan: Plan) -> Problem:
@@ -124,20 +108,9 @@ def evaluate(problem: Problem, plan: Plan) -> Evaluation:
     """Time, dollars and fit of ``plan`` under the problem's cost model."""
     model = cost_model_for(problem)
     problem = problem_for(problem, plan)
-    if model == "gillis":
-        result = gillis.latency(problem, plan)
-        time_s, dollars, fits = result.latency_s, result.dollars_per_request, result.fits
-    elif model == "funcpipe":
-        result = funcpipe.iteration(problem, plan)
-        time_s, dollars, fits = result.iteration_s, result.dollars_per_iteration, result.fits
-    elif model == "hydrozoa":
-        result = hydrozoa.iteration(problem, plan, float(problem.options.hydrozoa_alpha),
-                                    float(problem.options.hydrozoa_beta))
-        time_s, dollars, fits = result.iteration_s, result.dollars_per_iteration, result.fits
-    else:
-        result = pipedream.iteration(problem, plan)
-        time_s, dollars, fits = result.iteration_s, result.dollars_per_iteration, result.fits
-    return Evaluation(model, time_s, dollars, dollars / dollars_per_mb_s(problem.platform), fits, result)
+    priced = model.price(problem, plan)
+    return Evaluation(model.name, priced.time_s, priced.dollars, priced.dollars / dollars_per_mb_s(problem.platform),
+                      priced.fits, priced.detail)
 
 
 def annotate(plan: Plan, evaluation: Evaluation, **extra: Any) -> Plan:

@@ -3,8 +3,9 @@ knobs a caller may set, each a named field, so that a misspelt option is refused
 given instead of being ignored by every solver.
 
 Values are kept as given (a tier may be ``2048`` or ``[1024, 2048]``); the module that uses an
-option checks its value (``partitioner/space.py`` the search space, ``objective.py`` the cost
-model and ``weights``, ``solvers/hydrozoa_planner.py`` ``cluster_size``).
+option checks its value (``partitioner/space.py`` the search space, ``cost/registry.py`` the cost
+model and its typed options, ``solvers/base.py`` ``weights``, ``solvers/hydrozoa_planner.py``
+``cluster_size``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ class ProblemOptions:
     micro_batches: Any = None      # micro-batch counts M (space.py; default: the workload's M only)
     max_workers: Any = None        # the most workers one fork-join group forks (space.py; default 8)
     weights: Any = None            # (α₁, α₂): minimize α₁·cost + α₂·time (solvers/base.py)
-    cost_model: str | None = None  # "hydrozoa" or "pipedream" for GPU-container training (objective.py)
-    hydrozoa_alpha: float = 0.0    # Hydrozoa's α and β (objective.py, solvers/hydrozoa_planner.py)
+    cost_model: str | None = None  # "hydrozoa" or "pipedream" for GPU-container training (cost/registry.py)
+    hydrozoa_alpha: float = 0.0    # Hydrozoa's α and β (cost/registry.py HydrozoaModel)
     hydrozoa_beta: float = 0.0
-    comm_delay: Any = None         # measured EMG parameters of Gillis's delay model (cost/gillis.py)
+    comm_delay: Any = None         # measured EMG parameters of Gillis's delay model (cost/registry.py GillisModel)
     cluster_size: Any = None       # Hydrozoa Alg. 1's desired workers (solvers/hydrozoa_planner.py)
     threads: int = 1               # compute threads per function (cost/funcpipe.py)
 

@@ -18,6 +18,7 @@ from flatpack.partitioner.cost.funcpipe import PipelineCost
 from flatpack.partitioner.cost.gillis import ForkJoinCost
 from flatpack.partitioner.cost.hydrozoa import HybridCost
 from flatpack.partitioner.cost.pipedream import PipeDreamCost
+from flatpack.partitioner.cost.registry import label_of
 from flatpack.partitioner.objective import Evaluation, evaluate
 from flatpack.table import format_table
 from flatpack.partitioner.pareto import RECOMMEND_EFFICIENCY, Front, dollars_of, efficiency, time_of
@@ -28,7 +29,6 @@ MARK = "★"
 REPORT_KIND = "flatpack-plans"
 REPORT_SCHEMA_VERSION = 1
 KINDS = ("front", "slo", "weights", "fixed")
-MODEL_NAMES = {"funcpipe": "FuncPipe", "gillis": "Gillis", "hydrozoa": "Hydrozoa", "pipedream": "PipeDream"}
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def stage_breakdown(problem: Problem, plan: Plan, evaluation: Evaluation | None 
 
 def _summary(problem: Problem, evaluation: Evaluation) -> str:
     fits = "" if evaluation.fits else "   DOES NOT FIT its memory"
-    return (f"{MODEL_NAMES.get(evaluation.model, evaluation.model)} model: {evaluation.time_s:.4g} s and "
+    return (f"{label_of(evaluation.model)} model: {evaluation.time_s:.4g} s and "
             f"${evaluation.dollars:.3e} per {unit_of(problem)} ({evaluation.cost_units:,.1f} MB·s){fits}")
 
 

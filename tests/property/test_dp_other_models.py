@@ -77,7 +77,7 @@ def check_plan(problem: Problem, plan: Plan, solver: str = "dp") -> Evaluation:
     else:
         assert plan.micro_batches in space.micro_batches
         assert all(r in space.replicas_for(plan.micro_batches) for r in plan.replicas)
-        if cost_model_for(problem) == "hydrozoa":
+        if cost_model_for(problem).name == "hydrozoa":
             assert len(set(plan.replicas)) == 1
     evaluation = evaluate(problem, plan)
     assert evaluation.fits

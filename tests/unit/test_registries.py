@@ -1,4 +1,4 @@
-"""Every registry of named things — passes, solvers, platforms, backends, models — is one
+"""Every registry of named things — passes, solvers, cost models, platforms, backends, models — is one
 :class:`flatpack.registry.Registry`: a name can be registered once, and an entry that knows its
 own name is registered under it."""
 
@@ -10,14 +10,16 @@ from flatpack.backends import BACKENDS
 from flatpack.platform.catalog import PLATFORMS
 from flatpack.ir.passes import PASSES
 from flatpack.models import MODELS
+from flatpack.partitioner.cost.registry import COST_MODEL_REGISTRY
 from flatpack.partitioner.solvers import SOLVERS
 from flatpack.registry import Registry
 
-REGISTRIES = {"pass": PASSES, "solver": SOLVERS, "platform": PLATFORMS, "backend": BACKENDS, "model": MODELS}
+REGISTRIES = {"pass": PASSES, "solver": SOLVERS, "cost model": COST_MODEL_REGISTRY, "platform": PLATFORMS,
+              "backend": BACKENDS, "model": MODELS}
 
 
 def entry_name(entry: object) -> str | None:
-    """The name an entry gives itself: ``name`` (passes, solvers, platforms, models) or a
+    """The name an entry gives itself: ``name`` (passes, solvers, cost models, platforms, models) or a
     backend module's ``NAME``."""
     return getattr(entry, "name", None) or getattr(entry, "NAME", None)
 

@@ -232,16 +232,30 @@ class ForkJoinCost:
         return to_json(self, MODEL)
 
 
+def measured_delay(given: CommDelay | dict | None) -> CommDelay | None:
+    """The ``comm_delay`` option as a :class:`CommDelay`: given as one, or as its fields
+    (``{"mu_s": ..., "sigma_s": ..., "tail_s": ...}``, as JSON carries it); None: not measured."""
+    if given is None or isinstance(given, CommDelay):
+        return given
+    if isinstance(given, dict):
+        fields = [field.name for field in dataclasses.fields(CommDelay)]
+        unknown = sorted(set(given) - set(fields))
+        if unknown or "mu_s" not in given:
+            raise PlanError(f"comm_delay {given!r} must give mu_s and may give sigma_s and tail_s"
+                            + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+        return CommDelay(**given)
+    raise PlanError(f"comm_delay must be a CommDelay or its fields as a dict (mu_s, sigma_s, tail_s), "
+                    f"got {type(given).__name__}")
+
+
 def _default_delay(problem: Problem) -> CommDelay:
     """Measured EMG parameters from ``problem.options.comm_delay``; else the EMG that
     ``flatpack calibrate`` fitted to the target's store requests (``scipy.stats.exponnorm``'s
     K, loc, scale: µ = loc, σ = scale, 1/λ = K·scale); else the platform's storage latency as
     a fixed delay (no spread: the order statistic is then the latency)."""
-    delay = problem.options.comm_delay
-    if isinstance(delay, CommDelay):
+    delay = measured_delay(problem.options.comm_delay)
+    if delay is not None:
         return delay
-    if isinstance(delay, dict):
-        return CommDelay(**delay)
     fitted = getattr(problem.calibration, "store_latency", None)
     if fitted is not None:
         return CommDelay(fitted.loc, fitted.scale, fitted.k * fitted.scale)

@@ -37,7 +37,8 @@ def _per_stage_degrees(problem: Problem, space: SearchSpace, micro_batches: int)
 def plans(problem: Problem, space: SearchSpace | None = None) -> Iterator[Plan]:
     """Every plan of the space: cuts × a tier per stage (one tier for all functions under
     Gillis) × a replica degree (one for the whole pipeline, or one per stage under PipeDream
-    and for fork-join groups) × M."""
+    and for fork-join groups) × M, as the cost model's ``tier_per_stage`` and
+    ``degree_per_stage`` say."""
     space = space or SearchSpace.of(problem)
     model = cost_model_for(problem)
     count = len(problem.chain)
@@ -45,12 +46,12 @@ def plans(problem: Problem, space: SearchSpace | None = None) -> Iterator[Plan]:
         plan_micro = micro_batches if problem.workload.mode == "train" else None
         degrees = _per_stage_degrees(problem, space, micro_batches)
         for ranges in cut_ranges(count):
-            if model == "gillis":
-                tier_choices: Iterator = ((memory,) * len(ranges) for memory in space.memory_mb)
+            if model.tier_per_stage:
+                tier_choices: Iterator = itertools.product(space.memory_mb, repeat=len(ranges))
             else:
-                tier_choices = itertools.product(space.memory_mb, repeat=len(ranges))
+                tier_choices = ((memory,) * len(ranges) for memory in space.memory_mb)
             for tiers in tier_choices:
-                if model in ("gillis", "pipedream"):
+                if model.degree_per_stage:
                     replica_choices: Iterator = itertools.product(degrees, repeat=len(ranges))
                 else:
                     replica_choices = ((degree,) * len(ranges) for degree in degrees)
@@ -71,8 +72,8 @@ def plan_count(problem: Problem, space: SearchSpace | None = None) -> int:
         degrees = len(_per_stage_degrees(problem, space, micro_batches))
         for stages in range(1, count + 1):
             cuts = math.comb(count - 1, stages - 1)
-            tier_ways = tiers if model == "gillis" else tiers ** stages
-            replica_ways = degrees ** stages if model in ("gillis", "pipedream") else degrees
+            tier_ways = tiers ** stages if model.tier_per_stage else tiers
+            replica_ways = degrees ** stages if model.degree_per_stage else degrees
             total += cuts * tier_ways * replica_ways
     return total
 

@@ -6,7 +6,8 @@
 * PipeDream's per-stage replication on GPU containers (``pipedream_dp``).
 * Hydrozoa's A×B hybrid on GPU containers (``hydrozoa_planner.solve``).
 
-Which one runs is :func:`objective.cost_model_for`: the model the plan is judged by.
+Which one runs is the entry :func:`cost.registry.cost_model_for` returns: the model the plan
+is judged by (``ALGORITHMS`` maps its name to its algorithm).
 
 ``dp{reference=true}`` runs FuncPipe's dp as it stood before issue 20 (every label number
 compared on its own, a looser bound); both are exact, the reference is there to compare
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.objective import cost_model_for
+from flatpack.partitioner.cost.registry import CostModel, FuncPipeModel, cost_model_for
 from flatpack.partitioner.pareto import Front
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -55,34 +56,40 @@ class Dp(CostSolver):
                             "leave it out to run dp to its proof")
 
     def solve(self, problem: Problem, goal: Goal) -> Plan | None:
-        return self._algorithm(problem).solve(problem, goal, SearchSpace.of(problem), **self._options(problem))
+        model = cost_model_for(problem)
+        return self._algorithm(model).solve(problem, goal, SearchSpace.of(problem), **self._options(model))
 
     def solve_all(self, problem: Problem, goals: Sequence[Goal]) -> list[Plan | None]:
-        algorithm = self._algorithm(problem)
+        model = cost_model_for(problem)
+        algorithm = self._algorithm(model)
         if hasattr(algorithm, "solve_all"):  # shares its tables between the goals of a front
-            return algorithm.solve_all(problem, goals, SearchSpace.of(problem), **self._options(problem))
+            return algorithm.solve_all(problem, goals, SearchSpace.of(problem), **self._options(model))
         return super().solve_all(problem, goals)
 
     def exact_front(self, problem: Problem) -> Front:
         """Every non-dominated (time, dollars) plan (FuncPipe's model), FuncPipe's four
         weight pairs' optima tagged among them and its recommendation marked."""
-        if cost_model_for(problem) != "funcpipe":
+        model = cost_model_for(problem)
+        if not isinstance(model, FuncPipeModel):
             raise PlanError(f"the exact front is solved for FuncPipe's training model only; this problem is solved "
-                            f"under {cost_model_for(problem)!r}: use the weight pairs' front (--front weights)")
-        return Front.of(self._algorithm(problem).exact_front(problem, SearchSpace.of(problem), self.reference))
+                            f"under {model.name!r}: use the weight pairs' front (--front weights)")
+        return Front.of(self._algorithm(model).exact_front(problem, SearchSpace.of(problem), self.reference))
 
-    def _options(self, problem: Problem) -> dict:
-        """The options the problem's algorithm takes; ``reference`` and ``time_limit_s`` are
+    def _options(self, model: CostModel) -> dict:
+        """The options ``model``'s algorithm takes; ``reference`` and ``time_limit_s`` are
         FuncPipe's alone."""
-        if cost_model_for(problem) == "funcpipe":
+        if isinstance(model, FuncPipeModel):
             return {"reference": self.reference, "time_limit_s": self.time_limit_s}
         for option, value, default in (("reference", self.reference, False),
                                        ("time_limit_s", self.time_limit_s, None)):
             if value != default:
                 raise PlanError(f"dp's option {option}={value!r} applies to FuncPipe's training model only; this "
-                                f"problem is solved under {cost_model_for(problem)!r}: drop the option")
+                                f"problem is solved under {model.name!r}: drop the option")
         return {}
 
     @staticmethod
-    def _algorithm(problem: Problem):
-        return importlib.import_module(ALGORITHMS[cost_model_for(problem)])
+    def _algorithm(model: CostModel):
+        if model.name not in ALGORITHMS:
+            raise PlanError(f"solver 'dp' has no algorithm for the cost model {model.name!r}; it solves "
+                            f"{', '.join(ALGORITHMS)}: add its algorithm to dp.ALGORITHMS, or use solver='brute'")
+        return importlib.import_module(ALGORITHMS[model.name])

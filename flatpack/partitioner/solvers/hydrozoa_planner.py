@@ -43,6 +43,7 @@ from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
 from flatpack.partitioner.cost.common import stage_memory
 from flatpack.units import mb
 from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
+from flatpack.partitioner.cost.registry import HydrozoaModel
 from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
                                             with_micro_batches)
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -62,7 +63,8 @@ BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never pr
 
 def sync_overheads(problem: Problem) -> tuple[float, float]:
     """Hydrozoa's α (per byte) and β (per round) of the all-reduce, as ``evaluate`` reads them."""
-    return float(problem.options.hydrozoa_alpha), float(problem.options.hydrozoa_beta)
+    model = HydrozoaModel.of_options(problem.options)
+    return model.alpha, model.beta
 
 
 class ShardTables:

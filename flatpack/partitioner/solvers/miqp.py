@@ -124,6 +124,7 @@ from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import gradient_bytes, micro_batches_per_replica, stage_memory
 from flatpack.units import mb
+from flatpack.partitioner.cost.registry import FuncPipeModel
 from flatpack.partitioner.objective import annotate, cost_model_for, dollars_per_mb_s, evaluate, with_micro_batches
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
@@ -677,10 +678,10 @@ def _micro_batches(problem: Problem, plan: Plan) -> int:
 
 def _refuse_other_models(problem: Problem) -> None:
     model = cost_model_for(problem)
-    if model == "funcpipe":
+    if isinstance(model, FuncPipeModel):
         return
-    what = ("inference (Gillis's fork-join model)" if model == "gillis"
-            else f"training on {problem.platform.name} under the {model} model (per-stage replicas or GPU "
+    what = ("inference (Gillis's fork-join model)" if problem.workload.mode == "infer"
+            else f"training on {problem.platform.name} under the {model.name} model (per-stage replicas or GPU "
                  "containers)")
     raise PlanError(f"solver 'miqp' is FuncPipe's MIQP and models only FuncPipe's serverless training pipeline; "
                     f"this problem is {what}. Use solver='dp', which handles every cost model")

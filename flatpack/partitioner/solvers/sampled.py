@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from flatpack.errors import InputError, PlanError
+from flatpack.partitioner.cost.registry import CostModel
 from flatpack.partitioner.objective import Evaluation, annotate, cost_model_for, evaluate
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
@@ -35,7 +36,7 @@ class DecisionSpace:
 
     num_layers: int
     mode: str
-    model: str
+    model: CostModel
     memory_mb: tuple[int, ...]
     micro_batches: tuple[int, ...]
     space: SearchSpace
@@ -52,11 +53,11 @@ class DecisionSpace:
 
     @property
     def tier_per_stage(self) -> bool:
-        return self.model != "gillis"
+        return self.model.tier_per_stage
 
     @property
     def degree_per_stage(self) -> bool:
-        return self.model in ("gillis", "pipedream")
+        return self.model.degree_per_stage
 
     @property
     def all_degrees(self) -> tuple[int, ...]:
