@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
@@ -29,6 +29,9 @@ from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.registry import Registry
+
+# typing.Self is 3.11+; the package supports 3.10 (pyproject requires-python)
+ModelT = TypeVar("ModelT", bound="CostModel")
 
 # the model a problem is judged by when ``options.cost_model`` does not choose one, by
 # (workload kind, platform kind): FuncPipe's for training where workers share only storage,
@@ -71,7 +74,7 @@ class CostModel(ABC):
     degree_per_stage: ClassVar[bool]          # False: one replica degree for the whole pipeline
 
     @classmethod
-    def of_options(cls, options: ProblemOptions) -> Self:
+    def of_options(cls: type[ModelT], options: ProblemOptions) -> ModelT:
         """This model with its options read from the problem's (none by default)."""
         return cls()
 
@@ -122,7 +125,7 @@ class GillisModel(CostModel):
         object.__setattr__(self, "comm_delay", gillis.measured_delay(self.comm_delay))
 
     @classmethod
-    def of_options(cls, options: ProblemOptions) -> Self:
+    def of_options(cls, options: ProblemOptions) -> GillisModel:
         return cls(comm_delay=options.comm_delay)
 
     def price(self, problem: Problem, plan: Plan) -> Priced:
@@ -147,7 +150,7 @@ class HydrozoaModel(CostModel):
     beta: float = 0.0
 
     @classmethod
-    def of_options(cls, options: ProblemOptions) -> Self:
+    def of_options(cls, options: ProblemOptions) -> HydrozoaModel:
         return cls(alpha=float(options.hydrozoa_alpha), beta=float(options.hydrozoa_beta))
 
     def price(self, problem: Problem, plan: Plan) -> Priced:
