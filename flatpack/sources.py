@@ -206,8 +206,12 @@ def _reason(node: ast.Import | ast.ImportFrom, comments: dict[int, str], groupin
         return own[0]
     number = node.lineno - 1
     while number >= 1:
-        if lines[number - 1].strip().startswith("#"):
-            return comments.get(number, "")
+        if lines[number - 1].strip().startswith("#"):   # the comment block's lines, first to last
+            block = []
+            while number >= 1 and lines[number - 1].strip().startswith("#"):
+                block.insert(0, comments.get(number, ""))
+                number -= 1
+            return " ".join(line for line in block if line)
         if number not in grouping:
             return ""
         if comments.get(number):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
@@ -255,8 +256,6 @@ class FunctionDeployment:
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
         """
         check_loss(loss)
-        from torch.utils.data import DataLoader
-
         if isinstance(batches, DataLoader):
             batches = loader_batches(batches, iterations)
             iterations = iterations or len(batches)

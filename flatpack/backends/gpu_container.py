@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 import flatpack
 from flatpack.backends.batch_checks import batch_values
@@ -883,7 +884,6 @@ class GpuContainerDeployment:
         for report in self.reports:
             if report.role.stage == last:
                 losses = [total + value for total, value in zip(losses, report.losses)]
-        from safetensors.torch import load_file
 
         parameters: dict[str, torch.Tensor] = {}
         for stage in range(len(layout.degrees)):
