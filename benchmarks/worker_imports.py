@@ -14,10 +14,13 @@ import times to its log) and reads every worker's log when the job is done:
 
 Per role it prints the flatpack modules the role's workers imported (their union; the module
 started with ``python -m`` counts, as ``__main__``) and the seconds their imports took beyond
-torch's: the self time of every module that ``python -c "import torch"`` does not import
-(flatpack's modules and what they pull in, stdlib included), the median over the role's
-workers and ``--repeat`` cold runs (each job starts fresh interpreters). Timings are noisy on
-a shared machine; the module counts are exact.
+torch: the self time of every module ``python -c "import torch"`` does not load, in every
+import that flatpack's code started (flatpack's modules and what they pull in: the standard
+library, safetensors, boto3), but not in the imports torch's own functions start while they
+run (``torch._dynamo`` on an optimizer's first step, say: any program that trains pays those),
+which are shown apart. Figures are the median over the role's workers and ``--repeat`` cold
+runs (each job starts fresh interpreters). Timings are noisy on a shared machine; the module
+counts are exact. ``--top N`` lists the N costliest imports beyond torch.
 
 Run from the repository root: ``PYTHONPATH=$PWD python benchmarks/worker_imports.py``.
 """
@@ -141,20 +144,38 @@ def torch_modules() -> set[str]:
 @dataclass(frozen=True)
 class WorkerImports:
     flatpack_modules: frozenset[str]
-    beyond_torch_s: float    # self time of every module `import torch` alone does not load
-    flatpack_s: float        # self time of flatpack's own modules
+    beyond_torch_s: float         # the imports flatpack's code started, less what `import torch` loads
+    flatpack_s: float             # flatpack's own modules among them
+    torch_lazy_s: float           # the imports torch's functions started as they ran (not counted above)
+    roots_s: dict[str, float]     # beyond_torch_s by the import that started each tree
+
+
+def is_torch(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
 
 
 def worker_imports(log: str, entry: str, baseline: set[str]) -> WorkerImports:
-    modules, beyond_us, flatpack_us = {entry}, 0, 0
-    for name, own, _cumulative, _depth in importtime_lines(log):
-        if name in baseline:
-            continue
-        beyond_us += own
+    """The imports in one worker's log. ``-X importtime`` writes a module after the ones it
+    imported, so each import at depth 0 closes the tree of the lines since the last one: a tree
+    whose root is a torch module is torch's own lazy import, any other one flatpack's code started."""
+    modules, flatpack_us, torch_us, roots = {entry}, 0, 0, dict[str, int]()
+    tree: list[tuple[str, int]] = []
+    for name, own, _cumulative, depth in importtime_lines(log):
+        if name not in baseline:
+            tree.append((name, own))
         if name.split(".")[0] == PACKAGE:
             modules.add(name)
-            flatpack_us += own
-    return WorkerImports(frozenset(modules), beyond_us / 1e6, flatpack_us / 1e6)
+            flatpack_us += own if name not in baseline else 0
+        if depth:
+            continue
+        spent = sum(own for _name, own in tree)
+        if is_torch(name):
+            torch_us += spent
+        elif spent:
+            roots[name] = roots.get(name, 0) + spent
+        tree = []
+    return WorkerImports(frozenset(modules), sum(roots.values()) / 1e6, flatpack_us / 1e6, torch_us / 1e6,
+                         {name: us / 1e6 for name, us in roots.items()})
 
 
 def measure(role: str, repeat: int, baseline: set[str]) -> list[WorkerImports]:
@@ -174,6 +195,7 @@ def main() -> None:
                         help=f"a role to measure (default: all: {', '.join(JOBS)})")
     parser.add_argument("--repeat", type=int, default=3, help="cold runs of each role's job (the median is shown)")
     parser.add_argument("--list", action="store_true", help="also list each role's flatpack modules")
+    parser.add_argument("--top", type=int, default=0, help="also list the N costliest imports beyond torch (median)")
     args = parser.parse_args()
     baseline = torch_modules()
     for role in args.role or JOBS:
@@ -181,11 +203,17 @@ def main() -> None:
         modules = sorted(frozenset().union(*(worker.flatpack_modules for worker in workers)))
         beyond = statistics.median(worker.beyond_torch_s for worker in workers)
         own = statistics.median(worker.flatpack_s for worker in workers)
+        torch_lazy = statistics.median(worker.torch_lazy_s for worker in workers)
         print(f"{role:>11}: {len(modules):3d} flatpack modules, {beyond:.3f} s of imports beyond torch "
-              f"({own:.3f} s in flatpack's own modules; median of {len(workers)} workers over {args.repeat} runs)",
-              flush=True)
+              f"({own:.3f} s in flatpack's own modules; torch's own imports while running: {torch_lazy:.3f} s, not "
+              f"counted; median of {len(workers)} workers over {args.repeat} runs)", flush=True)
         if args.list:
             print("             " + " ".join(modules), flush=True)
+        if args.top:
+            roots = {name for worker in workers for name in worker.roots_s}
+            costs = {name: statistics.median(worker.roots_s.get(name, 0.0) for worker in workers) for name in roots}
+            print("             " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in
+                                              sorted(costs.items(), key=lambda item: -item[1])[:args.top]), flush=True)
 
 
 if __name__ == "__main__":

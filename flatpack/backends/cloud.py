@@ -24,7 +24,7 @@ from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.platform.catalog import get_platform
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import Role
 from flatpack.runtime.store_url import open_store
 from flatpack.stage.integrity import check_digest
 

@@ -66,9 +66,10 @@ from flatpack.runtime.forkjoin import join_batch
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
-from flatpack.runtime.training import TARGET, pack_values, unpack_values
+from flatpack.runtime.training import TARGET
 from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, parse_stage
 from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
+from flatpack.stage.wire import pack_values, unpack_values
 
 NAME = "gpu-container"
 CAPABILITIES = frozenset(Capability) - {Capability.RESUME}
