@@ -190,7 +190,7 @@ def measure(role: str, repeat: int, baseline: set[str]) -> list[WorkerImports]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--role", action="append", choices=sorted(JOBS), default=None,
                         help=f"a role to measure (default: all: {', '.join(JOBS)})")
     parser.add_argument("--repeat", type=int, default=3, help="cold runs of each role's job (the median is shown)")
