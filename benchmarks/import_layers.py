@@ -11,7 +11,13 @@ Prints
    the number of flatpack modules, and the seconds the import takes once torch is loaded
    (flatpack's modules and whatever else they pull in, such as scipy);
 3. how many of flatpack's files a function image ships (:func:`flatpack.sources.closure` of
-   its entry modules) out of all of them.
+   its entry modules) out of all of them;
+4. the imports that run inside a function (:func:`flatpack.sources.function_level_imports`),
+   how many say why with a comment that starts "optional dependency" or "start-up time", and
+   those that do not.
+
+What a worker imports while it runs its role (not only at start-up) is
+``benchmarks/worker_imports.py``'s measure.
 
 Run from the repository root: ``PYTHONPATH=$PWD python benchmarks/import_layers.py``. Timings
 are noisy on a shared machine (quote the median of ``--repeat`` runs); the counts are exact.
@@ -24,11 +30,31 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from flatpack.backends.images import FUNCTION_ENTRIES
-from flatpack.sources import PACKAGE, ROOT, closure, cycles, import_graph, package_graph
+from flatpack.sources import PACKAGE, ROOT, closure, cycles, function_level_imports, import_graph, package_graph
 
+# how a function-level import's comment begins when it says why the import is not at module level
+LAZY_REASONS = ("optional dependency", "start-up time")
 WORKERS = ("flatpack.runtime.worker", "flatpack.runtime.handler", "flatpack.runtime.distributed")
+
+
+def importtime_lines(text: str) -> Iterator[tuple[str, int, int, int]]:
+    """``(module, self µs, cumulative µs, depth)`` for each line ``python -X importtime`` (or
+    ``PYTHONPROFILEIMPORTTIME=1``) wrote into ``text``, in its order: a module after the ones
+    it imported; depth 0 is an import that no other import in progress caused (a module's
+    top-level import, or an import run later by a function)."""
+    for line in text.splitlines():
+        if not line.startswith("import time:") or line.count("|") != 2:
+            continue
+        own, cumulative, raw_name = line.removeprefix("import time:").split("|")
+        if not cumulative.strip().isdigit():
+            continue   # the header line
+        name = raw_name.strip()
+        # " " after the bar, then two spaces per level of nesting
+        depth = (len(raw_name) - len(raw_name.lstrip(" ")) - 1) // 2
+        yield name, int(own), int(cumulative), depth
 
 
 def worker_imports(module: str) -> tuple[list[str], float]:
@@ -38,25 +64,18 @@ def worker_imports(module: str) -> tuple[list[str], float]:
     result = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import torch; import {module}"],
                             capture_output=True, text=True, env=env, cwd=ROOT.parent, check=True)
     modules, cumulative_us, torch_done = [], 0, False
-    for line in result.stderr.splitlines():
-        if not line.startswith("import time:") or line.count("|") != 2:
-            continue
-        _own, cumulative, raw_name = line.removeprefix("import time:").split("|")
-        if not cumulative.strip().isdigit():
-            continue   # the header line
-        name = raw_name.strip()
-        top_level = raw_name.startswith(" ") and not raw_name.startswith("  ")
+    for name, _own, cumulative, depth in importtime_lines(result.stderr):
         if name.split(".")[0] == PACKAGE:
             modules.append(name)
-        if torch_done and top_level:
-            cumulative_us += int(cumulative)
-        if top_level and name == "torch":
+        if torch_done and depth == 0:
+            cumulative_us += cumulative
+        if depth == 0 and name == "torch":
             torch_done = True
     return sorted(set(modules)), cumulative_us / 1e6
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--worker", action="append", default=None,
                         help=f"a module a stage worker starts from (default: {', '.join(WORKERS)})")
     parser.add_argument("--repeat", type=int, default=3, help="import timings per worker module (the median is shown)")
@@ -80,6 +99,12 @@ def main() -> None:
     shipped = closure(FUNCTION_ENTRIES, files)
     print(f"a function image ships {len(shipped)} of {len(files)} flatpack modules "
           f"(the closure of {', '.join(FUNCTION_ENTRIES)})")
+    lazy = function_level_imports()
+    unexplained = [found for found in lazy if not found.reason.startswith(LAZY_REASONS)]
+    print(f"{len(lazy)} function-level imports, {len(lazy) - len(unexplained)} saying why "
+          f"({' / '.join(LAZY_REASONS)}); without a reason:")
+    for found in unexplained:
+        print(f"  {found.module}:{found.line}: {found.statement}" + (f"  # {found.reason}" if found.reason else ""))
 
 
 if __name__ == "__main__":

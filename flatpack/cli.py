@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import sys
@@ -13,13 +14,23 @@ from typing import Any, Sequence
 
 import torch
 
+import flatpack
 from flatpack import logs
-from flatpack.errors import FlatpackError, InputError, RunFailure
+from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
+from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
+from flatpack.runtime.optim import parse_options
 from flatpack.runtime.spec import SCHEDULES
+from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
 from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
+from flatpack.version import __version__
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10
+    import tomli as tomllib
 
 LOG = logs.get("cli")
 
@@ -191,9 +202,6 @@ def _json_text(document: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    # start-up time: a verb imports what it runs
-    import flatpack
-
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1)
     report(args, chain_table(compiled.chain), compiled.chain)
@@ -202,7 +210,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
-    import flatpack
 
     # start-up time: a verb imports what it runs
     from flatpack.partitioner.plan import Plan
@@ -230,9 +237,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_sign(args: argparse.Namespace) -> int:
     """Signs an artifact's index after checking every file against it."""
-    # start-up time: a verb imports what it runs
-    from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
-
     verified = read_verified(args.dir, digest=args.digest)
     signature = Path(args.dir) / SIGNATURE_FILE
     signature.write_bytes(sign_index(verified.index.raw, args.key))
@@ -244,7 +248,6 @@ def cmd_sign(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
     # start-up time: a verb imports what it runs
-    from flatpack.stage.integrity import read_verified
     from flatpack.compiler import COMPILED_FILE
     from flatpack.ir import structure
 
@@ -262,7 +265,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
-    import flatpack
     from flatpack.profiler import ProfileOptions
 
     model, inputs = load_factory(args.model, args.size)
@@ -500,9 +502,6 @@ def _plan_from_run(args: argparse.Namespace) -> int:
 def _front_for_context(solver: Any, problem: Any) -> tuple:
     """The front behind an SLO or weighted pick; none when it cannot be solved (the pick
     alone is still worth drawing). The front ignores the SLO and the weights option."""
-    # start-up time: a verb imports what it runs
-    from flatpack.errors import PlanError
-
     try:
         return solver.front(problem).plans
     except PlanError:
@@ -590,9 +589,6 @@ def _text_stream(args: argparse.Namespace) -> Any:
 
 def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The JobOptions of the run parser's training-knob block."""
-    # start-up time: a verb imports what it runs
-    from flatpack.runtime.optim import parse_options
-
     return {"optimizer": args.optimizer, "lr": args.lr,
             "optimizer_args": parse_options(args.optimizer_args, "--optimizer-args"),
             "no_decay_bias_norm": args.no_decay_bias_norm, "schedule_lr": args.schedule_lr,
@@ -655,7 +651,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """Compiles MODEL for a target, then writes everything a deployment needs into --out and
     (without --dry-run) creates it in the account."""
     # start-up time: a verb imports what it runs
-    import flatpack
     from flatpack.job import FastestOnFront
     from flatpack.backends import get_backend
     from flatpack.profiler import ProfileOptions
@@ -701,7 +696,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
                 "plan": compiled.plan.to_json()}
     if args.dry_run or args.target == "gpu-container":
-        # a gpu-container deployment is the user's kubectl apply of what this writes
+        # start-up time: a verb imports what it runs (a gpu-container deployment is the user's kubectl apply of
+        # what this writes)
         from flatpack.backends.gpu_container import write_context
 
         files = backend.package(compiled, **options)
@@ -802,9 +798,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # start-up time: a verb imports what it runs
-    from flatpack.version import __version__
-
     parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
@@ -1157,9 +1150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # start-up time: a verb imports what it runs
-    from flatpack.interrupts import Interrupted, clean_shutdown
-
     logs.configure(0)
     try:
         args = parse_arguments(build_parser(), argv)
@@ -1224,13 +1214,6 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
-    import difflib
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:   # Python 3.10
-        import tomli as tomllib
-
     try:
         with open(path, "rb") as file:
             table = tomllib.load(file)

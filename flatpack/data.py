@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
+import numpy as np
 import torch
+import torch.utils._pytree as pytree
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from flatpack.errors import InputError
 from flatpack.factories import import_factory
@@ -80,14 +86,10 @@ def _as_named(loaded: Any, where: str) -> dict[str, torch.Tensor]:
 
 def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
     """All tensors of a shard (a file or its bytes); ``name`` gives the format by its suffix."""
-    import numpy as np
-
     source = str(data) if isinstance(data, Path) else io.BytesIO(data)
     try:
         if name.endswith(".safetensors"):
-            from safetensors.torch import load, load_file
-
-            return load_file(source) if isinstance(data, Path) else load(data)
+            return load_file(source) if isinstance(data, Path) else load_safetensors(data)
         if name.endswith(".pt"):
             return _as_named(torch.load(source, weights_only=True, map_location="cpu"), name)
         if name.endswith(".npz"):
@@ -220,8 +222,6 @@ class ShardDirectory(ShardSource):
         path = self.path / name
         try:
             if name.endswith(".safetensors"):
-                from safetensors import safe_open
-
                 with safe_open(str(path), framework="pt") as handle:
                     # a safetensors handle has keys() but is not iterable itself
                     shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}  # noqa: SIM118
@@ -346,16 +346,12 @@ class DatasetFactory(DataSource):
     def __init__(self, spec: str) -> None:
         self.spec = self.normalized(spec)
         self.dataset = _call_factory(self.spec)
-        from torch.utils.data import Dataset, IterableDataset
-
         if not isinstance(self.dataset, (Dataset, IterableDataset)):
             raise InputError(f"--data {spec} returned a {type(self.dataset).__name__}; the factory must return a "
                              "torch.utils.data.Dataset or IterableDataset")
 
     @property
     def iterable(self) -> bool:
-        from torch.utils.data import IterableDataset
-
         return isinstance(self.dataset, IterableDataset)
 
     def describe(self) -> str:
@@ -390,7 +386,6 @@ def _call_factory(spec: str) -> Any:
 def parse_source(spec: Any, *, endpoint: str | None = None) -> DataSource:
     """``--data SOURCE`` (or what the Python API was given) as a DataSource: a directory, an
     ``s3://`` prefix, a ``module:factory``, a DataLoader, or a DataSource already."""
-    from torch.utils.data import DataLoader
 
     if isinstance(spec, DataSource):
         return spec
@@ -699,7 +694,6 @@ def _shard_batches(source: ShardSource, to_inputs: Callable[[Any], tuple[Any, An
 
 
 def _collate(samples: list[Any]) -> Any:
-    from torch.utils.data import default_collate
 
     return default_collate(samples)
 
@@ -783,7 +777,6 @@ def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, An
 
 
 def first_batch_rows(batch: tuple[Any, Any]) -> int:
-    import torch.utils._pytree as pytree
 
     return next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(batch[0])
                 if isinstance(leaf, torch.Tensor) and leaf.dim())

@@ -59,7 +59,7 @@ def mlp() -> tuple[nn.Module, tuple]:
 
 def _transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+    try:   # optional dependency: HuggingFace transformers (pip install 'flatpack[hf]')
         import transformers
     except ImportError:
         raise InputError("this example needs HuggingFace transformers: pip install 'flatpack[hf]'") from None

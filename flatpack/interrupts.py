@@ -28,6 +28,7 @@ Stdlib only: ``runtime`` and ``backends`` both import it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -71,8 +72,6 @@ def _load_prctl() -> Callable[..., int] | None:
         _prctl_loaded = True
         if sys.platform.startswith("linux"):
             try:
-                import ctypes
-
                 function = ctypes.CDLL(None, use_errno=True).prctl
                 function.restype = ctypes.c_int
                 function.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]

@@ -1,6 +1,7 @@
 """flatpack's own source files and the imports between them, read with ``ast`` (nothing is
 imported): what an image ships for a stage worker (the files its entry modules import,
-function-level imports included) and what ``benchmarks/import_layers.py`` draws.
+function-level imports included), what ``benchmarks/import_layers.py`` draws, and the imports
+that run inside a function with the comment that says why (:func:`function_level_imports`).
 
 An import under ``if TYPE_CHECKING:`` is not followed (it never runs), and neither is a
 module named in a string (``Registry`` entries): a module a worker reaches only that way
@@ -10,7 +11,11 @@ would be missing from its image, which the image tests catch by running the ship
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -153,3 +158,87 @@ def package_graph(files: Mapping[str, Counter[str]]) -> dict[str, Counter[str]]:
             if subpackage(target) != subpackage(source):
                 edges[subpackage(target)] += count
     return graph
+
+
+@dataclass(frozen=True)
+class FunctionLevelImport:
+    """An import that runs when a function does, not when its module is imported."""
+
+    module: str      # the flatpack module it is in
+    line: int
+    statement: str   # its first source line
+    reason: str      # the comment that says why it is in a function; "" when there is none
+
+
+_LINTER_DIRECTIVE = re.compile(r"^(noqa|type: ?ignore|pyright: ?ignore)\b[^-]*(- |$)", re.I)
+
+
+def _comments(source: str) -> dict[int, str]:
+    """The comment on each line that has one, without ``#`` and a leading linter directive."""
+    comments = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = _LINTER_DIRECTIVE.sub("", token.string.lstrip("#").strip()).strip()
+    return comments
+
+
+def _grouping_lines(tree: ast.AST) -> set[int]:
+    """The lines imports share a comment across: every line of an import statement and the
+    ``try:``/``except ...:`` lines of a ``try`` whose body starts with an import."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        elif isinstance(node, ast.Try) and node.body and isinstance(node.body[0], (ast.Import, ast.ImportFrom)):
+            lines.add(node.lineno)
+            lines.update(handler.lineno for handler in node.handlers)
+    return lines
+
+
+def _reason(node: ast.Import | ast.ImportFrom, comments: dict[int, str], grouping: set[int],
+            lines: list[str]) -> str:
+    """The comment on the import's own lines, else the comment just above it or above the
+    imports and ``try``/``except`` lines it is grouped with; a blank line or code between ends
+    the search."""
+    own = [comments[number] for number in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+           if comments.get(number)]
+    if own:
+        return own[0]
+    number = node.lineno - 1
+    while number >= 1:
+        if lines[number - 1].strip().startswith("#"):   # the comment block's lines, first to last
+            block = []
+            while number >= 1 and lines[number - 1].strip().startswith("#"):
+                block.insert(0, comments.get(number, ""))
+                number -= 1
+            return " ".join(line for line in block if line)
+        if number not in grouping:
+            return ""
+        if comments.get(number):
+            return comments[number]
+        number -= 1
+    return ""
+
+
+def function_level_imports(root: Path = ROOT) -> list[FunctionLevelImport]:
+    """Every import statement in flatpack that sits in a function body (not under
+    ``if TYPE_CHECKING:``), with the comment that says why it is not at module level."""
+    found = []
+    for path in sorted(path for path in root.rglob("*.py") if "__pycache__" not in path.parts):
+        source = path.read_text()
+        tree = ast.parse(source, str(path))
+        lines, comments, grouping = source.splitlines(), _comments(source), _grouping_lines(tree)
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                for child in node.orelse:
+                    visit(child, in_function)
+                return
+            if in_function and isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(FunctionLevelImport(module_name(path, root), node.lineno, lines[node.lineno - 1].strip(),
+                                                 _reason(node, comments, grouping, lines)))
+            for child in ast.iter_child_nodes(node):
+                visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+        visit(tree, False)
+    return found

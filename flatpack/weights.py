@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from flatpack.errors import InputError
 
@@ -57,8 +59,6 @@ def with_aliases(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict[
 def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path:
     """Writes ``state`` as safetensors, each tensor once: a name whose tensor is the same
     object (or storage and view) as an earlier name's is recorded as its alias in the metadata."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     if path.suffix != ".safetensors":
         raise InputError(f"--save {path}: the weights are written as safetensors; name the file *.safetensors")
@@ -85,8 +85,6 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The state dict a ``.safetensors`` file from ``flatpack run --save`` (or
     :func:`save_state_dict`, ``RUN/trained.safetensors``) holds, tied names restored:
     ``model.load_state_dict(flatpack.load_state_dict(path))``."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no weights file {path}; `flatpack run --save PATH.safetensors` writes one")

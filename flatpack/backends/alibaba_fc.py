@@ -14,6 +14,8 @@ resource goes into the ledger: a failure part-way rolls back, ``teardown`` remov
 
 from __future__ import annotations
 
+import difflib
+import io
 import json
 import math
 import os
@@ -30,8 +32,7 @@ from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.platform.catalog import get_platform
-from flatpack.runtime.function import STORE_ENV
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import STORE_ENV, Role
 from flatpack.runtime.store import s3_addressing_style
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "FcDeployment",
@@ -188,8 +189,6 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
 
 # checks before any API call ---------------------------------------------------------------------
 def check_region(region: str | None) -> str:
-    import difflib
-
     if not region:
         raise InputError("no Alibaba Cloud region: pass --region (region=...), or set ALIBABA_CLOUD_REGION_ID")
     if region not in REGIONS:
@@ -202,9 +201,9 @@ def check_region(region: str | None) -> str:
 def credentials() -> Any:
     """The default chain's credential (access key id, secret, token); without one, the
     error lists the chain that was searched."""
-    try:
+    try:   # optional dependency: the Function Compute SDK (pip install 'flatpack[alibaba]')
         from alibabacloud_credentials.client import Client as CredentialClient
-        import alibabacloud_fc20230330  # noqa: F401 - checked here, used by the clients
+        import alibabacloud_fc20230330  # noqa: F401 - optional dependency too: checked here, used by the clients
     except ImportError:
         raise InputError("the alibaba-fc backend needs the Function Compute SDK: "
                          "pip install 'flatpack[alibaba]'. Nothing was deployed") from None
@@ -223,6 +222,7 @@ def credentials() -> Any:
 
 
 def _fc_client(credential_client: Any, region: str, account: str, endpoint: str | None) -> Any:
+    # optional dependency: the Function Compute SDK (pip install 'flatpack[alibaba]')
     from alibabacloud_fc20230330.client import Client
     from alibabacloud_tea_openapi.models import Config
 
@@ -235,6 +235,7 @@ def _fc_client(credential_client: Any, region: str, account: str, endpoint: str 
 
 
 def _s3_client(credential: Any, region: str, endpoint: str) -> Any:
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     import boto3
     from botocore.config import Config
 
@@ -294,7 +295,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
 
 def _require_oss2() -> None:
     try:
-        import oss2  # noqa: F401
+        import oss2  # noqa: F401 - optional dependency: OSS's own API (pip install 'flatpack[oss]')
     except ImportError:
         raise InputError("alibaba-fc secures the OSS bucket (HTTPS-only policy, encryption, public access block) "
                          "through OSS's own API, which needs the oss2 SDK: pip install 'flatpack[oss]'. "
@@ -303,7 +304,7 @@ def _require_oss2() -> None:
 
 def _oss_bucket(credential: Any, region: str, bucket: str, endpoint: str) -> Any:
     """oss2's client for the bucket's own API (signature V4, STS token when the chain gives one)."""
-    import oss2
+    import oss2   # optional dependency: OSS's own API (pip install 'flatpack[oss]')
 
     key, secret, token = (credential.get_access_key_id(), credential.get_access_key_secret(),
                           credential.get_security_token())
@@ -317,7 +318,7 @@ def configure_oss_bucket(oss: Any) -> Callable[[Any, str, str], None]:
     blocked, HTTPS-only, AES256 by default, intermediate tensors expiring. ``oss``: oss2's
     client of the bucket."""
     def configure(s3: Any, bucket: str, run: str) -> None:
-        import oss2
+        import oss2   # optional dependency: OSS's own API (pip install 'flatpack[oss]')
 
         # oss2 writes str(value) into the XML: "true" as OSS's API reference spells it, not Python's "True"
         oss.put_bucket_public_access_block("true")
@@ -345,6 +346,7 @@ class _Clients:
 
 def _create(res: dict[str, Any], images: list[ImageContext], ledger: cloud.Ledger, clients: _Clients,
             out_dir: Path, push: Push) -> None:
+    # optional dependency: the Function Compute SDK (pip install 'flatpack[alibaba]')
     from alibabacloud_fc20230330 import models
 
     uris = cloud.push_images(images, res["registry"], out_dir, push, ledger)
@@ -393,8 +395,7 @@ class FcDeployment(cloud.CloudDeployment):
         return _deleters(self.clients)
 
     def invoke_function(self, function: str, payload: bytes) -> tuple[bytes, str | None, bytes]:
-        import io
-
+        # optional dependency: the Function Compute SDK (pip install 'flatpack[alibaba]')
         from alibabacloud_fc20230330 import models
         from alibabacloud_tea_util.models import RuntimeOptions
 

@@ -22,6 +22,8 @@ through Lambda's Invoke API.
 
 from __future__ import annotations
 
+import base64
+import difflib
 import json
 import os
 import shutil
@@ -38,8 +40,7 @@ from flatpack.backends.images import ImageContext, docker_build_and_push, functi
 from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
-from flatpack.runtime.function import STORE_ENV
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import STORE_ENV, Role
 from flatpack.runtime.store import s3_addressing_style
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LambdaDeployment",
@@ -175,8 +176,6 @@ def default_region(session: Any) -> str | None:
 
 
 def check_region(session: Any, region: str | None) -> str:
-    import difflib
-
     if not region:
         raise InputError("no AWS region: pass --region (region=...), or set AWS_REGION / AWS_DEFAULT_REGION, or "
                          "a region in your AWS profile (aws configure)")
@@ -204,6 +203,7 @@ def check_credentials(session: Any) -> Any:
 
 
 def caller_account(session: Any, region: str, endpoint_urls: dict[str, str]) -> str:
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.exceptions import ClientError, NoCredentialsError
 
     sts = _client(session, "sts", region, endpoint_urls)
@@ -219,6 +219,7 @@ def caller_account(session: Any, region: str, endpoint_urls: dict[str, str]) -> 
 
 
 def _client(session: Any, service: str, region: str, endpoint_urls: dict[str, str], **config: Any) -> Any:
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.config import Config
 
     settings = {"retries": {"mode": "standard", "max_attempts": 5}, "connect_timeout": 10, **config}
@@ -232,8 +233,6 @@ def docker_push(ecr: Any) -> Push:
     logged_in: set[str] = set()
 
     def push(image: ImageContext, context: Path, uri: str) -> None:
-        import base64
-
         registry = uri.split("/")[0]
         if registry not in logged_in:
             token = ecr.get_authorization_token()["authorizationData"][0]["authorizationToken"]
@@ -263,6 +262,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     the record keeps which it was. ``digest``: refuse, before any API call, unless
     ``compiled.digest`` is this; the functions check their stages against ``compiled.digest``
     either way (it travels in each invocation)."""
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     import boto3
 
     endpoint_urls = dict(endpoint_urls or {})
@@ -331,6 +331,7 @@ def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext],
 
 
 def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict[str, Any]) -> None:
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.exceptions import ClientError
 
     deadline = time.time() + ROLE_PROPAGATION_S
@@ -351,6 +352,7 @@ def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict
 
 
 def _deleters(clients: _Clients) -> dict[str, Callable[[dict[str, str]], None]]:
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.exceptions import ClientError
 
     def gone_is_fine(call: Callable[[], Any], *codes: str) -> None:
@@ -383,6 +385,7 @@ def teardown(deployment: LambdaDeployment | str | os.PathLike, *, session: Any =
     (``flatpack teardown DIR``). Returns what was removed."""
     if isinstance(deployment, LambdaDeployment):
         return deployment.teardown()
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     import boto3
 
     ledger = cloud.Ledger.load(deployment)
@@ -402,8 +405,6 @@ class LambdaDeployment(cloud.CloudDeployment):
         return _deleters(self.clients)
 
     def invoke_function(self, function: str, payload: bytes) -> tuple[bytes, str | None, bytes]:
-        import base64
-
         response = self.clients.invoke.invoke(FunctionName=function, InvocationType="RequestResponse",
                                               LogType="Tail", Payload=payload)
         return (response["Payload"].read(), response.get("FunctionError"),

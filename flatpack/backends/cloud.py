@@ -24,7 +24,7 @@ from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.platform.catalog import get_platform
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import Role
 from flatpack.runtime.store_url import open_store
 from flatpack.stage.integrity import check_digest
 
@@ -332,6 +332,7 @@ def configure_bucket(s3: Any, bucket: str, run: str, tls_only: bool = True) -> N
 
 def delete_bucket(s3: Any, bucket: str) -> None:
     """Empties the bucket (it is the deployment's own) and deletes it; gone already is fine."""
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.exceptions import ClientError
 
     try:

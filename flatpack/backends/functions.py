@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
@@ -35,16 +36,18 @@ from flatpack.platform.catalog import get_platform
 from flatpack.progress import ProgressLine
 from flatpack.runtime import channel_split, chaos, forkjoin, timeline
 from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec, stop_message
+from flatpack.runtime.function import Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
-from flatpack.runtime.spec import Role, RunSpec, StageSpec, shared_holders, split_value, stage_specs
+from flatpack.runtime.spec import RunSpec, StageSpec, shared_holders, split_value, stage_specs
 from flatpack.runtime.store import Store
 from flatpack.runtime.store_url import open_store
-from flatpack.runtime.training import TARGET, pack_values
+from flatpack.runtime.training import TARGET
 from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
 from flatpack.stage import wire
 from flatpack.stage.artifact import build_module
+from flatpack.stage.wire import pack_values
 from flatpack.units import MIB
 from flatpack.weights import state_dict_of
 
@@ -255,8 +258,6 @@ class FunctionDeployment:
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
         """
         check_loss(loss)
-        from torch.utils.data import DataLoader
-
         if isinstance(batches, DataLoader):
             batches = loader_batches(batches, iterations)
             iterations = iterations or len(batches)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 import flatpack
 from flatpack.backends.batch_checks import batch_values
@@ -65,9 +66,10 @@ from flatpack.runtime.forkjoin import join_batch
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.precision import LossScaling
 from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
-from flatpack.runtime.training import TARGET, pack_values, unpack_values
+from flatpack.runtime.training import TARGET
 from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, parse_stage
 from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
+from flatpack.stage.wire import pack_values, unpack_values
 
 NAME = "gpu-container"
 CAPABILITIES = frozenset(Capability) - {Capability.RESUME}
@@ -883,7 +885,6 @@ class GpuContainerDeployment:
         for report in self.reports:
             if report.role.stage == last:
                 losses = [total + value for total, value in zip(losses, report.losses)]
-        from safetensors.torch import load_file
 
         parameters: dict[str, torch.Tensor] = {}
         for stage in range(len(layout.degrees)):

@@ -31,10 +31,9 @@ from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.interrupts import die_with_parent, stopping, track
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV
+from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.s3server import LocalS3Server
-from flatpack.runtime.spec import Role
 from flatpack.stage.integrity import INDEX_FILE, check_digest
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart",

@@ -55,9 +55,9 @@ from flatpack.platform.calibration import Calibration, TierCalibration
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, example_batch_size, graph_hash, host_info
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
-from flatpack.runtime.spec import Role
-from flatpack.runtime.training import pack_values
+from flatpack.runtime.function import Role
 from flatpack.stage.manifest import Manifest
+from flatpack.stage.wire import pack_values
 from flatpack.table import format_table
 from flatpack.version import __version__
 

@@ -43,7 +43,7 @@ from flatpack.platform.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibrati
 from flatpack.platform.catalog import get_platform, host_cores
 from flatpack.profiler import default_cache_dir, host_clock, host_info
 from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import Role
 from flatpack.version import __version__
 
 DEFAULT_TIMEOUT_S = 300.0

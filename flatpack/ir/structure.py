@@ -56,7 +56,7 @@ def _model_output_class(path: str) -> type | None:
     parts = module_path.split(".")
     if parts[0] != "transformers" or any(part.startswith("_") for part in [*parts, *qualname.split(".")]):
         return None
-    try:
+    try:   # optional dependency: HuggingFace transformers (pip install 'flatpack[hf]')
         import transformers
         from transformers.utils import ModelOutput
     except ImportError:

@@ -24,7 +24,7 @@ LOG_SCALE_RATIO = 50.0
 
 def require_matplotlib() -> Any:
     """The matplotlib module, or an error that says how to install it."""
-    try:
+    try:   # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
         import matplotlib
     except ImportError:
         raise InputError(f"plotting needs matplotlib, which is not installed: {INSTALL_HINT}") from None
@@ -70,6 +70,7 @@ def plot_selection(selection: Selection, path: str | os.PathLike, *, title: str,
     selection is one SLO or weighted pick). An SLO is a dashed vertical line.
     """
     require_matplotlib()
+    # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

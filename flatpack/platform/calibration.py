@@ -227,6 +227,7 @@ class StoreLatency:
     @classmethod
     def fit(cls, seconds: Sequence[float]) -> StoreLatency:
         """Maximum-likelihood fit of measured request seconds (scipy, on the invoker's side)."""
+        # start-up time: scipy.stats takes ~1 s to load, and only a fit of measured latencies needs it
         from scipy.stats import exponnorm
 
         if len(seconds) < 8:

@@ -38,9 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from flatpack.runtime.function import emulated_clock, tier_link
+from flatpack.runtime.function import Role, emulated_clock, tier_link
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
 
 CALIBRATE_KIND = "calibrate"

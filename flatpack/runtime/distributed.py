@@ -28,8 +28,8 @@ weights"), and are left out of the per-stage all-reduce.
 The micro-batch compute — parameter discovery, the forward under the precision's autocast
 with the micro-batch's dropout seed, the loss scaled by b/B for a micro-batch of b samples,
 the backward through the outputs (after recomputing the forward on a stage whose plan says
-so), the flat gradient buffer — is ``training.py``'s own (``stage_tensors``,
-``stage_forward``, ``stage_backward``, ``flat_grads``), so the parameters after N
+so), the flat gradient buffer — is ``training.py``'s own (``stage_forward``,
+``stage_backward``, ``flat_grads``; ``stage_tensors`` from ``stage.artifact``), so the parameters after N
 iterations equal the store runtime's and single-process training (``reference.py``).
 
 Run it under ``torchrun`` (or with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
@@ -39,7 +39,7 @@ MASTER_PORT set)::
 
 ``DIR`` is the packaged context: ``run.json`` (a :class:`DistributedRun`) and
 ``stages/stage_NNN/``. Data are ``DIR/data/iter_NNNNNN.safetensors`` files of global batches
-(``training.pack_values`` of the input leaves by name and the target under ``TARGET``) of
+(``wire.pack_values`` of the input leaves by name and the target under ``TARGET``) of
 exactly the run's batch (``--batch``) samples; a rank reads only the tensors its stage
 takes from the data, and cuts them into its micro-batches (``spec.split_value``).
 At the end, replica 0 of each stage writes ``stage_NNN.safetensors`` (final parameters under
@@ -49,7 +49,7 @@ iteration, samples/s) and ``timeline_rank_NNNNN.json`` into the output directory
 An inference run (``DistributedRun.mode`` "infer") sends the same forward messages with no
 backward: the modules run in eval mode without autograd, and every rank writes the model
 outputs its stage produced, per iteration and micro-batch, to ``outputs_rank_NNNNN.bin``
-(``training.pack_values``); ``--parameters DIR`` loads a finished training run's weights first.
+(``wire.pack_values``); ``--parameters DIR`` loads a finished training run's weights first.
 """
 
 from __future__ import annotations
@@ -80,12 +80,11 @@ from flatpack.runtime.precision import autocast, for_wire, loss_scaler
 from flatpack.runtime.spec import (DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs,
                                    split_value)
 from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, compute_order, flat_grads,
-                                       input_gradients, pack_values, split_values, stage_backward, stage_forward,
-                                       stage_tensors)
-from flatpack.stage.artifact import load_stage, stage_dirname, stage_manifest
+                                       input_gradients, stage_backward, stage_forward)
+from flatpack.stage.artifact import load_stage, stage_dirname, stage_manifest, stage_tensors
 from flatpack.stage.manifest import ValueEntry
 from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
-from flatpack.stage.wire import META_KEY
+from flatpack.stage.wire import META_KEY, pack_values, split_values
 
 RUN_FILE = "run.json"
 STAGES_DIR = "stages"
@@ -478,7 +477,7 @@ class StageRank:
             if rows is None:
                 raise InputError(f"{path} holds no batched tensor among the data inputs "
                                  f"{', '.join(self.batched_inputs)}: a batch file holds each input's global batch "
-                                 "by input name (training.pack_values)")
+                                 "by input name (wire.pack_values)")
             if rows != self.spec.batch:
                 raise InputError(f"{path} holds a batch of {rows} samples, but the run's batch is {self.spec.batch}; "
                                  f"pass --batch {rows} (or package(batch={rows})), or write batches of "

@@ -30,11 +30,11 @@ import torch
 
 from flatpack.batching import has_batch_dimension
 from flatpack.runtime import channel_split, timeline
-from flatpack.runtime.function import load_module
+from flatpack.runtime.function import Role, load_module
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
-from flatpack.runtime.training import load_weights, pack_values, unpack_values
+from flatpack.stage.artifact import load_weights
+from flatpack.stage.wire import pack_values, unpack_values
 
 STOP = "stop"
 

@@ -1,6 +1,6 @@
 """What holds a function process to its tier and gives it its stage: the environment a function
-reads (its role, the store, baked artifacts), its peak memory, its CPU share and emulated
-clock, its bandwidth to the store, and its verified stage module.
+reads (its :class:`Role`, the store, baked artifacts), its peak memory, its CPU share and
+emulated clock, its bandwidth to the store, and its verified stage module.
 
 Shared by the roles a function runs (``runtime.worker``: train and infer; ``forkjoin``,
 ``profile_function``, ``calibrate_function``), which is why it is not part of ``worker``:
@@ -9,10 +9,12 @@ they would import each other.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,6 +28,35 @@ from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, verify_fil
 ROLE_ENV = "FLATPACK_ROLE"
 STORE_ENV = "FLATPACK_STORE"
 ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
+
+
+@dataclass(frozen=True)
+class Role:
+    """One function invocation: which stage replica, from which iteration to which (end
+    exclusive), and which attempt (a restart or a self re-invocation counts up)."""
+
+    spec_key: str
+    stage: int
+    replica: int
+    start_iteration: int
+    end_iteration: int
+    attempt: int = 0
+    kind: str = "train"      # "train" | "infer-master" | "infer-worker"
+    # the sha256 of the artifact's index (Compiled.digest): the worker checks what it loads
+    # against it. It travels in the invocation, never through the store, so that whoever can
+    # write the store cannot also vouch for what they wrote.
+    digest: str = ""
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: str) -> Role:
+        return cls(**json.loads(raw))
+
+    @property
+    def worker(self) -> str:
+        return f"s{self.stage}r{self.replica}"
 
 
 class OutOfMemory(Exception):

@@ -72,6 +72,7 @@ def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequenc
     iteration after the first begins; micro-batch numbers sit inside bars wide enough.
     """
     require_matplotlib()
+    # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -16,8 +16,7 @@ import os
 import time
 from typing import Any
 
-from flatpack.runtime.function import ARTIFACTS_ENV, STORE_ENV, peak_rss_bytes
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import ARTIFACTS_ENV, STORE_ENV, Role, peak_rss_bytes
 from flatpack.runtime.store import open_plain_store
 from flatpack.runtime.worker import run_role
 

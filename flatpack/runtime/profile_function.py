@@ -48,12 +48,11 @@ import torch
 from flatpack.ir.profile import Linear
 from flatpack.ir.trace import _first_line
 from flatpack.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
-from flatpack.runtime.function import cpu_throttle, emulated_clock, load_module, peak_rss_bytes
+from flatpack.runtime.function import Role, cpu_throttle, emulated_clock, load_module, peak_rss_bytes
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role
 from flatpack.runtime.store import Store
-from flatpack.runtime.training import unpack_values
 from flatpack.stage.artifact import stage_manifest
+from flatpack.stage.wire import unpack_values
 from flatpack.units import MIB, mb
 
 PROFILE_KIND = "profile"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import glob
 import json
 import os
@@ -50,6 +51,11 @@ import time
 import weakref
 from pathlib import Path
 from typing import IO, Any, Callable
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from flatpack.errors import StoreError
 from flatpack.interrupts import die_with_parent, stopping, track
@@ -392,13 +398,6 @@ def _make_grpc_certificate() -> tuple[bytes, bytes, bytes]:
     """A throwaway CA and one certificate it signs (PEM: CA, certificate, key) for weed's
     mutual TLS on gRPC; weed does not check host names, so one certificate serves every
     component, as server and as client."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     now = datetime.datetime.now(datetime.timezone.utc)
     # valid a little before now (clock steps) and for 30 days: a server is restarted long before
     valid_from, valid_to = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30)

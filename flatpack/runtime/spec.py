@@ -1,6 +1,6 @@
-"""What a run tells its workers: the stages and their routing, the schedule, the optimizer
-and loss, and each worker's role. Plain JSON in the store (``RunKeys.spec``), so a worker
-needs nothing but the store's address and its role to start."""
+"""What a training run tells its workers: the stages and their routing, the schedule, the
+optimizer and loss. Plain JSON in the store (``RunKeys.spec``), so a worker needs nothing but
+the store's address and its role (``runtime.function.Role``) to start."""
 
 from __future__ import annotations
 
@@ -133,35 +133,6 @@ class RunSpec:
                    shared={k: tuple(v) for k, v in data.pop("shared").items()},
                    faults=tuple(data.pop("faults")), loss_scaling=LossScaling.of(data.pop("loss_scaling", None)),
                    **data)
-
-
-@dataclass(frozen=True)
-class Role:
-    """One function invocation: which stage replica, from which iteration to which (end
-    exclusive), and which attempt (a restart or a self re-invocation counts up)."""
-
-    spec_key: str
-    stage: int
-    replica: int
-    start_iteration: int
-    end_iteration: int
-    attempt: int = 0
-    kind: str = "train"      # "train" | "infer-master" | "infer-worker"
-    # the sha256 of the artifact's index (Compiled.digest): the worker checks what it loads
-    # against it. It travels in the invocation, never through the store, so that whoever can
-    # write the store cannot also vouch for what they wrote.
-    digest: str = ""
-
-    def dumps(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def loads(cls, raw: str) -> Role:
-        return cls(**json.loads(raw))
-
-    @property
-    def worker(self) -> str:
-        return f"s{self.stage}r{self.replica}"
 
 
 def routing(manifests: Sequence[Manifest],

@@ -21,7 +21,7 @@ import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -32,13 +32,17 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, micro_batch_size, received_specs
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs
 from flatpack.runtime.stashing import AsyncTask, WeightStash, async_chunks, forward_version
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
 from flatpack.stage import wire
-from flatpack.stage.artifact import stage_manifest
+from flatpack.stage.artifact import install_weights, stage_manifest, stage_tensors
 from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
+from flatpack.stage.wire import pack_values, unpack_values
+
+if TYPE_CHECKING:   # the gpu-container ranks run the micro-batch compute without a function's role
+    from flatpack.runtime.function import Role
 
 TARGET = "__target__"     # the data blob's entry holding a micro-batch's targets
 
@@ -58,47 +62,8 @@ def compute_order(schedule: str, owned: list[int], stage: int, stages: int) -> l
     return order
 
 
-def split_values(values: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors go into the safetensors body; other values (sizes, flags) into its JSON header."""
-    tensors = {name: value.detach() for name, value in values.items() if isinstance(value, torch.Tensor)}
-    others = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
-    return tensors, others
-
-
-def pack_values(values: dict[str, Any]) -> bytes:
-    tensors, others = split_values(values)
-    return wire.dumps(tensors, {"values": others})
-
-
-def unpack_values(data: bytes) -> dict[str, Any]:
-    tensors, meta = wire.loads(data)
-    return {**meta.get("values", {}), **tensors}
-
-
 # -- the micro-batch compute, shared with the gpu-container ranks (runtime.distributed) -------
 # Both runtimes must compute exactly this, so that both equal single-process training.
-
-def stage_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
-    """A stage module's parameters and buffers by their original names, and the trainable
-    parameters among them (the optimizer's, in manifest order)."""
-    attrs = stage_manifest(module).attributes()
-    state = {name: getattr(module, attr) for name, attr in attrs.items()}
-    trainable = {name: tensor for name, tensor in state.items()
-                 if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
-    return state, trainable
-
-
-def install_weights(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Copies a checkpoint's weights (``w/<name>`` entries) into a stage's parameters and buffers."""
-    with torch.no_grad():
-        for name, tensor in state.items():
-            tensor.copy_(tensors[f"w/{name}"])
-
-
-def load_weights(module: nn.Module, checkpoint: bytes) -> None:
-    """Installs a stage checkpoint's weights in ``module`` (inference serves trained weights)."""
-    install_weights(stage_tensors(module)[0], wire.loads(checkpoint)[0])
-
 
 def scaled_loss(spec: RunSpec, micro_batch: int, output: Any, target: Any) -> torch.Tensor:
     """Micro-batch ``micro_batch``'s loss scaled by b/B, so that the micro-batch losses add

@@ -29,16 +29,19 @@ import signal
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
 from flatpack.errors import ArtifactError, InputError
-from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, cpu_throttle, load_module, peak_rss_bytes,
-                                       tier_link)
+from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, Role, cpu_throttle, load_module,
+                                       peak_rss_bytes, tier_link)
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.spec import Role, RunSpec
 from flatpack.runtime.store import Store, StoreUnavailable, is_transient_failure, open_plain_store
 from flatpack.units import MIB
+
+if TYPE_CHECKING:
+    from flatpack.runtime.spec import RunSpec
 
 REINVOKE = 75
 OUT_OF_MEMORY = 86
@@ -178,6 +181,10 @@ def run_role(role: Role, store: Store, started: float) -> int:
             from flatpack.runtime.calibrate_function import run_calibrate   # start-up time: calibrate role only
             return run_calibrate(store, role, raw, started)
         if role.kind == "train":
+            # start-up time: only the train role reads a RunSpec (its optimizer and precision modules, loaded
+            # with it, stay out of the other roles)
+            from flatpack.runtime.spec import RunSpec
+
             spec = RunSpec.loads(raw)
             if spec.store_faults:   # a chaos run: this worker's store requests fail and stall at the spec's rates
                 from flatpack.runtime.chaos import for_role   # start-up time: chaos runs only

@@ -22,6 +22,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from flatpack.errors import ArtifactError
+from flatpack.stage import wire
 from flatpack.stage.integrity import check_safetensors, read_verified, sha256_hex
 from flatpack.stage.manifest import FileHash, Manifest
 
@@ -128,6 +129,28 @@ def stage_manifest(module: nn.Module) -> Manifest:
     if not isinstance(manifest, Manifest):
         raise TypeError(f"{type(module).__name__} is not a flatpack stage module (build_module makes those)")
     return manifest
+
+
+def stage_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
+    """A stage module's parameters and buffers by their original names, and the trainable
+    parameters among them (the optimizer's, in manifest order)."""
+    attrs = stage_manifest(module).attributes()
+    state = {name: getattr(module, attr) for name, attr in attrs.items()}
+    trainable = {name: tensor for name, tensor in state.items()
+                 if isinstance(tensor, nn.Parameter) and tensor.requires_grad}
+    return state, trainable
+
+
+def install_weights(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copies a checkpoint's weights (``w/<name>`` entries) into a stage's parameters and buffers."""
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(tensors[f"w/{name}"])
+
+
+def load_weights(module: nn.Module, checkpoint: bytes) -> None:
+    """Installs a stage checkpoint's weights in ``module`` (inference serves trained weights)."""
+    install_weights(stage_tensors(module)[0], wire.loads(checkpoint)[0])
 
 
 def load_stage(path: str | os.PathLike, *, digest: str | None = None,

@@ -107,6 +107,27 @@ def _check_entry(name: object, tensor: object) -> None:
         raise WireError(f"{name!r} has layout {tensor.layout}; call .to_dense() before sending it")
 
 
+# -- a stage's named values: tensors in the body, the rest (sizes, flags) in the header --------
+
+def split_values(values: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors go into the safetensors body; other values (sizes, flags) into its JSON header."""
+    tensors = {name: value.detach() for name, value in values.items() if isinstance(value, torch.Tensor)}
+    others = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    return tensors, others
+
+
+def pack_values(values: dict[str, Any]) -> bytes:
+    """Named values (tensors and JSON-able others) as one message; :func:`unpack_values` reads it."""
+    tensors, others = split_values(values)
+    return dumps(tensors, {"values": others})
+
+
+def unpack_values(data: bytes) -> dict[str, Any]:
+    """The named values :func:`pack_values` wrote."""
+    tensors, meta = loads(data)
+    return {**meta.get("values", {}), **tensors}
+
+
 def _read_meta(data: bytes) -> dict:
     """The ``meta`` dict from a safetensors header, parsed with json (safetensors.load drops it)."""
     if len(data) < _HEADER_LEN.size:

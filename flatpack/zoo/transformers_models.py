@@ -21,7 +21,7 @@ GPT2_FULL_TOKENS = 1024  # GPT-2's context length
 
 def _transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+    try:   # optional dependency: HuggingFace transformers (pip install 'flatpack[hf]')
         import transformers
     except ImportError:
         raise InputError("this zoo model needs HuggingFace transformers: "

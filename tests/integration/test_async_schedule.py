@@ -18,15 +18,17 @@ from flatpack import cli
 from flatpack.backends import local
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import pipedream
+from flatpack.runtime.function import Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.reference import train_async_single_process, train_single_process
-from flatpack.runtime.spec import Role, RunSpec, split_value, stage_specs
+from flatpack.runtime.spec import RunSpec, split_value, stage_specs
 from flatpack.runtime.stashing import forward_version
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
-from flatpack.runtime.training import TARGET, StageTrainer, pack_values
+from flatpack.runtime.training import TARGET, StageTrainer
+from flatpack.stage.wire import pack_values
 from flatpack.stage import wire
 from flatpack.stage.artifact import build_module
 from flatpack.verdict import parameter_stages, pipeline_optimizer_state

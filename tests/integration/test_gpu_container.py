@@ -29,8 +29,9 @@ from flatpack.platform.catalog import BASE_IMAGES
 from flatpack.runtime.distributed import (RUN_MODES, DistributedRun, Layout, StageRank, data_file, iter_reports,
                                           stage_path, synthetic_generator, synthetic_tensor, with_overrides)
 from flatpack.stage.artifact import load_stage
+from flatpack.stage.wire import pack_values
 from flatpack.runtime.reference import train_single_process
-from flatpack.runtime.training import TARGET, pack_values
+from flatpack.runtime.training import TARGET
 from flatpack.stage.artifact import load_stage
 
 BATCH = 12

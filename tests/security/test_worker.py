@@ -17,7 +17,7 @@ import torch
 from flatpack.backends import local
 from flatpack.errors import ArtifactRefused
 from flatpack.runtime.function import load_module
-from flatpack.runtime.spec import Role
+from flatpack.runtime.function import Role
 from flatpack.stage.integrity import Index
 from tests.security.conftest import BATCH, hostile_stage_source
 

@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from flatpack.runtime.collectives import chunk_bounds, scatter_reduce
+from flatpack.runtime.function import Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec, routing
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, routing
 from flatpack.stage.manifest import Manifest, ValueEntry
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
-from flatpack.runtime.training import compute_order, pack_values, unpack_values
+from flatpack.runtime.training import compute_order
+from flatpack.stage.wire import pack_values, unpack_values
 
 
 def test_sync_schedule_runs_all_forwards_then_backwards_in_reverse():

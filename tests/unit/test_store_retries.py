@@ -23,8 +23,9 @@ from botocore.exceptions import (
 from flatpack.errors import StoreError, StoreKeyError, StoreTimeout
 from flatpack.runtime import chaos
 from flatpack.runtime.chaos import FaultyStore, InjectedStall, InjectedStoreError
+from flatpack.runtime.function import Role
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.spec import DATA_SOURCE, Role, RunSpec, StageSpec
+from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec
 from flatpack.runtime.store import (DEFAULT_RETRY_S, READ_TIMEOUT_S, RETRY_CAP_S, RETRY_ENV, FileStore, S3Store,
                                     StoreUnavailable, default_retry_s, is_transient, is_transient_failure, retrying)
 from flatpack.runtime.store_url import open_store

@@ -173,7 +173,7 @@ def test_boundary_tensors_travel_in_bfloat16_and_other_values_as_they_are():
     import torch
 
     from flatpack.runtime.precision import for_wire
-    from flatpack.runtime.training import pack_values, unpack_values
+    from flatpack.stage.wire import pack_values, unpack_values
 
     values = {"hidden": torch.randn(3, 4, requires_grad=True) * 2, "mask": torch.ones(3, dtype=torch.long), "size": 3}
     received = unpack_values(pack_values(for_wire(values, "bf16")))

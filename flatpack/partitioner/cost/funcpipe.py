@@ -26,6 +26,7 @@ Readings chosen where the text is loose:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -386,8 +387,6 @@ def with_tiers(problem: Problem, plan: Plan) -> Plan:
     stage): the smallest tier of the search space (``memory_mb`` option, else the platform's
     choices) whose eq. 3b need at the stage's degree fits, else the largest (the cost model
     then reports the stage as unfit). Stages that have a tier keep it."""
-    import dataclasses
-
 
     if all(stage.memory_mb is not None for stage in plan.stages) or not problem.profiled:
         return plan   # unprofiled: no memory need to fit (and no cost model to feed)

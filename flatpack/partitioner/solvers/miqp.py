@@ -794,6 +794,7 @@ class _CpModel:
     """The CP-SAT model of one subproblem (see the module docstring for the formulation)."""
 
     def __init__(self, part: Subproblem, objective: _Objective, scaling: _Scaling, incumbent: float | None):
+        # start-up time: ortools' CP-SAT is loaded by a miqp solve alone
         from ortools.sat.python import cp_model
 
         self.part, self.objective, self.scaling = part, objective, scaling
@@ -943,6 +944,7 @@ class _CpModel:
         return values.time * self._price_units(path) if self.objective.product else values.time
 
     def solve(self, budget_s: float, workers: int, seed: int) -> tuple[str, dict[str, Any] | None]:
+        # start-up time: ortools' CP-SAT is loaded by a miqp solve alone
         from ortools.sat.python import cp_model
 
         solver = cp_model.CpSolver()

@@ -159,6 +159,7 @@ def one_thread() -> Iterator[None]:
     (policy networks, GP matrices) are too small to split, and on two busy cores the thread
     pool only adds synchronization (measured: an rl episode 0.6 ms on one thread, 13 ms on
     two; a 40-evaluation bayes solve 4.0 s against 11.5 s)."""
+    # start-up time: torch takes ~1 s to load, and of the solvers only the learning ones (rl, bayes) use it
     import torch
 
     threads = torch.get_num_threads()
