@@ -510,16 +510,16 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
             summary[model, label]["profile"].append((goal.weights.label(), result))
 
 
-def summary_line(key: tuple[str, str], info: dict, build_s: float | None) -> str:
+def summary_line(key: tuple[str, str], summary_row: dict, build_s: float | None) -> str:
     model, label = key
-    front = (fmt(info["front"], ".2f") if info["front"] is not None
-             else f"incomplete ({info['dp_done']}/4 solved)")
-    ratios = ", ".join(f"{name}: {ratio:.6f}" for name, ratio in info["ratios"].items()) or "—"
-    brute = (", ".join(f"{name}: {ratio:.6f}" for name, ratio in info["brute_ratios"].items())
-             or f"— ({info['brute_plans']:.3g} plans)")
-    call = fmt(info["front_call"], ".2f") if info["front_call"] is not None else "timed out"
-    reference = ", ".join(f"{name}: {ratio:.12f}" for name, ratio in info["reference_ratios"].items()) or "—"
-    return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(info['dp_max'], '.2f')} | "
+    front = (fmt(summary_row["front"], ".2f") if summary_row["front"] is not None
+             else f"incomplete ({summary_row['dp_done']}/4 solved)")
+    ratios = ", ".join(f"{name}: {ratio:.6f}" for name, ratio in summary_row["ratios"].items()) or "—"
+    brute = (", ".join(f"{name}: {ratio:.6f}" for name, ratio in summary_row["brute_ratios"].items())
+             or f"— ({summary_row['brute_plans']:.3g} plans)")
+    call = fmt(summary_row["front_call"], ".2f") if summary_row["front_call"] is not None else "timed out"
+    reference = ", ".join(f"{name}: {ratio:.12f}" for name, ratio in summary_row["reference_ratios"].items()) or "—"
+    return (f"| {model} | {label} | {fmt(build_s, '.1f')} | {front} | {call} | {fmt(summary_row['dp_max'], '.2f')} | "
             f"{ratios} | {brute} | {reference} |")
 
 
@@ -625,9 +625,9 @@ def main(argv: list[str] | None = None) -> None:
             summary.setdefault("build", {})[base.name, label] = build_s
             run_problem(problem, base.name, label, args, rows, summary)
             # as it comes, on stderr (the tables on stdout stay whole): a cut-short run keeps it
-            info = summary[base.name, label]
-            print("summary: " + summary_line((base.name, label), info, build_s), file=sys.stderr, flush=True)
-            for weights, result in info.get("profile", []):
+            summary_row = summary[base.name, label]
+            print("summary: " + summary_line((base.name, label), summary_row, build_s), file=sys.stderr, flush=True)
+            for weights, result in summary_row.get("profile", []):
                 print_profile(base.name, label, weights, result, file=sys.stderr)
                 sys.stderr.flush()
     if args.check_layers and bases:
@@ -642,12 +642,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | L | problem build s | dp front s (sum of solves) | Dp.front s (one call) | dp slowest solve s "
           "| miqp/dp objective | brute/dp objective | dp-reference/dp objective |")
     print("|---|---|---|---|---|---|---|---|")
-    for key, info in summary.items():
+    for key, summary_row in summary.items():
         if key != "build":
-            print(summary_line(key, info, summary["build"].get(key)))
-    for key, info in summary.items():
+            print(summary_line(key, summary_row, summary["build"].get(key)))
+    for key, summary_row in summary.items():
         if key != "build":
-            for weights, result in info.get("profile", []):
+            for weights, result in summary_row.get("profile", []):
                 print_profile(*key, weights, result)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

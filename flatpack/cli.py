@@ -248,13 +248,11 @@ def cmd_sign(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
     # start-up time: a verb imports what it runs
+    from flatpack.compiled_info import CompiledInfo
     from flatpack.compiler import COMPILED_FILE
-    from flatpack.ir import structure
 
     verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key)
-    info = json.loads(verified.files[COMPILED_FILE])
-    for key in ("output_structure", "input_structure"):
-        structure.check(info.get(key, {"tuple": []}), f"{Path(args.dir) / COMPILED_FILE} ({key})")
+    CompiledInfo.parse(json.loads(verified.files[COMPILED_FILE]), str(Path(args.dir) / COMPILED_FILE))
     if verified.trust == "directory":
         LOG.warning("the index itself was trusted only as far as this directory is: pass --digest (the digest "
                     "compile printed) or --verify-key to check it against something held elsewhere")
@@ -365,7 +363,7 @@ def _plan_workload(args: argparse.Namespace) -> tuple[Any, Any]:
     from flatpack.partitioner.options import ProblemOptions
     from flatpack.partitioner.workload import Workload
 
-    options: dict[str, Any] = {}
+    options = ProblemOptions()
     micro_batches = None
     if args.micro_batches is not None:
         if args.mode == "infer":
@@ -374,22 +372,22 @@ def _plan_workload(args: argparse.Namespace) -> tuple[Any, Any]:
         counts = _positive_ints(args.micro_batches, "--micro-batches")
         micro_batches = min(counts)
         if len(counts) > 1:
-            options["micro_batches"] = tuple(counts)
+            options = options.with_changes(micro_batches=tuple(counts))
     if args.memory is not None:
-        options["memory_mb"] = tuple(_positive_ints(args.memory, "--memory"))
+        options = options.with_changes(memory_mb=tuple(_positive_ints(args.memory, "--memory")))
     if args.replicas is not None:
-        options["replicas"] = tuple(_positive_ints(args.replicas, "--replicas"))
+        options = options.with_changes(replicas=tuple(_positive_ints(args.replicas, "--replicas")))
     if args.max_workers is not None:
         if args.max_workers < 0:
             raise InputError(f"--max-workers must be >= 0, got {args.max_workers}")
-        options["max_workers"] = args.max_workers
+        options = options.with_changes(max_workers=args.max_workers)
     if args.cost_model is not None:
-        options["cost_model"] = args.cost_model
+        options = options.with_changes(cost_model=args.cost_model)
     if args.weights is not None:
-        options["weights"] = _weights(args.weights)
+        options = options.with_changes(weights=_weights(args.weights))
     workload = Workload(args.mode, batch=args.batch, micro_batches=micro_batches, optimizer=args.optimizer,
                         sync=args.sync, slo_s=args.slo)
-    return workload, ProblemOptions.of(options, "flatpack plan")
+    return workload, options
 
 
 def _check_tiers(target: str, memory_mb: Sequence[int]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from flatpack.codegen.emit import emit_stages
+from flatpack.compiled_info import COMPILED_KIND, CompiledInfo
 from flatpack.errors import ArtifactError, InputError, PlanError
 from flatpack.ir import meta, structure
 from flatpack.ir.graph import LayerGraph
@@ -47,9 +47,8 @@ from flatpack.runtime.timeline import Event
 from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
 from flatpack.stage.integrity import INDEX_FILE, Index, read_verified
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
-from flatpack.version import COMPILED_SCHEMA_VERSION, __version__
+from flatpack.version import __version__
 
-COMPILED_KIND = "flatpack-compiled"
 COMPILED_FILE = "flatpack.json"
 
 
@@ -57,11 +56,12 @@ class Compiled:
     """A compiled model: the layer chain, the plan and one artifact per stage.
 
     ``graph`` is the LayerGraph when compiled in this process and None after
-    ``flatpack.load`` (the saved directory keeps its JSON summary in ``chain``).
+    ``flatpack.load`` (the saved directory keeps its JSON summary in ``chain``). ``info`` is
+    what ``flatpack.json`` records besides the plan (:class:`~flatpack.compiled_info.CompiledInfo`).
     """
 
     def __init__(self, *, graph: LayerGraph | None, plan: Plan, artifacts: list[StageArtifact],
-                 info: dict[str, Any], problem: Problem | None = None, trust: str = "compiled here") -> None:
+                 info: CompiledInfo, problem: Problem | None = None, trust: str = "compiled here") -> None:
         self.graph = graph
         self.plan = plan
         self.artifacts = artifacts
@@ -72,24 +72,23 @@ class Compiled:
         self.trust = trust
         self._index: Index | None = None
 
-    @functools.cached_property
+    @property
     def profile(self) -> ChainProfile | None:
         """The per-layer profile when compiled with ``profile=...`` (kept across save/load)."""
-        data = self.info.get("profile")
-        return ChainProfile.from_json(data, cache_hit=data.get("cache_hit", False)) if data else None
+        return self.info.profile
 
     # what it is -----------------------------------------------------------------------------
     @property
     def target(self) -> str:
-        return self.info["target"]
+        return self.info.target
 
     @property
     def frontend(self) -> str:
-        return self.info["frontend"]
+        return self.info.frontend
 
     @property
-    def chain(self) -> dict:
-        return self.info["chain"]
+    def chain(self) -> dict[str, Any]:
+        return self.info.chain
 
     def __repr__(self) -> str:
         return (f"Compiled(target={self.target!r}, frontend={self.frontend!r}, "
@@ -103,10 +102,10 @@ class Compiled:
     def input_leaves(self, inputs: Any, kwargs: dict | None = None) -> list[Any]:
         """The model's flat inputs for a call like ``model(inputs)`` (a tensor, a tuple of
         positional inputs or a dict of keyword inputs), in the graph's placeholder order:
-        what the stages' data inputs are named by (``info["input_names"]``)."""
+        what the stages' data inputs are named by (``info.input_names``)."""
 
         args, keywords = _as_call(inputs, kwargs)
-        return flatten_inputs(Signature.from_json(self.info["signature"]), args, keywords)[0]
+        return flatten_inputs(self.info.signature, args, keywords)[0]
 
     def as_module(self) -> StagedModule:
         """The stages chained in-process: call it like the original model, forward and backward."""
@@ -115,7 +114,7 @@ class Compiled:
     # storing ----------------------------------------------------------------------------
     def files(self) -> dict[str, bytes]:
         """Every file of the artifact by relative path, except the index that covers them."""
-        files = {COMPILED_FILE: _json_bytes({**self.info, "plan": self.plan.to_json()}),
+        files = {COMPILED_FILE: self.info.dumps(self.plan.to_json()),
                  "plan.json": (self.plan.dumps() + "\n").encode()}
         for artifact in self.artifacts:
             for name, data in serialize(artifact).items():
@@ -161,10 +160,6 @@ class Compiled:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return target
-
-
-def _json_bytes(data: dict) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode()
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
@@ -218,19 +213,13 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
         raise ArtifactError(f"{directory} has no {COMPILED_FILE}: it is not a flatpack output directory")
     verified = read_verified(directory, digest=digest, verify_key=verify_key)
     try:
-        info = json.loads(verified.files[COMPILED_FILE])
+        document = json.loads(verified.files[COMPILED_FILE])
     except (KeyError, ValueError) as err:
         raise ArtifactError(f"{marker} is missing from the index or not valid JSON ({err}); recompile") from None
-    if not isinstance(info, dict) or info.get("kind") != COMPILED_KIND \
-            or info.get("schema_version") != COMPILED_SCHEMA_VERSION:
-        raise ArtifactError(f"{marker} is not a flatpack output of schema {COMPILED_SCHEMA_VERSION}; recompile")
-    for key in ("output_structure", "input_structure"):
-        if key not in info:
-            raise ArtifactError(f"{marker} has no {key}; the output is corrupted, recompile")
-        structure.check(info[key], f"{marker} ({key})")
-    if not isinstance(info.get("plan"), dict):
+    info = CompiledInfo.parse(document, str(marker))
+    if not isinstance(document.get("plan"), dict):
         raise ArtifactError(f"{marker} has no plan; the output is corrupted, recompile")
-    plan = Plan.from_json(info.pop("plan"))
+    plan = Plan.from_json(document["plan"])
     artifacts = []
     for index in range(len(plan.stages)):
         prefix = stage_dirname(index)
@@ -260,7 +249,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:
                          "run again with this flatpack")
     workload = Workload(**{key: provenance.workload[key]
                            for key in ("mode", "batch", "micro_batches", "optimizer", "sync")})
-    problem = Problem.from_saved(compiled.info["chain"], compiled.profile, compiled.target, workload)
+    problem = Problem.from_saved(compiled.chain, compiled.profile, compiled.target, workload)
     return problem, compiled.plan, timeline.loads(events_path.read_bytes())
 
 
@@ -285,15 +274,15 @@ class StagedModule(nn.Module):
     here, so their gradients sum as in the original.
     """
 
-    def __init__(self, stages: list[nn.Module], info: dict[str, Any]) -> None:
+    def __init__(self, stages: list[nn.Module], info: CompiledInfo) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
-        self._signature = Signature.from_json(info["signature"])
-        self._input_structure = info["input_structure"]
-        self._output_structure = info["output_structure"]
-        self._input_names: list[str] = info["input_names"]
-        self._input_specs: list[dict] | None = info.get("input_specs")
-        self._output_names: list[str] = info["output_names"]
+        self._signature = info.signature
+        self._input_structure = info.input_structure
+        self._output_structure = info.output_structure
+        self._input_names = info.input_names
+        self._input_specs = info.input_specs
+        self._output_names = info.output_names
         self._by_name: dict[str, tuple[int, str]] = {}
         self._aliases: dict[str, str] = {}
         for index, stage in enumerate(self.stages):
@@ -312,8 +301,8 @@ class StagedModule(nn.Module):
                     self._by_name[name] = (index, attr)
         # the mode the model was compiled in (the stages start in it); train()/eval() switch
         # every stage, as they would every submodule of the original
-        self.training = bool(info.get("training", stages[0].training if stages else True))
-        self._mode_fixed: list[str] = list(info.get("mode_fixed", []))
+        self.training = info.training if info.training is not None else (stages[0].training if stages else True)
+        self._mode_fixed = info.mode_fixed or ()
         # the precision whose wire dtype the tensors between stages are rounded to
         # (runtime.precision.crossed), as a pipelined run under that precision sends them;
         # "fp32" (the default) passes them as they are
@@ -365,16 +354,15 @@ class StagedModule(nn.Module):
         return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
 
 
-def input_specs(traced: Any) -> list[dict]:
+def input_specs(traced: Any) -> tuple[TensorSpec, ...]:
     """Per tensor input: the compiled example's shape and dtype, and which dimensions the graph
     leaves free (``None`` when the frontend cannot tell: fx graphs accept what their code does)."""
     dynamic = traced.dynamic_dims
-    return [{"shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix("torch."),
-             "dynamic": None if dynamic is None or index >= len(dynamic) else list(dynamic[index])}
-            for index, leaf in enumerate(traced.example_leaves)]
+    return tuple(TensorSpec.of(leaf, None if dynamic is None or index >= len(dynamic) else tuple(dynamic[index]))
+                 for index, leaf in enumerate(traced.example_leaves))
 
 
-def check_inputs(specs: list[dict] | None, names: list[str], leaves: list[Any]) -> None:
+def check_inputs(specs: Sequence[TensorSpec] | None, names: Sequence[str], leaves: list[Any]) -> None:
     """Refuses a call whose tensors the stages were not compiled for, before any stage runs.
 
     A stage traced by torch.export holds the example's size wherever export fixed it (a
@@ -387,7 +375,7 @@ def check_inputs(specs: list[dict] | None, names: list[str], leaves: list[Any]) 
     for name, spec, leaf in zip(names, specs, leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        check_tensor(name, leaf, TensorSpec.from_json(spec),
+        check_tensor(name, leaf, spec,
                      fix=f"Call it with those sizes, or recompile with example inputs of the shape you will call it "
                          f"with (flatpack.compile(model, example_inputs) with '{name}' of shape {tuple(leaf.shape)}); "
                          "compile's trace_notes say why export fixed a size.")
@@ -469,32 +457,29 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     plan.check_against(len(graph.layers))
     plan = gillis.with_splits(problem, plan)
     artifacts = emit_stages(graph, plan)
-    info = {
-        "kind": COMPILED_KIND,
-        "schema_version": COMPILED_SCHEMA_VERSION,
-        "flatpack_version": __version__,
-        "torch_version": torch.__version__,
-        "target": target,
-        "frontend": traced.frontend,
-        "trace_notes": traced.notes,
-        "training": traced.training,
-        "mode_fixed": traced.mode_fixed,
-        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "passes": [pass_spec(p) for p in pipeline],
-        "signature": traced.signature.to_json(),
-        "input_structure": traced.input_structure,
-        "output_structure": traced.output_structure,
-        "input_names": [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"],
-        "input_specs": input_specs(traced),
-        "output_names": graph.output_names(),
+    info = CompiledInfo(
+        flatpack_version=__version__,
+        torch_version=torch.__version__,
+        target=target,
+        frontend=traced.frontend,
+        trace_notes=tuple(traced.notes),
+        training=traced.training,
+        mode_fixed=tuple(traced.mode_fixed),
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        passes=tuple(pass_spec(p) for p in pipeline),
+        signature=traced.signature,
+        input_structure=traced.input_structure,
+        output_structure=traced.output_structure,
+        input_names=tuple(n.name for n in traced.gm.graph.nodes if n.op == "placeholder"),
+        input_specs=input_specs(traced),
+        output_names=tuple(graph.output_names()),
         # what ``Deployment.state_dict()`` returns: every key model.load_state_dict expects
         # (tied weights under each name, persistent buffers only)
-        "state_dict_keys": list(model.state_dict().keys()),
-        "stages": [stage_dirname(index) for index in range(len(plan.stages))],
-        "chain": graph.to_json(),
-    }
-    if chain_profile is not None:
-        info["profile"] = {**chain_profile.to_json(), "cache_hit": chain_profile.cache_hit}
+        state_dict_keys=tuple(model.state_dict().keys()),
+        stages=tuple(stage_dirname(index) for index in range(len(plan.stages))),
+        chain=graph.to_json(),
+        profile=chain_profile,
+    )
     compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info, problem=problem)
     if out_dir is not None:
         compiled.save(out_dir)

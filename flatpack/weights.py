@@ -24,14 +24,14 @@ ALIASES_KEY = "flatpack.aliases"
 
 
 def state_dict_of(compiled: Any, parameters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every key of the original model's ``state_dict`` (``compiled.info["state_dict_keys"]``,
+    """Every key of the original model's ``state_dict`` (``compiled.info.state_dict_keys``,
     recorded at compile time) from a run's ``parameters`` (weights and buffers by original
     name, a tied weight under one of its names): the manifests' aliases fill in the other
     names, and buffers the model does not persist (``persistent=False``) are left out, so
     ``model.load_state_dict`` accepts the result with ``strict=True``. Artifacts compiled
     before the keys were recorded get every name the manifests know."""
     found = with_aliases(compiled, parameters)
-    keys = compiled.info.get("state_dict_keys")
+    keys = compiled.info.state_dict_keys
     if keys is None:
         return found
     missing = [key for key in keys if key not in found]

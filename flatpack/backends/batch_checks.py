@@ -29,7 +29,7 @@ NON_FINITE = ("warn", "error", "ignore")
 
 def example_inputs(compiled: Any) -> dict[str, ValueEntry]:
     """The compiled example's data inputs by name: ``kind``, ``shape`` (the batch first) and ``dtype``."""
-    names = list(compiled.info["input_names"])
+    names = list(compiled.info.input_names)
     found: dict[str, ValueEntry] = {}
     for artifact in compiled.artifacts:
         for entry in artifact.manifest.inputs:
@@ -53,7 +53,7 @@ def batch_values(compiled: Compiled, batch: Any, iteration: int) -> tuple[dict[s
     if rows is None:
         raise InputError(f"batch {iteration}'s inputs have no batch dimension (no tensor with one); a pipeline cuts "
                          "the batch into micro-batches along the first dimension of its inputs")
-    return dict(zip(compiled.info["input_names"], leaves)), target, rows
+    return dict(zip(compiled.info.input_names, leaves)), target, rows
 
 
 def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None = None,
@@ -69,7 +69,7 @@ def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None
         raise
     except Exception as err:  # noqa: BLE001 - the inputs' structure does not match the model's signature
         raise InputError(f"batch {index}'s inputs do not match the compiled model's inputs "
-                         f"({', '.join(compiled.info['input_names'])}): {err}. Give inputs structured like the "
+                         f"({', '.join(compiled.info.input_names)}): {err}. Give inputs structured like the "
                          "example the model was compiled with") from None
     expected = example_inputs(compiled)
     for name, value in values.items():

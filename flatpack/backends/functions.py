@@ -191,7 +191,7 @@ class FunctionDeployment:
 
     # settings -----------------------------------------------------------------------------
     def _stage_specs(self, degrees: Sequence[int]) -> tuple[StageSpec, ...]:
-        return stage_specs(self.manifests, self.compiled.info["input_names"], degrees,
+        return stage_specs(self.manifests, self.compiled.info.input_names, degrees,
                            [stage.memory_mb for stage in self.compiled.plan.stages],
                            get_platform(self.platform).tier if self.emulate_tiers else None,
                            [stage.recompute for stage in self.compiled.plan.stages])
@@ -376,7 +376,7 @@ class FunctionDeployment:
         """Serves one request through Gillis's fork-join (``runtime.forkjoin``) and returns
         the model's outputs, structured as the model returns them. The first call starts
         the master and the workers; they stay warm for later requests."""
-        names = self.compiled.info["input_names"]
+        names = self.compiled.info.input_names
         values = dict(zip(names, self.compiled.input_leaves(inputs)))
         self._check_batch_splits(forkjoin.request_batch(values))
         if self._inference is None:
@@ -388,8 +388,8 @@ class FunctionDeployment:
         raw = self._wait_response(request, wait_timeout_s)
         self.last_latency_s = time.time() - started
         outputs = forkjoin.unpack_values(raw)
-        output_names = self.compiled.info["output_names"]
-        return structure.rebuild(self.compiled.info["output_structure"], lambda index: outputs[output_names[index]])
+        output_names = self.compiled.info.output_names
+        return structure.rebuild(self.compiled.info.output_structure, lambda index: outputs[output_names[index]])
 
     def _wait_response(self, request: int, timeout_s: float) -> bytes:
         key = self.keys.infer(str(request), 0, 0, "response")
@@ -438,8 +438,8 @@ class FunctionDeployment:
                                     manifest.input_names, manifest.output_names, group.split, joins))
         groups = tuple(groups)
         spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
-                            tier.bandwidth_bytes_s if tier else None, tuple(self.compiled.info["input_names"]),
-                            tuple(self.compiled.info["output_names"]), threads, wait_timeout_s,
+                            tier.bandwidth_bytes_s if tier else None, self.compiled.info.input_names,
+                            self.compiled.info.output_names, threads, wait_timeout_s,
                             checkpoint=self.consistent_checkpoint())
         spec_key = self.keys.inference_spec()
         self.store.put(spec_key, spec.dumps())
@@ -622,7 +622,7 @@ def default_micro_batches(compiled: Compiled) -> int:
 def loss_output(compiled: Compiled) -> str:
     """The output the loss reads: the model's first, which must come out of the last stage
     (the loss runs there)."""
-    first = compiled.info["output_names"][0]
+    first = compiled.info.output_names[0]
     if first not in compiled.artifacts[-1].manifest.output_names:
         raise InputError(f"the model's first output {first!r} is not produced by the last stage; the loss runs in "
                          "the last stage")

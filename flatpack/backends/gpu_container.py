@@ -108,7 +108,7 @@ def _tier(memory_mb: int | None) -> Tier | None:
 
 def example_batch(compiled: Compiled) -> int | None:
     """Rows of the first data input at compile time: what ``--synthetic`` scales from."""
-    names = set(compiled.info["input_names"])
+    names = set(compiled.info.input_names)
     for artifact in compiled.artifacts:
         for entry in artifact.manifest.inputs:
             if entry.name in names and entry.is_tensor and entry.shape:
@@ -135,10 +135,10 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
                          "larger batch or fewer micro-batches")
     manifests = [artifact.manifest for artifact in compiled.artifacts]
     # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
-    stages = stage_specs(manifests, compiled.info["input_names"], [stage.replicas for stage in compiled.plan.stages],
+    stages = stage_specs(manifests, compiled.info.input_names, [stage.replicas for stage in compiled.plan.stages],
                          [stage.memory_mb for stage in compiled.plan.stages], None,
                          [stage.recompute for stage in compiled.plan.stages])
-    output_names = tuple(compiled.info["output_names"])
+    output_names = compiled.info.output_names
     # an inference computes no loss: any stage may produce the first output
     read_by_loss = loss_output(compiled) if training else output_names[0]
     spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
@@ -824,7 +824,7 @@ class GpuContainerDeployment:
         parts = [{name: written[output_key(0, m, name)] for name in names} for m in range(spec.micro_batches)]
         sizes = [micro_batch_size(spec.batch, spec.micro_batches, m) for m in range(spec.micro_batches)]
         outputs = join_batch(parts, sizes)
-        return structure.rebuild(self.compiled.info["output_structure"], lambda index: outputs[names[index]])
+        return structure.rebuild(self.compiled.info.output_structure, lambda index: outputs[names[index]])
 
     def _wait(self, launch: RunLaunch, timeout_s: float) -> None:
         deadline = time.time() + timeout_s

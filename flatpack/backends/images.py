@@ -161,7 +161,7 @@ def docker_build_and_push(context: Path, uri: str, *build_flags: str) -> None:
 
 def model_label(compiled: Compiled) -> str:
     """The model's class name, as the generated files name what they deploy."""
-    return str(compiled.info.get("model_class", "model")).rsplit(".", 1)[-1]
+    return compiled.info.model_class.rsplit(".", 1)[-1]
 
 
 def _share(artifacts: dict[int, dict[str, bytes]], share_below_bytes: int) -> list[list[int]]:

@@ -145,14 +145,14 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         emulated = bool(getattr(deployment, "emulate_tiers", False))
         probe = _probe_size(emulated, bandwidth_probe_bytes)
         keys = deployment.keys
-        deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info["input_names"], leaves))))
+        deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info.input_names, leaves))))
         grad_values = _grad_values(compiled)
         layer_inputs = tuple(artifact.manifest.input_names for artifact in compiled.artifacts)
         weights, gradients = zip(*(_weight_and_grad_bytes(artifact.manifest) for artifact in compiled.artifacts))
         roles = []
         for memory_mb in memory_sizes:
             spec = ProfileSpec(run=keys.run, layers=layer_names, layer_inputs=layer_inputs, weight_bytes=weights,
-                               grad_bytes=gradients, input_names=tuple(compiled.info["input_names"]),
+                               grad_bytes=gradients, input_names=compiled.info.input_names,
                                grad_values=grad_values, batch_sizes=sizes, example_batch=example_batch_size(leaves),
                                memory_mb=memory_mb, vcpus=platform.tier(memory_mb).vcpus, emulate_cpu=emulated,
                                base_memory_bytes=int(platform.base_memory_bytes), repeats=repeats, warmup=warmup,

@@ -81,7 +81,7 @@ class Problem:
     def from_saved(cls, chain: dict[str, Any], profile: ChainProfile, target: str, workload: Workload | None = None,
                    calibration: Calibration | None = None, **options: Any) -> Problem:
         """The problem of a saved artifact (``Compiled.load``, which keeps no graph): its
-        chain's JSON (``info["chain"]``) and its profile, as :meth:`from_graph` builds it."""
+        chain's JSON (``Compiled.info.chain``) and its profile, as :meth:`from_graph` builds it."""
         layers = chain.get("layers") if isinstance(chain, dict) else None
         if not isinstance(layers, list) or len(layers) != len(profile.layers):
             raise PlanError(f"the saved chain has {len(layers) if isinstance(layers, list) else 'no'} layers but its "

@@ -14,42 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flatpack.errors import ArtifactError
+from flatpack.stage.json_fields import Invalid as _Invalid
+from flatpack.stage.json_fields import ints as _ints
+from flatpack.stage.json_fields import required as _field
+from flatpack.stage.json_fields import strings as _strings
 from flatpack.version import STAGE_SCHEMA_VERSION
 
 STAGE_KIND = "flatpack-stage"
 TENSOR = "tensor"
 PARAMETER_KINDS = ("parameter", "frozen", "buffer", "constant")
-
-
-# how a field's expected JSON type reads in an error
-_JSON_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", list: "a list",
-                                dict: "an object"}
-
-
-class _Invalid(Exception):
-    """A field of the manifest is missing or has the wrong type (the message names it)."""
-
-
-def _field(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
-    if key not in data:
-        raise _Invalid(f"{where} has no {key!r}")
-    value = data[key]
-    # bool is an int to isinstance: a count or an index given as true/false is refused too
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise _Invalid(f"{where}'s {key!r} is {value!r}, not {_JSON_NAMES.get(kind, kind.__name__)}")
-    return value
-
-
-def _ints(values: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise _Invalid(f"{where} is {values!r}, not a list of integers")
-    return tuple(values)
-
-
-def _strings(values: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise _Invalid(f"{where} is {values!r}, not a list of strings")
-    return tuple(values)
 
 
 def _named(data: Any, where: str) -> tuple[str, str, str]:

@@ -40,6 +40,12 @@ class TensorSpec:
         free = tuple(int(dim) for dim in dynamic) if dynamic is not None else default_free
         return cls(tuple(int(size) for size in entry["shape"]), str(entry["dtype"]), free)
 
+    def to_json(self) -> dict[str, Any]:
+        """The ``input_specs`` entry :meth:`from_json` reads back (``dynamic``: the free
+        dimensions, null where every size may differ)."""
+        return {"shape": list(self.shape), "dtype": self.dtype,
+                "dynamic": None if self.free_dims is None else list(self.free_dims)}
+
     @classmethod
     def of_entry(cls, entry: ValueEntry, default_free: tuple[int, ...] | None = None) -> TensorSpec:
         """From a manifest's tensor input (its ``dynamic`` dimensions where the frontend knows

@@ -111,7 +111,7 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
     store = FileStore(tmp_path / "store")
     keys = RunKeys("versions")
     manifests = [artifact.manifest for artifact in compiled.artifacts]
-    stages = stage_specs(manifests, compiled.info["input_names"], [1] * len(manifests), [None] * len(manifests))
+    stages = stage_specs(manifests, compiled.info.input_names, [1] * len(manifests), [None] * len(manifests))
     spec = RunSpec(run="versions", stages=stages, micro_batches=micro_batches, batch=len(data[0][1]),
                    optimizer=ADAM, loss="cross_entropy", loss_output=loss_output(compiled), schedule="1f1b-async",
                    wait_timeout_s=60, vertical_sync=vertical_sync)

@@ -345,7 +345,7 @@ def test_gloo_inference_equals_the_model_before_and_after_training(hybrid):
 
 def test_inference_runs_forwards_only_and_writes_the_model_outputs(hybrid):
     run = gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo", mode="infer")
-    assert run.mode == "infer" and run.outputs == tuple(hybrid.info["output_names"])
+    assert run.mode == "infer" and run.outputs == hybrid.info.output_names
     assert DistributedRun.loads(run.dumps()) == run, "run.json carries the mode and the outputs"
     assert gpu_container.build_run(hybrid, iterations=1, batch=BATCH, backend="gloo").outputs == ()
 

@@ -220,7 +220,7 @@ def test_a_cut_carrying_float32_is_rounded_on_the_wire_in_the_reference_too(s3_s
     model, data = make("residual")
     compiled = compiled_with(model, data, (False, False))
     assert any(entry.dtype == "float32" for entry in compiled.artifacts[1].manifest.inputs
-               if entry.name not in compiled.info["input_names"])
+               if entry.name not in compiled.info.input_names)
     run, _ = train(s3_server, compiled, data, 2, precision="bf16")
     rounded, _ = train_single_process(model, data, 2, optimizer=SGD, micro_batches=MICRO_BATCHES, precision="bf16",
                                       pipeline=compiled, threads=THREADS)

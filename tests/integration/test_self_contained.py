@@ -103,9 +103,9 @@ def test_user_model_stages_run_without_the_user_module(tmp_path):
     compiled = flatpack.compile(model, (tokens,), stages=3, out_dir=out)
     assert compiled.frontend == "fx"
     # the tied embedding travels to both ends; the source names no user class
-    sources = [(out / s / "stage.py").read_text() for s in compiled.info["stages"]]
+    sources = [(out / s / "stage.py").read_text() for s in compiled.info.stages]
     assert not any("usermodel" in text or "UserModel" in text for text in sources)
-    inputs = {compiled.info["input_names"][0]: tokens}
+    inputs = {compiled.info.input_names[0]: tokens}
     stdout = run_child(tmp_path, out, inputs, model(tokens).detach(), ["usermodel"])
     assert "stages 3 ok" in stdout
 
@@ -119,6 +119,6 @@ def test_bert_stages_run_without_transformers(tmp_path):
     model, inputs = bert()
     out = tmp_path / "out"
     compiled = flatpack.compile(model, inputs, stages=3, out_dir=out)
-    named = dict(zip(compiled.info["input_names"], inputs.values()))
+    named = dict(zip(compiled.info.input_names, inputs.values()))
     stdout = run_child(tmp_path, out, named, model(**inputs).logits.detach(), ["transformers"])
     assert "stages 3 ok" in stdout

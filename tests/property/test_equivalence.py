@@ -280,7 +280,7 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
     moved = [(one, two) for one, two in zip(first.chain["layers"], second.chain["layers"]) if one != two]
     assert first.chain == second.chain, f"the chain moved between plans (BUGS.md, open): {moved}"
     stages = second.plan.stages
-    available = set(second.info["input_names"])
+    available = set(second.info.input_names)
     for index, artifact in enumerate(second.artifacts):
         manifest = artifact.manifest
         assert manifest.layers == (stages[index].start, stages[index].end)
@@ -288,4 +288,4 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
         assert set(inputs) <= available, f"stage {index} reads {set(inputs) - available}, which no one made"
         assert inputs == second.graph.crossing(stages[index].start - 1)
         available |= set(manifest.output_names)
-    assert set(second.info["output_names"]) <= set(second.artifacts[-1].manifest.output_names)
+    assert set(second.info.output_names) <= set(second.artifacts[-1].manifest.output_names)

@@ -60,9 +60,9 @@ def hostile_structures(sentinel: Path) -> dict[str, dict]:
 
 
 def _write_structure(out: Path, structure: dict) -> None:
-    info = json.loads((out / "flatpack.json").read_text())
-    info["output_structure"] = structure
-    (out / "flatpack.json").write_text(json.dumps(info))
+    compiled_json = json.loads((out / "flatpack.json").read_text())
+    compiled_json["output_structure"] = structure
+    (out / "flatpack.json").write_text(json.dumps(compiled_json))
 
 
 @pytest.mark.parametrize("kind", list(hostile_structures(Path("/x"))))
@@ -116,9 +116,9 @@ def _tamper_stage_source(out: Path, sentinel: Path, *, fix_manifest: bool) -> No
     source = hostile_stage_source((stage / "stage.py").read_text(), sentinel).encode()
     (stage / "stage.py").write_bytes(source)
     if fix_manifest:
-        manifest = json.loads((stage / "manifest.json").read_text())
-        manifest["files"]["stage.py"] = {"sha256": hashlib.sha256(source).hexdigest(), "bytes": len(source)}
-        (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest_json = json.loads((stage / "manifest.json").read_text())
+        manifest_json["files"]["stage.py"] = {"sha256": hashlib.sha256(source).hexdigest(), "bytes": len(source)}
+        (stage / "manifest.json").write_text(json.dumps(manifest_json, indent=2) + "\n")
 
 
 def test_stage_code_tampered_with_its_manifest_hash_is_refused(out, sentinel):
@@ -218,9 +218,9 @@ def _rewrite_weights(out: Path, data: bytes) -> Path:
     weights = out / "stage_001" / "weights.safetensors"
     weights.write_bytes(data)
     manifest_path = out / "stage_001" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["weights.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest_json = json.loads(manifest_path.read_text())
+    manifest_json["files"]["weights.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest_path.write_text(json.dumps(manifest_json, indent=2) + "\n")
     rewrite_index(out)
     return weights
 

@@ -34,9 +34,9 @@ def _tamper_in_store(deployment, sentinel, *, rewrite_index: bool) -> str:
     store, keys = deployment.store, deployment.keys
     source_key, manifest_key = keys.artifact(0, "stage.py"), keys.artifact(0, "manifest.json")
     source = hostile_stage_source(store.get(source_key).decode(), sentinel).encode()
-    manifest = json.loads(store.get(manifest_key))
-    manifest["files"]["stage.py"] = {"sha256": hashlib.sha256(source).hexdigest(), "bytes": len(source)}
-    manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode()
+    manifest_json = json.loads(store.get(manifest_key))
+    manifest_json["files"]["stage.py"] = {"sha256": hashlib.sha256(source).hexdigest(), "bytes": len(source)}
+    manifest_bytes = (json.dumps(manifest_json, indent=2) + "\n").encode()
     store.put(source_key, source)
     store.put(manifest_key, manifest_bytes)
     if rewrite_index:

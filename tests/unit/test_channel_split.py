@@ -68,7 +68,7 @@ def covering_plans(case):
 def run_split(compiled, stage, partitions, x):
     """The stages run in order in this process, stage ``stage`` as its channel
     ``partitions``, whose outputs are joined as the master joins them."""
-    env = dict(zip(compiled.info["input_names"], compiled.input_leaves(x)))
+    env = dict(zip(compiled.info.input_names, compiled.input_leaves(x)))
     for index, module in enumerate(compiled.stage_modules()):
         module.eval()
         manifest = module.flatpack_manifest
@@ -83,7 +83,7 @@ def run_split(compiled, stage, partitions, x):
         sent = [{name: result[name] for name in channel_split.needed_outputs(names, joins, k)}
                 for k, result in enumerate(results)]
         env.update(channel_split.join_outputs(sent, names, joins))
-    (output,) = compiled.info["output_names"]
+    (output,) = compiled.info.output_names
     return env[output]
 
 

@@ -55,9 +55,9 @@ def test_a_manifest_round_trips_through_its_json(compiled):
 
 def test_the_manifest_says_what_crosses_and_what_is_tied(compiled):
     first, second = (artifact.manifest for artifact in compiled.artifacts)
-    assert first.input_names == tuple(compiled.info["input_names"])
+    assert first.input_names == compiled.info.input_names
     assert set(second.input_names) <= set(first.output_names) | set(first.input_names)
-    assert second.output_names == tuple(compiled.info["output_names"])
+    assert second.output_names == compiled.info.output_names
     assert all(isinstance(entry, ValueEntry) and entry.is_tensor for entry in first.inputs)
     tied = [entry for artifact in compiled.artifacts for entry in artifact.manifest.parameters
             if "head.weight" in entry.all_names]

@@ -39,7 +39,7 @@ def test_nested_inputs_and_outputs_go_through_export():
     inputs = ((torch.randn(2, 4), torch.randn(2, 4)), 3.0)
     compiled = flatpack.compile(model, inputs, stages=2, passes="fuse-elementwise")
     assert compiled.frontend == "export"
-    assert any("fx skipped" in note for note in compiled.info["trace_notes"])
+    assert any("fx skipped" in note for note in compiled.info.trace_notes)
     assert_equivalent(model, inputs, compiled=compiled)
 
 
@@ -110,7 +110,8 @@ def test_an_hf_encoder_compiled_at_one_sequence_length_runs_at_others():
     assert inputs["input_ids"].shape[1] == 16
     compiled = flatpack.compile(model, inputs, stages=3)
     assert compiled.frontend == "export"
-    assert all(spec["dynamic"] == [0, 1] for spec in compiled.info["input_specs"])
+    assert compiled.info.input_specs is not None
+    assert all(spec.free_dims == (0, 1) for spec in compiled.info.input_specs)
     staged = compiled.as_module()
     for length in (8, 16, 32):
         ids = torch.randint(0, model.config.vocab_size, (3, length))
@@ -139,7 +140,8 @@ def test_a_fixed_dimension_is_an_input_error_naming_the_input_shape_and_fix():
 
     model = PositionTable()
     compiled = flatpack.compile(model, ({"ids": torch.randint(0, 50, (2, 16))},), stages=2)
-    assert compiled.frontend == "export" and compiled.info["input_specs"][0]["dynamic"] == [0]
+    assert compiled.frontend == "export" and compiled.info.input_specs is not None
+    assert compiled.info.input_specs[0].free_dims == (0,)
     staged = compiled.as_module()
     ids = torch.randint(0, 50, (5, 16))
     torch.testing.assert_close(staged({"ids": ids}), model({"ids": ids}))
@@ -154,7 +156,7 @@ def test_an_example_of_batch_one_keeps_the_batch_dynamic():
     model = PositionTable()
     compiled = flatpack.compile(model, ({"ids": torch.randint(0, 50, (1, 16))},), stages=2)
     assert compiled.graph.traced.dynamic_batch
-    assert any("repeated to batch 2" in note for note in compiled.info["trace_notes"])
+    assert any("repeated to batch 2" in note for note in compiled.info.trace_notes)
     ids = torch.randint(0, 50, (4, 16))
     torch.testing.assert_close(compiled.as_module()({"ids": ids}), model({"ids": ids}))
 
@@ -173,7 +175,7 @@ def test_a_model_whose_config_turns_the_cache_on_compiles_with_the_cache_off():
     ids = torch.randint(0, 50, (2, 8))
     compiled = flatpack.compile(model, {"input_ids": ids}, stages=2)
     assert len(compiled.plan.stages) == 2
-    assert any("traced with use_cache=False" in note for note in compiled.info["trace_notes"])
+    assert any("traced with use_cache=False" in note for note in compiled.info.trace_notes)
     staged = compiled.as_module()(input_ids=ids)       # called as the example was, without use_cache
     expected = model(input_ids=ids, use_cache=False)
     assert set(staged.keys()) == set(expected.keys())
