@@ -150,6 +150,11 @@ def check_replan(deployment: FunctionDeployment, policy: ReplanPolicy, *, asynch
         raise InputError("replan emits the stages of each new plan from the layer chain flatpack.compile made in "
                          "this process; this deployment's artifact was read back with flatpack.load. Compile the "
                          "model in this process to train it with replan")
+    if policy.choose is None and (compiled.profile is None
+                                  or any(stage.memory_mb is None for stage in compiled.plan.stages)):
+        raise InputError("replan re-fits the cost model, which prices a plan from its per-layer profile and each "
+                         "stage's memory tier; compile with profile=True and a plan whose every stage has a "
+                         "memory_mb (a cost-model solver such as dp chooses them)")
 
 
 class Replanner:

@@ -130,7 +130,7 @@ def _tail(result, done: int):
 def test_the_default_policy_refits_the_cost_model_to_the_epoch(s3_server, monkeypatch):
     model = make_model()
     example = (torch.randn(BATCH, 8),)
-    plan = _plan([(0, 50), (50, 100)], [1, 1])
+    plan = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], MICRO_BATCHES, memory_mb=1024).plan
     compiled = flatpack.compile(model, example, plan=plan, profile=True,
                                 workload=Workload(batch=BATCH, micro_batches=MICRO_BATCHES, optimizer="adam"))
     asked = []
@@ -158,6 +158,7 @@ def test_the_default_policy_refits_the_cost_model_to_the_epoch(s3_server, monkey
     ({"epoch_iterations": 2, "elastic": lambda epoch, degrees: None}, "give one of them"),
     ({}, "epoch boundaries"),
     ({"epoch_iterations": 2, "replan": True}, "at least 3"),
+    ({"epoch_iterations": 3, "replan": True}, "memory tier"),
 ])
 def test_replan_refusals_name_cause_and_fix(s3_server, options, cause):
     compiled = first_plan()
