@@ -706,7 +706,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         for switch in result.switches:
             say(f"  re-planned {switch.describe()}")
         if options.replan and not result.switches:
-            say(f"  re-planned every {options.epoch_iterations} iterations: no plan was predicted "
+            say(f"  re-planned every {options.epoch_iterations} iterations: no other plan was predicted at least "
                 f"{options.replan_threshold * 100:.0f}% faster, the run kept its plan")
         if evaluations:
             say("held-out evaluation (through the inference path): " + "; ".join(
