@@ -566,7 +566,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                          epochs=args.epochs, shuffle=not args.no_shuffle, drop_last=args.drop_last, loss=args.loss,
                          save=Path(args.save) if args.save else None, seed=args.seed, stages=args.stages,
                          split_points=_names(args.split_points), precision=args.precision,
-                         recompute=args.recompute, calibration=Path(args.calibration) if args.calibration else None)
+                         recompute=args.recompute, calibration=Path(args.calibration) if args.calibration else None,
+                         replan=args.replan, epoch_iterations=args.epoch_iterations,
+                         **({"replan_threshold": args.replan_threshold} if args.replan_threshold is not None else {}))
     if args.target != "local":
         raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
                          f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
@@ -1059,6 +1061,18 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--calibration", default=None, metavar="FILE",
                             help="what `flatpack calibrate --target local` measured: the prediction uses it (the plan "
                                  "records its digest)")
+    run_parser.add_argument("--replan", action="store_true",
+                            help="every --epoch-iterations N iterations, re-fit the cost model to what the run "
+                                 "measured, solve again, and switch the run onto a plan predicted at least "
+                                 "--replan-threshold faster (the checkpoints move onto the new cuts: the run ends "
+                                 "with the weights one plan reaches)")
+    run_parser.add_argument("--epoch-iterations", type=int, default=None, metavar="N",
+                            help="with --replan: the iterations between re-plans (at least 3: each re-fit leaves out "
+                                 "an epoch's first 2)")
+    run_parser.add_argument("--replan-threshold", type=float, default=None, metavar="F",
+                            help="with --replan: the least predicted saving, a share of an iteration, that switches "
+                                 "plans (default 0.05: below the re-fitted model's own error a switch's cold starts "
+                                 "would not pay)")
     _json_flag(run_parser, "run")
     run_parser.set_defaults(run=cmd_run)
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "

@@ -454,9 +454,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         # a workload not given here is not known, so it is not held against the plan's
         plan.provenance.check(current if workload is not None else
                               dataclasses.replace(current, workload=plan.provenance.workload), force=force)
-    plan.check_against(len(graph.layers))
-    plan = gillis.with_splits(problem, plan)
-    artifacts = emit_stages(graph, plan)
+    plan, artifacts = _emit(graph, problem, plan)
     info = CompiledInfo(
         flatpack_version=__version__,
         torch_version=torch.__version__,
@@ -484,6 +482,29 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     if out_dir is not None:
         compiled.save(out_dir)
     return compiled
+
+
+def _emit(graph: LayerGraph, problem: Problem, plan: Plan) -> tuple[Plan, list[StageArtifact]]:
+    """The stage artifacts of ``plan`` over ``graph`` (the plan checked against the chain, its
+    replicated stages' splits written out): what ``compile`` and :func:`with_plan` emit."""
+    plan.check_against(len(graph.layers))
+    plan = gillis.with_splits(problem, plan)
+    return plan, emit_stages(graph, plan)
+
+
+def with_plan(compiled: Compiled, plan: Plan) -> Compiled:
+    """``compiled`` cut by ``plan`` instead: the same chain, problem and settings, the stages
+    emitted again for the new cuts (``flatpack run --replan`` switches a run onto it). Needs
+    the chain ``compile`` traced in this process: an artifact ``flatpack.load`` read back has
+    only its stages' code."""
+    if compiled.graph is None or compiled.problem is None:
+        raise InputError("re-cutting a compiled model needs the layer chain and problem that flatpack.compile made "
+                         "in this process; an artifact read back with flatpack.load has only its stages. Compile "
+                         "the model again (flatpack.compile) to train it with replan")
+    provenance = plan.provenance or compiled.plan.provenance
+    plan, artifacts = _emit(compiled.graph, compiled.problem, dataclasses.replace(plan, provenance=provenance))
+    info = dataclasses.replace(compiled.info, stages=tuple(stage_dirname(index) for index in range(len(plan.stages))))
+    return Compiled(graph=compiled.graph, plan=plan, artifacts=artifacts, info=info, problem=compiled.problem)
 
 
 def workload_json(workload: Workload) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import difflib
 import io
 import itertools
 import math
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from flatpack import logs
 from flatpack.backends import local
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.backends.functions import merge_results
+from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError
@@ -127,6 +129,12 @@ class JobOptions:
     # "auto": the solver may let a stage recompute its activations in the backward instead of
     # keeping them (a smaller tier for one more forward); "never": every stage keeps them
     recompute: str = "never"
+    # re-fit the cost model to each epoch of --epoch-iterations iterations and switch to a plan
+    # predicted at least replan_threshold faster (backends.replan; the run ends with the
+    # weights a run on one plan reaches)
+    replan: bool = False
+    epoch_iterations: int | None = None
+    replan_threshold: float = DEFAULT_THRESHOLD
 
     def check(self) -> None:
         """Refuses options no run can use, each with its cause and fix, before anything is
@@ -227,6 +235,32 @@ class JobOptions:
              "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
         if self.pick != "fastest":
             solver_for(self.solver)
+        self._check_replan(need)
+
+    def _check_replan(self, need: Any) -> None:
+        need(self.replan or (self.epoch_iterations is None and self.replan_threshold == DEFAULT_THRESHOLD),
+             "--epoch-iterations and --replan-threshold apply to --replan; give it, or leave them out")
+        if not self.replan:
+            return
+        need(isinstance(self.epoch_iterations, int) and self.epoch_iterations > SKIP_FIRST,
+             f"--replan re-plans every --epoch-iterations N iterations from the iterations after each epoch's first "
+             f"{SKIP_FIRST} (cold starts, warm-up); give --epoch-iterations {SKIP_FIRST + 1} or more")
+        need(self.iterations is None or self.iterations > (self.epoch_iterations or 0),
+             f"--epoch-iterations {self.epoch_iterations} is not shorter than the run's {self.iterations} "
+             "iterations, so there is no epoch boundary to re-plan at; use fewer or more --iterations")
+        need(isinstance(self.replan_threshold, (int, float)) and 0 <= self.replan_threshold < 1,
+             f"--replan-threshold is the least predicted saving that switches plans, a share in [0, 1), got "
+             f"{self.replan_threshold}; use e.g. {DEFAULT_THRESHOLD}")
+        need(self.schedule != ASYNC_SCHEDULE,
+             "--replan switches plans between epochs, and 1f1b-async has micro-batches in flight across "
+             "iterations with stashed weights no checkpoint holds; use --schedule sync or 1f1b, or leave --replan out")
+        need(self.precision == "fp32",
+             f"--replan with --precision {self.precision}: tensors are rounded to {self.precision} at the stage "
+             "boundaries, which move with the plan, so the single-process check cannot reproduce the run; use "
+             "--precision fp32 with --replan")
+        need(not self.eval_every,
+             "--replan switches plans at --epoch-iterations boundaries inside one training call, and --eval-every "
+             "trains as calls of N iterations; give one of them")
 
 
     def optimizer_steps(self, iterations: int) -> int:
@@ -371,6 +405,7 @@ class JobResult:
                 "iterations": len(train.losses), "losses": list(train.losses), "wall_s": train.wall_s,
                 "samples_per_s": train.samples_per_s, "dollars": train.dollars,
                 "restarts": [restart.describe() for restart in train.restarts],
+                "switches": [switch.to_json() for switch in train.switches],
                 "comparison": self.comparison.to_json(),
                 "calibrated": self.calibrated.to_json() if self.calibrated is not None else None,
                 "equivalent": self.equivalent, "max_param_diff": self.max_param_diff,
@@ -650,14 +685,30 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                     compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
                 LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
                          "(replaces the catalog's assumption in the prediction)")
+            replan = ({"replan": ReplanPolicy(options.replan_threshold, on_switch=_recording_switches(directory)),
+                       "epoch_iterations": options.epoch_iterations} if options.replan else None)
             result, evaluations = train_and_evaluate(deployment, batches, options.iterations, loss, train_options,
-                                                     options.eval_every, held_out, say)
-            pipelined_state = pipeline_optimizer_state(deployment, compiled) if options.verify else {}
+                                                     options.eval_every, held_out, say, replan)
+            # after a switch the deployment runs the last plan
+            final = deployment.compiled
+            pipelined_state = pipeline_optimizer_state(deployment, final) if options.verify else {}
+        record = directory.read()
+        if result.switches:
+            # the finished run's compiled/ is the plan that trained last, as its events.json is
+            final.save(directory.compiled)
+            retired, record = record.compiled, dataclasses.replace(record, compiled=directory.compiled.name)
+            directory.write(record)
+            shutil.rmtree(directory.root / retired, ignore_errors=True)
         _finish(directory, record, compiled, result.parameters, say, options.save)
         say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
+        for switch in result.switches:
+            say(f"  re-planned {switch.describe()}")
+        if options.replan and not result.switches:
+            say(f"  re-planned every {options.epoch_iterations} iterations: no other plan was predicted at least "
+                f"{options.replan_threshold * 100:.0f}% faster, the run kept its plan")
         if evaluations:
             say("held-out evaluation (through the inference path): " + "; ".join(
                 f"iter {found.iteration}: loss {found.loss:.4f}"
@@ -665,7 +716,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
         skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
         reads_target = loss != "output"    # a model that returns its loss reads no target key
-        comparison = report.compare(problem, compiled.plan, result.events, skip_first=skip, reads_target=reads_target,
+        # after a switch, the last plan against the iterations it ran
+        measured = ([event for event in result.events if event.iteration > result.switches[-1].iteration]
+                    if result.switches else result.events)
+        comparison = report.compare(problem, final.plan, measured, skip_first=skip, reads_target=reads_target,
                                     schedule=options.schedule)
         say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
         say(comparison.table())
@@ -675,25 +729,25 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             # calibration file; with one, the prediction above is already calibrated
             in_run = skip == 2 and compiled.problem.calibration is None
             tuned, beta, latency = (report.calibrate(problem, compiled.plan, result.events, iteration=1)
-                                    if in_run else (None, None, None))
+                                    if in_run and not result.switches else (None, None, None))
         except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
             LOG.info(f"no calibration on iteration 1: {err}")
             tuned = None
         if tuned is not None:
-            calibrated = report.compare(tuned, compiled.plan, result.events, skip_first=skip,
+            calibrated = report.compare(tuned, final.plan, measured, skip_first=skip,
                                         reads_target=reads_target, schedule=options.schedule)
             say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
                 "on the later iterations")
         # the timeline, for `flatpack plan --from-run` (runtime.refit) to re-fit the model to
-        (options.out / EVENTS_FILE).write_bytes(timeline.dumps(result.events))
+        (options.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]
-        schedule = report.predicted_schedule(problem, compiled.plan, reads_target=reads_target,
+        schedule = report.predicted_schedule(problem, final.plan, reads_target=reads_target,
                                              schedule=options.schedule)
         files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png", predicted=schedule,
-                                                      title=f"{type(model).__name__}: {len(compiled.plan.stages)} "
+                                                      title=f"{type(model).__name__}: {len(final.plan.stages)} "
                                                             "stages on local functions"),
                  chrome_trace.write(result.events, options.out / "timeline.json", predicted=schedule)]
         say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured), {files[2]} (the same as a Chrome "
@@ -704,21 +758,22 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                             dropouts=dropouts, example=example_batch)
             say(found.describe())
             max_diff, equivalent = found.max_weight_diff, found.equivalent
-        return JobResult(compiled, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
+        return JobResult(final, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
 
 
 def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],
                        eval_every: int, held_out: Sequence[tuple[Any, Any]] | None,
-                       say: Any) -> tuple[Any, list[Any]]:
+                       say: Any, replan: dict[str, Any] | None = None) -> tuple[Any, list[Any]]:
     """Trains ``iterations`` batches; with ``eval_every`` N, as calls of N iterations (each
     continues from the previous one's checkpoint: weights, optimizer state, the schedule's
     position, accumulated gradients), after each of which the held-out batches go through the
     inference path (the deployment serves the latest checkpoint) and the loss (and accuracy)
-    joins the progress line and the report. Returns the calls' results as one and the
-    evaluations."""
+    joins the progress line and the report. ``replan``: the re-planning options of the one
+    call (``JobOptions.check`` refuses them with ``eval_every``). Returns the calls' results
+    as one and the evaluations."""
     if not eval_every:
         return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),
-                                **train_options), []
+                                **train_options, **(replan or {})), []
     degrees = [stage.replicas for stage in deployment.compiled.plan.stages]
     line = ProgressLine(iterations, first_batch_rows(batches[0]), deployment.dollars_per_second(degrees),
                         None if logs.progress_enabled() else io.StringIO())   # -q: no progress
@@ -737,6 +792,24 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
 
 
 # -- the run directory: resume after any crash --------------------------------------------------
+
+def _recording_switches(directory: RunDirectory) -> Any:
+    """What a plan switch does to the run directory once the new plan's store prefix is whole
+    (``backends.replan``): the new plan's artifact saved beside the old, then ``run.json``
+    (replaced atomically) names the new prefix and artifact. A crash before that resumes the
+    old plan from its prefix, one after it the new plan from its own: never a mix."""
+    def on_switch(switch: PlanSwitch, compiled: Any) -> None:
+        name = f"compiled-{switch.run}"
+        compiled.save(directory.root / name)
+        record = directory.read()
+        directory.write(dataclasses.replace(record, run=switch.run, compiled=name))
+        if record.compiled != directory.compiled.name:
+            shutil.rmtree(directory.root / record.compiled, ignore_errors=True)   # an earlier switch's
+        LOG.info(f"re-planned after iteration {switch.iteration}: the run continues as {switch.run} with the "
+                 f"artifact in {directory.root / name} (digest {compiled.digest[:16]}…)")
+
+    return on_switch
+
 
 @contextlib.contextmanager
 def _resumable(directory: RunDirectory) -> Iterator[None]:
@@ -802,7 +875,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     if not directory.store.is_dir():
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
-    compiled = flatpack.load(directory.compiled, digest=digest, verify_key=verify_key)
+    # a run that switched plans names the artifact of its current plan (``_recording_switches``)
+    compiled = flatpack.load(directory.root / record.compiled, digest=digest, verify_key=verify_key)
     if record.data is not None:
         batches = batches_from_record(record.data, factory=data)
         LOG.info(f"re-reading the run's data: {batches.description}")

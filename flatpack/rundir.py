@@ -4,7 +4,8 @@ finish it after any crash (a worker, the runner, the S3 server, the machine).
 Layout (``run.json`` says what is where)::
 
     RUN/run.json                  the run id, loss, iterations and state ("running", "done")
-    RUN/compiled/                 the stage artifacts (``Compiled.save``)
+    RUN/compiled/                 the stage artifacts (``Compiled.save``); run.json's ``compiled``
+                                  names another after a ``--replan`` switch, until the run ends
     RUN/batches.safetensors       the global batches the run trains on, in order
     RUN/store/                    the local S3 server's data: artifacts, checkpoints, tensors
     RUN/logs/                     the functions' logs
@@ -49,6 +50,9 @@ class RunRecord:
     # that stopped before its first call was recorded in the store
     train_options: dict | None = None
     version: int = RUN_VERSION
+    # the directory of the stage artifacts of the plan the run trains (a `--replan` switch
+    # names the new plan's, ``compiled-<run>``), relative to the run directory
+    compiled: str = "compiled"
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -105,6 +105,7 @@ class TrainResult:
     samples: int
     dollars: float                        # functions' memory x seconds at the platform's price
     peak_bytes: dict[str, int] = field(default_factory=dict)
+    switches: list[Any] = field(default_factory=list)   # backends.replan.PlanSwitch, each plan switch in order
 
     @property
     def samples_per_s(self) -> float:
@@ -124,7 +125,8 @@ def merge_results(results: Sequence[TrainResult]) -> TrainResult:
                        restarts=[restart for r in results for restart in r.restarts],
                        degrees=[degrees for r in results for degrees in r.degrees],
                        wall_s=sum(r.wall_s for r in results), samples=sum(r.samples for r in results),
-                       dollars=sum(r.dollars for r in results), peak_bytes=peaks)
+                       dollars=sum(r.dollars for r in results), peak_bytes=peaks,
+                       switches=[switch for r in results for switch in r.switches])
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,19 @@ class FunctionDeployment:
     def _shared(self) -> dict[str, tuple[int, ...]]:
         return shared_holders(self.manifests)
 
+    def adopt(self, compiled: Compiled, keys: RunKeys) -> None:
+        """Runs ``compiled`` under ``keys`` from now on: a plan switch (``backends.replan``),
+        which first puts the new stages and the moved checkpoints under ``keys``."""
+        self.compiled, self.keys = compiled, keys
+        self.manifests = [artifact.manifest for artifact in compiled.artifacts]
+        self.digest = compiled.digest
+
+    def respecified(self, spec: RunSpec) -> RunSpec:
+        """``spec`` for this deployment's plan: its stages at the plan's replica degrees and
+        tiers, its tied weights' holders; every other setting of the run kept."""
+        degrees = [stage.replicas for stage in self.compiled.plan.stages]
+        return dataclasses.replace(spec, stages=self._stage_specs(degrees), shared=self._shared())
+
     def dollars_per_second(self, degrees: Sequence[int]) -> float:
         platform = get_platform(self.platform)
         return sum(platform.tier(stage.memory_mb).price_per_s * degree
@@ -228,7 +243,8 @@ class FunctionDeployment:
               straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
               timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
               store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32",
-              vertical_sync: bool = False, loss_scaling: LossScaling | dict | None = None) -> TrainResult:
+              vertical_sync: bool = False, loss_scaling: LossScaling | dict | None = None,
+              replan: Any = False) -> TrainResult:
         """Trains ``iterations`` global batches through the pipeline and returns the final
         parameters (read from the last checkpoints), the losses and the timeline.
 
@@ -256,6 +272,11 @@ class FunctionDeployment:
         ``non_finite``: what a NaN or infinity does, in the inputs (checked before launch,
         ``backends.batch_checks``) and in an iteration's loss (checked as each iteration is
         reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
+        ``replan``: True or a :class:`~flatpack.backends.replan.ReplanPolicy` re-fits the cost
+        model to each epoch's timeline and, when a new plan is predicted faster by the policy's
+        threshold, moves the run onto it (``backends.replan``; the local backend, not with
+        ``elastic`` or 1f1b-async). The switches are in the result's ``switches``, and the
+        deployment runs the last plan afterwards (``self.compiled``).
         """
         check_loss(loss)
         if isinstance(batches, DataLoader):
@@ -291,6 +312,14 @@ class FunctionDeployment:
         if spec.asynchronous and elastic is not None:
             raise InputError("elastic re-scaling changes replica degrees between epochs, and 1f1b-async runs one "
                              "replica per stage; use --schedule 1f1b for an elastic run, or leave elastic out")
+        replanner = None
+        if replan:
+            from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan  # it builds on this module
+
+            policy = ReplanPolicy.of(replan)
+            check_replan(self, policy, asynchronous=spec.asynchronous, elastic=elastic is not None,
+                         epoch_iterations=epoch_iterations, iterations=iterations)
+            replanner = Replanner(policy)
         spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
         record = CallRecord(first, iterations, spec.initial_checkpoint, batch_offset,
                             {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
@@ -300,7 +329,7 @@ class FunctionDeployment:
                              "loss_scaling": dataclasses.asdict(spec.loss_scaling)})
         self.store.put(self.keys.call(first), record.dumps())
         run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
-                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite)
+                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite, replanner)
         return run.execute()
 
     # calls and checkpoints ------------------------------------------------------------------
@@ -636,7 +665,7 @@ class _Run:
 
     def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], first: int,
                  end: int, elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None,
-                 progress: Any, timeout_s: float, non_finite: str = "warn") -> None:
+                 progress: Any, timeout_s: float, non_finite: str = "warn", replanner: Any = None) -> None:
         self.deployment = deployment
         # a chaos run's faults reach the invoker's own requests too (data, progress, garbage)
         self.store = chaos.wrap(deployment.store, spec.store_faults, salt="invoker")
@@ -666,6 +695,8 @@ class _Run:
         self.watching: dict[tuple[int, int, str], float] = {}      # a stage's phase -> its peers' pace
         self.late_since: dict[tuple[int, int, int, str], float] = {}
         self.relaunched: set[tuple[int, int, int]] = set()
+        self.replanner = replanner     # backends.replan.Replanner: may switch plans at epoch boundaries
+        self.earlier_events: list[timeline.Event] = []    # the timelines of the plans switched from
 
     def execute(self) -> TrainResult:
         started = time.time()
@@ -692,6 +723,8 @@ class _Run:
                     wanted = self.elastic(segment, degrees_seen[-1])
                     if wanted is not None:
                         self.spec = self.spec.with_replicas(list(wanted))
+                if begin < self.end and self.replanner is not None:
+                    self._replan(begin - 1)
         except BaseException:
             self.deployment.stop_workers()
             raise
@@ -699,11 +732,29 @@ class _Run:
             if self.line is not None and not shared_line:
                 self.line.close()
         wall = time.time() - started
+        if self.replanner is not None:
+            self.replanner.finish(self._events(current_plan=True))
         events = self._events()
         self._price_stragglers(events)
         return TrainResult(parameters=self._final_parameters(), losses=[self.losses[i] for i in sorted(self.losses)],
                            events=events, restarts=self.restarts, degrees=degrees_seen, wall_s=wall,
-                           samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks)
+                           samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks,
+                           switches=self.replanner.switches if self.replanner is not None else [])
+
+    def _replan(self, last: int) -> None:
+        """At the epoch boundary after ``last``, every function of the epoch ended: the
+        replanner may move the run onto a new plan (new stages under a new run prefix, the
+        checkpoints moved onto them); the next epoch then launches the new plan's functions."""
+        events = self._events(current_plan=True)
+        spec = self.replanner.after_epoch(self.deployment, self.spec, events, last)
+        if spec is None:
+            return
+        self.earlier_events.extend(events)
+        self.keys, self.spec = self.deployment.keys, spec
+        # watches keyed by stage index describe the old plan's stages
+        self.watching.clear()
+        self.late_since.clear()
+        self.relaunched.clear()
 
     def _price_stragglers(self, events: list[timeline.Event]) -> None:
         """What a straggler cost: its iteration's span beyond the median of the others."""
@@ -941,8 +992,9 @@ class _Run:
     def _final_parameters(self) -> dict[str, torch.Tensor]:
         return checkpoint_parameters(self.store, self.keys, len(self.spec.stages), self.end - 1)
 
-    def _events(self) -> list[timeline.Event]:
-        events = []
+    def _events(self, current_plan: bool = False) -> list[timeline.Event]:
+        """The run's timeline; ``current_plan``: only the iterations the current plan ran."""
+        events = [] if current_plan else list(self.earlier_events)
         for key in self.store.list(self.keys.timelines()):
             events.extend(timeline.loads(self.store.get(key)))
         return sorted(events, key=lambda event: event.start)

@@ -756,7 +756,7 @@ class GpuContainerDeployment:
               micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
               timeout_s: float = 600.0, wait_timeout_s: float = 300.0, warmup: int = 1, seed: int = 0,
               threads: int | None = None, precision: str = "fp32",
-              loss_scaling: LossScaling | dict | None = None) -> TrainResult:
+              loss_scaling: LossScaling | dict | None = None, replan: Any = False) -> TrainResult:
         """Trains ``iterations`` global batches with one process per rank on this machine and
         returns the final parameters, the losses and the timeline, as the local backend does.
 
@@ -767,8 +767,13 @@ class GpuContainerDeployment:
         ``precision`` "bf16": autocast on the ranks' device, bfloat16 between stages; "fp16":
         float16, with ``torch.amp.GradScaler``'s loss scaling (``loss_scaling``). The
         batches written for the run are removed when it ends; its logs and outputs stay
-        under the work directory until ``teardown``.
+        under the work directory until ``teardown``. ``replan`` is refused: the ranks hold
+        their stages in one process group for the whole job.
         """
+        if replan:
+            raise InputError("replan switches plans between epochs on the local backend; gpu-container ranks hold "
+                             "their stages in one process group for the whole job. Re-plan after the run (flatpack "
+                             "plan --from-run RUN_DIR) and deploy the new plan")
         launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
                               micro_batches=micro_batches, schedule=schedule, batch=batch,
                               timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,

@@ -187,6 +187,33 @@ def stage_backward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration
         backpropagate()
 
 
+def checkpoint_bytes(iteration: int, state_tensors: dict[str, torch.Tensor], trainable: dict[str, nn.Parameter],
+                     optimizer: torch.optim.Optimizer, accumulated: dict[str, torch.Tensor], steps: int,
+                     accumulated_count: int, loss_scale: dict[str, Any] | None) -> bytes:
+    """A stage checkpoint after ``iteration``: its weights and buffers (``w/<name>``), its
+    optimizer state by the parameter's position in ``trainable`` (``o/<position>/<key>``,
+    non-tensor entries in the ``scalars`` metadata), its accumulated gradients (``a/<name>``),
+    the optimizer's parameter groups, the steps taken (the schedule's position), the
+    accumulation count and the loss scaler's state. What :meth:`StageTrainer.load_state`
+    installs; ``StageTrainer.state_bytes`` and a plan switch (``runtime.restage``) write it."""
+    tensors = {f"w/{name}": tensor.detach() for name, tensor in state_tensors.items()}
+    state = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    # optimizer state is keyed by the parameter's position in the stage (manifest order),
+    # whatever order the optimizer's parameter groups put it in
+    packed = packed_positions(optimizer, list(trainable.values()))
+    for position, index in enumerate(packed):
+        for key, value in state["state"].get(index, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"o/{position}/{key}"] = value
+            else:
+                scalars.setdefault(str(position), {})[key] = value
+    tensors.update({f"a/{name}": grad for name, grad in accumulated.items()})
+    return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
+                                "scalars": scalars, "steps": steps, "accumulated": accumulated_count,
+                                "optimizer_class": type(optimizer).__name__, "loss_scale": loss_scale})
+
+
 # (kind "F" | "B", iteration, micro-batch, weight version, the weights the task computes with)
 WeightObserver = Callable[[str, int, int, int, dict[str, torch.Tensor]], None]
 
@@ -238,24 +265,9 @@ class StageTrainer:
 
     # state ----------------------------------------------------------------------------------
     def state_bytes(self, iteration: int) -> bytes:
-        tensors = {f"w/{name}": tensor.detach() for name, tensor in self.state_tensors.items()}
-        state = self.optimizer.state_dict()
-        scalars: dict[str, dict[str, Any]] = {}
-        # optimizer state is keyed by the parameter's position in the stage (manifest order),
-        # whatever order the optimizer's parameter groups put it in
-        packed = packed_positions(self.optimizer, list(self.trainable.values()))
-        for position, index in enumerate(packed):
-            for key, value in state["state"].get(index, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"o/{position}/{key}"] = value
-                else:
-                    scalars.setdefault(str(position), {})[key] = value
-        tensors.update({f"a/{name}": grad for name, grad in self.accumulated.items()})
-        return wire.dumps(tensors, {"iteration": iteration, "param_groups": state["param_groups"],
-                                    "scalars": scalars, "steps": self.steps,
-                                    "accumulated": self.accumulated_count,
-                                    "optimizer_class": type(self.optimizer).__name__,
-                                    "loss_scale": self.scaler.state() if self.scaler is not None else None})
+        return checkpoint_bytes(iteration, self.state_tensors, self.trainable, self.optimizer, self.accumulated,
+                                self.steps, self.accumulated_count,
+                                self.scaler.state() if self.scaler is not None else None)
 
     def load_state(self, data: bytes) -> int:
         """Installs a checkpoint; returns the iteration it was taken after. The optimizer

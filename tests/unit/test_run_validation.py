@@ -21,6 +21,13 @@ from flatpack.runtime.optim import OptimizerSpec
     (["--lr", "-1"], "--lr must be a positive"),
     (["--solver", "balancd"], "did you mean 'balanced'"),
     (["--replicas", "0"], "--replicas lists"),
+    (["--epoch-iterations", "3"], "apply to --replan"),
+    (["--replan", "--epoch-iterations", "2", "--iterations", "8"], "--epoch-iterations 3 or more"),
+    (["--replan", "--epoch-iterations", "4", "--iterations", "4"], "no epoch boundary"),
+    (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--replan-threshold", "1.5"], "share in [0, 1)"),
+    (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--schedule", "1f1b-async", "--replicas", "1"],
+     "1f1b-async"),
+    (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--precision", "bf16"], "--precision fp32"),
 ])
 def test_bad_run_options_exit_2_before_the_model_is_built(args, words, capsys, monkeypatch, tmp_path):
     def never(*_a, **_k):
