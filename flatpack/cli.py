@@ -27,9 +27,9 @@ from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
 from flatpack.version import __version__
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:   # Python 3.10
+else:   # Python 3.10
     import tomli as tomllib
 
 LOG = logs.get("cli")
@@ -280,7 +280,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
                              max_seconds=args.max_seconds, use_cache=not args.no_cache,
                              progress=logs.progress_enabled())
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=1, profile=options)
-    report(args, profile_table(compiled.profile), compiled.profile.to_json)
+    profile = compiled.profile
+    if profile is None:  # compile profiles whenever given ProfileOptions
+        raise FlatpackError(f"{type(model).__name__} was compiled without a profile, so there is nothing to report")
+    report(args, profile_table(profile), profile.to_json)
     return 0
 
 
@@ -346,7 +349,8 @@ def _with_time_limit(solver: Any, args: argparse.Namespace) -> Any:
     if not math.isfinite(limit) or limit <= 0:
         raise InputError(f"--time-limit must be a positive number of seconds, got {limit:g}; leave it out to let "
                          "the solver run to its proof")
-    if not dataclasses.is_dataclass(solver) or "time_limit_s" not in {f.name for f in dataclasses.fields(solver)}:
+    if (not dataclasses.is_dataclass(solver) or isinstance(solver, type)
+            or "time_limit_s" not in {f.name for f in dataclasses.fields(solver)}):
         raise InputError(f"--time-limit applies to the exact solvers with an anytime search (dp, miqp); solver "
                          f"{args.solver!r} has no time limit: drop --time-limit or use --solver dp")
     if args.front == "exact":

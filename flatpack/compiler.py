@@ -344,12 +344,12 @@ class StagedModule(nn.Module):
         received = dict(env)
         for stage in self.stages:
             manifest = stage_manifest(stage)
-            args = []
+            stage_args = []
             for name in manifest.input_names:
                 if name not in received:
                     received[name] = crossed(env[name], self.wire_precision)
-                args.append(received[name])
-            outputs = stage(*args)
+                stage_args.append(received[name])
+            outputs = stage(*stage_args)
             env.update(zip(manifest.output_names, outputs))
         return structure.rebuild(self._output_structure, lambda index: env[self._output_names[index]])
 
@@ -445,6 +445,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     graph, traced, chain_profile, problem = lowered.graph, lowered.traced, lowered.profile, lowered.problem
     current = provenance_of(graph, target, workload, problem)
     if plan is None:
+        assert solver_obj is not None  # resolved above (before lowering, to fail fast) whenever plan is None
         plan = solver_obj(problem)
         if not isinstance(plan, Plan):
             raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "

@@ -89,7 +89,7 @@ def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
     source = str(data) if isinstance(data, Path) else io.BytesIO(data)
     try:
         if name.endswith(".safetensors"):
-            return load_file(source) if isinstance(data, Path) else load_safetensors(data)
+            return load_file(data) if isinstance(data, Path) else load_safetensors(data)
         if name.endswith(".pt"):
             return _as_named(torch.load(source, weights_only=True, map_location="cpu"), name)
         if name.endswith(".npz"):
@@ -111,7 +111,8 @@ class _Shape:
 
     def __init__(self, view: Any) -> None:
         self.shape = tuple(view.get_shape())
-        self.dtype = "torch." + self._DTYPES.get(view.get_dtype(), view.get_dtype().lower())
+        dtype: str = view.get_dtype()
+        self.dtype = "torch." + self._DTYPES.get(dtype, dtype.lower())
 
     def dim(self) -> int:
         return len(self.shape)
@@ -127,7 +128,9 @@ def shard_schema(tensors: dict[str, Any], name: str) -> tuple[int, Schema]:
                          + ", ".join(f"{key} {tuple(value.shape)}" for key, value in tensors.items()))
     schema = {key: Column(tuple(value.shape[1:]), str(value.dtype).removeprefix("torch."))
               for key, value in tensors.items()}
-    return next(iter(rows.values())), schema
+    count = next(iter(rows.values()))
+    assert count is not None  # refused above: a tensor without a first dimension
+    return count, schema
 
 
 # -- sources -----------------------------------------------------------------------------------
@@ -538,6 +541,9 @@ class Batches:
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self(index)
 
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return (self(index) for index in range(self.count))
+
     def __call__(self, index: int) -> tuple[Any, Any]:
         if not 0 <= index < self.count:
             raise IndexError(f"batch {index} of {self.count}")
@@ -722,14 +728,17 @@ def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, An
                     epochs: int, iterations: int | None, drop_last: bool) -> Batches:
     """An IterableDataset (batched here) or a DataLoader (batched by it), read in order; an
     earlier batch asked for again (the verdict's reference, a resume) restarts the stream."""
+    if not isinstance(source, (DatasetFactory, LoaderSource)):
+        raise InputError(f"{source.describe()}: batches stream from a Dataset or a DataLoader, not from a "
+                         f"{type(source).__name__}")
     loader = source.loader if isinstance(source, LoaderSource) else None
     rows = batch
     if loader is not None and loader.batch_size is not None:
         rows = loader.batch_size
 
     def epoch_batches() -> Iterator[Any]:
-        if loader is not None:
-            yield from loader
+        if isinstance(source, LoaderSource):
+            yield from source.loader
             return
         chunk: list[Any] = []
         for sample in source.dataset:
@@ -743,7 +752,7 @@ def _stream_batches(source: DataSource, to_inputs: Callable[[Any], tuple[Any, An
                              "divides the dataset")
 
     try:
-        per_epoch = len(loader) if loader is not None else len(source.dataset) // batch
+        per_epoch = len(source.loader) if isinstance(source, LoaderSource) else len(source.dataset) // batch
     except TypeError:
         per_epoch = None
     if per_epoch is None:

@@ -6,7 +6,7 @@ mode) during a run, or a single-process model for the reference, so both are mea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -37,7 +37,7 @@ class Evaluation:
                 f"{self.loss:.4f}{accuracy}")
 
 
-def evaluate(predict: Callable[[Any], Any], batches: Sequence[tuple[Any, Any]], loss: str, *,
+def evaluate(predict: Callable[[Any], Any], batches: Iterable[tuple[Any, Any]], loss: str, *,
              iteration: int) -> Evaluation:
     """The mean ``loss`` of ``predict``'s outputs over ``batches`` of ``(inputs, target)``
     (each batch's mean weighted by its samples) and the arg-max accuracy under cross-entropy.

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TextIO
+from typing import Any, Iterable, Iterator, Sequence, TextIO, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.funcpipe import with_tiers
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.solvers import available_solvers, get_solver
+from flatpack.partitioner.solvers.base import CostSolver
 from flatpack.partitioner.workload import RECOMPUTE, Workload
 from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
@@ -376,6 +377,11 @@ def check_split_points(model: nn.Module, points: Sequence[str]) -> None:
                              "model.named_modules() does, e.g. bert.encoder.layer.2")
 
 
+def _dp() -> CostSolver:
+    """dp, the exact cost-model solver, whose front the job reports and picks from."""
+    return cast(CostSolver, get_solver("dp"))  # the registry's "dp" is solvers.dp.Dp, a CostSolver
+
+
 @dataclass(frozen=True)
 class FastestOnFront:
     """A solver: the fastest plan on dp's Pareto front."""
@@ -383,7 +389,7 @@ class FastestOnFront:
     name: str = "dp-fastest"
 
     def __call__(self, problem: Any) -> Any:
-        return get_solver("dp").front(problem).plans[0]
+        return _dp().front(problem).plans[0]
 
 
 @dataclass
@@ -549,7 +555,8 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
     return batches, choose_loss(model, inputs, target, options.loss), len(batches)
 
 
-def evaluation_batches(model: nn.Module, example: Any, options: JobOptions, loss: str) -> Sequence[tuple[Any, Any]]:
+def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
+                       loss: str) -> Sequence[tuple[Any, Any]] | Batches:
     """The held-out batches ``--eval-every`` evaluates on, one pass in order: ``--eval-data``,
     the shards ``--eval-fraction`` holds out of ``--data``, or (synthetic training data) two
     synthetic batches drawn with another seed. Checked against the model and the training
@@ -626,6 +633,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                     workload=workload, calibration=options.calibration, **extra)
         LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
                  f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
+        if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
+            raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
@@ -638,10 +647,10 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
                 "backward (the tier chosen does not hold them; one more forward each)")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
-        every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, options.iterations)
+        every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, iterations)
         if options.schedule == ASYNC_SCHEDULE:
             # micro-batches are in flight between iterations: only a drained pipeline checkpoints
-            every = options.eval_every or options.iterations
+            every = options.eval_every or iterations
             why = "1f1b-async checkpoints only where its pipeline drains, at the end of each call"
         elif options.checkpoint_every:
             why = "as asked"
@@ -669,7 +678,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
                          "non_finite": options.non_finite, "precision": options.precision,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}
-        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=options.iterations,
+        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=iterations,
                            data=data_record, train_options=train_options)
         directory.write(record)
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
@@ -687,7 +696,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                          "(replaces the catalog's assumption in the prediction)")
             replan = ({"replan": ReplanPolicy(options.replan_threshold, on_switch=_recording_switches(directory)),
                        "epoch_iterations": options.epoch_iterations} if options.replan else None)
-            result, evaluations = train_and_evaluate(deployment, batches, options.iterations, loss, train_options,
+            result, evaluations = train_and_evaluate(deployment, batches, iterations, loss, train_options,
                                                      options.eval_every, held_out, say, replan)
             # after a switch the deployment runs the last plan
             final = deployment.compiled
@@ -700,7 +709,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             directory.write(record)
             shutil.rmtree(directory.root / retired, ignore_errors=True)
         _finish(directory, record, compiled, result.parameters, say, options.save)
-        say(f"\ntrained {options.iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
+        say(f"\ntrained {iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
@@ -714,7 +723,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"iter {found.iteration}: loss {found.loss:.4f}"
                 + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in evaluations))
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
-        skip = 2 if options.iterations >= 3 else min(1, options.iterations - 1)
+        skip = 2 if iterations >= 3 else min(1, iterations - 1)
         reads_target = loss != "output"    # a model that returns its loss reads no target key
         # after a switch, the last plan against the iterations it ran
         measured = ([event for event in result.events if event.iteration > result.switches[-1].iteration]
@@ -723,22 +732,21 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                     schedule=options.schedule)
         say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
         say(comparison.table())
-        calibrated = None
+        calibrated = in_run_calibration = None
         try:
             # FuncPipe's in-run calibration (β and t_lat from iteration 1) stands in for a
             # calibration file; with one, the prediction above is already calibrated
-            in_run = skip == 2 and compiled.problem.calibration is None
-            tuned, beta, latency = (report.calibrate(problem, compiled.plan, result.events, iteration=1)
-                                    if in_run and not result.switches else (None, None, None))
+            if skip == 2 and compiled.problem.calibration is None and not result.switches:
+                in_run_calibration = report.calibrate(problem, compiled.plan, result.events, iteration=1)
         except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
             LOG.info(f"no calibration on iteration 1: {err}")
-            tuned = None
-        if tuned is not None:
+        if in_run_calibration is not None:
+            tuned, beta, latency = in_run_calibration
             calibrated = report.compare(tuned, final.plan, measured, skip_first=skip,
                                         reads_target=reads_target, schedule=options.schedule)
             say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
-                f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {calibrated.iteration_error * 100:+.1f}% "
+                f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {_percent(calibrated.iteration_error)} "
                 "on the later iterations")
         # the timeline, for `flatpack plan --from-run` (runtime.refit) to re-fit the model to
         (options.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
@@ -761,8 +769,13 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         return JobResult(final, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
 
 
+def _percent(error: float | None) -> str:
+    """A relative error as a signed percentage; "-" when there was nothing to compare with."""
+    return "-" if error is None else f"{error * 100:+.1f}%"
+
+
 def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],
-                       eval_every: int, held_out: Sequence[tuple[Any, Any]] | None,
+                       eval_every: int, held_out: Iterable[tuple[Any, Any]] | None,
                        say: Any, replan: dict[str, Any] | None = None) -> tuple[Any, list[Any]]:
     """Trains ``iterations`` batches; with ``eval_every`` N, as calls of N iterations (each
     continues from the previous one's checkpoint: weights, optimizer state, the schedule's
@@ -774,6 +787,8 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
     if not eval_every:
         return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),
                                 **train_options, **(replan or {})), []
+    if held_out is None:
+        raise ValueError(f"eval_every={eval_every} evaluates on held-out batches; pass them as held_out")
     degrees = [stage.replicas for stage in deployment.compiled.plan.stages]
     line = ProgressLine(iterations, first_batch_rows(batches[0]), deployment.dollars_per_second(degrees),
                         None if logs.progress_enabled() else io.StringIO())   # -q: no progress
@@ -920,7 +935,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
 
 def _print_front(compiled: Any, say: Any) -> None:
     try:
-        front = get_solver("dp").front(compiled.problem)
+        front = _dp().front(compiled.problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs
         LOG.warning(f"no front: {err}")
         return

@@ -653,7 +653,7 @@ def _dominant_dtype(graph: LayerGraph) -> str:
     sizes: dict[str, int] = {}
     for tensor in [*graph.gm.parameters(), *graph.gm.buffers()]:
         sizes[str(tensor.dtype)] = sizes.get(str(tensor.dtype), 0) + tensor.numel()
-    return max(sizes, key=sizes.get) if sizes else "torch.float32"
+    return max(sizes, key=lambda dtype: sizes[dtype]) if sizes else "torch.float32"
 
 
 def _cpu_name() -> str:

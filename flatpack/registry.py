@@ -43,16 +43,21 @@ class Registry(Generic[T]):
         the error lists the known ones."""
         factory = self.factory(name)
         options = options or {}
-        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
-            fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
-            unknown = {key.replace("_", "-") for key in options} - fields
-            if unknown:
-                raise self.error(f"{self.kind} {name!r} has no option {', '.join(sorted(unknown))}; "
-                                 f"its options are: {', '.join(sorted(fields)) or 'none'}")
+        self._refuse_unknown_options(name, factory, options)
         try:
             return factory(**{key.replace("-", "_"): value for key, value in options.items()})
         except (TypeError, ValueError) as err:
             raise self.error(f"bad options for {self.kind} {name!r}: {err}") from None
+
+    def _refuse_unknown_options(self, name: str, factory: Callable[..., T], options: dict[str, Any]) -> None:
+        """A dataclass factory's fields are its options: any other name is refused, listing them."""
+        if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+            return
+        fields = {f.name.replace("_", "-") for f in dataclasses.fields(factory)}
+        unknown = {key.replace("_", "-") for key in options} - fields
+        if unknown:
+            raise self.error(f"{self.kind} {name!r} has no option {', '.join(sorted(unknown))}; "
+                             f"its options are: {', '.join(sorted(fields)) or 'none'}")
 
 
 def split_top_level(text: str, error: type[Exception], what: str) -> list[str]:

@@ -188,6 +188,7 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
         (a bias that starts at zero would otherwise have no room at all)."""
         bound = SGD_ATOL + SGD_RTOL * expected.abs()
         if sixteen_bits:
+            assert initial is not None  # refused above: a 16-bit run under SGD needs it
             bound = bound + state_rtol * float((expected - initial[name].double()).abs().max())
         return bound
     state = reference.state_dict(keep_vars=True)
@@ -322,11 +323,14 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
             dropouts: int, example: Any) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and
     checks the run against it (see the tolerances above)."""
+    run_iterations = options.iterations
+    if run_iterations is None:
+        raise ValueError("the verdict needs the run's iterations: pass the JobOptions training_data resolved")
     stages = compiled.plan.stages
     micro_batches = compiled.plan.micro_batches or options.micro_batches
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
-                    options.iterations, optimizer.describe(), dropouts=dropouts)
+                    run_iterations, optimizer.describe(), dropouts=dropouts)
     if draws_random(initial, example):
         found.note = ("the model draws random numbers in train mode beyond nn.Dropout (which flatpack run "
                       "switches off), so no run can be compared with single-process training; train it without "
@@ -343,17 +347,17 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
         # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
         # calls of N iterations, and the pipeline drains at the end of each
         reference, _ = train_async_single_process(
-            initial, batches, options.iterations, stage_of=parameter_stages(compiled), stages=len(stages),
+            initial, batches, run_iterations, stage_of=parameter_stages(compiled), stages=len(stages),
             micro_batches=micro_batches, optimizer=optimizer, loss=loss, vertical_sync=options.vertical_sync,
             call_iterations=options.eval_every or None, optimizer_state=reference_state, precision=options.precision,
             pipeline=pipeline, threads=threads)
     else:
-        reference, _ = train_single_process(initial, batches, options.iterations, loss=loss, optimizer=optimizer,
+        reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
                                             optimizer_state=reference_state, precision=options.precision,
                                             pipeline=pipeline, threads=threads)
     # the bounds grow with the optimizer's steps: one per micro-batch under 1f1b-async
-    iterations = options.iterations * (micro_batches if options.schedule == ASYNC_SCHEDULE else 1)
+    iterations = run_iterations * (micro_batches if options.schedule == ASYNC_SCHEDULE else 1)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
                                                 optimizer, iterations, options.precision,
                                                 initial.state_dict())

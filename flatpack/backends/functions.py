@@ -797,7 +797,7 @@ class _Run:
             self._collect(end)
             self._feed(begin, end)
             if self.straggler_ratio is not None:
-                self._watch_stragglers(end)
+                self._watch_stragglers(end, self.straggler_ratio)
 
     def _finished(self, key: tuple[int, int], worker: _Worker, code: int, end: int) -> None:
         workers = self.deployment.workers
@@ -919,7 +919,7 @@ class _Run:
                     self.store.delete(key)
         self.released = checkpoint
 
-    def _watch_stragglers(self, end: int) -> None:
+    def _watch_stragglers(self, end: int, ratio: float) -> None:
         """Dorylus's rule, per phase: once some replicas of a stage have finished an
         iteration's forwards (or forwards and backwards), a peer still at it ``ratio`` ×
         their time later is relaunched from the last checkpoint. A replica that waits on a
@@ -949,7 +949,7 @@ class _Run:
                         continue
                     # the clock runs from when nothing it waits for is late any more
                     behind = time.time() - self.late_since.setdefault(clock, time.time())
-                    if behind > self.straggler_ratio * pace:
+                    if behind > ratio * pace:
                         self.relaunched.add((iteration, stage.index, replica))
                         self._relaunch_straggler(stage.index, replica, iteration, behind)
 

@@ -204,7 +204,7 @@ def runtime_dependency_bytes() -> int:
             continue
         for file in files:
             try:
-                total += file.locate().stat().st_size
+                total += Path(file.locate()).stat().st_size
             except OSError:
                 continue
     return total

@@ -78,7 +78,7 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
             server = LocalS3Server(data_dir=data_dir).start()
             store_url, env = server.url(""), server.env()
         if workdir is None:
-            if server is not None:
+            if server is not None and server.directory is not None:  # a started server has its directory
                 workdir = server.directory / "logs"
             else:
                 workdir = temporary = Path(tempfile.mkdtemp(prefix="flatpack-local-"))

@@ -50,6 +50,7 @@ from flatpack.backends.functions import FunctionDeployment, Invocation, read_sta
 from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.ir.passes import resolve
+from flatpack.ir.profile import Linear
 from flatpack.partitioner.plan import Plan
 from flatpack.platform.calibration import Calibration, TierCalibration
 from flatpack.platform.catalog import get_platform
@@ -212,12 +213,17 @@ def calibration_table(calibration: Calibration, micro_batch: int) -> str:
     tiers = calibration.tiers_mb
     where = (f"{calibration.platform}'s tiers emulated on this machine"
              if calibration.provenance.get("cpu_share") == "emulated" else f"measured in {calibration.platform}")
-    rows = [[name, *(f"{sum(calibration.seconds(index, mb, micro_batch)) * 1000:.3f}" for mb in tiers)]
+    rows = [[name, *(_fwd_bwd_ms(calibration.seconds(index, mb, micro_batch)) for mb in tiers)]
             for index, name in enumerate(calibration.layer_names)]
     lines = [f"fwd+bwd ms at micro-batch {micro_batch}, {where}",
              format_table(["layer", *(f"{mb} MB" for mb in tiers)], rows, numeric=range(1, len(tiers) + 1))]
     lines.extend(f"{key}: {value}" for key, value in calibration.provenance.items() if key.startswith("tier "))
     return "\n".join(lines)
+
+
+def _fwd_bwd_ms(seconds: tuple[float, float] | None) -> str:
+    """Forward + backward milliseconds; "-" for a tier without per-layer lines."""
+    return "-" if seconds is None else f"{sum(seconds) * 1000:.3f}"
 
 
 # --- steps ------------------------------------------------------------------------------------
@@ -250,10 +256,15 @@ def _probe_size(emulated: bool, requested: int | None) -> int:
     return 0
 
 
-def _one_layer_per_stage(problem: Any) -> Plan:
+@dataclass
+class _OneLayerPerStage:
     """A solver: every layer its own stage, so every artifact is one layer."""
-    count = len(problem.chain)
-    return Plan.from_ranges([(index, index) for index in range(count)], count, solver="one-layer-per-stage")
+
+    name: str = "one-layer-per-stage"
+
+    def __call__(self, problem: Any) -> Plan:
+        count = len(problem.chain)
+        return Plan.from_ranges([(index, index) for index in range(count)], count, solver=self.name)
 
 
 def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: str, passes: Any,
@@ -262,7 +273,7 @@ def _compile_one_layer_per_stage(model: nn.Module, example_inputs: Any, target: 
     pass reads one), emitted one layer per stage."""
     reads_profile = any(getattr(graph_pass, "reads_profile", False) for graph_pass in resolve(passes))
     return compile_model(model, example_inputs, target=target, passes=passes, example_kwargs=example_kwargs,
-                         solver=_one_layer_per_stage, profile=(profile or True) if reads_profile else False)
+                         solver=_OneLayerPerStage(), profile=(profile or True) if reads_profile else False)
 
 
 def _grad_values(compiled: Any) -> tuple[str, ...]:
@@ -387,6 +398,20 @@ def _status_detail(status: dict) -> str:
     return str(status.get("status", ""))
 
 
+def _measured_lines(result: TierResult) -> tuple[tuple[Linear, ...], tuple[Linear, ...]]:
+    """The forward and backward lines of a tier measured in full (an ``ok`` result has both
+    for every layer: the profiler function stops at the first layer it cannot measure)."""
+    forward: list[Linear] = []
+    backward: list[Linear] = []
+    for layer in result.layers:
+        if layer.forward_s is None or layer.backward_s is None:
+            raise RunFailure(f"the profiler function of the {result.memory_mb} MB tier reported {result.status!r} "
+                             f"without lines for layer {layer.name}; profile the tier again")
+        forward.append(layer.forward_s)
+        backward.append(layer.backward_s)
+    return tuple(forward), tuple(backward)
+
+
 def _calibration(target: str, layer_names: tuple[str, ...], digest: str, results: dict[int, TierResult],
                  emulated: bool, batch_sizes: tuple[int, ...], repeats: int, threads: int,
                  next_step: str) -> Calibration:
@@ -400,9 +425,8 @@ def _calibration(target: str, layer_names: tuple[str, ...], digest: str, results
             provenance[f"tier {memory_mb} MB"] = f"not calibrated ({result.status}): {result.reason}"
             log.warning("tier %d MB not calibrated: %s", memory_mb, result.reason)
             continue
-        tiers[memory_mb] = TierCalibration(tuple(layer.forward_s for layer in result.layers),
-                                           tuple(layer.backward_s for layer in result.layers),
-                                           result.bandwidth_bytes_s)
+        forward_s, backward_s = _measured_lines(result)
+        tiers[memory_mb] = TierCalibration(forward_s, backward_s, result.bandwidth_bytes_s)
         remarks = _calibrated_tier_remarks(result)
         if remarks:
             provenance[f"tier {memory_mb} MB"] = remarks

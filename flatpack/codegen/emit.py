@@ -16,6 +16,7 @@ import keyword
 import math
 import operator
 import re
+import types
 from typing import Any
 
 import torch
@@ -190,7 +191,7 @@ def _imports_for(globals_: dict[str, Any], src: str, index: int) -> list[str]:
             lines.append(f"{name} = torch.device")
         elif getattr(builtins, name, None) is obj:
             continue
-        elif isinstance(obj, type(torch)):
+        elif isinstance(obj, types.ModuleType):
             lines.append(f"import {obj.__name__} as {name}")
         else:
             lines.append(_import_callable(name, obj, index))

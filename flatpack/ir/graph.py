@@ -271,8 +271,9 @@ class LayerGraph:
         graph = self.with_layers(groups)
         for layer, (start, end) in zip(graph.layers, ranges):
             profiles = [old.meta.get(meta.PROFILE) for old in self.layers[start:end + 1]]
-            if all(profile is not None for profile in profiles):
-                layer.meta[meta.PROFILE] = merge_layer_profiles(layer.name, profiles)
+            present = [profile for profile in profiles if profile is not None]
+            if len(present) == len(profiles):
+                layer.meta[meta.PROFILE] = merge_layer_profiles(layer.name, present)
         return graph
 
     # queries ------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ def _written_in_some_mode(node: torch.fx.Node) -> list[torch.fx.Node]:
     if switched.get(position, switched.get("training", (None, None)))[0] is not True:
         return written
     bound = dict(zip(names, node.args)) | dict(node.kwargs)
-    return [bound[key] for key in ("running_mean", "running_var") if isinstance(bound.get(key), torch.fx.Node)]
+    return [stat for key in ("running_mean", "running_var") if isinstance(stat := bound.get(key), torch.fx.Node)]
 
 
 def _group_by_spans(names: list[str], positions: list[int], spans: list[tuple[int, int]]) -> list[list[str]]:

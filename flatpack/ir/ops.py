@@ -143,7 +143,7 @@ def _running_stat_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
     bound = dict(zip(names, node.args)) | dict(node.kwargs)
     if bound.get("training") is not True:
         return []
-    return [bound[key] for key in ("running_mean", "running_var") if isinstance(bound.get(key), torch.fx.Node)]
+    return [stat for key in ("running_mean", "running_var") if isinstance(stat := bound.get(key), torch.fx.Node)]
 
 
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -119,7 +119,8 @@ class LayerProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerProfile:
-        lines = {key: Linear.from_json(data[key]) for key in _LINES}
+        # keyword arguments by field name: the per-sample lines, and two fields of other types
+        lines: dict[str, Any] = {key: Linear.from_json(data[key]) for key in _LINES}
         lines["saved_boundary_bytes"] = {name: Linear.from_json(line)
                                          for name, line in data.get("saved_boundary_bytes", {}).items()}
         lines["inference_s"] = Linear.from_json(data["inference_s"]) if data.get("inference_s") else None
@@ -209,6 +210,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
     transient = _largest([Linear(max(layer.peak_bytes.per_sample - layer.saved_bytes.per_sample, 0.0),
                                  max(layer.peak_bytes.fixed - layer.saved_bytes.fixed, 0.0)) for layer in layers])
     optimizers = {key for layer in layers for key in layer.optimizer_state_bytes}
+    inference = [layer.inference_s for layer in layers if layer.inference_s is not None]  # all, or no line
     return LayerProfile(
         name=name,
         forward_s=_total([layer.forward_s for layer in layers]),
@@ -219,8 +221,7 @@ def merge_layer_profiles(name: str, layers: Sequence[LayerProfile]) -> LayerProf
         optimizer_state_bytes={key: sum(layer.optimizer_state_bytes.get(key, 0) for layer in layers)
                                for key in sorted(optimizers)},
         saved_boundary_bytes=dict(summed.kept),
-        inference_s=(_total([layer.inference_s for layer in layers])
-                     if all(layer.inference_s is not None for layer in layers) else None),
+        inference_s=_total(inference) if len(inference) == len(layers) else None,
     )
 
 

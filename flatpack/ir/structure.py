@@ -58,7 +58,7 @@ def _model_output_class(path: str) -> type | None:
         return None
     try:   # optional dependency: HuggingFace transformers (pip install 'flatpack[hf]')
         import transformers
-        from transformers.utils import ModelOutput
+        from transformers.utils.generic import ModelOutput
     except ImportError:
         return dict   # data-only fallback: the outputs come back as a plain dict
     obj: Any = transformers
@@ -89,16 +89,20 @@ def _namedtuple(description: object, where: str) -> type:
     if not isinstance(description, dict):
         raise ArtifactError(f"{where} has a malformed named tuple description; recompile the model")
     name, fields = description.get("name"), description.get("fields")
-    valid = isinstance(name, str) and _IDENTIFIER.fullmatch(name) and isinstance(fields, list) and all(
-        isinstance(field, str) and _IDENTIFIER.fullmatch(field) and not keyword.iskeyword(field) for field in fields
-    ) and len(set(fields)) == len(fields) and not keyword.iskeyword(name)
-    if not valid:
+    if not (isinstance(name, str) and isinstance(fields, list) and _valid_namedtuple(name, fields)):
         raise ArtifactError(f"{where} describes a named tuple {str(name)[:60]!r} with fields {str(fields)[:120]}, "
                             "which are not distinct identifiers; the artifact is corrupted. Recompile the model.")
     key = (name, tuple(fields))
     if key not in _NAMEDTUPLES:
         _NAMEDTUPLES[key] = collections.namedtuple(name, fields)  # type: ignore[misc]
     return _NAMEDTUPLES[key]
+
+
+def _valid_namedtuple(name: str, fields: list) -> bool:
+    """Whether a named tuple's name and fields are distinct identifiers, none a keyword."""
+    return bool(_IDENTIFIER.fullmatch(name)) and all(
+        isinstance(field, str) and _IDENTIFIER.fullmatch(field) and not keyword.iskeyword(field) for field in fields
+    ) and len(set(fields)) == len(fields) and not keyword.iskeyword(name)
 
 
 def from_treespec(spec: pytree.TreeSpec, leaves: list[Any] | None = None) -> dict:
@@ -120,11 +124,12 @@ def from_treespec(spec: pytree.TreeSpec, leaves: list[Any] | None = None) -> dic
         if node.type in (tuple, list):
             return {node.type.__name__: children}
         named = node.context if isinstance(node.context, type) else node.type
-        if isinstance(named, type) and issubclass(named, tuple) and hasattr(named, "_fields"):
+        fields = getattr(named, "_fields", None)
+        if isinstance(named, type) and issubclass(named, tuple) and fields is not None:
             # pytree's namedtuple node: described field by field; the class itself is
             # already imported (the model returned it), so this process may rebuild it as such
             allow(named)
-            return {"tuple": children, "namedtuple": {"name": named.__name__, "fields": list(named._fields)},
+            return {"tuple": children, "namedtuple": {"name": named.__name__, "fields": list(fields)},
                     "class": _class_path(named)}
         if isinstance(node.type, type) and issubclass(node.type, dict):
             keys = list(node.context) if not isinstance(node.context, type) else []
@@ -199,10 +204,11 @@ def _rebuild(structure: object, leaf: Callable[[int], Any], where: str, build: b
         items = [_rebuild(child, leaf, where, build) for child in _children(structure, "tuple", where)]
         if "namedtuple" in structure:
             described = _namedtuple(structure["namedtuple"], where)
-            live = _ALLOWED.get(structure.get("class")) if isinstance(structure.get("class"), str) else None
+            path = structure.get("class")
+            live = _ALLOWED.get(path) if isinstance(path, str) else None
             # the model's own class when this process traced it, else one rebuilt from the description
             same = live is not None and getattr(live, "_fields", None) == described._fields
-            return _construct(live if same else described, where, build, *items)
+            return _construct(live if live is not None and same else described, where, build, *items)
         if structure.get("class") is None:
             return tuple(items)
         cls = resolve_class(structure["class"], tuple, where)

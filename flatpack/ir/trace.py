@@ -25,6 +25,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.graph import CodeGen
+from torch.fx.graph_module import _copy_attr
 
 from flatpack.errors import InputError, TraceError
 from flatpack.ir import ops, structure
@@ -340,6 +341,9 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
     gm = exported.module()
     graph = gm.graph
     out_spec = gm._out_spec
+    if out_spec is None:
+        raise TraceError("torch.export produced a module without an output spec (gm._out_spec is None); "
+                         "flatpack needs it to rebuild the output structure")
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
@@ -392,8 +396,8 @@ def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs:
 
 def _dynamic_dims(graph: torch.fx.Graph) -> list[list[int]]:
     """For each tensor placeholder, in order, the dimensions export left symbolic."""
-    return [free_dims(node) for node in graph.nodes
-            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)]
+    return [_symbolic_dims(value) for node in graph.nodes
+            if node.op == "placeholder" and isinstance(value := node.meta.get("val"), torch.Tensor)]
 
 
 def free_dims(node: torch.fx.Node) -> list[int] | None:
@@ -402,6 +406,11 @@ def free_dims(node: torch.fx.Node) -> list[int] | None:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return None
+    return _symbolic_dims(value)
+
+
+def _symbolic_dims(value: torch.Tensor) -> list[int]:
+    """The dimensions of a traced tensor value that export left symbolic."""
     return [index for index, size in enumerate(value.shape) if _symbolic(size)]
 
 
@@ -587,7 +596,8 @@ def _align_modes(primary: Traced, other: Traced, primary_is_train: bool) -> list
         if not _is_step_counter(node):
             fixed.append(node)
         elif primary_is_train:
-            node.meta[MODE_ARGS] = {1: (node.args[1], type(node.args[1])(0))}
+            step = _step_counter_operands(node)[1]
+            node.meta[MODE_ARGS] = {1: (step, type(step)(0))}
         else:
             inserted[node] = _insert_step_counter(primary, other, node, o_nodes, pairs, inserted)
     fixed.extend(node for node in (o_only if primary_is_train else p_only) if node.op != "get_attr")
@@ -607,8 +617,12 @@ def _is_transparent(node: torch.fx.Node) -> bool:
 def _with_defaults(node: torch.fx.Node) -> tuple[tuple, dict]:
     """An ATen call's arguments with the omitted ones spelled out (torch.export drops those
     equal to their defaults, so attention's ``dropout_p=0.0`` vanishes in eval mode)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        # the caller checked the primary node's target; its paired node has the same key (_node_key)
+        raise TypeError(f"{node.name}: defaults are known for ATen ops only, not for target {target!r}")
     args, kwargs = list(node.args), dict(node.kwargs)
-    for index, argument in enumerate(node.target._schema.arguments):
+    for index, argument in enumerate(target._schema.arguments):
         if not argument.has_default_value():
             continue
         if argument.kwarg_only:
@@ -683,6 +697,14 @@ def _is_step_counter(node: torch.fx.Node) -> bool:
                     and user.args[0] is node for user in node.users))
 
 
+def _step_counter_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, int | float]:
+    """The counter a step counter adds to and its constant increment (``_is_step_counter`` holds)."""
+    counter, step = node.args[0], node.args[1]
+    if not isinstance(counter, torch.fx.Node) or not isinstance(step, (int, float)):
+        raise TypeError(f"{node.name} is not a step counter (add_ of a constant to a buffer): {node.format_node()}")
+    return counter, step
+
+
 def _insert_step_counter(primary: Traced, other: Traced, node: torch.fx.Node, o_nodes: list[torch.fx.Node],
                          pairs: dict[torch.fx.Node, torch.fx.Node],
                          inserted: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
@@ -690,18 +712,18 @@ def _insert_step_counter(primary: Traced, other: Traced, node: torch.fx.Node, o_
     graph = primary.gm.graph
     after = o_nodes[o_nodes.index(node) + 1:]
     anchor = next(pairs[o] for o in after if o in pairs)
-    step = node.args[1]
+    counted, step = _step_counter_operands(node)
     with graph.inserting_before(anchor):
-        written = inserted.get(node.args[0])
+        written = inserted.get(counted)
         if written is None:
-            root = node.args[0]
+            root = counted
             while root.op != "get_attr":
-                root = root.args[0]
+                root = _step_counter_operands(root)[0]
             target = str(root.target)
             try:
                 fetch_attr(primary.gm, target)
             except AttributeError:
-                torch.fx.graph_module._copy_attr(other.gm, primary.gm, target)
+                _copy_attr(other.gm, primary.gm, target)
             written = graph.get_attr(target)
             written.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
         counter = graph.create_node(node.op, node.target, (written, type(step)(0)), {})

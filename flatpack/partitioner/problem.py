@@ -75,7 +75,8 @@ class Problem:
         workload = workload or Workload()
         channel_groups = group_table(graph) if workload.mode == "infer" else None
         return cls(chain, platform, workload, profile.host if profile else None,
-                   calibration, stages, options, profile.input_bytes if profile else None, channel_groups)
+                   calibration, stages, ProblemOptions.of(options), profile.input_bytes if profile else None,
+                   channel_groups)
 
     @classmethod
     def from_saved(cls, chain: dict[str, Any], profile: ChainProfile, target: str, workload: Workload | None = None,
@@ -93,8 +94,8 @@ class Problem:
         if calibration is not None:
             calibration.check_against([layer.name for layer in built], profile.graph_hash, platform.name)
             platform = calibration.apply(platform)
-        return cls(built, platform, workload or Workload(), profile.host, calibration, None, options,
-                   profile.input_bytes)
+        return cls(built, platform, workload or Workload(), profile.host, calibration, None,
+                   ProblemOptions.of(options), profile.input_bytes)
 
     @property
     def profiled(self) -> bool:

@@ -50,7 +50,7 @@ class SearchSpace:
             platform.tier(size)  # raises, naming the allowed sizes, when the platform has no such tier
         workload = problem.workload
         if workload.mode == "infer":
-            micro_batches: tuple[int, ...] = (workload.micro_batches,)
+            micro_batches: tuple[int, ...] = (workload.micro_batch_count,)
         else:
             micro_batches = _positive_ints(_given(options.micro_batches, workload.micro_batches), "micro_batches")
             for count in micro_batches:

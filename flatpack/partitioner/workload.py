@@ -84,13 +84,21 @@ class Workload:
         return 1.0 if self.precision == "fp32" else 0.5
 
     @property
+    def micro_batch_count(self) -> int:
+        """M: ``micro_batches`` as given, or the default ``__post_init__`` derived from the
+        batch (never None once constructed, which the field's type cannot say)."""
+        if self.micro_batches is None:
+            raise AssertionError("Workload.__post_init__ sets micro_batches")
+        return self.micro_batches
+
+    @property
     def micro_batch_size(self) -> float:
         """Samples per micro-batch: the global batch over M (FuncPipe's micro-batch size)."""
-        return self.batch / self.micro_batches
+        return self.batch / self.micro_batch_count
 
     def micro_batches_per_replica(self, replicas: int) -> float:
         """FuncPipe's µ = M/d."""
-        return self.micro_batches / replicas
+        return self.micro_batch_count / replicas
 
 
 def divisors_up_to(batch: int, limit: int) -> list[int]:

@@ -202,11 +202,13 @@ class TierCalibration:
                    if tier.get(name) is not None}
         figures.update({name: _number(tier[name], f"{where}.{name}") for name in ("invoke_cold_s", "invoke_warm_s")
                         if tier.get(name) is not None})
-        ratios = {name: _ratios(tier[name], f"{where}.{name}") for name in ("compute_ratio", "optimizer_s_per_byte")
-                  if tier.get(name) is not None}
+        # keyword arguments of three kinds (per-layer lines, figures, per-kind ratios), by field name
+        ratios: dict[str, Any] = {name: _ratios(tier[name], f"{where}.{name}")
+                                  for name in ("compute_ratio", "optimizer_s_per_byte") if tier.get(name) is not None}
         if tier.get("task_overhead_s") is not None:
             ratios["task_overhead_s"] = _task_overheads(tier["task_overhead_s"], f"{where}.task_overhead_s")
-        return cls(**lines, **figures, **ratios)
+        fields: dict[str, Any] = {**lines, **figures, **ratios}
+        return cls(**fields)
 
 
 @dataclass(frozen=True)

@@ -646,6 +646,7 @@ def host_cores() -> int:
 def local() -> Platform:
     cpus = os.cpu_count() or 1
     lam = aws_lambda()
+    assert lam.scaling is not None  # the Lambda catalog entry scales CPU with memory
     scaling = replace(lam.scaling, host_vcpu_cap=float(cpus))
     return Platform(
         name="local", kind="local", tiers=tuple(scaling.tier(t.memory_mb) for t in lam.tiers),

@@ -51,7 +51,9 @@ def _unpack(data: bytes) -> torch.Tensor:
 
 def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration: int, stage: int, replica: int,
                    replicas: int, method: str = "pipelined", lanes: Lanes | None = None,
-                   timeout_s: float = 600.0, record: Callable[[str, str, int], object] | None = None) -> torch.Tensor:
+                   timeout_s: float = 600.0,
+                   record: Callable[[str, str, int], contextlib.AbstractContextManager[object]] | None = None
+                   ) -> torch.Tensor:
     """The sum of ``flat`` over the stage's replicas, by ``method``.
 
     ``record(kind_lane, what, nbytes)`` is a context-manager factory for the timeline
@@ -110,7 +112,8 @@ def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration
             lanes.close()
 
 
-def _recorded(record: Callable[[str, str, int], object] | None, lane: str, nbytes: int):
+def _recorded(record: Callable[[str, str, int], contextlib.AbstractContextManager[object]] | None, lane: str,
+              nbytes: int) -> contextlib.AbstractContextManager[object]:
     if record is None:
         return contextlib.nullcontext()
     return record(lane, "sync", nbytes)

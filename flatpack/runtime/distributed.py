@@ -576,6 +576,8 @@ class StageRank:
                            device_type=self.device.type, scaler=self.scaler)
             if self.is_last:
                 # read once per iteration: no sync here; the batch's mean, whatever accumulation's 1/K
+                if state.loss is None:
+                    raise RuntimeError(f"stage {self.stage.index}: micro-batch {m}'s forward left no loss")
                 self._loss_total = self._loss_total + state.loss.detach() * self.spec.optimizer.accumulate
         input_grads = input_gradients(state.inputs)
         for producer in self.producers:

@@ -171,7 +171,10 @@ def serve(store: Store, raw_spec: bytes, role: Role, *, after_task: Any = None, 
         request += 1
 
 
-def _compute(module: torch.nn.Module, group: GroupSpec, values: dict[str, Any], run_compute: Any) -> dict[str, Any]:
+def _compute(module: torch.nn.Module | None, group: GroupSpec, values: dict[str, Any],
+             run_compute: Any) -> dict[str, Any]:
+    if module is None:
+        raise RuntimeError(f"group {group.index} computes on the master, which loaded no module for it")
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -215,9 +218,13 @@ def _run_group(store: Store, keys: RunKeys, request: int, group: GroupSpec, modu
         store.delete(key)
     recorder.add(timeline.Event(0, 0, request, "download", started, time.time(), lane="download",
                                 micro_batch=group.index))
+    parts = [part for part in results if part is not None]
+    if len(parts) != len(results):
+        raise RuntimeError(f"group {group.index}: {len(results) - len(parts)} of its {len(results)} partitions "
+                           "returned nothing (its workers and the master cover them all)")
     if group.split == "channel":
-        return channel_split.join_outputs(results, group.outputs, group.joins)
-    return join_batch(results, sizes)
+        return channel_split.join_outputs(parts, group.outputs, group.joins)
+    return join_batch(parts, sizes)
 
 
 def stop_message() -> bytes:

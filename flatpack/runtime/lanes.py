@@ -27,7 +27,9 @@ class Lanes:
         if on_compute_thread is not None and "compute" in self._pools:
             self._pools["compute"].submit(on_compute_thread).result()
 
-    def submit(self, lane: str, fn: Callable[..., Any], *args: Any, after: Iterable[Future] = ()) -> Future:
+    def submit(self, lane: str, fn: Callable[..., Any], *args: Any,
+               after: Iterable[Future | None] = ()) -> Future:
+        """Runs ``fn(*args)`` on ``lane`` once the futures ``after`` are done (None entries: nothing to wait for)."""
         if lane not in self._pools:
             raise ValueError(f"unknown lane {lane!r}; lanes are {', '.join(self._pools)}")
         dependencies = [dep for dep in after if dep is not None]

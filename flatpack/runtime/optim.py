@@ -313,7 +313,7 @@ class OptimizerSpec:
         for group in optimizer.param_groups:
             group["lr"] = self.lr
             group.pop("initial_lr", None)
-        scheduler = self.build_schedule(optimizer)
+        scheduler = self.schedule.build(optimizer)
         with warnings.catch_warnings():
             # "lr_scheduler.step() before optimizer.step()": these steps replay, not train
             warnings.simplefilter("ignore", UserWarning)

@@ -143,14 +143,18 @@ class LossScaler:
         present = [grad for grad in grads if grad is not None]
         if present:
             inverse = self.scale.double().reciprocal().float()
-            torch._amp_foreach_non_finite_check_and_unscale_(present, found, inverse)
+            # the op GradScaler calls; torch's stub does not declare its re-export from torch._C
+            torch._amp_foreach_non_finite_check_and_unscale_(  # pyright: ignore[reportPrivateImportUsage]
+                present, found, inverse)
         return bool(found.item())
 
     def update(self, found_inf: bool) -> None:
         """``GradScaler.update`` after a step (``found_inf``: anywhere in the model)."""
         found = torch.full((1,), float(found_inf), dtype=torch.float32, device=self.scale.device)
-        torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.settings.growth_factor,
-                                 self.settings.backoff_factor, self.settings.growth_interval)
+        # as in unscale: GradScaler's op, undeclared in torch's stub
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found,  # pyright: ignore[reportPrivateImportUsage]
+                                 self.settings.growth_factor, self.settings.backoff_factor,
+                                 self.settings.growth_interval)
 
     def state(self) -> dict[str, float | int]:
         """What a checkpoint keeps (a float32 scale is exact as a JSON float)."""

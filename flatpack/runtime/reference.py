@@ -185,7 +185,8 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
             else:
                 total = 0.0
                 for m in range(micro_batches):
-                    piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
+                    piece = pytree.tree_map(lambda leaf, rows=rows: split_value(leaf, rows, micro_batches)[m],
+                                            inputs)
                     piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
                     kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
                             if name in buffers}

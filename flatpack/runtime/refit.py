@@ -150,7 +150,8 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
     fitted = dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
                                  options=options)
     solving = get_solver(solver)
-    candidates = list(solving.front(fitted).plans) if hasattr(solving, "front") else [solving(fitted)]
+    front = getattr(solving, "front", None)  # duck-typed: a cost-model solver's front, else its one plan
+    candidates = list(front(fitted).plans) if front is not None else [solving(fitted)]
     old_s = funcpipe.predicted(fitted, plan).iteration_s
     best, best_s = plan, old_s
     for candidate in candidates:
@@ -160,4 +161,6 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
             continue   # a plan the measured model cannot price (e.g. per-stage degrees)
         if seconds < best_s:
             best, best_s = candidate, seconds
-    return Replan(plan, best, old_s, best_s, summarize(events, skip_first=skip_first).iteration_s, calibration)
+    measured_s = summarize(events, skip_first=skip_first).iteration_s
+    assert measured_s is not None  # refit above refused events without a measured iteration
+    return Replan(plan, best, old_s, best_s, measured_s, calibration)

@@ -205,7 +205,7 @@ def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = Tru
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     d = cost.replicas
     count = len(cost.stages)
-    total = problem.workload.micro_batches
+    total = problem.workload.micro_batch_count
     boundaries = cost.boundaries
 
     # tasks per worker in program order: (key, kind, lane, micro_batch, seconds, nbytes, needs)

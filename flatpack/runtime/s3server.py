@@ -204,7 +204,7 @@ class LocalS3Server:
 
     def _start_once(self, weed: str) -> None:
         assert self._dir is not None
-        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
+        ports: dict[str, int] = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         self._ports = ports
         data = self._dir / "data"
         data.mkdir(exist_ok=True)

@@ -211,7 +211,8 @@ def stage_specs(manifests: Sequence[Manifest], input_names: Sequence[str], degre
     recompute = recompute or [False] * len(manifests)
     specs = []
     for index, manifest in enumerate(manifests):
-        tier = tier_of(memory_mb[index]) if tier_of is not None and memory_mb[index] else None
+        memory = memory_mb[index]
+        tier = tier_of(memory) if tier_of is not None and memory else None
         specs.append(StageSpec(
             index=index, replicas=degrees[index], memory_mb=memory_mb[index],
             vcpus=tier.vcpus if tier else None, bandwidth_bytes_s=tier.bandwidth_bytes_s if tier else None,

@@ -15,6 +15,7 @@ stage used, ``g - (S - 1)``, so a micro-batch sees one consistent model across s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -82,7 +83,7 @@ class WeightStash:
     computes its gradient with (``x.data`` has its own version counter, so autograd would
     not notice)."""
 
-    def __init__(self, parameters: dict[str, torch.Tensor]) -> None:
+    def __init__(self, parameters: Mapping[str, torch.Tensor]) -> None:
         self.parameters = parameters
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.users: dict[int, int] = {}     # version -> in-flight micro-batches holding it

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar, cast
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 from urllib.request import url2pathname
 
@@ -223,8 +223,9 @@ def _is_botocore_transient(exc: BaseException) -> bool:
                         botocore_exceptions.IncompleteReadError, *streaming)):
         return True
     if isinstance(exc, botocore_exceptions.ClientError):
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        response = cast(Any, exc).response  # botocore is looked up at run time: pyright knows no ClientError here
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         return _is_throttling_code(code) or _is_transient_status(int(status))
     return False
 
@@ -268,7 +269,16 @@ def _is_oss_transient(exc: BaseException) -> bool:
     server_error = getattr(oss_exceptions, "ServerError", None)
     if server_error is None or not isinstance(exc, server_error):
         return False
-    return _is_throttling_code(str(getattr(exc, "code", "") or "")) or _is_transient_status(int(exc.status or 0))
+    return (_is_throttling_code(str(getattr(exc, "code", "") or ""))
+            or _is_transient_status(int(getattr(exc, "status", 0) or 0)))
+
+
+def _as_bytes(data: object, what: str) -> bytes:
+    """An object's contents as a client returned them: bytes, since the clients are made
+    without response decoding (a str would mean a client configured to decode)."""
+    if not isinstance(data, bytes):
+        raise StoreError(f"{what} returned {type(data).__name__}, not bytes; the client must not decode responses")
+    return data
 
 
 def check_retry_s(value: Any, source: str = "retry_s") -> float:
@@ -715,7 +725,7 @@ def _s3_client(endpoint_url: str | None, region: str | None, key_id: str | None,
                token: str | None, connect_timeout_s: float, read_timeout_s: float, max_pool_connections: int,
                where: str) -> Any:
     # start-up time: boto3 takes ~0.2 s to load, and only an S3 store needs it
-    import boto3
+    import boto3.session
     from botocore.config import Config
 
     session = boto3.session.Session(botocore_session=_botocore_session(), aws_access_key_id=key_id,
@@ -847,7 +857,7 @@ class RedisStore(Store):
         data = self._call("get", key, lambda: self._client.get(full))
         if data is None:
             raise StoreKeyError(f"no object {key!r} in {self.url}")
-        return data
+        return _as_bytes(data, f"Redis get of {key!r} at {self.url}")
 
     def exists(self, key: str) -> bool:
         full = self.prefix + check_key(key)
@@ -930,7 +940,8 @@ class OssStore(Store):
 
     def get(self, key: str) -> bytes:
         full = self.prefix + check_key(key)
-        return self._call("get", key, lambda: self._bucket.get_object(full).read())
+        return _as_bytes(self._call("get", key, lambda: self._bucket.get_object(full).read()),
+                         f"OSS get of {key!r} in oss://{self.bucket}/{self.prefix}")
 
     def exists(self, key: str) -> bool:
         full = self.prefix + check_key(key)

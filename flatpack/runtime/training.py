@@ -140,6 +140,9 @@ def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration:
         if state.weights is None:
             outputs = module(*args)
         else:
+            if attrs is None:
+                raise ValueError(f"stage {stage.index}: a forward on stashed weights needs attrs, the module "
+                                 "attribute of each weight")
             # the stashed version in place of the live parameters (which later steps change)
             outputs = torch.func.functional_call(
                 module, {attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
@@ -174,7 +177,11 @@ def stage_backward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration
     :func:`stage_forward` again, with autograd."""
     def backpropagate() -> None:
         if stage.index == len(spec.stages) - 1:
-            (state.loss if scaler is None else scaler.scaled(state.loss)).backward()
+            loss = state.loss
+            if loss is None:
+                raise RuntimeError(f"stage {stage.index}: micro-batch {micro_batch}'s backward before its forward "
+                                   "computed the loss")
+            (loss if scaler is None else scaler.scaled(loss)).backward()
         else:
             backward_outputs(state.outputs, grads)
 
@@ -483,28 +490,32 @@ class StageTrainer:
         """A forward takes its weight version from the stash (the live weights, kept as that
         version, unless vertical sync asks for an older one); its backward hands the same
         leaves to the observer, if any."""
+        stash = self._weight_stash()
         if kind == "F":
             sequence = self._forwards_run
             self._forwards_run += 1
             state.version = forward_version(sequence, self.role.stage, len(self.spec.stages), self.spec.vertical_sync)
             if state.version == self.call_steps:
-                self.stash.snapshot(state.version)
-            state.weights = self.stash.acquire(state.version)
+                stash.snapshot(state.version)
+            state.weights = stash.acquire(state.version)
         if self.observe_weights is not None:
-            self.observe_weights(kind, iteration, micro_batch, state.version, state.weights)
+            version, weights = self._held_version(state)
+            self.observe_weights(kind, iteration, micro_batch, version, weights)
 
     def _step_on(self, state: MicroBatchState) -> None:
         """After a micro-batch's backward: its gradient (on its version's leaves) steps the
         live parameters, and the stash lets go of the versions nothing needs any more."""
+        stash = self._weight_stash()
+        version, weights = self._held_version(state)
         for name, param in self.trainable.items():
-            param.grad = state.weights[name].grad
+            param.grad = weights[name].grad
         # release first, so that a version nobody holds any more is not copied for the step;
         # without vertical sync no later forward asks for the current version once it is stepped
         oldest_wanted = (forward_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
                          if self.spec.vertical_sync else self.call_steps + 1)
-        self.stash.release(state.version, oldest_wanted)
+        stash.release(version, oldest_wanted)
         state.weights = None
-        self.stash.before_step(self.call_steps)
+        stash.before_step(self.call_steps)
         self.throttle_compute(self.optimizer.step)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -513,7 +524,21 @@ class StageTrainer:
         self.call_steps += 1
         if self.spec.vertical_sync:
             # a later forward asks for the first stage's version, older than this stage's
-            self.stash.snapshot(self.call_steps)
+            stash.snapshot(self.call_steps)
+
+    def _weight_stash(self) -> WeightStash:
+        """The stash of weight versions, which only a 1f1b-async stage keeps."""
+        if self.stash is None:
+            raise RuntimeError(f"stage {self.role.stage} keeps no weight versions: only the 1f1b-async schedule "
+                               "stashes them")
+        return self.stash
+
+    def _held_version(self, state: MicroBatchState) -> tuple[int, dict[str, torch.Tensor]]:
+        """The weight version a micro-batch's forward took from the stash, and its leaves."""
+        if state.version is None or state.weights is None:
+            raise RuntimeError(f"stage {self.role.stage}: a micro-batch holds no stashed weight version (its "
+                               "forward did not run on this stage under 1f1b-async)")
+        return state.version, state.weights
 
     @property
     def _reads_only_data(self) -> bool:

@@ -296,7 +296,8 @@ def _ms(seconds: float) -> str:
 def _exit_reason(exit_code: int) -> str:
     # the wording of Lambda's runtime (Go's os.ProcessState): "exit status 3", "signal: killed"
     if exit_code < 0:
-        return f"signal: {signal.strsignal(-exit_code).lower()}"
+        name = signal.strsignal(-exit_code)   # None: a number this platform does not name
+        return f"signal: {name.lower() if name else -exit_code}"
     return f"exit status {exit_code}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 from flatpack.errors import PlanError
 from flatpack.ir.profile import Linear, SavedLineSum
@@ -15,7 +15,12 @@ from flatpack.partitioner.problem import Problem
 from flatpack.units import MIB, mb
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from flatpack.platform.catalog import Tier
+
+# seconds as one number, or per layer as an array (the same arithmetic applies elementwise)
+Seconds = TypeVar("Seconds", float, "np.ndarray")
 
 
 def to_json(result: Any, model: str) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def uniform_replicas(plan: Plan, model: str) -> int:
 def micro_batches_per_replica(problem: Problem, replicas: int) -> int:
     """µ for the busiest replica: ⌈M/d⌉ (FuncPipe §3.4.1 writes µ = M/d, which assumes d | M;
     when it does not, the replica with the extra micro-batch sets the pace)."""
-    total = problem.workload.micro_batches
+    total = problem.workload.micro_batch_count
     if replicas > total:
         raise PlanError(f"{replicas} replicas cannot share {total} micro-batches: some replicas would idle; "
                         f"use at most {total} replicas or more micro-batches")
@@ -210,7 +215,7 @@ def stage_memory(problem: Problem, start: int, end: int, tier: Tier, *, micro_ba
                        sync_buffer_copies=sync_buffer_copies, recompute=recompute)
 
 
-def recompute_seconds(forward_s: float, backward_s: float, recompute: bool) -> float:
+def recompute_seconds(forward_s: Seconds, backward_s: Seconds, recompute: bool) -> Seconds:
     """A stage's backward seconds for one micro-batch: with recomputation it runs its
-    forward once more first."""
+    forward once more first (elementwise for arrays: per layer, as ``funcpipe_dp`` asks)."""
     return backward_s + forward_s if recompute else backward_s

@@ -463,11 +463,12 @@ def _layer_fix(problem: Problem, index: int, need: MemoryNeed, mu: int) -> str:
     saved = problem.layer_profile(index).saved_bytes
     room = need.limit - (need.total - need.activations) - mu * saved.fixed
     if saved.per_sample > 0 and room > 0:
-        batch = int(room * workload.micro_batches / (mu * saved.per_sample))
-        batch -= batch % workload.micro_batches   # micro-batches hold whole samples
-        if batch >= workload.micro_batches:
-            return (f"it fits with a batch of at most {batch} samples at micro_batches={workload.micro_batches} "
-                    f"(micro-batches of {batch // workload.micro_batches} samples)")
+        micro_batches = workload.micro_batch_count
+        batch = int(room * micro_batches / (mu * saved.per_sample))
+        batch -= batch % micro_batches   # micro-batches hold whole samples
+        if batch >= micro_batches:
+            return (f"it fits with a batch of at most {batch} samples at micro_batches={micro_batches} "
+                    f"(micro-batches of {batch // micro_batches} samples)")
     fixed = need.total - need.activations
     return (f"its weights, gradients, optimizer state and runtime alone need {mb(fixed)}, so no batch size "
             "fits: it needs a target with larger tiers (or an optimizer with less state)"

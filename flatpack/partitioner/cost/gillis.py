@@ -384,6 +384,7 @@ def with_splits(problem: Problem, plan: Plan) -> Plan:
     if all(stage.replicas == 1 or stage.split is not None for stage in plan.stages):
         return plan
     memory_mb = sizes.pop()
+    assert memory_mb is not None  # the one size, not None (checked above)
     stages = tuple(stage if stage.replicas == 1 or stage.split is not None else
                    dataclasses.replace(stage, split=choose_split(problem, stage.start, stage.end, stage.replicas,
                                                                  memory_mb))

@@ -128,7 +128,8 @@ def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
     dollars = iteration_s * sum(stage.replicas * tier.price_per_s for stage, tier in zip(plan.stages, tiers))
     unfit = next((stage.index for stage in stages if not stage.fits), None)
     return PipeDreamCost(
-        stages=tuple(stages), cuts=tuple(cuts), micro_batch_size=micro, micro_batches=problem.workload.micro_batches,
+        stages=tuple(stages), cuts=tuple(cuts), micro_batch_size=micro,
+        micro_batches=problem.workload.micro_batch_count,
         slowest_s=slowest, bottleneck=bottleneck, iteration_s=iteration_s, workers=workers,
         dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit,
     )

@@ -113,7 +113,7 @@ class Brute(CostSolver):
             raise PlanError(f"no plan among {total:,} fits the memory of {problem.platform.name}'s tiers "
                             f"{list(space.memory_mb)} MB; allow larger tiers, more stages or a smaller batch")
         elapsed = time.perf_counter() - started
-        return [None if found is None else
+        return [None if found is None or score is None else
                 annotate(found[0], found[1], status="optimal", objective=score[0], plans_priced=total,
                          solve_s=elapsed)
                 for found, score in zip(best, scores)]

@@ -51,7 +51,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 
@@ -405,7 +405,8 @@ def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
         # every prefix front that a fitting stage start..end extends, all starts in one numpy pass
         candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
         usable = kept[candidates, end - candidates].any(axis=1)
-        starts = [start for start, fits in zip(candidates.tolist(), usable.tolist()) if fits and len(fronts[start])]
+        fitting = cast("list[bool]", usable.tolist())   # a 1-d array's list (numpy's stubs allow a scalar)
+        starts = [start for start, fits in zip(candidates.tolist(), fitting) if fits and len(fronts[start])]
         if not starts:
             continue
         before = np.concatenate([fronts[start] for start in starts])

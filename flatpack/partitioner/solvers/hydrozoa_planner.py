@@ -616,7 +616,8 @@ class _Planner:
         # the replica degrees asked for, up to the most micro-batches any probe may use
         most = self.space.micro_batches if problem.options.micro_batches is not None else (problem.workload.batch,)
         self.degrees = SearchSpace.of(with_micro_batches(problem, max(most))).replicas
-        self.partitions: dict[tuple[int, int, int], dict[int, list[tuple[int, int]]]] = {}
+        # keyed by (the workload's micro_batches, None when unset; memory_mb; per_group)
+        self.partitions: dict[tuple[int | None, int, int], dict[int, list[tuple[int, int]]]] = {}
         self.evaluations: dict[Plan, Evaluation] = {}
 
     def search_micro_batches(self) -> None:

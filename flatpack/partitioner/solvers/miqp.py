@@ -196,9 +196,18 @@ class Subproblem:
         its stand-in (no worse in any term); None when one is not among them."""
         index = {(arc.start, arc.end, arc.memory_mb): arc for arc in self.arcs}
         stand_ins = dict(self.stand_ins)
-        keys = [(stage.start, stage.end, stage.memory_mb) for stage in plan.stages]
-        path = [index.get(key, index.get(stand_ins.get(key))) for key in keys]
-        return None if any(arc is None for arc in path) else path
+        path: list[Arc] = []
+        for stage in plan.stages:
+            if stage.memory_mb is None:
+                return None  # a stage without a tier is no arc
+            key = (stage.start, stage.end, stage.memory_mb)
+            arc = index.get(key)
+            if arc is None and key in stand_ins:
+                arc = index.get(stand_ins[key])
+            if arc is None:
+                return None
+            path.append(arc)
+        return path
 
     def with_arcs(self, arcs: Iterable[Arc]) -> Subproblem:
         return dataclasses.replace(self, arcs=tuple(arcs))
@@ -528,13 +537,16 @@ class Miqp(CostSolver):
                 hint_note = f"{hint_note}: the plan misses the SLO; ignored"
 
         unit = dollars_per_mb_s(problem.platform)
-        hint_micro = _micro_batches(problem, hint_plan) if hint_plan is not None else None
+        holds_hint = [False] * len(parts)
+        if hint_plan is not None:
+            hint_micro = _micro_batches(problem, hint_plan)
+            holds_hint = [part.contains(hint_plan, hint_micro) for part in parts]
         # the hint's own subproblem first (its optimum is the one to beat), then best-first by
         # a cheap lower bound, so that an early good plan prunes the later subproblems
         floors = [_prepare(part, _Objective.of(goal, part.replicas, unit), None, self.scale_bits)[2]
                   for part in parts]
         order = sorted(range(len(parts)), key=lambda i: (
-            not (hint_plan is not None and parts[i].contains(hint_plan, hint_micro)), floors[i]))
+            not holds_hint[i], floors[i]))
         outcomes: dict[int, _Outcome] = {}
         deadline = time.perf_counter() + self.time_limit_s
         # pass 1 shares the time among the subproblems; pass 2 gives what the proven ones left
@@ -576,10 +588,11 @@ class Miqp(CostSolver):
             solver = get_solver(self.hint)
         except (PlanError, ImportError) as err:
             return None, f"{self.hint} unavailable: {err}"
-        if not hasattr(solver, "solve"):
+        solve = getattr(solver, "solve", None)  # duck-typed: any solver with solve(problem, goal)
+        if solve is None:
             raise InputError(f"miqp hint {self.hint!r} is not a cost-model solver with solve(problem, goal)")
         try:
-            plan = solver.solve(problem, goal)
+            plan = solve(problem, goal)
         except PlanError as err:
             return None, f"{self.hint} failed: {err}"
         if plan is None:
@@ -620,6 +633,8 @@ class Miqp(CostSolver):
         if bound is not None:
             outcome.lower_bound = max(lower, model.true_from_model(bound) / (1 + scaling.tolerance))
         if status == "optimal":
+            # CP-SAT returns a solution with every optimal status (solve()), so values was set
+            assert outcome.objective_model is not None
             outcome.lower_bound = max(outcome.lower_bound, model.true_from_model(outcome.objective_model)
                                       / (1 + scaling.tolerance))
         return outcome
@@ -831,7 +846,10 @@ class _CpModel:
         def weighted(indices: Sequence[int], coefficients: Sequence[int]):
             return cp_model.LinearExpr.weighted_sum([x[a] for a in indices], [coefficients[a] for a in indices])
 
-        self.forward_lag = self.suffix_lag = self.stage_lag = None
+        # with lags (µ > 1) only; Λ and G have one variable per layer, Λ_L = G_L = 0 beside them
+        self.forward_lag: cp_model.IntVar | None = None
+        self.suffix_lag: list[cp_model.IntVar] = []
+        self.stage_lag: list[cp_model.IntVar] = []
         if lags > 0:
             # Δ_f ≥ the lag of the stage covering layer k, for every k (exactly one covers it,
             # which makes these rows tighter in the LP than one row per arc)
@@ -840,9 +858,10 @@ class _CpModel:
                 model.add(self.forward_lag >= weighted(covering[k], forward_lag))
             top = max(lag)
             # Λ_i: the largest lag of the stages starting at i or later (Λ_L = 0)
-            self.suffix_lag = [model.new_int_var(0, top, f"suffix_lag{i}") for i in range(count)] + [0]
+            self.suffix_lag = [model.new_int_var(0, top, f"suffix_lag{i}") for i in range(count)]
+            suffix_lag = [*self.suffix_lag, 0]
             for i in range(count):
-                model.add(self.suffix_lag[i] >= self.suffix_lag[i + 1])
+                model.add(self.suffix_lag[i] >= suffix_lag[i + 1])
                 model.add(self.suffix_lag[i] >= weighted(starting[i], lag))
             # Δ_b of the stage covering layer k: its own compute and upload, and everything above
             # it (the stages starting after k). Indexed by covered layer rather than by first
@@ -850,21 +869,22 @@ class _CpModel:
             # not diluted by fractional stage starts
             self.stage_lag = [model.new_int_var(0, top, f"stage_lag{k}") for k in range(count)]
             for k in range(count):
-                model.add(self.stage_lag[k] >= self.suffix_lag[k + 1])
+                model.add(self.stage_lag[k] >= suffix_lag[k + 1])
                 model.add(self.stage_lag[k] >= weighted(covering[k], lag_own))
         # G_i: backward compute and transfers of the stages starting at i or later
-        self.suffix_path = [model.new_int_var(0, cap, f"suffix_path{i}") for i in range(count)] + [0]
+        self.suffix_path = [model.new_int_var(0, cap, f"suffix_path{i}") for i in range(count)]
+        suffix_path = [*self.suffix_path, 0]
         for i in range(count):
-            model.add(self.suffix_path[i] == self.suffix_path[i + 1] + weighted(starting[i], backward_path))
+            model.add(self.suffix_path[i] == suffix_path[i + 1] + weighted(starting[i], backward_path))
         # Z ≥ t_b + t_s of the stage covering layer k: G_{k+1} is the backward work of the
         # stages after it, whichever layer of the stage k is
         self.done = model.new_int_var(0, cap, "done")
         for k in range(count):
             stage_lag = lags * self.stage_lag[k] if lags > 0 else 0
-            model.add(self.done >= self.suffix_path[k + 1] + weighted(covering[k], backward_own) + stage_lag)
+            model.add(self.done >= suffix_path[k + 1] + weighted(covering[k], backward_own) + stage_lag)
         self.time = model.new_int_var(0, cap, "t_iter")
         model.add(self.time == weighted(range(len(arcs)), forward_path)
-                  + (lags * self.forward_lag if lags > 0 else 0) + self.done)
+                  + (lags * self.forward_lag if self.forward_lag is not None else 0) + self.done)
         if objective.slo_s is not None:
             model.add(self.time <= math.floor(objective.slo_s / scaling.tick_s))
         # t_iter is at least the fastest plan through the stage covering layer k: redundant
@@ -873,7 +893,8 @@ class _CpModel:
         for k in range(count):
             model.add(self.time >= weighted(covering[k], floors))
 
-        self.price = self.product = None
+        self.price: cp_model.IntVar | None = None
+        self.product: cp_model.IntVar | None = None
         if objective.product:
             units = [scaling.units(arc.price_per_s) for arc in arcs]
             price_cap = scaling.offset_units + min(part.max_stages, count) * max(units)
@@ -912,17 +933,18 @@ class _CpModel:
         chosen = {(arc.start, arc.end, arc.memory_mb) for arc in path}
         for variable, arc in zip(self.x, self.part.arcs):
             self.model.add_hint(variable, (arc.start, arc.end, arc.memory_mb) in chosen)
+        # in ticks, so every value is an int (sums and maxima of Scaling.ticks); int() says so
         values = path_values(path, self.part.per_replica, self.scaling.ticks)
         if self.forward_lag is not None:
-            self.model.add_hint(self.forward_lag, values.forward_lag)
+            self.model.add_hint(self.forward_lag, int(values.forward_lag))
             for i in range(self.part.num_layers):
                 self.model.add_hint(self.suffix_lag[i], values.suffix_lag[i])
                 self.model.add_hint(self.stage_lag[i], values.stage_lag[i])
         for i in range(self.part.num_layers):
             self.model.add_hint(self.suffix_path[i], values.suffix_path[i])
-        self.model.add_hint(self.done, values.done)
-        self.model.add_hint(self.time, values.time)
-        if self.price is not None:
+        self.model.add_hint(self.done, int(values.done))
+        self.model.add_hint(self.time, int(values.time))
+        if self.price is not None and self.product is not None:  # both or neither (objective.product)
             self.model.add_hint(self.price, self._price_units(path))
             self.model.add_hint(self.product, self._target_of(path, values))
 
@@ -940,8 +962,9 @@ class _CpModel:
         return self.scaling.offset_units + sum(self.scaling.units(arc.price_per_s) for arc in path)
 
     def _target_of(self, path: Sequence[Arc], values: PathValues) -> int:
-        """The objective variable's value for ``path``: t_iter, or t_iter·Q."""
-        return values.time * self._price_units(path) if self.objective.product else values.time
+        """The objective variable's value for ``path`` (``values`` in ticks): t_iter, or t_iter·Q."""
+        time_ticks = int(values.time)
+        return time_ticks * self._price_units(path) if self.objective.product else time_ticks
 
     def solve(self, budget_s: float, workers: int, seed: int) -> tuple[str, dict[str, Any] | None]:
         # start-up time: ortools' CP-SAT is loaded by a miqp solve alone
