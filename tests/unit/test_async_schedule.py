@@ -46,7 +46,7 @@ def test_the_stash_gives_each_micro_batch_its_own_leaves_and_copies_only_a_held_
     assert stash.versions[0]["w"].data_ptr() == weight.data_ptr()    # no copy while the weights stand still
     first, second = stash.acquire(0), stash.acquire(0)
     (first["w"] * 2).sum().backward()
-    assert second["w"].grad is None and first["w"].grad.tolist() == [2.0, 2.0]
+    assert second["w"].grad is None and first["w"].grad is not None and first["w"].grad.tolist() == [2.0, 2.0]
     stash.before_step(0)
     with torch.no_grad():
         weight.add_(1.0)                       # the optimizer's in-place step
@@ -95,7 +95,8 @@ def test_job_options_count_a_step_per_micro_batch_and_refuse_replicas_before_com
     options = JobOptions(schedule="1f1b-async", replicas=(1,), micro_batches=4, iterations=3, schedule_lr="cosine")
     options.check()
     assert options.optimizer_steps(3) == 12
-    assert options.optimizer_spec().schedule.options["T_max"] == 12
+    schedule = options.optimizer_spec().schedule
+    assert schedule is not None and schedule.options["T_max"] == 12
     with pytest.raises(InputError, match="one replica per stage"):
         dataclasses.replace(options, replicas=(1, 2)).check()
 

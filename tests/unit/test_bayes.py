@@ -22,6 +22,7 @@ from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.solvers.sampled import DecisionSpace
 from flatpack.partitioner.workload import Workload
 from tests.property.solver_strategies import inference_problems, make_platform, make_problem, training_problems
+from tests.unit.narrowing import solved
 
 TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)]
 # forward s/sample, backward s/sample, params MiB, saved MiB/sample, output MiB/sample
@@ -44,15 +45,15 @@ def inference(**options):
 
 
 def slo_between_fastest_and_cheapest(problem) -> float:
-    fastest = Brute().solve(problem, Goal(Weights(0.0, 1.0))).predictions["time_s"]
-    cheapest = Brute().solve(problem, Goal(Weights(1.0, 0.0))).predictions["time_s"]
+    fastest = solved(Brute().solve(problem, Goal(Weights(0.0, 1.0)))).predictions["time_s"]
+    cheapest = solved(Brute().solve(problem, Goal(Weights(1.0, 0.0)))).predictions["time_s"]
     return (fastest * cheapest) ** 0.5
 
 
 @pytest.mark.parametrize("make", [training, inference], ids=["funcpipe-training", "gillis-inference"])
 def test_plans_fit_meet_the_slo_and_report_backend_and_budget(make):
     problem = make()
-    plan = SMALL.solve(problem, WEIGHTED)
+    plan = solved(SMALL.solve(problem, WEIGHTED))
     assert plan.solver == "bayes" and evaluate(problem, plan).fits
     assert plan.predictions["backend"].startswith("optuna") and "GPSampler" in plan.predictions["backend"]
     assert plan.predictions["evaluations"] == plan.predictions["samples"] == 20
@@ -68,13 +69,13 @@ def test_plans_fit_meet_the_slo_and_report_backend_and_budget(make):
 
 def test_a_seed_fixes_the_plan():
     problem = training()
-    first, second = (Bayes(evaluations=16, startup=6, seed=3).solve(problem, WEIGHTED) for _ in range(2))
+    first, second = (solved(Bayes(evaluations=16, startup=6, seed=3).solve(problem, WEIGHTED)) for _ in range(2))
     assert first == second and first.predictions["best_at_sample"] == second.predictions["best_at_sample"]
 
 
 def test_the_time_limit_bounds_a_large_budget():
     started = time.perf_counter()
-    plan = Bayes(evaluations=100_000, startup=5, time_limit_s=0.5).solve(training(), WEIGHTED)
+    plan = solved(Bayes(evaluations=100_000, startup=5, time_limit_s=0.5).solve(training(), WEIGHTED))
     assert time.perf_counter() - started < 5.0
     assert plan.predictions["evaluations"] < 100_000
 
@@ -98,7 +99,8 @@ def test_per_stage_degrees_under_pipedream_and_weights_through_the_registry():
                            replicas=(1, 2, 4), cost_model="pipedream", weights=(1.0, 2.0 ** 19))
     plan = Bayes(evaluations=12, startup=6)(problem)
     assert evaluate(problem, plan).fits and plan.predictions["goal"] == "weights (1, 2^19)"
-    assert get_solver("bayes").evaluations == Bayes().evaluations
+    registered = get_solver("bayes")
+    assert isinstance(registered, Bayes) and registered.evaluations == Bayes().evaluations
 
 
 def test_a_stage_takes_its_first_layers_slot_and_degrees_are_clamped_to_m():
@@ -140,13 +142,13 @@ def test_bad_options_are_refused(options, message):
 @given(st.one_of(training_problems(max_layers=3), inference_problems(max_layers=3)))
 def test_never_better_than_brute_and_always_fits(problem):
     try:
-        optimum = Brute().solve(problem, WEIGHTED)
+        optimum = solved(Brute().solve(problem, WEIGHTED))
     except PlanError:
         with pytest.raises(PlanError):
             Bayes(evaluations=10, startup=5).solve(problem, WEIGHTED)
         return
     try:
-        plan = Bayes(evaluations=10, startup=5).solve(problem, WEIGHTED)
+        plan = solved(Bayes(evaluations=10, startup=5).solve(problem, WEIGHTED))
     except PlanError as error:  # a sampler may see no fitting plan in 10; it must say so, not guess
         assert "none fits" in str(error)
         return

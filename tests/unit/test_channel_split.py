@@ -6,17 +6,20 @@ on which groups split; and too many partitions are refused, naming the layer."""
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import pytest
 import torch
 
 import flatpack
 from flatpack.errors import PlanError
+from flatpack.ir.channels import ChannelGroup
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime import channel_split
 from flatpack.stage.channels import channel_ranges
 from tests.models import ConvBlocks, TinyTransformer
+from tests.unit.narrowing import graph_of, problem_of
 
 PARTS = (2, 3, 4)
 SERVE = Workload("infer", batch=2, micro_batches=1)
@@ -44,14 +47,22 @@ def compiled_as(case, ranges=None):
     example = (sample(case, 2),)
     if ranges is None:
         return flatpack.compile(model, example, stages=1, workload=SERVE)
-    return flatpack.compile(model, example, plan=Plan.from_ranges(list(ranges), len(compiled_as(case).graph.layers)))
+    layers = len(graph_of(compiled_as(case)).layers)
+    return flatpack.compile(model, example, plan=Plan.from_ranges(list(ranges), layers))
+
+
+def channel_table(case) -> dict[tuple[int, int], ChannelGroup]:
+    """The planner's channel table of the model compiled as one stage for serving."""
+    table = problem_of(compiled_as(case)).channel_groups
+    assert table is not None, "a serving workload's problem has a channel table"
+    return table
 
 
 def covering_plans(case):
     """Plans whose stages, together, are every group the planner's table can split, with
     single layers between them: few compiles for all the groups."""
-    table = compiled_as(case).problem.channel_groups
-    layers = len(compiled_as(case).graph.layers)
+    table = channel_table(case)
+    layers = len(graph_of(compiled_as(case)).layers)
     remaining, plans = sorted(table), []
     while remaining:
         chosen, position = [], 0
@@ -90,7 +101,7 @@ def run_split(compiled, stage, partitions, x):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_channel_split_equals_the_model(case):
     model = model_of(case)
-    table = compiled_as(case).problem.channel_groups
+    table = channel_table(case)
     assert table, "the model has groups a channel split cuts"
     covered = set()
     for ranges, groups in covering_plans(case):
@@ -116,8 +127,8 @@ def test_the_planner_table_and_the_runtime_analysis_agree_on_which_groups_split(
     """The planner's table comes from the compiler's graph, the runtime's analysis from the
     stage module: on every stage compiled here (the groups that split, the single layers
     between them, the whole model) the same groups split, limited by the same layer."""
-    table = compiled_as(case).problem.channel_groups
-    layers = len(compiled_as(case).graph.layers)
+    table = channel_table(case)
+    layers = len(graph_of(compiled_as(case)).layers)
     checked = 0
     for ranges in [ranges for ranges, _ in covering_plans(case)] + [((0, layers - 1),)]:
         compiled = compiled_as(case, ranges)
@@ -140,10 +151,10 @@ def test_partitions_hold_their_slice_of_the_weights():
     module = compiled_as("conv", SINGLE_LAYERS).stage_modules()[0]      # c1: 8 filters, then batch norm
     for parts in PARTS:
         pieces = [channel_split.partition_module(module, parts, k) for k in range(parts)]
-        sizes = [piece.c1_weight.shape[0] for piece in pieces]
+        sizes = [cast(torch.Tensor, piece.c1_weight).shape[0] for piece in pieces]
         assert sizes == [length for _, length in channel_ranges(8, parts)] and sum(sizes) == 8
         # batch norm's per-channel weights follow the conv's filters
-        assert [piece.bn_running_mean.shape[0] for piece in pieces] == sizes
+        assert [cast(torch.Tensor, piece.bn_running_mean).shape[0] for piece in pieces] == sizes
 
 
 def test_more_partitions_than_channels_is_refused_naming_the_layer():

@@ -81,6 +81,7 @@ def test_platforms_resume_and_teardown_print_json(tmp_path, capsys):
 def test_every_verb_that_reports_takes_json():
     parser = build_parser()
     verbs = next(action for action in parser._actions if action.dest == "command").choices
+    assert isinstance(verbs, dict), "the command's choices are its subparsers by name"
     reporting = {"inspect", "compile", "sign", "check", "profile", "plan", "platforms", "run", "resume", "deploy",
                  "teardown", "demo", "calibrate"}
     missing = [verb for verb in reporting & set(verbs)

@@ -22,6 +22,7 @@ from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_layers_fit, funcpipe, gillis, hydrozoa,
                                        pipedream, ring_allreduce_seconds, scatter_reduce_coefficients,
                                        scatter_reduce_seconds)
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
@@ -62,7 +63,7 @@ def problem(workload=None, layers=LAYERS, target=None, **options):
     chain = tuple(ChainLayer(p.name, p.param_bytes, 0, 0, p) for p in profiles)
     return Problem(chain, target or platform(), workload or Workload("train", batch=8, micro_batches=4,
                                                                       optimizer="sgd"),
-                   host=HOST, options=options, input_bytes=Linear(0.0, 0.0))
+                   host=HOST, options=ProblemOptions.of(options), input_bytes=Linear(0.0, 0.0))
 
 
 def plan(*stages):
@@ -302,9 +303,12 @@ def test_gillis_hand_computed_fork_join():
 
 def test_gillis_serves_with_the_no_grad_forward_when_it_was_measured():
     served = problem(INFER, target=platform())
-    chain = tuple(dataclasses.replace(link, profile=dataclasses.replace(link.profile,
-                                                                          inference_s=Linear(0.0, 0.1)))
-                  for link in served.chain)
+
+    def served_no_grad(link: ChainLayer) -> ChainLayer:
+        assert link.profile is not None, "the chain is built from profiles"
+        return dataclasses.replace(link, profile=dataclasses.replace(link.profile, inference_s=Linear(0.0, 0.1)))
+
+    chain = tuple(served_no_grad(link) for link in served.chain)
     cost = gillis.latency(dataclasses.replace(served, chain=chain), GILLIS_PLAN, CommDelay(0.05, 0.0, 0.02))
     first, second = cost.groups
     assert first.partition_compute_s == pytest.approx((0.1 + 0.1) / 4)

@@ -60,7 +60,9 @@ def write_shards(root: Path, rows: tuple[int, ...] = (6, 4, 6), target: bool = T
         elif kind == 1:
             torch.save(named, root / f"part-{index}.pt")
         else:
-            np.savez(root / f"part-{index}.npz", **{key: value.numpy() for key, value in named.items()})
+            arrays = {key: value.numpy() for key, value in named.items()}
+            # allow_pickle is numpy's default, named so that the arrays cannot be taken for it
+            np.savez(root / f"part-{index}.npz", allow_pickle=True, **arrays)
         start += count
     return torch.arange(start)
 
@@ -293,6 +295,7 @@ def test_a_factory_source_is_never_imported_from_a_record(tmp_path, monkeypatch)
     (tmp_path / "other.py").write_text("raise SystemExit('other.py was imported')\n")
     monkeypatch.chdir(tmp_path)
     record = parse_source("mydata.py:make").to_json()
+    assert record is not None, "a factory source is recorded by its name"
     with pytest.raises(InputError, match="name it again: flatpack resume RUN_DIR --data .*mydata.py:make"):
         source_from_json(record)
     with pytest.raises(InputError, match="is not the factory this run recorded"):

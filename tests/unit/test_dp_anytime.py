@@ -12,6 +12,7 @@ from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.workload import Workload
 from tests.property.solver_strategies import make_platform, make_problem
+from tests.unit.narrowing import cost_solver, solved
 
 TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)]
 
@@ -34,8 +35,8 @@ def test_out_of_time_dp_returns_its_best_plan_with_a_proven_bound(pair):
     """A limit already past when the search starts: the beam's plan, status feasible, and a
     lower bound no larger than the true optimum (exact dp's) and no larger than the plan's."""
     problem, goal = chain_problem(14), Goal(Weights(*pair))
-    optimum = get_solver("dp").solve(problem, goal)
-    hurried = get_solver("dp{time-limit-s=1e-9}").solve(problem, goal)
+    optimum = solved(cost_solver("dp").solve(problem, goal))
+    hurried = solved(cost_solver("dp{time-limit-s=1e-9}").solve(problem, goal))
     facts = hurried.predictions
     assert facts["status"] == "feasible" and facts["configurations_unproven"] > 0
     assert facts["objective"] == pytest.approx(objective(problem, hurried, goal), rel=1e-12)
@@ -47,7 +48,7 @@ def test_out_of_time_dp_returns_its_best_plan_with_a_proven_bound(pair):
 
 def test_a_generous_limit_proves_the_optimum_with_no_gap():
     problem, goal = chain_problem(6), Goal(Weights(1, 2 ** 19))
-    plan = get_solver("dp{time-limit-s=600}").solve(problem, goal)
+    plan = solved(cost_solver("dp{time-limit-s=600}").solve(problem, goal))
     expected = Brute().solve(problem, goal)
     assert plan.predictions["status"] == "optimal" and plan.predictions["gap"] == 0.0
     assert plan.predictions["lower_bound"] == plan.predictions["objective"]
@@ -57,8 +58,8 @@ def test_a_generous_limit_proves_the_optimum_with_no_gap():
 def test_dp_and_its_reference_reach_one_optimum_and_dp_keeps_fewer_labels():
     problem = chain_problem(16)
     goals = [Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]
-    default = get_solver("dp").solve_all(problem, goals)
-    reference = get_solver("dp{reference=true}").solve_all(problem, goals)
+    default = [solved(plan) for plan in cost_solver("dp").solve_all(problem, goals)]
+    reference = [solved(plan) for plan in cost_solver("dp{reference=true}").solve_all(problem, goals)]
     for goal, new, old in zip(goals, default, reference):
         assert new.predictions["objective"] == pytest.approx(old.predictions["objective"], rel=1e-12), goal
     assert sum(p.predictions["labels_kept"] for p in default) < sum(p.predictions["labels_kept"] for p in reference)
@@ -80,4 +81,4 @@ def test_bad_dp_options_are_refused_when_the_solver_is_made(spec, words):
 def test_funcpipe_only_options_are_refused_on_another_cost_model():
     problem = make_problem([(0.01, 0.02, 4.0, 1.0, 0.5)] * 3, make_platform(TIERS), Workload("infer", batch=1))
     with pytest.raises(PlanError, match="time_limit_s=5.*FuncPipe's training model only.*drop the option"):
-        get_solver("dp{time-limit-s=5}").solve(problem, Goal(Weights(1, 0)))
+        cost_solver("dp{time-limit-s=5}").solve(problem, Goal(Weights(1, 0)))

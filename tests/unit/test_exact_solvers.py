@@ -15,10 +15,12 @@ from flatpack.partitioner.pareto import Front, efficiency, recommend
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
+from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
 from tests.models import MLP
 from tests.property.solver_strategies import make_platform, make_problem
+from tests.unit.narrowing import cost_solver, problem_of, solved
 
 TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)]
 # forward s/sample, backward s/sample, params MiB, saved MiB/sample, output MiB/sample
@@ -53,9 +55,9 @@ def test_recommendation_is_the_fastest_plan_with_efficiency_at_least_0_8():
 
 
 def test_weights_trade_cost_for_time_along_the_front():
-    dp = get_solver("dp")
-    cheap = dp.solve(problem(), Goal(Weights(1, 0)))
-    fast = dp.solve(problem(), Goal(Weights(0, 1)))
+    dp = cost_solver("dp")
+    cheap = solved(dp.solve(problem(), Goal(Weights(1, 0))))
+    fast = solved(dp.solve(problem(), Goal(Weights(0, 1))))
     assert cheap.predictions["dollars"] <= fast.predictions["dollars"]
     assert fast.predictions["time_s"] <= cheap.predictions["time_s"]
     front = dp.front(problem(), [(1, 0), (1, 2 ** 16), (1, 2 ** 19), (1, 2 ** 22), (0, 1)])
@@ -65,12 +67,12 @@ def test_weights_trade_cost_for_time_along_the_front():
 
 
 def test_the_default_call_returns_the_recommended_plan_and_weights_or_slo_override_it():
-    dp = get_solver("dp")
+    dp = cost_solver("dp")
     recommended = dp(problem())
     assert recommended.predictions["recommended"] is True
     assert recommended in dp.front(problem()).plans
     weighted = dp(problem(weights=(0, 1)))
-    direct = dp.solve(problem(), Goal(Weights(0, 1)))
+    direct = solved(dp.solve(problem(), Goal(Weights(0, 1))))
     assert weighted.predictions["time_s"] == pytest.approx(direct.predictions["time_s"])
     slo = recommended.predictions["time_s"] * 1.5
     within = dp(problem(Workload("train", batch=16, micro_batches=4, slo_s=slo)))
@@ -79,7 +81,7 @@ def test_the_default_call_returns_the_recommended_plan_and_weights_or_slo_overri
 
 
 def test_an_unattainable_slo_names_the_fastest_plan_and_its_time():
-    fastest = get_solver("dp").solve(problem(), Goal(Weights(0, 1)))
+    fastest = solved(cost_solver("dp").solve(problem(), Goal(Weights(0, 1))))
     with pytest.raises(PlanError, match=r"no plan meets the SLO of 0\.001 s: the fastest plan takes "
                                         rf"{fastest.predictions['time_s']:.4g} s .*stage"):
         get_solver("dp")(problem(Workload("train", batch=16, micro_batches=4, slo_s=0.001)))
@@ -100,15 +102,17 @@ def test_micro_batches_must_split_the_batch_into_whole_samples():
 
 
 def test_dp_chooses_the_micro_batch_count_when_given_choices():
-    plan = get_solver("dp").solve(problem(micro_batches=(1, 2, 4, 8)), Goal(Weights(0, 1)))
+    plan = solved(cost_solver("dp").solve(problem(micro_batches=(1, 2, 4, 8)), Goal(Weights(0, 1))))
     assert plan.micro_batches in (1, 2, 4, 8)
     again = evaluate(problem(micro_batches=(1, 2, 4, 8)), plan)
     assert again.time_s == pytest.approx(plan.predictions["time_s"])
 
 
 def test_brute_refuses_a_space_it_cannot_enumerate():
+    brute = get_solver("brute")
+    assert isinstance(brute, Brute)
     with pytest.raises(PlanError, match="brute force would price .* use solver='dp'"):
-        dataclasses.replace(get_solver("brute"), max_plans=10).solve(problem(), Goal())
+        dataclasses.replace(brute, max_plans=10).solve(problem(), Goal())
 
 
 def test_compile_with_dp_emits_the_planned_stages_and_they_compute_the_model(tmp_path):
@@ -121,7 +125,7 @@ def test_compile_with_dp_emits_the_planned_stages_and_they_compute_the_model(tmp
                                 weights=(1, 2 ** 19))
     plan = compiled.plan
     assert plan.solver == "dp" and plan.predictions["status"] == "optimal"
-    assert all(stage.memory_mb in compiled.problem.platform.memory_choices for stage in plan.stages)
+    assert all(stage.memory_mb in problem_of(compiled).platform.memory_choices for stage in plan.stages)
     torch.testing.assert_close(compiled.as_module()(x), model(x))
 
 

@@ -14,6 +14,7 @@ from flatpack.partitioner.solvers.base import TIME_ONLY, Goal
 from flatpack.partitioner.solvers.brute import plans
 from flatpack.partitioner.workload import Workload
 from tests.property.solver_strategies import MIB, make_platform, make_problem
+from tests.unit.narrowing import solved
 
 COST_ONLY = Goal(Weights(1.0, 0.0))
 FAST = Goal(TIME_ONLY)
@@ -35,10 +36,10 @@ def test_gillis_splits_a_heavy_layer_for_speed_and_keeps_it_on_the_master_for_co
     # (broadcast) and gets 1 MiB/2 back from each, 3 MiB at 100 MiB/s = 0.03 s, and the fork
     # waits the 0.01 s storage latency: 0.44 s
     problem = gillis_problem([(1.0, 0.0, 10.0, 0.0, 1.0)])
-    fast = gillis_dp.solve(problem, FAST)
+    fast = solved(gillis_dp.solve(problem, FAST))
     assert fast.replicas == (2,) and fast.predictions["time_s"] == pytest.approx(0.44)
     assert fast.stages[0].split == "channel"
-    cheap = gillis_dp.solve(problem, COST_ONLY)
+    cheap = solved(gillis_dp.solve(problem, COST_ONLY))
     assert cheap.replicas == (1,) and cheap.predictions["time_s"] == pytest.approx(0.8)
     # master 0.8 s + requests, against master 0.44 s + two workers of 0.4 + 1.5/100 s + three requests
     assert cheap.predictions["dollars"] == pytest.approx(0.8 * PRICE + 2e-7)
@@ -49,9 +50,9 @@ def test_gillis_splits_a_heavy_layer_for_speed_and_keeps_it_on_the_master_for_co
 
 def test_gillis_slo_picks_the_cheapest_plan_in_time_and_none_when_nothing_is():
     problem = gillis_problem([(1.0, 0.0, 10.0, 0.0, 1.0)])
-    assert gillis_dp.solve(problem, Goal(slo_s=1.0)).replicas == (1,)
-    assert gillis_dp.solve(problem, Goal(slo_s=0.5)).replicas == (2,)
-    assert gillis_dp.solve(problem, Goal(slo_s=0.44 + 1e-12)).replicas == (2,)
+    assert solved(gillis_dp.solve(problem, Goal(slo_s=1.0))).replicas == (1,)
+    assert solved(gillis_dp.solve(problem, Goal(slo_s=0.5))).replicas == (2,)
+    assert solved(gillis_dp.solve(problem, Goal(slo_s=0.44 + 1e-12))).replicas == (2,)
     assert gillis_dp.solve(problem, Goal(slo_s=0.4)) is None
 
 
@@ -60,7 +61,7 @@ def test_gillis_sends_groups_to_workers_when_the_master_cannot_hold_every_weight
     # though keeping everything there would be cheapest
     layers = [(0.1, 0.0, 120.0, 0.0, 0.5), (0.1, 0.0, 120.0, 0.0, 0.5)]
     problem = gillis_problem(layers, tiers=[(256, 2, 100.0, PRICE)])
-    plan = gillis_dp.solve(problem, COST_ONLY)
+    plan = solved(gillis_dp.solve(problem, COST_ONLY))
     assert 1 in plan.replicas and any(r > 1 for r in plan.replicas)
     assert evaluate(problem, plan).detail.master_weight_bytes <= 192 * MIB
 
@@ -91,12 +92,12 @@ def test_pipedream_fastest_plan_replicates_each_of_two_stages():
     # each stage 0.3 s, halved by two replicas; the cut takes 2 × 1 MiB / 100 MiB/s = 0.02 s:
     # A = 0.15 s, M·A = 0.6 s on four workers
     problem = training_problem(TWO_LAYERS, "pipedream")
-    plan = pipedream_dp.solve(problem, FAST)
+    plan = solved(pipedream_dp.solve(problem, FAST))
     assert plan.ranges == [(0, 0), (1, 1)] and plan.replicas == (2, 2) and plan.micro_batches == 4
     assert plan.predictions["time_s"] == pytest.approx(0.6)
     assert plan.predictions["dollars"] == pytest.approx(0.6 * 4 * PRICE)
     # every plan costs M·A·P = 2.4·PRICE or more here (halving A doubles the workers)
-    assert pipedream_dp.solve(problem, COST_ONLY).predictions["dollars"] == pytest.approx(2.4 * PRICE)
+    assert solved(pipedream_dp.solve(problem, COST_ONLY)).predictions["dollars"] == pytest.approx(2.4 * PRICE)
 
 
 def test_pipedream_weight_stashing_keeps_an_activation_heavy_first_stage_whole():
@@ -104,16 +105,16 @@ def test_pipedream_weight_stashing_keeps_an_activation_heavy_first_stage_whole()
     # two versions (200 MiB + 64 MiB runtime > 256 MB), so only one stage fits
     layers = [(0.1, 0.2, 0.0, 100.0, 1.0), (0.1, 0.2, 0.0, 1.0, 1.0)]
     problem = training_problem(layers, "pipedream", tiers=[(256, 2, 100.0, PRICE)])
-    plan = pipedream_dp.solve(problem, FAST)
+    plan = solved(pipedream_dp.solve(problem, FAST))
     assert plan.ranges == [(0, 1)] and plan.replicas == (2,)
     assert plan.predictions["time_s"] == pytest.approx(4 * 0.3)
 
 
 def test_pipedream_slo():
     problem = training_problem(TWO_LAYERS, "pipedream")
-    fastest = pipedream_dp.solve(problem, FAST).predictions["time_s"]   # 0.6 s, give or take rounding
-    assert pipedream_dp.solve(problem, Goal(slo_s=fastest)).predictions["time_s"] == fastest
-    assert pipedream_dp.solve(problem, Goal(slo_s=1.2)).predictions["dollars"] == pytest.approx(2.4 * PRICE)
+    fastest = solved(pipedream_dp.solve(problem, FAST)).predictions["time_s"]   # 0.6 s, give or take rounding
+    assert solved(pipedream_dp.solve(problem, Goal(slo_s=fastest))).predictions["time_s"] == fastest
+    assert solved(pipedream_dp.solve(problem, Goal(slo_s=1.2))).predictions["dollars"] == pytest.approx(2.4 * PRICE)
     assert pipedream_dp.solve(problem, Goal(slo_s=0.59)) is None
 
 
@@ -132,12 +133,12 @@ def test_hydrozoa_dp_worked_case():
     # T = 0.6 + 3·0.6 = 2.4 s. Two stages: 0.6 + 2·0.01 + 3·(0.1 + 0.2) = 1.52 s, on twice
     # the workers: faster, but dearer (3.04 against 2.4 worker-seconds)
     problem = training_problem(TWO_LAYERS, "hydrozoa", replicas=(1,))
-    fast = hydrozoa_planner.solve(problem, FAST)
+    fast = solved(hydrozoa_planner.solve(problem, FAST))
     assert fast.ranges == [(0, 0), (1, 1)] and fast.predictions["time_s"] == pytest.approx(1.52)
-    cheap = hydrozoa_planner.solve(problem, COST_ONLY)
+    cheap = solved(hydrozoa_planner.solve(problem, COST_ONLY))
     assert cheap.ranges == [(0, 1)] and cheap.predictions["dollars"] == pytest.approx(2.4 * PRICE)
-    assert hydrozoa_planner.solve(problem, Goal(slo_s=2.0)).ranges == [(0, 0), (1, 1)]
-    assert hydrozoa_planner.solve(problem, Goal(slo_s=3.0)).ranges == [(0, 1)]
+    assert solved(hydrozoa_planner.solve(problem, Goal(slo_s=2.0))).ranges == [(0, 0), (1, 1)]
+    assert solved(hydrozoa_planner.solve(problem, Goal(slo_s=3.0))).ranges == [(0, 1)]
     assert hydrozoa_planner.solve(problem, Goal(slo_s=1.5)) is None
     assert fast.solver == "dp" and fast.predictions["status"] == "optimal"
 
@@ -149,7 +150,7 @@ def test_hydrozoa_dp_mixes_tiers_per_stage():
     layers = [(0.1, 0.2, 0.0, 1.0, 0.01), (0.01, 0.02, 0.0, 1.0, 0.01)]
     problem = training_problem(layers, "hydrozoa", tiers=tiers, replicas=(1,))
     weights = Weights(1.0, 2.0 ** 16)
-    plan = hydrozoa_planner.solve(problem, Goal(weights))
+    plan = solved(hydrozoa_planner.solve(problem, Goal(weights)))
     assert plan.ranges == [(0, 0), (1, 1)] and plan.memory_mb == (2048, 1024)
     fitting = [candidate for candidate in plans(problem) if evaluate(problem, candidate).fits]
     best = min(evaluate(problem, candidate).objective(weights) for candidate in fitting)
@@ -166,7 +167,7 @@ def test_hydrozoa_dp_refuses_a_layer_that_fits_no_tier():
 
 def test_hydrozoa_planner_returns_a_strategy_with_its_search():
     problem = training_problem(TWO_LAYERS, "hydrozoa", replicas=(1, 2, 4), batch=8, micro_batches=4)
-    plan = hydrozoa_planner.Hydrozoa().solve(problem, FAST)
+    plan = solved(hydrozoa_planner.Hydrozoa().solve(problem, FAST))
     assert plan.solver == "hydrozoa" and plan.predictions["status"] == "heuristic"
     assert plan.predictions["strategy"] == f"{plan.replicas[0]}x{len(plan.stages)}"
     search = plan.predictions["search"]
@@ -187,7 +188,7 @@ def test_hydrozoa_planner_stops_when_micro_batches_outgrow_memory_and_searches_t
     layers = [(0.01, 0.02, 0.0, 35.0, 0.1)]
     problem = training_problem(layers, "hydrozoa", tiers=[(256, 2, 100.0, PRICE)], replicas=(1, 2, 4, 8, 16),
                                batch=24, micro_batches=4)
-    plan = hydrozoa_planner.Hydrozoa().solve(problem, FAST)
+    plan = solved(hydrozoa_planner.Hydrozoa().solve(problem, FAST))
     search = [(entry["phase"], entry["micro_batches"], entry["fits"]) for entry in plan.predictions["search"]]
     assert search == [("size", 24, True), ("size", 12, True), ("size", 6, False), ("count", 8, True)]
     assert evaluate(problem, plan).fits and plan.micro_batches in (24, 12, 8)

@@ -40,6 +40,7 @@ def test_a_child_started_with_die_with_parent_dies_when_its_parent_is_sigkilled(
         print(child.pid, flush=True)
         time.sleep(120)
         """)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
     try:
         child = int(parent.stdout.readline())
         assert _alive(child)

@@ -136,12 +136,13 @@ def test_a_worker_starts_without_the_compiler():
 
 def test_the_public_names_load_on_first_use():
     assert "flatpack.compiler" not in _run("import sys, flatpack\nprint(' '.join(sys.modules))", ROOT.parent).split()
-    from flatpack import api, compiler, partitioner, weights
+    from flatpack import api, compiler, weights
+    from flatpack.partitioner.plan import Plan
 
     # flatpack.compile: the backends' capability check (api, above the backends), then the compiler's
     assert flatpack.compile is api.compile and flatpack.compile.__wrapped__ is compiler.compile
     assert flatpack.load is compiler.load
-    assert flatpack.Plan is partitioner.plan.Plan and flatpack.save_state_dict is weights.save_state_dict
+    assert flatpack.Plan is Plan and flatpack.save_state_dict is weights.save_state_dict
     assert set(flatpack.__all__) <= set(dir(flatpack))
     with pytest.raises(AttributeError, match="no attribute 'compiel'"):
         flatpack.compiel  # noqa: B018

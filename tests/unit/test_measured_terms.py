@@ -173,6 +173,7 @@ def test_a_compiled_plan_records_what_it_was_made_for_and_round_trips():
     workload = Workload("train", batch=8, micro_batches=2)
     compiled = flatpack.compile(Small(), torch.zeros(2, 4), stages=2, workload=workload)
     provenance = compiled.plan.provenance
+    assert provenance is not None, "a plan solved here records its provenance"
     assert provenance.target == "local" and provenance.calibration_digest is None
     assert provenance.workload == {"mode": "train", "batch": 8, "micro_batches": 2, "optimizer": "sgd-momentum",
                                    "sync": "pipelined"}
@@ -196,8 +197,10 @@ def test_reusing_a_plan_for_anything_else_is_refused_or_forced():
                                                                               provenance=other.plan.provenance))
     with pytest.warns(PlanReuseWarning, match="target: made for 'local'"):
         flatpack.compile(Small(), torch.zeros(2, 4), plan=compiled.plan, target="aws-lambda", force=True)
-    stale = dataclasses.replace(compiled.plan.provenance, flatpack_version="0.0.1", calibration_digest="abc")
-    assert [d.split(":")[0] for d in stale.differences(compiled.plan.provenance)] == ["calibration", "flatpack version"]
+    provenance = compiled.plan.provenance
+    assert provenance is not None, "a plan solved here records its provenance"
+    stale = dataclasses.replace(provenance, flatpack_version="0.0.1", calibration_digest="abc")
+    assert [d.split(":")[0] for d in stale.differences(provenance)] == ["calibration", "flatpack version"]
 
 
 def test_malformed_provenance_is_a_plan_error():

@@ -15,6 +15,7 @@ from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.solvers.miqp import Miqp, subproblems
 from flatpack.partitioner.workload import Workload
 from tests.property.solver_strategies import make_platform, make_problem
+from tests.unit.narrowing import solved
 
 TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)]
 # forward s/sample, backward s/sample, params MiB, saved MiB/sample, output MiB/sample
@@ -43,8 +44,8 @@ def test_miqp_is_registered_and_matches_brute_force_with_the_dp_warm_start():
     solver = get_solver("miqp")
     assert isinstance(solver, Miqp)
     small = problem()
-    expected = Brute().solve(small, GOAL)
-    found = Miqp().solve(small, GOAL)
+    expected = solved(Brute().solve(small, GOAL))
+    found = solved(Miqp().solve(small, GOAL))
     assert found.predictions["status"] == "optimal" and found.predictions["gap"] == 0.0
     assert found.predictions["objective"] == pytest.approx(expected.predictions["cost_mb_s"] + 2.0 ** 19 *
                                                            expected.predictions["time_s"], rel=1e-9)
@@ -53,7 +54,7 @@ def test_miqp_is_registered_and_matches_brute_force_with_the_dp_warm_start():
 
 def test_predictions_are_the_cost_models_and_carry_the_solver_facts():
     small = problem()
-    found = Miqp(hint=None, time_limit_s=20.0, workers=1).solve(small, GOAL)
+    found = solved(Miqp(hint=None, time_limit_s=20.0, workers=1).solve(small, GOAL))
     evaluation = evaluate(small, found)
     assert found.predictions["time_s"] == evaluation.time_s
     assert found.predictions["dollars"] == evaluation.dollars
@@ -72,7 +73,7 @@ def test_a_time_limit_too_short_to_prove_returns_the_best_plan_with_its_gap():
     chain = long_chain()
     whole = Plan((StagePlan(0, len(chain.chain) - 1, 4096, 1),), len(chain.chain), "manual", micro_batches=4)
     assert evaluate(chain, whole).fits
-    found = Miqp(time_limit_s=0.05).solve_from(chain, GOAL, whole, "a single stage")
+    found = solved(Miqp(time_limit_s=0.05).solve_from(chain, GOAL, whole, "a single stage"))
     facts = found.predictions
     assert facts["status"] == "feasible"
     assert 0 < facts["gap"] <= 1 and facts["lower_bound"] < facts["objective"]
@@ -83,7 +84,7 @@ def test_a_time_limit_too_short_to_prove_returns_the_best_plan_with_its_gap():
 def test_a_cold_start_with_no_time_to_find_a_plan_says_what_to_do():
     chain = long_chain()
     try:
-        found = Miqp(hint=None, time_limit_s=0.01).solve(chain, GOAL)
+        found = solved(Miqp(hint=None, time_limit_s=0.01).solve(chain, GOAL))
     except PlanError as err:
         assert "time_limit_s" in str(err) and "solver='dp'" in str(err)
         return
@@ -93,10 +94,10 @@ def test_a_cold_start_with_no_time_to_find_a_plan_says_what_to_do():
 
 def test_slo_mode_returns_the_cheapest_plan_within_the_slo_and_none_when_nothing_meets_it():
     small = problem()
-    fastest = Brute().solve(small, Goal(Weights(0.0, 1.0)))
+    fastest = solved(Brute().solve(small, Goal(Weights(0.0, 1.0))))
     slo = fastest.predictions["time_s"] * 1.5
-    expected = Brute().solve(small, Goal(slo_s=slo))
-    found = Miqp(hint=None).solve(small, Goal(slo_s=slo))
+    expected = solved(Brute().solve(small, Goal(slo_s=slo)))
+    found = solved(Miqp(hint=None).solve(small, Goal(slo_s=slo)))
     assert found.predictions["time_s"] <= slo
     assert found.predictions["dollars"] == pytest.approx(expected.predictions["dollars"], rel=1e-3)
     assert found.predictions["dollars"] >= expected.predictions["dollars"] * (1 - 1e-12)
@@ -106,7 +107,7 @@ def test_slo_mode_returns_the_cheapest_plan_within_the_slo_and_none_when_nothing
 
 
 def test_an_unknown_hint_solver_falls_back_to_a_cold_start_and_says_so():
-    found = Miqp(hint="no-such-solver").solve(problem(), GOAL)
+    found = solved(Miqp(hint="no-such-solver").solve(problem(), GOAL))
     assert found.predictions["hint"].startswith("no-such-solver unavailable")
     assert found.predictions["status"] == "optimal"
 
@@ -162,7 +163,7 @@ def test_symmetry_breaking_leaves_out_only_arcs_a_kept_arc_of_the_same_stage_bea
             winner = kept[stand_ins[key]]
             assert (winner.start, winner.end) == (arc.start, arc.end)
             assert all(getattr(winner, term) <= getattr(arc, term) for term in _ARC_TERMS)
-    found = Miqp(time_limit_s=30.0).solve(chain, GOAL)
-    truth = Brute().solve(chain, GOAL)
+    found = solved(Miqp(time_limit_s=30.0).solve(chain, GOAL))
+    truth = solved(Brute().solve(chain, GOAL))
     assert found.predictions["status"] == "optimal"
     assert found.predictions["objective"] == pytest.approx(truth.predictions["objective"], rel=1e-6)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatpack
+from flatpack.compiler import StagedModule
 from flatpack.ir.trace import ModeWarning
 
 
@@ -73,7 +74,7 @@ class Residual(nn.Module):
         return self.out(x + self.drop_path(torch.relu(self.fc(x))))
 
 
-def _staged(model: nn.Module, inputs, tmp_path, how: str, **kwargs) -> nn.Module:
+def _staged(model: nn.Module, inputs, tmp_path, how: str, **kwargs) -> StagedModule:
     compiled = flatpack.compile(model, inputs, **kwargs)
     if how == "as_module":
         return compiled.as_module()
@@ -93,7 +94,7 @@ def _check_mode(original: nn.Module, staged: nn.Module, inputs, training: bool) 
     torch.testing.assert_close(_call(staged, inputs), _call(original, inputs), rtol=0, atol=0)
 
 
-def _check_running_stats(original: nn.Module, staged: nn.Module) -> None:
+def _check_running_stats(original: nn.Module, staged: StagedModule) -> None:
     buffers = dict(original.named_buffers())
     checked = 0
     for name, tensor in staged.named_original_parameters():

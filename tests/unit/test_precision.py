@@ -5,6 +5,7 @@ clipping norm travel in one reduction, and a stage that overflowed makes every s
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ def test_a_stage_scaler_follows_grad_scaler_through_overflows_and_growth():
     assert loss_scaler("bf16", settings) is None and loss_scaler("fp16", settings) is not None
 
 
-def checked_steps(tmp_path, stages: list[list[torch.Tensor]], max_norm: float | None,
-                  scalers: list[LossScaler | None]) -> list[bool]:
-    """Every stage's ``clipping.checked_step`` through one store, each in its own thread."""
+def checked_steps(tmp_path, stages: Sequence[Sequence[torch.Tensor]], max_norm: float | None,
+                  scalers: list[LossScaler | None]) -> list[bool | None]:
+    """Every stage's ``clipping.checked_step`` through one store, each in its own thread
+    (None where a stage's thread did not return in time)."""
     store, keys = FileStore(tmp_path), RunKeys("run")
     steps: list[bool | None] = [None] * len(stages)
 
@@ -88,7 +90,7 @@ def test_an_overflow_on_one_stage_makes_every_stage_skip(tmp_path):
     steps = checked_steps(tmp_path, [finite, overflowed], None, [LossScaler(settings), LossScaler(settings)])
     assert steps == [False, False]
     # the finite stage still unscaled its gradients (GradScaler's unscale_ does, step or not)
-    assert finite[0].grad.tolist() == [1.0, 2.0]
+    assert finite[0].grad is not None and finite[0].grad.tolist() == [1.0, 2.0]
 
 
 def test_unscaling_then_clipping_is_grad_scaler_with_clip_grad_norm(tmp_path):
@@ -106,7 +108,7 @@ def test_unscaling_then_clipping_is_grad_scaler_with_clip_grad_norm(tmp_path):
     untouched = parameters_with(torch.tensor([5.0]))
     assert clipping.checked_step(untouched, [untouched[0].grad], None, None, lambda own: pytest.fail("reduced")) \
         is True
-    assert untouched[0].grad.tolist() == [5.0]
+    assert untouched[0].grad is not None and untouched[0].grad.tolist() == [5.0]
 
 
 @pytest.mark.parametrize(("settings", "named"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.profile import ChainProfile, LayerProfile, Linear
 from flatpack.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
+from tests.unit.narrowing import graph_of, problem_of, profile_of
 
-FAST = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
+FAST: dict[str, Any] = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
 
 
 class Chain(nn.Module):
@@ -63,21 +65,21 @@ def test_linear_fit_never_predicts_negative_values():
 
 def test_every_layer_gets_a_profile_with_its_parameters_and_gradients(tmp_path):
     compiled = compiled_with_profile(tmp_path)
-    profile = compiled.profile
-    assert len(profile.layers) == len(compiled.graph.layers) == 2
-    for layer, measured in zip(compiled.graph.layers, profile.layers):
+    profile = profile_of(compiled)
+    assert len(profile.layers) == len(graph_of(compiled).layers) == 2
+    for layer, measured in zip(graph_of(compiled).layers, profile.layers):
         assert layer.meta[meta.PROFILE] == measured
         assert measured.name == layer.name
         assert measured.param_bytes == layer.meta[meta.PARAM_BYTES] > 0
         assert measured.grad_bytes == measured.param_bytes
         assert measured.forward_s.at(1) > 0 and measured.backward_s.at(1) > 0
         assert measured.inference_s is not None and measured.inference_s.at(1) > 0
-    assert compiled.problem.profiled
+    assert problem_of(compiled).profiled
 
 
 def test_saved_activation_bytes_are_what_autograd_keeps(tmp_path):
     compiled = compiled_with_profile(tmp_path)
-    first, second = compiled.profile.layers
+    first, second = profile_of(compiled).layers
     # layer 0 = linear + exp on the raw input: the input needs no gradient, so linear saves
     # x for the weight gradient (8 floats per sample) and exp saves its result (16 floats).
     assert first.saved_bytes.per_sample == pytest.approx((8 + 16) * 4)
@@ -102,21 +104,21 @@ def test_stage_saved_bytes_match_what_autograd_keeps_for_the_whole_model(tmp_pat
     model.train()
     compiled = compiled_with_profile(tmp_path, model, inputs)
     expected = whole_model_saved_bytes(model, inputs)
-    assert stage_saved_bytes(compiled.profile.layers, 4) == pytest.approx(expected, rel=1e-6)
+    assert stage_saved_bytes(profile_of(compiled).layers, 4) == pytest.approx(expected, rel=1e-6)
     # measured alone, the layers double-count the tensors two neighbours both keep
-    assert sum(layer.saved_bytes.at(4) for layer in compiled.profile.layers) >= expected
+    assert sum(layer.saved_bytes.at(4) for layer in profile_of(compiled).layers) >= expected
 
 
 def test_output_bytes_are_the_boundary_bytes_at_each_batch(tmp_path):
     compiled = compiled_with_profile(tmp_path)
     example_batch = 4
-    for index, measured in enumerate(compiled.profile.layers):
-        assert measured.output_bytes.at(example_batch) == pytest.approx(compiled.graph.boundary(index).nbytes)
+    for index, measured in enumerate(profile_of(compiled).layers):
+        assert measured.output_bytes.at(example_batch) == pytest.approx(graph_of(compiled).boundary(index).nbytes)
         assert measured.output_bytes.fixed == pytest.approx(0, abs=1e-6)
 
 
 def test_peak_bytes_cover_the_saved_activations_and_gradients(tmp_path):
-    for measured in compiled_with_profile(tmp_path).profile.layers:
+    for measured in profile_of(compiled_with_profile(tmp_path)).layers:
         for batch in (1, 4):
             assert measured.peak_bytes.at(batch) >= measured.saved_bytes.at(batch) + measured.grad_bytes - 1
 
@@ -139,7 +141,7 @@ def test_inputs_with_masks_and_several_tensors_are_resized_together(tmp_path):
     inputs = (torch.randn(3, 5, 8), torch.randint(0, 2, (3, 5)))
     compiled = flatpack.compile(model, inputs, stages=1,
                                 profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
-    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+    assert all(layer.forward_s.at(1) > 0 for layer in profile_of(compiled).layers)
 
 
 def test_profiling_leaves_the_model_and_its_buffers_unchanged(tmp_path):
@@ -159,20 +161,20 @@ def test_profiling_leaves_the_model_and_its_buffers_unchanged(tmp_path):
 
 def test_second_profile_of_the_same_graph_is_a_reported_cache_hit(tmp_path):
     first = compiled_with_profile(tmp_path)
-    assert not first.profile.cache_hit
+    assert not profile_of(first).cache_hit
     second = compiled_with_profile(tmp_path)
     saved_json = second.info.to_json()   # what flatpack.json records
-    assert second.profile.cache_hit and saved_json["profile"]["cache_hit"]
+    assert profile_of(second).cache_hit and saved_json["profile"]["cache_hit"]
     assert second.profile == first.profile
 
 
 def test_cache_key_changes_with_input_shape_repeats_and_graph(tmp_path):
     compiled_with_profile(tmp_path)
-    assert compiled_with_profile(tmp_path, inputs=(torch.randn(4, 8),)).profile.cache_hit  # new values, same shape
-    assert not compiled_with_profile(tmp_path, inputs=(torch.randn(6, 8),)).profile.cache_hit
-    assert not compiled_with_profile(tmp_path, repeats=2).profile.cache_hit
+    assert profile_of(compiled_with_profile(tmp_path, inputs=(torch.randn(4, 8),))).cache_hit  # new values, same shape
+    assert not profile_of(compiled_with_profile(tmp_path, inputs=(torch.randn(6, 8),))).cache_hit
+    assert not profile_of(compiled_with_profile(tmp_path, repeats=2)).cache_hit
     wider = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-    assert not compiled_with_profile(tmp_path, wider).profile.cache_hit
+    assert not profile_of(compiled_with_profile(tmp_path, wider)).cache_hit
     assert len(list(tmp_path.glob("*.json"))) == 4
 
 
@@ -186,8 +188,8 @@ class WideChain(Chain):
 def test_a_wider_model_with_the_same_code_is_not_a_cache_hit(tmp_path):
     compiled_with_profile(tmp_path)
     wider = compiled_with_profile(tmp_path, WideChain())
-    assert not wider.profile.cache_hit
-    assert wider.profile.layers[1].param_bytes == (64 * 4 + 4) * 4
+    assert not profile_of(wider).cache_hit
+    assert profile_of(wider).layers[1].param_bytes == (64 * 4 + 4) * 4
 
 
 def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
@@ -195,8 +197,8 @@ def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
     (entry,) = tmp_path.glob("*.json")
     entry.write_text("{not json")
     again = compiled_with_profile(tmp_path)
-    assert not again.profile.cache_hit
-    assert json.loads(entry.read_text())["profile"]["graph_hash"] == compiled.profile.graph_hash
+    assert not profile_of(again).cache_hit
+    assert json.loads(entry.read_text())["profile"]["graph_hash"] == profile_of(compiled).graph_hash
 
 
 def test_use_cache_false_measures_and_writes_nothing(tmp_path):
@@ -209,7 +211,7 @@ def test_profile_survives_save_and_load(tmp_path):
     compiled.save(tmp_path / "out")
     loaded = flatpack.load(tmp_path / "out")
     assert loaded.profile == compiled.profile
-    assert ChainProfile.from_json(json.loads(json.dumps(compiled.profile.to_json()))) == compiled.profile
+    assert ChainProfile.from_json(json.loads(json.dumps(profile_of(compiled).to_json()))) == compiled.profile
 
 
 def test_progress_bar_is_shown_on_request(tmp_path, capsys, caplog):
@@ -223,7 +225,7 @@ def test_progress_bar_is_shown_on_request(tmp_path, capsys, caplog):
 
 def test_a_time_budget_still_measures_every_layer(tmp_path):
     compiled = compiled_with_profile(tmp_path, repeats=50, max_seconds=0.001, use_cache=False)
-    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+    assert all(layer.forward_s.at(1) > 0 for layer in profile_of(compiled).layers)
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -259,8 +261,8 @@ def test_profiling_on_a_missing_gpu_is_refused(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_profiling_on_the_gpu_records_it(tmp_path):
     compiled = compiled_with_profile(tmp_path, device="cuda")
-    assert compiled.profile.host.device == "cuda" and compiled.profile.host.gpu
-    assert all(layer.forward_s.at(1) > 0 for layer in compiled.profile.layers)
+    assert profile_of(compiled).host.device == "cuda" and profile_of(compiled).host.gpu
+    assert all(layer.forward_s.at(1) > 0 for layer in profile_of(compiled).layers)
 
 
 def test_cache_path_is_under_the_chosen_directory(tmp_path):
@@ -287,10 +289,10 @@ def test_a_layer_larger_than_the_largest_tier_is_reported_before_solving(tmp_pat
 def calibration_for(compiled, names=None, graph_hash=None, platform="aws-lambda"):
     from flatpack.platform.calibration import Calibration, TierCalibration
 
-    names = tuple(names or (layer.name for layer in compiled.profile.layers))
+    names = tuple(names or (layer.name for layer in profile_of(compiled).layers))
     lines = tuple(Linear(0.5, 0.25) for _ in names)
     return Calibration(platform, names, {1024: TierCalibration(lines, lines)},
-                       graph_hash or compiled.profile.graph_hash)
+                       graph_hash or profile_of(compiled).graph_hash)
 
 
 def test_a_calibration_file_overrides_the_host_model_for_its_tiers(tmp_path):
@@ -298,7 +300,7 @@ def test_a_calibration_file_overrides_the_host_model_for_its_tiers(tmp_path):
     path = calibration_for(profiled).save(tmp_path / "cal.json")
     compiled = flatpack.compile(Chain(), (torch.randn(4, 8),), stages=1, target="aws-lambda",
                                 profile=ProfileOptions(cache_dir=str(tmp_path), **FAST), calibration=str(path))
-    problem = compiled.problem
+    problem = problem_of(compiled)
     assert problem.layer_seconds(0, problem.platform.tier(1024), 2) == (1.25, 1.25)
     host = problem.layer_seconds(0, problem.platform.tier(2048), 2)  # not calibrated: the host model
     assert host != (1.25, 1.25) and host[0] > 0
@@ -330,25 +332,25 @@ def test_coarsen_by_time_runs_on_measured_seconds_and_merges_the_profiles(tmp_pa
     fine = compiled_with_profile(tmp_path, model, inputs)
     coarse = compiled_with_profile(tmp_path, model, inputs,
                                    passes="fuse-elementwise,merge-branches,coarsen{max-layers=4,by=time}")
-    assert coarse.profile.cache_hit  # the chain was profiled before coarsen: the same graph as `fine`
-    layers = coarse.profile.layers
-    assert len(layers) == len(coarse.graph.layers) == 4
-    assert all(layer.meta[meta.PROFILE] == merged for layer, merged in zip(coarse.graph.layers, layers))
-    assert coarse.profile.graph_hash == graph_hash(coarse.graph) != fine.profile.graph_hash
-    total = sum(layer.forward_s.at(4) for layer in fine.profile.layers)
+    assert profile_of(coarse).cache_hit  # the chain was profiled before coarsen: the same graph as `fine`
+    layers = profile_of(coarse).layers
+    assert len(layers) == len(graph_of(coarse).layers) == 4
+    assert all(layer.meta[meta.PROFILE] == merged for layer, merged in zip(graph_of(coarse).layers, layers))
+    assert profile_of(coarse).graph_hash == graph_hash(graph_of(coarse)) != profile_of(fine).graph_hash
+    total = sum(layer.forward_s.at(4) for layer in profile_of(fine).layers)
     assert sum(layer.forward_s.at(4) for layer in layers) == pytest.approx(total)
-    assert sum(layer.param_bytes for layer in layers) == sum(layer.param_bytes for layer in fine.profile.layers)
+    assert sum(layer.param_bytes for layer in layers) == sum(layer.param_bytes for layer in profile_of(fine).layers)
     # merged saved bytes stay exact: the whole chain as one stage keeps what autograd keeps
     assert stage_saved_bytes(layers, 4) == pytest.approx(whole_model_saved_bytes(model, inputs), rel=1e-6)
-    assert layers[-1].output_bytes == fine.profile.layers[-1].output_bytes
+    assert layers[-1].output_bytes == profile_of(fine).layers[-1].output_bytes
     for merged in layers:
         assert merged.peak_bytes.at(4) >= merged.saved_bytes.at(4)
 
 
 def test_a_pass_that_drops_profiles_after_coarsen_gets_the_chain_profiled_again(tmp_path):
     compiled = compiled_with_profile(tmp_path, passes="coarsen{max-layers=1,by=time},fuse-elementwise")
-    assert len(compiled.profile.layers) == len(compiled.graph.layers) == 1
-    assert compiled.graph.layers[0].meta[meta.PROFILE] == compiled.profile.layers[0]
+    assert len(profile_of(compiled).layers) == len(graph_of(compiled).layers) == 1
+    assert graph_of(compiled).layers[0].meta[meta.PROFILE] == profile_of(compiled).layers[0]
 
 
 # --- profiles that can be trusted ---------------------------------------------------------------
@@ -394,13 +396,13 @@ class FixedBatch(nn.Module):
 def test_a_graph_with_a_fixed_batch_is_refused_with_the_reason(tmp_path):
     model, inputs = FixedBatch(), ({"x": torch.randn(1, 8)},)
     compiled = flatpack.compile(model, inputs, stages=1)
-    assert compiled.frontend == "export" and not compiled.graph.traced.dynamic_batch
+    assert compiled.frontend == "export" and not graph_of(compiled).traced.dynamic_batch
     assert any("batch 1" in note for note in compiled.info.trace_notes)
     with pytest.raises(InputError, match=r"fixes the batch.*batch_sizes=\(1,\)"):
         flatpack.compile(model, inputs, stages=1, profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
     one = flatpack.compile(model, inputs, stages=1,
                            profile=ProfileOptions(cache_dir=str(tmp_path), **{**FAST, "batch_sizes": (1,)}))
-    assert one.profile.batch_sizes == (1,)
+    assert profile_of(one).batch_sizes == (1,)
 
 
 def test_an_example_of_batch_one_is_traced_with_a_dynamic_batch_and_profiled_over_sizes(tmp_path):
@@ -412,10 +414,14 @@ def test_an_example_of_batch_one_is_traced_with_a_dynamic_batch_and_profiled_ove
     model, inputs = build("bert-large", "tiny", batch=1)
     compiled = flatpack.compile(model, inputs, stages=2,
                                 profile=ProfileOptions(cache_dir=str(tmp_path), **FAST))
-    assert compiled.graph.traced.dynamic_batch
+    assert graph_of(compiled).traced.dynamic_batch
     assert any("repeated to batch 2" in note for note in compiled.info.trace_notes)
-    assert compiled.profile.batch_sizes == (1, 2, 4)
-    ids = torch.randint(0, model.config.vocab_size, (3, 8))
+    assert profile_of(compiled).batch_sizes == (1, 2, 4)
+    from transformers import PretrainedConfig
+
+    config = model.config
+    assert isinstance(config, PretrainedConfig)
+    ids = torch.randint(0, config.vocab_size, (3, 8))
     torch.testing.assert_close(compiled.as_module()(ids).last_hidden_state, model(ids).last_hidden_state)
 
 

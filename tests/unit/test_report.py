@@ -12,6 +12,7 @@ from flatpack.errors import InputError, PlanError
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner import report
 from flatpack.partitioner.objective import annotate, evaluate
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.pareto import Front
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
@@ -41,7 +42,7 @@ LAYERS = (layer("conv1", 2e-2, 0.1, 0.5), layer("conv2", 4e-2, 0.5, 0.25), layer
 def problem(target: str = "aws-lambda", workload: Workload | None = None, **options) -> Problem:
     chain = tuple(ChainLayer(p.name, p.param_bytes, 0, 0, p) for p in LAYERS)
     return Problem(chain, get_platform(target), workload or Workload("train", batch=32, micro_batches=4), host=HOST,
-                   options=options, input_bytes=Linear(0.1 * MIB))
+                   options=ProblemOptions.of(options), input_bytes=Linear(0.1 * MIB))
 
 
 def priced(problem_: Problem, *stages: tuple[int, int, int, int], micro_batches: int | None = 4) -> Plan:

@@ -20,6 +20,7 @@ from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
 from tests.models import MLP
 from tests.property.solver_strategies import make_platform, make_problem
+from tests.unit.narrowing import solved
 
 TIERS = [(256, 1, 20.0, 0.25e-5), (512, 2, 50.0, 0.5e-5), (1024, 2, 100.0, 1e-5)]
 # forward s/sample, backward s/sample, params MiB, saved MiB/sample, output MiB/sample, fixed s
@@ -43,18 +44,20 @@ def rl(**options) -> Rl:
     return Rl(**{"episodes": EPISODES, "warm_start": False, "polish": False, **options})
 
 
-def score(problem, goal, plan):
+def score(problem, goal, plan) -> tuple[float, float]:
     evaluation = evaluate(problem, plan)
     assert evaluation.fits
-    return goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars)
+    scored = goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars)
+    assert scored is not None, "the plan misses the goal's SLO"
+    return scored
 
 
 @pytest.mark.parametrize("make", [training, inference], ids=["train", "infer"])
 @pytest.mark.parametrize("goal", GOALS, ids=lambda goal: goal.describe())
 def test_reinforce_alone_finds_the_brute_force_optimum_of_a_tiny_problem(make, goal):
     problem = make()
-    optimum = Brute().solve(problem, goal)
-    plan = rl().solve(problem, goal)
+    optimum = solved(Brute().solve(problem, goal))
+    plan = solved(rl().solve(problem, goal))
     assert plan.predictions["episodes"] <= EPISODES
     assert score(problem, goal, plan)[0] == pytest.approx(score(problem, goal, optimum)[0], rel=1e-9)
     assert plan.predictions["status"] == "heuristic" and plan.solver == "rl"
@@ -62,17 +65,18 @@ def test_reinforce_alone_finds_the_brute_force_optimum_of_a_tiny_problem(make, g
 
 def test_cheapest_plan_within_an_slo_matches_brute_force_and_meets_the_slo():
     problem = inference()
-    fastest = Brute().solve(problem, Goal(Weights(0.0, 1.0))).predictions["time_s"]
-    goal = Goal(slo_s=1.3 * fastest)
-    optimum = Brute().solve(problem, goal)
-    plan = rl().solve(problem, goal)
-    assert evaluate(problem, plan).time_s <= goal.slo_s
+    fastest = solved(Brute().solve(problem, Goal(Weights(0.0, 1.0)))).predictions["time_s"]
+    slo_s = 1.3 * fastest
+    goal = Goal(slo_s=slo_s)
+    optimum = solved(Brute().solve(problem, goal))
+    plan = solved(rl().solve(problem, goal))
+    assert evaluate(problem, plan).time_s <= slo_s
     assert plan.predictions["dollars"] == pytest.approx(optimum.predictions["dollars"], rel=1e-9)
 
 
 def test_the_same_seed_gives_the_same_plan_and_another_seed_may_not():
     problem = training()
-    first, second = (rl(episodes=300, seed=7).solve(problem, GOALS[1]) for _ in range(2))
+    first, second = (solved(rl(episodes=300, seed=7).solve(problem, GOALS[1])) for _ in range(2))
     assert first == second
     for key in ("objective", "best_at_sample", "episodes", "distinct_plans"):
         assert first.predictions[key] == second.predictions[key]
@@ -96,46 +100,48 @@ def test_a_platform_where_nothing_fits_is_an_error_not_a_plan():
 
 def test_the_budgets_bound_the_run():
     problem = training()
-    assert rl(episodes=64, patience=10 ** 6).solve(problem, GOALS[0]).predictions["episodes"] == 64
-    by_time = rl(episodes=10 ** 9, patience=10 ** 9, time_limit_s=0.3).solve(problem, GOALS[0])
+    assert solved(rl(episodes=64, patience=10 ** 6).solve(problem, GOALS[0])).predictions["episodes"] == 64
+    by_time = solved(rl(episodes=10 ** 9, patience=10 ** 9, time_limit_s=0.3).solve(problem, GOALS[0]))
     assert by_time.predictions["stopped_by"] == "time_limit_s"
-    early = rl(episodes=10 ** 9, patience=100).solve(problem, GOALS[0])
+    early = solved(rl(episodes=10 ** 9, patience=100).solve(problem, GOALS[0]))
     assert early.predictions["stopped_by"] == "patience"
 
 
 def test_a_saved_policy_makes_the_second_solve_start_warm(tmp_path):
     problem = training()
     goal = GOALS[1]
-    optimum = score(problem, goal, Brute().solve(problem, goal))[0]
-    first = rl(warm_start=True, policy_dir=str(tmp_path)).solve(problem, goal)
+    optimum = score(problem, goal, solved(Brute().solve(problem, goal)))[0]
+    first = solved(rl(warm_start=True, policy_dir=str(tmp_path)).solve(problem, goal))
     assert first.predictions["warm_start"] is False and len(list(tmp_path.glob("rl-*.pt"))) == 1
     # the trained policy alone, with a budget of two updates, lands on the optimum again
-    second = rl(warm_start=True, policy_dir=str(tmp_path), episodes=32).solve(problem, goal)
+    second = solved(rl(warm_start=True, policy_dir=str(tmp_path), episodes=32).solve(problem, goal))
     assert second.predictions["warm_start"] is True
     assert score(problem, goal, second)[0] == pytest.approx(optimum, rel=1e-9)
-    cold = rl(episodes=32, seed=1).solve(problem, goal)
+    cold = solved(rl(episodes=32, seed=1).solve(problem, goal))
     assert cold.predictions["warm_start"] is False
 
 
 def test_polish_never_makes_the_plan_worse_and_ends_at_a_local_optimum():
     problem = training()
     goal = GOALS[0]
-    plan = rl(episodes=100, polish=True).solve(problem, goal)
+    plan = solved(rl(episodes=100, polish=True).solve(problem, goal))
     assert plan.predictions["objective"] <= plan.predictions["rl_objective"]
     found = score(problem, goal, plan)
     space = DecisionSpace.of(problem)
     for neighbour in neighbours(space, plan):
         evaluation = evaluate(problem, neighbour)
         if evaluation.fits:
-            assert goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars) >= found
+            neighbour_score = goal.score(evaluation.time_s, evaluation.cost_units, evaluation.dollars)
+            assert neighbour_score is not None and neighbour_score >= found
 
 
 def test_reward_is_gillis_eq_4():
     problem = inference()
-    plan = Brute().solve(problem, Goal(Weights(0.0, 1.0)))
+    plan = solved(Brute().solve(problem, Goal(Weights(0.0, 1.0))))
     evaluation = evaluate(problem, plan)
     met = Goal(slo_s=evaluation.time_s * 2)
     cost = Rl._cost(problem, met, evaluation)
+    assert cost is not None
     assert cost == pytest.approx(evaluation.cost_units / 256 * 1e3)   # billed ms of the 256 MB tier
     assert Rl._reward(met, evaluation, cost, budget=10 * cost) == pytest.approx(9 * cost)
     missed = Goal(slo_s=evaluation.time_s / 2)
@@ -167,5 +173,5 @@ def test_a_micro_batch_count_that_idles_every_replica_is_not_offered():
     problem = make_problem(LAYERS, make_platform(TIERS), Workload("train", batch=16, micro_batches=4),
                            replicas=(2, 4), micro_batches=(1, 2, 4))
     assert DecisionSpace.of(problem).micro_batches == (2, 4)
-    plan = rl(episodes=200).solve(problem, GOALS[0])
+    plan = solved(rl(episodes=200).solve(problem, GOALS[0]))
     assert plan.micro_batches in (2, 4) and all(stage.replicas <= plan.micro_batches for stage in plan.stages)

@@ -12,6 +12,7 @@ from flatpack.cli import main
 from flatpack.compiler import build_problem
 from flatpack.errors import InputError
 from flatpack.job import FixedCuts, JobOptions, check_split_points
+from flatpack.partitioner.problem import Problem
 
 
 class Blocks(nn.Module):
@@ -28,7 +29,7 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
-def problem() -> object:
+def problem() -> Problem:
     return build_problem(Blocks(), (torch.randn(4, 8),), passes="fuse-elementwise", profile=False)
 
 

@@ -291,23 +291,27 @@ class FakeS3:
 
 
 @pytest.fixture
-def s3(monkeypatch):
+def sim() -> SimClock:
+    """The simulated clock the ``s3`` fixture's store sleeps on."""
+    return SimClock()
+
+
+@pytest.fixture
+def s3(monkeypatch, sim):
     monkeypatch.delenv(RETRY_ENV, raising=False)
     store = S3Store("bucket", "run-prefix", "http://127.0.0.1:9", "us-east-1", aws_access_key_id="a",
                     aws_secret_access_key="b")
-    sim = SimClock()
     store._sleep, store._clock = sim.sleep, sim.clock
-    store.sim = sim
     return store
 
 
-def test_s3_reads_a_stalled_body_again(s3):
+def test_s3_reads_a_stalled_body_again(s3, sim):
     s3._client = FakeS3(get_object=[client_error("SlowDown", 503),
                                     {"Body": Body(b"", stall=ReadTimeoutError(endpoint_url="http://127.0.0.1:9"))},
                                     {"Body": Body(b"", stall=ResponseStreamingError(error="reset mid-body"))},
                                     {"Body": Body(b"payload")}])
     assert s3.get("k") == b"payload"
-    assert s3._client.calls == ["get_object"] * 4 and len(s3.sim.sleeps) == 3
+    assert s3._client.calls == ["get_object"] * 4 and len(sim.sleeps) == 3
 
 
 def test_s3_read_timeout_cuts_a_stall_but_waits_out_a_short_one(s3):
@@ -320,7 +324,7 @@ def test_s3_read_timeout_cuts_a_stall_but_waits_out_a_short_one(s3):
     assert other._client.meta.config.read_timeout == 3 and "read_timeout_s=3" in other.url
 
 
-def test_s3_fatal_errors_are_raised_at_once_and_named(s3):
+def test_s3_fatal_errors_are_raised_at_once_and_named(s3, sim):
     s3._client = FakeS3(get_object=[client_error("AccessDenied", 403)])
     with pytest.raises(StoreError, match="S3 denied get.*ListBucket"):
         s3.get("k")
@@ -330,7 +334,7 @@ def test_s3_fatal_errors_are_raised_at_once_and_named(s3):
     s3._client = FakeS3(put_object=[client_error("InvalidArgument", 400, "PutObject")])
     with pytest.raises(StoreError, match="InvalidArgument") as info:
         s3.put("k", b"x")
-    assert not isinstance(info.value, StoreUnavailable) and s3.sim.sleeps == []
+    assert not isinstance(info.value, StoreUnavailable) and sim.sleeps == []
 
 
 def test_s3_unreachable_for_the_whole_budget_says_so(s3):
@@ -366,12 +370,14 @@ def test_the_budget_is_a_store_option_and_travels_in_its_url(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
     reopened = open_store(store.url)
-    assert reopened.retry_s == 300 and reopened.url == store.url
-    assert open_store(store.url, retry_s=5).retry_s == 5            # an explicit option wins
+    assert isinstance(reopened, S3Store) and reopened.retry_s == 300 and reopened.url == store.url
+    explicit = open_store(store.url, retry_s=5)
+    assert isinstance(explicit, S3Store) and explicit.retry_s == 5            # an explicit option wins
     plain = S3Store("bucket", "p", "http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b")
     assert "retry_s" not in plain.url and plain.retry_s == DEFAULT_RETRY_S
     monkeypatch.setenv(RETRY_ENV, "42")
-    assert open_store(plain.url).retry_s == 42                      # a worker's env sets it too
+    from_env = open_store(plain.url)
+    assert isinstance(from_env, S3Store) and from_env.retry_s == 42          # a worker's env sets it too
     with pytest.raises(StoreError, match="retry_s='never' is not a number"):
         open_store("s3://bucket/p?retry_s=never")
 
@@ -444,7 +450,9 @@ def test_faults_come_from_plain_data(tmp_path):
     role = Role("run/spec/g000000", 1, 0, 0, 6)
     a = chaos.for_role(base, {"error_rate": 0.1, "seed": 7}, role)
     b = chaos.for_role(base, {"error_rate": 0.1, "seed": 7}, Role("run/spec/g000000", 0, 0, 0, 6))
-    assert a.seed != b.seed and a.seed == chaos.for_role(base, {"error_rate": 0.1, "seed": 7}, role).seed
+    again = chaos.for_role(base, {"error_rate": 0.1, "seed": 7}, role)
+    assert isinstance(a, FaultyStore) and isinstance(b, FaultyStore) and isinstance(again, FaultyStore)
+    assert a.seed != b.seed and a.seed == again.seed
     opened = open_store(base.url, faults={"error_rate": 0.1, "seed": 2})
     assert isinstance(opened, FaultyStore)
 

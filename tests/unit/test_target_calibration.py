@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
+import numpy as np
 import pytest
 from scipy.stats import exponnorm
 
@@ -24,7 +26,7 @@ from tests.unit.test_cost_models import HOST, platform, problem
 
 
 def target_calibration(**changes) -> Calibration:
-    values = dict(
+    values: dict[str, Any] = dict(
         platform="test", layer_names=(),
         tiers={512: TierCalibration(compute_ratio={"conv": 3.0, "matmul": 4.0, "elementwise": 5.0},
                                     upload_bytes_s=10e6, download_bytes_s=40e6, invoke_cold_s=1.5, invoke_warm_s=0.5,
@@ -50,8 +52,8 @@ def test_target_calibration_round_trips_with_a_stable_digest(tmp_path):
 
 
 def test_store_latency_fit_recovers_an_exponnorm():
-    samples = exponnorm.rvs(2.0, loc=0.002, scale=0.0005, size=400, random_state=3)
-    fitted = StoreLatency.fit(samples)
+    samples = np.asarray(exponnorm.rvs(2.0, loc=0.002, scale=0.0005, size=400, random_state=3), dtype=float)
+    fitted = StoreLatency.fit(samples.tolist())
     assert fitted.samples == 400
     assert fitted.mean_s == pytest.approx(samples.mean(), rel=0.02)   # the MLE's mean is the sample mean's
     assert fitted.k == pytest.approx(2.0, rel=0.35) and fitted.loc == pytest.approx(0.002, rel=0.15)
@@ -79,6 +81,7 @@ def test_host_seconds_map_to_a_tier_by_the_measured_ratio_at_the_same_thread_cou
     four_threads = dataclasses.replace(calibrated, host=dataclasses.replace(HOST, threads=4))
     assert four_threads.layer_seconds(0, tier, 2) == dataclasses.replace(base, host=four_threads.host) \
         .layer_seconds(0, tier, 2)   # measured at 1 thread: says nothing of 4
+    assert calibrated.calibration is not None
     assert calibrated.calibration.optimizer_seconds(512, "adam", 1000) == pytest.approx(4e-6)
     assert calibrated.calibration.optimizer_seconds(512, "sgd-momentum", 1000) is None
 
@@ -172,7 +175,8 @@ def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():
     delay = _default_delay(infer)
     # exponnorm(K, loc, scale): µ = loc, σ = scale, 1/λ = K·scale; its mean is FuncPipe's t_lat
     assert delay == CommDelay(0.002, 0.0005, 2.0 * 0.0005)
-    assert delay.mean == pytest.approx(target_calibration().store_latency.mean_s)
+    store_latency = target_calibration().store_latency
+    assert store_latency is not None and delay.mean == pytest.approx(store_latency.mean_s)
     assert _default_delay(problem()) == CommDelay(problem().platform.storage_latency_s)
     explicit = dataclasses.replace(infer, options=infer.options.with_changes(comm_delay={"mu_s": 0.01}))
     assert _default_delay(explicit) == CommDelay(0.01)

@@ -11,6 +11,7 @@ from flatpack.errors import TraceError
 from flatpack.ir.trace import trace
 from tests.helpers import assert_equivalent
 from tests.models import MLP, Outer
+from tests.unit.narrowing import graph_of
 
 
 def test_plain_model_uses_fx_and_inlines_every_module():
@@ -104,9 +105,14 @@ def test_tracing_leaves_the_model_as_it_was():
 def test_an_hf_encoder_compiled_at_one_sequence_length_runs_at_others():
     """torch.export marks the token inputs' dim 1 dynamic: BERT compiled at 16 tokens runs at 8 and 32."""
     pytest.importorskip("transformers")
+    from transformers import PretrainedConfig
+
     from flatpack.examples import bert
 
     model, inputs = bert()
+    config = model.config
+    assert isinstance(config, PretrainedConfig)
+    vocab_size = config.vocab_size
     assert inputs["input_ids"].shape[1] == 16
     compiled = flatpack.compile(model, inputs, stages=3)
     assert compiled.frontend == "export"
@@ -114,7 +120,7 @@ def test_an_hf_encoder_compiled_at_one_sequence_length_runs_at_others():
     assert all(spec.free_dims == (0, 1) for spec in compiled.info.input_specs)
     staged = compiled.as_module()
     for length in (8, 16, 32):
-        ids = torch.randint(0, model.config.vocab_size, (3, length))
+        ids = torch.randint(0, vocab_size, (3, length))
         mask = torch.ones_like(ids)
         mask[:, -2:] = 0
         torch.testing.assert_close(staged(input_ids=ids, attention_mask=mask).logits,
@@ -155,7 +161,7 @@ def test_a_fixed_dimension_is_an_input_error_naming_the_input_shape_and_fix():
 def test_an_example_of_batch_one_keeps_the_batch_dynamic():
     model = PositionTable()
     compiled = flatpack.compile(model, ({"ids": torch.randint(0, 50, (1, 16))},), stages=2)
-    assert compiled.graph.traced.dynamic_batch
+    assert graph_of(compiled).traced.dynamic_batch
     assert any("repeated to batch 2" in note for note in compiled.info.trace_notes)
     ids = torch.randint(0, 50, (4, 16))
     torch.testing.assert_close(compiled.as_module()({"ids": ids}), model({"ids": ids}))

@@ -120,6 +120,7 @@ def test_a_schedule_restored_from_its_step_count_continues_bit_identically():
     probe = nn.Parameter(torch.zeros(2))
     optimizer = spec.build([probe])
     scheduler = spec.build_schedule(optimizer)
+    assert scheduler is not None
     for _ in range(5):
         probe.grad = torch.ones(2)
         optimizer.step()
@@ -128,6 +129,7 @@ def test_a_schedule_restored_from_its_step_count_continues_bit_identically():
     restored_optimizer = spec.build([nn.Parameter(torch.zeros(2))])
     restored_optimizer.load_state_dict(saved)
     restored = spec.restore_schedule(restored_optimizer, 5)
+    assert restored is not None
     for step in range(5, 12):
         assert restored_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == rates[step]
         for opt, sched in ((optimizer, scheduler), (restored_optimizer, restored)):
@@ -223,7 +225,8 @@ def test_job_options_make_the_spec_with_the_schedule_running_to_the_end():
     spec = options.optimizer_spec()
     assert spec == OptimizerSpec("adamw", 3e-4, {"weight_decay": 0.01}, True,
                                  ScheduleSpec("cosine", {"T_max": 8}, 2), 1.0, 2)
-    assert JobOptions(warmup=3, iterations=10).optimizer_spec().schedule.name == "constant"
+    schedule = JobOptions(warmup=3, iterations=10).optimizer_spec().schedule
+    assert schedule is not None and schedule.name == "constant"
     whole = OptimizerSpec("adamw", clip_grad_norm=1.0)
     assert JobOptions(optimizer=whole).optimizer_spec() is whole
     with pytest.raises(InputError, match="holds warmup, clip_grad_norm itself"):
@@ -269,13 +272,16 @@ def shard_directory(root, count: int, target=lambda g: torch.randint(0, 10, (8,)
 
 
 def test_eval_fraction_holds_out_whole_shards_and_the_record_keeps_the_split(tmp_path):
-    from flatpack.data import ShardDirectory, source_from_json, split_shards
+    from flatpack.data import ShardDirectory, ShardSource, source_from_json, split_shards
 
     source = ShardDirectory(shard_directory(tmp_path / "shards", 4))
     training, held = split_shards(source, 0.25)
     assert training.names() == ["part-0.safetensors", "part-1.safetensors", "part-2.safetensors"]
     assert held.names() == ["part-3.safetensors"] and "held out: 1 of its shards" in held.describe()
-    again = source_from_json(training.to_json())
+    record = training.to_json()
+    assert record is not None, "the training side of a split is recorded by name"
+    again = source_from_json(record)
+    assert isinstance(again, ShardSource)
     assert again.names() == training.names() and again.describe() == training.describe()
     with pytest.raises(InputError, match="leaving none to train on"):
         split_shards(ShardDirectory(shard_directory(tmp_path / "one", 1)), 0.5)

@@ -14,10 +14,10 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.common import stage_boundaries, stage_memory
 from flatpack.partitioner.objective import Weights, evaluate
 from flatpack.partitioner.plan import Plan, StagePlan
-from flatpack.partitioner.solvers import get_solver
 from flatpack.partitioner.solvers.base import Goal
 from flatpack.partitioner.workload import Workload
 from tests.property.solver_strategies import BASE, MIB, make_platform, make_problem
+from tests.unit.narrowing import cost_solver, solved
 
 SMALL_TIER = [(256, 1, 50.0, 0.25e-5)]    # 256 MiB, 64 of them the runtime: 192 MiB for tensors
 # forward s/sample, backward s/sample, params MiB, saved MiB/sample, output MiB/sample.
@@ -59,7 +59,7 @@ def test_a_recomputing_stage_runs_its_forward_again_in_the_backward():
 
 
 def test_a_tier_too_small_without_recompute_becomes_feasible_with_it():
-    dp = get_solver("dp")
+    dp = cost_solver("dp")
     with pytest.raises(PlanError):
         dp.solve(heavy_problem("never"), Goal(Weights(1, 0)))
     plan = dp.solve(heavy_problem("auto"), Goal(Weights(1, 0)))
@@ -74,14 +74,15 @@ def test_recompute_is_chosen_only_where_keeping_the_activations_does_not_fit():
     roomy = make_platform([(256, 1, 50.0, 0.25e-5), (1024, 1, 50.0, 1e-5)])
     workload = Workload("train", batch=16, micro_batches=8, optimizer="sgd")
     fast = Goal(Weights(0, 1))
-    never = get_solver("dp").solve(make_problem(HEAVY, roomy, workload, replicas=(1,)), fast)
-    auto = get_solver("dp").solve(
-        make_problem(HEAVY, roomy, dataclasses.replace(workload, recompute="auto"), replicas=(1,)), fast)
+    never = solved(cost_solver("dp").solve(make_problem(HEAVY, roomy, workload, replicas=(1,)), fast))
+    auto = solved(cost_solver("dp").solve(
+        make_problem(HEAVY, roomy, dataclasses.replace(workload, recompute="auto"), replicas=(1,)), fast))
     # fastest: recomputation only adds time, so with a tier that holds the activations, none
     assert not any(stage.recompute for stage in auto.stages)
     assert auto.predictions["time_s"] == pytest.approx(never.predictions["time_s"])
-    cheap = get_solver("dp").solve(
-        make_problem(HEAVY, roomy, dataclasses.replace(workload, recompute="auto"), replicas=(1,)), Goal(Weights(1, 0)))
+    cheap = solved(cost_solver("dp").solve(
+        make_problem(HEAVY, roomy, dataclasses.replace(workload, recompute="auto"), replicas=(1,)),
+        Goal(Weights(1, 0))))
     # cheapest: the small tier with recomputation costs less than the large one without
     assert any(stage.recompute and stage.memory_mb == 256 for stage in cheap.stages)
 
@@ -195,7 +196,7 @@ def test_the_stage_breakdown_and_the_front_mark_recomputing_stages():
     from flatpack.partitioner.report import stage_breakdown
 
     problem = heavy_problem("auto")
-    plan = get_solver("dp").solve(problem, Goal(Weights(1, 0)))
+    plan = solved(cost_solver("dp").solve(problem, Goal(Weights(1, 0))))
     text = stage_breakdown(problem, plan)
     assert f"{plan.stages[0].start}-{plan.stages[0].end} R" in text or f"{plan.stages[0].start} R" in text
     assert "R: the stage recomputes its activations in the backward" in text
@@ -212,5 +213,5 @@ def test_recompute_auto_never_makes_dp_worse():
         for recompute in ("never", "auto"):
             workload = Workload("train", batch=16, micro_batches=4, recompute=recompute)
             problem = make_problem(LAYERS, make_platform(TIERS), workload, replicas=(1, 2, 4))
-            scores.append(get_solver("dp").solve(problem, Goal(weights)).predictions["objective"])
+            scores.append(solved(cost_solver("dp").solve(problem, Goal(weights))).predictions["objective"])
         assert scores[1] <= scores[0] * (1 + 1e-9)

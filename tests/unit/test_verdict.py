@@ -10,6 +10,7 @@ from torch import nn
 
 from flatpack.runtime.reference import train_single_process
 from flatpack.verdict import Verdict, adam_step_bound, adam_weight_bound, compare_training
+from tests.unit.narrowing import problem_of
 
 
 def _model() -> nn.Module:
@@ -121,4 +122,4 @@ def test_balanced_plans_get_memory_tiers_before_costing():
                                 workload=Workload("train", batch=16, micro_batches=4),
                                 profile=ProfileOptions(batch_sizes=(2, 4), repeats=1))
     assert all(stage.memory_mb for stage in compiled.plan.stages)
-    assert funcpipe.iteration(compiled.problem, compiled.plan).iteration_s > 0
+    assert funcpipe.iteration(problem_of(compiled), compiled.plan).iteration_s > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ TORCHVISION_PARAMS = {
 }
 
 
-def _output_tensors(output: object) -> list[torch.Tensor]:
+def _output_tensors(output: torch.Tensor | Mapping[str, Any]) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     return [value for value in output.values() if isinstance(value, torch.Tensor)]  # a HF ModelOutput
@@ -42,7 +44,7 @@ def test_tiny_model_runs_forward_and_backward(name):
     outputs = _output_tensors(model(*inputs))
     assert all(out.shape[0] == 2 and torch.isfinite(out).all() for out in outputs)
     # Every output enters the loss, so BERT's pooler gets a gradient too.
-    sum(out.float().square().mean() for out in outputs).backward()
+    sum((out.float().square().mean() for out in outputs), torch.zeros(())).backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
@@ -112,7 +114,7 @@ def test_unknown_name_size_or_bad_batch_is_an_input_error_listing_the_choices(na
 def test_tiny_model_compiles_into_two_equivalent_stages(name):
     model, inputs = build(name, "tiny", batch=2)
     compiled = assert_equivalent(model, inputs, stages=2, passes=ZOO[name].passes)
-    assert len(compiled.plan.stages) == 2
+    assert compiled is not None and len(compiled.plan.stages) == 2
 
 
 def test_amoebanet_keeps_a_cut_between_cells():
@@ -130,7 +132,7 @@ def test_stacked_lstms_stay_one_layer_each(batch):
     final-state projections once glued every LSTM of RNN-k into one layer."""
     model, inputs = build("rnn-3", "tiny", batch=batch)
     compiled = assert_equivalent(model, inputs, stages=3)
-    assert compiled.plan.num_layers == 3
+    assert compiled is not None and compiled.plan.num_layers == 3
 
 
 def test_no_model_name_is_defined_twice_across_the_examples_and_the_zoo():
@@ -139,10 +141,12 @@ def test_no_model_name_is_defined_twice_across_the_examples_and_the_zoo():
 
     assert not set(EXAMPLES) & set(ZOO)
     assert sorted(models.model_names()) == sorted([*EXAMPLES, *ZOO])
-    assert models.find("gpt2").origin == models.ZOO and models.find("hf-gpt2").origin == models.EXAMPLE
+    gpt2, hf_gpt2 = models.find("gpt2"), models.find("hf-gpt2")
+    assert gpt2 is not None and gpt2.origin == models.ZOO
+    assert hf_gpt2 is not None and hf_gpt2.origin == models.EXAMPLE
     # a second definition of a registered name is refused, naming it
     with pytest.raises(InputError, match="'gpt2' is already registered"):
-        models.MODELS.register("gpt2", lambda: models.find("hf-gpt2"))
+        models.MODELS.register("gpt2", lambda: hf_gpt2)
     with pytest.raises(InputError, match="'tiny-resnet' is already registered"):
         models.register_builtins(models.MODELS)
 
@@ -151,7 +155,9 @@ def test_the_cli_model_argument_resolves_through_the_one_registry():
     from flatpack import cli, models
 
     model, inputs = cli.load_factory("mlp")
-    reference, reference_inputs = models.find("mlp").build()
+    mlp = models.find("mlp")
+    assert mlp is not None
+    reference, reference_inputs = mlp.build()
     assert type(model) is type(reference)
     torch.testing.assert_close(model(*inputs), reference(*reference_inputs))
     model, inputs = cli.load_factory("alexnet")          # a zoo name, at the tiny size
