@@ -56,7 +56,7 @@ def worker_imports(module: str) -> tuple[list[str], float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--worker", action="append", default=None,
                         help=f"a module a stage worker starts from (default: {', '.join(WORKERS)})")
     parser.add_argument("--repeat", type=int, default=3, help="import timings per worker module (the median is shown)")
