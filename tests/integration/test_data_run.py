@@ -126,7 +126,8 @@ def test_a_dataloader_trains_a_deployment_whose_state_dict_gives_the_original_mo
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         # train() takes the DataLoader itself: two epochs of its two batches
         # (train's annotation lists sequences and callables only, though it reads a DataLoader)
-        result = deployment.train(loader, iterations=4,  # pyright: ignore[reportArgumentType] optimizer={"name": "adam", "lr": 0.01}, loss="output",
+        result = deployment.train(loader,  # pyright: ignore[reportArgumentType]
+                                  iterations=4, optimizer={"name": "adam", "lr": 0.01}, loss="output",
                                   micro_batches=2, wait_timeout_s=60, timeout_s=180)
         assert len(result.losses) == 4
         state = deployment.state_dict()
