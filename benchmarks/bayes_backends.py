@@ -66,6 +66,7 @@ Run: PYTHONPATH=. python benchmarks/bayes_backends.py [--evaluations 30] [--seed
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import random
 import statistics
@@ -77,7 +78,7 @@ import torch
 from flatpack.partitioner.objective import Weights
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
-from flatpack.partitioner.solvers.base import Goal
+from flatpack.partitioner.solvers.base import CostSolver, Goal
 from flatpack.partitioner.solvers.bayes import TINY, Bayes, Encoding
 from flatpack.partitioner.solvers.brute import Brute
 from flatpack.partitioner.solvers.dp import Dp
@@ -99,7 +100,7 @@ def random_layers(count: int, seed: int) -> list[tuple[float, ...]]:
              rng.uniform(0.1, 3.0)) for _ in range(count)]
 
 
-def problems() -> list[tuple[str, Problem, object]]:
+def problems() -> list[tuple[str, Problem, CostSolver]]:
     """(name, problem, exact solver)."""
     train = dict(replicas=(1, 2, 4), micro_batches=(1, 2, 4))
     return [
@@ -116,10 +117,18 @@ def problems() -> list[tuple[str, Problem, object]]:
     ]
 
 
-def goals(problem: Problem, exact) -> list[tuple[str, Goal]]:
+def exact_plan(exact: CostSolver, problem: Problem, goal: Goal) -> Plan:
+    """The exact solver's plan for ``goal``: every problem here has one for each goal."""
+    plan = exact.solve(problem, goal)
+    if plan is None:
+        raise RuntimeError(f"{exact.name} found no plan for {goal.describe()}; the goals are chosen to have one")
+    return plan
+
+
+def goals(problem: Problem, exact: CostSolver) -> list[tuple[str, Goal]]:
     weighted = Goal(Weights(1.0, 2.0 ** 19))
-    fastest = exact.solve(problem, Goal(Weights(0.0, 1.0))).predictions["time_s"]
-    cheapest = exact.solve(problem, Goal(Weights(1.0, 0.0))).predictions["time_s"]
+    fastest = exact_plan(exact, problem, Goal(Weights(0.0, 1.0))).predictions["time_s"]
+    cheapest = exact_plan(exact, problem, Goal(Weights(1.0, 0.0))).predictions["time_s"]
     return [("w(1,2^19)", weighted), ("slo", Goal(slo_s=math.sqrt(fastest * max(cheapest, fastest))))]
 
 
@@ -129,11 +138,20 @@ def run_optuna(problem: Problem, goal: Goal, evaluations: int, seed: int) -> Pla
 
 def run_botorch(problem: Problem, goal: Goal, evaluations: int, seed: int) -> Plan | None:
     """The same search with BoTorch: GP per outcome, log constrained EI on the lattice."""
-    from botorch.acquisition.analytic import LogConstrainedExpectedImprovement, LogExpectedImprovement
-    from botorch.fit import fit_gpytorch_mll
-    from botorch.models import ModelListGP, SingleTaskGP
-    from botorch.optim.optimize_mixed import optimize_acqf_mixed_alternating
-    from gpytorch.mlls import SumMarginalLogLikelihood
+    # BoTorch is not a flatpack dependency (nor installed where pyright checks the tree): its
+    # modules are imported by name, and its absence said as what to install
+    try:
+        analytic = importlib.import_module("botorch.acquisition.analytic")
+        fit_gpytorch_mll = importlib.import_module("botorch.fit").fit_gpytorch_mll
+        models_module = importlib.import_module("botorch.models")
+        optimize_acqf_mixed_alternating = importlib.import_module(
+            "botorch.optim.optimize_mixed").optimize_acqf_mixed_alternating
+        SumMarginalLogLikelihood = importlib.import_module("gpytorch.mlls").SumMarginalLogLikelihood
+    except ImportError as error:
+        raise SystemExit(f"--backends botorch needs BoTorch ({error}): pip install botorch") from error
+    LogConstrainedExpectedImprovement = analytic.LogConstrainedExpectedImprovement
+    LogExpectedImprovement = analytic.LogExpectedImprovement
+    ModelListGP, SingleTaskGP = models_module.ModelListGP, models_module.SingleTaskGP
 
     encoding = Encoding(DecisionSpace.of(problem))
     names, choices = zip(*encoding.dimensions().items())
@@ -185,14 +203,18 @@ def run_botorch(problem: Problem, goal: Goal, evaluations: int, seed: int) -> Pl
 def objective(plan: Plan, goal: Goal) -> float:
     """What ``goal`` minimizes, from the plan's predictions (dp's plans carry no "objective")."""
     predictions = plan.predictions
-    return goal.score(predictions["time_s"], predictions["cost_mb_s"], predictions["dollars"])[0]
+    score = goal.score(predictions["time_s"], predictions["cost_mb_s"], predictions["dollars"])
+    if score is None:
+        raise ValueError(f"a plan of {predictions['time_s']:g} s has no objective under {goal.describe()}: "
+                         "only plans within the SLO are scored")
+    return score[0]
 
 
 BACKENDS = {"optuna": run_optuna, "botorch": run_botorch}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--evaluations", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
@@ -208,7 +230,7 @@ def main() -> None:
         if args.problems and name not in args.problems:
             continue
         for label, goal in goals(problem, exact):
-            optimum = objective(exact.solve(problem, goal), goal)
+            optimum = objective(exact_plan(exact, problem, goal), goal)
             runs = [(backend, args.evaluations) for backend in args.backends]
             if args.optuna_evaluations:
                 runs.append(("optuna", args.optuna_evaluations))

@@ -196,17 +196,20 @@ def _descendants(pid: int) -> list[int]:
 # -- one trial per fault kind ----------------------------------------------------------------
 
 def trial_worker(config: Config, server: LocalS3Server, rng: random.Random, typical_s: float,
-                 workdir: str) -> dict[str, torch.Tensor]:
+                 workdir: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """(the trained parameters, whether a worker was killed mid-call)."""
     with local.deploy(compiled_for(config), store_url=server.url(""), env=server.env(), workdir=workdir) as deployment:
         moment = rng.uniform(0.2, 0.9) * typical_s
 
         def kill_one() -> None:
             time.sleep(moment)
-            alive = [worker for worker in tuple(deployment.workers.values()) if worker.process.poll() is None]
+            # the local backend's functions are processes of this machine
+            alive = [worker.process for worker in tuple(deployment.workers.values())
+                     if isinstance(worker.process, subprocess.Popen) and worker.process.poll() is None]
             if alive:
                 victim = rng.choice(alive)
                 try:
-                    os.kill(victim.process.pid, signal.SIGKILL)
+                    os.kill(victim.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
@@ -218,37 +221,42 @@ def trial_worker(config: Config, server: LocalS3Server, rng: random.Random, typi
 
 
 def trial_runner(config: Config, server: LocalS3Server, rng: random.Random, typical_s: float,
-                 workdir: str) -> dict[str, torch.Tensor]:
+                 workdir: str) -> tuple[dict[str, torch.Tensor], bool]:
     run = f"fault-{rng.getrandbits(40):010x}"
     runner = start_runner_until_a_random_moment(config, server, run, workdir, rng, typical_s)
     hit = kill_runner_and_its_workers(runner)
-    with local.deploy(compiled_for(config), store_url=server.url(""), env=server.env(), run=run,
-                      workdir=workdir) as deployment:
+    deployment = local.deploy(compiled_for(config), store_url=server.url(""), env=server.env(), run=run,
+                              workdir=workdir)
+    with deployment:
         resume_or_train(deployment, config)
         return deployment.parameters(), hit
 
 
-def trial_server(config: Config, rng: random.Random, typical_s: float, workdir: str) -> dict[str, torch.Tensor]:
+def trial_server(config: Config, rng: random.Random, typical_s: float,
+                 workdir: str) -> tuple[dict[str, torch.Tensor], bool]:
     data_dir = Path(workdir) / "store"
     run = f"fault-{rng.getrandbits(40):010x}"
     server = LocalS3Server(data_dir=data_dir).start()
     try:
         runner = start_runner_until_a_random_moment(config, server, run, workdir, rng, typical_s)
         hit = runner.poll() is None
+        if server.pid is None:
+            raise RuntimeError(f"the S3 server over {data_dir} stopped before the fault; see weed.log there")
         os.killpg(server.pid, signal.SIGKILL)   # the server's process group: weed and its helpers
         time.sleep(0.5)
         kill_runner_and_its_workers(runner)
     finally:
         server.stop()
     with LocalS3Server(data_dir=data_dir).start() as again:
-        with local.deploy(compiled_for(config), store_url=again.url(""), env=again.env(), run=run,
-                          workdir=workdir) as deployment:
+        deployment = local.deploy(compiled_for(config), store_url=again.url(""), env=again.env(), run=run,
+                                  workdir=workdir)
+        with deployment:
             resume_or_train(deployment, config)
             return deployment.parameters(), hit
 
 
 def trial_store_faults(kind: str, config: Config, server: LocalS3Server, rng: random.Random,
-                       workdir: str) -> dict[str, torch.Tensor]:
+                       workdir: str) -> tuple[dict[str, torch.Tensor], bool]:
     faults = {**STORE_FAULTS[kind], "seed": rng.getrandbits(31)}
     with local.deploy(compiled_for(config), store_url=server.url(""), env=server.env(), workdir=workdir) as deployment:
         result = deployment.train(batches(), **train_options(config, store_faults=faults))

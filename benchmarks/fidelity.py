@@ -144,15 +144,21 @@ def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
     """Every worker billed for the measured iteration, rounded up to the platform's
     granularity, at its tier's price (the platform's billing arithmetic, not the model)."""
     platform = problem.platform
+    unsized = [index for index, stage in enumerate(plan.stages) if stage.memory_mb is None]
+    if unsized:
+        raise ValueError(f"stages {unsized} of the plan have no memory tier: billing needs each stage's memory size")
     return sum(stage.replicas * platform.billed_seconds(measured_s) * platform.tier(stage.memory_mb).price_per_s
-               for stage in plan.stages)
+               for stage in plan.stages if stage.memory_mb is not None)
 
 
 def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float]:
     model, example = zoo.build(case.model, "tiny")
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
         options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
-                             optimizer="adam", lr=1e-3, solver=solver or case.shape,
+                             # a Shape is a solver object, which solver_for takes though JobOptions.solver
+                             # is annotated as a name
+                             optimizer="adam", lr=1e-3,
+                             solver=solver or case.shape,  # pyright: ignore[reportArgumentType]
                              replicas=(case.shape.replicas,) if solver is None else (1, 2),
                              memory_mb=(case.shape.memory_mb,), out=Path(out), verify=False, schedule=case.schedule,
                              passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
@@ -266,7 +272,8 @@ def main() -> None:
         mine = [row for row in rows if row["case"].model == model]
         if len(mine) < 2:
             continue
-        rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine]).statistic
+        # (statistic, pvalue): scipy's stubs type the result as a bare tuple, so it is read by position
+        rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine])[0]
         print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
     if forkjoin_rows:
         print("\nFork-join inference (Gillis), the same calibration:\n")

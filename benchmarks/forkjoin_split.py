@@ -125,10 +125,12 @@ def measure(model_spec: Model, batch: int, replicas: int, split: str, requests: 
     example = (model_spec.sample(batch),)
     base = flatpack.compile(model, example, target="local", profile=True, workload=workload, stages=1,
                             calibration=calibration)
+    assert base.graph is not None and base.problem is not None, "compiled in this process, with a workload"
     group = heaviest_group(base.problem)
     plan = plan_around(group, len(base.graph.layers), replicas, split)
     compiled = flatpack.compile(model, example, target="local", profile=True, workload=workload, plan=plan,
                                 calibration=calibration)
+    assert compiled.problem is not None, "compiled with a workload"
     latencies = []
     with local.deploy(compiled) as deployment:
         t_lat = deployment.measure_latency()

@@ -47,6 +47,8 @@ from flatpack.runtime.optim import OptimizerSpec
 from flatpack.table import format_table
 
 COMPILE_BATCH = 2     # the example batch the model is traced with; runs scale it to --batch
+# both the single-process baseline and the pipeline train with it
+OPTIMIZER = {"name": "sgd", "lr": 0.01, "momentum": 0.9}
 
 
 @dataclasses.dataclass
@@ -60,7 +62,7 @@ class Row:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="resnet34", help="a flatpack.zoo model (default resnet34)")
     parser.add_argument("--size", default="full", choices=zoo.SIZES)
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
@@ -95,7 +97,7 @@ def compile_plan(model: nn.Module, inputs: tuple, degrees: tuple[int, ...], micr
 def single_process(model: nn.Module, inputs: tuple, args: argparse.Namespace, device: torch.device) -> float:
     """Samples/s of plain PyTorch training of the whole model on ``device``."""
     model = copy.deepcopy(model).to(device).eval()   # the model itself stays on the CPU for compiling
-    optimizer = OptimizerSpec("sgd", lr=0.01, momentum=0.9).build(model.parameters())
+    optimizer = OptimizerSpec.of(OPTIMIZER).build(model.parameters())
     shape = (args.batch, *inputs[0].shape[1:])
     x = torch.randn(shape, device=device)
     with torch.no_grad():
@@ -120,7 +122,7 @@ def pipelined(compiled: flatpack.Compiled, args: argparse.Namespace, backend: st
     with gpu_container.deploy(compiled, backend=backend, device=device) as deployment:
         result = deployment.train(None, iterations=args.iterations, batch=args.batch,
                                   micro_batches=args.micro_batches, warmup=args.warmup,
-                                  optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9}, timeout_s=args.timeout)
+                                  optimizer=OPTIMIZER, timeout_s=args.timeout)
         return deployment.steady_samples_per_s(), result.wall_s
 
 

@@ -7,7 +7,7 @@ on outputs and every input and parameter gradient. Run: python benchmarks/hf_mod
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
@@ -26,6 +26,16 @@ SMALL: dict[str, Any] = {"vocab_size": 100, "num_hidden_layers": 3, "num_attenti
                          "max_position_embeddings": 64}
 DECODER: dict[str, Any] = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
                            "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
+ConfigT = TypeVar("ConfigT", bound=tf.PretrainedConfig)
+
+
+def with_labels(config: ConfigT, labels: int = 5) -> ConfigT:
+    """``config`` for ``labels`` classes. The vision configs take ``num_labels=`` at runtime
+    without declaring it, so it is set as the attribute it becomes (the same config)."""
+    config.num_labels = labels
+    return config
+
+
 cases = {
  "distilbert": lambda: (tf.DistilBertForMaskedLM(tf.DistilBertConfig(
      vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=64, max_position_embeddings=64)), TEXT),
@@ -43,15 +53,15 @@ cases = {
  "t5": lambda: (tf.T5ForConditionalGeneration(tf.T5Config(
      vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)),
      {"input_ids": ids, "decoder_input_ids": ids}),
- "convnext": lambda: (tf.ConvNextForImageClassification(tf.ConvNextConfig(
-     num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=5)), {"pixel_values": img}),
- "swin": lambda: (tf.SwinForImageClassification(tf.SwinConfig(
-     image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5)),
+ "convnext": lambda: (tf.ConvNextForImageClassification(with_labels(tf.ConvNextConfig(
+     num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1]))), {"pixel_values": img}),
+ "swin": lambda: (tf.SwinForImageClassification(with_labels(tf.SwinConfig(
+     image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4))),
      {"pixel_values": img}),
- "mobilenet_v2": lambda: (tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
-     image_size=32, depth_multiplier=0.25, num_labels=5)), {"pixel_values": img}),
- "regnet": lambda: (tf.RegNetForImageClassification(tf.RegNetConfig(
-     embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], groups_width=8, num_labels=5)),
+ "mobilenet_v2": lambda: (tf.MobileNetV2ForImageClassification(with_labels(tf.MobileNetV2Config(
+     image_size=32, depth_multiplier=0.25))), {"pixel_values": img}),
+ "regnet": lambda: (tf.RegNetForImageClassification(with_labels(tf.RegNetConfig(
+     embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], groups_width=8))),
      {"pixel_values": img}),
 }
 names = sys.argv[1:] or list(cases)
@@ -63,6 +73,7 @@ for name in names:
         model.eval()
         t = time.perf_counter()
         probe = flatpack.compile(model, inputs, stages=1)
+        assert probe.graph is not None, "a model compiled in this process keeps its layer graph"
         layers = len(probe.graph.layers)
         c = flatpack.compile(model, inputs, stages=min(3, layers))
         dt = time.perf_counter() - t

@@ -68,10 +68,19 @@ def exact_case(model: str, mode: str, problem, goal, label: str) -> Case:
     return Case(model, mode, len(problem.chain), problem, goal, optimum, label, time.perf_counter() - started)
 
 
+def fastest_s(problem, fastest_goal) -> float:
+    """dp's fastest plan's predicted seconds: the scale the SLOs are set on."""
+    from flatpack.partitioner.solvers.dp import Dp
+
+    plan = Dp().solve(problem, fastest_goal)
+    if plan is None:
+        raise SystemExit(f"dp found no plan for {len(problem.chain)} layers: no SLO can be set on it")
+    return plan.predictions["time_s"]
+
+
 def cases(args, infer_profile, train_profile) -> list[Case]:
     from flatpack.partitioner.objective import Weights
     from flatpack.partitioner.solvers.base import Goal
-    from flatpack.partitioner.solvers.dp import Dp
     from flatpack.partitioner.workload import Workload
 
     found = []
@@ -79,16 +88,17 @@ def cases(args, infer_profile, train_profile) -> list[Case]:
     for name in args.infer_models:
         base = base_chain(name, 1, infer_profile)
         problem = problem_at(base, args.infer_layers, infer_profile, Workload("infer", batch=1), max_workers=8)
-        fastest = Dp().solve(problem, fastest_goal).predictions["time_s"]
+        fastest = fastest_s(problem, fastest_goal)
         print(f"{name}: {base.layers} layers → {len(problem.chain)}; fastest request {fastest * 1e3:.0f} ms",
               flush=True)
         for factor in args.slos:
-            goal = Goal(slo_s=factor * fastest)
-            found.append(exact_case(name, "infer", problem, goal, f"SLO {factor:g}× = {goal.slo_s * 1e3:.0f} ms"))
+            slo_s = factor * fastest
+            label = f"SLO {factor:g}× = {slo_s * 1e3:.0f} ms"
+            found.append(exact_case(name, "infer", problem, Goal(slo_s=slo_s), label))
     for name in args.train_models:
         base = base_chain(name, BATCH // MICRO_BATCHES, train_profile)
         problem = problem_at(base, args.train_layers, train_profile)  # solvers.py's training space
-        fastest = Dp().solve(problem, fastest_goal).predictions["time_s"]
+        fastest = fastest_s(problem, fastest_goal)
         print(f"{name}: {base.layers} layers → {len(problem.chain)}; fastest iteration {fastest:.2f} s", flush=True)
         goals = [(Goal(Weights(*pair)), f"weights {Weights(*pair).label()}") for pair in TRAIN_WEIGHTS]
         goals.append((Goal(slo_s=TRAIN_SLO * fastest), f"SLO {TRAIN_SLO:g}× = {TRAIN_SLO * fastest:.2f} s"))
@@ -156,7 +166,7 @@ def fmt(value, pattern: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--infer-models", default=",".join(INFER_MODELS))
     parser.add_argument("--train-models", default=",".join(TRAIN_MODELS))
     parser.add_argument("--infer-layers", type=int, default=24)

@@ -24,6 +24,8 @@ import time
 
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.objective import Weights, dollars_per_mb_s
+from flatpack.partitioner.options import ProblemOptions
+from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.solvers import miqp
 from flatpack.partitioner.solvers.base import Goal
@@ -60,26 +62,29 @@ def instance(layers: int, seed: int, replicas: tuple[int, ...] = (1, 2, 4)) -> P
     chain = tuple(ChainLayer(profile.name, profile.param_bytes, 0, 0, profile) for profile in profiles)
     host = HostInfo(device="cpu", threads=2, cpu="benchmark", torch_version="benchmark")
     return Problem(chain, platform, Workload("train", batch=16, micro_batches=4, optimizer="sgd-momentum"),
-                   host=host, options={"replicas": replicas}, input_bytes=Linear(1.0 * MIB))
+                   host=host, options=ProblemOptions(replicas=replicas), input_bytes=Linear(1.0 * MIB))
 
 
-def exact(problem: Problem, goal: Goal, reference: str, limit: float):
+def exact(problem: Problem, goal: Goal, reference: str, limit: float) -> Plan:
     """The reference optimum: the DP solver's (registered as "dp"; its module while it
     lands), or miqp's own given ``limit`` seconds (must come back "optimal")."""
-    from flatpack.partitioner.solvers import get_solver
-
     if reference == "miqp":
         plan = miqp.Miqp(hint=None, time_limit_s=limit).solve(problem, goal)
-        if plan.predictions["status"] != "optimal":
+        if plan is None or plan.predictions["status"] != "optimal":
             raise SystemExit(f"miqp did not prove its reference optimal in {limit:g} s; raise --limit")
         return plan
 
     try:
-        return get_solver("dp").solve(problem, goal)
+        from flatpack.partitioner.solvers.dp import Dp
+
+        plan = Dp().solve(problem, goal)
     except Exception:  # noqa: BLE001 - the registry entry may not be importable yet
         from flatpack.partitioner.solvers import funcpipe_dp
 
-        return funcpipe_dp.solve(problem, goal)
+        plan = funcpipe_dp.solve(problem, goal)
+    if plan is None:
+        raise SystemExit(f"dp found no plan for {goal.describe()}; these instances should all have one")
+    return plan
 
 
 def hinted_part(problem: Problem, goal: Goal, plan, cold: bool) -> tuple:
@@ -218,6 +223,9 @@ def main() -> None:
             if args.whole:
                 for label, hint in (("miqp hint=dp", "dp"), ("miqp cold", None)):
                     solved = miqp.Miqp(time_limit_s=args.limit, workers=args.workers, hint=hint).solve(problem, goal)
+                    if solved is None:
+                        print(f"  {label:<14} no plan", flush=True)
+                        continue
                     found = solved.predictions
                     print(f"  {label:<14} {found['status']:<11} {found['solve_s']:7.2f} s   objective/optimum−1 "
                           f"{(found['objective'] - optimum) / optimum:+.2e}   gap {found['gap']:.2%}   "

@@ -33,8 +33,10 @@ from flatpack.backends import local
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.objective import Weights
-from flatpack.partitioner.solvers import get_solver
+from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.base import Goal
+from flatpack.partitioner.solvers.dp import Dp
 from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
 from flatpack.stage.settings import PRECISIONS
@@ -85,19 +87,20 @@ def train(server, compiled, data, **options) -> local.TrainResult:
         return deployment.train(data, iterations=len(data), optimizer={"name": "adam", "lr": 1e-3}, **options)
 
 
-def plan_at(problem, size: int, micro_batches: int, recompute: str):
+def plan_at(problem: Problem, size: int, micro_batches: int, recompute: str) -> tuple[Problem, Plan | None]:
     """dp's cheapest plan on the smallest tier alone at ``size`` samples per micro-batch, or None."""
     workload = Workload("train", batch=size * micro_batches, micro_batches=micro_batches, optimizer="adam",
                         recompute=recompute)
     candidate = dataclasses.replace(problem, workload=workload,
                                     options=problem.options.with_changes(memory_mb=(SMALLEST_TIER,), replicas=(1,)))
     try:
-        return candidate, get_solver("dp").solve(candidate, Goal(Weights(1, 0)))
+        return candidate, Dp().solve(candidate, Goal(Weights(1, 0)))
     except PlanError:
         return candidate, None
 
 
-def largest_micro_batch(problem, micro_batches: int, recompute: str, limit: int = 1 << 14) -> tuple[int, object]:
+def largest_micro_batch(problem: Problem, micro_batches: int, recompute: str,
+                        limit: int = 1 << 14) -> tuple[int, Plan | None]:
     """The most samples per micro-batch for which dp finds a plan on the smallest tier
     (doubling, then bisection: a stage's memory need grows with the micro-batch)."""
     low, high = 0, 1
@@ -111,7 +114,7 @@ def largest_micro_batch(problem, micro_batches: int, recompute: str, limit: int 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
@@ -129,6 +132,7 @@ def main() -> None:
     profile = ProfileOptions(batch_sizes=(max(1, micro // 2), micro), repeats=3)
     workload = Workload("train", batch=args.batch, micro_batches=args.micro_batches, optimizer="adam")
     base = flatpack.compile(model, (data[0][0],), stages=2, profile=profile, workload=workload)
+    assert base.problem is not None, "compiled with a workload"
     plan = dataclasses.replace(base.plan, micro_batches=args.micro_batches)
     print(f"model: {args.layers} encoder layers, width {args.width}, sequence {args.seq}; batch {args.batch} in "
           f"{args.micro_batches} micro-batches; 2 stages, layers {plan.ranges}; {args.iterations} iterations, Adam")
@@ -150,9 +154,13 @@ def main() -> None:
                                         workload=workload, replicas=(1,))
         print("   dp on aws-lambda from the same profile (fastest plan, one replica):")
         for precision in PRECISIONS:
+            assert lambda_model.problem is not None, "compiled with a workload"
             problem = dataclasses.replace(lambda_model.problem,
                                           workload=dataclasses.replace(workload, precision=precision))
-            chosen = get_solver("dp").solve(problem, Goal(Weights(0, 1)))
+            chosen = Dp().solve(problem, Goal(Weights(0, 1)))
+            if chosen is None:
+                print(f"   {precision}: dp found no plan")
+                continue
             cost = funcpipe.iteration(problem, chosen)
             print(f"   {precision}: {len(chosen.stages)} stages {chosen.ranges} on {list(chosen.memory_mb)} MB: "
                   f"predicted {cost.iteration_s * 1000:.0f} ms, ${cost.dollars_per_iteration:.3g} per iteration")

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 import flatpack
 from flatpack import zoo
@@ -45,7 +46,7 @@ def measured_seconds(model: torch.nn.Module, inputs: tuple, repeats: int) -> flo
     def once() -> float:
         begin = time.perf_counter()
         outputs = model(*inputs)
-        leaves = [v for v in torch.utils._pytree.tree_leaves(outputs)
+        leaves = [v for v in pytree.tree_leaves(outputs)
                   if isinstance(v, torch.Tensor) and v.requires_grad]
         torch.autograd.backward(leaves, [torch.ones_like(v) for v in leaves])
         model.zero_grad(set_to_none=True)
@@ -78,6 +79,7 @@ def row(name: str, size: str, batch: int, repeats: int, cache_dir: str) -> dict:
     compiled = flatpack.compile(model, inputs, stages=1, profile=options, passes=zoo.entry(name).passes)
     profile_wall = time.perf_counter() - started
     problem = compiled.problem
+    assert problem is not None and compiled.profile is not None, "compiled here with a profile"
     top_tier = max(problem.platform.tiers, key=lambda tier: tier.memory_mb)
     predicted = sum(sum(problem.layer_seconds(index, top_tier, batch)) for index in range(len(problem.chain)))
     measured_again = measured_seconds(model, inputs, repeats)

@@ -98,7 +98,7 @@ def run_trials(files: list[str], keyword: str | None, profile: str) -> tuple[lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("files", nargs="*", default=list(DEFAULT_FILES), help="property test files")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression (one property, say)")
     parser.add_argument("--profile", default="soak", help="hypothesis profile (tests/conftest.py): soak, ci or dev")

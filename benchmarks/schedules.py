@@ -91,6 +91,8 @@ def main() -> None:
         peaks = " / ".join(f"{result.peak_bytes.get(f's{stage}r0', 0) / 2**20:.0f}" for stage in range(args.stages))
         steps = args.iterations * (args.micro_batches if schedule == "1f1b-async" else 1)
         iteration_s = summarize(result.events, skip_first=2).iteration_s   # the period, warm-up left out
+        if iteration_s is None:
+            raise SystemExit(f"{label}: no iteration was timed; raise --iterations")
         print(f"{label} | {steps} | {result.samples_per_s:.1f} | {iteration_s * 1000:.1f} | "
               f"{peaks} | {result.losses[-1]:.4f} | {held.loss:.4f}")
 

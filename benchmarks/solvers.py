@@ -161,7 +161,7 @@ def synthetic_gpt(batch: int, profile_options) -> Base:
     import torch
     import transformers
     from flatpack import compiler
-    from flatpack.ir.profile import merge_layer_profiles
+    from flatpack.ir.profile import LayerProfile, merge_layer_profiles
     from flatpack.partitioner.problem import ChainLayer
     from flatpack.partitioner.workload import Workload
 
@@ -180,18 +180,24 @@ def synthetic_gpt(batch: int, profile_options) -> Base:
         raise RuntimeError(f"expected {GPT_LAYERS_PER_BLOCK} layers per GPT-2 block after the base passes, got "
                            f"{[len(block) for block in blocks]}: {[layer.name for layer in small.chain]}")
 
+    def profile_of(layer: ChainLayer) -> LayerProfile:
+        if layer.profile is None:
+            raise RuntimeError(f"layer {layer.name} of the profiled GPT-2 chain has no profile to copy")
+        return layer.profile
+
     def merged(indices: list[int]) -> ChainLayer:
         layers = [small.chain[index] for index in indices]
         return ChainLayer("+".join(layer.name for layer in layers), sum(layer.param_bytes for layer in layers),
                           sum(layer.flops for layer in layers), layers[-1].boundary_bytes,
                           merge_layer_profiles("+".join(layer.name for layer in layers),
-                                               [layer.profile for layer in layers]))
+                                               [profile_of(layer) for layer in layers]))
 
     def copy(index: int, block: int) -> ChainLayer:
         layer = small.chain[index]
-        saved = {f"{value}@{block}": line for value, line in layer.profile.saved_boundary_bytes.items()}
+        profile = profile_of(layer)
+        saved = {f"{value}@{block}": line for value, line in profile.saved_boundary_bytes.items()}
         return dataclasses.replace(layer, name=f"{layer.name}@{block}",
-                                   profile=dataclasses.replace(layer.profile, saved_boundary_bytes=saved))
+                                   profile=dataclasses.replace(profile, saved_boundary_bytes=saved))
 
     first, middle = blocks[0], blocks[1]
     head = [merged(list(range(first[0] + 1))), *(small.chain[index] for index in first[1:])]
@@ -205,7 +211,7 @@ def synthetic_gpt(batch: int, profile_options) -> Base:
     return Base(SYNTHETIC_GPT, BASE_PASSES["bert-large"], None, [], len(chain), 0.0, profile_s, False, problem)
 
 
-def problem_at(base: Base, layers: int, profile_options, workload=None, **options):
+def problem_at(base: Base, layers: int, profile_options, workload=None, **options: Any):
     """The Problem a solver sees for ``base`` coarsened to ``layers`` (``build_problem``'s path
     without tracing again); by default this benchmark's training workload and replicas."""
     if base.problem is not None:
@@ -312,7 +318,9 @@ def profiled_solve(solver, problem, goal, budget_s: float) -> dict:
         signal.setitimer(signal.ITIMER_REAL, 0)
     total = time.perf_counter() - started
     stats = pstats.Stats(profiler)
-    raw = stats.stats  # (file, line, function) → (calls, primitive calls, tottime, cumtime, callers)
+    # (file, line, function) → (calls, primitive calls, tottime, cumtime, callers): the table pstats
+    # documents in print_stats's output and keeps in an attribute typeshed leaves out
+    raw = stats.stats  # pyright: ignore[reportAttributeAccessIssue]
     groups = {}
     for group, functions in PROFILE_GROUPS.items():
         seconds = 0.0
@@ -394,6 +402,7 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
     from flatpack.partitioner.solvers import get_solver
     from flatpack.partitioner.solvers.base import Goal
     from flatpack.partitioner.solvers.brute import Brute, plan_count
+    from flatpack.partitioner.solvers.dp import Dp
 
     weights_list = [Weights(*pair) for pair in FUNCPIPE_WEIGHTS]
     brute_plans = plan_count(problem)
@@ -408,17 +417,20 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
             dp = get_solver(DP_SPECS[variant])
             result = in_child(lambda: timed_solve(dp, problem, goal, args.repeats), args.timeout * args.repeats)
             row = Row(model, label, name, variant)
+            plan, seconds = None, None
             if result == TIMED_OUT:
                 row.status = f"timed out after {args.timeout:g} s"
             elif isinstance(result, tuple):
                 row.status = "error: " + result[1].splitlines()[0]
             else:
-                plan_row(row, problem, result["plan"], weights, result["seconds"])
+                plan, seconds = result["plan"], result["seconds"]
+                plan_row(row, problem, plan, weights, seconds)
                 row.status += f", cpu {result['cpu_seconds']:.2f} s"
+                assert row.objective is not None, "plan_row priced the plan"
                 objectives[variant, name] = row.objective
             if variant == "dp":
-                dp_plans[name] = None if row.objective is None else result["plan"]
-                dp_seconds[name] = None if row.objective is None else result["seconds"]
+                dp_plans[name] = None if row.objective is None else plan
+                dp_seconds[name] = None if row.objective is None else seconds
             emit(row, rows)
         if "miqp" in args.solvers:
             row = Row(model, label, name, "miqp")
@@ -432,13 +444,13 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
                 miqp = Miqp(time_limit_s=args.miqp_time_limit, workers=2, hint="dp")
                 hint, hint_s = dp_plans.get(name), dp_seconds.get(name) or 0.0
 
-                def work(miqp=miqp, goal=goal, hint=hint, hint_s=hint_s):
+                def miqp_work(miqp=miqp, goal=goal, hint=hint, hint_s=hint_s):
                     started = time.perf_counter()
                     plan = miqp.solve_from(problem, goal, hint, "dp" if hint is not None else "none (dp timed out)",
                                            hint_s=hint_s)
                     return {"plan": plan, "seconds": time.perf_counter() - started + hint_s}
 
-                result = in_child(work, args.miqp_timeout)
+                result = in_child(miqp_work, args.miqp_timeout)
                 if result == TIMED_OUT:
                     row.status = f"timed out after {args.miqp_timeout:g} s (killed)"
                 elif isinstance(result, tuple):
@@ -451,6 +463,7 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
                     row.labels = (f"cp-sat {predictions.get('search_s', math.nan):.1f} s, "
                                   f"{predictions.get('subproblems_proven')}/{predictions.get('subproblems')} "
                                   f"subproblems proven, plan from {predictions.get('plan_source')}")
+                    assert row.objective is not None, "plan_row priced the plan"
                     objectives["miqp", name] = row.objective
                 emit(row, rows)
         if "brute" in args.solvers:
@@ -462,12 +475,12 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
                     brute = Brute(max_plans=int(args.brute_limit))
                     goals = [Goal(w) for w in weights_list]
 
-                    def work(brute=brute, goals=goals):
+                    def brute_work(brute=brute, goals=goals):
                         started = time.perf_counter()
                         plans = brute.solve_all(problem, goals)
                         return {"plans": plans, "seconds": time.perf_counter() - started}
 
-                    brute_result = in_child(work, args.timeout)
+                    brute_result = in_child(brute_work, args.timeout)
                 if brute_result == TIMED_OUT:
                     row.status = f"timed out after {args.timeout:g} s ({brute_plans:,} plans)"
                 elif isinstance(brute_result, tuple):
@@ -476,6 +489,7 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
                     plan = brute_result["plans"][weights_list.index(weights)]
                     plan_row(row, problem, plan, weights, brute_result["seconds"])
                     row.labels = f"{brute_plans:,} plans, one pass for all 4 weights"
+                    assert row.objective is not None, "plan_row priced the plan"
                     objectives["brute", name] = row.objective
             emit(row, rows)
     done = [seconds for seconds in dp_seconds.values() if seconds is not None]
@@ -484,7 +498,7 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
     if "dp" in args.solvers:
         def whole_front() -> float:
             started = time.perf_counter()
-            get_solver("dp").front(problem)
+            Dp().front(problem)
             return time.perf_counter() - started
         result = in_child(whole_front, args.front_timeout)
         front_call = result if isinstance(result, float) else None
@@ -539,7 +553,7 @@ def print_profile(model: str, label: str, weights: str, result: Any, file=None) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo names")
     parser.add_argument("--layers", default="16,32,64,128", help="comma-separated L")
@@ -647,8 +661,9 @@ def main(argv: list[str] | None = None) -> None:
             print(summary_line(key, summary_row, summary["build"].get(key)))
     for key, summary_row in summary.items():
         if key != "build":
+            model, label = key
             for weights, result in summary_row.get("profile", []):
-                print_profile(*key, weights, result)
+                print_profile(model, label, weights, result)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

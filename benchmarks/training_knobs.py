@@ -31,13 +31,13 @@ from flatpack.runtime.timeline import summarize
 
 
 def configurations(iterations: int) -> dict[str, OptimizerSpec]:
-    adamw = OptimizerSpec("adamw", 1e-3, {"weight_decay": 0.01}, no_decay_bias_norm=True,
-                          schedule=ScheduleSpec("cosine", warmup=2).with_length(iterations))
+    schedule = ScheduleSpec("cosine", warmup=2).with_length(iterations)
+    adamw = OptimizerSpec("adamw", 1e-3, {"weight_decay": 0.01}, no_decay_bias_norm=True, schedule=schedule)
     return {"adam": OptimizerSpec("adam", 1e-3),
             "adamw + no-decay + cosine warm-up": adamw,
             "  + clip-grad-norm 1.0": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0}),
             "  + clip + accumulate 2": OptimizerSpec(**{**adamw.__dict__, "clip_grad_norm": 1.0, "accumulate": 2,
-                                                        "schedule": adamw.schedule.with_length(iterations // 2)})}
+                                                        "schedule": schedule.with_length(iterations // 2)})}
 
 
 def main() -> None:
@@ -65,6 +65,8 @@ def main() -> None:
                 result = deployment.train(batches, iterations=args.iterations, optimizer=spec, loss=loss,
                                           micro_batches=4)
                 seconds = summarize(result.events, skip_first=2).iteration_s
+                if seconds is None:
+                    raise SystemExit(f"{name} | {label}: no iteration was timed; raise --iterations")
                 baseline = baseline or seconds
                 print(f"{name} | {label} | {seconds * 1000:.1f} | {seconds / baseline:.2f}")
             spec = configurations(args.iterations)["  + clip-grad-norm 1.0"]

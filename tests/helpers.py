@@ -9,11 +9,18 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.ir.graph import LayerGraph
 from flatpack.verify import check_equivalence
 
 
+def layer_graph(compiled: flatpack.Compiled) -> LayerGraph:
+    """The layer graph of a model compiled in this process (``flatpack.load`` keeps none)."""
+    assert compiled.graph is not None, "a loaded Compiled has no layer graph: compile the model here"
+    return compiled.graph
+
+
 def assert_equivalent(model: nn.Module, inputs: Any, compiled: flatpack.Compiled | None = None,
-                      staged: nn.Module | None = None, **compile_kwargs: Any) -> flatpack.Compiled | None:
+                      staged: flatpack.StagedModule | None = None, **compile_kwargs: Any) -> flatpack.Compiled | None:
     """Stage weights are the original's; outputs and input and parameter gradients are equal."""
     reference = copy.deepcopy(model)
     if staged is None:

@@ -101,10 +101,11 @@ def test_bf16_asynchronous_run_equals_the_simulation_computed_as_the_stages_comp
 
 
 def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, micro_batches: int, tmp_path,
-                   vertical_sync: bool = False) -> tuple[list[tuple], list[StageTrainer]]:
+                   vertical_sync: bool = False) -> tuple[list[tuple], list[StageTrainer], dict[int, int]]:
     """Every stage's StageTrainer in a thread of this process over a file store (what the
     functions run, without their processes), recording each task's weight version and a
-    fingerprint of the weights it computes with: (stage, kind, sequence, version, step, sum)."""
+    fingerprint of the weights it computes with: (stage, kind, sequence, version, step, sum),
+    and by stage the most copies of its weights held at once."""
     from flatpack.backends.batch_checks import batch_values
     from flatpack.backends.functions import loss_output
 
@@ -124,6 +125,7 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
     log: list[tuple[int, str, int, int, int, float]] = []
     lock = threading.Lock()
     trainers = []
+    peak_copies: dict[int, int] = {}  # by stage: the most copies of its weights held at once
     for artifact in compiled.artifacts:
         role = Role("spec", artifact.index, 0, 0, iterations)
         trainer = StageTrainer(spec, role, store, build_module(artifact), Recorder(artifact.index, 0))
@@ -131,8 +133,10 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
         def observe(kind, iteration, micro_batch, version, weights, trainer=trainer):
             # copies of the stage's weights held now: the stash's, and the live ones where no
             # stashed version shares their storage
-            copies = trainer.stash.held() + (trainer.call_steps not in trainer.stash.versions)
-            trainer.peak_copies = max(getattr(trainer, "peak_copies", 0), copies)
+            stash = trainer.stash
+            assert stash is not None  # the asynchronous schedule stashes weights
+            copies = stash.held() + (trainer.call_steps not in stash.versions)
+            peak_copies[trainer.role.stage] = max(peak_copies.get(trainer.role.stage, 0), copies)
             with lock:
                 log.append((trainer.role.stage, kind, iteration * micro_batches + micro_batch, version,
                             trainer.call_steps, float(sum(w.detach().double().sum() for w in weights.values()))))
@@ -151,7 +155,7 @@ def run_in_process(compiled: flatpack.Compiled, data: list, iterations: int, mic
     for thread in threads:
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads)
-    return log, trainers
+    return log, trainers, peak_copies
 
 
 @pytest.mark.parametrize("vertical_sync", [False, True])
@@ -165,7 +169,7 @@ def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertic
     model, data = transformer_case()
     stages, micro_batches, iterations = 3, 2, 3
     compiled = compiled_with(model, data[0][0], [1] * stages, micro_batches=micro_batches)
-    log, trainers = run_in_process(compiled, data, iterations, micro_batches, tmp_path, vertical_sync)
+    log, trainers, peak_copies = run_in_process(compiled, data, iterations, micro_batches, tmp_path, vertical_sync)
     total = iterations * micro_batches
     forwards = {(stage, seq): (version, steps, fingerprint) for stage, kind, seq, version, steps, fingerprint in log
                 if kind == "F"}
@@ -186,13 +190,15 @@ def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertic
     assert order.index(("F", micro_batches)) < order.index(("B", micro_batches - 1))
     for trainer in trainers:
         assert trainer.call_steps == total
+        assert trainer.stash is not None
         assert all(count == 0 for count in trainer.stash.users.values())
     # weight stashing's memory: S - s copies on stage s, what the pipedream cost model counts
     # (its in_flight weight versions); vertical sync keeps every version from the first
     # stage's on, S (which the model does not know about)
     modelled = [pipedream.versions_in_flight(compiled.plan, stage) for stage in range(stages)]
     assert modelled == [stages - s for s in range(stages)]
-    assert [trainer.peak_copies for trainer in trainers] == ([stages] * stages if vertical_sync else modelled)
+    peaks = [peak_copies[trainer.role.stage] for trainer in trainers]
+    assert peaks == ([stages] * stages if vertical_sync else modelled)
 
 
 def test_calls_drain_the_pipeline_and_a_second_call_continues_from_the_first(s3_server):

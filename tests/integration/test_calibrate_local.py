@@ -29,13 +29,17 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
                     "0.25", "--probe-iterations", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
     calibration = Calibration.load(out)
-    assert calibration.target.name == "local" and calibration.target.flatpack_version
-    assert calibration.tiers_mb == (512, 2048) and calibration.host_cores >= 1
-    assert calibration.store_latency.samples == 2 * 2 * 8 and calibration.store_latency.mean_s > 0
+    target, store_latency = calibration.target, calibration.store_latency
+    assert target is not None and target.name == "local" and target.flatpack_version
+    assert calibration.tiers_mb == (512, 2048)
+    assert calibration.host_cores is not None and calibration.host_cores >= 1
+    assert store_latency is not None and store_latency.samples == 2 * 2 * 8 and store_latency.mean_s > 0
     small, large = calibration.tiers[512], calibration.tiers[2048]
     # 0.29 of a vCPU against a whole one: ~3.4x slower; a wide margin for a shared host
-    assert small.speed_ratio > 1.5 * large.speed_ratio
-    assert small.invoke_cold_s > 0 and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
+    small_ratio, large_ratio = small.speed_ratio, large.speed_ratio
+    assert small_ratio is not None and large_ratio is not None and small_ratio > 1.5 * large_ratio
+    assert small.invoke_cold_s is not None and small.invoke_cold_s > 0
+    assert small.invoke_warm_s is not None and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
     assert "skipped" in calibration.collective
     # the probe pipeline ran on each tier with 2 and 4 workers (every training task kind, the
     # sync only where there is one) and served with 1, 3 and 5 functions (the request alone,
@@ -87,5 +91,6 @@ def test_plan_from_run_refits_a_finished_run(tmp_path):
     model, example = mlp()
     compiled = fp.compile(model, example, measured=run, solver="dp", profile=True,
                           workload=Workload("train", batch=32, micro_batches=4, optimizer="adam"))
+    assert compiled.problem is not None and compiled.problem.calibration is not None
     assert compiled.problem.calibration.provenance["measured"].startswith("re-fitted from the timeline")
     assert {stage.memory_mb for stage in compiled.plan.stages} <= set(compiled.problem.calibration.tiers)

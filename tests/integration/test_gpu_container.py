@@ -26,8 +26,9 @@ from flatpack.errors import ArtifactError, InputError, RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import MODES
 from flatpack.platform.catalog import BASE_IMAGES
-from flatpack.runtime.distributed import (RUN_MODES, DistributedRun, Layout, StageRank, data_file, iter_reports,
-                                          stage_path, synthetic_generator, synthetic_tensor, with_overrides)
+from flatpack.runtime.distributed import (RUN_MODES, Channels, DistributedRun, Layout, StageRank, data_file,
+                                          iter_reports, stage_path, synthetic_generator, synthetic_tensor,
+                                          with_overrides)
 from flatpack.stage.artifact import load_stage
 from flatpack.stage.wire import pack_values
 from flatpack.runtime.reference import train_single_process
@@ -259,7 +260,8 @@ def stage_rank(compiled: flatpack.Compiled, run, stage: int, context, data_dir) 
     """Replica 0 of ``stage`` as its rank builds itself, without a process group (nothing is sent)."""
     gpu_container.write_context(gpu_container.stage_files(compiled), context)
     role = run.layout.role(run.layout.rank(stage, 0))
-    return StageRank(run, role, load_stage(stage_path(context, stage)), torch.device("cpu"), None, data_dir)
+    no_groups = Channels(None, None, None, None, None)
+    return StageRank(run, role, load_stage(stage_path(context, stage)), torch.device("cpu"), no_groups, data_dir)
 
 
 def test_a_rank_reads_its_micro_batches_and_refuses_a_wrong_batch_file(hybrid, tmp_path):

@@ -23,7 +23,10 @@ def test_hf_model_three_stages_equivalent(factory):
 
 
 def test_bert_mask_crosses_boundaries_without_collapsing_the_encoder():
+    import transformers
+
     model, inputs = bert()
+    assert isinstance(model.config, transformers.BertConfig)
     compiled = flatpack.compile(model, inputs, stages=1)
     layers = compiled.chain["layers"]
     # embeddings + (attention, feed-forward) per encoder layer + head: the mask did not merge them
@@ -39,7 +42,10 @@ def test_bert_mask_crosses_boundaries_without_collapsing_the_encoder():
 
 
 def test_bert_other_batch_size_runs_through_the_stages():
+    import transformers
+
     model, inputs = bert()
+    assert isinstance(model.config, transformers.BertConfig)
     staged = flatpack.compile(model, inputs, stages=3).as_module()
     ids = torch.randint(0, model.config.vocab_size, (5, 16))
     mask = torch.ones_like(ids)
@@ -76,6 +82,7 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
         torch.manual_seed(0)
         model(**inputs)
     whole = sum(saved.values())
+    assert compiled.profile is not None  # compiled with profile=...
     estimated = stage_saved_bytes(compiled.profile.layers, batch)
     # BERT's position ids are sliced from a buffer to the (dynamic) sequence length in one layer
     # and read by the next: in the model they are a view of the buffer, which is not an
@@ -106,6 +113,7 @@ def test_encoder_decoder_keeps_its_decoder_layers_with_max_crossing_two():
     folded = flatpack.compile(model, inputs, stages=1, passes="fuse-elementwise,merge-branches{long-lived=0}")
     wide = flatpack.compile(model, inputs, stages=4, passes="fuse-elementwise,merge-branches{max-crossing=2}")
     assert folded.plan.num_layers == 3
+    assert config.encoder_layers is not None and config.decoder_layers is not None
     assert default.plan.num_layers >= config.encoder_layers + config.decoder_layers + 1
     assert wide.plan.num_layers > default.plan.num_layers
     assert_equivalent(model, inputs, compiled=default)

@@ -113,7 +113,8 @@ def test_in_target_profiling_deploys_a_profiler_function_per_tier(moto_server, t
     assert names == [f"{deployed[0].resources['name']}-p00512", f"{deployed[0].resources['name']}-p01024"]
     assert sorted(record.function for record in endpoint.invocations) == names
     for index in range(len(calibration.layer_names)):
-        assert all(seconds > 0 for seconds in calibration.seconds(index, 1024, 2))
+        seconds = calibration.seconds(index, 1024, 2)
+        assert seconds is not None and all(part > 0 for part in seconds)
     after = sorted(f["FunctionName"] for f in session.client("lambda", endpoint_url=moto_server.url)
                    .list_functions()["Functions"])
     assert after == before and deployed[0].ledger.created == []

@@ -21,6 +21,7 @@ import flatpack
 from flatpack.backends import local
 from flatpack.stage import wire
 from flatpack.runtime.reference import torch_threads, train_single_process
+from flatpack.stage.artifact import stage_manifest
 from flatpack.verdict import compare_training, pipeline_optimizer_state
 
 pytestmark = pytest.mark.slow
@@ -190,21 +191,20 @@ def test_bf16_over_eight_steps_is_autocast_computed_as_the_stages_compute(s3_ser
     assert all(tensor.dtype == torch.float32 for entries in run_state.values() for tensor in entries.values())
     # what the bounds still catch: the same training without autocast, and one micro-batch of
     # four dropped (the first three micro-batches of each batch, their losses scaled by 1/3)
-    for wrong in ({"precision": "fp32"}, {"dropped": True}):
-        batches = [(x[:9], y[:9]) for x, y in data] if "dropped" in wrong else data
+    for precision, dropped in (("fp32", False), ("bf16", True)):
+        batches = [(x[:9], y[:9]) for x, y in data] if dropped else data
         wrong_state: dict = {}
         wrong_reference, _ = train_single_process(model, batches, STEPS, optimizer=optimizer,
-                                                  micro_batches=3 if "dropped" in wrong else MICRO_BATCHES,
+                                                  micro_batches=3 if dropped else MICRO_BATCHES,
                                                   optimizer_state=wrong_state, threads=THREADS,
-                                                  precision=wrong.get("precision", "bf16"),
-                                                  pipeline=compiled)
+                                                  precision=precision, pipeline=compiled)
         checks, _ = compare_training(reference, wrong_reference.state_dict(), reference_state, wrong_state,
                                      optimizer, STEPS, "bf16", initial)
-        assert not all(check.passed for check in checks), wrong
+        assert not all(check.passed for check in checks), f"precision={precision} dropped={dropped}"
     # the wire: stage 0's activations in bfloat16, half of what they are in float32
     stage0 = compiled.stage_modules()[0]
     names = compiled.artifacts[1].manifest.input_names
-    outputs = dict(zip(stage0.flatpack_manifest.output_names,
+    outputs = dict(zip(stage_manifest(stage0).output_names,
                        stage0(data[0][0][:BATCH // MICRO_BATCHES])))
     float32_bytes = sum(value.numel() * 4 for key, value in outputs.items()
                         if key in names and isinstance(value, torch.Tensor) and value.is_floating_point())

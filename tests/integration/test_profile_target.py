@@ -33,6 +33,7 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.profile_function import run_profile
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.worker import write_status
+from tests.helpers import layer_graph
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,7 @@ def test_the_calibration_file_loads_and_has_a_line_per_layer_per_tier(profiled):
     loaded = Calibration.load(path)
     assert loaded == calibration
     model, inputs = make_model()
-    chain = flatpack.compile(model, inputs, target="local", stages=1).graph
+    chain = layer_graph(flatpack.compile(model, inputs, target="local", stages=1))
     assert loaded.layer_names == tuple(layer.name for layer in chain.layers)
     assert loaded.platform == "local"
     assert loaded.tiers_mb == (512, 2048)
@@ -123,6 +124,7 @@ def test_compile_with_the_calibration_predicts_from_the_measured_lines(profiled,
                                 workload=Workload(batch=4 * MICRO_BATCH, micro_batches=4),
                                 profile=ProfileOptions(batch_sizes=(1, 2), repeats=1, cache_dir=str(tmp_path)))
     problem = compiled.problem
+    assert problem is not None  # compiled here, with a workload
     tier = problem.platform.tier(512)
     for index in range(layers):
         assert problem.layer_seconds(index, tier, MICRO_BATCH) == calibration.seconds(index, 512, MICRO_BATCH)
@@ -225,7 +227,8 @@ def test_sizes_whose_activations_pass_the_tier_are_left_out_of_the_fit(tmp_path)
                                     bandwidth_probe_bytes=1 << 20)
     assert calibration.tiers_mb == (512,)
     assert calibration.provenance["cpu_share"] == "platform"     # this deployment does not emulate tiers
-    assert calibration.tiers[512].bandwidth_bytes_s > 0
+    bandwidth_bytes_s = calibration.tiers[512].bandwidth_bytes_s
+    assert bandwidth_bytes_s is not None and bandwidth_bytes_s > 0
     note = calibration.provenance["tier 512 MB"]
     assert "fitted over the smaller sizes only" in note and "from micro-batch 8" in note, note
     assert "micro-batch 8 and larger not run: predicted need" in note, note   # the layer's own note
@@ -236,7 +239,10 @@ def test_a_failed_function_says_the_platforms_reason_its_traceback_and_what_to_d
     torch.manual_seed(0)
     with pytest.raises(RunFailure) as error:
         profile_in_target(Activations(), (torch.randn(2, 16),), target="local", tiers=(512,), batch_sizes=(1,),
-                          repeats=1, deploy=lambda compiled: OutOfMemoryOnThePlatform(compiled, tmp_path / "store"))
+                          repeats=1,
+                          # a stand-in with only what the profiler uses of a FunctionDeployment
+                          deploy=lambda compiled: OutOfMemoryOnThePlatform(  # pyright: ignore[reportArgumentType]
+                              compiled, tmp_path / "store"))
     message = str(error.value)
     assert "exit code -9" in message and "Runtime.OutOfMemory" in message, message
     assert "MemoryError: the last line" in message and "frame29.py" in message and "frame0.py" not in message

@@ -156,6 +156,7 @@ def test_a_run_whose_s3_server_was_killed_resumes_on_a_new_server_over_the_same_
         runner = _start_runner(run, server, tmp_path)
         try:
             _wait_for_iteration_3(run, server, runner)
+            assert server.pid is not None  # started by the with
             os.killpg(server.pid, signal.SIGKILL)
         finally:
             _kill_group(runner)

@@ -94,6 +94,7 @@ def test_user_model_stages_run_without_the_user_module(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (user_dir / "usermodel.py").write_text(USER_MODEL)
     spec = importlib.util.spec_from_file_location("usermodel", user_dir / "usermodel.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(0)

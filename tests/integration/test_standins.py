@@ -8,6 +8,7 @@ start function processes are marked slow (each start costs an interpreter start,
 from __future__ import annotations
 
 import base64
+import io
 import json
 import textwrap
 from pathlib import Path
@@ -172,7 +173,8 @@ def test_runner_fails_a_function_above_its_memory_size(code_dir: Path) -> None:
     (code_dir / "hog.py").write_text("def handler(event, context):\n    block = bytearray(200 << 20)\n"
                                      "    return len(block)\n")
     result = run_invocation(FunctionCode(code_dir, handler="hog.handler", memory_mb=128), b"{}")
-    assert result.error_type == runner.OUT_OF_MEMORY and result.max_memory_mb > 200
+    assert result.error_type == runner.OUT_OF_MEMORY
+    assert result.max_memory_mb is not None and result.max_memory_mb > 200
 
 
 @pytest.mark.slow
@@ -217,8 +219,12 @@ def lambda_endpoint(code_dir: Path) -> Iterator[LocalLambdaEndpoint]:
 
 def test_lambda_unknown_functions_and_bad_requests_raise_botocore_errors() -> None:
     calls = []
-    endpoint = LocalLambdaEndpoint({"known": FunctionCode(Path("."))}.get,
-                                   runner=lambda *args, **options: calls.append(args))
+
+    def record(code, payload, request_id=None, *, qualifier=None):
+        calls.append((code, payload, request_id))
+        return InvocationResult(b"{}", None, "", 0.0, request_id or "")
+
+    endpoint = LocalLambdaEndpoint({"known": FunctionCode(Path("."))}.get, runner=record)
     with endpoint:
         client = _lambda_client(endpoint.url)
         with pytest.raises(client.exceptions.ResourceNotFoundException, match="function:nope"):
@@ -343,21 +349,23 @@ def test_fc_function_lifecycle_and_invoke_through_the_sdk(code_dir: Path) -> Non
         listed = client.list_functions(models.ListFunctionsRequest(prefix="stage")).body.functions
         assert [f.function_name for f in listed] == ["stage-0"]
 
-        response = client.invoke_function("stage-0", models.InvokeFunctionRequest(body=b'{"x": 1}'))
+        response = client.invoke_function("stage-0", models.InvokeFunctionRequest(body=io.BytesIO(b'{"x": 1}')))
+        assert response.headers is not None and response.body is not None
         assert response.status_code == 200 and ERROR_TYPE_HEADER not in response.headers
         body = json.loads(response.body.read())
         assert body["event"] == {"x": 1}
         assert body["env"]["STAGE_INDEX"] == "0" and body["env"]["FC_FUNCTION_MEMORY_SIZE"] == "1024"
 
         failed = client.invoke_function_with_options(
-            "stage-0", models.InvokeFunctionRequest(body=b'{"action": "raise"}'),
+            "stage-0", models.InvokeFunctionRequest(body=io.BytesIO(b'{"action": "raise"}')),
             models.InvokeFunctionHeaders(x_fc_log_type="Tail"), RuntimeOptions())
+        assert failed.headers is not None and failed.body is not None
         assert failed.status_code == 200 and failed.headers[ERROR_TYPE_HEADER] == UNHANDLED_ERROR
         assert json.loads(failed.body.read())["errorMessage"] == "boom"
         assert "FC Invoke Start" in base64.b64decode(failed.headers["x-fc-log-result"]).decode()
 
         queued = client.invoke_function_with_options(
-            "stage-0", models.InvokeFunctionRequest(body=b'{"y": 2}'),
+            "stage-0", models.InvokeFunctionRequest(body=io.BytesIO(b'{"y": 2}')),
             models.InvokeFunctionHeaders(x_fc_invocation_type="Async"), RuntimeOptions())
         assert queued.status_code == 202
         assert fc.wait_for_events(timeout_s=10)

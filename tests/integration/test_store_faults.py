@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -63,7 +63,7 @@ class StallingS3:
 
 
 @pytest.fixture
-def stalling() -> Iterator[callable]:
+def stalling() -> Iterator[Callable[[int, float], StallingS3]]:
     servers: list[StallingS3] = []
 
     def start(stalls: int, stall_s: float) -> StallingS3:
@@ -78,9 +78,9 @@ def stalling() -> Iterator[callable]:
         server.server.server_close()
 
 
-def _store(endpoint: str, **options: float) -> S3Store:
+def _store(endpoint: str, read_timeout_s: float | None = None) -> S3Store:
     return S3Store("bucket", "run", endpoint, "us-east-1", aws_access_key_id="a", aws_secret_access_key="b",
-                   **options)
+                   read_timeout_s=read_timeout_s)
 
 
 def test_a_body_that_stalls_past_the_read_timeout_is_cut_and_read_again(stalling):
@@ -93,6 +93,7 @@ def test_a_body_that_stalls_past_the_read_timeout_is_cut_and_read_again(stalling
 def test_a_short_stall_is_waited_out_without_a_retry(stalling):
     server = stalling(stalls=1, stall_s=2.0)
     with _store(server.endpoint) as store:   # the default read timeout
+        assert isinstance(store, S3Store)
         assert store.read_timeout_s == READ_TIMEOUT_S > 2.0
         assert store.get("k") == BODY
     assert server.requests == 1

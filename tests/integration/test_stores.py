@@ -366,7 +366,8 @@ def test_upload_and_download_run_at_full_rate_each(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         up = pool.submit(throttled.put, "run/up", b"u" * MB)
         down = pool.submit(throttled.get, "run/down")
-        up.result(), down.result()
+        up.result()
+        down.result()
     stats = throttled.stats()
     # each direction waited only for its own megabyte (0.1 s less the burst), not for the other's
     assert 0.089 <= stats["throttled_up_s"] <= 0.1 + 1e-6
@@ -411,7 +412,7 @@ def test_wire_round_trips_dtypes_shapes_views_and_meta():
 
 def test_wire_rejects_bad_input_and_bad_bytes():
     with pytest.raises(WireError, match="torch.Tensor"):
-        wire.dumps({"x": [1, 2]})
+        wire.dumps({"x": [1, 2]})  # pyright: ignore[reportArgumentType] - the wrong type is the test
     with pytest.raises(WireError, match="JSON"):
         wire.dumps({}, {"t": torch.ones(1)})
     payload = wire.dumps({"x": torch.ones(100)})

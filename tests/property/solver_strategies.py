@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from flatpack.ir.profile import HostInfo, LayerProfile, Linear
+from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.problem import ChainLayer, Problem
 from flatpack.partitioner.workload import Workload
 from flatpack.units import MIB
@@ -44,7 +45,8 @@ def make_platform(tiers, kind: str = "serverless", cap_mib_s: float | None = Non
 def make_problem(layers, platform: Platform, workload: Workload, **options) -> Problem:
     profiles = [make_layer(f"l{index}", *spec) for index, spec in enumerate(layers)]
     chain = tuple(ChainLayer(p.name, p.param_bytes, 0, 0, p) for p in profiles)
-    return Problem(chain, platform, workload, host=HOST, options=options, input_bytes=Linear(1.0 * MIB))
+    return Problem(chain, platform, workload, host=HOST, options=ProblemOptions.of(options),
+                   input_bytes=Linear(1.0 * MIB))
 
 
 @st.composite

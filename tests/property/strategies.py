@@ -57,7 +57,7 @@ DTYPE = torch.float64
 def scaled(examples: int) -> int:
     """``examples`` under the ci profile (200 examples), proportionally fewer (at least 5) under
     dev and five times as many under soak (``benchmarks/property_trials.py``)."""
-    return max(5, examples * settings.default.max_examples // 200)
+    return max(5, examples * settings().max_examples // 200)
 
 # --------------------------------------------------------------------------------------------
 # specs
@@ -178,6 +178,7 @@ def apply_act(act: str, h: torch.Tensor, module: nn.Module | None = None) -> tor
     if act == "relu":
         return F.relu(h)
     if act in ("relu_module_inplace", "leaky_inplace"):
+        assert module is not None, f"activation {act!r} runs its module"
         return module(h)
     if act == "relu_fn_inplace":
         return F.relu(h, inplace=True)
@@ -341,6 +342,10 @@ class ChunkBlock(nn.Module):
 class Simple(nn.Module):
     """Blocks without a sub-layer: layernorm, dropout, mask, inject, param_only, constant, size,
     stateful, param_by_name."""
+
+    # buffers of the stateful kind, declared so that reads are typed as tensors, not Module
+    calls: torch.Tensor
+    ema: torch.Tensor
 
     def __init__(self, d: int, block: Block, d_y: int) -> None:
         super().__init__()
@@ -781,6 +786,7 @@ def _seeded_model(seed: int, make) -> nn.Module:
         model = model.to(DTYPE)
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                assert module.running_mean is not None and module.running_var is not None
                 module.running_mean.uniform_(-0.5, 0.5)
                 module.running_var.uniform_(0.5, 1.5)
                 module.weight.data.uniform_(0.5, 1.5)

@@ -107,6 +107,7 @@ def test_out_of_time_dp_bound_never_exceeds_the_brute_force_optimum(problem, goa
     except PlanError:
         return
     plan = Dp(time_limit_s=1e-9).solve(problem, goal)
+    assert plan is not None
     optimum = primary(problem, best, goal)
     assert plan.predictions["lower_bound"] <= optimum * (1 + 1e-9)
     assert primary(problem, plan, goal) >= optimum * (1 - 1e-9)

@@ -29,6 +29,7 @@ import flatpack
 import strategies as S
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.solvers.balanced import Balanced
+from tests.helpers import layer_graph
 
 
 # --------------------------------------------------------------------------------------------
@@ -43,10 +44,11 @@ def original_tensor(model: nn.Module, compiled: flatpack.Compiled, name: str) ->
         except AttributeError:
             pass
     # fx turns plain tensor attributes into ``_tensor_constantN`` attributes of the traced module
-    value: Any = compiled.graph.gm
+    graph = layer_graph(compiled)
+    value: Any = graph.gm
     for part in name.split("."):
         value = getattr(value, part)
-    assert compiled.graph.traced.param_kinds.get(name) == "constant", name
+    assert graph.traced.param_kinds.get(name) == "constant", name
     return value
 
 
@@ -147,7 +149,7 @@ def batch_is_dynamic(compiled: flatpack.Compiled) -> bool:
     return compiled.frontend == "fx" or compiled.artifacts[0].manifest.dynamic_batch
 
 
-def check_equivalence(case: S.Case, compiled: flatpack.Compiled, staged: nn.Module | None = None) -> None:
+def check_equivalence(case: S.Case, compiled: flatpack.Compiled, staged: flatpack.StagedModule | None = None) -> None:
     model = case.model
     staged = staged if staged is not None else compiled.as_module()
     staged.train(model.training)
@@ -203,7 +205,7 @@ def compile_with_drawn_plan(case: S.Case, passes: Any, data: st.DataObject) -> f
         return flatpack.Plan.from_cuts(list(choice.cuts), count)
 
     compiled = compile_case(case, passes, solver=solver)
-    assert compiled.plan.num_layers == len(compiled.graph.layers)
+    assert compiled.plan.num_layers == len(layer_graph(compiled).layers)
     return compiled
 
 
@@ -217,9 +219,10 @@ def test_staged_module_equals_original(spec, pipeline, data):
     case = S.build_case(spec)
     passes = pipeline.value
     compiled = compile_with_drawn_plan(case, passes, data)
-    compiled.graph.validate()
+    graph = layer_graph(compiled)
+    graph.validate()
     stages = len(compiled.plan.stages)
-    widest = max((len(compiled.graph.crossing(cut)) for cut in compiled.plan.cuts), default=0)
+    widest = max((len(graph.crossing(cut)) for cut in compiled.plan.cuts), default=0)
     event(f"family={spec.family} frontend={compiled.frontend}")
     event(f"stages={min(stages, 4)}{'+' if stages >= 4 else ''}")
     event(f"values crossing the widest cut={min(widest, 3)}{'+' if widest >= 3 else ''}")
@@ -273,10 +276,12 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
     case = S.build_case(spec)
     passes = pipeline.value
     first = compile_case(case, passes, stages=1)
-    count = len(first.graph.layers)
+    first_graph = layer_graph(first)
+    count = len(first_graph.layers)
     choice = data.draw(S.plans(count), label="plan")
     second = compile_case(case, passes, **choice.compile_kwargs(count))
-    assert [layer.nodes for layer in first.graph.layers] == [layer.nodes for layer in second.graph.layers]
+    second_graph = layer_graph(second)
+    assert [layer.nodes for layer in first_graph.layers] == [layer.nodes for layer in second_graph.layers]
     moved = [(one, two) for one, two in zip(first.chain["layers"], second.chain["layers"]) if one != two]
     assert first.chain == second.chain, f"the chain moved between plans (BUGS.md, open): {moved}"
     stages = second.plan.stages
@@ -286,6 +291,6 @@ def test_plan_does_not_change_the_chain(spec, pipeline, data):
         assert manifest.layers == (stages[index].start, stages[index].end)
         inputs = list(manifest.input_names)
         assert set(inputs) <= available, f"stage {index} reads {set(inputs) - available}, which no one made"
-        assert inputs == second.graph.crossing(stages[index].start - 1)
+        assert inputs == second_graph.crossing(stages[index].start - 1)
         available |= set(manifest.output_names)
     assert set(second.info.output_names) <= set(second.artifacts[-1].manifest.output_names)

@@ -19,7 +19,9 @@ Pair = collections.namedtuple("Pair", ["logits", "hidden"])
 
 
 def every_layer_a_stage(model, example, passes=""):
-    count = len(flatpack.compile(model, example, passes=passes, stages=1).graph.layers)
+    graph = flatpack.compile(model, example, passes=passes, stages=1).graph
+    assert graph is not None  # compiled in this process
+    count = len(graph.layers)
     plan = flatpack.Plan.from_cuts(list(range(count - 1)), count)
     return flatpack.compile(model, example, passes=passes, plan=plan)
 
@@ -42,6 +44,8 @@ def test_output_container_types():
 
 
 class Counter(nn.Module):
+    calls: torch.Tensor  # a buffer, declared so that it reads as a tensor
+
     def __init__(self):
         super().__init__()
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
@@ -127,6 +131,8 @@ def test_namedtuple_output_export():
 
 
 class SnapshotThenWrite(nn.Module):
+    state: torch.Tensor  # a buffer, declared so that it reads as a tensor
+
     def __init__(self):
         super().__init__()
         self.register_buffer("state", torch.zeros(3))

@@ -85,9 +85,11 @@ def test_slo_mode_is_brute_forces_cheapest_plan_within_the_slo(problem, factor):
         fastest = Brute().solve(problem, Goal(TIME_ONLY))
     except PlanError:
         return
+    assert fastest is not None  # no SLO: brute force finds a plan or refuses the problem
     goal = Goal(slo_s=fastest.predictions["time_s"] * factor)
     expected = Brute().solve(problem, goal)
     found = COLD.solve(problem, goal)
+    assert found is not None, "the SLO is above the fastest plan's time, so a plan meets it"
     check_valid(problem, found)
     assert found.predictions["time_s"] <= goal.slo_s
     check_same_optimum(problem, goal, found, expected)
@@ -104,6 +106,7 @@ def test_warm_started_miqp_agrees_and_says_where_its_plan_came_from(problem, goa
     if expected is None:
         assert found is None
         return
+    assert found is not None
     check_valid(problem, found)
     check_same_optimum(problem, goal, found, expected)
     assert found.predictions["hint"] == "brute"
@@ -131,18 +134,21 @@ def test_the_arc_model_evaluated_on_any_plan_is_funcpipes_cost_model(problem, da
     assert values.price * plan.replicas[0] * values.time == pytest.approx(truth.dollars_per_iteration, rel=1e-12)
     # with the dominated arcs left out, the plan maps onto stand-ins no slower and no dearer
     reduced = next(part for part in subproblems(problem) if part.contains(plan, plan.micro_batches))
-    stand_in = path_values(reduced.path_of(plan), part.per_replica)
+    reduced_path = reduced.path_of(plan)
+    assert reduced_path is not None
+    stand_in = path_values(reduced_path, part.per_replica)
     assert stand_in.time <= values.time * (1 + 1e-12) and stand_in.price <= values.price
 
     goal = Goal(Weights(1.0, 2.0 ** 16))
     objective = _Objective.of(goal, part.replicas, dollars_per_mb_s(problem.platform))
     _, scaling, _ = _prepare(part, objective, None, 40)
+    assert scaling is not None  # the plan's own arcs are in the part
     model = _CpModel(part, objective, scaling, None)
     chosen = {(arc.start, arc.end, arc.memory_mb) for arc in path}
     for variable, arc in zip(model.x, part.arcs):
         model.model.add(variable == int((arc.start, arc.end, arc.memory_mb) in chosen))
     status, solved = model.solve(10.0, 1, 0)
-    assert status == "optimal"
+    assert status == "optimal" and solved is not None
     ticks = path_values(path, part.per_replica, scaling.ticks)
     assert solved["objective"] == ticks.time * model._price_units(path)
     assert truth.iteration_s <= ticks.time * scaling.tick_s <= truth.iteration_s * (1 + scaling.tolerance)

@@ -14,13 +14,20 @@ from flatpack.errors import PlanError
 from flatpack.partitioner.objective import FUNCPIPE_WEIGHTS, Weights, evaluate
 from flatpack.partitioner.pareto import dominates
 from flatpack.partitioner.solvers import get_solver
-from flatpack.partitioner.solvers.base import Goal
+from flatpack.partitioner.solvers.base import CostSolver, Goal
 from flatpack.partitioner.space import SearchSpace
 from tests.property.solver_strategies import training_problems
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GOALS = st.one_of(st.sampled_from([Goal(Weights(*pair)) for pair in FUNCPIPE_WEIGHTS]),
                   st.floats(0.02, 30.0).map(lambda slo: Goal(slo_s=slo)))
+
+
+def cost_solver(name: str) -> CostSolver:
+    """The solver registered as ``name``; these properties need its ``solve`` and ``front``."""
+    solver = get_solver(name)
+    assert isinstance(solver, CostSolver), f"solver {name!r} is not a CostSolver"
+    return solver
 
 
 def score(problem, plan, goal):
@@ -46,7 +53,7 @@ def check_valid(problem, plan):
 @SETTINGS
 @given(training_problems(), GOALS)
 def test_dp_reaches_the_brute_force_optimum(problem, goal):
-    brute, dp = get_solver("brute"), get_solver("dp")
+    brute, dp = cost_solver("brute"), cost_solver("dp")
     try:
         expected = brute.solve(problem, goal)
     except PlanError:
@@ -68,7 +75,7 @@ def test_dp_reaches_the_brute_force_optimum(problem, goal):
 @given(training_problems(max_layers=3))
 def test_dp_front_is_mutually_non_dominated_and_recommends_one_of_its_points(problem):
     try:
-        front = get_solver("dp").front(problem)
+        front = cost_solver("dp").front(problem)
     except PlanError:
         return
     for a in front.plans:
@@ -82,7 +89,7 @@ def test_dp_front_is_mutually_non_dominated_and_recommends_one_of_its_points(pro
 @SETTINGS
 @given(training_problems(max_layers=3), st.floats(0.02, 30.0))
 def test_slo_mode_is_the_cheapest_plan_meeting_the_slo_or_names_the_fastest(problem, slo):
-    brute, dp = get_solver("brute"), get_solver("dp")
+    brute, dp = cost_solver("brute"), cost_solver("dp")
     problem = problem.__class__(**{**problem.__dict__, "workload": problem.workload.__class__(
         **{**problem.workload.__dict__, "slo_s": slo})})
     try:

@@ -49,12 +49,16 @@ class _Calls(ast.NodeVisitor):
     def __init__(self, relative: str) -> None:
         self.relative, self.function, self.found = relative, "<module>", set()
 
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+    def _visit_function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         outer, self.function = self.function, node.name
         self.generic_visit(node)
         self.function = outer
 
-    visit_AsyncFunctionDef = visit_FunctionDef
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self._visit_function(node)
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
+        self._visit_function(node)
 
     def visit_Call(self, node: ast.Call) -> None:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
@@ -95,7 +99,7 @@ def test_nothing_unpickles():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(name.split(".")[0] in ("pickle", "dill", "cloudpickle") for name in names), path
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load" \
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
                     and getattr(node.func.value, "id", None) == "torch":
                 weights_only = [kw for kw in node.keywords if kw.arg == "weights_only"]
                 assert weights_only and getattr(weights_only[0].value, "value", None) is True, \

@@ -18,6 +18,7 @@ from flatpack.backends import local
 from flatpack.errors import ArtifactRefused
 from flatpack.runtime.function import load_module
 from flatpack.runtime.function import Role
+from flatpack.stage.artifact import stage_manifest
 from flatpack.stage.integrity import Index
 from tests.security.conftest import BATCH, hostile_stage_source
 
@@ -74,7 +75,7 @@ def test_load_module_checks_the_invocation_digest_not_the_store(s3_server, compi
             load_module(store, keys, 0, "")
         with pytest.raises(Exception, match="expected digest"):
             load_module(store, keys, 0, "0" * 64)
-        assert load_module(store, keys, 1, compiled.digest).flatpack_manifest.stage == 1
+        assert stage_manifest(load_module(store, keys, 1, compiled.digest)).stage == 1
         _tamper_in_store(deployment, sentinel, rewrite_index=False)
         with pytest.raises(Exception, match="stage_000/(stage.py|manifest.json)"):
             load_module(store, keys, 0, compiled.digest)
@@ -107,7 +108,7 @@ def test_a_gpu_container_rank_checks_its_stage_against_the_context_index(compile
     for name, data in stage_files(compiled).items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
-    assert load_stage(stage_path(tmp_path, 1), digest=compiled.digest).flatpack_manifest.stage == 1
+    assert stage_manifest(load_stage(stage_path(tmp_path, 1), digest=compiled.digest)).stage == 1
     source = stage_path(tmp_path, 0) / "stage.py"
     source.write_text(hostile_stage_source(source.read_text(), sentinel))
     with pytest.raises(ArtifactError, match="stage_000/stage.py"):
@@ -150,7 +151,7 @@ def test_a_function_checks_the_stages_baked_into_its_image(compiled, sentinel, t
     store, keys = FileStore(tmp_path / "store"), RunKeys("run-baked")
     store.put(keys.artifact_index(), compiled.index.raw)
     monkeypatch.setenv(ARTIFACTS_ENV, str(baked))
-    assert load_module(store, keys, 1, compiled.digest).flatpack_manifest.stage == 1
+    assert stage_manifest(load_module(store, keys, 1, compiled.digest)).stage == 1
     source = baked / "stage_000" / "stage.py"
     source.write_text(hostile_stage_source(source.read_text(), sentinel))
     with pytest.raises(Exception, match=f"{baked}/stage_000/stage.py"):
