@@ -169,21 +169,22 @@ class ScheduleSpec:
         """The spec with the schedule's length (``T_max``, ``total_iters``, ``total_steps``)
         set to the ``steps`` after the warm-up where the schedule takes one and none was given."""
         length = max(1, steps - self.warmup)
-        options = {**ALIAS_DEFAULTS.get(str(self.name).lower(), {}), **self.options}
+        scheduler_kwargs = {**ALIAS_DEFAULTS.get(str(self.name).lower(), {}), **self.options}
         accepted = keyword_options(self.cls, 1)
         for key in ("T_max", "total_iters", "total_steps"):
-            if key in accepted and key not in options:
-                options[key] = length
-        if "max_lr" in accepted and "max_lr" not in options:
-            options["max_lr"] = None   # filled from the optimizer's lr in build
-        return ScheduleSpec(self.name, options, self.warmup)
+            if key in accepted and key not in scheduler_kwargs:
+                scheduler_kwargs[key] = length
+        if "max_lr" in accepted and "max_lr" not in scheduler_kwargs:
+            scheduler_kwargs["max_lr"] = None   # filled from the optimizer's lr in build
+        return ScheduleSpec(self.name, scheduler_kwargs, self.warmup)
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        options = {**ALIAS_DEFAULTS.get(str(self.name).lower(), {}), **_tuples(self.options)}
-        if "max_lr" in options and options["max_lr"] is None:
-            options["max_lr"] = optimizer.param_groups[0]["lr"]
+        # keyword arguments of the torch scheduler class named, forwarded as given: not a flatpack contract
+        scheduler_kwargs = {**ALIAS_DEFAULTS.get(str(self.name).lower(), {}), **_tuples(self.options)}
+        if "max_lr" in scheduler_kwargs and scheduler_kwargs["max_lr"] is None:
+            scheduler_kwargs["max_lr"] = optimizer.param_groups[0]["lr"]
         try:
-            main = self.cls(optimizer, **options)
+            main = self.cls(optimizer, **scheduler_kwargs)
             if not self.warmup:
                 return main
             warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (self.warmup + 1),
@@ -192,9 +193,9 @@ class ScheduleSpec:
         except TypeError as err:
             valid = keyword_options(self.cls, 1)
             raise InputError(f"schedule {self.name!r} ({self.cls.__name__}) refused its options "
-                             f"{options}: {err}; its options are: {', '.join(valid)}") from None
+                             f"{scheduler_kwargs}: {err}; its options are: {', '.join(valid)}") from None
         except (ValueError, KeyError, ZeroDivisionError) as err:
-            raise InputError(f"schedule {self.name!r} ({self.cls.__name__}) refused its options {options}: "
+            raise InputError(f"schedule {self.name!r} ({self.cls.__name__}) refused its options {scheduler_kwargs}: "
                              f"{err}") from None
 
     def to_json(self) -> dict:
