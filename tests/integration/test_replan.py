@@ -135,9 +135,9 @@ def test_the_default_policy_refits_the_cost_model_to_the_epoch(s3_server, monkey
                                 workload=Workload(batch=BATCH, micro_batches=MICRO_BATCHES, optimizer="adam"))
     asked = []
 
-    def recording(problem, old_plan, events, **options):
-        proposal = real(problem, old_plan, events, **options)
-        asked.append((old_plan, sorted({event.iteration for event in events}), options, proposal))
+    def recording(problem, old_plan, events, **keywords):
+        proposal = real(problem, old_plan, events, **keywords)
+        asked.append((old_plan, sorted({event.iteration for event in events}), keywords, proposal))
         return proposal
 
     real = replan_module.replan
@@ -146,9 +146,9 @@ def test_the_default_policy_refits_the_cost_model_to_the_epoch(s3_server, monkey
         result = deployment.train(batches(4), iterations=4, optimizer="adam", micro_batches=MICRO_BATCHES,
                                   epoch_iterations=3, replan=ReplanPolicy(threshold=0.0))
     assert len(asked) == 1
-    old_plan, iterations, options, proposal = asked[0]
+    old_plan, iterations, keywords, proposal = asked[0]
     assert old_plan == compiled.plan and iterations == [0, 1, 2]
-    assert options["skip_first"] == replan_module.SKIP_FIRST
+    assert keywords["skip_first"] == replan_module.SKIP_FIRST
     assert "re-fitted" in proposal.calibration.provenance["measured"]
     assert len(result.switches) == (proposal.new != proposal.old)
 

@@ -79,10 +79,10 @@ def training_problems(draw, kind: str = "serverless", max_layers: int = 4, cap: 
     workload = Workload("train", batch=batch, micro_batches=micro,
                         optimizer=draw(st.sampled_from(["sgd", "sgd-momentum", "adam"])),
                         sync=draw(st.sampled_from(["pipelined", "lambdaml"])))
-    options = {"replicas": draw(st.sampled_from([(1,), (1, 2), (1, 2, 4)]))}
+    space_kwargs = {"replicas": draw(st.sampled_from([(1,), (1, 2), (1, 2, 4)]))}
     if draw(st.booleans()):
-        options["micro_batches"] = tuple(m for m in (1, 2, 4) if m <= batch)
-    return make_problem(layers, platform, workload, **options)
+        space_kwargs["micro_batches"] = tuple(m for m in (1, 2, 4) if m <= batch)
+    return make_problem(layers, platform, workload, **space_kwargs)
 
 
 @st.composite

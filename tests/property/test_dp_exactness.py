@@ -39,12 +39,12 @@ def exactness_problems(draw, max_layers: int = 6):
     workload = Workload("train", batch=batch, micro_batches=micro,
                         optimizer=draw(st.sampled_from(["sgd", "sgd-momentum", "adam"])),
                         sync=draw(st.sampled_from(["pipelined", "lambdaml"])))
-    options = {"replicas": draw(st.sampled_from([(1,), (1, 2), (1, 2, 4)]))}
+    space_kwargs = {"replicas": draw(st.sampled_from([(1,), (1, 2), (1, 2, 4)]))}
     if draw(st.booleans()):
-        options["micro_batches"] = tuple(m for m in (1, 2, 4) if m <= batch)
-    problem = make_problem(layers, platform, workload, **options)
+        space_kwargs["micro_batches"] = tuple(m for m in (1, 2, 4) if m <= batch)
+    problem = make_problem(layers, platform, workload, **space_kwargs)
     if plan_count(problem) > BRUTE_LIMIT:   # shrink the space rather than reject the draw
-        problem = make_problem(layers, platform, workload, replicas=options["replicas"][:1])
+        problem = make_problem(layers, platform, workload, replicas=space_kwargs["replicas"][:1])
     return problem
 
 
