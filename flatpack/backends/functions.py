@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
+from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan
 from flatpack.compiler import Compiled
 from flatpack.data import loader_batches
 from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
@@ -314,8 +315,6 @@ class FunctionDeployment:
                              "replica per stage; use --schedule 1f1b for an elastic run, or leave elastic out")
         replanner = None
         if replan:
-            from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan  # it builds on this module
-
             policy = ReplanPolicy.of(replan)
             check_replan(self, policy, asynchronous=spec.asynchronous, elastic=elastic is not None,
                          epoch_iterations=epoch_iterations, iterations=iterations)

@@ -28,13 +28,14 @@ from typing import Any
 from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
                                          read_status)
 from flatpack.backends.protocol import Capability
+from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.interrupts import die_with_parent, stopping, track
 from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.s3server import LocalS3Server
-from flatpack.stage.integrity import INDEX_FILE, check_digest
+from flatpack.stage.integrity import check_digest
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LocalDeployment", "Restart",
            "TrainResult", "read_status", "oom_error"]
@@ -42,15 +43,6 @@ __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "tea
 NAME = "local"
 CAPABILITIES = FUNCTION_CAPABILITIES
 LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
-
-
-def package(compiled: Compiled) -> dict[str, bytes]:
-    """The deployment's files, by store key below the run prefix: the whole artifact and its
-    index (``artifacts/flatpack.index.json``), which workers check against the digest in
-    their invocation."""
-    files = {f"artifacts/{name}": data for name, data in compiled.files().items()}
-    files[f"artifacts/{INDEX_FILE}"] = compiled.index.raw
-    return files
 
 
 def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, str] | None = None,

@@ -28,11 +28,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flatpack import logs
-from flatpack.backends import local
-from flatpack.backends.functions import FunctionDeployment
+from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled, with_plan
 from flatpack.errors import InputError
 from flatpack.partitioner.plan import Plan
@@ -41,6 +40,9 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.refit import Replan, replan
 from flatpack.runtime.restage import gather, stage_checkpoint
 from flatpack.runtime.spec import RunSpec
+
+if TYPE_CHECKING:   # functions imports this module: the annotation only
+    from flatpack.backends.functions import FunctionDeployment
 
 LOG = logs.get("replan")
 
@@ -123,7 +125,7 @@ class ReplanPolicy:
 def check_replan(deployment: FunctionDeployment, policy: ReplanPolicy, *, asynchronous: bool, elastic: bool,
                  epoch_iterations: int | None, iterations: int) -> None:
     """Refuses, before any function starts, a run that cannot re-plan, naming the cause and the fix."""
-    if not isinstance(deployment, local.LocalDeployment):
+    if deployment.platform != "local":
         raise InputError(f"replan switches plans on the local backend, whose invoker uploads each plan's stages to "
                          f"the store; a {deployment.platform} function runs the stage code of the image it was "
                          "deployed with. Re-plan after the run (flatpack plan --from-run RUN_DIR) and deploy the "
@@ -213,7 +215,7 @@ def switch_plan(deployment: FunctionDeployment, compiled: Compiled, spec: RunSpe
     old_keys, new_keys = deployment.keys, RunKeys(switch.run)
     store = deployment.store
     store.delete_prefix(new_keys.prefix)     # what a switch that crashed half-way left there
-    for key, data in local.package(compiled).items():
+    for key, data in package(compiled).items():
         store.put(f"{new_keys.prefix}{key}", data)
     checkpoints = [store.get(old_keys.checkpoint(stage, switch.iteration))
                    for stage in range(len(deployment.compiled.plan.stages))]
