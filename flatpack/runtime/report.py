@@ -142,7 +142,7 @@ def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = Tr
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     if schedule != "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
         return cost
-    events = predicted_schedule(problem, plan, reads_target=reads_target, schedule=schedule)
+    events = _simulate(problem, cost, schedule)
     iteration_s = max(event.end for event in events) + (cost.overheads.iteration_s if cost.overheads else 0.0)
     return dataclasses.replace(cost, iteration_s=iteration_s,
                                dollars_per_iteration=cost.dollars_per_iteration * iteration_s / cost.iteration_s)
@@ -202,7 +202,11 @@ def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = Tru
     long as the compute its span exceeds the synchronous one; :func:`predicted_iteration`
     takes it as 1F1B's prediction.
     """
-    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
+    return _simulate(problem, funcpipe.predicted(problem, plan, reads_target=reads_target), schedule)
+
+
+def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> list[Event]:
+    """:func:`predicted_schedule` of the measured-terms ``cost`` already computed for the plan."""
     d = cost.replicas
     count = len(cost.stages)
     total = problem.workload.micro_batch_count
