@@ -638,7 +638,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
-        cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=loss != "output",
+        reads_target = loss != "output"    # a model that returns its loss reads no target key
+        cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=reads_target,
                                           schedule=options.schedule)
         say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
             f"${cost.dollars_per_iteration:.3g} per iteration")
@@ -724,7 +725,6 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in evaluations))
         # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
         skip = 2 if iterations >= 3 else min(1, iterations - 1)
-        reads_target = loss != "output"    # a model that returns its loss reads no target key
         # after a switch, the last plan against the iterations it ran
         measured = ([event for event in result.events if event.iteration > result.switches[-1].iteration]
                     if result.switches else result.events)
