@@ -8,19 +8,21 @@ serializes it, waits for the producer's key, writes its markers, timeline and pr
 each of those runs at the tier's CPU share. On the local backend (2 shared cores, 0.29 vCPU at
 512 MB) that is about 2–4 ms per task, as much as a small stage's compute.
 
-How: a two-stage probe pipeline of narrow linear layers (:func:`probe_model`; its compute
-is a fraction of a millisecond, so a task's seconds are almost all overhead) is compiled for
-the target on the tier with the calibration measured so far (the tier's compute ratios,
-store latency, polling, bandwidth), deployed with the target's backend and trained
-``PROBE_ITERATIONS`` iterations of ``PROBE_MICRO_BATCHES`` micro-batches with Adam, once
-with one replica per stage (2 workers) and once with two (4 workers, which also
-synchronize). Every task of their timelines after the first ``SKIP`` iterations (cold
+How: a probe pipeline of narrow linear layers (:func:`probe_model`; its compute is a
+fraction of a millisecond, so a task's seconds are almost all overhead) is compiled for the
+target on the tier with the calibration measured so far (the tier's compute ratios, store
+latency, polling, bandwidth), deployed with the target's backend and trained
+``PROBE_ITERATIONS`` iterations of ``PROBE_MICRO_BATCHES`` micro-batches with Adam in each
+of ``PROBE_LAYOUTS``: as one stage (1 worker: no transfers between stages, its input
+prefetched), as two stages with one replica each (2 workers) and with two each (4 workers,
+which also synchronize). Every task of their timelines after the first ``SKIP`` iterations (cold
 start, warm-up) is set beside the model's duration for it (``funcpipe.iteration`` with the
 measured terms, the task terms still 0); each term is the mean of measured − modelled,
 at least 0, per worker count. Means, not medians: the model sums these tasks, and the slow
 ones (the first forward of an iteration, beside its reports) are part of the sum. On the
 local backend the workers share the host's cores and every term grows with their number;
-the model reads the terms at a plan's worker count on the line through the two counts. The
+the model reads the terms at a plan's worker count, on the line through the nearest two
+counts measured between them. The
 iterations being predicted later never feed them: they are measured once per target, like
 the rest of the file.
 
@@ -57,7 +59,10 @@ SKIP = 2          # iteration 0 pays the cold start, iteration 1 warms the cache
 
 
 PROBE_WIDTH = 32
-PROBE_REPLICAS = (1, 2)      # 2 and 4 workers: how the terms grow with the workers on a host
+# (stages, replicas per stage) of each probe run: 1, 2 and 4 workers. The terms grow with the
+# workers sharing a host, and a one-stage plan (one worker) is measured rather than read off
+# the line through 2 and 4: that line put rnn-3's 1 × 1 plan +34 % over its measured iteration.
+PROBE_LAYOUTS = ((1, 1), (2, 1), (2, 2))
 
 
 def probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -78,20 +83,25 @@ def probe_batches(iterations: int) -> list[tuple[tuple[torch.Tensor], torch.Tens
 def measure_tier(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], *,
                  iterations: int = PROBE_ITERATIONS, timeout_s: float = 300.0) -> dict[int, dict[str, float]]:
     """Runs the probe pipeline for ``target`` on ``memory_mb`` with ``calibration`` (the
-    target's figures measured so far) with each of ``PROBE_REPLICAS`` replicas per stage,
-    ``iterations`` iterations each, deployed with ``deploy``; returns the task terms by the
-    number of workers that ran (:func:`fit`)."""
+    target's figures measured so far) in each of ``PROBE_LAYOUTS`` (stages, replicas per
+    stage), ``iterations`` iterations each, deployed with ``deploy``; returns the task terms
+    by the number of workers that ran (:func:`fit`)."""
     if iterations <= SKIP:
         raise ValueError(f"the probe pipeline needs more than {SKIP} iterations (the first {SKIP} are not measured)")
     terms = {}
-    for replicas in PROBE_REPLICAS:
-        cost, events = _run_probe(target, memory_mb, calibration, deploy, replicas, iterations, timeout_s)
-        terms[2 * replicas] = fit(cost, events)
+    for stages, replicas in PROBE_LAYOUTS:
+        cost, events = _run_probe(target, memory_mb, calibration, deploy, stages, replicas, iterations, timeout_s)
+        terms[stages * replicas] = fit(cost, events)
     return terms
 
 
-def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], replicas: int,
-               iterations: int, timeout_s: float) -> tuple[Any, list[Event]]:
+def probe_workers() -> tuple[int, ...]:
+    """The numbers of workers the probe pipelines run with, in order."""
+    return tuple(stages * replicas for stages, replicas in PROBE_LAYOUTS)
+
+
+def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[Any], Any], stages: int,
+               replicas: int, iterations: int, timeout_s: float) -> tuple[Any, list[Event]]:
     model, example = probe_model()
     micro = PROBE_BATCH // PROBE_MICRO_BATCHES
     workload = Workload("train", batch=PROBE_BATCH, micro_batches=PROBE_MICRO_BATCHES, optimizer="adam")
@@ -101,7 +111,8 @@ def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[
         warnings.simplefilter("ignore", ProfileWarning)
         compiled = compile_model(model, example, target=target, workload=workload, calibration=calibration,
                                  profile=ProfileOptions(batch_sizes=(micro // 2, micro), repeats=5, progress=False),
-                                 solver=_TwoStages(memory_mb, replicas), replicas=(replicas,), memory_mb=(memory_mb,))
+                                 solver=_ProbeStages(memory_mb, stages, replicas), replicas=(replicas,),
+                                 memory_mb=(memory_mb,))
     problem, plan = compiled.problem, compiled.plan
     assert problem is not None     # compiled with a profile and a workload: it has a problem
     cost = funcpipe.iteration(problem, plan, funcpipe.Overheads.of(problem, plan))
@@ -115,25 +126,25 @@ def _run_probe(target: str, memory_mb: int, calibration: Any, deploy: Callable[[
     return cost, list(result.events)
 
 
-class _TwoStages:
-    """The probe's solver: its first layer in stage 0, the rest in stage 1, on one tier, each
-    with ``replicas``."""
+class _ProbeStages:
+    """The probe's solver: with two stages its first layer in stage 0 and the rest in stage 1,
+    with one every layer in it; on one tier, each stage with ``replicas``."""
 
     name = "probe"
 
-    def __init__(self, memory_mb: int, replicas: int) -> None:
-        self.memory_mb, self.replicas = memory_mb, replicas
+    def __init__(self, memory_mb: int, stages: int, replicas: int) -> None:
+        self.memory_mb, self.stages, self.replicas = memory_mb, stages, replicas
 
     def __call__(self, problem: Any) -> Any:
         layers = len(problem.chain)
-        ranges = Plan.from_cuts([0], layers).ranges
+        ranges = Plan.from_cuts([0] if self.stages == 2 else [], layers).ranges
         return Plan(tuple(StagePlan(start, end, self.memory_mb, self.replicas) for start, end in ranges), layers,
                     solver=self.name, micro_batches=problem.workload.micro_batches)
 
 
 def fit(cost: Any, events: Iterable[Event], *, skip: int = SKIP) -> dict[str, float]:
     """The task terms of one probe run: ``cost`` is what ``funcpipe.iteration`` models for
-    the two-stage pipeline (no task terms), ``events`` its timeline. Per kind, the mean of
+    the probe pipeline of one or two stages (no task terms), ``events`` its timeline. Per kind, the mean of
     measured − modelled seconds over the tasks of iterations ``skip`` on, at least 0; a kind
     with no task in the timeline is left out."""
     pairs = _samples(cost, list(events), skip)
@@ -144,9 +155,11 @@ def fit(cost: Any, events: Iterable[Event], *, skip: int = SKIP) -> dict[str, fl
 def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[float, float]]]:
     """(modelled, measured) seconds per task kind of one probe run's timeline."""
     # with two stages each upload and download is of one direction: a middle stage would
-    # move both under the same (stage, iteration, micro-batch)
-    if len(cost.stages) != 2:
-        raise ValueError("the task terms are fitted on a pipeline of two stages")
+    # move both under the same (stage, iteration, micro-batch). One stage has no boundary: its
+    # downloads are the prefetched input, which the model puts in Δ_f, not in a task's path.
+    if len(cost.stages) not in (1, 2):
+        raise ValueError("the task terms are fitted on a pipeline of one or two stages")
+    boundaries = len(cost.stages) == 2
     kept = [event for event in events if event.iteration >= skip]
     # a micro-batch belongs to one replica of each stage: (stage, iteration, kind, micro-batch)
     # names one task; a replica's whole-iteration tasks are named by their replica instead
@@ -160,6 +173,8 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
         if kind in ("forward", "backward"):
             modelled = cost.stages[stage].forward_s if kind == "forward" else cost.stages[stage].backward_s
             pairs[kind].append((modelled, seconds))
+        elif not boundaries:
+            continue
         elif kind == "upload":
             # activations go up from the first stage, gradients from the second
             boundary = cost.boundaries[0]

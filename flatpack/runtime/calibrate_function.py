@@ -77,7 +77,7 @@ class CalibrateSpec:
     polls: int = 12
     probe_bytes: int = 4 << 20
     transfer_repeats: int = 3
-    compute_repeats: int = 5
+    compute_repeats: int = 15
     optimizer_parameters: int = 1 << 20
 
     def dumps(self) -> bytes:
@@ -124,8 +124,26 @@ class CalibrateResult:
 # --- probes shared with the invoker, which times the same code on the profiling host ----
 
 
+# untimed rounds before the timed ones: the first calls pay lazy initialisation and page faults
+WARMUP_ROUNDS = 3
+# a tensor this large, freed before the probes (see _steady_allocator)
+_SETTLING_BYTES = 24 << 20
+
+
+def _steady_allocator() -> None:
+    """Allocates and frees one large tensor. glibc's malloc serves a block above its mmap
+    threshold (128 KB at first) by a fresh ``mmap`` whose every page faults on first touch,
+    and raises the threshold to a block's size when such a block is freed: a worker's
+    threshold is raised after its first micro-batch frees its activations, a fresh process's
+    is not. Without this a probe's or Adam's multi-megabyte temporaries fault on every call in
+    one process and not in another: a fresh process's conv over 2 MB ran 6 ms against 2.2 ms
+    in the same process later, and Adam's seconds per byte read 1.8 to 8.0 ns in three runs."""
+    settling = torch.empty(_SETTLING_BYTES // 4)
+    del settling
+
+
 def _op_probes() -> dict[str, Callable[[], Any]]:
-    """One small computation per op class, sized to take milliseconds at one thread: long
+    """One small computation per op class, a fraction of a millisecond to a few at one thread: long
     enough to time on the tier's clock. The matmul and elementwise probes write into buffers
     allocated once: a fresh 2 MB result each call is served by ``mmap`` or the heap depending
     on the allocator's history in that process, and the page faults of the first made the
@@ -150,27 +168,32 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
 
 
 def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds by ``clock`` of each op class's probe (after one warm-up). In a
-    function of an emulated tier: the tier's own clock (CPU
-    seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
+    """Median seconds by ``clock`` of each op class's probe over ``repeats`` rounds, after
+    ``WARMUP_ROUNDS`` untimed ones. In a function of an emulated tier: the tier's own clock
+    (CPU seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
     function times layers), so that other load on the host does not inflate the ratio (this
     run's own workers' contention is the cost model's κ); on a real platform: wall time.
-    On the host: CPU seconds of this process at the same thread count."""
-    seconds = {}
-    for name, probe in _op_probes().items():
-        probe()
-        runs = []
-        for _ in range(repeats):
+    On the host: CPU seconds of this process at the same thread count. A round runs each
+    probe once, so a stretch of load on the host (a preempted probe returns to a cold cache)
+    falls on every op class alike rather than on whichever was being timed."""
+    _steady_allocator()
+    probes = _op_probes()
+    for _ in range(WARMUP_ROUNDS):
+        for probe in probes.values():
+            probe()
+    runs: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(repeats):
+        for name, probe in probes.items():
             began = clock()
             probe()
-            runs.append(clock() - began)
-        seconds[name] = statistics.median(runs)
-    return seconds
+            runs[name].append(clock() - began)
+    return {name: statistics.median(seconds) for name, seconds in runs.items()}
 
 
 def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Median seconds per parameter byte of one optimizer step, per optimizer a stage can
     run (the optimizers and settings the host profiler uses for their state bytes)."""
+    _steady_allocator()
     weight = torch.nn.Parameter(torch.zeros(parameters))
     weight.grad = torch.full_like(weight, 1e-3)
     makers = {"sgd": lambda: torch.optim.SGD([weight], lr=0.1),
@@ -263,14 +286,20 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
         return 0
     torch.set_num_threads(spec.threads)
     clock = emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu else time.perf_counter
+    # the compute and optimizer probes first, while no request of this function is being
+    # served: the store server's work shares the host's cores with them, and timed after the
+    # transfers the 512 MB tier's ratios read 1.0-1.6x the throttle's 1/share and Adam's
+    # seconds per byte 1.8-8.0 ns in three runs on one host
+    compute_s = time_op_classes(spec.compute_repeats, clock)
+    optimizer_s_per_byte = time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock)
     link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
     uploads, downloads = _transfers(link, keys, spec)
     result = CalibrateResult(
         memory_mb=spec.memory_mb, invocation=invocation, started_at=started, ready_at=ready,
-        compute_s=time_op_classes(spec.compute_repeats, clock),
+        compute_s=compute_s,
         request_s=_requests(link, keys, spec), poll_overhead_s=_poll_overheads(link, keys, spec),
         upload_s=uploads, download_s=downloads, probe_bytes=spec.probe_bytes,
-        optimizer_s_per_byte=time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock),
+        optimizer_s_per_byte=optimizer_s_per_byte,
         collective=_collective())
     store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
     return 0

@@ -1,6 +1,6 @@
 """`flatpack calibrate --target local` for real: a calibration function per tier, each a
 separate process held to its tier's CPU share and link, sharing only the local S3 server,
-then the probe pipeline of each tier with 2 and 4 workers and the served probe (the task
+then the probe pipeline of each tier with 1, 2 and 4 workers and the served probe (the task
 terms); then `flatpack compile --calibration` records the file's digest in the plan, and
 reusing that plan without the calibration is refused (item 5). No wall-clock time is asserted
 beyond orderings with wide margins."""
@@ -41,16 +41,17 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert small.invoke_cold_s is not None and small.invoke_cold_s > 0
     assert small.invoke_warm_s is not None and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
     assert "skipped" in calibration.collective
-    # the probe pipeline ran on each tier with 2 and 4 workers (every training task kind, the
-    # sync only where there is one) and served with 1, 3 and 5 functions (the request alone,
-    # then a fork over 2 and 4 workers); none below 0, and a worker's forward costs more than
-    # its layers' compute (seeding, the lanes' hand-offs, a cold cache), a request more than
-    # Gillis's equations (its own round trips)
+    # the probe pipeline ran on each tier with 1, 2 and 4 workers (every training task kind,
+    # the transfers only between two stages, the sync only where there is one) and served with
+    # 1, 3 and 5 functions (the request alone, then a fork over 2 and 4 workers); none below 0,
+    # and a worker's forward costs more than its layers' compute (seeding, the lanes'
+    # hand-offs, a cold cache), a request more than Gillis's equations (its own round trips)
     training = set(TASK_KINDS) - {"request", "fork"}
     for tier in (small, large):
         assert set(tier.task_overhead_s) == {1, 2, 3, 4, 5}
         assert set(tier.task_overhead_s[2]) == training - {"sync"} and set(tier.task_overhead_s[4]) == training
-        assert set(tier.task_overhead_s[1]) == {"request"} and set(tier.task_overhead_s[5]) == {"fork"}
+        assert set(tier.task_overhead_s[1]) == {"forward", "backward", "step", "iteration", "request"}
+        assert set(tier.task_overhead_s[5]) == {"fork"}
         assert min(min(terms.values()) for terms in tier.task_overhead_s.values()) >= 0
     assert small.task_overhead_s[2]["forward"] > 0 and small.task_overhead_s[1]["request"] > 0
     assert "probe pipeline" in calibration.provenance["tasks"]

@@ -180,3 +180,26 @@ def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():
     assert _default_delay(problem()) == CommDelay(problem().platform.storage_latency_s)
     explicit = dataclasses.replace(infer, options=infer.options.with_changes(comm_delay={"mu_s": 0.01}))
     assert _default_delay(explicit) == CommDelay(0.01)
+
+
+def test_the_demos_cached_calibration_is_reused_until_the_method_changes(tmp_path, monkeypatch):
+    """`flatpack demo` measures this host once and reuses the file; a file measured by an
+    earlier revision of calibrate's method is measured again, though its schema still loads."""
+    from flatpack.backends import target_calibration as module
+
+    monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path))
+    measured: list[str] = []
+
+    def fake_calibrate(target: str, *, tiers, out, report) -> Calibration:
+        measured.append(str(out))
+        calibration = target_calibration()
+        calibration.save(out)
+        return calibration
+
+    monkeypatch.setattr(module, "calibrate_target", fake_calibrate)
+    first = module.cached_local_calibration((512, 1024))
+    again = module.cached_local_calibration((1024, 512))
+    assert first == again and first.is_file() and len(measured) == 1
+    monkeypatch.setattr(module, "METHOD_REVISION", module.METHOD_REVISION + 1)
+    revised = module.cached_local_calibration((512, 1024))
+    assert revised != first and len(measured) == 2

@@ -81,9 +81,45 @@ def test_the_fit_recovers_the_terms_of_a_timeline_built_with_them():
     assert found["forward"] == 0.0 and found["backward"] == 0.0
 
 
+def one_stage_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:
+    """A one-stage schedule (one worker): forwards, then backwards, then the update, each
+    taking its modelled seconds plus TERMS; its input downloads are prefetched on the
+    download lane beside the compute, as the runtime's first stage does."""
+    forward = cost.stages[0].forward_s + TERMS["forward"]
+    backward = cost.stages[0].backward_s + TERMS["backward"]
+    events: list[Event] = []
+
+    def add(iteration: int, kind: str, start: float, seconds: float, micro_batch=None, lane="compute"):
+        events.append(Event(0, 0, iteration, kind, start, start + seconds, micro_batch, 0, lane))
+        return start + seconds
+
+    clock = 100.0
+    for iteration in range(iterations):
+        for m in range(micro_batches):
+            add(iteration, "download", clock - 0.05 + 0.01 * m, 0.008, m, "download")
+        compute = clock
+        for m in range(micro_batches):
+            compute = add(iteration, "forward", compute, forward, m)
+        for m in reversed(range(micro_batches)):
+            compute = add(iteration, "backward", compute, backward, m)
+        end = add(iteration, "update", compute, OPTIMIZER + TERMS["step"])
+        clock = end + TERMS["iteration"]
+    return events
+
+
+def test_the_fit_of_a_one_stage_probe_has_no_transfer_terms():
+    """One worker: the probe runs as one stage, whose only downloads are its prefetched input
+    (the model's Δ_f, not a task's path), so it measures the compute, step and iteration terms."""
+    cost = SimpleNamespace(replicas=1, stages=probe_cost().stages[:1], boundaries=(),
+                           overheads=Overheads(optimizer_s=(OPTIMIZER,)))
+    found = fit(cost, one_stage_timeline(cost), skip=1)
+    assert set(found) == {"forward", "backward", "step", "iteration"}
+    assert found == pytest.approx({kind: TERMS[kind] for kind in found})
+
+
 def test_the_fit_refuses_a_pipeline_it_cannot_read():
     three = SimpleNamespace(replicas=1, stages=(1, 2, 3), boundaries=(), overheads=None)
-    with pytest.raises(ValueError, match="two stages"):
+    with pytest.raises(ValueError, match="one or two stages"):
         fit(three, [])
 
 

@@ -127,10 +127,10 @@ class Overheads:
       compute, already stretched to 1/v by the tier's throttle, only when κ·v > 1.
     * the task terms, per stage, each the seconds a worker's task takes on its tier beyond
       what the equations give it, measured by ``flatpack calibrate`` running small probe
-      pipelines on the tier with 2 and with 4 workers (``backends.task_overheads``; 0 where
+      pipelines on the tier with 1, 2 and 4 workers (``backends.task_overheads``; 0 where
       not measured) and read at the plan's worker count Σ d (on the local backend they share
       the host's cores, and every request and hand-off slows as they are added; the line
-      through the two counts measured replaces κ for these terms): ``forward_task_s`` (o_f:
+      through the counts measured replaces κ for these terms): ``forward_task_s`` (o_f:
       the micro-batch's seeded RNG, hand-offs between the worker's lanes, a cold cache after
       the lanes' other work) on t̂_fc, ``backward_task_s`` (o_b) on t̂_bc, ``upload_task_s``
       (o_u: serialization and the request beyond t_lat) on t_fu and t_bu,
