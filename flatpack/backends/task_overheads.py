@@ -13,11 +13,12 @@ fraction of a millisecond, so a task's seconds are almost all overhead) is compi
 target on the tier with the calibration measured so far (the tier's compute ratios, store
 latency, polling, bandwidth), deployed with the target's backend and trained
 ``PROBE_ITERATIONS`` iterations of ``PROBE_MICRO_BATCHES`` micro-batches with Adam in each
-of ``PROBE_LAYOUTS``: as one stage (1 worker: no transfers between stages, its input
-prefetched), as two stages with one replica each (2 workers) and with two each (4 workers,
-which also synchronize). Every task of their timelines after the first ``SKIP`` iterations (cold
-start, warm-up) is set beside the model's duration for it (``funcpipe.iteration`` with the
-measured terms, the task terms still 0); each term is the mean of measured − modelled,
+of ``PROBE_LAYOUTS``: as one stage (1 worker: no transfers between stages; its download
+term comes from its prefetched inputs and targets, t_in's requests), as two stages with one
+replica each (2 workers) and with two each (4 workers, which also synchronize). Every task
+of their timelines after the first ``SKIP`` iterations (cold start, warm-up) is set beside
+the model's duration for it (``funcpipe.iteration`` with the measured terms, the task terms
+still 0); each term is the mean of measured − modelled,
 at least 0, per worker count. Means, not medians: the model sums these tasks, and the slow
 ones (the first forward of an iteration, beside its reports) are part of the sum. On the
 local backend the workers share the host's cores and every term grows with their number;
@@ -31,8 +32,9 @@ terms"): ``forward``, ``backward`` (a task's seconds beyond t̂_fc, t̂_bc); ``u
 o/W + t_lat); ``download`` (from the producer's upload to the tensor in hand, beyond
 o/W + t_lat + t_poll); ``sync`` (a synchronization, d > 1, beyond eq. 12's t_s); ``step``
 (from the synchronization's end, or the stage's last backward or gradient upload if later,
-to its update's end, beyond t_opt,s); ``iteration`` (the first stage's update end to its next
-iteration's first forward); for serving (:func:`measure_serving`), ``request`` and ``fork``.
+to its update's end, beyond t_opt,s); ``iteration`` (the first stage's update end, or its
+next input's prefetch end if later, to its next iteration's first forward); for serving
+(:func:`measure_serving`), ``request`` and ``fork``.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
     """(modelled, measured) seconds per task kind of one probe run's timeline."""
     # with two stages each upload and download is of one direction: a middle stage would
     # move both under the same (stage, iteration, micro-batch). One stage has no boundary: its
-    # downloads are the prefetched input, which the model puts in Δ_f, not in a task's path.
+    # only downloads are its prefetched inputs and targets, t_in of the model (in Δ_f), whose
+    # two requests a prefetch makes are the download term's samples there (:func:`_prefetch`)
     if len(cost.stages) not in (1, 2):
         raise ValueError("the task terms are fitted on a pipeline of one or two stages")
     boundaries = len(cost.stages) == 2
@@ -174,7 +177,8 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
             modelled = cost.stages[stage].forward_s if kind == "forward" else cost.stages[stage].backward_s
             pairs[kind].append((modelled, seconds))
         elif not boundaries:
-            continue
+            if kind == "prefetch":
+                pairs["download"].append(_prefetch(cost, seconds))
         elif kind == "upload":
             # activations go up from the first stage, gradients from the second
             boundary = cost.boundaries[0]
@@ -200,11 +204,28 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
             # the model's update without the task terms it is measuring (the probe's calibration has none)
             pairs["step"].append((cost.overheads.step(stage), update.end - max(waited)))
         if stage == 0:
-            following = [e.start for (s, i, k, m), e in tasks.items()
+            following = [e for (s, i, k, m), e in tasks.items()
                          if s == 0 and i == iteration + 1 and k == "forward" and m % replicas == replica]
             if following:
-                pairs["iteration"].append((0.0, min(following) - update.end))
+                first = min(following, key=lambda e: e.start)
+                # a forward that waited for its prefetched input waited on the prefetch lane,
+                # which the model prices in Δ_f (t_in); the gap counts from when both the
+                # update and that input were done. The probe's compute is so small that its
+                # prefetch lane is the longer chain: from the update's end alone the one-stage
+                # probe read a 15-19 ms gap, and bert-large's 1 x 1 plan was predicted +55 %
+                prefetch = (tasks.get((0, iteration + 1, "prefetch", first.micro_batch))
+                            if first.micro_batch is not None else None)
+                ready = max(update.end, prefetch.end) if prefetch is not None else update.end
+                pairs["iteration"].append((0.0, first.start - ready))
     return pairs
+
+
+def _prefetch(cost: Any, seconds: float) -> tuple[float, float]:
+    """A one-stage probe's prefetch of a micro-batch's input and target, as (modelled,
+    measured) seconds of one of its two requests: the model's t_in (``Overheads.input_s``,
+    the task terms still 0) prices o_in/W + t_lat for the input and t_lat for the target, and
+    ``Overheads.of`` adds the download term to each of the two."""
+    return cost.overheads.input_s / 2, seconds / 2
 
 
 def _download(event: Event, tasks: Mapping[tuple, Event], cost: Any) -> tuple[float, float] | None:

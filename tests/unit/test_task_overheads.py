@@ -81,10 +81,13 @@ def test_the_fit_recovers_the_terms_of_a_timeline_built_with_them():
     assert found["forward"] == 0.0 and found["backward"] == 0.0
 
 
-def one_stage_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:
+def one_stage_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3,
+                       late: float = 0.0) -> list[Event]:
     """A one-stage schedule (one worker): forwards, then backwards, then the update, each
-    taking its modelled seconds plus TERMS; its input downloads are prefetched on the
-    download lane beside the compute, as the runtime's first stage does."""
+    taking its modelled seconds plus TERMS; its inputs are prefetched on their own lane beside
+    the compute, as the runtime's first stage does. ``late``: each iteration's first input
+    arrives that long after the previous update, and its first forward starts
+    TERMS["iteration"] after that."""
     forward = cost.stages[0].forward_s + TERMS["forward"]
     backward = cost.stages[0].backward_s + TERMS["backward"]
     events: list[Event] = []
@@ -93,28 +96,47 @@ def one_stage_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches
         events.append(Event(0, 0, iteration, kind, start, start + seconds, micro_batch, 0, lane))
         return start + seconds
 
-    clock = 100.0
+    # a prefetch reads the input and the target: two requests, each its download term beyond
+    prefetch = cost.overheads.input_s + 2 * TERMS["download"]
+    update_end = 100.0 - TERMS["iteration"]
     for iteration in range(iterations):
-        for m in range(micro_batches):
-            add(iteration, "download", clock - 0.05 + 0.01 * m, 0.008, m, "download")
-        compute = clock
+        arrived = update_end + late
+        add(iteration, "prefetch", arrived - prefetch, prefetch, 0, "download")
+        for m in range(1, micro_batches):
+            add(iteration, "prefetch", update_end - 0.05 + 0.01 * m, prefetch, m, "download")
+        compute = max(update_end, arrived) + TERMS["iteration"]
         for m in range(micro_batches):
             compute = add(iteration, "forward", compute, forward, m)
         for m in reversed(range(micro_batches)):
             compute = add(iteration, "backward", compute, backward, m)
-        end = add(iteration, "update", compute, OPTIMIZER + TERMS["step"])
-        clock = end + TERMS["iteration"]
+        update_end = add(iteration, "update", compute, OPTIMIZER + TERMS["step"])
     return events
 
 
-def test_the_fit_of_a_one_stage_probe_has_no_transfer_terms():
-    """One worker: the probe runs as one stage, whose only downloads are its prefetched input
-    (the model's Δ_f, not a task's path), so it measures the compute, step and iteration terms."""
-    cost = SimpleNamespace(replicas=1, stages=probe_cost().stages[:1], boundaries=(),
-                           overheads=Overheads(optimizer_s=(OPTIMIZER,)))
+def one_stage_cost() -> SimpleNamespace:
+    return SimpleNamespace(replicas=1, stages=probe_cost().stages[:1], boundaries=(),
+                           overheads=Overheads(optimizer_s=(OPTIMIZER,), input_s=DOWNLOAD + UPLOAD))
+
+
+def test_the_fit_of_a_one_stage_probe_reads_its_downloads_from_its_prefetches():
+    """One worker: the probe runs as one stage, with no boundary (no upload, no sync); its only
+    downloads are its prefetched inputs and targets, two requests each, priced by the model's
+    t_in: the download term is each request's share of a prefetch beyond t_in."""
+    cost = one_stage_cost()
     found = fit(cost, one_stage_timeline(cost), skip=1)
-    assert set(found) == {"forward", "backward", "step", "iteration"}
+    assert set(found) == {"forward", "backward", "download", "step", "iteration"}
     assert found == pytest.approx({kind: TERMS[kind] for kind in found})
+
+
+def test_the_iteration_term_leaves_out_the_wait_for_a_late_prefetch():
+    """A forward that waited for its prefetched input waited on the prefetch lane, which the
+    model prices in Δ_f (t_in): the iteration term counts from when both the update and that
+    input were done, or a prefetch-bound probe would charge that wait to every plan again."""
+    cost = one_stage_cost()
+    found = fit(cost, one_stage_timeline(cost, late=0.02), skip=1)
+    assert found["iteration"] == pytest.approx(TERMS["iteration"])
+    # an input that was there before the update ends: the gap counts from the update
+    assert fit(cost, one_stage_timeline(cost, late=-0.01), skip=1)["iteration"] == pytest.approx(TERMS["iteration"])
 
 
 def test_the_fit_refuses_a_pipeline_it_cannot_read():
