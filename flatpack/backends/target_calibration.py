@@ -52,7 +52,8 @@ HOST_REPEATS = 15
 # The revision of how calibrate measures, in the demo's cache key: a file measured by an
 # earlier method is measured again, though its schema still loads. 2: the compute and
 # optimizer probes run first in a settled allocator, the host's probes before and after the
-# functions, and the probe pipeline with 1 worker too.
+# functions, and the probe pipeline with 1 worker too (its download term from its prefetches,
+# its iteration gap counted from the prefetched input's arrival when that is later).
 METHOD_REVISION = 2
 
 
