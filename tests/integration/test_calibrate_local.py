@@ -50,7 +50,8 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     for tier in (small, large):
         assert set(tier.task_overhead_s) == {1, 2, 3, 4, 5}
         assert set(tier.task_overhead_s[2]) == training - {"sync"} and set(tier.task_overhead_s[4]) == training
-        assert set(tier.task_overhead_s[1]) == {"forward", "backward", "step", "iteration", "request"}
+        # one worker: one stage, no boundary (no upload, no sync); its downloads are its prefetches
+        assert set(tier.task_overhead_s[1]) == {"forward", "backward", "download", "step", "iteration", "request"}
         assert set(tier.task_overhead_s[5]) == {"fork"}
         assert min(min(terms.values()) for terms in tier.task_overhead_s.values()) >= 0
     assert small.task_overhead_s[2]["forward"] > 0 and small.task_overhead_s[1]["request"] > 0
