@@ -17,7 +17,6 @@ import json
 import math
 import time
 import warnings
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -916,11 +915,9 @@ class _Run:
         its report), and the checkpoints before it: a lost function never restarts earlier.
         The deletion runs on the garbage thread, one at a time; a store error it met is
         raised here, at the next call."""
-        if self.deleting is not None:
-            if not self.deleting.done():
-                return
-            deleting, self.deleting = self.deleting, None
-            deleting.result()
+        if self.deleting is not None and not self.deleting.done():
+            return
+        self._finish_deletion()
         covered = [i for i in range(self.released + 1, self.collected + 1) if self.spec.checkpoints_after(i, end)]
         if not covered:
             return
@@ -932,10 +929,12 @@ class _Run:
     def _release_now(self, end: int) -> None:
         """Every deletion the iterations collected so far allow, done before returning (a
         segment's end: the next segment or a re-plan starts from a clean store)."""
-        for _ in range(2):       # the one in flight, then whatever it left for the next
-            if self.deleting is not None:
-                futures.wait([self.deleting])
-            self._release(end)
+        self._finish_deletion()
+        self._release(end)       # what the finished one left: it covers every iteration collected
+        self._finish_deletion()
+
+    def _finish_deletion(self) -> None:
+        """Waits for the deletion in flight, if any; a store error it met is raised here."""
         if self.deleting is not None:
             deleting, self.deleting = self.deleting, None
             deleting.result()

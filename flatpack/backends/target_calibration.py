@@ -288,10 +288,9 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
             "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by the tier's clock (emulated: CPU "
                        f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "
                        f"this host before and after the functions ran, averaged ({host}); {round_trips} small puts "
-                       f"and gets "
-                       f"fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the tier's link, "
-                       "3 times; 12 waits for a key written during the wait; optimizer steps on 1M float32 "
-                       "parameters; invoke latency from launch to the function being ready, cold then warm"),
+                       f"and gets fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the "
+                       "tier's link, 3 times; 12 waits for a key written during the wait; optimizer steps on 1M "
+                       "float32 parameters; invoke latency from launch to the function being ready, cold then warm"),
             "torch": torch.__version__}
 
 

@@ -18,14 +18,13 @@ term comes from its prefetched inputs and targets, t_in's requests), as two stag
 replica each (2 workers) and with two each (4 workers, which also synchronize). Every task
 of their timelines after the first ``SKIP`` iterations (cold start, warm-up) is set beside
 the model's duration for it (``funcpipe.iteration`` with the measured terms, the task terms
-still 0); each term is the mean of measured − modelled,
-at least 0, per worker count. Means, not medians: the model sums these tasks, and the slow
-ones (the first forward of an iteration, beside its reports) are part of the sum. On the
-local backend the workers share the host's cores and every term grows with their number;
-the model reads the terms at a plan's worker count, on the line through the nearest two
-counts measured between them. The
-iterations being predicted later never feed them: they are measured once per target, like
-the rest of the file.
+still 0); each term is the mean of measured − modelled, at least 0, per worker count. Means,
+not medians: the model sums these tasks, and the slow ones (the first forward of an
+iteration, beside its reports) are part of the sum. On the local backend the workers share
+the host's cores and every term grows with their number; the model reads the terms at a
+plan's worker count, on the line through the nearest two counts measured. The iterations
+being predicted later never feed them: they are measured once per target, like the rest of
+the file.
 
 The terms (keys of ``TierCalibration.task_overhead_s``; docs/cost_models.md, "Measured
 terms"): ``forward``, ``backward`` (a task's seconds beyond t̂_fc, t̂_bc); ``upload`` (beyond
@@ -146,9 +145,9 @@ class _ProbeStages:
 
 def fit(cost: Any, events: Iterable[Event], *, skip: int = SKIP) -> dict[str, float]:
     """The task terms of one probe run: ``cost`` is what ``funcpipe.iteration`` models for
-    the probe pipeline of one or two stages (no task terms), ``events`` its timeline. Per kind, the mean of
-    measured − modelled seconds over the tasks of iterations ``skip`` on, at least 0; a kind
-    with no task in the timeline is left out."""
+    the probe pipeline of one or two stages (no task terms), ``events`` its timeline. Per
+    kind, the mean of measured − modelled seconds over the tasks of iterations ``skip`` on, at
+    least 0; a kind with no task in the timeline is left out."""
     pairs = _samples(cost, list(events), skip)
     return {kind: max(0.0, statistics.fmean(measured - modelled for modelled, measured in values))
             for kind, values in sorted(pairs.items())}

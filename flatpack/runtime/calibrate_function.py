@@ -143,8 +143,8 @@ def _steady_allocator() -> None:
 
 
 def _op_probes() -> dict[str, Callable[[], Any]]:
-    """One small computation per op class, a fraction of a millisecond to a few at one thread: long
-    enough to time on the tier's clock. The matmul and elementwise probes write into buffers
+    """One small computation per op class, a fraction of a millisecond to a few at one
+    thread: long enough to time on the tier's clock. The matmul and elementwise probes write into buffers
     allocated once: a fresh 2 MB result each call is served by ``mmap`` or the heap depending
     on the allocator's history in that process, and the page faults of the first made the
     elementwise ratio swing 5× between the host and a function (0.21 to 2.25 on one host)."""
