@@ -58,6 +58,11 @@ FUNCTION_CAPABILITIES = frozenset(Capability)
 POLL_S = 0.05
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
+# the invoker deletes finished iterations' keys at most this often (a segment's end deletes
+# the rest): each deletion lists every kind of key once, and deleting after every 0.2 s
+# iteration of bert-large 2 x 1 kept the local S3 server busy enough to slow the iteration
+# 28 % (BENCHMARKS.md, "Issue 19, sixth pass")
+RELEASE_EVERY_S = 1.0
 
 Elastic = Callable[[int, tuple[int, ...]], Sequence[int] | None]
 
@@ -690,6 +695,7 @@ class _Run:
         # report, and the first stage's prefetch waited 0.1-0.4 s for its input
         self.garbage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flatpack-garbage")
         self.deleting: Future | None = None
+        self.next_release_at = 0.0     # time.monotonic() before which _release deletes nothing
         self.segment_begin = first
         self.losses: dict[int, float] = {}
         self.samples = 0
@@ -909,28 +915,32 @@ class _Run:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         self.warned_non_finite = True
 
-    def _release(self, end: int) -> None:
+    def _release(self, end: int, *, now: bool = False) -> None:
         """Deletes the tensors of the iterations up to the last checkpoint every stage has
         taken (all workers reported it, and replica 0 of a stage writes its checkpoint before
         its report), and the checkpoints before it: a lost function never restarts earlier.
-        The deletion runs on the garbage thread, one at a time; a store error it met is
-        raised here, at the next call."""
+        The deletion runs on the garbage thread, one at a time and at most once every
+        ``RELEASE_EVERY_S`` unless ``now``; a store error it met is raised here, at the next
+        call."""
         if self.deleting is not None and not self.deleting.done():
             return
         self._finish_deletion()
+        if not now and time.monotonic() < self.next_release_at:
+            return
         covered = [i for i in range(self.released + 1, self.collected + 1) if self.spec.checkpoints_after(i, end)]
         if not covered:
             return
         checkpoint = covered[-1]
-        self.deleting = self.garbage.submit(self._delete_through, self.released + 1, checkpoint, self.keys,
+        self.deleting = self.garbage.submit(self._delete_through, checkpoint, self.keys,
                                             [stage.index for stage in self.spec.stages])
         self.released = checkpoint
+        self.next_release_at = time.monotonic() + RELEASE_EVERY_S
 
     def _release_now(self, end: int) -> None:
         """Every deletion the iterations collected so far allow, done before returning (a
         segment's end: the next segment or a re-plan starts from a clean store)."""
         self._finish_deletion()
-        self._release(end)       # what the finished one left: it covers every iteration collected
+        self._release(end, now=True)       # what the finished one left: it covers every iteration collected
         self._finish_deletion()
 
     def _finish_deletion(self) -> None:
@@ -939,14 +949,21 @@ class _Run:
             deleting, self.deleting = self.deleting, None
             deleting.result()
 
-    def _delete_through(self, first: int, checkpoint: int, keys: RunKeys, stages: list[int]) -> None:
-        for iteration in range(first, checkpoint + 1):
-            for prefix in keys.iteration_prefixes(iteration):
-                self.store.delete_prefix(prefix)
+    def _delete_through(self, checkpoint: int, keys: RunKeys, stages: list[int]) -> None:
+        """Deletes every per-iteration key of iterations up to ``checkpoint`` and the stages'
+        checkpoints before it: one list per kind of key and per stage's checkpoints, however
+        many iterations that covers (a list per kind and iteration took most of the
+        invoker's CPU), then batched deletes. A key a replayed iteration wrote again after
+        an earlier deletion goes too."""
+        doomed = []
+        for prefix in keys.intermediate_prefixes():
+            for key in self.store.list(prefix):
+                iteration = keys.iteration_of(key)
+                if iteration is not None and iteration <= checkpoint:
+                    doomed.append(key)
         for stage in stages:
-            for taken, key in checkpoints_taken(self.store, keys, stage).items():
-                if taken < checkpoint:
-                    self.store.delete(key)
+            doomed += [key for taken, key in checkpoints_taken(self.store, keys, stage).items() if taken < checkpoint]
+        self.store.delete_keys(doomed)
 
     def _watch_stragglers(self, end: int, ratio: float) -> None:
         """Dorylus's rule, per phase: once some replicas of a stage have finished an

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from flatpack.errors import StoreError
@@ -146,6 +146,10 @@ class FaultyStore(WrappedStore):
 
     def delete_prefix(self, prefix: str) -> int:
         return self._retried("delete-prefix", prefix, lambda: self.inner.delete_prefix(prefix))
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._retried("delete", keys[0], lambda: self.inner.delete_keys(keys))
 
     def __repr__(self) -> str:
         return (f"FaultyStore({self.inner!r}, error_rate={self.error_rate:g}, stall_rate={self.stall_rate:g}, "

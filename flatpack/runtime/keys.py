@@ -42,6 +42,10 @@ from dataclasses import dataclass
 from flatpack.stage.artifact import stage_dirname
 
 
+# the kinds of key each iteration writes and none needs once a checkpoint covers it
+INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "norm", "marker")
+
+
 def _n(value: int) -> str:
     return f"{value:06d}"
 
@@ -139,11 +143,24 @@ class RunKeys:
     def progresses_of(self, iteration: int) -> str:
         return f"{self.run}/progress/i{_n(iteration)}/"
 
+    def intermediate_prefixes(self) -> list[str]:
+        """One prefix per kind of per-iteration key (data, activations, gradients, the
+        synchronization's chunks, markers...): what the invoker deletes once a checkpoint
+        covers the iteration. Each key under them is ``<prefix>i<iteration>/...``
+        (:meth:`iteration_of`)."""
+        return [f"{self.run}/{kind}/" for kind in INTERMEDIATE_KINDS]
+
     def iteration_prefixes(self, iteration: int) -> list[str]:
         """The prefixes of an iteration's intermediate tensors (deleted once it is done)."""
-        tag = f"i{_n(iteration)}/"
-        return [f"{self.run}/{kind}/{tag}" for kind in ("data", "act", "grad", "sync", "reduced", "shared", "norm",
-                                                               "marker")]
+        return [f"{prefix}i{_n(iteration)}/" for prefix in self.intermediate_prefixes()]
+
+    def iteration_of(self, key: str) -> int | None:
+        """The iteration of a key under :meth:`intermediate_prefixes`; None for any other key."""
+        parts = key.split("/")
+        if len(parts) < 4 or parts[0] != self.run or parts[1] not in INTERMEDIATE_KINDS \
+                or not parts[2].startswith("i") or not parts[2][1:].isdigit():
+            return None
+        return int(parts[2][1:])
 
     def infer(self, request: str, group: int, partition: int, kind: str) -> str:
         return f"{self.run}/infer/{request}/g{_n(group)}/p{_n(partition)}/{kind}"

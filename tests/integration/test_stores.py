@@ -106,6 +106,17 @@ def test_list_is_sorted_and_scoped_to_the_prefix(store):
     assert store.get("run-1x") == b"run-1x"
 
 
+def test_delete_keys_removes_exactly_the_named_keys_absent_ones_included(store):
+    for key in ["run-1/a/1", "run-1/a/2", "run-1/b/1", "run-2/a/1"]:
+        store.put(key, b"x")
+    store.delete_keys(["run-1/a/1", "run-1/b/1", "run-1/never-written", "run-2/a/1"])
+    store.delete_keys([])
+    assert store.list("run-1/") == ["run-1/a/2"] and store.list("run-2/") == []
+    with pytest.raises(StoreError, match="key"):
+        store.delete_keys(["run-1/a/2", "a//b"])
+    assert store.list("run-1/") == ["run-1/a/2"]        # a bad key in the list: nothing deleted
+
+
 @pytest.mark.parametrize("prefix", ["", "run", "run/a"])
 def test_list_refuses_a_whole_store_or_unterminated_prefix(store, prefix):
     with pytest.raises(StoreError, match="prefix"):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from flatpack.backends import functions
 from flatpack.backends.functions import _Run
 from flatpack.errors import StoreError
 from flatpack.runtime.keys import RunKeys
@@ -19,19 +20,25 @@ from flatpack.runtime.store import FileStore
 
 
 class HeldDeletes(FileStore):
-    """A file store whose prefix deletions wait for ``release`` (a slow server), or fail."""
+    """A file store whose deletions wait for ``release`` (a slow server), or fail; it counts
+    its lists."""
 
     def __init__(self, root, fail: bool = False) -> None:
         super().__init__(root)
         self.release = threading.Event()
         self.fail = fail
+        self.lists: list[str] = []
 
-    def delete_prefix(self, prefix: str) -> int:
+    def list(self, prefix: str) -> list[str]:
+        self.lists.append(prefix)
+        return super().list(prefix)
+
+    def delete_keys(self, keys) -> None:
         if not self.release.wait(10):
             raise TimeoutError("the test never released the deletions")
         if self.fail:
-            raise StoreError(f"refused to delete {prefix}")
-        return super().delete_prefix(prefix)
+            raise StoreError(f"refused to delete {keys[0]}")
+        super().delete_keys(keys)
 
 
 def invoker(store: FileStore, collected: int) -> _Run:
@@ -44,6 +51,7 @@ def invoker(store: FileStore, collected: int) -> _Run:
     run.released, run.collected = -1, collected
     run.garbage = ThreadPoolExecutor(max_workers=1)
     run.deleting = None
+    run.next_release_at = 0.0
     return run
 
 
@@ -78,3 +86,60 @@ def test_a_deletion_the_store_refuses_fails_the_run(tmp_path):
             run._release_now(end=1)
     finally:
         run.garbage.shutdown(wait=True)
+
+
+def test_a_deletion_lists_each_kind_of_key_once_however_many_iterations_it_covers(tmp_path):
+    store = HeldDeletes(tmp_path)
+    store.release.set()
+    keys = RunKeys("run")
+    for iteration in range(6):
+        store.put(keys.activation(iteration, 0, 0), b"tensor")
+        store.put(keys.gradient(iteration, 0, 0), b"tensor")
+        store.put(keys.data(iteration, 0), b"input")
+        store.put(keys.checkpoint(0, iteration), b"state")
+    run = invoker(store, collected=4)
+    try:
+        run._release_now(end=6)
+        assert sorted(store.lists) == sorted([*keys.intermediate_prefixes(), keys.checkpoints(0)])
+        # iterations 0-4 are covered by the checkpoint after 4; 5 is still in flight, and the
+        # checkpoint a lost function restarts from stays
+        assert store.list("run/act/") == [keys.activation(5, 0, 0)]
+        assert store.list("run/grad/") == [keys.gradient(5, 0, 0)]
+        assert store.list("run/data/") == [keys.data(5, 0)]
+        assert store.list(keys.checkpoints(0)) == [keys.checkpoint(0, 4), keys.checkpoint(0, 5)]
+        # the directories the deleted keys left are gone too (a FileStore's)
+        assert sorted(path.name for path in (tmp_path / "run" / "act").iterdir()) == ["i000005"]
+    finally:
+        run.garbage.shutdown(wait=True)
+
+
+def test_deletions_wait_for_the_release_interval_but_a_segments_end_does_not(tmp_path, monkeypatch):
+    store = HeldDeletes(tmp_path)
+    store.release.set()
+    keys = RunKeys("run")
+    for iteration in range(3):
+        store.put(keys.activation(iteration, 0, 0), b"tensor")
+    monkeypatch.setattr(functions, "RELEASE_EVERY_S", 3600.0)
+    run = invoker(store, collected=0)
+    try:
+        run._release(end=3)
+        run._finish_deletion()
+        assert run.released == 0
+        run.collected = 2
+        run._release(end=3)                   # within the interval: nothing more is deleted
+        run._finish_deletion()
+        assert run.released == 0 and store.list("run/act/") == [keys.activation(i, 0, 0) for i in (1, 2)]
+        run._release_now(end=3)               # a segment's end deletes what its checkpoints cover
+        assert run.released == 2 and store.list("run/act/") == []
+    finally:
+        run.garbage.shutdown(wait=True)
+
+
+def test_the_iteration_of_a_key_is_read_only_from_a_per_iteration_key():
+    keys = RunKeys("run")
+    assert keys.iteration_of(keys.activation(12, 1, 3)) == 12
+    assert keys.iteration_of(keys.marker(7, 0, 1, "computed")) == 7
+    assert keys.iteration_of(keys.sync_chunk(9, 0, 1, 2)) == 9
+    assert all(keys.iteration_of(key) is None for key in (keys.checkpoint(0, 4), keys.progress(3, 0, 0),
+                                                          "other/act/i000001/s000000/m000000", "run/act/latest/x"))
+    assert [keys.iteration_of(prefix + "x") for prefix in keys.iteration_prefixes(5)] == [5] * 8

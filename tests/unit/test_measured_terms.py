@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +20,11 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
 from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance
 from flatpack.partitioner.workload import Workload
+from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.refit import refit, replan
+from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Event
+from flatpack.runtime.training import StageTrainer
 from tests.unit.test_cost_models import LATENCY, MIB, TWO_STAGES, plan, platform, problem
 from tests.unit.test_target_calibration import target_calibration
 
@@ -275,3 +280,16 @@ def test_1f1b_is_predicted_by_simulating_the_order_the_runtime_issues():
         synchronous.dollars_per_iteration * one_f_one_b.iteration_s / synchronous.iteration_s)
     # the asynchronous 1F1B has no flush: it keeps FuncPipe's t_iter
     assert predicted_iteration(slow, single, schedule="1f1b-async") == synchronous
+
+
+@pytest.mark.parametrize("replicas, written", [((1, 1), []), ((1, 2), ["run/marker/i000003/s000000/r000000/computed"])])
+def test_markers_are_written_only_where_a_stage_has_replicas_to_watch(tmp_path, replicas, written):
+    # the model charges t_mark only when d > 1; with one replica everywhere the straggler watch
+    # has nothing to compare, and the runtime writes no marker (2 requests per worker and
+    # iteration on the local S3 server that nobody read)
+    trainer: Any = object.__new__(StageTrainer)     # only what _mark reads
+    trainer.spec = SimpleNamespace(stages=[SimpleNamespace(replicas=count) for count in replicas])
+    trainer.role = SimpleNamespace(stage=0, replica=0)
+    trainer.store, trainer.keys = FileStore(tmp_path), RunKeys("run")
+    trainer._mark(3, "computed")
+    assert trainer.store.list("run/marker/") == written
