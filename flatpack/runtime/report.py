@@ -143,7 +143,9 @@ def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = Tr
     if schedule != "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
         return cost
     events = _simulate(problem, cost, schedule)
-    iteration_s = max(event.end for event in events) + (cost.overheads.iteration_s if cost.overheads else 0.0)
+    overheads = cost.overheads or funcpipe.Overheads()
+    iteration_s = max(max(event.end for event in events) + overheads.iteration_s,
+                      funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads))
     return dataclasses.replace(cost, iteration_s=iteration_s,
                                dollars_per_iteration=cost.dollars_per_iteration * iteration_s / cost.iteration_s)
 

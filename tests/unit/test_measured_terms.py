@@ -73,9 +73,13 @@ def test_each_term_enters_where_it_is_spent():
     # the marker precedes the sync's uploads when d > 1
     marked = funcpipe.iteration(problem(), TWO_STAGES, Overheads(marker_s=0.125))
     assert [s.sync_s for s in marked.stages] == pytest.approx([s.sync_s + 0.125 for s in base.stages])
-    # the first stage's input download is a term of Δ_f: it sets the pace only when it is the slowest
+    # the first stage's input downloads run on its prefetch lane, an iteration ahead: µ of them
+    # bound the iteration from below and set the pace only when they take longer than the rest
     slow_input = funcpipe.iteration(problem(), TWO_STAGES, Overheads(input_s=100.0))
-    assert slow_input.forward_lag_s == 100.0 and slow_input.first_forward_s == base.first_forward_s
+    assert slow_input.forward_lag_s == base.forward_lag_s and slow_input.first_forward_s == base.first_forward_s
+    assert slow_input.iteration_s == pytest.approx(base.micro_batches_per_replica * 100.0)
+    fast_input = funcpipe.iteration(problem(), TWO_STAGES, Overheads(input_s=1e-6))
+    assert fast_input.iteration_s == pytest.approx(base.iteration_s)
 
 
 def test_contention_stretches_requests_and_only_compute_that_outgrows_its_share():
