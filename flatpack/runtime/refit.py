@@ -34,8 +34,14 @@ EVENTS_FILE = "events.json"      # a run directory's timeline (``flatpack run`` 
 COMPILED_DIR = "compiled"
 
 
-def _ratio(measured: float | None, predicted: float) -> float | None:
-    return measured / predicted if measured and predicted > 0 else None
+def _ratio(measured: float | None, predicted: float, task_s: float = 0.0) -> float | None:
+    """Measured over predicted compute of a stage's tasks, each less the task term both
+    include (the seeded RNG, lane hand-offs: ``Overheads``'s o_f or o_b, which the re-fit
+    calibration keeps as a term of its own rather than folding it into the layers' lines)."""
+    compute = predicted - task_s
+    if not measured or compute <= 0:
+        return None
+    return max(measured - task_s, 0.0) / compute
 
 
 def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: int = 2,
@@ -48,20 +54,24 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
     if measured.iteration_s is None or not measured.stages:
         raise InputError(f"{source} recorded no iteration to fit; train at least {skip_first + 1} iterations")
     cost = funcpipe.predicted(problem, plan)
+    terms = cost.overheads or funcpipe.Overheads()
     micro = problem.workload.micro_batch_size
+    previous = problem.calibration
     factors: dict[int, list[tuple[float, float]]] = {}
     stage_factor: list[tuple[float, float]] = []
     optimizer: dict[int, list[float]] = {}
     for index, (stage, predicted) in enumerate(zip(plan.stages, cost.stages)):
         found = measured.stages[index] if index < len(measured.stages) else None
-        forward = _ratio(found.forward_s if found else None, predicted.forward_s)
-        backward = _ratio(found.backward_s if found else None, predicted.backward_s)
+        forward = _ratio(found.forward_s if found else None, predicted.forward_s, terms.task("forward", index))
+        backward = _ratio(found.backward_s if found else None, predicted.backward_s, terms.task("backward", index))
         pair = (forward or 1.0, backward or 1.0)
         stage_factor.append(pair)
         factors.setdefault(predicted.memory_mb, []).append(pair)
         grads = gradient_bytes(problem, stage.start, stage.end)
         if found is not None and found.update_s and grads:
-            optimizer.setdefault(predicted.memory_mb, []).append(found.update_s / grads)
+            # the update less the step's task term, which the re-fit keeps as a term of its own
+            optimizer.setdefault(predicted.memory_mb, []).append(
+                max(found.update_s - terms.task("step", index), 0.0) / grads)
     tiers = {}
     for memory_mb, pairs in factors.items():
         tier = problem.platform.tier(memory_mb)
@@ -77,25 +87,35 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
             forward_lines.append(_scaled(profile.forward_s, micro, forward_s * forward_factor))
             backward_lines.append(_scaled(profile.backward_s, micro, backward_s * backward_factor))
         per_byte = optimizer.get(memory_mb)
+        # the task terms the probe pipelines measured by worker count: the run measured its
+        # own plan's tasks, not those of the plans the solver compares (other boundaries,
+        # other worker counts). Without them a one-stage vgg16 run re-planned to two stages
+        # on a predicted 18 % saving that measured 18 % slower (BENCHMARKS.md, "sixth pass")
+        known = previous.tiers.get(memory_mb) if previous is not None else None
         tiers[memory_mb] = TierCalibration(tuple(forward_lines), tuple(backward_lines), tier.bandwidth_bytes_s,
                                            optimizer_s_per_byte=(
                                                {problem.workload.optimizer: statistics.median(per_byte)}
-                                               if per_byte else {}))
-    # uploads, and the first stage's prefetches of data the invoker wrote long before: neither
-    # waits for a producer, so their seconds beyond bytes/W are the request's own
+                                               if per_byte else {}),
+                                           task_overhead_s=known.task_overhead_s if known is not None else {})
+    # activation and gradient uploads wait for no producer: their seconds beyond bytes/W and
+    # the upload's task term are the request's own. A one-stage run has none (its prefetches
+    # are two requests each, and on the local backend a big one hides the request inside the
+    # emulated link's time: vgg16's read t_lat = 0), so it keeps the latency it had
     overheads = [event.seconds - event.nbytes / cost.stages[event.stage].bandwidth_bytes_s
-                 for event in events if event.kind in ("upload", "prefetch") and event.micro_batch is not None
+                 - terms.task("upload", event.stage)
+                 for event in events if event.kind == "upload" and event.micro_batch is not None
                  and event.iteration >= skip_first and event.stage < len(cost.stages)]
     platform = problem.platform
-    previous = problem.calibration
     return Calibration(
         platform=platform.name, layer_names=tuple(layer.name for layer in problem.chain), tiers=tiers,
         graph_hash=getattr(previous, "graph_hash", None) or None,
         storage_latency_s=max(statistics.median(overheads), 0.0) if overheads else platform.storage_latency_s,
         poll_overhead_s=platform.poll_overhead_s, host_cores=platform.host_cores,
         provenance={"measured": f"re-fitted from the timeline of {source}",
-                    "method": "per stage measured/predicted forward and backward applied to its layers' lines; "
-                              "t_lat from activation uploads; optimizer step from the stage's update"})
+                    "method": "per stage measured/predicted forward and backward, each less its task term, applied "
+                              "to its layers' lines; t_lat from activation and gradient uploads (a one-stage run: "
+                              "the latency it ran with); optimizer step from the stage's update less its task term; "
+                              "the task terms of the calibration it ran with"})
 
 
 def _scaled(host: Linear, micro: float, seconds: float) -> Linear:

@@ -149,6 +149,34 @@ def test_refit_reproduces_the_measured_stage_times_and_latency():
     assert fitted_calibration.tiers_mb == (1024,)
 
 
+def test_refit_keeps_the_task_terms_and_a_one_stage_runs_latency_and_counts_each_term_once():
+    # the probe pipelines measured the task terms by worker count; a run measures only its own
+    # plan, so the re-fit keeps them for the plans the solver compares, and the stage times it
+    # fits leave them out (else a re-predicted run would count them twice)
+    terms = {1: {"forward": 0.002, "backward": 0.001, "step": 0.003, "iteration": 0.004},
+             2: {"forward": 0.003, "backward": 0.002, "upload": 0.005, "download": 0.001, "step": 0.004}}
+    tier = dataclasses.replace(target_calibration().tiers[512], task_overhead_s=terms)
+    case = dataclasses.replace(problem(workload=Workload("train", batch=8, micro_batches=4, optimizer="adam")),
+                               calibration=target_calibration(tiers={1024: tier}))
+    ran = plan((0, 2, 1024, 1))
+    before = funcpipe.predicted(case, ran)
+    events = _events(case, ran, 1.0, 1.0, 0.0)
+    for iteration in range(3):       # each update as predicted: the optimizer step and its task term
+        events.append(Event(0, 0, iteration, "update", iteration * 100.0 + 50, iteration * 100.0 + 50
+                            + before.overheads.step(0), lane="compute"))
+    fitted_calibration = refit(case, ran, events)
+    assert fitted_calibration.tiers[1024].task_overhead_s == terms
+    assert fitted_calibration.storage_latency_s == pytest.approx(case.platform.storage_latency_s)
+    fitted = dataclasses.replace(case, calibration=fitted_calibration, platform=fitted_calibration.apply(case.platform))
+    after = funcpipe.predicted(fitted, ran)
+    assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s)
+    assert after.stages[0].backward_s == pytest.approx(before.stages[0].backward_s)
+    assert after.overheads.step(0) == pytest.approx(before.overheads.step(0))
+    # a two-stage plan on the re-fit is priced with the 2-worker terms the probe measured
+    two = funcpipe.predicted(fitted, plan((0, 1, 1024, 1), (2, 2, 1024, 1)))
+    assert two.overheads.task("upload", 0) == pytest.approx(0.005)
+
+
 def test_replan_never_predicts_worse_than_the_plan_that_ran():
     case = problem(memory_mb=(1024,), replicas=(1, 2))
     ran = plan((0, 0, 1024, 1), (1, 2, 1024, 1))
