@@ -160,6 +160,7 @@ def test_refit_keeps_the_task_terms_and_a_one_stage_runs_latency_and_counts_each
                                calibration=target_calibration(tiers={1024: tier}))
     ran = plan((0, 2, 1024, 1))
     before = funcpipe.predicted(case, ran)
+    assert before.overheads is not None
     events = _events(case, ran, 1.0, 1.0, 0.0)
     for iteration in range(3):       # each update as predicted: the optimizer step and its task term
         events.append(Event(0, 0, iteration, "update", iteration * 100.0 + 50, iteration * 100.0 + 50
@@ -169,12 +170,13 @@ def test_refit_keeps_the_task_terms_and_a_one_stage_runs_latency_and_counts_each
     assert fitted_calibration.storage_latency_s == pytest.approx(case.platform.storage_latency_s)
     fitted = dataclasses.replace(case, calibration=fitted_calibration, platform=fitted_calibration.apply(case.platform))
     after = funcpipe.predicted(fitted, ran)
+    assert after.overheads is not None
     assert after.stages[0].forward_s == pytest.approx(before.stages[0].forward_s)
     assert after.stages[0].backward_s == pytest.approx(before.stages[0].backward_s)
     assert after.overheads.step(0) == pytest.approx(before.overheads.step(0))
     # a two-stage plan on the re-fit is priced with the 2-worker terms the probe measured
     two = funcpipe.predicted(fitted, plan((0, 1, 1024, 1), (2, 2, 1024, 1)))
-    assert two.overheads.task("upload", 0) == pytest.approx(0.005)
+    assert two.overheads is not None and two.overheads.task("upload", 0) == pytest.approx(0.005)
 
 
 def test_replan_never_predicts_worse_than_the_plan_that_ran():
