@@ -157,7 +157,7 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
     """(modelled, measured) seconds per task kind of one probe run's timeline."""
     # with two stages each upload and download is of one direction: a middle stage would
     # move both under the same (stage, iteration, micro-batch). One stage has no boundary: its
-    # only downloads are its prefetched inputs and targets, t_in of the model (in Δ_f), whose
+    # only downloads are its prefetched inputs and targets, t_in of the model (µ·t_in bounds t_iter), whose
     # two requests a prefetch makes are the download term's samples there (:func:`_prefetch`)
     if len(cost.stages) not in (1, 2):
         raise ValueError("the task terms are fitted on a pipeline of one or two stages")
@@ -208,7 +208,7 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
             if following:
                 first = min(following, key=lambda e: e.start)
                 # a forward that waited for its prefetched input waited on the prefetch lane,
-                # which the model prices in Δ_f (t_in); the gap counts from when both the
+                # which the model prices by t_in (µ·t_in bounds t_iter); the gap counts from when both the
                 # update and that input were done. The probe's compute is so small that its
                 # prefetch lane is the longer chain: from the update's end alone the one-stage
                 # probe read a 15-19 ms gap, and bert-large's 1 x 1 plan was predicted +55 %

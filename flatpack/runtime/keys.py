@@ -150,10 +150,6 @@ class RunKeys:
         (:meth:`iteration_of`)."""
         return [f"{self.run}/{kind}/" for kind in INTERMEDIATE_KINDS]
 
-    def iteration_prefixes(self, iteration: int) -> list[str]:
-        """The prefixes of an iteration's intermediate tensors (deleted once it is done)."""
-        return [f"{prefix}i{_n(iteration)}/" for prefix in self.intermediate_prefixes()]
-
     def iteration_of(self, key: str) -> int | None:
         """The iteration of a key under :meth:`intermediate_prefixes`; None for any other key."""
         parts = key.split("/")

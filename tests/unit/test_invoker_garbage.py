@@ -142,4 +142,4 @@ def test_the_iteration_of_a_key_is_read_only_from_a_per_iteration_key():
     assert keys.iteration_of(keys.sync_chunk(9, 0, 1, 2)) == 9
     assert all(keys.iteration_of(key) is None for key in (keys.checkpoint(0, 4), keys.progress(3, 0, 0),
                                                           "other/act/i000001/s000000/m000000", "run/act/latest/x"))
-    assert [keys.iteration_of(prefix + "x") for prefix in keys.iteration_prefixes(5)] == [5] * 8
+    assert [keys.iteration_of(f"{prefix}i000005/x") for prefix in keys.intermediate_prefixes()] == [5] * 8

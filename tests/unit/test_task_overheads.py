@@ -130,7 +130,7 @@ def test_the_fit_of_a_one_stage_probe_reads_its_downloads_from_its_prefetches():
 
 def test_the_iteration_term_leaves_out_the_wait_for_a_late_prefetch():
     """A forward that waited for its prefetched input waited on the prefetch lane, which the
-    model prices in Δ_f (t_in): the iteration term counts from when both the update and that
+    model prices by t_in (µ·t_in bounds t_iter): the iteration term counts from when both the update and that
     input were done, or a prefetch-bound probe would charge that wait to every plan again."""
     cost = one_stage_cost()
     found = fit(cost, one_stage_timeline(cost, late=0.02), skip=1)
