@@ -789,8 +789,20 @@ def _verbosity_args(parser: argparse.ArgumentParser) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
     from flatpack.backends.target_calibration import calibrate_target, calibration_summary
+    from flatpack.platform.catalog import get_platform
 
     path = Path(args.out) if args.out is not None else Path("calibration.json")
+    if get_platform(args.target).kind == "container":
+        calibration = _calibrate_container(args, path)
+        report(args, f"{calibration_summary(calibration)}\n"
+                     f"digest {calibration.digest[:16]} (plans made with --calibration {path} record it)",
+               calibration.to_json)
+        return 0
+    given = [flag for flag, value in (("--ranks", args.ranks), ("--backend", args.backend), ("--device", args.device),
+                                      ("--from-probe", args.from_probe)) if value is not None]
+    if given:
+        raise InputError(f"{' and '.join(given)} choose the ranks of a GPU-container calibration; {args.target}'s "
+                         "functions talk through the store. Leave them out, or use --target gpu-container")
     calibration = calibrate_target(args.target, tiers=_ints(args.tiers, "--tiers") if args.tiers else None, out=path,
                                    emulate=args.emulate, region=args.region, round_trips=args.round_trips,
                                    probe_bytes=int(args.probe_mb * (1 << 20)), timeout_s=args.timeout,
@@ -799,6 +811,30 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                  f"digest {calibration.digest[:16]} (plans made with --calibration {path} record it)",
            calibration.to_json)
     return 0
+
+
+def _calibrate_container(args: argparse.Namespace, path: Path) -> Any:
+    """``flatpack calibrate`` on a container platform: the ranks' link and all-reduce, measured
+    here or read from the probe's result measured in a cluster (``--from-probe``)."""
+    # start-up time: a verb imports what it runs
+    from flatpack.backends.collective_calibration import (DEFAULT_RANKS, calibrate_collective,
+                                                          calibration_from_probe)
+
+    given = [flag for flag, value in (("--emulate", args.emulate), ("--region", args.region)) if value]
+    if given:
+        raise InputError(f"{' and '.join(given)} place calibration functions; {args.target} is measured by ranks "
+                         "on this machine. Leave them out")
+    tiers = _ints(args.tiers, "--tiers") if args.tiers else None
+    if args.from_probe is not None:
+        local = [flag for flag, value in (("--ranks", args.ranks), ("--backend", args.backend),
+                                          ("--device", args.device)) if value is not None]
+        if local:
+            raise InputError(f"{' and '.join(local)} choose ranks to start here, and --from-probe reads what ranks "
+                             "measured elsewhere: give one or the other")
+        return calibration_from_probe(args.from_probe, args.target, tiers=tiers, out=path, report=LOG.info)
+    return calibrate_collective(args.target, tiers=tiers, out=path,
+                                ranks=DEFAULT_RANKS if args.ranks is None else args.ranks, backend=args.backend,
+                                device=args.device, timeout_s=args.timeout, report=LOG.info)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -881,7 +917,20 @@ def build_parser() -> argparse.ArgumentParser:
                                   help="iterations of each probe pipeline that measures the task terms (default 8; "
                                        "the first 2 are not measured), and one more timed request of each serving "
                                        "probe; 0: no probes")
-    calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function")
+    calibrate_parser.add_argument("--ranks", type=int, default=None,
+                                  help="gpu-container: ranks that time messages, and all-reduces among 2 to this many "
+                                       "(default 4)")
+    calibrate_parser.add_argument("--backend", default=None, choices=["gloo", "nccl"],
+                                  help="gpu-container: the ranks' collective backend (default: nccl with a GPU per "
+                                       "rank, else gloo)")
+    calibrate_parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                                  help="gpu-container: where the ranks' tensors live (default cuda with a GPU)")
+    calibrate_parser.add_argument("--from-probe", default=None, metavar="PROBE_JSON",
+                                  help="gpu-container: fit what the probe measured in a cluster (torchrun ... -m "
+                                       "flatpack.runtime.collective_probe --out PROBE_JSON; the image ships it) "
+                                       "instead of starting ranks here")
+    calibrate_parser.add_argument("--timeout", type=float, default=300.0, help="seconds per function (gpu-container: "
+                                                                                "for all the ranks)")
     _json_flag(calibrate_parser, "calibrate")
     calibrate_parser.set_defaults(run=cmd_calibrate)
 

@@ -80,7 +80,10 @@ LIMITS = {
 # safetensors), committed as flatpack/backends/locks/gpu.txt
 APP_DIR = "/app"
 MASTER_PORT = 29500
-RANK_ENTRIES = ("flatpack.runtime.distributed",)   # what torchrun starts on every rank; its image ships what it imports
+# what torchrun starts: the rank program on every rank, and the collective probe that measures
+# the cluster's link and all-reduce (flatpack calibrate --target gpu-container); the image ships
+# what they import
+RANK_ENTRIES = ("flatpack.runtime.distributed", "flatpack.runtime.collective_probe")
 GPU_RESOURCE = "nvidia.com/gpu"
 JOB_FILE = "k8s/job.yaml"
 LAUNCH_FILE = "launch.sh"

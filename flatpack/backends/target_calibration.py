@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from flatpack.backends import profiling, task_overheads
+from flatpack.backends.collective_calibration import collective_summary
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
 from flatpack.backends.profiling import _status_detail
 from flatpack.compiler import compile as compile_model
@@ -84,6 +85,10 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     each, and record the task terms they measure (:mod:`flatpack.backends.task_overheads`;
     0: not measured)."""
     platform = get_platform(target)
+    if platform.kind == "container":
+        raise InputError(f"{target}'s ranks talk to each other directly, not through a store: measure their link "
+                         "and all-reduce with backends.collective_calibration.calibrate_collective (the CLI's "
+                         f"`flatpack calibrate --target {target}` does)")
     memory_sizes = profiling._tier_sizes(platform, tiers)
     local = emulate or target == "local"
     if region is not None and local:
@@ -299,6 +304,12 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
 
 def calibration_summary(calibration: Calibration) -> str:
     """The file's figures as a short table (``flatpack calibrate`` prints it)."""
+    fit = calibration.collective_fit
+    if fit is not None:    # a container platform's: the ranks' link and all-reduce, no functions
+        return "\n".join([f"{calibration.platform} measured {calibration.target.date if calibration.target else ''} "
+                          f"({calibration.provenance.get('where', '')})", collective_summary(fit),
+                          f"tiers {', '.join(map(str, calibration.tiers_mb))} MB take bandwidth D = "
+                          f"{fit.bandwidth_bytes_s / 1e6:.1f} MB/s"])
     lines = [f"{calibration.platform} measured {calibration.target.date if calibration.target else ''} "
              f"({calibration.provenance.get('cpu_share', '')} CPU share)"]
     if calibration.store_latency is not None:

@@ -28,8 +28,8 @@ class ProblemOptions:
     max_workers: Any = None        # the most workers one fork-join group forks (space.py; default 8)
     weights: Any = None            # (α₁, α₂): minimize α₁·cost + α₂·time (solvers/base.py)
     cost_model: str | None = None  # "hydrozoa" or "pipedream" for GPU-container training (cost/registry.py)
-    hydrozoa_alpha: float = 0.0    # Hydrozoa's α and β (cost/registry.py HydrozoaModel)
-    hydrozoa_beta: float = 0.0
+    hydrozoa_alpha: float | None = None   # Hydrozoa's α and β (cost/hydrozoa.py sync_overheads; None: the
+    hydrozoa_beta: float | None = None    # calibration's fit, else 0)
     comm_delay: Any = None         # measured EMG parameters of Gillis's delay model (cost/registry.py GillisModel)
     cluster_size: Any = None       # Hydrozoa Alg. 1's desired workers (solvers/hydrozoa_planner.py)
     threads: int = 1               # compute threads per function (cost/funcpipe.py)

@@ -48,7 +48,12 @@ Schema version 2 (``flatpack calibrate``) adds, all optional, and makes ``layers
                         "samples": 120},      # scipy.stats.exponnorm's parameters, seconds
       "poll_overhead_s": 0.0021,              # a wait's mean delay after its key was written
       "host_cores": 2,                        # local backend: cores the workers and store share
-      "collective": {"skipped": "no GPU ..."} # or {"alpha_s": ..., "beta_s_per_byte": ...}
+      "collective": {"skipped": "no GPU ..."} # or, --target gpu-container, CollectiveFit's fields:
+                    # {"ranks": 2, "backend": "gloo", "device": "cpu", "device_name": "cpu",
+                    #  "sizes_bytes": [...], "point_to_point_s": [...],
+                    #  "all_reduce_s": {"2": [...], "3": [...]},   # by the number of ranks
+                    #  "latency_s": ..., "bandwidth_bytes_s": ..., "alpha_s_per_byte": ...,
+                    #  "beta_s": ..., "per_call_s": ..., "copy_s_per_byte": ..., "ring_error": ...}
 
 A version 1 file still loads.
 
@@ -61,6 +66,7 @@ measurements would look measured while being a model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -263,6 +269,78 @@ class StoreLatency:
 
 
 @dataclass(frozen=True)
+class CollectiveFit:
+    """What ``flatpack calibrate --target gpu-container`` measured between ``ranks`` ranks of
+    the rank program's backend and device (``runtime.collective_probe``): the medians per
+    message size of one point-to-point message and of the all-reduce among each number of
+    ranks measured (2 up to ``ranks``); the message's latency and bandwidth D; and the
+    all-reduce's terms fitted to them (``cost.collectives.fit_ring``): Hydrozoa's α (seconds
+    per byte) and β (seconds per round), δ (``per_call_s``) and γ (``copy_s_per_byte``);
+    ``ring_error``: the fit's largest relative error over the sizes and counts."""
+
+    ranks: int
+    backend: str
+    device: str
+    device_name: str
+    sizes_bytes: tuple[int, ...]
+    point_to_point_s: tuple[float, ...]
+    all_reduce_s: Mapping[int, tuple[float, ...]]
+    latency_s: float
+    bandwidth_bytes_s: float
+    alpha_s_per_byte: float
+    beta_s: float
+    per_call_s: float
+    copy_s_per_byte: float
+    ring_error: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["sizes_bytes"] = list(self.sizes_bytes)
+        data["point_to_point_s"] = list(self.point_to_point_s)
+        data["all_reduce_s"] = {str(count): list(self.all_reduce_s[count]) for count in sorted(self.all_reduce_s)}
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CollectiveFit:
+        where = "collective"
+        missing = [field.name for field in dataclasses.fields(cls) if field.name not in data]
+        if missing:
+            raise InputError(f"calibration file: \"collective\" lacks {', '.join(missing)} (or say why it was not "
+                             "measured with {\"skipped\": \"...\"})")
+        ranks = data["ranks"]
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+            raise InputError(f"calibration file: collective.ranks must be an integer of 2 or more, got {ranks!r}")
+        sizes = data["sizes_bytes"]
+
+        def series(values: Any, name: str) -> tuple[float, ...]:
+            if not isinstance(values, list) or not isinstance(sizes, list) or len(values) != len(sizes) \
+                    or len(values) < 2:
+                raise InputError(f"calibration file: {where}.{name} must be a list of one number per message size "
+                                 "(two sizes or more)")
+            return tuple(_number(value, f"{where}.{name}[{index}]", positive=True)
+                         for index, value in enumerate(values))
+
+        sizes_bytes = tuple(int(n) for n in series(sizes, "sizes_bytes"))
+        if list(sizes_bytes) != sorted(set(sizes_bytes)):
+            raise InputError(f"calibration file: {where}.sizes_bytes must increase, got {list(sizes_bytes)}")
+        all_reduce = data["all_reduce_s"]
+        if not isinstance(all_reduce, dict) or not all_reduce or not all(
+                str(count).isdigit() and 2 <= int(count) <= ranks for count in all_reduce):
+            raise InputError(f"calibration file: {where}.all_reduce_s must map rank counts (\"2\" to \"{ranks}\") to "
+                             "seconds per message size")
+        return cls(ranks=ranks, backend=str(data["backend"]), device=str(data["device"]),
+                   device_name=str(data["device_name"]),
+                   sizes_bytes=sizes_bytes,
+                   point_to_point_s=series(data["point_to_point_s"], "point_to_point_s"),
+                   all_reduce_s={int(count): series(values, f"all_reduce_s.{count}")
+                                 for count, values in all_reduce.items()},
+                   latency_s=_number(data["latency_s"], f"{where}.latency_s"),
+                   bandwidth_bytes_s=_number(data["bandwidth_bytes_s"], f"{where}.bandwidth_bytes_s", positive=True),
+                   **{name: _number(data[name], f"{where}.{name}")
+                      for name in ("alpha_s_per_byte", "beta_s", "per_call_s", "copy_s_per_byte", "ring_error")})
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """Where and when a target calibration was measured, and by what."""
 
@@ -335,6 +413,14 @@ class Calibration:
         """sha256 of the file's canonical JSON: what a plan records to say which calibration
         it was made with."""
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    @property
+    def collective_fit(self) -> CollectiveFit | None:
+        """The measured collective (``flatpack calibrate --target gpu-container``), or None
+        where the file says why it was not measured or has none."""
+        if not self.collective or "skipped" in self.collective:
+            return None
+        return CollectiveFit.from_json(self.collective)
 
     @property
     def request_latency_s(self) -> float | None:
@@ -511,6 +597,8 @@ class Calibration:
         collective = data.get("collective") or {}
         if not isinstance(collective, dict):
             raise InputError("calibration file: \"collective\" must be an object")
+        if collective and "skipped" not in collective:
+            CollectiveFit.from_json(collective)   # refused here, where the file is read, not in a solver
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, dict):
             raise InputError("calibration file: \"provenance\" must be an object of strings")

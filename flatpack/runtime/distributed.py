@@ -726,17 +726,17 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 # -- the process -----------------------------------------------------------------------------
 
-def device_for(run: DistributedRun, local_rank: int) -> torch.device:
+def rank_device(backend: str, device: str, local_rank: int) -> torch.device:
     """NCCL: one device per rank (cuda:LOCAL_RANK, which NCCL requires to be distinct).
     gloo with device cuda: ranks share the node's GPUs round-robin and stage tensors through
     the host for the transfers."""
-    if run.device == "cpu":
+    if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise InputError(f"the run asks for device cuda (backend {run.backend}) but this process sees no CUDA "
+        raise InputError(f"the run asks for device cuda (backend {backend}) but this process sees no CUDA "
                          "device; give the container a GPU, or run with backend gloo on the CPU")
     count = torch.cuda.device_count()
-    if run.backend == "nccl" and local_rank >= count:
+    if backend == "nccl" and local_rank >= count:
         raise InputError(f"local rank {local_rank} needs its own GPU for NCCL, but this node has {count}; start at "
                          f"most {count} ranks per node")
     index = local_rank % count
@@ -759,7 +759,7 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
         raise InputError(f"the plan has {layout.world_size} stage replicas (degrees {list(layout.degrees)}), but "
                          f"WORLD_SIZE is {world}; start exactly one rank per stage replica")
     role = layout.role(rank)
-    device = device_for(run, local_rank)
+    device = rank_device(run.backend, run.device, local_rank)
     module = load_stage(stage_path(context, role.stage), digest=digest)
     kwargs: dict[str, Any] = {}
     if run.backend == "nccl":

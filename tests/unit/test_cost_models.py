@@ -22,6 +22,7 @@ from flatpack.ir.profile import HostInfo, LayerProfile, Linear
 from flatpack.partitioner.cost import (CommDelay, ForkJoinPlan, Group, check_layers_fit, funcpipe, gillis, hydrozoa,
                                        pipedream, ring_allreduce_seconds, scatter_reduce_coefficients,
                                        scatter_reduce_seconds)
+from flatpack.partitioner.cost.collectives import AllReduceTerms
 from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import ChainLayer, Problem
@@ -346,7 +347,7 @@ def test_gillis_memory_budget_and_plan_conversion():
 def test_hydrozoa_hand_computed_two_by_two():
     """A×B = 2×2: shards {l0, l1} (1024 MB, 100 MiB/s) and {l2} (2048 MB, 50 MiB/s); each
     group pipelines ⌈4/2⌉ = 2 micro-batches of 2 samples; β (per round) = 0.01 s."""
-    cost = hydrozoa.iteration(problem(), TWO_STAGES, per_round_overhead_s=0.01)
+    cost = hydrozoa.iteration(problem(), TWO_STAGES, AllReduceTerms(beta_s=0.01))
     assert (cost.data_parallel, cost.model_parallel, cost.micro_batches) == (2, 2, 2)
     assert [s.forward_s for s in cost.shards] == [1.5, 2.0] and [s.backward_s for s in cost.shards] == [3.0, 4.0]
     assert cost.shards[1].comm_in_s == pytest.approx(10 / 50)       # a/D at the slower side
@@ -361,7 +362,7 @@ def test_hydrozoa_hand_computed_two_by_two():
 
 
 def test_hydrozoa_single_group_has_no_allreduce():
-    cost = hydrozoa.iteration(problem(), plan((0, 1, 1024, 1), (2, 2, 2048, 1)), 1e-9, 0.5)
+    cost = hydrozoa.iteration(problem(), plan((0, 1, 1024, 1), (2, 2, 2048, 1)), AllReduceTerms(1e-9, 0.5))
     assert cost.sync_s == 0.0 and cost.micro_batches == 4
     assert cost.iteration_s == pytest.approx(10.5 + 0.4 + 3 * 6.0)
 

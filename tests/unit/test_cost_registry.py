@@ -9,6 +9,7 @@ import pytest
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost import gillis, hydrozoa
+from flatpack.partitioner.cost.collectives import AllReduceTerms
 from flatpack.partitioner.cost.gillis import CommDelay
 from flatpack.partitioner.cost.registry import (COST_MODEL_REGISTRY, COST_MODELS, DEFAULT_MODELS, CostModel,
                                                 GillisModel, HydrozoaModel, cost_model_for, entry, label_of,
@@ -102,9 +103,9 @@ def test_hydrozoa_s_typed_options_come_from_the_problem_s_and_price_the_plan():
     target = problem_on("container", TRAIN, hydrozoa_alpha=1e-9, hydrozoa_beta=2e-3)
     model = cost_model_for(target)
     assert model == HydrozoaModel(alpha=1e-9, beta=2e-3)
-    assert sync_overheads(target) == (1e-9, 2e-3)
+    assert sync_overheads(target) == AllReduceTerms(1e-9, 2e-3)
     uniform = plan((0, 1, 1024, 2), (2, 2, 2048, 2))
-    direct = hydrozoa.iteration(target, uniform, 1e-9, 2e-3)
+    direct = hydrozoa.iteration(target, uniform, AllReduceTerms(1e-9, 2e-3))
     evaluation = evaluate(target, uniform)
     assert (evaluation.time_s, evaluation.dollars, evaluation.fits) == (direct.iteration_s,
                                                                         direct.dollars_per_iteration, direct.fits)

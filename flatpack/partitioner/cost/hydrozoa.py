@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
+from flatpack.partitioner.cost.collectives import AllReduceTerms, measured_terms
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               micro_batches_per_replica, stage_memory, stage_tier, to_json,
                                               uniform_replicas)
@@ -87,12 +87,30 @@ def model_parallel_seconds(forward: list[float], backward: list[float], comm: li
     return total, forward_lag, backward_lag
 
 
-def iteration(problem: Problem, plan: Plan, per_byte_overhead_s: float = 0.0,
-              per_round_overhead_s: float = 0.0) -> HybridCost:
+EQUATION_ONLY = AllReduceTerms()   # §3.4's ring with α = β = 0, nothing measured
+
+
+def sync_overheads(problem: Problem, alpha: float | None = None, beta: float | None = None) -> AllReduceTerms:
+    """The all-reduce's terms: where neither α nor β is given, what ``flatpack calibrate
+    --target gpu-container`` measured (``problem.calibration``: the fitted α, β, δ, γ anchored
+    to the all-reduces it timed, ``collectives.measured_terms``), else §3.4's equation alone
+    (α = β = 0). A given α or β is priced by the equation, with the calibration's other
+    terms, and not anchored: the measurements would overrule it within their sizes."""
+    fit = problem.calibration.collective_fit if problem.calibration is not None else None
+    if fit is None:
+        return AllReduceTerms(alpha or 0.0, beta or 0.0)
+    if alpha is None and beta is None:
+        return measured_terms(fit)
+    return AllReduceTerms(fit.alpha_s_per_byte if alpha is None else alpha, fit.beta_s if beta is None else beta,
+                          fit.per_call_s, fit.copy_s_per_byte)
+
+
+def iteration(problem: Problem, plan: Plan, sync: AllReduceTerms = EQUATION_ONLY) -> HybridCost:
     """Time, cost and memory of one iteration of the A×B strategy ``plan`` (B = its stages,
     A = their common replicas), 002_ac11226e9c721a68.txt §3.4: T_ij = T^(M)_ij + T^(D)_ij,
-    T = max_ij T_ij. ``per_byte_overhead_s`` and ``per_round_overhead_s`` are the paper's α
-    and β, fitted by regression on a few runs (§3.4)."""
+    T = max_ij T_ij. ``sync`` prices T^(D): the paper's α and β, fitted by regression on a
+    few runs (§3.4), and the measured additions (``collectives.AllReduceTerms``;
+    :func:`sync_overheads` gives the problem's); the default is the equation with α = β = 0."""
     check_training_plan(problem, plan, "Hydrozoa")
     groups = uniform_replicas(plan, "Hydrozoa")
     micro_batches = micro_batches_per_replica(problem, groups)
@@ -112,20 +130,19 @@ def iteration(problem: Problem, plan: Plan, per_byte_overhead_s: float = 0.0,
     shards = []
     for j, (stage, tier) in enumerate(zip(plan.stages, tiers)):
         grads = gradient_bytes(problem, stage.start, stage.end)
-        allreduce = ring_allreduce_seconds(grads, groups, tier.bandwidth_bytes_s, per_byte_overhead_s,
-                                           per_round_overhead_s)
+        allreduce = sync.seconds(grads, groups, tier.bandwidth_bytes_s)
         memory = stage_memory(problem, stage.start, stage.end, tier,
                               micro_batches_in_flight=micro_batches)
         shards.append(ShardCost(j, stage.start, stage.end, tier.memory_mb, forward[j], backward[j], comm[j], grads,
                                 allreduce, memory, memory.total, memory.fits))
 
-    sync = max(shard.allreduce_s for shard in shards)
-    iteration_s = model_parallel + sync
+    slowest_sync = max(shard.allreduce_s for shard in shards)
+    iteration_s = model_parallel + slowest_sync
     unfit = next((shard.index for shard in shards if not shard.fits), None)
     return HybridCost(
         data_parallel=groups, model_parallel=len(shards), micro_batches=micro_batches, micro_batch_size=micro,
         shards=tuple(shards), forward_lag_s=forward_lag, backward_lag_s=backward_lag,
-        model_parallel_s=model_parallel, sync_s=sync, iteration_s=iteration_s,
+        model_parallel_s=model_parallel, sync_s=slowest_sync, iteration_s=iteration_s,
         dollars_per_iteration=iteration_s * groups * sum(tier.price_per_s for tier in tiers),
         fits=unfit is None, unfit_stage=unfit,
     )

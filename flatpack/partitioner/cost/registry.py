@@ -136,7 +136,8 @@ class GillisModel(CostModel):
 @dataclass(frozen=True)
 class HydrozoaModel(CostModel):
     """Hydrozoa's A×B hybrid on GPU containers (``cost/hydrozoa.py``); ``alpha`` and
-    ``beta`` are its all-reduce overheads per byte and per round (§3.4)."""
+    ``beta`` are its all-reduce overheads per byte and per round (§3.4); None: the ones
+    ``flatpack calibrate --target gpu-container`` fitted, else 0 (``hydrozoa.sync_overheads``)."""
 
     name: ClassVar[str] = hydrozoa.MODEL
     label: ClassVar[str] = "Hydrozoa"
@@ -146,15 +147,16 @@ class HydrozoaModel(CostModel):
     tier_per_stage: ClassVar[bool] = True
     degree_per_stage: ClassVar[bool] = False
 
-    alpha: float = 0.0
-    beta: float = 0.0
+    alpha: float | None = None
+    beta: float | None = None
 
     @classmethod
     def of_options(cls, options: ProblemOptions) -> HydrozoaModel:
-        return cls(alpha=float(options.hydrozoa_alpha), beta=float(options.hydrozoa_beta))
+        return cls(alpha=None if options.hydrozoa_alpha is None else float(options.hydrozoa_alpha),
+                   beta=None if options.hydrozoa_beta is None else float(options.hydrozoa_beta))
 
     def price(self, problem: Problem, plan: Plan) -> Priced:
-        cost = hydrozoa.iteration(problem, plan, self.alpha, self.beta)
+        cost = hydrozoa.iteration(problem, plan, hydrozoa.sync_overheads(problem, self.alpha, self.beta))
         return Priced(cost.iteration_s, cost.dollars_per_iteration, cost.fits, cost)
 
 

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.cost.collectives import ring_allreduce_seconds
+from flatpack.partitioner.cost.collectives import AllReduceTerms
 from flatpack.partitioner.cost.common import stage_memory
 from flatpack.units import mb
-from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
+from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds, sync_overheads as calibrated_overheads
 from flatpack.partitioner.cost.registry import HydrozoaModel
 from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
                                             with_micro_batches)
@@ -61,10 +61,10 @@ BEAM_WIDTH = 8            # labels per state in the pass that finds a first incu
 BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never prunes an optimum
 
 
-def sync_overheads(problem: Problem) -> tuple[float, float]:
-    """Hydrozoa's α (per byte) and β (per round) of the all-reduce, as ``evaluate`` reads them."""
+def sync_overheads(problem: Problem) -> AllReduceTerms:
+    """The all-reduce's terms (Hydrozoa's α, β; the calibration's δ, γ), as ``evaluate`` reads them."""
     model = HydrozoaModel.of_options(problem.options)
-    return model.alpha, model.beta
+    return calibrated_overheads(problem, model.alpha, model.beta)
 
 
 class ShardTables:
@@ -79,7 +79,7 @@ class ShardTables:
         self.per_group = math.ceil(micro_batches / groups)   # µ
         self.tiers: list[Tier] = [problem.platform.tier(memory) for memory in memory_mb]
         self.prices = [tier.price_per_s for tier in self.tiers]
-        alpha, beta = sync_overheads(problem)
+        sync_terms = sync_overheads(problem)
         micro = problem.workload.micro_batch_size
         layer = [[problem.layer_seconds(i, tier, micro) for i in range(count)] for tier in self.tiers]
         grads = [problem.layer_profile(i).grad_bytes for i in range(count)]
@@ -97,8 +97,7 @@ class ShardTables:
                     forward += layer[t][j][0]
                     backward += layer[t][j][1]
                     sync += grads[j]
-                    rows.append((forward, backward, ring_allreduce_seconds(sync, groups, tier.bandwidth_bytes_s,
-                                                                           alpha, beta)))
+                    rows.append((forward, backward, sync_terms.seconds(sync, groups, tier.bandwidth_bytes_s)))
                 per_tier.append(rows)
             self.stage.append(per_tier)
         # comm[j][p][t]: c of the cut after layer j between a stage on tier p and one on tier t
@@ -110,10 +109,10 @@ class ShardTables:
         # least_cut[position][tier]: a floor under the next cut, hence under both lags
         self.least_cut = [[self._least_comm(position, tier) for tier in range(len(self.tiers))]
                           for position in range(count + 1)]
-        self._bounds(layer, grads, alpha, beta)
+        self._bounds(layer, grads, sync_terms)
         self._next: dict[tuple[int, int | None], NextStages] = {}
 
-    def _bounds(self, layer: list[list[tuple[float, float]]], grads: list[int], alpha: float, beta: float) -> None:
+    def _bounds(self, layer: list[list[tuple[float, float]]], grads: list[int], sync_terms: AllReduceTerms) -> None:
         """What layers i.. must still add, whatever the plan: floors under t_k, r_1 and
         max T^(D) (the stage holding layer l costs at least l alone on its best tier), and
         the least Σ(f + b) + 2Σc and the least price of any completion (additive, so exact
@@ -125,8 +124,7 @@ class ShardTables:
         for i in range(count - 1, -1, -1):
             self.floor_forward[i] = max(self.floor_forward[i + 1], min(layer[t][i][0] for t in tiers))
             self.floor_backward[i] = max(self.floor_backward[i + 1], min(layer[t][i][1] for t in tiers))
-            sync = min(ring_allreduce_seconds(grads[i], self.groups, self.tiers[t].bandwidth_bytes_s, alpha, beta)
-                       for t in tiers)
+            sync = min(sync_terms.seconds(grads[i], self.groups, self.tiers[t].bandwidth_bytes_s) for t in tiers)
             self.floor_sync[i] = max(self.floor_sync[i + 1], sync)
         # rest_time[i][p]: after a stage on tier p (len(tiers): none) that ends at layer i − 1
         self.rest_time = [[math.inf] * (len(self.tiers) + 1) for _ in range(count + 1)]
