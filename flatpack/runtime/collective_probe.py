@@ -23,7 +23,9 @@ them (``partitioner.cost.collectives.fit_ring``).
 Run it under ``torchrun`` (or with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
 set), in a cluster as on one machine::
 
-    python -m flatpack.runtime.collective_probe --backend nccl --device cuda --out probe.json
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m flatpack.runtime.collective_probe \\
+        --backend nccl --device cuda --out probe.json
+    flatpack calibrate --target gpu-container --from-probe probe.json --out gpu.json
 """
 
 from __future__ import annotations
