@@ -35,7 +35,8 @@ import torch
 
 import flatpack
 from flatpack.backends import profiling
-from flatpack.backends.gpu_container import _free_port as free_port   # how a rendezvous port is found
+# how a rendezvous port is found and a rank's log is quoted
+from flatpack.backends.gpu_container import _free_port as free_port, _tail
 from flatpack.errors import InputError, PlanError, RunFailure
 from flatpack.partitioner.cost.collectives import fit_ring
 from flatpack.platform.calibration import Calibration, CollectiveFit, TargetInfo, TierCalibration
@@ -113,32 +114,27 @@ def measure(*, ranks: int = DEFAULT_RANKS, backend: str | None = None, device: s
 def _wait(processes: dict[int, subprocess.Popen], directory: Path, timeout_s: float) -> None:
     """Waits for every rank; on the first failure or the deadline stops the others and
     raises with the failed rank's log tail."""
+    def log(rank: int) -> str:
+        return _tail(directory / f"rank_{rank}.log", LOG_TAIL_LINES)
+
     deadline = time.monotonic() + timeout_s
     try:
         while any(process.poll() is None for process in processes.values()):
             failed = [rank for rank, process in processes.items() if process.returncode not in (None, 0)]
             if failed:
-                raise RunFailure(f"collective probe rank {failed[0]} failed:\n{_tail(directory, failed[0])}")
+                raise RunFailure(f"collective probe rank {failed[0]} failed:\n{log(failed[0])}")
             if time.monotonic() > deadline:
                 raise RunFailure(f"the collective probe did not finish in {timeout_s:g} s (raise --timeout); rank 0's "
-                                 f"log:\n{_tail(directory, 0)}")
+                                 f"log:\n{log(0)}")
             time.sleep(0.05)
         failed = [rank for rank, process in processes.items() if process.returncode != 0]
         if failed:
-            raise RunFailure(f"collective probe rank {failed[0]} failed:\n{_tail(directory, failed[0])}")
+            raise RunFailure(f"collective probe rank {failed[0]} failed:\n{log(failed[0])}")
     finally:
         for process in processes.values():
             if process.poll() is None:
                 process.kill()
                 process.wait()
-
-
-def _tail(directory: Path, rank: int) -> str:
-    try:
-        lines = (directory / f"rank_{rank}.log").read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
 def fitted(result: Mapping[str, Any], source: str = "the collective probe's result") -> CollectiveFit:

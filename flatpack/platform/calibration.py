@@ -67,6 +67,7 @@ measurements would look measured while being a model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -414,10 +415,11 @@ class Calibration:
         it was made with."""
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
-    @property
+    @functools.cached_property
     def collective_fit(self) -> CollectiveFit | None:
         """The measured collective (``flatpack calibrate --target gpu-container``), or None
-        where the file says why it was not measured or has none."""
+        where the file says why it was not measured or has none. Parsed once: Hydrozoa's
+        model reads it for every plan it prices."""
         if not self.collective or "skipped" in self.collective:
             return None
         return CollectiveFit.from_json(self.collective)

@@ -9,12 +9,13 @@ them, at several message sizes.
   through the host).
 * **All-reduce** — among ranks 0..k−1 for every k from 2 to the world size, each rank sums
   its gradients with the others as a stage's replicas do
-  (``StageRank._all_reduce``: flattened into one buffer, through the host with gloo, and
-  copied back into each gradient). A round is timed from a barrier to the rank's end, and the
-  round's time is that of the rank that reached the all-reduce last, the least of the ranks'
-  times: the others' include waiting for it (ranks leave a barrier at different moments), and
-  Hydrozoa's T^(D) starts when the last replica has its gradients. A real run's all-reduce is
-  read the same way (``benchmarks/collective_fidelity.py``).
+  (``distributed.all_reduce_gradients``, which ``StageRank._all_reduce`` calls: flattened
+  into one buffer, through the host with gloo, and copied back into each gradient). A round
+  is timed from a barrier to the rank's end, and the round's time is that of the rank that
+  reached the all-reduce last, the least of the ranks' times: the others' include waiting
+  for it (ranks leave a barrier at different moments), and Hydrozoa's T^(D) starts when the
+  last replica has its gradients. A real run's all-reduce is read the same way
+  (``benchmarks/collective_fidelity.py``).
 
 Rank 0 writes the medians (seconds per size) as JSON; ``backends.collective_calibration``
 starts the ranks and fits the link's latency and bandwidth and Hydrozoa's all-reduce α, β to
@@ -44,8 +45,7 @@ import torch
 import torch.distributed as dist
 
 from flatpack.errors import InputError
-from flatpack.runtime.distributed import rank_device
-from flatpack.runtime.training import assign_flat_grads, flat_grads
+from flatpack.runtime.distributed import all_reduce_gradients, rank_device, transport_device
 
 RESULT_FORMAT = "flatpack-collective-probe"
 # 4 KB to 64 MB: a small activation to a large stage's gradients; the smallest sizes fix the
@@ -63,18 +63,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _transport(backend: str, device: torch.device) -> torch.device:
-    """Where the backend needs a tensor to move it (the rank program's ``Messenger.transport``)."""
-    return device if backend == "nccl" else torch.device("cpu")
-
-
 def time_point_to_point(nbytes: int, backend: str, device: torch.device, rounds: int) -> list[float]:
     """Seconds of one message of ``nbytes`` from rank 0 to rank 1, per round (half a ping-pong);
     ranks beyond 1 take no part and return an empty list."""
     rank = dist.get_rank()
     if rank > 1:
         return []
-    transport = _transport(backend, device)
+    transport = transport_device(backend, device)
     elements = max(1, nbytes // 4)
     payload = torch.ones(elements, device=device)
     seconds = []
@@ -100,7 +95,8 @@ def time_all_reduce(nbytes: int, backend: str, device: torch.device, rounds: int
     ``group``, per round, each round started at a barrier of every rank; a rank outside the
     group takes no part and returns an empty list. The rank program's ``_all_reduce`` step
     for step: the gradients of ``PARAMETERS`` parameters flattened into one buffer, moved to
-    the host for gloo, summed, and copied back into each gradient."""
+    the host for gloo, summed, and copied back into each gradient (``all_reduce_gradients``,
+    which the rank program calls)."""
     member = group is not None and dist.get_rank() in dist.get_process_group_ranks(group)
     elements = max(PARAMETERS, nbytes // 4)
     counts = [elements // PARAMETERS + (index < elements % PARAMETERS) for index in range(PARAMETERS)]
@@ -114,11 +110,7 @@ def time_all_reduce(nbytes: int, backend: str, device: torch.device, rounds: int
         if not member:
             continue
         began = time.perf_counter()
-        flat = flat_grads(parameters)
-        if backend == "gloo":
-            flat = flat.cpu()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        assign_flat_grads(parameters, flat.to(device))
+        all_reduce_gradients(parameters, backend, device, group)
         _synchronize(device)
         seconds.append(time.perf_counter() - began)
     return seconds

@@ -401,6 +401,21 @@ class Messenger:
         self.pending.clear()
 
 
+def transport_device(backend: str, device: torch.device) -> torch.device:
+    """Where the backend needs a tensor to move it: the compute device for NCCL, the host for
+    gloo (which moves CPU tensors only)."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def all_reduce_gradients(params: Sequence[nn.Parameter], backend: str, device: torch.device, group: Any) -> None:
+    """Sums ``params``' gradients over ``group``: one flat buffer, one collective, through the
+    host for gloo, the sum copied back into each gradient (a stage's replicas synchronizing;
+    ``collective_probe`` times exactly this)."""
+    flat = flat_grads(params).to(transport_device(backend, device))
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    assign_flat_grads(params, flat.to(device))
+
+
 # -- one rank --------------------------------------------------------------------------------
 
 class StageRank:
@@ -426,8 +441,7 @@ class StageRank:
         self.accumulated = 0    # iterations whose gradients .grad holds since the last step
         self.channels = channels
         self.recorder = timeline.Recorder(role.stage, role.replica)
-        transport = device if run.backend == "nccl" else torch.device("cpu")
-        self.messenger = Messenger(channels, transport, device, self.recorder)
+        self.messenger = Messenger(channels, transport_device(run.backend, device), device, self.recorder)
         self.data_dir = data_dir
         self.is_last = role.stage == len(self.spec.stages) - 1
         self.losses: dict[int, float] = {}
@@ -590,12 +604,7 @@ class StageRank:
         """Sums the named parameters' gradients over ``group`` (one flat buffer, one collective)."""
         if group is None or not names:
             return
-        params = [self.trainable[name] for name in names]
-        flat = flat_grads(params)
-        if self.run.backend == "gloo":
-            flat = flat.cpu()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        assign_flat_grads(params, flat.to(self.device))
+        all_reduce_gradients([self.trainable[name] for name in names], self.run.backend, self.device, group)
 
     def _synchronize(self, iteration: int) -> None:
         with self.recorder.task("sync", iteration):

@@ -83,23 +83,30 @@ def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_s: float
     return 2 * (workers - 1) * (chunk / bandwidth_bytes_s + per_byte_overhead_s * chunk + per_round_overhead_s)
 
 
+def _least_relative_squares(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> list[float]:
+    """The non-negative x that minimizes Σ((row·x − t)/t)² (scipy's non-negative least
+    squares on rows and times each divided by its t): relative error, so that measured
+    times four orders of magnitude apart weigh alike."""
+    # start-up time: scipy.optimize takes a second to load, and only a calibration fits lines
+    from scipy.optimize import nnls
+
+    weights = 1.0 / np.array(seconds, dtype=float)
+    solution, _ = nnls(np.array(rows, dtype=float) * weights[:, None], np.array(seconds, dtype=float) * weights)
+    return [float(value) for value in solution]
+
+
 def fit_line(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """(fixed seconds, seconds per byte) of the line t = a + b·n through measured (n, t),
     both at least 0, by least squares on relative error (each residual divided by its t):
     the sizes span four orders of magnitude, and plain least squares would fit the largest
-    few and leave the fixed term to their rounding (scipy's non-negative least squares)."""
-    # start-up time: scipy.optimize takes a second to load, and only a calibration fits lines
-    from scipy.optimize import nnls
-
+    few and leave the fixed term to their rounding (:func:`_least_relative_squares`)."""
     if len(sizes_bytes) != len(seconds) or len(seconds) < 2:
         raise PlanError(f"a line needs two measured points or more, got {len(sizes_bytes)} sizes and "
                         f"{len(seconds)} times")
     if any(t <= 0 or not math.isfinite(t) for t in seconds):
         raise PlanError(f"measured seconds must be positive and finite, got {list(seconds)}")
-    weights = np.array([1.0 / t for t in seconds])
-    design = np.array([[1.0, float(n)] for n in sizes_bytes]) * weights[:, None]
-    (fixed, per_byte), _ = nnls(design, np.array(seconds, dtype=float) * weights)
-    return float(fixed), float(per_byte)
+    fixed, per_byte = _least_relative_squares([[1.0, float(n)] for n in sizes_bytes], seconds)
+    return fixed, per_byte
 
 
 @dataclass(frozen=True)
@@ -175,9 +182,6 @@ def fit_ring(sizes_bytes: Sequence[float], point_to_point_s: Sequence[float],
     (another algorithm), α = 0 and ``ring_error`` (the largest relative error over every
     size and count) says how far off the equation is; a plan is priced with the equation
     anchored to the measurements (:func:`measured_terms`), which meets every one."""
-    # start-up time: as fit_line
-    from scipy.optimize import nnls
-
     counts = sorted(all_reduce_s)
     if not counts or counts[0] < 2:
         raise PlanError(f"an all-reduce's terms are measured among two workers or more, got counts {counts}")
@@ -197,10 +201,9 @@ def fit_ring(sizes_bytes: Sequence[float], point_to_point_s: Sequence[float],
             # unknowns: β, the ring's per-chunk-byte (1/D + α), δ, γ
             rows.append([rounds, rounds * n / workers, 1.0, float(n)][:2 if len(counts) == 1 else 4])
             times.append(float(t))
-    weights = 1.0 / np.array(times)
-    solution, _ = nnls(np.array(rows) * weights[:, None], np.array(times) * weights)
-    beta, chunk_per_byte = float(solution[0]), float(solution[1])
-    per_call, copy = (float(solution[2]), float(solution[3])) if len(counts) > 1 else (0.0, 0.0)
+    solution = _least_relative_squares(rows, times)
+    beta, chunk_per_byte = solution[0], solution[1]
+    per_call, copy = (solution[2], solution[3]) if len(counts) > 1 else (0.0, 0.0)
     terms = AllReduceTerms(max(0.0, chunk_per_byte - 1.0 / bandwidth), beta, per_call, copy)
     ring_error = max(abs(terms.equation_seconds(n, workers, bandwidth) - t) / t
                      for workers in counts for n, t in zip(sizes_bytes, all_reduce_s[workers]))
