@@ -94,6 +94,10 @@ def test_fit_ring_refuses_one_worker_and_times_that_do_not_grow():
         fit_ring(SIZES, point_to_point, {1: all_reduce})
     with pytest.raises(PlanError, match="do not grow with the message size"):
         fit_ring(SIZES, [1e-3] * len(SIZES), {2: all_reduce})
+    # flat times over sizes whose non-negative fit rounds to a slope of 1e-26 s/byte
+    three = (1 << 12, 1 << 18, 1 << 24)
+    with pytest.raises(PlanError, match="do not grow with the message size"):
+        fit_ring(three, [1e-3] * 3, {2: [ring_allreduce_seconds(n, 2, BANDWIDTH) for n in three]})
     with pytest.raises(PlanError, match="one positive time per size"):
         fit_ring(SIZES, point_to_point, {2: all_reduce[:-1]})
 
