@@ -16,7 +16,10 @@ memory) and its median iteration is set beside:
   in the order the runtime issues 1F1B's tasks (``report.predicted_schedule``), whose span
   exceeds FuncPipe's t_iter when transfers are as long as the compute.
 
-Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
+Every case runs ``--rounds`` times (default 3), round after round, each round profiling the
+models afresh: the host's speed moves for seconds to minutes at a time (BENCHMARKS.md), so a
+plan's figures are the medians of its rounds, and each round's own MAPE is printed beside
+them. Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
 billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
 up to the platform's granularity, at its tier's price); per model the Spearman rank
 correlation of predicted vs measured iteration time across its plans; the MAPE of both.
@@ -29,7 +32,7 @@ run it on a quiet machine.
 ``runtime.refit.replan``), runs the new plan and measures it.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
-        [--models vgg16,rnn-3] [--iterations 7]
+        [--models vgg16,rnn-3] [--iterations 7] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -198,6 +201,19 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "result": result}
 
 
+MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One plan's rounds as one row: the median of each measured and predicted figure, the
+    errors between those medians; the first round's run is kept (its timeline re-plans)."""
+    row = {**runs[0], **{key: statistics.median(run[key] for run in runs) for key in MEDIAN_KEYS}}
+    row.update(error=row["predicted"] / row["measured"] - 1,
+               uncalibrated_error=row["uncalibrated"] / row["measured"] - 1,
+               dollar_error=row["dollars"] / row["billed"] - 1, rounds=runs)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three cases only")
@@ -214,15 +230,15 @@ def main() -> None:
                         help="also serve benchmarks/forkjoin_split.py's fork-join plans (Gillis: master alone, "
                              "channel split p = 2..4, batch split) and print predicted vs measured latency")
     parser.add_argument("--reuse-profiles", action="store_true",
-                        help="use the profile cache (default: profile every model afresh in this run)")
+                        help="use the profile cache (default: profile every model afresh in each round)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run every case this many times, round after round, each round profiling afresh; a "
+                             "plan's figures are its rounds' medians (default 3; 1: one run per plan)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
-        if not args.reuse_profiles:
-            # a cached profile may have been measured while the host was busy (every time in it
-            # stretched by the other work), and then every prediction made from it is too long
-            os.environ[CACHE_ENV] = str(Path(scratch) / "profiles")
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
-        rows = []
         cases = QUICK if args.quick else CASES
         if args.models:
             wanted = args.models.split(",")
@@ -231,14 +247,22 @@ def main() -> None:
                 parser.error(f"--models: no cases for {', '.join(unknown)}; "
                              f"choose from {', '.join(dict.fromkeys(case.model for case in CASES))}")
             cases = tuple(case for case in cases if case.model in wanted)
-        for case in cases:
-            row = measure(case, args.iterations, calibration)
-            rows.append(row)
-            print(f"  {case.model} {case.label}: predicted {row['predicted'] * 1000:.0f} ms, measured "
-                  f"{row['measured'] * 1000:.0f} ms ({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f})",
-                  file=sys.stderr, flush=True)
-            if args.verbose:
-                print(row["table"], file=sys.stderr)
+        runs: list[list[dict]] = [[] for _ in cases]
+        for round_index in range(args.rounds):
+            if not args.reuse_profiles:
+                # a cached profile may have been measured while the host was busy (every time in it
+                # stretched by the other work), and then every prediction made from it is too long;
+                # each round profiles afresh, so one slow moment does not decide every round
+                os.environ[CACHE_ENV] = str(Path(scratch) / f"profiles-{round_index}")
+            for index, case in enumerate(cases):
+                row = measure(case, args.iterations, calibration)
+                runs[index].append(row)
+                print(f"  round {round_index + 1}: {case.model} {case.label}: predicted "
+                      f"{row['predicted'] * 1000:.0f} ms, measured {row['measured'] * 1000:.0f} ms "
+                      f"({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                if args.verbose:
+                    print(row["table"], file=sys.stderr)
+        rows = [median_row(case_runs) for case_runs in runs]
         forkjoin_rows = []
         if args.forkjoin:
             # the fork-join benchmark imports this module's calibrate: imported here, not at the top
@@ -252,7 +276,8 @@ def main() -> None:
                 replans.append(measure_replan(first["case"], args.iterations, calibration, first["result"]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores, 1-minute load "
           f"average {os.getloadavg()[0]:.1f} at the end (a quiet host: about the run's own workers); "
-          f"{args.iterations} iterations per case, median of all but the first two\n")
+          f"{args.iterations} iterations per case, median of all but the first two; {args.rounds} round(s), each "
+          f"plan's figures the median of its rounds\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
           "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -268,6 +293,11 @@ def main() -> None:
         errors = [abs(row[key]) for row in rows]
         print(f"MAPE {what}: {statistics.mean(errors) * 100:.1f}% over {len(rows)} plans "
               f"(median {statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%)")
+    if args.rounds > 1:
+        for round_index in range(args.rounds):
+            errors = [abs(row["rounds"][round_index]["error"]) for row in rows]
+            print(f"  round {round_index + 1} alone: calibrated MAPE {statistics.mean(errors) * 100:.1f}% "
+                  f"(median {statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%)")
     for model in dict.fromkeys(row["case"].model for row in rows):
         mine = [row for row in rows if row["case"].model == model]
         if len(mine) < 2:

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatpack.batching import batch_rows, has_batch_dimension
 from flatpack.codegen.emit import emit_stages
+from flatpack.cpus import pinned, runs_per_cpu, usable_cpus
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
@@ -240,7 +241,9 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
         modules.append(build_module(artifact, f"<flatpack profile layer {artifact.index}>").to(device))
     sizes = sorted(set(options.batch_sizes))
     per_size = options.max_seconds / len(sizes) if options.max_seconds else None
-    progress = _Progress((options.warmup + options.repeats + count) * len(sizes), _progress_enabled(options))
+    cpus = measurement_cpus(device)
+    runs = len(_run_schedule(cpus, options.warmup, options.repeats))
+    progress = _Progress((runs + count) * len(sizes), _progress_enabled(options))
     samples: list[dict[int, _Sample]] = [{} for _ in range(count)]
     input_names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
     refused: dict[int, str] = {}
@@ -251,11 +254,11 @@ def _measure(graph: LayerGraph, inputs: list[Any], example_batch: int,
                 env = _reference_values(modules, input_names, _resize(inputs, batch, example_batch, device))
             except Exception as err:  # noqa: BLE001 - any refusal means: fit over the other sizes
                 refused[batch] = _first_line(err)
-                progress.skip(options.warmup + options.repeats + count)
+                progress.skip(runs + count)
                 continue
             training, inference = _time_chain(modules, env, grad_values, repeats=options.repeats,
                                               warmup=options.warmup, budget_s=per_size, progress=progress,
-                                              batch=batch, clock=host_clock(device))
+                                              batch=batch, clock=host_clock(device), cpus=cpus)
             for index, module in enumerate(modules):
                 progress.step(f"memory of layer {index} ({graph.layers[index].name}) at batch {batch}")
                 samples[index][batch] = _layer_sample(module, _layer_inputs(module, env, grad_values),
@@ -303,11 +306,30 @@ def host_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
+def measurement_cpus(device: torch.device) -> tuple[int | None, ...]:
+    """The CPUs a host profile shares its timed runs among: every usable one when it times
+    by the profiling thread's CPU seconds (one thread on the CPU, ``host_clock``), where
+    pinning the thread costs nothing; else ``(None,)``, unpinned (more threads would be held
+    to one CPU)."""
+    return usable_cpus() if host_clock(device) is time.thread_time else (None,)
+
+
+def _run_schedule(cpus: Sequence[int | None], warmup: int, repeats: int) -> list[tuple[int | None, bool]]:
+    """(cpu, timed) per run through the chain: ``warmup`` untimed runs on the first CPU, then
+    its share of the ``repeats`` timed ones; on each further CPU one untimed run (the move
+    leaves its caches cold; none when ``warmup`` is 0), then its share."""
+    schedule: list[tuple[int | None, bool]] = []
+    for index, (cpu, share) in enumerate(zip(cpus, runs_per_cpu(repeats, len(cpus)))):
+        schedule += [(cpu, False)] * (warmup if index == 0 else min(warmup, 1)) + [(cpu, True)] * share
+    return schedule
+
+
 def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Collection[str], *, repeats: int,
                 warmup: int, budget_s: float | None = None, progress: _Progress | None = None, batch: int = 0,
                 execute: Callable[[Callable[[], Any]], Any] = _direct,
                 inference: bool = True,
-                clock: Callable[[], float] = time.perf_counter) -> tuple[list[tuple[float, float]], list[float]]:
+                clock: Callable[[], float] = time.perf_counter,
+                cpus: Sequence[int | None] = (None,)) -> tuple[list[tuple[float, float]], list[float]]:
     """Median forward and backward seconds of every layer, and with ``inference`` its no-grad
     forward's, over ``repeats`` timed runs after ``warmup`` untimed ones, timed the way a
     stage runs them: forward through all layers in order (each on its predecessors' fresh
@@ -321,49 +343,73 @@ def _time_chain(modules: list[nn.Module], env: dict[str, Any], grad_values: Coll
     runs each timed computation: directly, or through a tier's CPU throttle
     (``runtime.function.cpu_throttle``) when profiling inside an emulated tier, and ``clock``
     times it: wall time, or an emulated tier's own clock (``runtime.function.emulated_clock``:
-    CPU seconds over the tier's share, which the host's other load does not inflate). Returns
+    CPU seconds over the tier's share, which the host's other load does not inflate).
+    ``cpus``: the timed runs are shared among these CPUs, the calling thread pinned to each
+    in turn (``flatpack.cpus``; ``None``: where it runs), each CPU's first run after the move
+    untimed, and a layer's figure is its per-CPU medians' mean. Returns
     (forward, backward) per layer, and the no-grad forward per layer (empty when not
     ``inference``)."""
-    forward_times: list[list[float]] = [[] for _ in modules]
-    backward_times: list[list[float]] = [[] for _ in modules]
-    inference_times: list[list[float]] = [[] for _ in modules]
+    schedule = _run_schedule(cpus, warmup, repeats)
+    forward_times: dict[int | None, list[list[float]]] = {cpu: [[] for _ in modules] for cpu in cpus}
+    backward_times: dict[int | None, list[list[float]]] = {cpu: [[] for _ in modules] for cpu in cpus}
+    inference_times: dict[int | None, list[list[float]]] = {cpu: [[] for _ in modules] for cpu in cpus}
     synchronize = _synchronizer(list(env.values()))
     started = time.perf_counter()
-    for run in range(warmup + repeats):
-        if progress is not None:
-            progress.step(f"{'warm-up' if run < warmup else 'timed'} run {run + 1} at batch {batch}")
-        values = dict(env)
-        outputs = []
-        for index, module in enumerate(modules):
-            args = _layer_inputs(module, values, grad_values)
-            synchronize()
-            begin = clock()
-            result = execute(lambda: module(*args))
-            synchronize()
-            forward_times[index].append(clock() - begin)
-            outputs.append(result)
-            names = stage_manifest(module).output_names
-            values.update(zip(names, (value.detach() if isinstance(value, torch.Tensor) else value
-                                      for value in result)))
-        for index in reversed(range(len(modules))):
-            synchronize()
-            begin = clock()
-            execute(lambda: _backward(outputs[index]))
-            synchronize()
-            backward_times[index].append(clock() - begin)
-            outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-        if inference:
-            _serve_chain(modules, dict(env), inference_times, synchronize, execute, clock)
-        timed = run + 1 - warmup
-        if timed >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
+    timed_runs = 0
+    # a CPU's pin is held over all its runs: given back between runs, the thread could move and
+    # come back to cold caches before a timed run
+    with contextlib.ExitStack() as pin:
+        pinned_to: object = object()
+        for run, (cpu, timed) in enumerate(schedule):
+            if cpu != pinned_to:
+                pin.close()
+                pin.enter_context(pinned(cpu))
+                pinned_to = cpu
             if progress is not None:
-                progress.skip(warmup + repeats - run - 1)
-            break
-    training = [(statistics.median(forward[warmup:]), statistics.median(backward[warmup:]))
-                for forward, backward in zip(forward_times, backward_times)]
-    served = [statistics.median(times[warmup:]) for times in inference_times] if inference else []
+                progress.step(f"{'timed' if timed else 'warm-up'} run {run + 1} at batch {batch}")
+            forward_run, backward_run = [0.0] * len(modules), [0.0] * len(modules)
+            values = dict(env)
+            outputs = []
+            for index, module in enumerate(modules):
+                args = _layer_inputs(module, values, grad_values)
+                synchronize()
+                begin = clock()
+                result = execute(lambda: module(*args))
+                synchronize()
+                forward_run[index] = clock() - begin
+                outputs.append(result)
+                names = stage_manifest(module).output_names
+                values.update(zip(names, (value.detach() if isinstance(value, torch.Tensor) else value
+                                          for value in result)))
+            for index in reversed(range(len(modules))):
+                synchronize()
+                begin = clock()
+                execute(lambda: _backward(outputs[index]))
+                synchronize()
+                backward_run[index] = clock() - begin
+                outputs[index] = None  # frees the layer's saved tensors, as a stage's backward does
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+            served_run: list[list[float]] = [[] for _ in modules]
+            if inference:
+                _serve_chain(modules, dict(env), served_run, synchronize, execute, clock)
+            if timed:
+                timed_runs += 1
+                for index in range(len(modules)):
+                    forward_times[cpu][index].append(forward_run[index])
+                    backward_times[cpu][index].append(backward_run[index])
+                    inference_times[cpu][index] += served_run[index]
+            if timed_runs >= 1 and budget_s is not None and time.perf_counter() - started > budget_s:
+                if progress is not None:
+                    progress.skip(len(schedule) - run - 1)
+                break
+    measured = [cpu for cpu in cpus if forward_times[cpu][0]] if modules else []
+
+    def figure(times: dict[int | None, list[list[float]]], index: int) -> float:
+        return statistics.mean(statistics.median(times[cpu][index]) for cpu in measured)
+
+    training = [(figure(forward_times, index), figure(backward_times, index)) for index in range(len(modules))]
+    served = [figure(inference_times, index) for index in range(len(modules))] if inference else []
     return training, served
 
 

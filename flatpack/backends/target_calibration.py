@@ -57,8 +57,11 @@ HOST_REPEATS = 15
 # its iteration gap counted from the prefetched input's arrival when that is later). 3: the
 # probe pipelines run with the invoker's cheaper deletions (one list per kind of key, at most
 # once a second), which leave the store and the host less loaded: the task terms measured
-# before are larger than what a run now pays.
-METHOD_REVISION = 3
+# before are larger than what a run now pays. 4: the warm invocation times the compute and
+# optimizer probes too, each invocation beside the host's passes just before and after it, the
+# two readings averaged; every probe is timed on each usable CPU in turn (flatpack.cpus). 5: a probe
+# task's term counts from when it could start, its hand-off included (task_overheads._ready_times).
+METHOD_REVISION = 5
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -103,7 +106,6 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                          f"probe_bytes >= 1 and a positive timeout; got threads={threads}, round_trips={round_trips}, "
                          f"probe_bytes={probe_bytes}, timeout_s={timeout_s}")
     say = report or (lambda line: None)
-    host_seconds = _on_host(threads)
     failed: list[int] = []
     with contextlib.ExitStack() as cleanup:
         if deploy is None:
@@ -130,10 +132,19 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
             return (launch or deployment.launch)(role)
 
         results: dict[tuple[int, int], CalibrateResult] = {}
+        # the host's probes just before and just after each function: the host's speed moves
+        # by up to 45 % for seconds to minutes (BENCHMARKS.md, issue 19's sixth pass), so a
+        # function's reading is set beside the host's nearest in time, not the run's first
+        host_passes: dict[tuple[int, int], dict[str, float]] = {}
+        before = _on_host(threads)
         for invocation, verb in ((COLD, "calibrating (cold start)"), (WARM, "starting again (warm)")):
-            roles = [calibrate_role(keys, memory_mb, invocation, compiled.digest) for memory_mb in memory_sizes]
-            profiling._run_functions(roles, timed, 1, timeout_s, say, verb=verb)
-            for role in roles:
+            for memory_mb in memory_sizes:
+                role = calibrate_role(keys, memory_mb, invocation, compiled.digest)
+                profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
+                after = _on_host(threads)
+                host_passes[(memory_mb, invocation)] = {name: (seconds + after[name]) / 2
+                                                        for name, seconds in before.items()}
+                before = after
                 result = _collect(deployment, role)
                 if result is None:
                     failed.append(role.stage)
@@ -144,12 +155,9 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                                 for mb in sorted(set(failed)))
             raise RunFailure(f"the calibration function failed on {reasons}. "
                              + profiling._next_step(deployment, emulated))
-    # the host's probes again once the functions are done: a stretch of other load on the host
-    # during one pass (the first run's 0.49 ms conv against 0.34 in the next two, on one host)
-    # moves the ratio half as far
-    after = _on_host(threads)
-    host_seconds = {name: (seconds + after[name]) / 2 for name, seconds in host_seconds.items()}
-    measured = _tiers(memory_sizes, results, launched, host_seconds)
+    measured = _tiers(memory_sizes, results, launched, host_passes)
+    host_seconds = {name: statistics.mean(passes[name] for passes in host_passes.values())
+                    for name in next(iter(host_passes.values()))}
     requests = [seconds for (_, invocation), result in results.items() if invocation == COLD
                 for seconds in result.request_s]
     polls = [seconds for (_, invocation), result in results.items() if invocation == COLD
@@ -264,11 +272,16 @@ def _why(deployment: FunctionDeployment, role: Role) -> str:
 
 
 def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], CalibrateResult],
-           launched: dict[tuple[int, int], float], host_seconds: dict[str, float]) -> dict[int, TierCalibration]:
+           launched: dict[tuple[int, int], float],
+           host_passes: dict[tuple[int, int], dict[str, float]]) -> dict[int, TierCalibration]:
     """Per tier: compute ratios against the host, each direction's bandwidth (the probe's
     seconds beyond one request's median, as FuncPipe's t = o/W + t_lat reads), and the
     invoke latency: launch to ready, as the invoker's and the function's clocks say (on a
-    cloud target the two clocks differ by their skew, milliseconds under NTP)."""
+    cloud target the two clocks differ by their skew, milliseconds under NTP).
+
+    The cold and the warm invocation each time the compute and optimizer probes; each
+    reading is set beside the host's passes just before and after that invocation, and the
+    tier's figure is the two readings' mean."""
     tiers = {}
     for memory_mb in memory_sizes:
         cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
@@ -277,12 +290,18 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
         def bandwidth(seconds: list[float]) -> float:
             return cold.probe_bytes / max(statistics.median(seconds) - request, 1e-9)
 
+        readings = [(result, host_passes[(memory_mb, invocation)])
+                    for invocation, result in ((COLD, cold), (WARM, warm)) if result.compute_s]
+        compute_ratio = {name: statistics.mean(result.compute_s[name] / host[name] for result, host in readings)
+                         for name in readings[0][1]}
+        optimizer_s_per_byte = {name: statistics.mean(result.optimizer_s_per_byte[name] for result, _ in readings)
+                                for name in cold.optimizer_s_per_byte}
         tiers[memory_mb] = TierCalibration(
-            compute_ratio={name: cold.compute_s[name] / host_seconds[name] for name in host_seconds},
+            compute_ratio=compute_ratio,
             upload_bytes_s=bandwidth(cold.upload_s), download_bytes_s=bandwidth(cold.download_s),
             invoke_cold_s=max(0.0, cold.ready_at - launched[(memory_mb, COLD)]),
             invoke_warm_s=max(0.0, warm.ready_at - launched[(memory_mb, WARM)]),
-            optimizer_s_per_byte=dict(cold.optimizer_s_per_byte))
+            optimizer_s_per_byte=optimizer_s_per_byte)
     return tiers
 
 

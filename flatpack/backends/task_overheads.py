@@ -38,6 +38,7 @@ next input's prefetch end if later, to its next iteration's first forward); for 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import warnings
 from collections import defaultdict
@@ -169,19 +170,21 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
              for event in kept if event.micro_batch is not None}
     whole = {(event.stage, event.replica, event.iteration, event.kind): event
              for event in kept if event.micro_batch is None and event.lane == "compute"}
+    ready = _ready_times(kept, tasks)
     pairs: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for (stage, _, kind, _), event in tasks.items():
         seconds = event.end - event.start
         if kind in ("forward", "backward"):
             modelled = cost.stages[stage].forward_s if kind == "forward" else cost.stages[stage].backward_s
-            pairs[kind].append((modelled, seconds))
+            pairs[kind].append((modelled, event.end - ready[id(event)]))
         elif not boundaries:
             if kind == "prefetch":
                 pairs["download"].append(_prefetch(cost, seconds))
         elif kind == "upload":
             # activations go up from the first stage, gradients from the second
             boundary = cost.boundaries[0]
-            pairs["upload"].append((boundary.forward_upload_s if stage == 0 else boundary.backward_upload_s, seconds))
+            pairs["upload"].append((boundary.forward_upload_s if stage == 0 else boundary.backward_upload_s,
+                                    event.end - ready[id(event)]))
         elif kind == "download":
             found = _download(event, tasks, cost)
             if found is not None:
@@ -217,6 +220,41 @@ def _samples(cost: Any, events: list[Event], skip: int) -> dict[str, list[tuple[
                 ready = max(update.end, prefetch.end) if prefetch is not None else update.end
                 pairs["iteration"].append((0.0, first.start - ready))
     return pairs
+
+
+def _ready_times(events: list[Event], tasks: Mapping[tuple, Event]) -> dict[int, float]:
+    """When each forward, backward and upload could have started (keyed by ``id(event)``):
+    the latest end among the task before it on its worker's lane in the same iteration and
+    the tasks of its own worker it reads (a later stage's forward its input's download, a
+    backward its gradient's download, an upload the forward or backward that made it); its
+    start when nothing precedes it in the iteration. Measured from there, a task's term
+    holds the hand-off that wakes it (a lane's thread noticing its input, the worker loop
+    between tasks) beside its own work; the model adds each term on the task's path, where the
+    hand-offs are spent. From its start alone, rnn-3's 2 × 1 1F1B plan measured 138 ms against
+    87 predicted with every task's duration within 1-2 ms of the model: 1-5 ms passed between
+    an input's arrival and the task that read it (BENCHMARKS.md, issue 19's seventh pass)."""
+    lanes: dict[tuple, list[Event]] = defaultdict(list)
+    for event in events:
+        lanes[(event.stage, event.replica, event.iteration, event.lane)].append(event)
+    previous: dict[int, float] = {}
+    for lane in lanes.values():
+        lane.sort(key=lambda event: event.start)
+        for before, after in itertools.pairwise(lane):
+            previous[id(after)] = before.end
+    ready = {}
+    for (stage, iteration, kind, micro_batch), event in tasks.items():
+        # a later stage's forward reads its downloaded input (the first stage's prefetched one
+        # is priced by t_in's bound and the iteration term, which counts from its arrival); a
+        # backward reads the gradient of its output (downloaded, but on the last stage); the
+        # first stage uploads activations, a later one the gradient of its input
+        read = {"forward": () if stage == 0 else ("download",), "backward": ("download",),
+                "upload": ("forward",) if stage == 0 else ("backward",)}.get(kind, ())
+        ends = [tasks[(stage, iteration, name, micro_batch)].end for name in read
+                if (stage, iteration, name, micro_batch) in tasks]
+        if id(event) in previous:
+            ends.append(previous[id(event)])
+        ready[id(event)] = min(max(ends), event.start) if ends else event.start
+    return ready
 
 
 def _prefetch(cost: Any, seconds: float) -> tuple[float, float]:

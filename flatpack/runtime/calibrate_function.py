@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from flatpack.cpus import on_each_cpu
 from flatpack.runtime.function import Role, emulated_clock, tier_link
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.store import Store
@@ -93,8 +94,9 @@ class CalibrateSpec:
 
 @dataclass(frozen=True)
 class CalibrateResult:
-    """What one invocation measured (seconds; empty for a warm invocation, which only
-    reports ``ready_at``). ``started_at`` / ``ready_at``: the function's clock when its
+    """What one invocation measured (seconds). A warm invocation reports ``ready_at`` and
+    times the compute and optimizer probes again; the requests, polls and transfers are the
+    cold one's only. ``started_at`` / ``ready_at``: the function's clock when its
     interpreter started and when it was ready to work (torch imported, spec read)."""
 
     memory_mb: int
@@ -168,8 +170,10 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
 
 
 def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds by ``clock`` of each op class's probe over ``repeats`` rounds, after
-    ``WARMUP_ROUNDS`` untimed ones. In a function of an emulated tier: the tier's own clock
+    """Seconds by ``clock`` of each op class's probe: the median over ``repeats`` rounds,
+    after ``WARMUP_ROUNDS`` untimed ones, on each CPU this process may use in turn
+    (``flatpack.cpus``: a vCPU's speed moves on its own), averaged over the CPUs. In a
+    function of an emulated tier: the tier's own clock
     (CPU seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
     function times layers), so that other load on the host does not inflate the ratio (this
     run's own workers' contention is the cost model's κ); on a real platform: wall time.
@@ -178,21 +182,27 @@ def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float
     falls on every op class alike rather than on whichever was being timed."""
     _steady_allocator()
     probes = _op_probes()
-    for _ in range(WARMUP_ROUNDS):
-        for probe in probes.values():
-            probe()
-    runs: dict[str, list[float]] = {name: [] for name in probes}
-    for _ in range(repeats):
-        for name, probe in probes.items():
-            began = clock()
-            probe()
-            runs[name].append(clock() - began)
-    return {name: statistics.median(seconds) for name, seconds in runs.items()}
+
+    def on_this_cpu() -> dict[str, float]:
+        for _ in range(WARMUP_ROUNDS):   # also refills this CPU's caches after the move
+            for probe in probes.values():
+                probe()
+        runs: dict[str, list[float]] = {name: [] for name in probes}
+        for _ in range(repeats):
+            for name, probe in probes.items():
+                began = clock()
+                probe()
+                runs[name].append(clock() - began)
+        return {name: statistics.median(seconds) for name, seconds in runs.items()}
+
+    per_cpu = on_each_cpu(on_this_cpu)
+    return {name: statistics.mean(reading[name] for reading in per_cpu) for name in probes}
 
 
 def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds per parameter byte of one optimizer step, per optimizer a stage can
-    run (the optimizers and settings the host profiler uses for their state bytes)."""
+    """Seconds per parameter byte of one optimizer step, per optimizer a stage can run (the
+    optimizers and settings the host profiler uses for their state bytes): the median of
+    ``repeats`` steps on each usable CPU in turn, averaged over the CPUs."""
     _steady_allocator()
     weight = torch.nn.Parameter(torch.zeros(parameters))
     weight.grad = torch.full_like(weight, 1e-3)
@@ -203,12 +213,17 @@ def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], floa
     for name in STEP_OPTIMIZERS:
         optimizer = makers[name]()
         optimizer.step()   # the first step creates the state
-        runs = []
-        for _ in range(repeats):
-            began = clock()
-            optimizer.step()
-            runs.append(clock() - began)
-        per_byte[name] = statistics.median(runs) / (parameters * weight.element_size())
+
+        def on_this_cpu() -> float:
+            optimizer.step()   # untimed: refills this CPU's caches after the move
+            runs = []
+            for _ in range(repeats):
+                began = clock()
+                optimizer.step()
+                runs.append(clock() - began)
+            return statistics.median(runs)
+
+        per_byte[name] = statistics.mean(on_each_cpu(on_this_cpu)) / (parameters * weight.element_size())
     return per_byte
 
 
@@ -280,10 +295,6 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
     spec = CalibrateSpec.loads(raw_spec)
     keys = RunKeys(spec.run)
     invocation = role.start_iteration
-    if invocation > 0:   # warm: only when it was ready
-        result = CalibrateResult(spec.memory_mb, invocation, started, ready)
-        store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
-        return 0
     torch.set_num_threads(spec.threads)
     clock = emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu else time.perf_counter
     # the compute and optimizer probes first, while no request of this function is being
@@ -292,6 +303,13 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
     # seconds per byte 1.8-8.0 ns in three runs on one host
     compute_s = time_op_classes(spec.compute_repeats, clock)
     optimizer_s_per_byte = time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock)
+    if invocation > 0:
+        # warm: when it was ready, and the compute probes again: a second reading of the
+        # tier's speed, which the invoker sets beside the first (target_calibration._tiers)
+        result = CalibrateResult(spec.memory_mb, invocation, started, ready, compute_s=compute_s,
+                                 optimizer_s_per_byte=optimizer_s_per_byte)
+        store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
+        return 0
     link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
     uploads, downloads = _transfers(link, keys, spec)
     result = CalibrateResult(

@@ -118,7 +118,11 @@ def test_the_calibration_function_measures_a_tier_in_this_process(tmp_path):
     assert "skipped" in result.collective
     assert run_calibrate(store, warm, spec.dumps(), started=2.0) == 0
     second = CalibrateResult.loads(store.get(keys.calibrate("result", 1024, 1)))
-    assert second.started_at == 2.0 and second.compute_s == {}      # a warm start only says when it was ready
+    # a warm start says when it was ready and times the compute and optimizer probes again (a second reading
+    # of the tier's speed); the requests and transfers are the cold start's only
+    assert second.started_at == 2.0 and set(second.compute_s) == set(result.compute_s)
+    assert set(second.optimizer_s_per_byte) == set(result.optimizer_s_per_byte)
+    assert second.request_s == [] and second.upload_s == []
 
 
 def test_calibration_functions_ship_in_a_cloud_deploy_as_per_tier_functions():
@@ -203,3 +207,27 @@ def test_the_demos_cached_calibration_is_reused_until_the_method_changes(tmp_pat
     monkeypatch.setattr(module, "METHOD_REVISION", module.METHOD_REVISION + 1)
     revised = module.cached_local_calibration((512, 1024))
     assert revised != first and len(measured) == 2
+
+
+def test_a_tier_s_compute_ratio_is_each_invocation_beside_its_own_host_passes_averaged():
+    """The cold and the warm function each read the tier's speed; each reading is divided by
+    the host's passes just before and after it (the host's speed moves between them), and
+    the tier's figure is the readings' mean."""
+    from flatpack.backends import target_calibration as calibration_module
+
+    def result(invocation: int, conv_s: float, adam: float) -> CalibrateResult:
+        return CalibrateResult(512, invocation, 0.0, 1.0 + invocation, compute_s={"conv": conv_s},
+                               request_s=[0.002] * 4 if invocation == 0 else [], upload_s=[0.102], download_s=[0.052],
+                               probe_bytes=10_000_000 if invocation == 0 else 0,
+                               optimizer_s_per_byte={"adam": adam})
+
+    results = {(512, 0): result(0, 0.0035, 2e-9), (512, 1): result(1, 0.0060, 4e-9)}
+    host_passes = {(512, 0): {"conv": 0.001}, (512, 1): {"conv": 0.002}}     # the host slowed down between them
+    tier = calibration_module._tiers([512], results, {(512, 0): 0.5, (512, 1): 1.5}, host_passes)[512]
+    assert tier.compute_ratio == {"conv": pytest.approx((3.5 + 3.0) / 2)}
+    assert tier.optimizer_s_per_byte == {"adam": pytest.approx(3e-9)}
+    assert tier.invoke_cold_s == pytest.approx(0.5) and tier.invoke_warm_s == pytest.approx(0.5)
+    # a warm function of an earlier flatpack reports no probes: the cold reading stands alone
+    results[(512, 1)] = CalibrateResult(512, 1, 0.0, 2.0)
+    alone = calibration_module._tiers([512], results, {(512, 0): 0.5, (512, 1): 1.5}, host_passes)[512]
+    assert alone.compute_ratio == {"conv": pytest.approx(3.5)} and alone.optimizer_s_per_byte == {"adam": 2e-9}

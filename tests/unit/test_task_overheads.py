@@ -33,9 +33,13 @@ def probe_cost(forward_s: float = 0.0002, backward_s: float = 0.0004) -> SimpleN
                            overheads=Overheads(optimizer_s=(OPTIMIZER, OPTIMIZER)))
 
 
-def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3) -> list[Event]:
+def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: int = 3,
+                   handoff: float = 0.0) -> list[Event]:
     """A synchronous two-stage schedule whose every task takes its modelled seconds plus
-    TERMS, and whose downloads wait for their producers."""
+    TERMS, and whose downloads wait for their producers. ``handoff``: a task that reads
+    another lane's task of its worker (a download, a forward or backward) starts that long
+    after it ends, as a woken thread does."""
+    h = handoff
     forward = cost.stages[0].forward_s + TERMS["forward"]
     backward = cost.stages[0].backward_s + TERMS["backward"]
     upload, download = UPLOAD + TERMS["upload"], DOWNLOAD + TERMS["download"]
@@ -52,24 +56,38 @@ def probe_timeline(cost: SimpleNamespace, iterations: int = 5, micro_batches: in
         arrived = {}
         for m in range(micro_batches):
             compute0 = add(0, iteration, "forward", compute0, forward, m)
-            up0 = add(0, iteration, "upload", max(up0, compute0), upload, m, "upload")
+            up0 = add(0, iteration, "upload", max(up0, compute0 + h), upload, m, "upload")
             began = max(down1, clock)
             down1 = add(1, iteration, "download", began, max(up0, began) - began + download, m, "download")
-            compute1 = add(1, iteration, "forward", max(compute1, down1), forward, m)
+            compute1 = add(1, iteration, "forward", max(compute1, down1 + h), forward, m)
         up1 = 0.0
         for m in reversed(range(micro_batches)):
             compute1 = add(1, iteration, "backward", compute1, backward, m)
-            up1 = add(1, iteration, "upload", max(up1, compute1), upload, m, "upload")
+            up1 = add(1, iteration, "upload", max(up1, compute1 + h), upload, m, "upload")
             arrived[m] = up1
         last1 = add(1, iteration, "update", up1, OPTIMIZER + TERMS["step"])
         down0 = compute0
         for m in reversed(range(micro_batches)):
             down0 = add(0, iteration, "download", down0, max(arrived[m], down0) - down0 + download, m, "download")
-            compute0 = add(0, iteration, "backward", max(compute0, down0), backward, m)
+            compute0 = add(0, iteration, "backward", max(compute0, down0 + h), backward, m)
         end0 = add(0, iteration, "update", compute0, OPTIMIZER + TERMS["step"])
         # the first stage's next forward starts o_it after its update
         clock = max(end0, last1) + TERMS["iteration"]
     return events
+
+
+def test_a_task_s_term_counts_the_hand_off_from_its_input_not_only_its_own_seconds():
+    """A forward, backward or upload that starts after its input arrived waited for its lane's
+    thread to wake: that hand-off is part of its term (it is spent on the pipeline's path), so
+    each of the three terms grows by up to the hand-off, never by more; the downloads, timed
+    from their producer's upload, and the iteration gap keep theirs."""
+    cost = probe_cost()
+    handoff = 0.002
+    found = fit(cost, probe_timeline(cost, handoff=handoff), skip=1)
+    for kind in ("forward", "backward", "upload"):
+        assert TERMS[kind] < found[kind] <= TERMS[kind] + handoff + 1e-12, kind
+    assert found["download"] == pytest.approx(TERMS["download"])
+    assert found["step"] == pytest.approx(TERMS["step"]) and found["iteration"] == pytest.approx(TERMS["iteration"])
 
 
 def test_the_fit_recovers_the_terms_of_a_timeline_built_with_them():

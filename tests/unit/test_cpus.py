@@ -1,0 +1,146 @@
+"""Timing on every usable CPU (flatpack.cpus): the host profile and the calibration probes
+share their runs among the CPUs a process may use, because each vCPU's speed moves on its
+own, and give the process its CPUs back afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flatpack
+from flatpack import cpus, profiler
+from flatpack.codegen.emit import emit_stages
+from flatpack.partitioner.plan import Plan
+from flatpack.runtime import calibrate_function
+from flatpack.stage.artifact import build_module
+from tests.unit.narrowing import graph_of
+
+pinnable = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+
+
+@given(repeats=st.integers(1, 40), count=st.integers(1, 8))
+def test_runs_are_shared_evenly_and_every_cpu_gets_one(repeats, count):
+    shares = cpus.runs_per_cpu(repeats, count)
+    assert len(shares) == count and min(shares) >= 1
+    assert sum(shares) == max(repeats, count)
+    assert max(shares) - min(shares) <= 1
+
+
+def test_a_bad_share_is_refused():
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        cpus.runs_per_cpu(0, 2)
+
+
+@pinnable
+def test_each_measurement_runs_on_its_cpu_and_the_process_gets_its_cpus_back():
+    before = os.sched_getaffinity(0)
+    seen = cpus.on_each_cpu(lambda: os.sched_getaffinity(0))
+    assert seen == [{cpu} for cpu in sorted(before)]
+    assert os.sched_getaffinity(0) == before
+
+
+@pinnable
+def test_the_cpus_come_back_when_the_measurement_raises():
+    before = os.sched_getaffinity(0)
+    with pytest.raises(RuntimeError):
+        with cpus.pinned(min(before)):
+            raise RuntimeError("a failed probe")
+    assert os.sched_getaffinity(0) == before
+
+
+def test_none_leaves_the_process_where_it_is():
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    assert cpus.on_each_cpu(lambda: 7, cpus=(None,)) == [7]
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
+
+
+def test_the_profile_schedule_warms_each_cpu_then_times_its_share():
+    assert profiler._run_schedule((0, 1), warmup=1, repeats=5) == [
+        (0, False), (0, True), (0, True), (0, True), (1, False), (1, True), (1, True)]
+    assert profiler._run_schedule((None,), warmup=2, repeats=3) == [(None, False)] * 2 + [(None, True)] * 3
+    assert profiler._run_schedule((0, 1), warmup=0, repeats=2) == [(0, True), (1, True)]
+
+
+def test_a_one_thread_cpu_profile_is_shared_among_the_cpus_and_a_threaded_one_is_not(monkeypatch):
+    monkeypatch.setattr(profiler, "usable_cpus", lambda: (0, 1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert profiler.measurement_cpus(torch.device("cpu")) == (0, 1)
+        torch.set_num_threads(2)
+        assert profiler.measurement_cpus(torch.device("cpu")) == (None,)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_layer_s_figure_is_the_mean_of_its_per_cpu_medians(monkeypatch):
+    """Each run through the chain is pinned to its CPU; a fake clock makes CPU 1 twice as
+    slow as CPU 0, and the layer's figure is halfway."""
+    current: list[int | None] = [None]
+    entered: list[int | None] = []
+
+    @contextlib.contextmanager
+    def pinned(cpu):
+        current[0] = cpu
+        entered.append(cpu)
+        yield
+        current[0] = None
+
+    ticks = [0.0]
+
+    def clock() -> float:
+        return ticks[0]
+
+    def execute(compute):
+        assert current[0] in (0, 1), "a timed computation ran unpinned"
+        ticks[0] += 1.0 if current[0] == 0 else 2.0
+        return compute()
+
+    monkeypatch.setattr(profiler, "pinned", pinned)
+    layer = torch.nn.Linear(4, 4)
+    compiled = _one_layer_chain(layer)
+    training, served = profiler._time_chain(compiled.modules, compiled.env, compiled.grad_values, repeats=4,
+                                            warmup=1, execute=execute, clock=clock, cpus=(0, 1))
+    assert training == [(1.5, 1.5)] and served == [1.5]
+    # each CPU's pin is held over all its runs (given back between them, the thread could move
+    # and return to cold caches before a timed run), and given back at the end
+    assert entered == [0, 1] and current[0] is None
+
+
+class _Chain:
+    def __init__(self, modules, env, grad_values):
+        self.modules, self.env, self.grad_values = modules, env, grad_values
+
+
+def _one_layer_chain(layer: torch.nn.Module) -> _Chain:
+    """A one-layer chain as the profiler builds it (a stage module per layer)."""
+    graph = graph_of(flatpack.compile(torch.nn.Sequential(layer), (torch.zeros(2, 4),), stages=1))
+    artifact = emit_stages(graph, Plan.from_ranges([(0, len(graph.layers) - 1)], len(graph.layers)))[0]
+    module = build_module(artifact, "<test chain>")
+    names = [node.name for node in graph.gm.graph.nodes if node.op == "placeholder"]
+    env = profiler._reference_values([module], names, [torch.zeros(2, 4)])
+    return _Chain([module], env, graph.analysis.param_dependent)
+
+
+@pinnable
+def test_the_calibration_probes_time_each_cpu_and_average(monkeypatch):
+    """time_op_classes runs its rounds on each usable CPU; each CPU's median enters the mean."""
+    visited = []
+    real = calibrate_function.on_each_cpu
+
+    def spy(measure, cpus=None):
+        readings = real(measure, cpus)
+        visited.append(len(readings))
+        return readings
+
+    monkeypatch.setattr(calibrate_function, "on_each_cpu", spy)
+    seconds = calibrate_function.time_op_classes(2, time.thread_time)
+    assert visited == [len(os.sched_getaffinity(0))]
+    assert set(seconds) == {"conv", "matmul", "elementwise"} and min(seconds.values()) > 0
