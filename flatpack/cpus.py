@@ -1,11 +1,12 @@
-"""Timing a computation on every CPU this process may use, not on whichever it runs on.
+"""Timing a computation on each of the CPUs this process may use (up to ``MEASURED_CPUS``),
+not on whichever it happens to run on.
 
 On a virtual machine each vCPU's speed moves on its own: on this project's 2-core VM a conv
 probe pinned to CPU 0 read 0.415-0.437 ms for five seconds while the same probe pinned to
 CPU 1 read 0.326-0.337 ms, and then both read 0.33 again (BENCHMARKS.md, issue 19's seventh
 pass). A measurement taken on one CPU reads that CPU's phase; a stage worker, which the
 scheduler moves between CPUs, runs at their mix. The host profile and the calibration probes
-therefore time their runs on each usable CPU in turn (``pinned``) and average the CPUs'
+therefore time their runs on each of those CPUs in turn (``pinned``) and average the CPUs'
 figures. Where a process cannot be pinned (no ``os.sched_setaffinity``: macOS, Windows) it
 is measured where it runs.
 """
@@ -13,37 +14,58 @@ is measured where it runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Callable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# At most this many CPUs are measured: the profile's runs and the probes' rounds are shared
+# among them, and each CPU after the first costs a warm-up run, so a 64-CPU host must not
+# time 64. Two cover the phases measured on the 2-core VM; on a larger host they are the
+# first CPU and the middle one of its set, the same two for the profile and the calibration.
+MEASURED_CPUS = 2
 
 
-def usable_cpus() -> tuple[int | None, ...]:
-    """The CPUs this process may run on, in order; ``(None,)`` where it cannot be pinned."""
+def usable_cpus(limit: int = MEASURED_CPUS) -> tuple[int | None, ...]:
+    """Up to ``limit`` of the CPUs this process may run on, evenly spaced over the sorted
+    set; ``(None,)`` where it cannot be pinned."""
     if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
         return (None,)
-    return tuple(sorted(os.sched_getaffinity(0))) or (None,)
+    allowed = sorted(os.sched_getaffinity(0))
+    if not allowed:
+        return (None,)
+    count = min(limit, len(allowed))
+    return tuple(allowed[index * len(allowed) // count] for index in range(count))
 
 
 @contextlib.contextmanager
 def pinned(cpu: int | None) -> Iterator[None]:
     """The calling thread held to ``cpu`` for the block, then given back the CPUs it had
     (``None``: left where it is). The affinity is the calling thread's: other threads keep
-    theirs."""
+    theirs. A CPU that cannot be pinned (taken offline, outside a cpuset changed meanwhile)
+    is logged and the block runs where the thread is: a measurement is never lost to it."""
     if cpu is None:
         yield
         return
     previous = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError as err:
+        log.info("could not pin the measurement to CPU %d (%s); measuring where it runs", cpu, err)
+        held = False
+    else:
+        held = True
     try:
         yield
     finally:
-        os.sched_setaffinity(0, previous)
+        if held:
+            os.sched_setaffinity(0, previous)
 
 
 def on_each_cpu(measure: Callable[[], T], cpus: Sequence[int | None] | None = None) -> list[T]:
-    """``measure()`` run once pinned to each of ``cpus`` (default: every usable CPU), in order."""
+    """``measure()`` run once pinned to each of ``cpus`` (default: :func:`usable_cpus`), in order."""
     readings = []
     for cpu in usable_cpus() if cpus is None else cpus:
         with pinned(cpu):

@@ -307,7 +307,7 @@ def host_clock(device: torch.device) -> Callable[[], float]:
 
 
 def measurement_cpus(device: torch.device) -> tuple[int | None, ...]:
-    """The CPUs a host profile shares its timed runs among: every usable one when it times
+    """The CPUs a host profile shares its timed runs among: those ``flatpack.cpus.usable_cpus`` picks (up to two) when it times
     by the profiling thread's CPU seconds (one thread on the CPU, ``host_clock``), where
     pinning the thread costs nothing; else ``(None,)``, unpinned (more threads would be held
     to one CPU)."""

@@ -59,7 +59,7 @@ HOST_REPEATS = 15
 # once a second), which leave the store and the host less loaded: the task terms measured
 # before are larger than what a run now pays. 4: the warm invocation times the compute and
 # optimizer probes too, each invocation beside the host's passes just before and after it, the
-# two readings averaged; every probe is timed on each usable CPU in turn (flatpack.cpus). 5: a probe
+# two readings averaged; every probe is timed on each of up to 2 CPUs in turn (flatpack.cpus). 5: a probe
 # task's term counts from when it could start, its hand-off included (task_overheads._ready_times).
 METHOD_REVISION = 5
 

@@ -171,7 +171,7 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
 
 def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Seconds by ``clock`` of each op class's probe: the median over ``repeats`` rounds,
-    after ``WARMUP_ROUNDS`` untimed ones, on each CPU this process may use in turn
+    after ``WARMUP_ROUNDS`` untimed ones, on each of the CPUs ``flatpack.cpus.usable_cpus`` picks in turn
     (``flatpack.cpus``: a vCPU's speed moves on its own), averaged over the CPUs. In a
     function of an emulated tier: the tier's own clock
     (CPU seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
@@ -202,7 +202,7 @@ def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float
 def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Seconds per parameter byte of one optimizer step, per optimizer a stage can run (the
     optimizers and settings the host profiler uses for their state bytes): the median of
-    ``repeats`` steps on each usable CPU in turn, averaged over the CPUs."""
+    ``repeats`` steps on each CPU ``flatpack.cpus.usable_cpus`` picks in turn, averaged over them."""
     _steady_allocator()
     weight = torch.nn.Parameter(torch.zeros(parameters))
     weight.grad = torch.full_like(weight, 1e-3)

@@ -1,4 +1,4 @@
-"""Timing on every usable CPU (flatpack.cpus): the host profile and the calibration probes
+"""Timing on each of the usable CPUs flatpack.cpus picks: the host profile and the calibration probes
 share their runs among the CPUs a process may use, because each vCPU's speed moves on its
 own, and give the process its CPUs back afterwards."""
 
@@ -41,7 +41,7 @@ def test_a_bad_share_is_refused():
 def test_each_measurement_runs_on_its_cpu_and_the_process_gets_its_cpus_back():
     before = os.sched_getaffinity(0)
     seen = cpus.on_each_cpu(lambda: os.sched_getaffinity(0))
-    assert seen == [{cpu} for cpu in sorted(before)]
+    assert seen == [{cpu} for cpu in cpus.usable_cpus()]
     assert os.sched_getaffinity(0) == before
 
 
@@ -131,7 +131,7 @@ def _one_layer_chain(layer: torch.nn.Module) -> _Chain:
 
 @pinnable
 def test_the_calibration_probes_time_each_cpu_and_average(monkeypatch):
-    """time_op_classes runs its rounds on each usable CPU; each CPU's median enters the mean."""
+    """time_op_classes runs its rounds on each CPU usable_cpus picks; each CPU's median enters the mean."""
     visited = []
     real = calibrate_function.on_each_cpu
 
@@ -142,5 +142,28 @@ def test_the_calibration_probes_time_each_cpu_and_average(monkeypatch):
 
     monkeypatch.setattr(calibrate_function, "on_each_cpu", spy)
     seconds = calibrate_function.time_op_classes(2, time.thread_time)
-    assert visited == [len(os.sched_getaffinity(0))]
+    assert visited == [len(cpus.usable_cpus())]
     assert set(seconds) == {"conv", "matmul", "elementwise"} and min(seconds.values()) > 0
+
+
+def test_a_large_host_measures_two_cpus_spread_over_its_set(monkeypatch):
+    """Each measured CPU after the first costs a warm-up run: a 64-CPU host times 2, the
+    first and the middle one, not 64."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: None, raising=False)
+    assert cpus.usable_cpus() == (0, 32)
+    assert cpus.usable_cpus(limit=4) == (0, 16, 32, 48)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert cpus.usable_cpus() == (3,)
+
+
+@pinnable
+def test_a_cpu_that_cannot_be_pinned_is_measured_where_the_thread_runs(caplog):
+    """A CPU outside the process's set (taken offline, a changed cpuset): the measurement
+    still happens, unpinned, and says why."""
+    before = os.sched_getaffinity(0)
+    missing = max(before) + 4096
+    with caplog.at_level("INFO", logger="flatpack.cpus"):
+        assert cpus.on_each_cpu(lambda: os.sched_getaffinity(0), cpus=(missing,)) == [before]
+    assert os.sched_getaffinity(0) == before
+    assert f"could not pin the measurement to CPU {missing}" in caplog.text
