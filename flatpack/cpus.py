@@ -40,6 +40,13 @@ def usable_cpus(limit: int = MEASURED_CPUS) -> tuple[int | None, ...]:
     return tuple(allowed[index * len(allowed) // count] for index in range(count))
 
 
+def measured_cpus(threads: int) -> tuple[int | None, ...]:
+    """The CPUs a measurement at ``threads`` compute threads is shared among: :func:`usable_cpus`
+    at one thread; ``(None,)``, unpinned, with more, because the threads the pinned one starts
+    (torch's intra-op pool) would inherit its one CPU and keep it after the pin is given back."""
+    return usable_cpus() if threads == 1 else (None,)
+
+
 @contextlib.contextmanager
 def pinned(cpu: int | None) -> Iterator[None]:
     """The calling thread held to ``cpu`` for the block, then given back the CPUs it had
@@ -64,10 +71,10 @@ def pinned(cpu: int | None) -> Iterator[None]:
             os.sched_setaffinity(0, previous)
 
 
-def on_each_cpu(measure: Callable[[], T], cpus: Sequence[int | None] | None = None) -> list[T]:
-    """``measure()`` run once pinned to each of ``cpus`` (default: :func:`usable_cpus`), in order."""
+def on_each_cpu(measure: Callable[[], T], cpus: Sequence[int | None]) -> list[T]:
+    """``measure()`` run once pinned to each of ``cpus`` (:func:`measured_cpus`), in order."""
     readings = []
-    for cpu in usable_cpus() if cpus is None else cpus:
+    for cpu in cpus:
         with pinned(cpu):
             readings.append(measure())
     return readings

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatpack.batching import batch_rows, has_batch_dimension
 from flatpack.codegen.emit import emit_stages
-from flatpack.cpus import pinned, runs_per_cpu, usable_cpus
+from flatpack.cpus import measured_cpus, pinned, runs_per_cpu
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.graph import LayerGraph
@@ -307,11 +307,11 @@ def host_clock(device: torch.device) -> Callable[[], float]:
 
 
 def measurement_cpus(device: torch.device) -> tuple[int | None, ...]:
-    """The CPUs a host profile shares its timed runs among: those ``flatpack.cpus.usable_cpus`` picks (up to two) when it times
-    by the profiling thread's CPU seconds (one thread on the CPU, ``host_clock``), where
-    pinning the thread costs nothing; else ``(None,)``, unpinned (more threads would be held
-    to one CPU)."""
-    return usable_cpus() if host_clock(device) is time.thread_time else (None,)
+    """The CPUs a host profile shares its timed runs among: on the CPU, those
+    ``flatpack.cpus.measured_cpus`` gives at torch's thread count (up to two at one thread,
+    where ``host_clock`` times by the profiling thread's CPU seconds; none pinned with more);
+    on a GPU, ``(None,)``."""
+    return measured_cpus(torch.get_num_threads()) if device.type == "cpu" else (None,)
 
 
 def _run_schedule(cpus: Sequence[int | None], warmup: int, repeats: int) -> list[tuple[int | None, bool]]:

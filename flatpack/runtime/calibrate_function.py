@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from flatpack.cpus import on_each_cpu
+from flatpack.cpus import measured_cpus, on_each_cpu
 from flatpack.runtime.function import Role, emulated_clock, tier_link
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.store import Store
@@ -171,7 +171,7 @@ def _op_probes() -> dict[str, Callable[[], Any]]:
 
 def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Seconds by ``clock`` of each op class's probe: the median over ``repeats`` rounds,
-    after ``WARMUP_ROUNDS`` untimed ones, on each of the CPUs ``flatpack.cpus.usable_cpus`` picks in turn
+    after ``WARMUP_ROUNDS`` untimed ones, on each of the CPUs ``flatpack.cpus.measured_cpus`` gives in turn
     (``flatpack.cpus``: a vCPU's speed moves on its own), averaged over the CPUs. In a
     function of an emulated tier: the tier's own clock
     (CPU seconds over its usable vCPUs, ``runtime.function.emulated_clock``, as the profiler
@@ -195,14 +195,14 @@ def time_op_classes(repeats: int, clock: Callable[[], float]) -> dict[str, float
                 runs[name].append(clock() - began)
         return {name: statistics.median(seconds) for name, seconds in runs.items()}
 
-    per_cpu = on_each_cpu(on_this_cpu)
+    per_cpu = on_each_cpu(on_this_cpu, measured_cpus(torch.get_num_threads()))
     return {name: statistics.mean(reading[name] for reading in per_cpu) for name in probes}
 
 
 def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Seconds per parameter byte of one optimizer step, per optimizer a stage can run (the
     optimizers and settings the host profiler uses for their state bytes): the median of
-    ``repeats`` steps on each CPU ``flatpack.cpus.usable_cpus`` picks in turn, averaged over them."""
+    ``repeats`` steps on each CPU ``flatpack.cpus.measured_cpus`` gives in turn, averaged over them."""
     _steady_allocator()
     weight = torch.nn.Parameter(torch.zeros(parameters))
     weight.grad = torch.full_like(weight, 1e-3)
@@ -223,7 +223,8 @@ def time_optimizer_steps(parameters: int, repeats: int, clock: Callable[[], floa
                 runs.append(clock() - began)
             return statistics.median(runs)
 
-        per_byte[name] = statistics.mean(on_each_cpu(on_this_cpu)) / (parameters * weight.element_size())
+        per_byte[name] = (statistics.mean(on_each_cpu(on_this_cpu, measured_cpus(torch.get_num_threads())))
+                          / (parameters * weight.element_size()))
     return per_byte
 
 

@@ -40,7 +40,7 @@ def test_a_bad_share_is_refused():
 @pinnable
 def test_each_measurement_runs_on_its_cpu_and_the_process_gets_its_cpus_back():
     before = os.sched_getaffinity(0)
-    seen = cpus.on_each_cpu(lambda: os.sched_getaffinity(0))
+    seen = cpus.on_each_cpu(lambda: os.sched_getaffinity(0), cpus.usable_cpus())
     assert seen == [{cpu} for cpu in cpus.usable_cpus()]
     assert os.sched_getaffinity(0) == before
 
@@ -68,16 +68,22 @@ def test_the_profile_schedule_warms_each_cpu_then_times_its_share():
     assert profiler._run_schedule((0, 1), warmup=0, repeats=2) == [(0, True), (1, True)]
 
 
-def test_a_one_thread_cpu_profile_is_shared_among_the_cpus_and_a_threaded_one_is_not(monkeypatch):
-    monkeypatch.setattr(profiler, "usable_cpus", lambda: (0, 1))
-    threads = torch.get_num_threads()
+@contextlib.contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
-        torch.set_num_threads(1)
-        assert profiler.measurement_cpus(torch.device("cpu")) == (0, 1)
-        torch.set_num_threads(2)
-        assert profiler.measurement_cpus(torch.device("cpu")) == (None,)
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
+
+
+def test_a_one_thread_cpu_profile_is_shared_among_the_cpus_and_a_threaded_one_is_not(monkeypatch):
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: (0, 1))
+    with torch_threads(1):
+        assert profiler.measurement_cpus(torch.device("cpu")) == (0, 1)
+    with torch_threads(2):
+        assert profiler.measurement_cpus(torch.device("cpu")) == (None,)
 
 
 def test_a_layer_s_figure_is_the_mean_of_its_per_cpu_medians(monkeypatch):
@@ -130,20 +136,27 @@ def _one_layer_chain(layer: torch.nn.Module) -> _Chain:
 
 
 @pinnable
-def test_the_calibration_probes_time_each_cpu_and_average(monkeypatch):
-    """time_op_classes runs its rounds on each CPU usable_cpus picks; each CPU's median enters the mean."""
+def test_the_calibration_probes_time_each_cpu_at_one_thread_and_pin_nothing_at_more(monkeypatch):
+    """time_op_classes and time_optimizer_steps run their rounds on each CPU usable_cpus picks
+    at one thread, each CPU's median entering the mean; at two threads they pin nothing, as
+    the host profile does not: torch's pool threads started under a pin would keep its CPU."""
     visited = []
     real = calibrate_function.on_each_cpu
 
-    def spy(measure, cpus=None):
-        readings = real(measure, cpus)
-        visited.append(len(readings))
-        return readings
+    def spy(measure, where):
+        visited.append(tuple(where))
+        return real(measure, where)
 
     monkeypatch.setattr(calibrate_function, "on_each_cpu", spy)
-    seconds = calibrate_function.time_op_classes(2, time.thread_time)
-    assert visited == [len(cpus.usable_cpus())]
+    with torch_threads(1):
+        seconds = calibrate_function.time_op_classes(2, time.thread_time)
+        calibrate_function.time_optimizer_steps(1 << 10, 2, time.thread_time)
+    assert visited == [cpus.usable_cpus()] * 4      # the op classes, then three optimizers
     assert set(seconds) == {"conv", "matmul", "elementwise"} and min(seconds.values()) > 0
+    visited.clear()
+    with torch_threads(2):
+        calibrate_function.time_op_classes(2, time.thread_time)
+    assert visited == [(None,)]
 
 
 def test_a_large_host_measures_two_cpus_spread_over_its_set(monkeypatch):
