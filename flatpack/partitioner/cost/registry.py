@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe, gillis, hydrozoa, pipedream
+from flatpack.partitioner.cost.collectives import AllReduceTerms
 from flatpack.partitioner.cost.gillis import CommDelay
 from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan
@@ -155,8 +156,12 @@ class HydrozoaModel(CostModel):
         return cls(alpha=None if options.hydrozoa_alpha is None else float(options.hydrozoa_alpha),
                    beta=None if options.hydrozoa_beta is None else float(options.hydrozoa_beta))
 
+    def sync_terms(self, problem: Problem) -> AllReduceTerms:
+        """What this model prices an all-reduce by on ``problem`` (``hydrozoa.sync_overheads``)."""
+        return hydrozoa.sync_overheads(problem, self.alpha, self.beta)
+
     def price(self, problem: Problem, plan: Plan) -> Priced:
-        cost = hydrozoa.iteration(problem, plan, hydrozoa.sync_overheads(problem, self.alpha, self.beta))
+        cost = hydrozoa.iteration(problem, plan, self.sync_terms(problem))
         return Priced(cost.iteration_s, cost.dollars_per_iteration, cost.fits, cost)
 
 

@@ -42,7 +42,7 @@ from flatpack.errors import PlanError
 from flatpack.partitioner.cost.collectives import AllReduceTerms
 from flatpack.partitioner.cost.common import stage_memory
 from flatpack.units import mb
-from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds, sync_overheads as calibrated_overheads
+from flatpack.partitioner.cost.hydrozoa import model_parallel_seconds
 from flatpack.partitioner.cost.registry import HydrozoaModel
 from flatpack.partitioner.objective import (Evaluation, annotate, dollars_per_mb_s, evaluate, require_fit,
                                             with_micro_batches)
@@ -63,8 +63,7 @@ BOUND_SLACK = 1e-9        # relative slack on bounds, so float rounding never pr
 
 def sync_overheads(problem: Problem) -> AllReduceTerms:
     """The all-reduce's terms (Hydrozoa's α, β; the calibration's δ, γ), as ``evaluate`` reads them."""
-    model = HydrozoaModel.of_options(problem.options)
-    return calibrated_overheads(problem, model.alpha, model.beta)
+    return HydrozoaModel.of_options(problem.options).sync_terms(problem)
 
 
 class ShardTables:
