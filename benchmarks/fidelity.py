@@ -214,6 +214,14 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
+def mape(errors: list[float], over: str = "") -> str:
+    """The mean absolute error of ``errors`` (predicted/measured − 1), then ``over`` (what
+    it is over), then its median and max."""
+    absolute = [abs(error) for error in errors]
+    return (f"{statistics.mean(absolute) * 100:.1f}%{over} (median {statistics.median(absolute) * 100:.1f}%, "
+            f"max {max(absolute) * 100:.1f}%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three cases only")
@@ -290,14 +298,11 @@ def main() -> None:
     print()
     for key, what in (("error", "calibrated (flatpack calibrate, separate run)"),
                       ("uncalibrated_error", "uncalibrated (catalog)"), ("dollar_error", "dollars vs billed")):
-        errors = [abs(row[key]) for row in rows]
-        print(f"MAPE {what}: {statistics.mean(errors) * 100:.1f}% over {len(rows)} plans "
-              f"(median {statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%)")
+        print(f"MAPE {what}: {mape([row[key] for row in rows], f' over {len(rows)} plans')}")
     if args.rounds > 1:
         for round_index in range(args.rounds):
-            errors = [abs(row["rounds"][round_index]["error"]) for row in rows]
-            print(f"  round {round_index + 1} alone: calibrated MAPE {statistics.mean(errors) * 100:.1f}% "
-                  f"(median {statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%)")
+            print(f"  round {round_index + 1} alone: calibrated MAPE "
+                  f"{mape([row['rounds'][round_index]['error'] for row in rows])}")
     for model in dict.fromkeys(row["case"].model for row in rows):
         mine = [row for row in rows if row["case"].model == model]
         if len(mine) < 2:
