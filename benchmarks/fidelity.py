@@ -19,7 +19,10 @@ memory) and its median iteration is set beside:
 Every case runs ``--rounds`` times (default 3), round after round, each round profiling the
 models afresh: the host's speed moves for seconds to minutes at a time (BENCHMARKS.md), so a
 plan's figures are the medians of its rounds, and each round's own MAPE is printed beside
-them. Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
+them. ``--calibrate-each-round`` runs ``flatpack calibrate`` again before every round and
+predicts the round with it: the target's figures drift too (store latency, the tiers'
+ratios), and a calibration next to the runs it predicts keeps that drift out of the model's
+error. Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
 billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
 up to the platform's granularity, at its tier's price); per model the Spearman rank
 correlation of predicted vs measured iteration time across its plans; the MAPE of both.
@@ -32,7 +35,7 @@ run it on a quiet machine.
 ``runtime.refit.replan``), runs the new plan and measures it.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
-        [--models vgg16,rnn-3] [--iterations 7] [--rounds 3]
+        [--models vgg16,rnn-3] [--iterations 7] [--rounds 3] [--calibrate-each-round]
 """
 
 from __future__ import annotations
@@ -242,9 +245,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="run every case this many times, round after round, each round profiling afresh; a "
                              "plan's figures are its rounds' medians (default 3; 1: one run per plan)")
+    parser.add_argument("--calibrate-each-round", action="store_true",
+                        help="run `flatpack calibrate` before every round and predict that round's plans with it "
+                             "(default: one calibration for all rounds). On a shared host the figures drift over "
+                             "tens of minutes (store latency 2.1 then 4.6 ms 20 minutes apart): a calibration "
+                             "next to the runs it predicts leaves that drift out of the model's error")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.calibrate_each_round and args.calibration:
+        parser.error("--calibrate-each-round measures its own calibrations: leave out --calibration")
     with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
         cases = QUICK if args.quick else CASES
@@ -257,6 +267,8 @@ def main() -> None:
             cases = tuple(case for case in cases if case.model in wanted)
         runs: list[list[dict]] = [[] for _ in cases]
         for round_index in range(args.rounds):
+            if args.calibrate_each_round and round_index > 0:
+                calibration = calibrate(Path(scratch) / f"calibration-{round_index}.json")
             if not args.reuse_profiles:
                 # a cached profile may have been measured while the host was busy (every time in it
                 # stretched by the other work), and then every prediction made from it is too long;
@@ -285,7 +297,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} host threads, {os.cpu_count()} cores, 1-minute load "
           f"average {os.getloadavg()[0]:.1f} at the end (a quiet host: about the run's own workers); "
           f"{args.iterations} iterations per case, median of all but the first two; {args.rounds} round(s), each "
-          f"plan's figures the median of its rounds\n")
+          f"plan's figures the median of its rounds; "
+          f"{'a calibration measured before each round' if args.calibrate_each_round else 'one calibration'}\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
           "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

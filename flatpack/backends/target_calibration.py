@@ -49,6 +49,12 @@ from flatpack.version import __version__
 
 DEFAULT_TIMEOUT_S = 300.0
 COLD, WARM = 0, 1
+# warm invocations after the cold one, each a further reading of the tier's compute and
+# optimizer speed: the tier's figure is the median of the cold and these readings. One
+# reading in five or so lands on a slow moment of one side of the ratio (five calibrations
+# on one host read the 512 MB tier's conv ratio at 3.45, 3.23; 3.54, 3.46; 3.03, 4.80; 3.56,
+# 3.06; 3.67, 3.82), and the mean of two carried it whole into every prediction
+WARM_READINGS = 2
 HOST_REPEATS = 15
 # The revision of how calibrate measures, in the demo's cache key: a file measured by an
 # earlier method is measured again, though its schema still loads. 2: the compute and
@@ -61,7 +67,9 @@ HOST_REPEATS = 15
 # optimizer probes too, each invocation beside the host's passes just before and after it, the
 # two readings averaged; every probe is timed on each of up to 2 CPUs in turn (flatpack.cpus). 5: a probe
 # task's term counts from when it could start, its hand-off included (task_overheads._ready_times).
-METHOD_REVISION = 5
+# 6: two warm invocations, the tier's compute ratios and optimizer speed the median of three
+# readings (WARM_READINGS).
+METHOD_REVISION = 6
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -137,7 +145,9 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         # function's reading is set beside the host's nearest in time, not the run's first
         host_passes: dict[tuple[int, int], dict[str, float]] = {}
         before = _on_host(threads)
-        for invocation, verb in ((COLD, "calibrating (cold start)"), (WARM, "starting again (warm)")):
+        for invocation in range(COLD, WARM + WARM_READINGS):
+            verb = ("calibrating (cold start)" if invocation == COLD
+                    else f"starting again (warm, {invocation} of {WARM_READINGS})")
             for memory_mb in memory_sizes:
                 role = calibrate_role(keys, memory_mb, invocation, compiled.digest)
                 profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
@@ -279,9 +289,10 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
     invoke latency: launch to ready, as the invoker's and the function's clocks say (on a
     cloud target the two clocks differ by their skew, milliseconds under NTP).
 
-    The cold and the warm invocation each time the compute and optimizer probes; each
-    reading is set beside the host's passes just before and after that invocation, and the
-    tier's figure is the two readings' mean."""
+    The cold and each warm invocation time the compute and optimizer probes; each reading is
+    set beside the host's passes just before and after that invocation, and the tier's
+    figure is the readings' median (with two, their mean). ``invoke_warm_s``: the first warm
+    start's."""
     tiers = {}
     for memory_mb in memory_sizes:
         cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
@@ -290,11 +301,11 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
         def bandwidth(seconds: list[float]) -> float:
             return cold.probe_bytes / max(statistics.median(seconds) - request, 1e-9)
 
-        readings = [(result, host_passes[(memory_mb, invocation)])
-                    for invocation, result in ((COLD, cold), (WARM, warm)) if result.compute_s]
-        compute_ratio = {name: statistics.mean(result.compute_s[name] / host[name] for result, host in readings)
+        readings = [(result, host_passes[(mb, invocation)]) for (mb, invocation), result in sorted(results.items())
+                    if mb == memory_mb and result.compute_s]
+        compute_ratio = {name: statistics.median(result.compute_s[name] / host[name] for result, host in readings)
                          for name in readings[0][1]}
-        optimizer_s_per_byte = {name: statistics.mean(result.optimizer_s_per_byte[name] for result, _ in readings)
+        optimizer_s_per_byte = {name: statistics.median(result.optimizer_s_per_byte[name] for result, _ in readings)
                                 for name in cold.optimizer_s_per_byte}
         tiers[memory_mb] = TierCalibration(
             compute_ratio=compute_ratio,
@@ -317,7 +328,9 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
                        f"this host before and after the functions ran, averaged ({host}); {round_trips} small puts "
                        f"and gets fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the "
                        "tier's link, 3 times; 12 waits for a key written during the wait; optimizer steps on 1M "
-                       "float32 parameters; invoke latency from launch to the function being ready, cold then warm"),
+                       "float32 parameters; invoke latency from launch to the function being ready, cold then "
+                       f"warm; the compute probes and the optimizer step read in the cold and {WARM_READINGS} warm "
+                       "invocations, their median"),
             "torch": torch.__version__}
 
 

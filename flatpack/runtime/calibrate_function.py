@@ -6,7 +6,8 @@ started with a role of kind ``"calibrate"`` whose ``stage`` carries the tier's m
 
 It reads its :class:`CalibrateSpec` from ``<run>/calibrate/spec/m<MB>`` and writes a
 :class:`CalibrateResult` to ``<run>/calibrate/result/m<MB>/<invocation>``. A cold
-invocation (0) measures everything; a warm one (1) only says when it was ready, so that the
+invocation (0) measures everything; a warm one (1, 2, ...) times the compute and optimizer
+probes again, further readings of the tier's speed, and says when it was ready, so that the
 invoker can time a second start.
 
 What it measures, compute on the tier's own clock (an emulated tier: CPU seconds over its
@@ -54,7 +55,7 @@ SMALL_OBJECT_BYTES = 64
 def calibrate_role(keys: RunKeys, memory_mb: int, invocation: int, digest: str = "") -> Role:
     """The role of the ``invocation``-th calibration function of the ``memory_mb`` tier
     (``stage`` carries the memory size, as a profiler function's does, so a backend sizes
-    the function by it; ``start_iteration`` carries the invocation: 0 cold, 1 warm)."""
+    the function by it; ``start_iteration`` carries the invocation: 0 cold, 1 or more warm)."""
     return Role(spec_key=keys.calibrate("spec", memory_mb), stage=memory_mb, replica=0,
                 start_iteration=invocation, end_iteration=invocation, kind=CALIBRATE_KIND, digest=digest)
 

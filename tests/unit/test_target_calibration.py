@@ -209,10 +209,10 @@ def test_the_demos_cached_calibration_is_reused_until_the_method_changes(tmp_pat
     assert revised != first and len(measured) == 2
 
 
-def test_a_tier_s_compute_ratio_is_each_invocation_beside_its_own_host_passes_averaged():
-    """The cold and the warm function each read the tier's speed; each reading is divided by
-    the host's passes just before and after it (the host's speed moves between them), and
-    the tier's figure is the readings' mean."""
+def test_a_tier_s_compute_ratio_is_the_median_of_its_invocations_each_beside_its_own_host_passes():
+    """The cold and each warm function read the tier's speed; each reading is divided by the
+    host's passes just before and after it (the host's speed moves between them), and the
+    tier's figure is the readings' median: one reading on a slow moment does not move it."""
     from flatpack.backends import target_calibration as calibration_module
 
     def result(invocation: int, conv_s: float, adam: float) -> CalibrateResult:
@@ -221,13 +221,20 @@ def test_a_tier_s_compute_ratio_is_each_invocation_beside_its_own_host_passes_av
                                probe_bytes=10_000_000 if invocation == 0 else 0,
                                optimizer_s_per_byte={"adam": adam})
 
-    results = {(512, 0): result(0, 0.0035, 2e-9), (512, 1): result(1, 0.0060, 4e-9)}
-    host_passes = {(512, 0): {"conv": 0.001}, (512, 1): {"conv": 0.002}}     # the host slowed down between them
-    tier = calibration_module._tiers([512], results, {(512, 0): 0.5, (512, 1): 1.5}, host_passes)[512]
-    assert tier.compute_ratio == {"conv": pytest.approx((3.5 + 3.0) / 2)}
-    assert tier.optimizer_s_per_byte == {"adam": pytest.approx(3e-9)}
+    # readings 3.5, 3.0 and 4.8 (the last on a slow moment), the host slowing between them
+    results = {(512, 0): result(0, 0.0035, 2e-9), (512, 1): result(1, 0.0060, 4e-9), (512, 2): result(2, 0.0048, 9e-9)}
+    host_passes = {(512, 0): {"conv": 0.001}, (512, 1): {"conv": 0.002}, (512, 2): {"conv": 0.001}}
+    launched = {(512, 0): 0.5, (512, 1): 1.5, (512, 2): 2.0}
+    tier = calibration_module._tiers([512], results, launched, host_passes)[512]
+    assert tier.compute_ratio == {"conv": pytest.approx(3.5)}
+    assert tier.optimizer_s_per_byte == {"adam": pytest.approx(4e-9)}
     assert tier.invoke_cold_s == pytest.approx(0.5) and tier.invoke_warm_s == pytest.approx(0.5)
+    # two readings: their mean
+    del results[(512, 2)]
+    two = calibration_module._tiers([512], results, launched, host_passes)[512]
+    assert two.compute_ratio == {"conv": pytest.approx((3.5 + 3.0) / 2)} and two.optimizer_s_per_byte == {
+        "adam": pytest.approx(3e-9)}
     # a warm function of an earlier flatpack reports no probes: the cold reading stands alone
     results[(512, 1)] = CalibrateResult(512, 1, 0.0, 2.0)
-    alone = calibration_module._tiers([512], results, {(512, 0): 0.5, (512, 1): 1.5}, host_passes)[512]
+    alone = calibration_module._tiers([512], results, launched, host_passes)[512]
     assert alone.compute_ratio == {"conv": pytest.approx(3.5)} and alone.optimizer_s_per_byte == {"adam": 2e-9}
