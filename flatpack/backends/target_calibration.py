@@ -68,8 +68,9 @@ HOST_REPEATS = 15
 # two readings averaged; every probe is timed on each of up to 2 CPUs in turn (flatpack.cpus). 5: a probe
 # task's term counts from when it could start, its hand-off included (task_overheads._ready_times).
 # 6: two warm invocations, the tier's compute ratios and optimizer speed the median of three
-# readings (WARM_READINGS).
-METHOD_REVISION = 6
+# readings (WARM_READINGS). 7: a second, small transfer probe after the link idled; the
+# bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
+METHOD_REVISION = 7
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -281,6 +282,29 @@ def _why(deployment: FunctionDeployment, role: Role) -> str:
     return _status_detail(read_status(deployment.store, deployment.keys, role)) or "it wrote no result"
 
 
+def link_fit(probe_bytes: int, seconds: Sequence[float], small_bytes: int, small_seconds: Sequence[float],
+             request_s: float) -> tuple[float, float]:
+    """A link's (bytes/s, burst seconds) from transfers of two sizes: each transfer takes
+    t_lat + n/W − b, where b is what an idle link sends beyond its rate (a token bucket's
+    burst: the local backend's is 10 ms of its rate; 0 where none shows). W is the slope
+    between the two sizes' medians, so neither t_lat nor b biases it; b is the large probe's
+    time short of t_lat + n/W, at least 0. Without the small probe (an earlier flatpack's
+    function), when its median is not below the large one's, or when the burst fitted would
+    cover the small probe itself (then its time is t_lat alone, off the line, and the fit
+    says nothing): W = n/(t − t_lat), b = 0."""
+    large = statistics.median(seconds)
+    if small_seconds and 0 < small_bytes < probe_bytes:
+        small = statistics.median(small_seconds)
+        if large > small:
+            rate = (probe_bytes - small_bytes) / (large - small)
+            burst = max(0.0, request_s + probe_bytes / rate - large)
+            # on the line the small probe's time beyond t_lat is n/W − b; all burst, it is 0
+            # and the fit puts b at n/W: keep a fifth of n/W as the margin between the two
+            if burst < 0.8 * small_bytes / rate:
+                return rate, burst
+    return probe_bytes / max(large - request_s, 1e-9), 0.0
+
+
 def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], CalibrateResult],
            launched: dict[tuple[int, int], float],
            host_passes: dict[tuple[int, int], dict[str, float]]) -> dict[int, TierCalibration]:
@@ -297,9 +321,8 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
     for memory_mb in memory_sizes:
         cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
         request = statistics.median(cold.request_s)
-
-        def bandwidth(seconds: list[float]) -> float:
-            return cold.probe_bytes / max(statistics.median(seconds) - request, 1e-9)
+        upload = link_fit(cold.probe_bytes, cold.upload_s, cold.small_probe_bytes, cold.small_upload_s, request)
+        download = link_fit(cold.probe_bytes, cold.download_s, cold.small_probe_bytes, cold.small_download_s, request)
 
         readings = [(result, host_passes[(mb, invocation)]) for (mb, invocation), result in sorted(results.items())
                     if mb == memory_mb and result.compute_s]
@@ -309,7 +332,7 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
                                 for name in cold.optimizer_s_per_byte}
         tiers[memory_mb] = TierCalibration(
             compute_ratio=compute_ratio,
-            upload_bytes_s=bandwidth(cold.upload_s), download_bytes_s=bandwidth(cold.download_s),
+            upload_bytes_s=upload[0], download_bytes_s=download[0], burst_s=(upload[1] + download[1]) / 2,
             invoke_cold_s=max(0.0, cold.ready_at - launched[(memory_mb, COLD)]),
             invoke_warm_s=max(0.0, warm.ready_at - launched[(memory_mb, WARM)]),
             optimizer_s_per_byte=optimizer_s_per_byte)

@@ -159,6 +159,9 @@ class TierCalibration:
     download_bytes_s: float | None = None
     invoke_cold_s: float | None = None
     invoke_warm_s: float | None = None
+    # transfer seconds an idle link sends beyond its rate (a token bucket's burst), fitted with
+    # the bandwidth from probes of two sizes (target_calibration.link_fit); None: not measured
+    burst_s: float | None = None
     optimizer_s_per_byte: Mapping[str, float] = field(default_factory=dict, hash=False)
     task_overhead_s: Mapping[int, Mapping[str, float]] = field(default_factory=dict, hash=False)
 
@@ -184,7 +187,8 @@ class TierCalibration:
         if self.forward_s:
             data["forward_s"] = [line.to_json() for line in self.forward_s]
             data["backward_s"] = [line.to_json() for line in self.backward_s]
-        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s"):
+        for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s", "invoke_cold_s", "invoke_warm_s",
+                     "burst_s"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
         for name in ("compute_ratio", "optimizer_s_per_byte"):
@@ -207,8 +211,8 @@ class TierCalibration:
         figures = {name: _number(tier[name], f"{where}.{name}", positive=True)
                    for name in ("bandwidth_bytes_s", "upload_bytes_s", "download_bytes_s")
                    if tier.get(name) is not None}
-        figures.update({name: _number(tier[name], f"{where}.{name}") for name in ("invoke_cold_s", "invoke_warm_s")
-                        if tier.get(name) is not None})
+        figures.update({name: _number(tier[name], f"{where}.{name}")
+                        for name in ("invoke_cold_s", "invoke_warm_s", "burst_s") if tier.get(name) is not None})
         # keyword arguments of three kinds (per-layer lines, figures, per-kind ratios), by field name
         ratios: dict[str, Any] = {name: _ratios(tier[name], f"{where}.{name}")
                                   for name in ("compute_ratio", "optimizer_s_per_byte") if tier.get(name) is not None}
@@ -508,6 +512,13 @@ class Calibration:
         if x0 == x1:
             return y0
         return max(0.0, y0 + (y1 - y0) * (workers - x0) / (x1 - x0))
+
+    def burst_seconds(self, memory_mb: int) -> float:
+        """Transfer seconds the tier's idle link sends beyond its rate (0 where not measured)."""
+        tier = self.tiers.get(memory_mb)
+        if tier is None or tier.burst_s is None:
+            return 0.0
+        return tier.burst_s
 
     def optimizer_seconds(self, memory_mb: int, optimizer: str, parameter_bytes: float) -> float | None:
         """Seconds of one optimizer step over ``parameter_bytes`` on the tier, when measured."""

@@ -19,7 +19,9 @@ that whatever else the host runs does not inflate the figure; a real platform: w
   to the tier's seconds;
 * the store: the seconds of each small request (put and get of a few bytes), kept as
   samples for the invoker to fit an exponentially modified Gaussian (scipy is not in a
-  function's image); upload and download of ``probe_bytes`` through the tier's link;
+  function's image); upload and download of ``probe_bytes`` through the tier's link, and
+  of a quarter of it after the link idled (:data:`IDLE_S`): the two sizes give the
+  link's rate and how much an idle link sends beyond it (a token bucket's burst);
   the extra seconds a ``wait`` for a key takes beyond the moment its producer wrote it
   (the polling overhead: ``Store.wait`` backs off up to 5 ms between polls);
 * the optimizer step: seconds per parameter byte of each optimizer a stage can run.
@@ -66,7 +68,8 @@ class CalibrateSpec:
     compute to the tier's share (local backend) or not (the platform enforces its own).
     ``bandwidth_bytes_s``: the tier's link as the local backend emulates it (None on a
     real platform, whose link is its own). ``round_trips``: small requests timed for the
-    latency distribution. ``probe_bytes`` and ``transfer_repeats``: the bandwidth probe.
+    latency distribution. ``probe_bytes`` and ``transfer_repeats``: the bandwidth probe
+    (and a probe of ``probe_bytes // SMALL_PROBE_PARTS`` bytes as often).
     ``optimizer_parameters``: float32 parameters the optimizer step is timed on."""
 
     run: str
@@ -110,6 +113,10 @@ class CalibrateResult:
     upload_s: list[float] = field(default_factory=list)
     download_s: list[float] = field(default_factory=list)
     probe_bytes: int = 0
+    # the same transfers of small_probe_bytes, each after the link idled (empty: an earlier flatpack)
+    small_upload_s: list[float] = field(default_factory=list)
+    small_download_s: list[float] = field(default_factory=list)
+    small_probe_bytes: int = 0
     optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
     collective: dict[str, Any] = field(default_factory=dict)
 
@@ -267,11 +274,25 @@ def _poll_overheads(store: Store, keys: RunKeys, spec: CalibrateSpec) -> list[fl
     return overheads
 
 
-def _transfers(store: Store, keys: RunKeys, spec: CalibrateSpec) -> tuple[list[float], list[float]]:
-    payload = bytes(spec.probe_bytes)
+# a quarter: at every tier up to 3 GB of the local catalog (70 MB/s) its time at the link's
+# rate, 15 ms or more, is past the local link's 10 ms burst, so both sizes lie on one line
+SMALL_PROBE_PARTS = 4
+# the link idles this long before each small probe: a token-bucket link banks its burst while
+# idle (the local backend's: 10 ms of its rate), as a pipeline's link does between a stage's
+# transfers, so the small probe sees what a transfer after a compute task sees
+IDLE_S = 0.05
+
+
+def _transfers(store: Store, keys: RunKeys, spec: CalibrateSpec, probe_bytes: int | None = None,
+               idle_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """Seconds of ``transfer_repeats`` puts and gets of ``probe_bytes`` (default the spec's),
+    each pair after ``idle_s`` of an idle link."""
+    payload = bytes(spec.probe_bytes if probe_bytes is None else probe_bytes)
     key = keys.calibrate("probe", spec.memory_mb, 1)
     uploads, downloads = [], []
     for _ in range(spec.transfer_repeats):
+        if idle_s:
+            time.sleep(idle_s)
         began = time.perf_counter()
         store.put(key, payload)
         middle = time.perf_counter()
@@ -314,11 +335,14 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
         return 0
     link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
     uploads, downloads = _transfers(link, keys, spec)
+    small_bytes = spec.probe_bytes // SMALL_PROBE_PARTS
+    small_uploads, small_downloads = _transfers(link, keys, spec, small_bytes, IDLE_S)
     result = CalibrateResult(
         memory_mb=spec.memory_mb, invocation=invocation, started_at=started, ready_at=ready,
         compute_s=compute_s,
         request_s=_requests(link, keys, spec), poll_overhead_s=_poll_overheads(link, keys, spec),
         upload_s=uploads, download_s=downloads, probe_bytes=spec.probe_bytes,
+        small_upload_s=small_uploads, small_download_s=small_downloads, small_probe_bytes=small_bytes,
         optimizer_s_per_byte=optimizer_s_per_byte,
         collective=_collective())
     store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())

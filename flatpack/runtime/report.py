@@ -14,6 +14,7 @@ compared with like.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from dataclasses import asdict, dataclass
@@ -212,6 +213,7 @@ def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> l
     d = cost.replicas
     count = len(cost.stages)
     total = problem.workload.micro_batch_count
+    overheads = cost.overheads
     boundaries = cost.boundaries
 
     # tasks per worker in program order: (key, kind, lane, micro_batch, seconds, nbytes, needs)
@@ -274,12 +276,17 @@ def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> l
         if not ready:
             raise RuntimeError("the predicted schedule deadlocked; this is a bug in predicted_schedule")
         start, queue_key, key, kind, lane, m, seconds, nbytes = min(ready, key=lambda t: (t[0], t[1]))
+        (s, r), _ = queue_key
+        if lane != "compute" and overheads is not None:
+            # a token-bucket link banks its burst while idle: since its last transfer, or since
+            # the last iteration for its first
+            idle = start - lane_free[queue_key] if position[queue_key] else math.inf
+            seconds -= overheads.burst_credit_s(nbytes, cost.stages[s].bandwidth_bytes_s, s, idle)
         end = start + seconds
         done[key] = end
         lane_free[queue_key] = end
         position[queue_key] += 1
         pending -= 1
-        (s, r), _ = queue_key
         events.append(Event(s, r, 0, kind, start, end, micro_batch=m, nbytes=nbytes, lane=lane))
     events.sort(key=lambda e: (e.start, e.stage, e.replica, LANE_ORDER[e.lane]))
     return events

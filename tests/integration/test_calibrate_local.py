@@ -40,6 +40,7 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert small_ratio is not None and large_ratio is not None and small_ratio > 1.5 * large_ratio
     assert small.invoke_cold_s is not None and small.invoke_cold_s > 0
     assert small.invoke_warm_s is not None and small.invoke_warm_s > 0 and small.optimizer_s_per_byte["adam"] > 0
+    assert small.burst_s is not None and small.burst_s >= 0    # fitted, or 0 where the small probe is all burst
     assert "skipped" in calibration.collective
     # the probe pipeline ran on each tier with 1, 2 and 4 workers (every training task kind,
     # the transfers only between two stages, the sync only where there is one) and served with

@@ -17,9 +17,11 @@ import flatpack
 from flatpack.compiler import load_run
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
 from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance
 from flatpack.partitioner.workload import Workload
+from flatpack.runtime import report
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.refit import refit, replan
 from flatpack.runtime.store import FileStore
@@ -82,6 +84,59 @@ def test_each_term_enters_where_it_is_spent():
     assert fast_input.iteration_s == pytest.approx(base.iteration_s)
 
 
+def test_an_idle_link_s_burst_shortens_the_first_pass_s_transfers_and_each_of_the_sync_s_four():
+    base = funcpipe.iteration(problem(), TWO_STAGES)
+    boundary = base.boundaries[0]
+    moved = [boundary.forward_upload_s - LATENCY, boundary.forward_download_s - LATENCY]   # o/W on each side
+    burst = (moved[0] / 2, moved[1] / 3)
+    bursting = funcpipe.iteration(problem(), TWO_STAGES, Overheads(burst_s=burst))
+    # a transfer's own figure, and so the lags it may set, keep the full o/W: the transfer that
+    # sets a lag keeps its link busy and banks no burst
+    assert bursting.boundaries == base.boundaries
+    assert bursting.forward_lag_s == base.forward_lag_s
+    assert [s.backward_lag_s for s in bursting.stages] == [s.backward_lag_s for s in base.stages]
+    # the first micro-batch's upload and download start on links idle since the last
+    # iteration, each shortened on the link of the stage that makes it
+    assert bursting.first_forward_s == pytest.approx(base.first_forward_s - burst[0] - burst[1])
+    assert bursting.stages[0].backward_done_s == pytest.approx(base.stages[0].backward_done_s - burst[0] - burst[1])
+    assert bursting.stages[1].backward_done_s == pytest.approx(base.stages[1].backward_done_s)   # no boundary above
+    # d = 2: a replica's scatter-reduce starts four transfers on an idle link, each shortened
+    for stage, before, after in zip(TWO_STAGES.stages, base.stages, bursting.stages):
+        sync_moved = scatter_reduce_seconds(before.sync_bytes, stage.replicas, before.bandwidth_bytes_s, 0.0)
+        saving = 4 * min(burst[before.index], sync_moved / 4)
+        assert saving > 0 and after.sync_s == pytest.approx(before.sync_s - saving)
+    # a burst longer than every transfer takes off each its o/W, never more
+    whole = funcpipe.iteration(problem(), TWO_STAGES, Overheads(burst_s=(1e3, 1e3)))
+    assert whole.first_forward_s == pytest.approx(base.first_forward_s - moved[0] - moved[1])
+    assert bursting.iteration_s < base.iteration_s
+
+
+def test_the_predicted_schedule_gives_a_transfer_the_burst_its_lane_s_idle_time_banked():
+    """1F1B's simulation: a transfer takes at most b less than its full o/W, only as much as
+    its lane idled before it, and the span shrinks."""
+    cost = funcpipe.predicted(problem(), TWO_STAGES)
+    burst = 1e-3
+    assert cost.overheads is not None
+    bursting = dataclasses.replace(cost, overheads=dataclasses.replace(cost.overheads, burst_s=(burst, burst)))
+    plain_events = report._simulate(problem(), cost, "1f1b")
+    events = report._simulate(problem(), bursting, "1f1b")
+    plain_by_task = {(e.stage, e.replica, e.kind, e.lane, e.micro_batch): e for e in plain_events}
+    shortened = 0
+    lane_end: dict[tuple, float] = {}
+    for event in sorted(events, key=lambda e: e.start):
+        if event.lane == "compute":
+            continue
+        lane = (event.stage, event.replica, event.lane)
+        idle = event.start - lane_end.get(lane, float("-inf"))
+        lane_end[lane] = event.end
+        saved = plain_by_task[(event.stage, event.replica, event.kind, event.lane, event.micro_batch)].seconds \
+            - event.seconds
+        assert -1e-12 <= saved <= min(burst, idle) + 1e-12
+        shortened += saved > 1e-12
+    assert shortened > 0
+    assert max(e.end for e in events) < max(e.end for e in plain_events)
+
+
 def test_contention_stretches_requests_and_only_compute_that_outgrows_its_share():
     base = funcpipe.iteration(problem(), TWO_STAGES)
     crowded = funcpipe.iteration(problem(), TWO_STAGES, Overheads(contention=2.0))
@@ -111,6 +166,8 @@ def test_the_optimizer_term_comes_from_the_calibration():
                                                                   tiers={1024: target_calibration().tiers[512]}))
     overheads = Overheads.of(measured, ONE_STAGE)
     assert overheads.optimizer_s == pytest.approx((4e-9 * 350 * MIB,))   # adam s/byte × the stage's gradients
+    assert overheads.burst_s == (0.008,)       # the tier's link's burst
+    assert Overheads.of(problem(), ONE_STAGE).burst_s == (0.0,)     # no calibration: none
 
 
 # --- item 3: re-planning from a run -----------------------------------------------------------

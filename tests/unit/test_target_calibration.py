@@ -30,7 +30,7 @@ def target_calibration(**changes) -> Calibration:
         platform="test", layer_names=(),
         tiers={512: TierCalibration(compute_ratio={"conv": 3.0, "matmul": 4.0, "elementwise": 5.0},
                                     upload_bytes_s=10e6, download_bytes_s=40e6, invoke_cold_s=1.5, invoke_warm_s=0.5,
-                                    optimizer_s_per_byte={"sgd": 1e-9, "adam": 4e-9})},
+                                    optimizer_s_per_byte={"sgd": 1e-9, "adam": 4e-9}, burst_s=0.008)},
         target=TargetInfo("test", "2026-11-25T10:00:00+00:00", "a test CPU", "0.1.0", None, 1),
         store_latency=StoreLatency(2.0, 0.002, 0.0005, 100), poll_overhead_s=0.003, host_cores=2,
         collective={"skipped": "no GPU"})
@@ -238,3 +238,27 @@ def test_a_tier_s_compute_ratio_is_the_median_of_its_invocations_each_beside_its
     results[(512, 1)] = CalibrateResult(512, 1, 0.0, 2.0)
     alone = calibration_module._tiers([512], results, launched, host_passes)[512]
     assert alone.compute_ratio == {"conv": pytest.approx(3.5)} and alone.optimizer_s_per_byte == {"adam": 2e-9}
+
+
+def test_a_link_s_rate_and_burst_come_from_transfers_of_two_sizes():
+    """A token-bucket link: each transfer takes t_lat + n/W − b. The slope between two sizes
+    is W whatever t_lat and b; b is the intercept. A small probe the burst covers whole is off
+    the line, and so is a missing one: then W = n/(t − t_lat), b = 0."""
+    from flatpack.backends.target_calibration import link_fit
+
+    rate, burst, latency = 10e6, 0.010, 0.002
+
+    def seconds(nbytes: int) -> list[float]:
+        return [latency + max(0.0, nbytes / rate - burst)] * 3
+
+    fitted_rate, fitted_burst = link_fit(4_000_000, seconds(4_000_000), 1_000_000, seconds(1_000_000), latency)
+    assert fitted_rate == pytest.approx(rate) and fitted_burst == pytest.approx(burst)
+    # the small probe all burst (50 KB in 5 ms < 10 ms): no fit, the large probe's own rate
+    assert link_fit(4_000_000, seconds(4_000_000), 50_000, seconds(50_000), latency) == \
+        (pytest.approx(4_000_000 / (0.4 - burst)), 0.0)
+    # an earlier function's result (no small probe): the same
+    assert link_fit(4_000_000, seconds(4_000_000), 0, [], latency)[1] == 0.0
+    # a link with no burst fits b = 0
+    flat = [latency + 4_000_000 / rate] * 3
+    no_burst = link_fit(4_000_000, flat, 1_000_000, [latency + 0.1] * 3, latency)
+    assert no_burst == (pytest.approx(rate), pytest.approx(0.0))

@@ -99,6 +99,15 @@ class PipelineCost:
         return to_json(self, MODEL)
 
 
+# A replica's scatter-reduce through storage moves its bytes in four transfers, each after its
+# link waited for the other replicas: upload the shards the others reduce, download the
+# shards of its own, upload its reduced shard, download the others' (000_2f8f665d06f7d6de.txt
+# §3.3, pipelined). A 2 x 2 resnet50 plan's replica uploaded its 257 KB shards in 8-11 ms after
+# idling, where 257 KB at the 512 MB tier's 11.2 MB/s is 23 ms (BENCHMARKS.md, issue 19's
+# eighth pass).
+SYNC_PHASES = 4
+
+
 @dataclass(frozen=True)
 class Overheads:
     """What the local backend's and a cloud run's measurements say an iteration also costs,
@@ -142,6 +151,15 @@ class Overheads:
       per-tensor work, the marker, hand-offs) on t_opt,s, and ``iteration_s`` (o_it: an
       update's end to the next iteration's first forward on the first stage: the timeline
       and progress writes) once per iteration.
+    * ``burst_s`` (b), per stage: transfer seconds the stage's link sends beyond its rate
+      after idling (a token bucket's burst; the local backend's link banks 10 ms of its rate),
+      fitted by ``flatpack calibrate`` from probes of two sizes. A token bucket banks it only
+      while its link idles (:meth:`burst_credit_s`): the first micro-batch's transfers, on
+      links idle since the last iteration, each take min(b, o/W) less (t_f⁰ and the first
+      backward pass); the lags Δ_f, Δ_b do not change (the transfer that sets one keeps its
+      link busy); each replica's scatter-reduce starts :data:`SYNC_PHASES` transfers on an
+      idle link. ``report.predicted_schedule`` gives each transfer the credit its lane's idle
+      time allows.
     """
 
     poll_s: float = 0.0
@@ -157,6 +175,21 @@ class Overheads:
     sync_task_s: tuple[float, ...] = ()
     step_task_s: tuple[float, ...] = ()
     iteration_s: float = 0.0
+    burst_s: tuple[float, ...] = ()
+
+    def burst(self, stage: int) -> float:
+        """``stage``'s link's burst b (0 where not measured)."""
+        return self.burst_s[stage] if stage < len(self.burst_s) else 0.0
+
+    def burst_credit_s(self, nbytes: float, bandwidth_bytes_s: float, stage: int, idle_s: float = math.inf) -> float:
+        """What the burst takes off a transfer of ``nbytes`` on ``stage``'s link after it idled
+        ``idle_s``: min(b, o/W, idle), since a token bucket banks its burst only while idle."""
+        return min(self.burst(stage), nbytes / bandwidth_bytes_s, max(0.0, idle_s))
+
+    def sync_burst_saving(self, moved_s: float, stage: int) -> float:
+        """What the burst takes off a scatter-reduce whose bytes take ``moved_s`` at the
+        link's rate: each of its :data:`SYNC_PHASES` transfers starts on an idle link."""
+        return SYNC_PHASES * min(self.burst(stage), moved_s / SYNC_PHASES)
 
     def task(self, kind: str, stage: int) -> float:
         """The ``kind`` task term (forward, backward, upload, download, sync, step) of ``stage``;
@@ -197,15 +230,18 @@ class Overheads:
 
         tasks = {f"{kind}_task_s": tuple(measured(kind, tier) for tier in tiers)
                  for kind in ("forward", "backward", "upload", "download", "sync", "step")}
+        burst = tuple(calibration.burst_seconds(tier.memory_mb) if calibration is not None else 0.0
+                      for tier in tiers)
         # a request for a key already written: no poll, the download task's own term
         target_s = latency + tasks["download_task_s"][-1] if reads_target else 0.0
         input_s = 0.0
         if problem.input_bytes is not None:
+            # the prefetch lane downloads µ inputs back to back: no idle, no burst
             input_s = (problem.boundary_bytes(-1, problem.workload.micro_batch_size) / bandwidth[0] + latency
                        + tasks["download_task_s"][0] + (target_s if len(plan.stages) == 1 else 0.0))
         return cls(poll_s=(platform.poll_overhead_s or 0.0) * contention, input_s=input_s, target_s=target_s,
                    optimizer_s=tuple(optimizer), marker_s=latency if replicas > 1 else 0.0, contention=contention,
-                   iteration_s=measured("iteration", tiers[0]), **tasks)
+                   iteration_s=measured("iteration", tiers[0]), burst_s=burst, **tasks)
 
 
 def prefetch_bound(micro_batches: int, overheads: Overheads) -> float:
@@ -298,7 +334,14 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
             backward_download_s=nbytes / bandwidth[b] + latency + poll + extra.task("download", b),
         ))
 
-    first_forward = sum(forward) + sum(bc.forward_upload_s + bc.forward_download_s for bc in boundaries)
+    # the first micro-batch's transfers start on links idle since the last iteration: each
+    # less the burst (b), on the link of the stage on either side of its boundary; the later
+    # ones wait on the lag Δ, which a burst does not shorten (the transfer that sets it keeps
+    # its link busy, so it banks none). A pass crosses each boundary once each way.
+    credits = [extra.burst_credit_s(bc.bytes, bandwidth[b], b) + extra.burst_credit_s(bc.bytes, bandwidth[b + 1], b + 1)
+               for b, bc in enumerate(boundaries)]
+    first_forward = (sum(forward) + sum(bc.forward_upload_s + bc.forward_download_s for bc in boundaries)
+                     - sum(credits))
     forward_lag = max([*forward, *(bc.forward_upload_s for bc in boundaries),
                        *(bc.forward_download_s for bc in boundaries)])
     forward_total = first_forward + (mu - 1) * forward_lag
@@ -309,11 +352,13 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         above = boundaries[s:]
         lag = max([*backward[s:], *(bc.backward_upload_s for bc in above),
                    *(bc.backward_download_s for bc in above)])
-        done = sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above) + (mu - 1) * lag
+        done = (sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above)
+                - sum(credits[s:]) + (mu - 1) * lag)
         grads = gradient_bytes(problem, stage.start, stage.end)
         sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency + poll, problem.workload.sync)
         if replicas > 1:
-            sync += extra.marker_s + extra.task("sync", s)
+            moved = scatter_reduce_seconds(grads, replicas, bandwidth[s], 0.0, problem.workload.sync)
+            sync += extra.marker_s + extra.task("sync", s) - extra.sync_burst_saving(moved, s)
         memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
                               sync_buffer_copies=sync_copies, recompute=stage.recompute)
         stages.append(StageCost(
