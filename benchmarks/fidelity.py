@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--calibrate-each-round", action="store_true",
                         help="run `flatpack calibrate` before every round and predict that round's plans with it "
                              "(default: one calibration for all rounds). On a shared host the figures drift over "
-                             "tens of minutes (store latency 2.1 then 4.6 ms 20 minutes apart): a calibration "
+                             "minutes (store latency 2.1 then 4.6 ms in calibrations 7 minutes apart): a calibration "
                              "next to the runs it predicts leaves that drift out of the model's error")
     args = parser.parse_args()
     if args.rounds < 1:

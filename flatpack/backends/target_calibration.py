@@ -43,7 +43,8 @@ from flatpack.platform.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibrati
                                            TierCalibration)
 from flatpack.platform.catalog import get_platform, host_cores
 from flatpack.profiler import default_cache_dir, host_clock, host_info
-from flatpack.runtime.calibrate_function import CalibrateResult, CalibrateSpec, calibrate_role, time_op_classes
+from flatpack.runtime.calibrate_function import (IDLE_S, SMALL_PROBE_PARTS, CalibrateResult, CalibrateSpec,
+                                                 calibrate_role, time_op_classes)
 from flatpack.runtime.function import Role
 from flatpack.version import __version__
 
@@ -308,8 +309,8 @@ def link_fit(probe_bytes: int, seconds: Sequence[float], small_bytes: int, small
 def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], CalibrateResult],
            launched: dict[tuple[int, int], float],
            host_passes: dict[tuple[int, int], dict[str, float]]) -> dict[int, TierCalibration]:
-    """Per tier: compute ratios against the host, each direction's bandwidth (the probe's
-    seconds beyond one request's median, as FuncPipe's t = o/W + t_lat reads), and the
+    """Per tier: compute ratios against the host, each direction's bandwidth and the link's
+    burst (:func:`link_fit`, from the two transfer probes and one request's median), and the
     invoke latency: launch to ready, as the invoker's and the function's clocks say (on a
     cloud target the two clocks differ by their skew, milliseconds under NTP).
 
@@ -350,7 +351,9 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
                        f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "
                        f"this host before and after the functions ran, averaged ({host}); {round_trips} small puts "
                        f"and gets fitted with scipy.stats.exponnorm; a {probe_bytes}-byte put and get through the "
-                       "tier's link, 3 times; 12 waits for a key written during the wait; optimizer steps on 1M "
+                       f"tier's link, 3 times, and a {probe_bytes // SMALL_PROBE_PARTS}-byte one after "
+                       f"{IDLE_S * 1000:.0f} ms idle, 3 times (their slope the bandwidth, their intercept the link's "
+                       "burst); 12 waits for a key written during the wait; optimizer steps on 1M "
                        "float32 parameters; invoke latency from launch to the function being ready, cold then "
                        f"warm; the compute probes and the optimizer step read in the cold and {WARM_READINGS} warm "
                        "invocations, their median"),

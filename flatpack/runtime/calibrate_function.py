@@ -327,8 +327,8 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
     compute_s = time_op_classes(spec.compute_repeats, clock)
     optimizer_s_per_byte = time_optimizer_steps(spec.optimizer_parameters, spec.compute_repeats, clock)
     if invocation > 0:
-        # warm: when it was ready, and the compute probes again: a second reading of the
-        # tier's speed, which the invoker sets beside the first (target_calibration._tiers)
+        # warm: when it was ready, and the compute probes again: a further reading of the
+        # tier's speed, which the invoker sets beside the others (target_calibration._tiers)
         result = CalibrateResult(spec.memory_mb, invocation, started, ready, compute_s=compute_s,
                                  optimizer_s_per_byte=optimizer_s_per_byte)
         store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())

@@ -250,7 +250,7 @@ def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> l
             if d > 1:
                 tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
                 last = [("s", s, r)]
-            step = cost.overheads.step(s) if cost.overheads is not None else 0.0
+            step = overheads.step(s) if overheads is not None else 0.0
             tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
             programs[(s, r)] = tasks
 
