@@ -57,6 +57,12 @@ from flatpack.weights import state_dict_of
 FUNCTION_CAPABILITIES = frozenset(Capability)
 POLL_S = 0.05
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
+# an iteration's data and target keys go up this many at a time. One after another, a 2 x 2
+# vgg16 plan's 16 puts took the local invoker 0.43 s per iteration (25 ms each on a host its
+# 4 workers and the store share) where the iteration takes 0.25-0.3 s: from iteration 6 the
+# first stage's prefetch waited ~0.1 s for its data and the steady state ran 1.3x the
+# iterations before it (benchmarks/steady_state.py; BENCHMARKS.md, issue 19's ninth pass)
+FEED_THREADS = 8
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
 # the invoker deletes finished iterations' keys at most this often (a segment's end deletes
 # the rest): each deletion lists every kind of key once, and deleting after every 0.2 s
@@ -234,11 +240,17 @@ class FunctionDeployment:
                              "micro-batches. Use a larger batch or fewer micro-batches")
         pieces = {name: split_value(value, size, micro_batches) for name, value in values.items()}
         targets = split_value(target, size, micro_batches) if isinstance(target, torch.Tensor) else None
-        for m in range(micro_batches):
-            self.store.put(self.keys.data(iteration, m),
-                           pack_values({name: piece[m] for name, piece in pieces.items()}))
-            if targets is not None:
-                self.store.put(self.keys.target(iteration, m), wire.dumps({TARGET: targets[m].contiguous()}))
+        objects = {self.keys.data(iteration, m): pack_values({name: piece[m] for name, piece in pieces.items()})
+                   for m in range(micro_batches)}
+        if targets is not None:
+            objects.update({self.keys.target(iteration, m): wire.dumps({TARGET: targets[m].contiguous()})
+                            for m in range(micro_batches)})
+        with ThreadPoolExecutor(max_workers=min(FEED_THREADS, len(objects)),
+                                thread_name_prefix="flatpack-feed") as pool:
+            puts = [pool.submit(self.store.put, key, data) for key, data in objects.items()]
+        # every put has finished (the pool's exit waits): the first failure, if any, is raised
+        for put in puts:
+            put.result()
         return size
 
     # training -----------------------------------------------------------------------------

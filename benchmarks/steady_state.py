@@ -1,0 +1,111 @@
+"""What the invoker's own work costs a local run's steady state (issue 19, ninth pass).
+
+``flatpack demo`` trains 4 iterations and compares the prediction with the median of
+iterations 2 and 3. Run longer, its iterations grow: from about iteration 4 the invoker
+works beside the workers. It uploads each new iteration's data (``functions.DATA_WINDOW``
+iterations ahead of the last one every worker reported, ``FEED_THREADS`` puts at a time;
+the first window goes up before the workers start) and, after each checkpoint every stage
+has reported, deletes the keys of the iterations it covers (``_Run._release``). On the
+local backend both run on the cores the workers and the store share, and neither is in the
+model's κ (``funcpipe.host_contention``: the workers and the store).
+
+This runs the demo's job ``--iterations`` long in four variants, round-robin for
+``--rounds`` rounds so that the host's drift falls on all of them alike:
+
+* ``as-run``: the runtime as shipped;
+* ``data-upfront``: every iteration's data uploaded before the workers start (the window
+  made larger than the run);
+* ``no-garbage``: no deletions until the run ends;
+* ``neither``: both.
+
+The last two switch off work a long run needs (the store would grow without bound); no user
+setting does so, on purpose: they exist here only to measure what that work costs. Printed
+per variant and round: the prediction, the median of iterations 2-3 (the demo's window),
+the median of iterations 2 onwards, every iteration's milliseconds; then each variant's
+median over rounds.
+
+    PYTHONPATH=. python benchmarks/steady_state.py [--iterations 16] [--rounds 2] [--model vgg16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from flatpack.backends import functions
+from flatpack.cli import main as flatpack_main
+from flatpack.runtime import timeline
+
+VARIANTS = ("as-run", "data-upfront", "no-garbage", "neither")
+# iterations the demo leaves out (the cold start, then the warm-up): its job.py's skip
+SKIPPED = 2
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[None]:
+    """The runtime with the invoker's data feed and/or garbage deletion held back."""
+    window, release = functions.DATA_WINDOW, functions._Run._release
+    try:
+        if name in ("data-upfront", "neither"):
+            functions.DATA_WINDOW = 1 << 20
+        if name in ("no-garbage", "neither"):
+            def held_back(self: functions._Run, end: int, *, now: bool = False) -> None:
+                if now:   # the segment's end: what the store holds goes then, as it does as run
+                    release(self, end, now=True)
+            functions._Run._release = held_back   # type: ignore[method-assign]
+        yield
+    finally:
+        functions.DATA_WINDOW, functions._Run._release = window, release   # type: ignore[method-assign]
+
+
+def run_demo(model: str, iterations: int, out: Path) -> tuple[float, list[float]]:
+    """The demo's job (``flatpack demo --json``): its predicted iteration and each measured one."""
+    document_path = out / "demo.json"
+    with open(document_path, "w") as stdout, contextlib.redirect_stdout(stdout):
+        try:
+            flatpack_main(["demo", "--model", model, "--iterations", str(iterations), "--out", str(out / "run"),
+                           "--json"])
+        except SystemExit:
+            pass
+    document = json.loads(document_path.read_text())
+    predicted = document["comparison"]["predicted"]["iteration_s"]
+    events = timeline.loads((out / "run" / "events.json").read_text())
+    measured = timeline.summarize(events, skip_first=0)
+    return predicted, [iteration.seconds for iteration in measured.iterations]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default="vgg16")
+    args = parser.parse_args()
+    if args.iterations < SKIPPED + 4:
+        parser.error(f"--iterations must be at least {SKIPPED + 4}: the demo's window and a steady state after it")
+    steady: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    window: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    print(f"{args.model}, the demo's job, {args.iterations} iterations; ms", flush=True)
+    for round_number in range(args.rounds):
+        for name in VARIANTS:
+            with tempfile.TemporaryDirectory() as scratch, variant(name):
+                predicted, seconds = run_demo(args.model, args.iterations, Path(scratch))
+            window[name].append(statistics.median(seconds[SKIPPED:SKIPPED + 2]))
+            steady[name].append(statistics.median(seconds[SKIPPED:]))
+            print(f"round {round_number + 1} {name:>12}: predicted {predicted * 1e3:.1f}, iterations 2-3 "
+                  f"{window[name][-1] * 1e3:.1f}, iterations 2-{args.iterations - 1} {steady[name][-1] * 1e3:.1f} "
+                  f"({predicted / steady[name][-1] - 1:+.1%}); each: "
+                  f"{' '.join(f'{value * 1e3:.0f}' for value in seconds)}", flush=True)
+    print("\nmedian over rounds (ms): variant, iterations 2-3, steady state")
+    for name in VARIANTS:
+        print(f"  {name:>12}: {statistics.median(window[name]) * 1e3:.1f}  {statistics.median(steady[name]) * 1e3:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
