@@ -9,16 +9,18 @@ has reported, deletes the keys of the iterations it covers (``_Run._release``). 
 local backend both run on the cores the workers and the store share, and neither is in the
 model's κ (``funcpipe.host_contention``: the workers and the store).
 
-This runs the demo's job ``--iterations`` long in four variants, round-robin for
+This runs the demo's job ``--iterations`` long in five variants, round-robin for
 ``--rounds`` rounds so that the host's drift falls on all of them alike:
 
 * ``as-run``: the runtime as shipped;
+* ``one-put-at-a-time``: the feed's puts one after another (``FEED_THREADS`` = 1, as before
+  issue 19's ninth pass);
 * ``data-upfront``: every iteration's data uploaded before the workers start (the window
   made larger than the run);
 * ``no-garbage``: no deletions until the run ends;
 * ``neither``: both.
 
-The last two switch off work a long run needs (the store would grow without bound); no user
+The last three switch off work a long run needs (the store would grow without bound); no user
 setting does so, on purpose: they exist here only to measure what that work costs. Printed
 per variant and round: the prediction, the median of iterations 2-3 (the demo's window),
 the median of iterations 2 onwards, every iteration's milliseconds; then each variant's
@@ -42,7 +44,7 @@ from flatpack.backends import functions
 from flatpack.cli import main as flatpack_main
 from flatpack.runtime import timeline
 
-VARIANTS = ("as-run", "data-upfront", "no-garbage", "neither")
+VARIANTS = ("as-run", "one-put-at-a-time", "data-upfront", "no-garbage", "neither")
 # iterations the demo leaves out (the cold start, then the warm-up): its job.py's skip
 SKIPPED = 2
 
@@ -50,8 +52,10 @@ SKIPPED = 2
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """The runtime with the invoker's data feed and/or garbage deletion held back."""
-    window, release = functions.DATA_WINDOW, functions._Run._release
+    window, release, threads = functions.DATA_WINDOW, functions._Run._release, functions.FEED_THREADS
     try:
+        if name == "one-put-at-a-time":
+            functions.FEED_THREADS = 1
         if name in ("data-upfront", "neither"):
             functions.DATA_WINDOW = 1 << 20
         if name in ("no-garbage", "neither"):
@@ -62,6 +66,7 @@ def variant(name: str) -> Iterator[None]:
         yield
     finally:
         functions.DATA_WINDOW, functions._Run._release = window, release   # type: ignore[method-assign]
+        functions.FEED_THREADS = threads
 
 
 def run_demo(model: str, iterations: int, out: Path) -> tuple[float, list[float]]:
@@ -97,13 +102,13 @@ def main() -> int:
                 predicted, seconds = run_demo(args.model, args.iterations, Path(scratch))
             window[name].append(statistics.median(seconds[SKIPPED:SKIPPED + 2]))
             steady[name].append(statistics.median(seconds[SKIPPED:]))
-            print(f"round {round_number + 1} {name:>12}: predicted {predicted * 1e3:.1f}, iterations 2-3 "
+            print(f"round {round_number + 1} {name:>18}: predicted {predicted * 1e3:.1f}, iterations 2-3 "
                   f"{window[name][-1] * 1e3:.1f}, iterations 2-{args.iterations - 1} {steady[name][-1] * 1e3:.1f} "
                   f"({predicted / steady[name][-1] - 1:+.1%}); each: "
                   f"{' '.join(f'{value * 1e3:.0f}' for value in seconds)}", flush=True)
     print("\nmedian over rounds (ms): variant, iterations 2-3, steady state")
     for name in VARIANTS:
-        print(f"  {name:>12}: {statistics.median(window[name]) * 1e3:.1f}  {statistics.median(steady[name]) * 1e3:.1f}")
+        print(f"  {name:>18}: {statistics.median(window[name]) * 1e3:.1f}  {statistics.median(steady[name]) * 1e3:.1f}")
     return 0
 
 

@@ -1201,7 +1201,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--model", default="vgg16",
                              help="a zoo model (built at reduced size) or a built-in example, keyword-input "
                                   "HuggingFace ones included, e.g. --model bert")
-    demo_parser.add_argument("--iterations", type=int, default=4)
+    demo_parser.add_argument("--iterations", type=int, default=12,
+                             help="iterations to train (default 12): the first two (cold start, warm-up) are not "
+                                  "measured, and the median of the rest is set beside the prediction. Fewer "
+                                  "measure the run before its steady state: the invoker feeds the first 4 "
+                                  "iterations' data before the workers start and deletes nothing before the "
+                                  "first checkpoint")
     demo_parser.add_argument("--out", default="flatpack-demo",
                              help="the run directory: chart, artifacts, logs, trained weights (default "
                                   "./flatpack-demo)")
