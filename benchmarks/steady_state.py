@@ -1,7 +1,7 @@
 """What the invoker's own work costs a local run's steady state (issue 19, ninth pass).
 
-``flatpack demo`` trains 4 iterations and compares the prediction with the median of
-iterations 2 and 3. Run longer, its iterations grow: from about iteration 4 the invoker
+``flatpack demo`` trained 4 iterations and compared the prediction with the median of
+iterations 2 and 3 (it trains 12 now and takes iterations 2-11). Those come before the invoker
 works beside the workers. It uploads each new iteration's data (``functions.DATA_WINDOW``
 iterations ahead of the last one every worker reported, ``FEED_THREADS`` puts at a time;
 the first window goes up before the workers start) and, after each checkpoint every stage

@@ -58,10 +58,11 @@ FUNCTION_CAPABILITIES = frozenset(Capability)
 POLL_S = 0.05
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 # an iteration's data and target keys go up this many at a time. One after another, a 2 x 2
-# vgg16 plan's 16 puts took the local invoker 0.43 s per iteration (25 ms each on a host its
-# 4 workers and the store share) where the iteration takes 0.25-0.3 s: from iteration 6 the
-# first stage's prefetch waited ~0.1 s for its data and the steady state ran 1.3x the
-# iterations before it (benchmarks/steady_state.py; BENCHMARKS.md, issue 19's ninth pass)
+# vgg16 plan's 16 puts took the local invoker 0.46 s per iteration on a loaded host (25 ms
+# each beside its 4 workers and the store), longer than the iteration: the window drained and
+# the first stage's prefetch waited ~0.1 s for its data. On a quiet host the demo's steady
+# state was 302.5 ms one put at a time, 250.7 ms eight at a time (benchmarks/steady_state.py;
+# BENCHMARKS.md, issue 19's ninth pass)
 FEED_THREADS = 8
 MAX_RESTARTS = 3         # per worker, for lost functions and relaunched stragglers
 # the invoker deletes finished iterations' keys at most this often (a segment's end deletes
