@@ -13,9 +13,12 @@ is measured where it runs.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
+import threading
+import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -87,3 +90,68 @@ def runs_per_cpu(repeats: int, cpus: int) -> list[int]:
         raise ValueError(f"runs_per_cpu needs repeats >= 1 and cpus >= 1, got {repeats} and {cpus}")
     share, extra = divmod(repeats, cpus)
     return [max(1, share + (1 if index < extra else 0)) for index in range(cpus)]
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc/PID/stat``;
+    None where there is no procfs (macOS, Windows) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: fields 14 and 15
+    # (utime, stime) count from after its closing parenthesis
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class HostCpuSampler:
+    """The host's busy CPU seconds over time: ``/proc/stat``'s first line (every CPU's user,
+    nice, system, irq and softirq time; not steal, which ran no process of this host),
+    sampled every ``period_s`` on a thread for as long as the ``with`` block runs. What the
+    host bound predicts for a local run (``runtime.host_load``), measured:
+    ``benchmarks/fidelity.py`` prints it beside the bound's CPU.
+    Samples nothing where there is no procfs."""
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []     # (time.time(), busy CPU seconds so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="host-cpu-sampler", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _busy_s(self) -> float | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(value) for value in stat.readline().split()[1:8]]
+        except (OSError, ValueError):
+            return None
+        return (sum(fields) - fields[3] - fields[4]) / self._tick    # all but idle and iowait
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            busy = self._busy_s()
+            if busy is None:
+                return
+            self.samples.append((time.time(), busy))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> HostCpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy_s(self, start: float, end: float) -> float | None:
+        """Busy CPU seconds (all cores together) from ``start`` to ``end`` (``time.time()``),
+        the rate between the first and last samples inside the window times its length; None
+        where fewer than two samples fall in it."""
+        times = [when for when, _ in self.samples]
+        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end) - 1
+        if last <= first:
+            return None
+        (t0, b0), (t1, b1) = self.samples[first], self.samples[last]
+        return (b1 - b0) / (t1 - t0) * (end - start)

@@ -36,6 +36,7 @@ from torch import nn
 from flatpack.backends import profiling, task_overheads
 from flatpack.backends.collective_calibration import collective_summary
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.backends.request_cpu import measure_request_cpu
 from flatpack.backends.profiling import _status_detail
 from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
@@ -167,6 +168,12 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                                 for mb in sorted(set(failed)))
             raise RunFailure(f"the calibration function failed on {reasons}. "
                              + profiling._next_step(deployment, emulated))
+        request_cpu = None
+        server = getattr(deployment, "server", None)
+        if emulated and server is not None and server.pid is not None:
+            # the host's cores are shared: what a request costs them bounds a run (runtime.host_load)
+            say("timing the host CPU of the store's requests (client and server)")
+            request_cpu = measure_request_cpu(deployment.store, server.pid, f"{keys.run}/calibrate/request-cpu")
     measured = _tiers(memory_sizes, results, launched, host_passes)
     host_seconds = {name: statistics.mean(passes[name] for passes in host_passes.values())
                     for name in next(iter(host_passes.values()))}
@@ -180,7 +187,7 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         platform=target, layer_names=(), tiers=measured,
         target=TargetInfo(target, now, host_info().cpu, __version__, region, threads),
         store_latency=StoreLatency.fit(requests), poll_overhead_s=statistics.mean(polls),
-        host_cores=host_cores() if emulated else None, collective=first.collective,
+        host_cores=host_cores() if emulated else None, collective=first.collective, request_cpu=request_cpu,
         provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
     if task_iterations:
         calibration = _with_task_overheads(calibration, target, emulate, memory_sizes, region, deploy,
@@ -379,6 +386,11 @@ def calibration_summary(calibration: Calibration) -> str:
         lines.append(f"a wait sees a written key after {calibration.poll_overhead_s * 1000:.3f} ms on average")
     if calibration.host_cores is not None:
         lines.append(f"host cores shared by every worker and the store: {calibration.host_cores}")
+    if calibration.request_cpu is not None:
+        cpu = calibration.request_cpu
+        lines.append(f"host CPU of a store request (client + server): put {cpu.put_s * 1000:.2f} ms "
+                     f"+ {cpu.put_s_per_byte * 1e9:.2f} ns/B, get {cpu.get_s * 1000:.2f} ms "
+                     f"+ {cpu.get_s_per_byte * 1e9:.2f} ns/B, a poll's miss {cpu.miss_s * 1000:.2f} ms")
     lines.append(f"{'tier MB':>8}  {'compute x host (conv/matmul/elementwise)':>42}  {'up MB/s':>8}  {'down MB/s':>9}  "
                  f"{'cold s':>7}  {'warm s':>7}  {'adam ns/B':>9}")
     for memory_mb in calibration.tiers_mb:

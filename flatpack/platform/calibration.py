@@ -48,6 +48,8 @@ Schema version 2 (``flatpack calibrate``) adds, all optional, and makes ``layers
                         "samples": 120},      # scipy.stats.exponnorm's parameters, seconds
       "poll_overhead_s": 0.0021,              # a wait's mean delay after its key was written
       "host_cores": 2,                        # local backend: cores the workers and store share
+      "request_cpu_s": {"put": 0.004, "get": 0.0025, "miss": 0.0018,   # local backend: host CPU of
+                        "put_per_byte": 1e-8, "get_per_byte": 2e-9},  # a request, client + server
       "collective": {"skipped": "no GPU ..."} # or, --target gpu-container, CollectiveFit's fields:
                     # {"ranks": 2, "backend": "gloo", "device": "cpu", "device_name": "cpu",
                     #  "sizes_bytes": [...], "point_to_point_s": [...],
@@ -79,6 +81,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from flatpack.errors import InputError
 from flatpack.ir.profile import Linear
+from flatpack.platform.catalog import RequestCpu
 
 if TYPE_CHECKING:
     from flatpack.platform.catalog import Platform
@@ -391,6 +394,7 @@ class Calibration:
     poll_overhead_s: float | None = None
     host_cores: int | None = None
     collective: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    request_cpu: RequestCpu | None = None
 
     def __post_init__(self) -> None:
         if not self.platform:
@@ -543,7 +547,8 @@ class Calibration:
                                      if t.memory_mb in bandwidth else t for t in platform.tiers)
             sources["measured_bandwidth"] = f"tiers {sorted(bandwidth)} MB: {note}"
         measured = {"storage_latency_s": self.request_latency_s, "overlap_slowdown": self.overlap_slowdown,
-                    "poll_overhead_s": self.poll_overhead_s, "host_cores": self.host_cores}
+                    "poll_overhead_s": self.poll_overhead_s, "host_cores": self.host_cores,
+                    "request_cpu": self.request_cpu}
         for name, value in measured.items():
             if value is not None:
                 changes[name] = value
@@ -565,6 +570,8 @@ class Calibration:
             data["target"] = self.target.to_json()
         if self.store_latency is not None:
             data["store_latency"] = self.store_latency.to_json()
+        if self.request_cpu is not None:
+            data["request_cpu_s"] = self.request_cpu.to_json()
         if self.collective:
             data["collective"] = dict(self.collective)
         if self.provenance:
@@ -607,6 +614,8 @@ class Calibration:
             optional["target"] = TargetInfo.from_json(data["target"])
         if data.get("store_latency") is not None:
             optional["store_latency"] = StoreLatency.from_json(data["store_latency"])
+        if data.get("request_cpu_s") is not None:
+            optional["request_cpu"] = RequestCpu.from_json(data["request_cpu_s"], "calibration file: request_cpu_s")
         collective = data.get("collective") or {}
         if not isinstance(collective, dict):
             raise InputError("calibration file: \"collective\" must be an object")

@@ -163,6 +163,56 @@ class Scaling:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class RequestCpu:
+    """Host CPU seconds one store request costs the client that sends it and the server that
+    answers it together, on a host where both run (the local backend: every worker, the
+    invoker and the S3 server share its cores). ``flatpack calibrate --target local`` times
+    it (``backends.target_calibration.measure_request_cpu``): a put, a get of a key that is
+    there, a get of one that is not yet (a poll's miss), each a fixed part plus seconds per
+    byte moved. ``runtime.host_load`` sums them over an iteration's requests."""
+
+    put_s: float
+    get_s: float
+    miss_s: float
+    put_s_per_byte: float = 0.0
+    get_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = {name: getattr(self, name) for name in ("put_s", "get_s", "miss_s", "put_s_per_byte",
+                                                          "get_s_per_byte")}
+        bad = {name: value for name, value in values.items() if not (math.isfinite(value) and value >= 0)}
+        if bad:
+            raise InputError(f"request CPU seconds must be finite and non-negative, got {bad}")
+
+    def put(self, nbytes: float) -> float:
+        return self.put_s + self.put_s_per_byte * nbytes
+
+    def get(self, nbytes: float) -> float:
+        return self.get_s + self.get_s_per_byte * nbytes
+
+    def to_json(self) -> dict[str, float]:
+        return {"put": self.put_s, "get": self.get_s, "miss": self.miss_s, "put_per_byte": self.put_s_per_byte,
+                "get_per_byte": self.get_s_per_byte}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "request_cpu") -> RequestCpu:
+        names = {"put": "put_s", "get": "get_s", "miss": "miss_s", "put_per_byte": "put_s_per_byte",
+                 "get_per_byte": "get_s_per_byte"}
+        if not isinstance(data, Mapping) or not {"put", "get", "miss"} <= set(data):
+            raise InputError(f"{where} must be an object with put, get and miss seconds (and optionally "
+                             f"put_per_byte, get_per_byte), got {data!r}")
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InputError(f"{where} has unknown keys {unknown}; it takes {', '.join(names)}")
+        values = {}
+        for key, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{where}.{key} must be a number of seconds, got {value!r}")
+            values[names[key]] = float(value)
+        return cls(**values)
+
+
 _NUMERIC_FIELDS = ("min_memory_mb", "max_memory_mb", "storage_latency_s", "price_per_request",
                    "billing_granularity_s", "timeout_s", "base_memory_bytes", "overlap_slowdown",
                    "aggregate_bandwidth_bytes_s", "package_limit_bytes", "image_limit_bytes",
@@ -184,7 +234,8 @@ class Platform:
     ``poll_overhead_s``: the mean delay a consumer's polling ``wait`` adds after its key was
     written (None: not stated; the cost models then add none). ``host_cores``: on the
     local backend, the cores every worker and the store share (None elsewhere: a cloud
-    function's CPU is its own).
+    function's CPU is its own). ``request_cpu``: on such a shared host, what a store request
+    costs its CPU (None: not measured; no host bound is then predicted).
     """
 
     name: str
@@ -210,6 +261,7 @@ class Platform:
     measured_bandwidth: Mapping[int, float] = field(default_factory=dict, hash=False)
     poll_overhead_s: float | None = None
     host_cores: int | None = None
+    request_cpu: RequestCpu | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -354,6 +406,8 @@ class Platform:
             keys.append("gpu_vcpu_equivalents")
         if self.measured_bandwidth:
             keys.append("measured_bandwidth")
+        if self.request_cpu is not None:
+            keys.append("request_cpu")
         return keys
 
     def missing_sources(self) -> list[str]:
@@ -367,6 +421,7 @@ class Platform:
             "scaling": self.scaling.to_json() if self.scaling else None,
             "gpu_vcpu_equivalents": dict(self.gpu_vcpu_equivalents),
             "measured_bandwidth": {str(mb): bw for mb, bw in self.measured_bandwidth.items()},
+            "request_cpu": self.request_cpu.to_json() if self.request_cpu is not None else None,
             "sources": dict(self.sources),
         }
 
@@ -383,6 +438,7 @@ class Platform:
                    scaling=Scaling.from_json(data["scaling"]) if data.get("scaling") else None,
                    gpu_vcpu_equivalents=dict(data.get("gpu_vcpu_equivalents", {})),
                    measured_bandwidth={int(mb): float(bw) for mb, bw in data.get("measured_bandwidth", {}).items()},
+                   request_cpu=RequestCpu.from_json(data["request_cpu"]) if data.get("request_cpu") else None,
                    sources=dict(data.get("sources", {})), **values)
 
     def describe(self) -> str:

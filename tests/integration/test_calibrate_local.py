@@ -33,6 +33,12 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert target is not None and target.name == "local" and target.flatpack_version
     assert calibration.tiers_mb == (512, 2048)
     assert calibration.host_cores is not None and calibration.host_cores >= 1
+    # the host CPU of a store request, client and server together (the host bound's figures):
+    # a put or a get costs both processes something, and more bytes cost no less
+    request_cpu = calibration.request_cpu
+    assert request_cpu is not None
+    assert min(request_cpu.put_s, request_cpu.get_s, request_cpu.miss_s) > 0
+    assert min(request_cpu.put_s_per_byte, request_cpu.get_s_per_byte) >= 0
     assert store_latency is not None and store_latency.samples == 2 * 2 * 8 and store_latency.mean_s > 0
     small, large = calibration.tiers[512], calibration.tiers[2048]
     # 0.29 of a vCPU against a whole one: ~3.4x slower; a wide margin for a shared host

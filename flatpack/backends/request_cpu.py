@@ -1,0 +1,83 @@
+"""What one store request costs a host's CPU when the client and the store server share it:
+``flatpack calibrate --target local``'s figure for the host bound (issue 19, tenth pass).
+
+A local run's four workers, its invoker and its S3 server share the host's cores. The demo's
+2 x 2 vgg16 plan kept both cores of the 2-core VM 98 % busy: 595 core-ms an iteration, of
+which the server took 174, the four workers 82-100 each and the invoker 59, while its
+iteration measured 307 ms, 595 / 2 = 298 (BENCHMARKS.md, issue 19's tenth pass). It made
+about 175 store requests an iteration, 61 of them polls that missed; its layers' compute was
+about 54 core-ms. Such an iteration is bounded by the host's throughput, not by the
+critical path FuncPipe's equations follow (``runtime.host_load``).
+
+How: ``ROUNDS`` rounds of ``SMALL_REQUESTS`` puts of ``SMALL_BYTES``, as many gets of them
+and as many gets of absent keys (a poll's miss), then ``LARGE_REQUESTS`` puts and gets of
+``LARGE_BYTES``; each timed by this process's CPU (``time.process_time``: the boto3 client)
+plus the server process's (``cpus.process_cpu_seconds``), per request. The median over
+rounds of the small figures is each request's fixed part; the large ones' excess over it, per
+byte, its part per byte moved.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+from flatpack.cpus import process_cpu_seconds
+from flatpack.errors import StoreKeyError
+from flatpack.platform.catalog import RequestCpu
+from flatpack.runtime.store import Store
+
+ROUNDS = 3
+SMALL_REQUESTS = 40
+SMALL_BYTES = 1024
+LARGE_REQUESTS = 6
+LARGE_BYTES = 1 << 20
+
+
+def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCpu | None:
+    """Times requests of ``store`` to the server process ``server_pid`` under keys below
+    ``prefix`` (deleted after); None where the server's CPU cannot be read (no procfs)."""
+    if process_cpu_seconds(server_pid) is None:
+        return None
+
+    def host_cpu() -> float:
+        server = process_cpu_seconds(server_pid)
+        if server is None:
+            raise RuntimeError(f"the store server (pid {server_pid}) exited while its request CPU was measured")
+        return time.process_time() + server
+
+    def per_request(count: int, request: Callable[[int], object]) -> float:
+        before = host_cpu()
+        for index in range(count):
+            request(index)
+        return (host_cpu() - before) / count
+
+    def missing(key: str) -> None:
+        try:
+            store.get(key)
+        except StoreKeyError:
+            return
+        raise RuntimeError(f"{key!r} was expected absent from the store while timing a poll's miss")
+
+    figures: dict[str, list[float]] = {name: [] for name in ("put", "get", "miss", "put_large", "get_large")}
+    small, large = os.urandom(SMALL_BYTES), os.urandom(LARGE_BYTES)
+    keys: list[str] = []
+    try:
+        for round_number in range(ROUNDS):
+            base = f"{prefix}/r{round_number}"
+            keys += [f"{base}/s{index}" for index in range(SMALL_REQUESTS)]
+            keys += [f"{base}/l{index}" for index in range(LARGE_REQUESTS)]
+            figures["put"].append(per_request(SMALL_REQUESTS, lambda i: store.put(f"{base}/s{i}", small)))
+            figures["get"].append(per_request(SMALL_REQUESTS, lambda i: store.get(f"{base}/s{i}")))
+            figures["miss"].append(per_request(SMALL_REQUESTS, lambda i: missing(f"{base}/absent{i}")))
+            figures["put_large"].append(per_request(LARGE_REQUESTS, lambda i: store.put(f"{base}/l{i}", large)))
+            figures["get_large"].append(per_request(LARGE_REQUESTS, lambda i: store.get(f"{base}/l{i}")))
+    finally:
+        store.delete_keys(keys)
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    moved = LARGE_BYTES - SMALL_BYTES
+    return RequestCpu(put_s=median["put"], get_s=median["get"], miss_s=median["miss"],
+                      put_s_per_byte=max(0.0, median["put_large"] - median["put"]) / moved,
+                      get_s_per_byte=max(0.0, median["get_large"] - median["get"]) / moved)

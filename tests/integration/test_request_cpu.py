@@ -1,0 +1,30 @@
+"""The host CPU of a store request on the local S3 server, as `flatpack calibrate --target
+local` measures it for the host bound (runtime.host_load): client and server together, each
+verb's fixed part and its part per byte, and nothing left in the store."""
+
+from __future__ import annotations
+
+import pytest
+
+from flatpack.backends.request_cpu import measure_request_cpu
+from flatpack.cpus import process_cpu_seconds
+
+
+def test_a_request_s_host_cpu_is_measured_on_both_sides_and_its_keys_are_deleted(s3_server, s3_store):
+    pid = s3_server.pid
+    if pid is None or process_cpu_seconds(pid) is None:
+        pytest.skip("no procfs: the server's CPU cannot be read")
+    server_before = process_cpu_seconds(pid)
+    cpu = measure_request_cpu(s3_store, pid, "request-cpu")
+    server_after = process_cpu_seconds(pid)
+    assert cpu is not None and server_before is not None and server_after is not None
+    # every request costs the server CPU as well as the client: the server's own counter moved
+    assert server_after > server_before
+    assert min(cpu.put_s, cpu.get_s, cpu.miss_s) > 0
+    # a megabyte put costs more than a kilobyte one (the server writes it to its volume)
+    assert cpu.put_s_per_byte > 0 and cpu.put(1 << 20) > cpu.put_s
+    assert s3_store.list("request-cpu/") == []
+
+
+def test_a_process_that_is_gone_has_no_cpu_to_read():
+    assert process_cpu_seconds(2**22 + 7) is None
