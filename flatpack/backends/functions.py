@@ -39,6 +39,7 @@ from flatpack.progress import ProgressLine
 from flatpack.runtime import channel_split, chaos, forkjoin, timeline
 from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec, stop_message
 from flatpack.runtime.function import Role
+from flatpack.runtime.host_load import INVOKER_POLL_S
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
@@ -55,7 +56,8 @@ from flatpack.weights import state_dict_of
 
 # every function backend (local, aws-lambda, alibaba-fc) runs FunctionDeployment: all of it
 FUNCTION_CAPABILITIES = frozenset(Capability)
-POLL_S = 0.05
+# the invoker's poll of its workers' reports; the host bound counts its lists (runtime.host_load)
+POLL_S = INVOKER_POLL_S
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 # an iteration's data and target keys go up this many at a time. One after another, a 2 x 2
 # vgg16 plan's 16 puts took the local invoker 0.46 s per iteration on a loaded host (25 ms

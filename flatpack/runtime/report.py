@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
+from flatpack.runtime.host_load import host_load, shares_host
 from flatpack.runtime.timeline import Event, Measured, summarize
 from flatpack.runtime.training import compute_order
 from flatpack.table import format_table
@@ -111,13 +112,18 @@ class Comparison:
                      + ("-" if error is None else f"{round(100 * error, 1) + 0.0:+.1f}%")   # + 0.0: no "-0.0%"
                      + f"  (median of {len(self.measured.kept)} iteration(s)"
                      + (f", first {self.measured.skipped} skipped" if self.measured.skipped else "") + ")")
+        bound = self.cost.host_bound_s
+        if bound is not None and bound >= self.predicted_iteration_s:
+            lines.append(f"  the host bound sets the prediction: the iteration's CPU (workers, invoker, store) over "
+                         f"the host's cores is {_ms(bound)} ms, longer than its critical path (runtime.host_load)")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": funcpipe.MODEL,
             "predicted": {"stages": [p.to_json() for p in self.predicted], "iteration_s": self.predicted_iteration_s,
-                          "dollars_per_iteration": self.cost.dollars_per_iteration},
+                          "dollars_per_iteration": self.cost.dollars_per_iteration,
+                          "host_bound_s": self.cost.host_bound_s},
             "measured": self.measured.to_json(),
             "iteration_error": self.iteration_error,
         }
@@ -139,15 +145,28 @@ def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = Tr
     Synchronous: FuncPipe's t_iter with the measured terms (:func:`funcpipe.predicted`). 1F1B
     with a flush has the same bubble only while transfers are short beside the compute: its
     prediction is the span of :func:`predicted_schedule` under 1F1B's order, plus the
-    iteration's own term o_it, and dollars at that span (the other terms are FuncPipe's)."""
+    iteration's own term o_it, and dollars at that span (the other terms are FuncPipe's).
+    On a host the workers share (the local backend, its request CPU calibrated), at least
+    the host bound t_host (:mod:`flatpack.runtime.host_load`), dollars at that time."""
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
-    if schedule != "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
-        return cost
-    events = _simulate(problem, cost, schedule)
     overheads = cost.overheads or funcpipe.Overheads()
-    iteration_s = max(max(event.end for event in events) + overheads.iteration_s,
-                      funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads))
-    return dataclasses.replace(cost, iteration_s=iteration_s,
+    iteration_s = cost.iteration_s
+    simulated = None
+    if schedule == "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
+        simulated = _simulate(problem, cost, schedule)
+        iteration_s = max(max(event.end for event in simulated) + overheads.iteration_s,
+                          funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads))
+    bound = None
+    if shares_host(problem.platform):
+        events = simulated if simulated is not None else _simulate(problem, cost, "sync")
+        load = host_load(problem, plan, dataclasses.replace(cost, iteration_s=iteration_s), events,
+                         reads_target=reads_target)
+        if load is not None:
+            bound = load.bound_s
+            iteration_s = max(iteration_s, bound)
+    if iteration_s == cost.iteration_s:
+        return dataclasses.replace(cost, host_bound_s=bound)
+    return dataclasses.replace(cost, iteration_s=iteration_s, host_bound_s=bound,
                                dollars_per_iteration=cost.dollars_per_iteration * iteration_s / cost.iteration_s)
 
 

@@ -50,6 +50,19 @@ SCHEMES = ("file", "s3", "redis", "oss")
 _WAIT_FIRST_S = 0.001
 _WAIT_MAX_S = 0.005   # polling, as FuncPipe does: a key that appears is seen within 5 ms
 
+
+def wait_misses(seconds: float, request_s: float = 0.0) -> int:
+    """The gets :meth:`Store.wait` makes that find no key, when the key appears ``seconds``
+    after the wait began and each get takes ``request_s``: one at once, then one after each
+    back-off sleep (1, 2, 4, then every 5 ms) that ends before the key appears. What a poll
+    asks of the store's CPU (``runtime.host_load``)."""
+    misses, elapsed, delay = 0, 0.0, _WAIT_FIRST_S
+    while elapsed + request_s < seconds:
+        misses += 1
+        elapsed += request_s + delay
+        delay = min(delay * 2, _WAIT_MAX_S)
+    return misses
+
 # S3 DeleteObjects and Redis DEL take at most this many keys per call.
 _DELETE_BATCH = 1000
 
