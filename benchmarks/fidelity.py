@@ -14,7 +14,13 @@ memory) and its median iteration is set beside:
   distribution's mean, bandwidth, polling, optimizer step, the host's cores and the task
   terms: ``funcpipe.Overheads``); for 1F1B with a flush, the same per-task figures laid out
   in the order the runtime issues 1F1B's tasks (``report.predicted_schedule``), whose span
-  exceeds FuncPipe's t_iter when transfers are as long as the compute.
+  exceeds FuncPipe's t_iter when transfers are as long as the compute; and at least the
+  host bound (``runtime.host_load``: the iteration's CPU, workers, invoker and store, over
+  the host's cores, with each store request's CPU from the calibration). The table also
+  prints the bound and the prediction without it (the critical path alone), and the MAPE of
+  both, so that what the bound changes is read off one run; and the CPU the bound predicts
+  (bound × cores) beside the host's busy CPU per kept iteration, sampled from
+  ``/proc/stat`` while the run trains (``cpus.HostCpuSampler``).
 
 Every case runs ``--rounds`` times (default 3), round after round, each round profiling the
 models afresh: the host's speed moves for seconds to minutes at a time (BENCHMARKS.md), so a
@@ -57,12 +63,14 @@ import torch
 from scipy.stats import spearmanr
 
 from flatpack import zoo
+from flatpack.cpus import HostCpuSampler
 from flatpack.ir.profile import CACHE_ENV
 from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.platform.catalog import get_platform
+from flatpack.runtime import report
 from flatpack.runtime.refit import replan
 
 
@@ -157,7 +165,7 @@ def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
                for stage in plan.stages if stage.memory_mb is not None)
 
 
-def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float]:
+def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float, HostCpuSampler]:
     model, example = zoo.build(case.model, "tiny")
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
         options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
@@ -170,8 +178,9 @@ def train(case: Case, iterations: int, calibration: Path, solver: Any = None) ->
                              passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
                              calibration=calibration)
         started = time.perf_counter()
-        result = run_training(model, example, options, stream=io.StringIO())
-        return result, time.perf_counter() - started
+        with HostCpuSampler() as host:
+            result = run_training(model, example, options, stream=io.StringIO())
+        return result, time.perf_counter() - started, host
 
 
 def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -> dict:
@@ -179,14 +188,14 @@ def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -
     found = replan(first.compiled.problem, first.compiled.plan, first.train.events)
     if found.new == found.old:
         return {"case": case, "same": True, "old": first.comparison.measured_iteration_s}
-    again, _ = train(case, iterations, calibration, FixedPlan(found.new))
+    again, _, _ = train(case, iterations, calibration, FixedPlan(found.new))
     return {"case": case, "same": False, "old": first.comparison.measured_iteration_s,
             "new": again.comparison.measured_iteration_s, "saving": found.saving_s,
             "plan": " | ".join(f"{s.start}-{s.end} × {s.replicas}" for s in found.new.stages)}
 
 
 def measure(case: Case, iterations: int, calibration: Path) -> dict:
-    result, wall = train(case, iterations, calibration)
+    result, wall, host = train(case, iterations, calibration)
     comparison = result.comparison
     plan, problem = result.compiled.plan, result.compiled.problem
     # the catalog alone: no calibration, the local platform's assumptions, the paper's equations
@@ -194,17 +203,27 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
     uncalibrated = funcpipe.iteration(catalog, plan).iteration_s
     cost = comparison.cost
     measured = comparison.measured_iteration_s
+    kept = [it for it in comparison.measured.iterations if it.kept]
+    host_cpu = (host.busy_s(min(it.start for it in kept), max(it.end for it in kept)) or 0.0) / len(kept) \
+        if kept else None
+    # the same prediction without the host bound: the critical path alone
+    unbounded = report.predicted_iteration(
+        dataclasses.replace(problem, platform=dataclasses.replace(problem.platform, request_cpu=None)), plan,
+        reads_target=True, schedule=case.schedule).iteration_s
     billed = billed_dollars(problem, plan, measured)
     # errors relative to the measurement (the truth), for both predictions alike
     return {"case": case, "measured": measured, "predicted": comparison.predicted_iteration_s,
             "error": comparison.iteration_error, "uncalibrated": uncalibrated,
             "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
+            "host_bound": cost.host_bound_s or 0.0, "critical_path": unbounded,
+            "host_cpu": host_cpu or 0.0, "cores": problem.platform.host_cores or 1,
+            "critical_path_error": unbounded / measured - 1,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
             "result": result}
 
 
-MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed")
+MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed", "host_bound", "critical_path", "host_cpu")
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -213,6 +232,7 @@ def median_row(runs: list[dict]) -> dict:
     row = {**runs[0], **{key: statistics.median(run[key] for run in runs) for key in MEDIAN_KEYS}}
     row.update(error=row["predicted"] / row["measured"] - 1,
                uncalibrated_error=row["uncalibrated"] / row["measured"] - 1,
+               critical_path_error=row["critical_path"] / row["measured"] - 1,
                dollar_error=row["dollars"] / row["billed"] - 1, rounds=runs)
     return row
 
@@ -300,16 +320,21 @@ def main() -> None:
           f"plan's figures the median of its rounds; "
           f"{'a calibration measured before each round' if args.calibrate_each_round else 'one calibration'}\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
-          "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "host bound ms | critical path ms | error | host CPU core-ms: predicted | measured | uncalibrated ms | "
+          "error | predicted $/iter | billed $/iter | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         case = row["case"]
         print(f"| {case.model} | {case.batch} | {case.micro_batches} | {case.label} | {row['measured'] * 1000:.1f} | "
-              f"{row['predicted'] * 1000:.1f} | {row['error'] * 100:+.1f}% | {row['uncalibrated'] * 1000:.1f} | "
+              f"{row['predicted'] * 1000:.1f} | {row['error'] * 100:+.1f}% | {row['host_bound'] * 1000:.1f} | "
+              f"{row['critical_path'] * 1000:.1f} | {row['critical_path_error'] * 100:+.1f}% | "
+              f"{row['host_bound'] * row['cores'] * 1000:.0f} | {row['host_cpu'] * 1000:.0f} | "
+              f"{row['uncalibrated'] * 1000:.1f} | "
               f"{row['uncalibrated_error'] * 100:+.1f}% | {row['dollars']:.3g} | {row['billed']:.3g} | "
               f"{row['dollar_error'] * 100:+.1f}% |")
     print()
     for key, what in (("error", "calibrated (flatpack calibrate, separate run)"),
+                      ("critical_path_error", "calibrated, without the host bound"),
                       ("uncalibrated_error", "uncalibrated (catalog)"), ("dollar_error", "dollars vs billed")):
         print(f"MAPE {what}: {mape([row[key] for row in rows], f' over {len(rows)} plans')}")
     if args.rounds > 1:
