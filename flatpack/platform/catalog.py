@@ -168,7 +168,7 @@ class RequestCpu:
     """Host CPU seconds one store request costs the client that sends it and the server that
     answers it together, on a host where both run (the local backend: every worker, the
     invoker and the S3 server share its cores). ``flatpack calibrate --target local`` times
-    it (``backends.target_calibration.measure_request_cpu``): a put, a get of a key that is
+    it (``backends.request_cpu.measure_request_cpu``): a put, a get of a key that is
     there, a get of one that is not yet (a poll's miss), each a fixed part plus seconds per
     byte moved. ``runtime.host_load`` sums them over an iteration's requests."""
 

@@ -76,10 +76,16 @@ def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
+def cpu_share(vcpus: float | None, threads: int) -> float:
+    """The share of a core each of ``threads`` compute threads gets on a tier of ``vcpus``
+    (the catalog's compute model: speed ∝ min(v, threads)/threads); 1 unthrottled (None)."""
+    return 1.0 if vcpus is None else min(vcpus, threads) / threads
+
+
 def cpu_throttle(vcpus: float | None, threads: int) -> Callable[[Callable[[], Any]], Any]:
     """Runs a computation and stretches it to CPU time / share when the tier has less than
-    one vCPU per thread (the catalog's compute model: speed ∝ min(v, threads)/threads)."""
-    share = 1.0 if vcpus is None else min(vcpus, threads) / threads
+    one vCPU per thread (:func:`cpu_share`)."""
+    share = cpu_share(vcpus, threads)
 
     def run(fn: Callable[[], Any]) -> Any:
         if share >= 1.0:

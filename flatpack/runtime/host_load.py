@@ -50,7 +50,8 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.common import layer_times, recompute_seconds, stage_tier
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
-from flatpack.platform.catalog import Platform
+from flatpack.platform.catalog import Platform, RequestCpu
+from flatpack.runtime.function import cpu_share
 from flatpack.runtime.store import wait_misses
 from flatpack.runtime.timeline import Event
 
@@ -99,7 +100,7 @@ def host_load(problem: Problem, plan: Plan, cost: funcpipe.PipelineCost, events:
     cpu, cores = platform.request_cpu, platform.host_cores
     assert cpu is not None and cores is not None     # shares_host checked both
     events = list(events)
-    found_s, found = _request_cpu_s(problem, plan, cost, events, reads_target)
+    found_s, found = _request_cpu_s(problem, plan, cost, events, cpu, reads_target)
     # a poll's get takes a request's time, t_lat stretched by κ as the model's requests are.
     # Where the host bound exceeds the critical path every wait stretches, and so do the
     # polls' gets (and their sleeps' wake-ups wait for a core): the count of misses holds
@@ -130,22 +131,19 @@ def _compute_cpu_s(problem: Problem, plan: Plan, cost: funcpipe.PipelineCost) ->
     total = 0.0
     for index, stage in enumerate(plan.stages):
         tier = stage_tier(problem, stage, index)
-        share = min(tier.vcpus, threads) / threads
         forward, backward = layer_times(problem, stage.start, stage.end, tier, micro)
         passes = cost.micro_batches_per_replica * (forward + recompute_seconds(forward, backward, stage.recompute))
         optimizer = overheads.optimizer_s[index] if index < len(overheads.optimizer_s) else 0.0
         # the optimizer's figure is stretched by κ where κ·v > 1 (funcpipe.Overheads.of): undone here
-        optimizer /= max(1.0, overheads.contention * min(tier.vcpus, 1.0))
-        total += stage.replicas * (passes + optimizer) * share
+        optimizer /= funcpipe.compute_stretch(overheads.contention, tier)
+        total += stage.replicas * (passes + optimizer) * cpu_share(tier.vcpus, threads)
     return total
 
 
 def _request_cpu_s(problem: Problem, plan: Plan, cost: funcpipe.PipelineCost, events: list[Event],
-                   reads_target: bool) -> tuple[float, int]:
-    """CPU seconds and count of the iteration's requests that find their key, the invoker's
-    polls excepted (they depend on the iteration's length)."""
-    cpu = problem.platform.request_cpu
-    assert cpu is not None
+                   cpu: RequestCpu, reads_target: bool) -> tuple[float, int]:
+    """CPU seconds (each request at ``cpu``'s figures) and count of the iteration's requests
+    that find their key, the invoker's polls excepted (they depend on the iteration's length)."""
     micro = problem.workload.micro_batch_size
     mu = cost.micro_batches_per_replica
     replicas = cost.replicas

@@ -224,7 +224,7 @@ class Overheads:
             if calibration is not None:
                 seconds = calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
                                                         gradient_bytes(problem, stage.start, stage.end))
-            optimizer.append((seconds or 0.0) * max(1.0, contention * min(tier.vcpus, 1.0)))
+            optimizer.append((seconds or 0.0) * compute_stretch(contention, tier))
         workers = sum(stage.replicas for stage in plan.stages)
 
         def measured(kind: str, tier: Tier) -> float:
@@ -253,6 +253,12 @@ def prefetch_bound(micro_batches: int, overheads: Overheads) -> float:
     instead (each forward waiting for its input), it put bert-large's and rnn-3's one-stage
     plans, whose compute is shorter than t_in, 50-100 % over their measured iterations."""
     return micro_batches * overheads.input_s
+
+
+def compute_stretch(contention: float, tier: Tier) -> float:
+    """What κ stretches a computation on ``tier`` by: max(1, κ·v). Its compute is already
+    throttled to the tier's v of a core, so it waits for the host's cores only when κ·v > 1."""
+    return max(1.0, contention * min(tier.vcpus, 1.0))
 
 
 def host_contention(problem: Problem, plan: Plan) -> float:
@@ -318,7 +324,7 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     count = len(plan.stages)
 
     compute = [layer_times(problem, stage.start, stage.end, tier, micro) for stage, tier in zip(plan.stages, tiers)]
-    stretch = [max(1.0, extra.contention * min(tier.vcpus, 1.0)) for tier in tiers]
+    stretch = [compute_stretch(extra.contention, tier) for tier in tiers]
     forward = [slowdown * fwd * factor + extra.task("forward", s)
                for s, ((fwd, _), factor) in enumerate(zip(compute, stretch))]
     backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) * factor + extra.task("backward", s)
