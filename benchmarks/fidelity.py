@@ -341,6 +341,10 @@ def main() -> None:
         for round_index in range(args.rounds):
             print(f"  round {round_index + 1} alone: calibrated MAPE "
                   f"{mape([row['rounds'][round_index]['error'] for row in rows])}")
+        # the medians above pair one round's prediction with another's measurement; with a
+        # calibration per round each round's prediction is made for its own measurement
+        print(f"  each plan's median of its rounds' own errors: calibrated MAPE "
+              f"{mape([statistics.median(run['error'] for run in row['rounds']) for row in rows])}")
     for model in dict.fromkeys(row["case"].model for row in rows):
         mine = [row for row in rows if row["case"].model == model]
         if len(mine) < 2:

@@ -72,7 +72,9 @@ HOST_REPEATS = 15
 # 6: two warm invocations, the tier's compute ratios and optimizer speed the median of three
 # readings (WARM_READINGS). 7: a second, small transfer probe after the link idled; the
 # bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
-METHOD_REVISION = 7
+# 8: the store requests' host CPU (request_cpu_s, backends.request_cpu), which the host bound
+# counts by (runtime.host_load): a cached calibration without it bounds nothing.
+METHOD_REVISION = 8
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:

@@ -138,6 +138,36 @@ def test_a_download_s_polls_follow_its_lane_s_idle_time_each_get_taking_a_reques
     assert slow.misses == load.misses
 
 
+def test_a_synchronization_s_gets_poll_for_their_peers_uploads_and_for_a_late_peer():
+    # one stage of two replicas on 64 cores (κ = 1): each replica's sync makes 2(d − 1) = 2
+    # gets (the peer's chunk, then its reduced chunk), each polling for the peer's upload of a
+    # chunk; a replica that starts 30 ms before its peer also polls for those
+    shared = shared_host(RequestCpu(put_s=0.0, get_s=0.0, miss_s=0.001), cores=64)
+    replicated = plan((0, 2, 1024, 2))
+    cost = funcpipe.predicted(shared, replicated)
+    assert cost.overheads is not None
+    # an upload's measured term o_u (serialization, the request beyond t_lat): 4 ms
+    cost = dataclasses.replace(cost, overheads=dataclasses.replace(cost.overheads, upload_task_s=(0.004,)))
+    stage = cost.stages[0]
+    request_s = shared.platform.storage_latency_s
+    chunk_upload_s = request_s + stage.sync_bytes / 2 / stage.bandwidth_bytes_s + 0.004
+    events = [Event(0, 0, 0, "sync", 0.0, stage.sync_s, lane="compute"),
+              Event(0, 1, 0, "sync", 0.030, 0.030 + stage.sync_s, lane="compute")]
+    load = host_load(shared, replicated, cost, events)
+    assert load is not None
+    early, late = wait_misses(0.030 + chunk_upload_s, request_s), wait_misses(chunk_upload_s, request_s)
+    assert early > late > 0
+    assert load.misses == early + 3 * late
+    assert load.miss_s == pytest.approx(load.misses * 0.001)
+    # the simulated schedule's own syncs are counted: the bound counts more polls with them
+    simulated = host_load(shared, replicated, cost, report.predicted_schedule(shared, replicated))
+    assert simulated is not None and simulated.misses >= 4 * late
+    # one replica does not synchronize: no sync's polls
+    alone = plan((0, 2, 1024, 1))
+    single = host_load(shared, alone, funcpipe.predicted(shared, alone), events)
+    assert single is not None and single.misses == 0
+
+
 def test_the_request_cpu_round_trips_through_the_calibration_file_and_reaches_the_platform():
     cpu = RequestCpu(put_s=0.004, get_s=0.0025, miss_s=0.0018, put_s_per_byte=1e-8, get_s_per_byte=2e-9)
     calibration = dataclasses.replace(target_calibration(), request_cpu=cpu)
