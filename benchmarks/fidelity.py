@@ -25,11 +25,14 @@ memory) and its median iteration is set beside:
 Every case runs ``--rounds`` times (default 3), round after round, each round profiling the
 models afresh: the host's speed moves for seconds to minutes at a time (BENCHMARKS.md), so a
 plan's figures are the medians of its rounds, and each round's own MAPE is printed beside
-them. ``--calibrate-each-round`` runs ``flatpack calibrate`` again before every round and
-predicts the round with it: the target's figures drift too (store latency, the tiers'
-ratios), and a calibration next to the runs it predicts keeps that drift out of the model's
-error. Printed per plan: predicted, measured, error (predicted/measured − 1), and predicted dollars against the
-billed-duration arithmetic on the measured iteration (every worker billed for it, rounded
+them, with the MAPE of each plan's median of its rounds' own errors (the medians pair one
+round's prediction with another round's measurement; with ``--calibrate-each-round`` a
+round's prediction is made for its own measurement). ``--calibrate-each-round`` runs
+``flatpack calibrate`` again before every round and predicts the round with it: the
+target's figures drift too (store latency, the tiers' ratios), and a calibration next to the
+runs it predicts keeps that drift out of the model's error. Printed per plan: predicted,
+measured, error (predicted/measured − 1), and predicted dollars against the billed-duration
+arithmetic on the measured iteration (every worker billed for it, rounded
 up to the platform's granularity, at its tier's price); per model the Spearman rank
 correlation of predicted vs measured iteration time across its plans; the MAPE of both.
 
