@@ -80,8 +80,10 @@ def outcomes(report: Path) -> dict[str, tuple[str, float]]:
 def run_trials(files: list[str], keyword: str | None, profile: str) -> tuple[list[Trial], int]:
     with tempfile.TemporaryDirectory() as temp:
         report = Path(temp) / "report.xml"
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--hypothesis-show-statistics",
-                   f"--junitxml={report}", *files]
+        # -n 0: in one process, since hypothesis prints its statistics only there (pyproject's
+        # addopts would spread the trials over xdist workers)
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q",
+                   "--hypothesis-show-statistics", f"--junitxml={report}", *files]
         if keyword:
             command += ["-k", keyword]
         env = {**os.environ, "HYPOTHESIS_PROFILE": profile, "PYTHONPATH": str(ROOT)}

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+# each xdist worker starts its own SeaweedFS and moto servers and imports torch (~1 GB with
+# them); past 4 the integration tests' own processes already fill the cores
+MAX_XDIST_WORKERS = 4
 
 settings.register_profile(
     "ci",
@@ -43,3 +48,9 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): one worker per core, at most MAX_XDIST_WORKERS."""
+    return max(1, min(MAX_XDIST_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))

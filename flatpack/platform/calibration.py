@@ -629,7 +629,10 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        temporary = path.with_name(path.name + ".tmp")
+        # the pid keeps two writers of one file apart (two demos calibrating into the shared cache
+        # at once): with one temporary name, one writer's replace moved the other's half-written
+        # file and the other's replace then failed
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         temporary.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         os.replace(temporary, path)     # a reader never sees half a file
         return path

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,27 @@ def test_target_calibration_round_trips_with_a_stable_digest(tmp_path):
     data = json.loads(path.read_text())
     assert data["schema_version"] == 2 and data["target"]["host"] == "a test CPU"
     assert data["store_latency"]["distribution"] == "exponnorm"
+
+
+def _save_repeatedly(path: str, times: int) -> None:
+    calibration = target_calibration()
+    for _ in range(times):
+        calibration.save(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks two writers")
+def test_two_processes_saving_one_calibration_at_once_both_succeed(tmp_path):
+    """Two demos that calibrate into the shared cache at once each write the same file."""
+    path = tmp_path / "calibration.json"
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_save_repeatedly, args=(str(path), 300)) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert Calibration.load(path) == target_calibration()
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["calibration.json"]
 
 
 def test_store_latency_fit_recovers_an_exponnorm():
