@@ -49,8 +49,9 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
-
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject.toml's addopts): one worker per core, at most MAX_XDIST_WORKERS."""
-    return max(1, min(MAX_XDIST_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1))
+    # start-up time: the catalog is read only when xdist asks (it imports no torch)
+    from flatpack.platform.catalog import host_cores
+
+    return min(MAX_XDIST_WORKERS, host_cores())
