@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flatpack.atomic import write_atomic
 from flatpack.batching import batch_rows, has_batch_dimension
 from flatpack.codegen.emit import emit_stages
 from flatpack.cpus import measured_cpus, pinned, runs_per_cpu
@@ -735,9 +736,7 @@ def _write_cache(path: Path, profile: ChainProfile) -> None:
     directory costs the cache, not the profile."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"schema": PROFILE_SCHEMA_VERSION, "profile": profile.to_json()}))
-        partial.replace(path)
+        write_atomic(path, json.dumps({"schema": PROFILE_SCHEMA_VERSION, "profile": profile.to_json()}))
     except OSError as err:
         log.warning("could not write the profile cache %s: %s", path, err)
 

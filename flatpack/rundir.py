@@ -18,7 +18,6 @@ resumed run finds its checkpoints; nothing of a run lives in the system temp dir
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
 
 RUN_FILE = "run.json"
@@ -106,9 +106,7 @@ class RunDirectory:
     def write(self, record: RunRecord) -> None:
         """Replaces ``run.json`` atomically (a crash never leaves half a record)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        temporary = self.record_path.with_suffix(".json.tmp")
-        temporary.write_text(record.dumps())
-        os.replace(temporary, self.record_path)
+        write_atomic(self.record_path, record.dumps())
 
     def save_batches(self, batches: Sequence[tuple[Any, Any]]) -> None:
         save_file(pack_batches(batches), str(self.batches_path))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from flatpack.atomic import write_atomic
 from flatpack.backends.functions import FunctionDeployment
 from flatpack.backends.images import SHARE_IMAGE_BELOW_BYTES, ImageContext, function_images, model_label
 from flatpack.compiler import Compiled
@@ -223,10 +224,7 @@ class Ledger:
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / RECORD_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(".tmp")
-        staging.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        staging.replace(path)
-        return path
+        return write_atomic(path, json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Ledger:

@@ -79,6 +79,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
 from flatpack.ir.profile import Linear
 from flatpack.platform.catalog import RequestCpu
@@ -628,14 +629,9 @@ class Calibration:
                    provenance={str(k): str(v) for k, v in provenance.items()}, collective=collective, **optional)
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        # the pid keeps two writers of one file apart (two demos calibrating into the shared cache
-        # at once): with one temporary name, one writer's replace moved the other's half-written
-        # file and the other's replace then failed
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(temporary, path)     # a reader never sees half a file
-        return path
+        # a reader never sees half a file, and two demos calibrating into the shared cache at once
+        # both succeed
+        return write_atomic(path, json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:

@@ -38,12 +38,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
 from flatpack.runtime.distributed import all_reduce_gradients, rank_device, transport_device
 
@@ -192,10 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = measure(args.backend, device, sizes, args.repeats)
         if rank == 0:
-            out = Path(args.out)
-            temporary = out.with_name(out.name + ".tmp")
-            temporary.write_text(json.dumps(result, indent=2) + "\n")
-            os.replace(temporary, out)
+            write_atomic(args.out, json.dumps(result, indent=2) + "\n")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -74,6 +74,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
 from flatpack.runtime import clipping, timeline
 from flatpack.runtime.precision import autocast, for_wire, loss_scaler
@@ -719,18 +720,12 @@ class StageRank:
     def write_outputs(self, out: Path, warmup: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if self.results:
-            _write_atomic(outputs_file(out, self.role.rank), pack_values(self.results))
+            write_atomic(outputs_file(out, self.role.rank), pack_values(self.results))
         if self.role.replica == 0 and self.training:
             tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_tensors.items()}
             save_file(tensors, str(parameters_file(out, self.role.stage)), metadata={"stage": str(self.role.stage)})
         timeline_file(out, self.role.rank).write_bytes(timeline.dumps(self.recorder.drain()))
-        _write_atomic(rank_report_file(out, self.role.rank), json.dumps(self.report(warmup), indent=2).encode())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_bytes(data)
-    staging.replace(path)
+        write_atomic(rank_report_file(out, self.role.rank), json.dumps(self.report(warmup), indent=2).encode())
 
 
 # -- the process -----------------------------------------------------------------------------
@@ -844,7 +839,7 @@ def _record_failure(out: Path, rank: int, failed_at: float, trace: str) -> None:
     lets the launcher report the first failure, the cause, rather than the echoes."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(error_file(out, rank), json.dumps({"rank": rank, "time": failed_at, "traceback": trace}).encode())
+        write_atomic(error_file(out, rank), json.dumps({"rank": rank, "time": failed_at, "traceback": trace}).encode())
     except OSError:
         pass   # the log still has the traceback
 

@@ -31,7 +31,6 @@ import ipaddress
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 from urllib.request import url2pathname
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import StoreError, StoreKeyError, StoreTimeout
 
 T = TypeVar("T")
@@ -546,15 +546,8 @@ class FileStore(Store):
 
     def _write_then_rename(self, path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_MARK + path.name + ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            # rename within one directory is atomic: readers see the old file or the new one
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        # readers see the old object or the new one; the mark keeps the temporary out of listings
+        write_atomic(path, data, prefix=_TMP_MARK + path.name + ".")
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -596,13 +589,6 @@ class FileStore(Store):
                 directory.rmdir()
             except OSError:
                 pass  # not empty (other keys, a concurrent put), or already gone: keep it
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _prune_empty_dirs(base: Path) -> None:

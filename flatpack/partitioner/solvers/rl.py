@@ -37,12 +37,12 @@ the previous goal trained.
 
 from __future__ import annotations
 
+import io
 import copy
 import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +51,7 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
 from flatpack.ir.profile import CACHE_ENV
 from flatpack.partitioner.objective import Evaluation
@@ -446,8 +447,6 @@ class Rl(CostSolver):
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        # atomic: a concurrent compile never loads half a policy
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(handle)
-        torch.save({"schema": POLICY_SCHEMA, "state": agent.state_dict()}, temporary)
-        os.replace(temporary, path)
+        buffer = io.BytesIO()
+        torch.save({"schema": POLICY_SCHEMA, "state": agent.state_dict()}, buffer)
+        write_atomic(path, buffer.getvalue())     # a concurrent compile never loads half a policy
