@@ -546,8 +546,9 @@ class FileStore(Store):
 
     def _write_then_rename(self, path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # readers see the old object or the new one; the mark keeps the temporary out of listings
-        write_atomic(path, data, prefix=_TMP_MARK + path.name + ".")
+        # readers see the old object or the new one; the mark keeps the temporary out of listings;
+        # objects (weights, activations) readable by their owner alone, as mkstemp made them before
+        write_atomic(path, data, prefix=_TMP_MARK + path.name + ".", mode=0o600)
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

@@ -282,6 +282,8 @@ def test_file_store_publishes_by_rename_and_hides_temp_files(tmp_path):
     files = FileStore(tmp_path)
     files.put("run/a", b"x" * 1000)
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["a"]
+    # an object (weights, activations) is its owner's alone on a shared filesystem
+    assert (tmp_path / "run" / "a").stat().st_mode & 0o777 == 0o600
     (tmp_path / "run" / ".fp-tmp-a.partial").write_bytes(b"half")  # a writer that died mid-put
     assert files.list("run/") == ["run/a"]
     with pytest.raises(StoreError, match="a file and a directory"):

@@ -76,6 +76,7 @@ def test_the_file_gets_the_modes_open_would_give_and_the_prefix_names_the_tempor
     assert written == tmp_path / "calibration.json" and written.read_text() == "{}\n"
     # a calibration or run record others on the machine may read, not mkstemp's 0o600
     assert stat.S_IMODE(written.stat().st_mode) == 0o644
+    assert stat.S_IMODE(write_atomic(tmp_path / "private", b"", mode=0o600).stat().st_mode) == 0o600
     seen = []
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda source, target: (seen.append(os.path.basename(source)),
