@@ -24,7 +24,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, prefix: str | No
     survives; a power cut may still lose the latest version."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    temporary = path.with_name(f"{prefix if prefix is not None else f'.{path.name}.'}{secrets.token_hex(6)}.tmp")
+    if prefix is None:
+        prefix = f".{path.name}."
+    temporary = path.with_name(f"{prefix}{secrets.token_hex(6)}.tmp")
     # O_EXCL: a name no other writer holds; by default 0o666 less the umask, as open(path, "w")
     # would give (tempfile.mkstemp's 0o600 would make a shared calibration or run record private)
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)

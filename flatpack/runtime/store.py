@@ -532,7 +532,8 @@ class FileStore(Store):
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        # A concurrent delete_prefix may prune the directory between mkdir and mkstemp; retry once.
+        # A concurrent delete_prefix may prune the directory between mkdir and the temporary's
+        # creation; retry once.
         for attempt in range(2):
             try:
                 self._write_then_rename(path, data)

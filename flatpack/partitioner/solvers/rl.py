@@ -37,9 +37,9 @@ the previous goal trained.
 
 from __future__ import annotations
 
-import io
 import copy
 import hashlib
+import io
 import json
 import math
 import os
