@@ -19,11 +19,19 @@ left behind. The server dies with the process that started it (``interrupts.die_
 Only the S3 endpoint, with this server's keys, lets anyone in; every other listener is closed
 to a co-tenant (another user of the machine, who can reach any 127.0.0.1 port):
 
-- HTTP on the master, volume and filer ports: weed checks a JWT on every volume and filer read
-  and write, signed with four random keys made per start (``WEED_JWT_*``); only the server holds
-  them (they reach weed through its environment, which /proc shows to its own user alone).
-- gRPC on every ``*.port.grpc``: mutual TLS with a CA and certificate made per start
+- HTTP on the master, volume, filer and admin ports: mutual TLS with a CA and certificate made
+  per start (``WEED_HTTPS_*``; weed's own components dial each other with that certificate,
+  ``WEED_HTTPS_CLIENT_*``). A client without the certificate fails the TLS handshake, so the
+  master's administrative API (``/col/delete``, ``/submit``, ``/vol/grow``, ``/dir/assign``,
+  ``/vol/vacuum``), which weed answers without any token, and the volume server's ``/status``,
+  which shows the data directory, answer nobody else. Behind that, weed still checks a JWT on
+  every volume and filer read and write, signed with four random keys made per start
+  (``WEED_JWT_*``); only the server holds them (they reach weed through its environment, which
+  /proc shows to its own user alone).
+- gRPC on every ``*.port.grpc``: mutual TLS with the same CA and certificate
   (``WEED_GRPC_*``); a client without the certificate fails the handshake.
+- S3 on ``s3.port``: plain HTTP (boto3's SigV4, as AWS), every request but weed's two liveness
+  probes (``/status``, ``/healthz``: 200 with an empty body) refused without this server's keys.
 - the unix sockets (``filer.sock``, ``s3.sock`` and weed's ``/tmp/seaweedfs-*-grpc-*.sock``):
   weed runs with umask 077, so each is ``srwx------`` and only this user can connect; the server
   directory is 0700 (a caller's ``data_dir`` too), so nobody else reads the volumes.
@@ -37,6 +45,7 @@ import atexit
 import contextlib
 import datetime
 import glob
+import ipaddress
 import json
 import os
 import secrets
@@ -81,6 +90,9 @@ _JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",
              "WEED_JWT_FILER_SIGNING_KEY", "WEED_JWT_FILER_SIGNING_READ_KEY")
 # every weed component that serves or dials gRPC gets the same certificate ([grpc.<component>])
 _GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "client", "msg_broker", "msg_agent")
+# every HTTP listener but S3's takes the same certificate and requires the client's ([https.<component>]
+# with ``ca`` set verifies client certificates); weed's own HTTP clients present it ([https.client])
+_HTTPS_COMPONENTS = ("master", "volume", "filer", "admin")
 _SECRETS = "secrets"
 
 _live: weakref.WeakSet[LocalS3Server] = weakref.WeakSet()
@@ -174,12 +186,13 @@ class LocalS3Server:
         _write_private(self._dir / "s3.json", json.dumps({"identities": [identity]}).encode())
 
     def _security_env(self) -> dict[str, str]:
-        """Fresh JWT keys and a fresh gRPC certificate for one start, as weed's environment."""
+        """Fresh JWT keys and a fresh certificate for one start (gRPC and HTTPS, both mutual
+        TLS), as weed's environment."""
         assert self._dir is not None
         secrets_dir = self._dir / _SECRETS
         shutil.rmtree(secrets_dir, ignore_errors=True)
         secrets_dir.mkdir(mode=0o700)
-        ca, cert, key = _make_grpc_certificate()
+        ca, cert, key = _make_certificate()
         for name, data in (("ca.crt", ca), ("weed.crt", cert), ("weed.key", key)):
             _write_private(secrets_dir / name, data)
         env = {name: secrets.token_hex(32) for name in _JWT_KEYS}
@@ -187,11 +200,16 @@ class LocalS3Server:
         for component in _GRPC_COMPONENTS:
             env[f"WEED_GRPC_{component.upper()}_CERT"] = str(secrets_dir / "weed.crt")
             env[f"WEED_GRPC_{component.upper()}_KEY"] = str(secrets_dir / "weed.key")
+        for component in (*_HTTPS_COMPONENTS, "client"):
+            prefix = f"WEED_HTTPS_{component.upper()}"
+            env.update({f"{prefix}_CERT": str(secrets_dir / "weed.crt"), f"{prefix}_KEY": str(secrets_dir / "weed.key"),
+                        f"{prefix}_CA": str(secrets_dir / "ca.crt")})
+        env["WEED_HTTPS_CLIENT_ENABLED"] = "true"
         return env
 
     @property
-    def grpc_credentials(self) -> tuple[Path, Path, Path]:
-        """(CA, certificate, key) that weed's gRPC ports accept, for tools of this user (tests)."""
+    def tls_credentials(self) -> tuple[Path, Path, Path]:
+        """(CA, certificate, key) that weed's gRPC and HTTPS ports accept, for tools of this user (tests)."""
         if self._dir is None:
             raise StoreError("the local S3 server is not started; call start() or use it as a context manager")
         folder = self._dir / _SECRETS
@@ -394,10 +412,11 @@ def _private_child(then: Callable[[], None] | None) -> Callable[[], None]:
     return preexec
 
 
-def _make_grpc_certificate() -> tuple[bytes, bytes, bytes]:
+def _make_certificate() -> tuple[bytes, bytes, bytes]:
     """A throwaway CA and one certificate it signs (PEM: CA, certificate, key) for weed's
-    mutual TLS on gRPC; weed does not check host names, so one certificate serves every
-    component, as server and as client."""
+    mutual TLS on gRPC and HTTPS. One certificate serves every component, as server and as
+    client: gRPC checks no host name, and weed's HTTPS client checks 127.0.0.1, which the
+    certificate names."""
     now = datetime.datetime.now(datetime.timezone.utc)
     # valid a little before now (clock steps) and for 30 days: a server is restarted long before
     valid_from, valid_to = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30)
@@ -414,7 +433,9 @@ def _make_grpc_certificate() -> tuple[bytes, bytes, bytes]:
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "weed")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(valid_from).not_valid_after(valid_to)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
