@@ -167,8 +167,8 @@ def _trust_args(parser: argparse.ArgumentParser) -> None:
                                                      "(without it, any artifact the key signed passes), e.g. "
                                                      "--name bert-prod")
     parser.add_argument("--min-version", type=int, default=None, metavar="N",
-                        help="with --name: the signed version must be at least N (an older build is refused as a "
-                             "rollback)")
+                        help="with --verify-key: the signed version must be at least N (an older build is refused "
+                             "as a rollback)")
     parser.add_argument("--trust-file", default=None, metavar="PATH",
                         help="with --name: a file recording the highest version accepted per key and name; an "
                              "older one is refused and a newer one recorded (created on first use)")
