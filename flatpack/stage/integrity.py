@@ -315,7 +315,7 @@ def _parse_signature_file(data: bytes, raw: bytes, shown: str) -> _SignatureFile
         return ArtifactError(f"{shown}: the field {field} {why}; the file is corrupted or hostile, {_RESIGN}")
 
     algorithm = document.get("algorithm")
-    if algorithm not in _SIGNATURE_HEX:
+    if not isinstance(algorithm, str) or algorithm not in _SIGNATURE_HEX:
         raise bad("algorithm", f"is {str(algorithm)[:40]!r}, not one of {', '.join(_SIGNATURE_HEX)}")
     signature = document.get("signature")
     if not isinstance(signature, str) or len(signature) != _SIGNATURE_HEX[algorithm] \
