@@ -16,21 +16,22 @@ from flatpack.version import __version__
 
 if TYPE_CHECKING:
     from flatpack.api import compile
-    from flatpack.compiler import Compiled, StagedModule, load
+    from flatpack.compiler import Compiled, StagedModule, load, sign
     from flatpack.partitioner.plan import Plan, StagePlan
     from flatpack.weights import load_state_dict, save_state_dict
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY = {
     "Compiled": "flatpack.compiler", "StagedModule": "flatpack.compiler", "compile": "flatpack.api",
-    "load": "flatpack.compiler", "Plan": "flatpack.partitioner.plan", "StagePlan": "flatpack.partitioner.plan",
+    "load": "flatpack.compiler", "sign": "flatpack.compiler", "Plan": "flatpack.partitioner.plan",
+    "StagePlan": "flatpack.partitioner.plan",
     "load_state_dict": "flatpack.weights", "save_state_dict": "flatpack.weights",
 }
 
 __all__ = [
     "ArtifactError", "CodegenError", "Compiled", "FlatpackError", "InputError", "PassError", "Plan",
     "PlanError", "StagePlan", "StagedModule", "TraceError", "__version__", "compile", "load",
-    "load_state_dict", "save_state_dict",
+    "load_state_dict", "save_state_dict", "sign",
 ]
 
 

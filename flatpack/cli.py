@@ -22,7 +22,7 @@ from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
 from flatpack.runtime.optim import parse_options
 from flatpack.runtime.spec import SCHEDULES
-from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified, sign_index
+from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified
 from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
 from flatpack.version import __version__
@@ -163,6 +163,15 @@ def _trust_args(parser: argparse.ArgumentParser) -> None:
                                                        "must have this sha256")
     parser.add_argument("--verify-key", default=None, help="the index must be signed (flatpack sign) under this key: "
                                                            "an Ed25519 public key file (PEM), or env:NAME for HMAC")
+    parser.add_argument("--name", default=None, help="with --verify-key: the signature must name this artifact "
+                                                     "(without it, any artifact the key signed passes), e.g. "
+                                                     "--name bert-prod")
+    parser.add_argument("--min-version", type=int, default=None, metavar="N",
+                        help="with --verify-key: the signed version must be at least N (an older build is refused "
+                             "as a rollback)")
+    parser.add_argument("--trust-file", default=None, metavar="PATH",
+                        help="with --name: a file recording the highest version accepted per key and name; an "
+                             "older one is refused and a newer one recorded (created on first use)")
 
 
 JSON_HELP = ("print a JSON document on stdout instead of the text report (diagnostics stay on stderr), e.g. "
@@ -229,19 +238,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
     text = (f"{chain_table(compiled.chain, compiled.plan.ranges)}\n\n"
             f"wrote {len(compiled.plan.stages)} stages to {args.out}\ndigest {compiled.digest}\n"
             "  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
-            "or sign it: flatpack sign DIR --key KEY")
+            "or sign it: flatpack sign DIR --key KEY --name NAME --version N")
     report(args, text, {"out": args.out, "digest": compiled.digest, "stages": len(compiled.plan.stages),
                         "plan": compiled.plan.to_json(), "chain": compiled.chain})
     return 0
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
-    """Signs an artifact's index after checking every file against it."""
-    verified = read_verified(args.dir, digest=args.digest)
+    """Signs an artifact's index and subject after checking every file against the index."""
+    digest = flatpack.sign(args.dir, args.key, name=args.name, version=args.version, digest=args.digest)
     signature = Path(args.dir) / SIGNATURE_FILE
-    signature.write_bytes(sign_index(verified.index.raw, args.key))
-    report(args, f"signed {Path(args.dir) / INDEX_FILE} (digest {verified.digest}) into {signature}",
-           {"index": str(Path(args.dir) / INDEX_FILE), "digest": verified.digest, "signature": str(signature)})
+    report(args, f"signed {Path(args.dir) / INDEX_FILE} (digest {digest}) as {args.name} version {args.version} "
+                 f"into {signature}",
+           {"index": str(Path(args.dir) / INDEX_FILE), "digest": digest, "signature": str(signature),
+            "name": args.name, "version": args.version})
     return 0
 
 
@@ -249,15 +259,29 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
     # start-up time: a verb imports what it runs
     from flatpack.compiled_info import CompiledInfo
-    from flatpack.compiler import COMPILED_FILE
+    from flatpack.compiler import COMPILED_FILE, check_trust_file, check_trust_file_args
 
-    verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key)
+    check_trust_file_args(args.trust_file, args.name)
+    verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key, name=args.name,
+                             min_version=args.min_version)
     CompiledInfo.parse(json.loads(verified.files[COMPILED_FILE]), str(Path(args.dir) / COMPILED_FILE))
+    signature = verified.signature
+    if args.trust_file is not None and signature is not None:
+        check_trust_file(args.trust_file, signature, args.dir)
     if verified.trust == "directory":
         LOG.warning("the index itself was trusted only as far as this directory is: pass --digest (the digest "
                     "compile printed) or --verify-key to check it against something held elsewhere")
-    report(args, f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}",
-           {"dir": args.dir, "files": len(verified.files), "digest": verified.digest, "trust": verified.trust})
+    text = f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}"
+    if signature is not None and signature.name is not None:
+        text += f"\nsigned as {signature.name} version {signature.version} at {signature.signed_at} ({signature.key})"
+    elif signature is not None:
+        text += f"\nsigned with a v1 signature, which names no artifact or version ({signature.key})"
+    if signature is not None and args.name is None:
+        LOG.warning("no name was required (--name), so any artifact signed by this key would pass here too, e.g. "
+                    "another model or an older build copied over this directory; pass --name (and --min-version "
+                    "or --trust-file) to refuse those")
+    report(args, text, {"dir": args.dir, "files": len(verified.files), "digest": verified.digest,
+                        "trust": verified.trust, "signature": None if signature is None else signature.to_json()})
     return 0
 
 
@@ -606,7 +630,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from flatpack.job import resume_training
 
     result = resume_training(Path(args.run_dir), stream=_text_stream(args), clean=args.clean, digest=args.digest,
-                             verify_key=args.verify_key, data=args.data)
+                             verify_key=args.verify_key, data=args.data, name=args.name,
+                             min_version=args.min_version, trust_file=args.trust_file)
     report(args, None, result.to_json)
     return 0
 
@@ -1146,6 +1171,11 @@ def build_parser() -> argparse.ArgumentParser:
     sign_parser.add_argument("--key", required=True, help="an Ed25519 private key file (PEM: openssl genpkey "
                                                           "-algorithm ed25519 -out key.pem), or env:NAME for "
                                                           "HMAC-SHA256 with the key in environment variable NAME")
+    sign_parser.add_argument("--name", required=True, help="the artifact's name, which verifiers require with "
+                                                           "--name: 1-64 of a-z 0-9 . _ -, e.g. bert-prod")
+    sign_parser.add_argument("--version", type=int, required=True, metavar="N",
+                             help="the build's version, a positive integer that goes up with each build "
+                                  "(verifiers refuse older ones with --min-version or --trust-file)")
     sign_parser.add_argument("--digest", default=None, help="refuse to sign unless the index has this digest")
     _json_flag(sign_parser, "sign")
     sign_parser.set_defaults(run=cmd_sign)

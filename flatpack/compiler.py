@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from flatpack.atomic import write_atomic
 from flatpack.codegen.emit import emit_stages
 from flatpack.compiled_info import COMPILED_KIND, CompiledInfo
 from flatpack.errors import ArtifactError, InputError, PlanError
@@ -45,7 +47,10 @@ from flatpack.runtime.precision import crossed
 from flatpack.runtime.refit import COMPILED_DIR, EVENTS_FILE, Replan, refit, replan
 from flatpack.runtime.timeline import Event
 from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
-from flatpack.stage.integrity import INDEX_FILE, Index, read_verified
+from flatpack.safeio import expect_mapping, load_json
+from flatpack.stage.integrity import (INDEX_FILE, KEY_FINGERPRINT, SIGNATURE_FILE, Index, check_subject_name,
+                                      check_subject_version, read_verified, sign_index)
+from flatpack.stage.integrity import Signature as ArtifactSignature
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
 from flatpack.version import __version__
 
@@ -70,6 +75,8 @@ class Compiled:
         # what vouched for the artifact: "compiled here", or load()'s "digest", "signature" or
         # "directory" (only the index in the directory itself: pin the digest to do better)
         self.trust = trust
+        # load(verify_key=...)'s verified signature: the artifact's signed name, version and time
+        self.signature: ArtifactSignature | None = None
         self._index: Index | None = None
 
     @property
@@ -193,8 +200,9 @@ def check_out_dir(directory: Path) -> None:
                             "directory, or remove this one.")
 
 
-def load(directory: str | os.PathLike, *, digest: str | None = None,
-         verify_key: str | os.PathLike | None = None) -> Compiled:
+def load(directory: str | os.PathLike, *, digest: str | None = None, verify_key: str | os.PathLike | None = None,
+         name: str | None = None, min_version: int | None = None,
+         trust_file: str | os.PathLike | None = None) -> Compiled:
     """Loads a directory written by ``Compiled.save``, verified before any of its code runs.
 
     Every file is checked against ``flatpack.index.json`` (size, sha256, no unlisted files,
@@ -202,16 +210,23 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
     vocabulary (``ir.structure``). ``digest``: the index must have this sha256 (what
     ``compile`` printed, ``Compiled.digest``). ``verify_key``: the index must carry a valid
     signature (``flatpack sign``) under this key: an Ed25519 public key file, or
-    ``env:NAME`` for HMAC with the key in that environment variable. With neither, the
-    index itself is trusted only as far as the directory is — whoever can write the
+    ``env:NAME`` for HMAC with the key in that environment variable. ``name``: the signature
+    must name this artifact (else any artifact the key ever signed passes: substitution);
+    ``min_version``: its version must be at least this (else an older build passes:
+    rollback); ``trust_file``: a file recording the highest version accepted so far per key
+    and name, which refuses anything older and records newer versions (needs ``name``).
+    ``compiled.signature`` says what the signature vouched for. With neither digest nor key,
+    the index itself is trusted only as far as the directory is — whoever can write the
     directory can rewrite the index too; ``compiled.trust`` says ``"directory"`` and
-    ``compiled.digest`` is the digest to pin. ``tests/security/test_tampering.py``.
+    ``compiled.digest`` is the digest to pin. ``tests/security/test_tampering.py``,
+    ``tests/security/test_signatures.py``.
     """
+    check_trust_file_args(trust_file, name)
     directory = Path(directory)
     marker = directory / COMPILED_FILE
     if not marker.is_file():
         raise ArtifactError(f"{directory} has no {COMPILED_FILE}: it is not a flatpack output directory")
-    verified = read_verified(directory, digest=digest, verify_key=verify_key)
+    verified = read_verified(directory, digest=digest, verify_key=verify_key, name=name, min_version=min_version)
     try:
         document = json.loads(verified.files[COMPILED_FILE])
     except (KeyError, ValueError) as err:
@@ -226,9 +241,102 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
         contents = {name[len(prefix) + 1:]: data for name, data in verified.files.items()
                     if name.startswith(f"{prefix}/")}
         artifacts.append(parse_stage(contents, str(directory / prefix)))
+    if trust_file is not None and verified.signature is not None:
+        # last: only an artifact that passed every other check moves the recorded version up
+        check_trust_file(trust_file, verified.signature, str(directory))
     compiled = Compiled(graph=None, plan=plan, artifacts=artifacts, info=info, trust=verified.trust)
     compiled._index = verified.index
+    compiled.signature = verified.signature
     return compiled
+
+
+def sign(directory: str | os.PathLike, key: str | os.PathLike, *, name: str, version: int,
+         digest: str | None = None) -> str:
+    """Signs the artifact in ``directory`` as ``name`` at ``version`` (a positive integer that
+    goes up with each build a verifier should prefer) after checking every file against its
+    index (and the index against ``digest``, when given); writes ``flatpack.index.sig``
+    atomically and returns the digest it signed. ``key``: an Ed25519 private key file (PEM),
+    or ``env:NAME`` for HMAC-SHA256 with the key in that environment variable."""
+    verified = read_verified(directory, digest=digest)
+    write_atomic(Path(directory) / SIGNATURE_FILE, sign_index(verified.index.raw, key, name=name, version=version))
+    return verified.digest
+
+
+# -- the trust file: rollback protection across loads (as TUF's trusted metadata) ------------
+
+TRUST_FILE_KIND = "flatpack-trusted-versions"
+TRUST_FILE_SCHEMA = 1
+# one small entry per (key, name) a host has accepted: a megabyte holds thousands
+MAX_TRUST_FILE_BYTES = 1 << 20
+
+
+def check_trust_file_args(trust_file: str | os.PathLike | None, name: str | None) -> None:
+    """Refuses a trust file without a required name: versions are recorded per name, and
+    without a name any artifact the key signed would pass anyway."""
+    if trust_file is not None and name is None:
+        raise InputError(f"the trust file {trust_file} records versions per artifact name: pass the name the "
+                         "artifact must be signed as too (name= / --name)")
+
+
+def _read_trust_file(path: Path) -> dict[str, dict[str, int]]:
+    """The versions recorded in ``path`` (key fingerprint -> name -> version); empty when the
+    file does not exist yet (the first load creates it)."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    what = f"the trust file {path}"
+    fix = "restore it from a backup, or pass a new path to start over (which trusts any version once)"
+    document = expect_mapping(load_json(path, limit=MAX_TRUST_FILE_BYTES, what=what), what=what)
+    if document.get("kind") != TRUST_FILE_KIND:
+        raise InputError(f"{what}: the field kind is {str(document.get('kind'))[:60]!r}, not {TRUST_FILE_KIND!r}: "
+                         f"it is not a flatpack trust file; {fix}")
+    if document.get("schema_version") != TRUST_FILE_SCHEMA:
+        raise InputError(f"{what}: the field schema_version is {str(document.get('schema_version'))[:20]!r}; this "
+                         f"flatpack reads {TRUST_FILE_SCHEMA}. {fix[0].upper()}{fix[1:]}")
+    versions = expect_mapping(document.get("versions"), what=f"{what}: the field versions")
+    state: dict[str, dict[str, int]] = {}
+    for key, names in versions.items():
+        if not KEY_FINGERPRINT.fullmatch(key):
+            raise InputError(f"{what}: the key {key[:80]!r} under versions is not a key fingerprint "
+                             f"(ed25519:<64 hex> or hmac-sha256:<64 hex>); {fix}")
+        field = f"{what}: the field versions[{key!r}]"
+        state[key] = {check_subject_name(name, f"{field}, a name"): check_subject_version(version, f"{field}[{name!r}]")
+                      for name, version in expect_mapping(names, what=field).items()}
+    return state
+
+
+def check_trust_file(trust_file: str | os.PathLike, signature: ArtifactSignature, where: str) -> int | None:
+    """Refuses ``signature`` (of the artifact in ``where``) when ``trust_file`` records a
+    higher version of its name under its key: a rollback. Records its version when it is the
+    highest so far. Returns the version recorded before (None: the first of this key and name).
+    A lock beside the file makes concurrent loads read and write it one at a time."""
+    path = Path(trust_file)
+    if signature.name is None or signature.version is None:
+        raise ArtifactError(f"{where}/{SIGNATURE_FILE} is a v1 signature with no name or version, so the trust file "
+                            f"{path} cannot compare it. Re-sign it with `flatpack sign DIR --key KEY --name NAME "
+                            "--version N`.")
+    try:
+        lock = open(path.with_name(f".{path.name}.lock"), "a")  # noqa: SIM115 - held for the whole block below
+    except OSError as err:
+        raise InputError(f"cannot open the trust file's lock beside {path}: {err.strerror or err}; the trust file's "
+                         "directory must exist and be writable") from None
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        state = _read_trust_file(path)
+        known = state.get(signature.key, {}).get(signature.name)
+        if known is not None and signature.version < known:
+            raise ArtifactError(f"{where}/{SIGNATURE_FILE} signs {signature.name!r} version {signature.version}, but "
+                                f"the trust file {path} records that version {known} was already accepted under this "
+                                f"key: this is a rollback to an older build. Do not run it; deploy version {known} or "
+                                f"later (to roll back on purpose, lower the entry in {path}).")
+        if known is None or signature.version > known:
+            state.setdefault(signature.key, {})[signature.name] = signature.version
+            document = {"kind": TRUST_FILE_KIND, "schema_version": TRUST_FILE_SCHEMA, "versions": state}
+            try:
+                write_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n")
+            except OSError as err:
+                raise InputError(f"cannot write the trust file {path}: {err.strerror or err}; the artifact was not "
+                                 "loaded, since its version could not be recorded") from None
+    return known
 
 
 def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:

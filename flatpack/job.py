@@ -865,13 +865,15 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
 
 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
-                    verify_key: str | None = None, data: str | None = None) -> ResumeResult:
+                    verify_key: str | None = None, data: str | None = None, name: str | None = None,
+                    min_version: int | None = None, trust_file: str | None = None) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
-    ``digest`` / ``verify_key``: what the run's compiled artifact is checked against
-    (``flatpack.load``). ``data``: a run whose data came from a dataset factory names it
-    again (``run.json`` is data and never names code to import)."""
+    ``digest`` / ``verify_key`` (and the signature's ``name``, ``min_version``, ``trust_file``):
+    what the run's compiled artifact is checked against (``flatpack.load``). ``data``: a run
+    whose data came from a dataset factory names it again (``run.json`` is data and never
+    names code to import)."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -891,7 +893,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
     # a run that switched plans names the artifact of its current plan (``_recording_switches``)
-    compiled = flatpack.load(directory.root / record.compiled, digest=digest, verify_key=verify_key)
+    compiled = flatpack.load(directory.root / record.compiled, digest=digest, verify_key=verify_key, name=name,
+                             min_version=min_version, trust_file=trust_file)
     if record.data is not None:
         batches = batches_from_record(record.data, factory=data)
         LOG.info(f"re-reading the run's data: {batches.description}")

@@ -8,7 +8,8 @@ sha256. The index is canonical JSON (sorted keys, no spaces), so its sha256 — 
 Trust comes from outside the artifact: a digest the caller pins (``load(dir, digest=...)``,
 ``deploy(..., digest=...)``, a worker's invocation payload) or a signature over the index
 checked with a key the caller holds (``flatpack sign`` / ``--verify-key``: Ed25519 through
-``cryptography``, or HMAC-SHA256 with a key from an environment variable). Without either,
+``cryptography``, or HMAC-SHA256 with a key from an environment variable); a signature also
+names the artifact and its version, which a verifier may require. Without either,
 the index is trusted only as far as the directory holding it is. Every check here runs on
 bytes read once and kept: the bytes that were hashed are the bytes that get used, and
 nothing from the artifact is imported or executed before they pass
@@ -25,16 +26,18 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping
 
-from flatpack.errors import ArtifactError
+from flatpack.errors import ArtifactError, FlatpackError, InputError
+from flatpack.safeio import expect_mapping, finite, parse_json, read_bounded
 
 INDEX_FILE = "flatpack.index.json"
 SIGNATURE_FILE = "flatpack.index.sig"
 INDEX_KIND = "flatpack-index"
 INDEX_SCHEMA_VERSION = 1
-# What a signature signs: a domain tag, so an index signature is never valid for anything else.
+# What a v1 signature signed (read, never written): a domain tag, then the index bytes.
 _SIGNED_PREFIX = b"flatpack-index-v1\0"
 ED25519 = "ed25519"
 HMAC_SHA256 = "hmac-sha256"
@@ -156,6 +159,67 @@ def check_digest(raw: bytes, digest: str, where: str) -> None:
 
 
 # -- signatures ------------------------------------------------------------------------------
+#
+# A signature signs a *statement*, not the index alone: the index's digest and a subject (the
+# artifact's name, a version that only goes up, when it was signed), as canonical JSON whose
+# first key is a domain tag (in-toto/TUF style). A verifier that requires a name and a least
+# version then refuses another artifact signed by the same key, or an older build of this one
+# (``tests/security/test_signatures.py``). The file: ``{"statement": {...}, "algorithm": ...,
+# "signature": hex}``; the signed bytes are the statement re-serialized canonically, so only its
+# parsed fields, never spacing, matter.
+
+SIGNATURE_TYPE = "flatpack-signature/v2"
+# a v2 file is about 500 bytes; anything near this limit is not flatpack's
+MAX_SIGNATURE_BYTES = 64 * 1024
+SIGNATURE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+# JSON integers beyond int64 would be exact in Python but not in most other verifiers
+MAX_SIGNATURE_VERSION = 2**63 - 1
+# how Signature.key names a verifying key (and how a trust file indexes its versions)
+KEY_FINGERPRINT = re.compile(rf"({ED25519}|{HMAC_SHA256}):[0-9a-f]{{64}}")
+_SIGNED_AT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
+_STATEMENT_FIELDS = ("_type", "digest", "name", "version", "signed_at")
+_SIGNATURE_HEX = {ED25519: 128, HMAC_SHA256: 64}
+_RESIGN = "sign it again with `flatpack sign DIR --key KEY --name NAME --version N`"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a verified signature vouched for. ``key``: the verifying key's fingerprint
+    (``ed25519:<sha256 of the public key>`` or ``hmac-sha256:<HMAC of a fixed label>``, never the
+    secret). ``name``, ``version`` and ``signed_at`` are None for a v1 signature, which signed
+    the index bytes alone and says nothing about which artifact or build it is."""
+
+    algorithm: str
+    key: str
+    name: str | None
+    version: int | None
+    signed_at: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return {"algorithm": self.algorithm, "key": self.key, "name": self.name, "version": self.version,
+                "signed_at": self.signed_at, "format": 2 if self.name is not None else 1}
+
+
+def check_subject_name(name: object, what: str, error: type[FlatpackError] = InputError) -> str:
+    """``name`` if it is an artifact name a signature may carry (``[a-z0-9][a-z0-9._-]{0,63}``)."""
+    if not isinstance(name, str) or not SIGNATURE_NAME.fullmatch(name):
+        raise error(f"{what} is {str(name)[:80]!r}; an artifact name is 1 to 64 characters of a-z, 0-9, '.', "
+                    "'_' and '-', beginning with a letter or digit (e.g. bert-prod)")
+    return name
+
+
+def check_subject_version(version: object, what: str, error: type[FlatpackError] = InputError) -> int:
+    """``version`` if it is a positive integer (bool and float refused: the signed JSON must
+    round-trip exactly)."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise error(f"{what} must be a positive whole number, not {type(version).__name__} {str(version)[:40]!r}")
+    finite(version, what=what, low=1, high=MAX_SIGNATURE_VERSION, integer=True, error=error)
+    return version
+
+
+def _canonical(statement: Mapping[str, object]) -> bytes:
+    return json.dumps(statement, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
 
 def _hmac_key(spec: str, purpose: str) -> bytes:
     name = spec[len(ENV_KEY_PREFIX):]
@@ -166,11 +230,32 @@ def _hmac_key(spec: str, purpose: str) -> bytes:
     return value.encode()
 
 
-def sign_index(raw: bytes, key: str | os.PathLike) -> bytes:
-    """A signature document for the index bytes ``raw``: with ``env:NAME``, HMAC-SHA256 with the
-    key in that environment variable; else ``key`` is an Ed25519 private key file (PEM, as
-    ``openssl genpkey -algorithm ed25519`` writes)."""
-    message = _SIGNED_PREFIX + raw
+def _hmac_fingerprint(secret: bytes) -> str:
+    # a keyed hash of a fixed label: identifies the secret in a trust file without revealing it
+    return f"{HMAC_SHA256}:{hmac.new(secret, b'flatpack key fingerprint', hashlib.sha256).hexdigest()}"
+
+
+def _ed25519_fingerprint(public: object) -> str:
+    # optional dependency: only an Ed25519 key needs it (a function verifies by digest)
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    raw = public.public_bytes(Encoding.Raw, PublicFormat.Raw)  # type: ignore[attr-defined]
+    return f"{ED25519}:{sha256_hex(raw)}"
+
+
+def sign_index(raw: bytes, key: str | os.PathLike, *, name: str, version: int, signed_at: str | None = None) -> bytes:
+    """A signature file for the index bytes ``raw`` and the subject ``name`` at ``version``
+    (signed now, or at ``signed_at``, ``YYYY-MM-DDTHH:MM:SSZ``): with ``env:NAME``, HMAC-SHA256
+    with the key in that environment variable; else ``key`` is an Ed25519 private key file
+    (PEM, as ``openssl genpkey -algorithm ed25519`` writes)."""
+    check_subject_name(name, "the artifact name to sign (--name)")
+    check_subject_version(version, "the version to sign (--version)")
+    if signed_at is None:
+        signed_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    _check_signed_at(signed_at, "the signing time", InputError)
+    statement = {"_type": SIGNATURE_TYPE, "digest": sha256_hex(raw), "name": name, "version": version,
+                 "signed_at": signed_at}
+    message = _canonical(statement)
     if str(key).startswith(ENV_KEY_PREFIX):
         algorithm = HMAC_SHA256
         signature = hmac.new(_hmac_key(str(key), "signing"), message, hashlib.sha256).hexdigest()
@@ -188,47 +273,152 @@ def sign_index(raw: bytes, key: str | os.PathLike) -> bytes:
                                 "`openssl genpkey -algorithm ed25519 -out key.pem`")
         algorithm = ED25519
         signature = private.sign(message).hex()
-    document = {"algorithm": algorithm, "index_sha256": sha256_hex(raw), "signature": signature}
+    document = {"statement": statement, "algorithm": algorithm, "signature": signature}
     return (json.dumps(document, sort_keys=True, indent=2) + "\n").encode()
 
 
-def check_signature(raw: bytes, signature_doc: bytes | None, verify_key: str | os.PathLike, where: str) -> None:
-    """Raises unless ``signature_doc`` signs the index bytes ``raw`` under ``verify_key``
-    (``env:NAME`` for HMAC, else an Ed25519 public key file in PEM)."""
+def _check_signed_at(value: object, what: str, error: type[FlatpackError]) -> str:
+    if not isinstance(value, str) or not _SIGNED_AT.fullmatch(value):
+        raise error(f"{what} must be a UTC time written YYYY-MM-DDTHH:MM:SSZ, not {str(value)[:40]!r}")
+    try:
+        datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        raise error(f"{what} is {value!r}, not a real date and time") from None
+    return value
+
+
+@dataclass(frozen=True)
+class _Statement:
+    digest: str
+    name: str
+    version: int
+    signed_at: str
+
+
+@dataclass(frozen=True)
+class _SignatureFile:
+    """A parsed signature file, not yet verified: the bytes that were signed and what they say."""
+
+    algorithm: str
+    signature: bytes
+    message: bytes
+    statement: _Statement | None   # None: a v1 file (index bytes only)
+
+
+def _parse_signature_file(data: bytes, raw: bytes, shown: str) -> _SignatureFile:
+    """The signature file ``data`` (shown as ``shown``) parsed field by field; every malformed
+    field is an ArtifactError naming the file and the field. ``raw``: the index bytes, which a v1
+    file signs directly."""
+    document = expect_mapping(parse_json(data, what=shown, error=ArtifactError), what=shown, error=ArtifactError)
+
+    def bad(field: str, why: str) -> ArtifactError:
+        return ArtifactError(f"{shown}: the field {field} {why}; the file is corrupted or hostile, {_RESIGN}")
+
+    algorithm = document.get("algorithm")
+    if not isinstance(algorithm, str) or algorithm not in _SIGNATURE_HEX:
+        raise bad("algorithm", f"is {str(algorithm)[:40]!r}, not one of {', '.join(_SIGNATURE_HEX)}")
+    signature = document.get("signature")
+    if not isinstance(signature, str) or len(signature) != _SIGNATURE_HEX[algorithm] \
+            or not re.fullmatch(r"[0-9a-f]*", signature):
+        raise bad("signature", f"must be {_SIGNATURE_HEX[algorithm]} lowercase hex digits for {algorithm}")
+    if "statement" not in document:
+        # v1 (before subjects): the index bytes behind a domain tag
+        if set(document) != {"algorithm", "index_sha256", "signature"}:
+            raise bad("statement", "is missing (a v1 file has algorithm, index_sha256 and signature only)")
+        if not isinstance(document["index_sha256"], str) or not _SHA256_HEX.fullmatch(document["index_sha256"]):
+            raise bad("index_sha256", "must be 64 lowercase hex digits")
+        return _SignatureFile(algorithm, bytes.fromhex(signature), _SIGNED_PREFIX + raw, None)
+    extra = sorted(set(document) - {"statement", "algorithm", "signature"})
+    if extra:
+        raise bad(extra[0], "is not part of a flatpack signature file")
+    statement = expect_mapping(document["statement"], what=f"{shown}: the field statement", error=ArtifactError)
+    missing = sorted(set(_STATEMENT_FIELDS) - set(statement))
+    if missing:
+        raise bad(f"statement.{missing[0]}", "is missing")
+    extra = sorted(set(statement) - set(_STATEMENT_FIELDS))
+    if extra:
+        raise bad(f"statement.{extra[0]}", "is not part of a signed statement")
+    if statement["_type"] != SIGNATURE_TYPE:
+        raise bad("statement._type", f"is {str(statement['_type'])[:60]!r}, not {SIGNATURE_TYPE!r}")
+    digest = statement["digest"]
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+        raise bad("statement.digest", "must be 64 lowercase hex digits (the sha256 of flatpack.index.json)")
+    subject = _Statement(digest, check_subject_name(statement["name"], f"{shown}: the field statement.name",
+                                                    ArtifactError),
+                         check_subject_version(statement["version"], f"{shown}: the field statement.version",
+                                               ArtifactError),
+                         _check_signed_at(statement["signed_at"], f"{shown}: the field statement.signed_at",
+                                          ArtifactError))
+    return _SignatureFile(algorithm, bytes.fromhex(signature), _canonical(statement), subject)
+
+
+def _verify(parsed: _SignatureFile, verify_key: str | os.PathLike) -> tuple[bool, str]:
+    """Whether ``parsed`` is a valid signature under ``verify_key``, and the key's fingerprint."""
+    if str(verify_key).startswith(ENV_KEY_PREFIX):
+        secret = _hmac_key(str(verify_key), "verifying")
+        expected = hmac.new(secret, parsed.message, hashlib.sha256).digest()
+        valid = parsed.algorithm == HMAC_SHA256 and hmac.compare_digest(expected, parsed.signature)
+        return valid, _hmac_fingerprint(secret)
+    # optional dependency: only an Ed25519 key needs it (a function verifies by digest)
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        public = load_pem_public_key(Path(verify_key).read_bytes())
+    except (OSError, ValueError, TypeError) as err:
+        raise ArtifactError(f"cannot read the Ed25519 public key {verify_key}: {err}") from None
+    if not isinstance(public, Ed25519PublicKey):
+        raise ArtifactError(f"{verify_key} is not an Ed25519 public key; export one with "
+                            "`openssl pkey -in key.pem -pubout -out key.pub`")
+    valid = parsed.algorithm == ED25519
+    try:
+        public.verify(parsed.signature, parsed.message)
+    except InvalidSignature:
+        valid = False
+    return valid, _ed25519_fingerprint(public)
+
+
+def check_signature(raw: bytes, signature_doc: bytes | None, verify_key: str | os.PathLike, where: str, *,
+                    name: str | None = None, min_version: int | None = None) -> Signature:
+    """What the signature file ``signature_doc`` vouches for, if it signs the index bytes ``raw``
+    under ``verify_key`` (``env:NAME`` for HMAC, else an Ed25519 public key file in PEM) and
+    its subject is ``name`` (when given) at ``min_version`` or later (when given); else
+    ArtifactError naming ``where``/flatpack.index.sig. A v1 signature (no subject) is refused
+    whenever a name or a least version is required."""
+    shown = f"{where}/{SIGNATURE_FILE}"
     if signature_doc is None:
         raise ArtifactError(f"{where} has no {SIGNATURE_FILE} but a verify key was given: the artifact is unsigned. "
-                            "Sign it with `flatpack sign DIR --key KEY` where it was built.")
-    try:
-        document = json.loads(signature_doc)
-        algorithm, signature = document["algorithm"], bytes.fromhex(document["signature"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise ArtifactError(f"{where}/{SIGNATURE_FILE} is malformed; sign the artifact again") from None
-    message = _SIGNED_PREFIX + raw
-    if str(verify_key).startswith(ENV_KEY_PREFIX):
-        expected = hmac.new(_hmac_key(str(verify_key), "verifying"), message, hashlib.sha256).digest()
-        valid = algorithm == HMAC_SHA256 and hmac.compare_digest(expected, signature)
-    else:
-        # optional dependency: only an Ed25519 key needs it (a function verifies by digest)
-        from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-        from cryptography.hazmat.primitives.serialization import load_pem_public_key
-
-        try:
-            public = load_pem_public_key(Path(verify_key).read_bytes())
-        except (OSError, ValueError, TypeError) as err:
-            raise ArtifactError(f"cannot read the Ed25519 public key {verify_key}: {err}") from None
-        if not isinstance(public, Ed25519PublicKey):
-            raise ArtifactError(f"{verify_key} is not an Ed25519 public key; export one with "
-                                "`openssl pkey -in key.pem -pubout -out key.pub`")
-        valid = algorithm == ED25519
-        try:
-            public.verify(signature, message)
-        except InvalidSignature:
-            valid = False
+                            "Sign it with `flatpack sign DIR --key KEY --name NAME --version N` where it was built.")
+    parsed = _parse_signature_file(signature_doc, raw, shown)
+    valid, fingerprint = _verify(parsed, verify_key)
     if not valid:
-        raise ArtifactError(f"{where}/{SIGNATURE_FILE} is not a valid {algorithm} signature of {where}/{INDEX_FILE} "
-                            f"under the key {verify_key}: the index was altered, or signed with another key. Do not "
-                            "run this artifact; rebuild and sign it, or pass the right key.")
+        raise ArtifactError(f"{shown} is not a valid {parsed.algorithm} signature of {where}/{INDEX_FILE} "
+                            f"under the key {verify_key}: the index or the signed statement was altered, or signed "
+                            "with another key. Do not run this artifact; rebuild and sign it, or pass the right key.")
+    statement = parsed.statement
+    if statement is None:
+        if name is not None or min_version is not None:
+            required = f"the name {name!r}" if name is not None else f"version {min_version} or later"
+            raise ArtifactError(f"{shown} is a v1 signature: it signs the index alone and names no artifact or "
+                                f"version, so it cannot show {required}. Re-sign the artifact where it was built "
+                                "with `flatpack sign DIR --key KEY --name NAME --version N`.")
+        return Signature(parsed.algorithm, fingerprint, None, None, None)
+    actual = sha256_hex(raw)
+    if not hmac.compare_digest(actual, statement.digest):
+        raise ArtifactError(f"{shown} signs the index digest {statement.digest} but {where}/{INDEX_FILE} has "
+                            f"digest {actual}: the index was replaced or altered since it was signed. Do not run "
+                            "this artifact; rebuild and sign it.")
+    signed = Signature(parsed.algorithm, fingerprint, statement.name, statement.version, statement.signed_at)
+    if name is not None and statement.name != name:
+        raise ArtifactError(f"{shown} signs the artifact {statement.name!r} (version {statement.version}), but "
+                            f"{name!r} is required: {where} holds another artifact signed by the same key (it was "
+                            f"substituted). Do not run it; deploy the {name!r} artifact, or require its own name.")
+    if min_version is not None and statement.version < min_version:
+        raise ArtifactError(f"{shown} signs {statement.name!r} version {statement.version}, below the least version "
+                            f"required, {min_version}: this is a rollback to an older build. Do not run it; deploy "
+                            f"version {min_version} or later.")
+    return signed
 
 
 # -- reading a directory ---------------------------------------------------------------------
@@ -244,6 +434,8 @@ class Verified:
     index: Index
     files: Mapping[str, bytes]
     trust: str
+    # what a signature vouched for, when a verify key was given
+    signature: Signature | None = None
 
     @property
     def digest(self) -> str:
@@ -288,10 +480,18 @@ def _scan(root: Path, under: str | None) -> list[str]:
     return found
 
 
-def read_index(root: str | os.PathLike, *, digest: str | None = None,
-               verify_key: str | os.PathLike | None = None) -> tuple[Index, str]:
+def read_index(root: str | os.PathLike, *, digest: str | None = None, verify_key: str | os.PathLike | None = None,
+               name: str | None = None, min_version: int | None = None) -> tuple[Index, str, Signature | None]:
     """The artifact's index, checked against ``digest`` and/or the signature under
-    ``verify_key`` before it is parsed; and what vouched for it (see :class:`Verified`)."""
+    ``verify_key`` (whose subject must be ``name`` at ``min_version`` or later, when given)
+    before it is parsed; what vouched for it (see :class:`Verified`); and the signature."""
+    if verify_key is None and (name is not None or min_version is not None):
+        raise InputError("a required artifact name or least version is checked against the signature: pass the "
+                         "key that signed it too (verify_key= / --verify-key)")
+    if name is not None:
+        check_subject_name(name, "the required artifact name (name= / --name)")
+    if min_version is not None:
+        check_subject_version(min_version, "the least version required (min_version= / --min-version)")
     root = Path(root)
     index_path = root / INDEX_FILE
     if not index_path.exists() and not index_path.is_symlink():
@@ -302,26 +502,31 @@ def read_index(root: str | os.PathLike, *, digest: str | None = None,
     if digest is not None:
         check_digest(raw, digest, str(index_path))
         trust = "digest"
+    signature = None
     if verify_key is not None:
         signature_path = root / SIGNATURE_FILE
-        signature = _read_regular(signature_path, str(signature_path)) if signature_path.exists() else None
-        check_signature(raw, signature, verify_key, str(root))
+        document = None
+        if signature_path.exists() or signature_path.is_symlink():
+            document = read_bounded(signature_path, limit=MAX_SIGNATURE_BYTES, what=str(signature_path),
+                                    error=ArtifactError)
+        signature = check_signature(raw, document, verify_key, str(root), name=name, min_version=min_version)
         trust = "digest" if digest is not None else "signature"
-    return Index.parse(raw, str(index_path)), trust
+    return Index.parse(raw, str(index_path)), trust, signature
 
 
 def read_verified(root: str | os.PathLike, *, digest: str | None = None, verify_key: str | os.PathLike | None = None,
-                  under: str | None = None) -> Verified:
+                  under: str | None = None, name: str | None = None, min_version: int | None = None) -> Verified:
     """Reads the artifact at ``root`` and checks it: the index against ``digest`` / the
-    signature, then every file (or only those below ``under``, a stage directory) against the
-    index — sizes, sha256, no symlinks, no unlisted files, safetensors headers in bounds.
-    Nothing is imported or executed here."""
+    signature (and its subject against ``name`` and ``min_version``), then every file (or only
+    those below ``under``, a stage directory) against the index — sizes, sha256, no symlinks,
+    no unlisted files, safetensors headers in bounds. Nothing is imported or executed here."""
     root = Path(root)
     if not root.is_dir():
         raise ArtifactError(f"{root} is not a directory; pass the directory `flatpack compile --out` wrote")
-    index, trust = read_index(root, digest=digest, verify_key=verify_key)
+    index, trust, signature = read_index(root, digest=digest, verify_key=verify_key, name=name,
+                                         min_version=min_version)
     present = set(_scan(root, under)) - {INDEX_FILE, SIGNATURE_FILE}
-    wanted = [name for name in index.files if under is None or name.startswith(f"{under}/")]
+    wanted = [listed for listed in index.files if under is None or listed.startswith(f"{under}/")]
     if under is not None and not wanted:
         raise ArtifactError(f"{root}/{INDEX_FILE} lists no files under {under}/; it is not a stage of this artifact")
     unlisted = sorted(present - set(wanted))
@@ -329,13 +534,13 @@ def read_verified(root: str | os.PathLike, *, digest: str | None = None, verify_
         raise ArtifactError(f"{root / unlisted[0]} is not listed in {root}/{INDEX_FILE}; the artifact was altered. "
                             "Remove the file or recompile the model.")
     files = {}
-    for name in wanted:
-        shown = str(root / name)
-        data = index.check(name, _read_regular(root / name, shown), shown)
-        if name.endswith(".safetensors"):
+    for listed in wanted:
+        shown = str(root / listed)
+        data = index.check(listed, _read_regular(root / listed, shown), shown)
+        if listed.endswith(".safetensors"):
             check_safetensors(data, shown)
-        files[name] = data
-    return Verified(index, files, trust)
+        files[listed] = data
+    return Verified(index, files, trust, signature)
 
 
 def verify_files(index: Index, contents: Mapping[str, bytes], where: str) -> None:

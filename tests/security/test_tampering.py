@@ -272,7 +272,8 @@ def _ed25519_keys(directory: Path, name: str) -> tuple[Path, Path]:
 def test_ed25519_signature_verifies_and_a_bad_one_is_refused(out, sentinel, tmp_path):
     private, public = _ed25519_keys(tmp_path, "builder")
     _, other_public = _ed25519_keys(tmp_path, "stranger")
-    (out / SIGNATURE_FILE).write_bytes(sign_index((out / INDEX_FILE).read_bytes(), private))
+    (out / SIGNATURE_FILE).write_bytes(sign_index((out / INDEX_FILE).read_bytes(), private,
+                                                  name="mlp", version=1))
     assert flatpack.load(out, verify_key=public).trust == "signature"
     refused(out, sentinel, str(out / SIGNATURE_FILE), "not a valid ed25519 signature", verify_key=other_public)
     # stage code, manifest and index all rewritten: the signature no longer covers the index
@@ -283,7 +284,8 @@ def test_ed25519_signature_verifies_and_a_bad_one_is_refused(out, sentinel, tmp_
 
 def test_hmac_signature_with_the_wrong_key_is_refused(out, sentinel, monkeypatch):
     monkeypatch.setenv("FP_TEST_KEY", "a-build-machine-secret")
-    (out / SIGNATURE_FILE).write_bytes(sign_index((out / INDEX_FILE).read_bytes(), "env:FP_TEST_KEY"))
+    (out / SIGNATURE_FILE).write_bytes(sign_index((out / INDEX_FILE).read_bytes(), "env:FP_TEST_KEY",
+                                                  name="mlp", version=1))
     assert flatpack.load(out, verify_key="env:FP_TEST_KEY").trust == "signature"
     monkeypatch.setenv("FP_TEST_KEY", "a-different-secret!!")
     refused(out, sentinel, str(out / SIGNATURE_FILE), "hmac-sha256", verify_key="env:FP_TEST_KEY")

@@ -44,7 +44,8 @@ def test_inspect_compile_sign_and_check_print_json(factory, tmp_path, capsys, mo
     assert compiled["digest"] == flatpack.load(out).digest and compiled["stages"] == 3
     assert len(compiled["plan"]["stages"]) == 3 and len(compiled["chain"]["layers"]) == 3
     monkeypatch.setenv("FLATPACK_TEST_KEY", "a-test-key-of-32-characters-long")
-    signed = json_of(capsys, "sign", str(out), "--key", "env:FLATPACK_TEST_KEY", "--json")
+    signed = json_of(capsys, "sign", str(out), "--key", "env:FLATPACK_TEST_KEY", "--name", "mlp", "--version", "1",
+                     "--json")
     assert signed["digest"] == compiled["digest"] and signed["signature"].startswith(str(out))
     checked = json_of(capsys, "check", str(out), "--digest", compiled["digest"], "--json")
     assert checked["digest"] == compiled["digest"] and checked["files"] > 3 and checked["trust"] != "directory"

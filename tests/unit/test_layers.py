@@ -28,7 +28,7 @@ from flatpack.sources import (ROOT, closure, cycles, function_level_imports, imp
 KERNEL_THIRD_PARTY = {"torch", "safetensors"}
 # ... and inside a function, for a feature a worker never uses
 KERNEL_OPTIONAL = {"cryptography"}   # Ed25519 signatures of an artifact's index (verify_key)
-KERNEL_FLATPACK = {"flatpack.errors", "flatpack.version"}
+KERNEL_FLATPACK = {"flatpack.errors", "flatpack.version", "flatpack.safeio"}
 # what a worker process must not load: the compiler and everything only it needs
 COMPILER_SIDE = ("flatpack.compiler", "flatpack.ir", "flatpack.partitioner", "flatpack.codegen", "flatpack.platform",
                  "flatpack.profiler", "flatpack.backends", "flatpack.cli", "flatpack.job")
