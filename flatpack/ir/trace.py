@@ -103,6 +103,19 @@ class Traced:
     notes: list[str] = field(default_factory=list)
     training: bool = True  # the model's mode when it was traced: the stages start in it
     mode_fixed: list[str] = field(default_factory=list)  # what stays in ``training`` mode after switching
+    # how torch.export captured it (None: fx), so that the trace in the other mode starts where
+    # this one succeeded instead of repeating the attempts the model already refused
+    export_route: ExportRoute | None = None
+
+
+@dataclass(frozen=True)
+class ExportRoute:
+    """Which example and which dynamic-shape attempt gave the exported graph: ``doubled``, the
+    batch-1 example repeated to batch 2 (``_repeat_batch``); ``attempt``, the index into
+    ``_export_attempts`` (its last entry: static shapes)."""
+
+    doubled: bool
+    attempt: int
 
 
 class _InliningTracer(torch.fx.Tracer):
@@ -318,26 +331,12 @@ def _flatten_output_node(graph: torch.fx.Graph) -> dict:
 
 
 def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: dict,
-                  spec: pytree.TreeSpec) -> Traced:
+                  spec: pytree.TreeSpec, route: ExportRoute | None = None) -> Traced:
+    """The model captured by torch.export. ``route``: how an earlier trace of the same model
+    and example succeeded (the other mode's), tried first."""
     notes: list[str] = []
     with _quiet_torch_logs():
-        exported = _export_dynamic(model, signature, args, kwargs, notes)
-        if _batch_of_one(args, kwargs) and not any(0 in dims for dims in _dynamic_dims(exported.graph_module.graph)):
-            # torch.export specializes every size-1 dimension, so an example of batch 1 gives a
-            # graph fixed to batch 1 (and a profile that cannot vary the batch): trace the
-            # example repeated to batch 2 instead; the graph is the same for every batch
-            repeated_args, repeated_kwargs = pytree.tree_map_only(torch.Tensor, _repeat_batch, (args, kwargs))
-            again: list[str] = []
-            try:
-                retraced = _export_dynamic(model, signature, repeated_args, repeated_kwargs, again)
-            except Exception as err:  # noqa: BLE001 - keep the batch-1 graph and say why
-                notes.append(f"the example has batch 1, which torch.export fixes; re-tracing at batch 2 failed "
-                             f"({_first_line(err)}): the graph runs at batch 1 only")
-            else:
-                if any(0 in dims for dims in _dynamic_dims(retraced.graph_module.graph)):
-                    exported = retraced
-                    notes[:] = [*again, "the example has batch 1, which torch.export fixes; traced the example "
-                                        "repeated to batch 2 so that the batch dimension stays dynamic"]
+        exported, route = _export_example(model, signature, args, kwargs, notes, route)
     gm = exported.module()
     graph = gm.graph
     out_spec = gm._out_spec
@@ -373,25 +372,65 @@ def _trace_export(model: nn.Module, signature: Signature, args: tuple, kwargs: d
     dynamic_dims = _dynamic_dims(graph)
     dynamic = any(0 in dims for dims in dynamic_dims)
     return Traced(gm, EXPORT, signature, {}, output_structure, [], dynamic_batch=dynamic, notes=notes,
-                  dynamic_dims=dynamic_dims)
+                  dynamic_dims=dynamic_dims, export_route=route)
+
+
+_BATCH_ONE_NOTE = "the example has batch 1, which torch.export fixes"
+
+
+def _export_example(model: nn.Module, signature: Signature, args: tuple, kwargs: dict, notes: list[str],
+                    route: ExportRoute | None) -> tuple[torch.export.ExportedProgram, ExportRoute]:
+    """One export where one serves. torch.export specializes every size-1 dimension, so an
+    example of batch 1 would give a graph fixed to batch 1 (and a profile that cannot vary the
+    batch): such an example is exported repeated to batch 2 first — the graph is the same for
+    every batch — and at batch 1 only when the doubled export fails or the model fixes the
+    batch anyway (then the batch-2 graph would be wrong for the example)."""
+    start = route.attempt if route is not None else 0
+    if not _batch_of_one(args, kwargs) or (route is not None and not route.doubled):
+        exported, attempt = _export_dynamic(model, signature, args, kwargs, notes, start)
+        return exported, ExportRoute(doubled=False, attempt=attempt)
+    doubled_args, doubled_kwargs = pytree.tree_map_only(torch.Tensor, _repeat_batch, (args, kwargs))
+    doubled_notes: list[str] = []
+    try:
+        exported, attempt = _export_dynamic(model, signature, doubled_args, doubled_kwargs, doubled_notes, start)
+    except Exception as err:  # noqa: BLE001 - keep the batch-1 graph and say why
+        failure = (f"{_BATCH_ONE_NOTE}; tracing it repeated to batch 2 failed ({_first_line(err)}): "
+                   "the graph runs at batch 1 only")
+    else:
+        if any(0 in dims for dims in _dynamic_dims(exported.graph_module.graph)):
+            notes.extend([*doubled_notes, f"{_BATCH_ONE_NOTE}; traced the example repeated to batch 2 so that "
+                                          "the batch dimension stays dynamic"])
+            return exported, ExportRoute(doubled=True, attempt=attempt)
+        failure = f"{_BATCH_ONE_NOTE}, and the model fixes its batch: the graph runs at batch 1 only"
+    exported, attempt = _export_dynamic(model, signature, args, kwargs, notes, 0)
+    notes.append(failure)
+    return exported, ExportRoute(doubled=False, attempt=attempt)
+
+
+def _export_attempts(given: dict[str, Any]) -> list[tuple[str, dict | None]]:
+    """What ``_export_dynamic`` tries, in order: the batch and sequence dimensions dynamic, then
+    the batch alone, then static shapes (None)."""
+    attempts: list[tuple[str, dict | None]] = [("batch and sequence", _batch_dynamic_shapes(given, sequence=True)),
+                                               ("batch", _batch_dynamic_shapes(given, sequence=False))]
+    if attempts[0][1] == attempts[1][1]:
+        attempts = attempts[1:]  # no sequence-like input: one dynamic attempt
+    return [*attempts, ("static", None)]
 
 
 def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs: dict,
-                    notes: list[str]) -> torch.export.ExportedProgram:
+                    notes: list[str], start: int = 0) -> tuple[torch.export.ExportedProgram, int]:
     """torch.export with the batch and sequence dimensions dynamic, then the batch alone, then
-    static shapes: the first that the model allows. ``notes`` says what was given up and why."""
-    given = signature.by_name(args, kwargs)
-    attempts = [("batch and sequence", _batch_dynamic_shapes(given, sequence=True)),
-                ("batch", _batch_dynamic_shapes(given, sequence=False))]
-    if attempts[0][1] == attempts[1][1]:
-        attempts = attempts[1:]  # no sequence-like input: one dynamic attempt
-    for what, shapes in attempts:
+    static shapes: the first that the model allows, beginning at attempt ``start`` (where an
+    earlier trace of the model succeeded), and its index. ``notes`` says what was given up and why."""
+    attempts = _export_attempts(signature.by_name(args, kwargs))
+    start = min(start, len(attempts) - 1)
+    for index, (what, shapes) in enumerate(attempts[start:-1], start):
         try:
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes), index
         except Exception as err:  # noqa: BLE001 - retry with fewer dynamic dimensions before giving up
             notes.append(f"dynamic {what} dimensions refused ({_first_line(err)})")
     notes.append("traced with static shapes")
-    return torch.export.export(model, args, kwargs, strict=False)
+    return torch.export.export(model, args, kwargs, strict=False), len(attempts) - 1
 
 
 def _dynamic_dims(graph: torch.fx.Graph) -> list[list[int]]:
@@ -516,7 +555,7 @@ def switch_modes(model: nn.Module, traced: Traced, signature: Signature, args: t
             if traced.frontend == FX:
                 other = _trace_fx(model, signature, args, kwargs)
             else:
-                other = _trace_export(model, signature, args, kwargs, spec)
+                other = _trace_export(model, signature, args, kwargs, spec, traced.export_route)
     except Exception as err:  # noqa: BLE001 - the traced mode still works; say what cannot switch
         reason = f"it cannot be traced in {_mode(other_mode)} mode: {_first_line(err)}"
         traced.mode_fixed = [f"the whole model ({reason})"]

@@ -196,3 +196,47 @@ def test_a_model_asked_for_its_cache_is_told_to_turn_it_off():
     with pytest.raises(TraceError, match="Cache object.*use_cache=False"):
         trace(model, (), {"input_ids": ids, "use_cache": True})
     assert trace(model, (), {"input_ids": ids, "use_cache": False}).frontend == "export"
+
+
+class _CountingExport:
+    """Wraps torch.export.export, recording each call's dynamic_shapes; ``refuse_sequence``
+    makes an attempt that marks a sequence dimension fail, as a model that cannot take one would."""
+
+    def __init__(self, refuse_sequence: bool = False) -> None:
+        self.calls: list[object] = []
+        self.refuse_sequence = refuse_sequence
+        self.export = torch.export.export
+
+    def __call__(self, *args, **kwargs):
+        shapes = kwargs.get("dynamic_shapes")
+        self.calls.append(shapes)
+        if self.refuse_sequence and shapes is not None and "1:" in str(shapes).replace(" ", ""):
+            raise RuntimeError("the sequence dimension cannot be dynamic here")
+        return self.export(*args, **kwargs)
+
+
+def test_a_batch_one_example_is_exported_once_per_mode(monkeypatch):
+    """Issue 42: a batch-1 example is exported repeated to batch 2 first, not at batch 1 and then
+    again at batch 2; the trace in the other mode takes the same route: two exports in all."""
+    counting = _CountingExport()
+    monkeypatch.setattr(torch.export, "export", counting)
+    traced = trace(PositionTable(), ({"ids": torch.randint(0, 50, (1, 16))},))
+    assert len(counting.calls) == 2
+    assert traced.dynamic_batch and traced.export_route is not None and traced.export_route.doubled
+
+
+def test_the_other_mode_starts_at_the_export_attempt_that_succeeded(monkeypatch):
+    """A model that refuses a dynamic sequence: the first mode tries batch-and-sequence, then the
+    batch alone; the second mode starts at the batch alone (3 exports, not 4), and the compiled
+    model still equals the original."""
+    counting = _CountingExport(refuse_sequence=True)
+    monkeypatch.setattr(torch.export, "export", counting)
+    model = PositionTable()
+    example = ({"ids": torch.randint(0, 50, (2, 16))},)
+    traced = trace(model, example)
+    assert len(counting.calls) == 3, counting.calls
+    assert traced.export_route is not None and traced.export_route.attempt == 1
+    assert any("dynamic batch and sequence dimensions refused" in note for note in traced.notes)
+    compiled = flatpack.compile(model, example, stages=2)
+    ids = torch.randint(0, 50, (3, 16))
+    torch.testing.assert_close(compiled.as_module()({"ids": ids}), model({"ids": ids}))
