@@ -217,7 +217,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     plan = None
     if args.plan is not None:
         try:
-            plan = Plan.loads(Path(args.plan).read_text())
+            plan = Plan.load(args.plan)
         except OSError as error:
             raise InputError(f"cannot read --plan {args.plan}: {error.strerror or error}") from error
         except json.JSONDecodeError as error:
