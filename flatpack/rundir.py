@@ -183,7 +183,7 @@ def check_fingerprint(value: Any, what: str) -> dict[str, Any] | None:
                 _whole(entry.get("size"), f"{what}.files[{name!r:.80}].size", 0, 1 << 60)
                 for digest in ("sha256", "etag"):
                     _text(entry.get(digest), f"{what}.files[{name!r:.80}].{digest}", limit=256, optional=True)
-        elif isinstance(item, bool) or not isinstance(item, (str, int)) and item is not None:
+        elif isinstance(item, bool) or (not isinstance(item, (str, int)) and item is not None):
             raise InputError(f"{what}.{key} must be a string or a whole number, not {type(item).__name__}")
         elif isinstance(item, str):
             _text(item, f"{what}.{key}")

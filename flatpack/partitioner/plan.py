@@ -39,11 +39,17 @@ def _whole(value: Any, what: str, low: int, high: int) -> int:
     bool, NaN, infinity or string."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise PlanError(f"{what} must be a whole number, not {type(value).__name__} {value!r:.60}")
-    if not math.isfinite(float(value)) or not float(value).is_integer():
+    if isinstance(value, numbers.Integral):
+        # compared as an int: float() of a 400-digit one would overflow
+        if not low <= int(value) <= high:
+            raise PlanError(f"{what} is {int(value)!r:.40}; it must be at least {low:,} and at most {high:,}")
+        return int(value)
+    number = float(value)
+    if not math.isfinite(number) or not number.is_integer():
         raise PlanError(f"{what} must be a whole number, not {value!r}")
-    if not low <= value <= high:
+    if not low <= number <= high:
         raise PlanError(f"{what} is {value!r}; it must be at least {low:,} and at most {high:,}")
-    return int(value)
+    return int(number)
 
 
 class PlanReuseWarning(UserWarning):

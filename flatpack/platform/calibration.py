@@ -104,13 +104,15 @@ MAX_WORKERS = 1_024
 
 
 def _number(value: Any, where: str, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # an int is finite however large (math.isfinite of a 400-digit one overflows); MAX_FIGURE bounds it
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)):
         raise InputError(f"calibration file: {where} must be a finite number, got {value!r:.60}")
     if value < 0 or (positive and value == 0):
         raise InputError(f"calibration file: {where} must be {'positive' if positive else 'non-negative'}, "
                          f"got {value!r}")
     if value > MAX_FIGURE:
-        raise InputError(f"calibration file: {where} is {value!r}, above the largest figure a calibration may hold "
+        raise InputError(f"calibration file: {where} is {value!r:.40}, above the largest figure a calibration may hold "
                          f"({MAX_FIGURE:g})")
     return float(value)
 
@@ -294,8 +296,10 @@ class StoreLatency:
             raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", "
                              "\"K\": ..., \"loc\": ..., \"scale\": ..., \"samples\": ...}")
         loc = data.get("loc")
-        if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not math.isfinite(loc):
-            raise InputError(f"calibration file: store_latency.loc must be a finite number, got {loc!r}")
+        # a location may be negative; NaN fails the comparison, so it is refused too
+        if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not -MAX_FIGURE <= loc <= MAX_FIGURE:
+            raise InputError(f"calibration file: store_latency.loc must be a finite number from {-MAX_FIGURE:g} to "
+                             f"{MAX_FIGURE:g}, got {loc!r:.40}")
         return cls(_number(data.get("K"), "store_latency.K", positive=True), float(loc),
                    _number(data.get("scale"), "store_latency.scale", positive=True),
                    int(_number(data.get("samples", 0), "store_latency.samples")))

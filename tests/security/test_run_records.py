@@ -40,7 +40,8 @@ from tests.security.conftest import BATCH, make_model
 from tests.unit.test_target_calibration import target_calibration
 
 DEEP = 200_000     # nesting that made json's parser (and code walking the result) recurse
-HOSTILE_VALUES: tuple[Any, ...] = (None, True, -1, 0, 1e308, 10**20, "x", [], {}, [[[]]], {"a": {"b": 1}})
+HOSTILE_VALUES: tuple[Any, ...] = (None, True, -1, 0, 1e308, 10**20, 10**400, "x", [], {}, [[[]]],
+                                   {"a": {"b": 1}})
 
 
 class Reached(Exception):
@@ -153,7 +154,7 @@ def test_a_shard_changed_with_the_same_shapes_is_refused_naming_it_and_accepted_
         compiled, tmp_path, no_deploy, caplog):
     shards = write_shards(tmp_path / "shards")
     directory = hand_made_run(tmp_path / "run", compiled, shards=shards)
-    assert set(directory.read().fingerprint["files"]) == {f"shard_{i:03d}.safetensors" for i in range(3)}
+    assert set((directory.read().fingerprint or {})["files"]) == {f"shard_{i:03d}.safetensors" for i in range(3)}
     with pytest.raises(Reached):          # unchanged data: every check passes
         resume(directory)
     write_shards(tmp_path / "other", seed=1)
