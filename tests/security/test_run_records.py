@@ -468,3 +468,21 @@ def test_a_gpu_container_rank_without_a_digest_refuses_to_load_its_stage(compile
     assert distributed.main(["--context", str(tmp_path), "--out", str(tmp_path / "out"), "--synthetic"]) == 1
     assert not loaded and "ArtifactError: this rank was started with no artifact digest" in capsys.readouterr().err
 
+
+
+def test_a_call_record_in_the_store_cannot_inject_faults_into_a_resume():
+    """The store under RUN/store is files too: a knob written into a train() call record by
+    hand is not passed to train() by resume, and a hostile record is a StoreError."""
+    from flatpack.backends.functions import CallRecord, FunctionDeployment
+    from flatpack.errors import StoreError
+
+    record = CallRecord(0, 4, None, 0, {"optimizer": "sgd", "loss": "mse", "faults": [{"action": "raise"}],
+                                        "timeout_s": 1e9})
+    asked: dict[str, Any] = {}
+    fake = SimpleNamespace(calls=lambda: [CallRecord.loads(record.dumps())], consistent_checkpoint=lambda: 1,
+                           train=lambda batches, **options: asked.update(options))
+    FunctionDeployment.resume(fake, [None] * 4)  # type: ignore[arg-type]
+    assert asked == {"optimizer": "sgd", "loss": "mse", "iterations": 2, "batch_offset": 2}
+    for raw in (b"[" * DEEP + b"]" * DEEP, b'{"options": 1}', b'{"options": {}, "exec": 1}', b"NaN"):
+        with pytest.raises(StoreError, match="call record"):
+            CallRecord.loads(raw)
