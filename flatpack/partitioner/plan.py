@@ -208,7 +208,8 @@ class Plan:
         if expected != num_layers:
             raise PlanError(f"the stages end at layer {expected - 1} but the chain has {num_layers} layers")
         if self.micro_batches is not None:
-            _whole(self.micro_batches, "the plan's micro_batches", 1, MAX_MICRO_BATCHES)
+            _whole(self.micro_batches, "the plan's micro_batches (it needs at least 1 micro-batch)", 1,
+                   MAX_MICRO_BATCHES)
 
     @property
     def replicas(self) -> tuple[int, ...]:

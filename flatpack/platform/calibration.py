@@ -346,8 +346,8 @@ class CollectiveFit:
                              "measured with {\"skipped\": \"...\"})")
         ranks = data["ranks"]
         if isinstance(ranks, bool) or not isinstance(ranks, int) or not 2 <= ranks <= MAX_WORKERS:
-            raise InputError(f"calibration file: collective.ranks must be an integer from 2 to {MAX_WORKERS}, got "
-                             f"{ranks!r:.60}")
+            raise InputError(f"calibration file: collective.ranks must be an integer of 2 or more (at most "
+                             f"{MAX_WORKERS}), got {ranks!r:.60}")
         sizes = data["sizes_bytes"]
 
         def series(values: Any, name: str) -> tuple[float, ...]:

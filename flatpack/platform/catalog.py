@@ -209,7 +209,8 @@ class RequestCpu:
         for key, value in data.items():
             # finite, not negative and at most an hour: a request's CPU cost, not an overflow
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
-                raise InputError(f"{where}.{key} must be a number of seconds from 0 to 3600, got {value!r:.60}")
+                raise InputError(f"{where}.{key} must be a non-negative number of seconds (at most 3600), got "
+                                 f"{value!r:.60}")
             values[names[key]] = float(value)
         return cls(**values)
 
