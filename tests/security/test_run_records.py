@@ -486,3 +486,29 @@ def test_a_call_record_in_the_store_cannot_inject_faults_into_a_resume():
     for raw in (b"[" * DEEP + b"]" * DEEP, b'{"options": 1}', b'{"options": {}, "exec": 1}', b"NaN"):
         with pytest.raises(StoreError, match="call record"):
             CallRecord.loads(raw)
+
+
+def test_s3_shards_are_fingerprinted_by_size_and_etag_from_the_listing(s3_server, tmp_path, monkeypatch):
+    """An s3:// prefix's fingerprint: each shard key's size and ETag, nothing downloaded; a
+    shard re-uploaded with other values (same shapes) shows as changed content, naming it."""
+    from flatpack.data import S3Shards
+    from flatpack.rundir import fingerprint_changes
+
+    for name, value in s3_server.env().items():      # the standard AWS variables name the credentials
+        monkeypatch.setenv(name, value)
+    shards = write_shards(tmp_path / "shards")
+    prefix = f"fingerprint-{tmp_path.name}/"
+    with s3_server.store(prefix=prefix) as store:
+        for path in sorted(shards.iterdir()):
+            store.put(path.name, path.read_bytes())
+        source = S3Shards(f"s3://{s3_server.bucket}/{prefix}", s3_server.endpoint_url)
+        before = source.fingerprint()
+        assert set(before["files"]) == {f"{prefix}{path.name}" for path in shards.iterdir()}
+        assert all(entry["etag"] and entry["size"] > 0 for entry in before["files"].values())
+        write_shards(tmp_path / "other", seed=3)
+        store.put("shard_001.safetensors", (tmp_path / "other" / "shard_001.safetensors").read_bytes())
+        after = S3Shards(f"s3://{s3_server.bucket}/{prefix}", s3_server.endpoint_url).fingerprint()
+    with s3_server.store() as root:
+        root.delete_prefix(prefix)
+    (change,) = fingerprint_changes(before, after)
+    assert change.startswith(f"'{prefix}shard_001.safetensors' changed content (etag "), change
