@@ -337,17 +337,15 @@ def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> li
 
 
 def make_private(path: Path) -> None:
-    """``path`` and everything below it private to the owner: directories 0700, files 0600
-    (links are left alone: chmod would follow them out of the tree)."""
-    for current, directories, files in os.walk(path):
+    """``path`` and everything below it private to the owner: directories 0700, files 0600.
+    Links are left alone (chmod would follow them out of the tree), and os.walk does not
+    descend into a linked directory."""
+    for current, _, files in os.walk(path):
         os.chmod(current, PRIVATE_DIR_MODE)
         for name in files:
             child = Path(current) / name
             if not child.is_symlink():
                 os.chmod(child, PRIVATE_FILE_MODE)
-        for name in directories:
-            if (Path(current) / name).is_symlink():
-                directories.remove(name)
 
 
 @dataclass(frozen=True)
