@@ -226,7 +226,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     plan = None
     if args.plan is not None:
         try:
-            plan = Plan.loads(Path(args.plan).read_text())
+            plan = Plan.load(args.plan)
         except OSError as error:
             raise InputError(f"cannot read --plan {args.plan}: {error.strerror or error}") from error
         except json.JSONDecodeError as error:
@@ -631,7 +631,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     result = resume_training(Path(args.run_dir), stream=_text_stream(args), clean=args.clean, digest=args.digest,
                              verify_key=args.verify_key, data=args.data, name=args.name,
-                             min_version=args.min_version, trust_file=args.trust_file)
+                             min_version=args.min_version, trust_file=args.trust_file,
+                             accept_changed_data=args.accept_changed_data)
     report(args, None, result.to_json)
     return 0
 
@@ -1161,6 +1162,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "but never names code to import), e.g. --data mydata.py:make")
     resume_parser.add_argument("--clean", action="store_true",
                                help="remove the run's store data instead of resuming it")
+    resume_parser.add_argument("--accept-changed-data", action="store_true",
+                               help="resume even though the run's data (shards, the dataset factory's file, the "
+                                    "batches file) changed since it started; a warning names what changed")
     _trust_args(resume_parser)
     _json_flag(resume_parser, "resume")
     resume_parser.set_defaults(run=cmd_resume)

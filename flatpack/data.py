@@ -33,8 +33,10 @@ each into fixed micro-batches). Tests: ``tests/unit/test_data.py``,
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import inspect
 import io
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -149,6 +151,12 @@ class DataSource(ABC):
         DataLoader), so the run directory keeps its batches."""
         return None
 
+    def fingerprint(self) -> dict[str, Any] | None:
+        """What the run trained on, cheap and deterministic to take again: ``run.json`` keeps
+        it and ``flatpack resume`` refuses data that changed since (None: nothing to check,
+        the batches themselves are kept in the run directory)."""
+        return None
+
 
 class ShardSource(DataSource):
     """Shards of named tensors; subclasses list them and read one."""
@@ -162,6 +170,15 @@ class ShardSource(DataSource):
 
     @abstractmethod
     def read(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def shard_fingerprints(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Each shard's size and content hash (sha256, or the store's ETag), by name."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fingerprint its shards")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The shards' names, sizes and content hashes: a shard added, removed or changed
+        (even with the same shapes) shows."""
+        return {"kind": "shards", "files": self.shard_fingerprints(self.names())}
 
     def columns(self, name: str) -> tuple[int, Schema]:
         """A shard's rows and columns (by default from reading it whole)."""
@@ -219,6 +236,9 @@ class ShardDirectory(ShardSource):
     def read(self, name: str) -> dict[str, torch.Tensor]:
         return read_shard(self.path / name, name)
 
+    def shard_fingerprints(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        return {name: _file_sha256(self.path / name) for name in names}
+
     def columns(self, name: str) -> tuple[int, Schema]:
         """From the file's header where the format has one (safetensors: shapes and dtypes
         without reading the data; .pt: memory-mapped), so checking a large directory is cheap."""
@@ -263,6 +283,9 @@ class ShardSubset(ShardSource):
 
     def columns(self, name: str) -> tuple[int, Schema]:
         return self.inner.columns(name)
+
+    def shard_fingerprints(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        return self.inner.shard_fingerprints(names)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} ({self.side}: {len(self._names)} of its shards)"
@@ -325,6 +348,14 @@ class S3Shards(ShardSource):
     def read(self, name: str) -> dict[str, torch.Tensor]:
         return read_shard(self.store().get(name), name)
 
+    def shard_fingerprints(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        # one listing gives every key's size and ETag: nothing is downloaded
+        listed = self.store().objects(self.prefix)
+        missing = [name for name in names if name not in listed]
+        if missing:
+            raise InputError(f"{self.describe()} no longer holds shard {missing[0]}")
+        return {name: listed[name] for name in names}
+
     def describe(self) -> str:
         return f"shards in {self.url}" + (f" at {self.endpoint}" if self.endpoint else "")
 
@@ -363,6 +394,20 @@ class DatasetFactory(DataSource):
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "spec": self.spec}
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The factory's reference, the sha256 of the file that defines it and the dataset's
+        length (a map-style one): what is cheap to take again. The samples themselves are the
+        factory's to keep stable."""
+        source = self.spec.rpartition(":")[0]
+        module = sys.modules.get(source)
+        defined_in = Path(source) if source.endswith(".py") else Path(getattr(module, "__file__", None) or "")
+        found: dict[str, Any] = {"kind": "factory", "spec": self.spec}
+        if defined_in.name and defined_in.is_file():
+            found["file_sha256"] = _file_sha256(defined_in)["sha256"]
+        if not self.iterable and hasattr(self.dataset, "__len__"):
+            found["length"] = len(self.dataset)   # type: ignore[arg-type]
+        return found
+
 
 class LoaderSource(DataSource):
     """A DataLoader's batches, as it yields them (its own batch size, order and shuffling)."""
@@ -374,6 +419,20 @@ class LoaderSource(DataSource):
 
     def describe(self) -> str:
         return f"a DataLoader over {type(self.loader.dataset).__name__}"
+
+
+def _file_sha256(path: Path) -> dict[str, Any]:
+    """A data file's size and sha256, read in chunks (shards may be large)."""
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(path, "rb") as file:
+            while chunk := file.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as err:
+        raise InputError(f"cannot read {path} to fingerprint the run's data: {err.strerror or err}") from None
+    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def _call_factory(spec: str) -> Any:
@@ -425,13 +484,16 @@ def source_from_json(data: dict[str, Any], *, factory: str | None = None) -> Dat
     if kind == "s3":
         return S3Shards(data["url"], data.get("endpoint"))
     if kind == "factory":
+        # the recorded reference is never printed as something to run: anyone who can write
+        # the run directory chooses it, and a user who pasted it would run their code
         if factory is None:
-            raise InputError(f"this run's data came from the dataset factory {data['spec']}, and a run directory "
-                             "never names code to import (docs/security.md); name it again: flatpack resume "
-                             f"RUN_DIR --data {data['spec']}")
+            raise InputError("this run's data came from a dataset factory, and a run directory is data that never "
+                             "names code to import (docs/security.md, 'A run directory is data'). Name the factory "
+                             "of your own code that the run trained on with resume's --data MODULE:FACTORY (or "
+                             "path/to/file.py:FACTORY); it must be the factory the run recorded")
         if DatasetFactory.normalized(factory) != data["spec"]:
-            raise InputError(f"--data {factory} is not the factory this run recorded ({data['spec']}); resume it "
-                             "on the data it started with")
+            raise InputError(f"--data {factory} is not the factory this run recorded in its run.json "
+                             "(data.source.spec); resume it on the factory it started with, from your own code")
         return DatasetFactory(factory)
     raise InputError(f"unknown data source record {data!r}")
 

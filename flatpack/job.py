@@ -12,6 +12,7 @@ import difflib
 import io
 import itertools
 import math
+import os
 import shutil
 import time
 import uuid
@@ -43,7 +44,7 @@ from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
-from flatpack.rundir import RunDirectory, RunRecord
+from flatpack.rundir import PRIVATE_FILE_MODE, RunDirectory, RunRecord, fingerprint_changes, make_private
 from flatpack.runtime import chrome_trace, gantt, report, timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.reference import call, first_output, torch_threads
@@ -590,7 +591,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                          "compile/deploy to serve it")
     torch.manual_seed(options.seed)
     dropouts = without_dropout(model)
-    options.out.mkdir(parents=True, exist_ok=True)
+    RunDirectory(options.out).create()    # 0700 when flatpack makes it: the run's model and data are private
     # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
     with torch_threads(1):
         batches, loss, iterations = training_data(model, example, options)
@@ -637,6 +638,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
         _print_front(compiled, say)
         compiled.save(options.out / "compiled")
+        make_private(options.out / "compiled")
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
         reads_target = loss != "output"    # a model that returns its loss reads no target key
         cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=reads_target,
@@ -671,7 +673,11 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             if options.data is not None:
                 LOG.info("the DataLoader cannot be reopened by name, so its batches are copied into the run "
                          "directory for flatpack resume")
-            directory.save_batches(batches)
+            fingerprint = directory.save_batches(batches)
+        else:
+            # what the run trains on, so that resume refuses data changed since (a shard
+            # replaced with one of the same shapes would otherwise train silently)
+            fingerprint = batches.source.fingerprint()
         # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
         # no workload to default them from), so `flatpack resume` retrains the same way
         train_options = {"optimizer": spec.to_json(), "schedule": options.schedule,
@@ -680,7 +686,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                          "non_finite": options.non_finite, "precision": options.precision,
                          "micro_batches": compiled.plan.micro_batches or options.micro_batches}
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=iterations,
-                           data=data_record, train_options=train_options)
+                           data=data_record, train_options=train_options, fingerprint=fingerprint)
         directory.write(record)
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                  run=record.run) as deployment:
@@ -706,6 +712,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         if result.switches:
             # the finished run's compiled/ is the plan that trained last, as its events.json is
             final.save(directory.compiled)
+            make_private(directory.compiled)
             retired, record = record.compiled, dataclasses.replace(record, compiled=directory.compiled.name)
             directory.write(record)
             shutil.rmtree(directory.root / retired, ignore_errors=True)
@@ -816,6 +823,7 @@ def _recording_switches(directory: RunDirectory) -> Any:
     def on_switch(switch: PlanSwitch, compiled: Any) -> None:
         name = f"compiled-{switch.run}"
         compiled.save(directory.root / name)
+        make_private(directory.root / name)
         record = directory.read()
         directory.write(dataclasses.replace(record, run=switch.run, compiled=name))
         if record.compiled != directory.compiled.name:
@@ -856,24 +864,30 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
     store's data removed."""
     state = state_dict_of(compiled, parameters)
     trained = save_state_dict(state, directory.trained_path)
+    os.chmod(trained, PRIVATE_FILE_MODE)    # the trained model is the user's: private, like the run directory
     directory.write(dataclasses.replace(record, state="done"))
     directory.remove_store()
     say(f"trained weights (the model's state_dict: load with model.load_state_dict(flatpack.load_state_dict(path))) "
         f"in {trained}")
     if save is not None:
-        say(f"saved them to {save_state_dict(state, save)}")
+        saved = save_state_dict(state, save)
+        os.chmod(saved, PRIVATE_FILE_MODE)
+        say(f"saved them to {saved}")
 
 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
                     verify_key: str | None = None, data: str | None = None, name: str | None = None,
-                    min_version: int | None = None, trust_file: str | None = None) -> ResumeResult:
+                    min_version: int | None = None, trust_file: str | None = None,
+                    accept_changed_data: bool = False) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
     ``digest`` / ``verify_key`` (and the signature's ``name``, ``min_version``, ``trust_file``):
     what the run's compiled artifact is checked against (``flatpack.load``). ``data``: a run
     whose data came from a dataset factory names it again (``run.json`` is data and never
-    names code to import)."""
+    names code to import). The data is checked against the fingerprint the run recorded at its
+    start; ``accept_changed_data`` resumes on changed data anyway (with a warning naming what
+    changed)."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -892,13 +906,20 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     if not directory.store.is_dir():
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
-    # a run that switched plans names the artifact of its current plan (``_recording_switches``)
-    compiled = flatpack.load(directory.root / record.compiled, digest=digest, verify_key=verify_key, name=name,
+    _check_optimizer(record, directory)
+    # a run that switched plans names the artifact of its current plan (``_recording_switches``),
+    # always a directory inside the run directory
+    compiled = flatpack.load(directory.compiled_path(record), digest=digest, verify_key=verify_key, name=name,
                              min_version=min_version, trust_file=trust_file)
+    batches: Any
     if record.data is not None:
         batches = batches_from_record(record.data, factory=data)
         LOG.info(f"re-reading the run's data: {batches.description}")
+        current = batches.source.fingerprint() if batches.source is not None else None
+        _check_data(directory, record, current, accept_changed_data)
     else:
+        _check_data(directory, record, directory.batches_fingerprint() if directory.batches_path.is_file() else None,
+                    accept_changed_data)
         batches = directory.load_batches()
     with torch_threads(1):   # as run_training trains
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
@@ -934,6 +955,44 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         return ResumeResult(root, "done", resumed_after, len(result.losses) if result is not None else 0,
                             result.losses[-1] if result is not None and result.losses else None,
                             directory.trained_path)
+
+
+def _check_optimizer(record: RunRecord, directory: RunDirectory) -> None:
+    """The record's optimizer settings as an OptimizerSpec takes them: a hostile value is an
+    InputError naming run.json, not a TypeError from inside train()."""
+    optimizer = (record.train_options or {}).get("optimizer")
+    if optimizer is None:
+        return
+    try:
+        OptimizerSpec.of(optimizer)
+    except FlatpackError as err:
+        raise InputError(f"{directory.record_path}: train_options.optimizer: {err}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise InputError(f"{directory.record_path}: train_options.optimizer is not an optimizer flatpack wrote "
+                         f"({type(err).__name__}: {err}); it is written by `flatpack run`") from None
+
+
+def _check_data(directory: RunDirectory, record: RunRecord, current: dict[str, Any] | None, accept: bool) -> None:
+    """Refuses to resume on data that changed since the run started (its recorded
+    fingerprint), naming what changed, unless ``accept`` (``--accept-changed-data``): then a
+    warning names it. A record from before fingerprints resumes with one warning."""
+    if record.fingerprint is None:
+        LOG.warning(f"{directory.record_path} records no fingerprint of the run's data (a run started by an older "
+                    "flatpack), so this resume cannot check that the data is what the run trained on")
+        return
+    if current is None:
+        raise InputError(f"{directory.record_path} records a fingerprint of the run's data, but its data source "
+                         "cannot be fingerprinted now; resume it on the data it started with")
+    changes = fingerprint_changes(record.fingerprint, current)
+    if not changes:
+        return
+    listed = "; ".join(changes[:10]) + (f"; and {len(changes) - 10} more" if len(changes) > 10 else "")
+    if accept:
+        LOG.warning(f"the run's data changed since it started ({listed}); resuming on it as "
+                    "--accept-changed-data asks: the result is not the run it started as")
+        return
+    raise InputError(f"the run's data changed since it started: {listed}. Resuming would train on other data than "
+                     "the run began with; restore the data, or pass --accept-changed-data to resume on it anyway")
 
 
 def _print_front(compiled: Any, say: Any) -> None:

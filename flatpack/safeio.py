@@ -162,14 +162,15 @@ def finite(value: Any, *, what: str, low: float | None = None, high: float | Non
     strings, NaN and infinities are refused naming ``what`` (the file and field)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(error, f"{what} must be a number, not {type(value).__name__} {value!r:.60}")
-    if not math.isfinite(value):
+    # an int is finite and whole however large (and float() of a 400-digit one overflows)
+    if isinstance(value, float) and not math.isfinite(value):
         raise _fail(error, f"{what} must be finite, not {value!r}")
-    if integer and (not float(value).is_integer()):
+    if integer and isinstance(value, float) and not value.is_integer():
         raise _fail(error, f"{what} must be a whole number, not {value!r}")
     if low is not None and value < low:
-        raise _fail(error, f"{what} is {value!r}, below its least allowed value {low:g}")
+        raise _fail(error, f"{what} is {value!r:.40}, below its least allowed value {low:g}")
     if high is not None and value > high:
-        raise _fail(error, f"{what} is {value!r}, above its greatest allowed value {high:g}")
+        raise _fail(error, f"{what} is {value!r:.40}, above its greatest allowed value {high:g}")
     return value
 
 

@@ -30,7 +30,7 @@ from flatpack.backends.protocol import Capability
 from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan
 from flatpack.compiler import Compiled
 from flatpack.data import loader_batches
-from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure
+from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure, StoreError
 from flatpack.ir import structure
 from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.partitioner.workload import Workload
@@ -43,6 +43,7 @@ from flatpack.runtime.host_load import INVOKER_POLL_S
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
+from flatpack.safeio import expect_mapping, parse_json
 from flatpack.runtime.spec import RunSpec, StageSpec, shared_holders, split_value, stage_specs
 from flatpack.runtime.store import Store
 from flatpack.runtime.store_url import open_store
@@ -149,7 +150,9 @@ def merge_results(results: Sequence[TrainResult]) -> TrainResult:
 class CallRecord:
     """One train() call as the store keeps it (``RunKeys.call``), so that another process
     can resume it: its iteration numbers, the checkpoint it started from, where its first
-    batch sits in the caller's data, and its settings (plain data)."""
+    batch sits in the caller's data, and its settings (plain data). The store is a file tree
+    a run directory holds, so a resume takes only the settings train() records
+    (:data:`CALL_OPTIONS`): never a test-only knob such as ``faults``."""
 
     first_iteration: int
     iterations: int
@@ -162,7 +165,20 @@ class CallRecord:
 
     @classmethod
     def loads(cls, raw: bytes) -> CallRecord:
-        return cls(**json.loads(raw))
+        data = expect_mapping(parse_json(raw, what="a train() call record in the store", error=StoreError),
+                              what="a train() call record in the store", error=StoreError)
+        if not isinstance(data.get("options"), dict):
+            raise StoreError("a train() call record in the store has no options object; it is not one this flatpack "
+                             "wrote")
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise StoreError(f"a train() call record in the store is not one this flatpack wrote ({err})") from None
+
+
+# the settings a train() call records for resume (below); nothing else is read back
+CALL_OPTIONS = ("optimizer", "loss", "micro_batches", "schedule", "sync", "threads", "checkpoint_every", "precision",
+                "vertical_sync", "loss_scaling")
 
 
 @dataclass
@@ -401,7 +417,8 @@ class FunctionDeployment:
             return None
         batch_for = batches if callable(batches) else batches.__getitem__
         offset = last.batch_offset + trained
-        settings = {**last.options, **options}
+        # only what train() records: a knob written into the record by hand is not honoured
+        settings = {**{name: value for name, value in last.options.items() if name in CALL_OPTIONS}, **options}
         return self.train(lambda index: batch_for(offset + index), iterations=last.iterations - trained,
                           batch_offset=offset, **settings)
 

@@ -9,15 +9,47 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flatpack.errors import PlanError
+from flatpack.safeio import MiB, expect_mapping, load_json, parse_json
 from flatpack.version import PLAN_SCHEMA_VERSION, __version__
 
 if TYPE_CHECKING:
     from flatpack.partitioner.workload import Workload
+
+
+# What a plan may ask for, checked wherever a plan is read or built (check_against): far above
+# any real plan, low enough that a hostile plan cannot ask for 100,000 functions or a NaN tier.
+MAX_REPLICAS = 1_024            # data-parallel replicas of one stage
+MAX_MEMORY_MB = 1_048_576       # a memory tier of 1 TiB
+MAX_MICRO_BATCHES = 65_536
+MAX_LAYERS = 1_000_000
+PLAN_FILE_LIMIT = 64 * MiB      # a plan's predictions may carry a front; never this much
+STAGE_FIELDS = ("start", "end", "memory_mb", "replicas", "recompute", "split")
+
+
+def _whole(value: Any, what: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``: a whole finite number (numpy's too), never a
+    bool, NaN, infinity or string."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlanError(f"{what} must be a whole number, not {type(value).__name__} {value!r:.60}")
+    if isinstance(value, numbers.Integral):
+        # compared as an int: float() of a 400-digit one would overflow
+        if not low <= int(value) <= high:
+            raise PlanError(f"{what} is {int(value)!r:.40}; it must be at least {low:,} and at most {high:,}")
+        return int(value)
+    number = float(value)
+    if not math.isfinite(number) or not number.is_integer():
+        raise PlanError(f"{what} must be a whole number, not {value!r}")
+    if not low <= number <= high:
+        raise PlanError(f"{what} is {value!r}; it must be at least {low:,} and at most {high:,}")
+    return int(number)
 
 
 class PlanReuseWarning(UserWarning):
@@ -69,8 +101,14 @@ class Provenance:
         if not isinstance(data, dict) or not isinstance(data.get("graph_hash"), str) \
                 or not isinstance(data.get("target"), str):
             raise PlanError("malformed plan JSON: \"provenance\" must hold at least graph_hash and target strings")
-        return cls(data["graph_hash"], data["target"], data.get("workload"), data.get("calibration_digest"),
-                   str(data.get("flatpack_version", "")))
+        workload, digest = data.get("workload"), data.get("calibration_digest")
+        if workload is not None and not isinstance(workload, dict):
+            raise PlanError(f"malformed plan JSON: provenance.workload must be an object or null, not "
+                            f"{type(workload).__name__}")
+        if digest is not None and not isinstance(digest, str):
+            raise PlanError(f"malformed plan JSON: provenance.calibration_digest must be a string or null, not "
+                            f"{type(digest).__name__}")
+        return cls(data["graph_hash"], data["target"], workload, digest, str(data.get("flatpack_version", "")))
 
 # how a fork-join inference group divides its work over its partitions (``StagePlan.split``)
 FORK_JOIN_SPLITS = ("channel", "batch")
@@ -137,7 +175,11 @@ class Plan:
         return [stage.end for stage in self.stages[:-1]]
 
     def check_against(self, num_layers: int) -> None:
-        """Raises PlanError unless the stages tile layers 0..num_layers-1 in order."""
+        """Raises PlanError unless the stages tile layers 0..num_layers-1 in order, each with a
+        whole number of replicas (1 to :data:`MAX_REPLICAS`), a whole memory tier in MB (1 to
+        :data:`MAX_MEMORY_MB`) or none, and the plan's micro-batches (1 to
+        :data:`MAX_MICRO_BATCHES`) or none: NaN, infinities, booleans and huge values too."""
+        _whole(self.num_layers, "the plan's num_layers", 1, MAX_LAYERS)
         if self.num_layers != num_layers:
             raise PlanError(f"the plan was made for a chain of {self.num_layers} layers, this chain has "
                             f"{num_layers}; re-plan after running the same passes")
@@ -145,6 +187,13 @@ class Plan:
             raise PlanError("a plan needs at least one stage")
         expected = 0
         for index, stage in enumerate(self.stages):
+            _whole(stage.start, f"stage {index}'s start", 0, MAX_LAYERS)
+            _whole(stage.end, f"stage {index}'s end", 0, MAX_LAYERS)
+            _whole(stage.replicas, f"stage {index}'s replicas", 1, MAX_REPLICAS)
+            if stage.memory_mb is not None:
+                _whole(stage.memory_mb, f"stage {index}'s memory_mb", 1, MAX_MEMORY_MB)
+            if not isinstance(stage.recompute, bool):
+                raise PlanError(f"stage {index}'s recompute must be true or false, not {stage.recompute!r:.60}")
             if stage.start != expected or stage.end < stage.start:
                 raise PlanError(f"stage {index} covers layers {stage.start}..{stage.end}; stages must "
                                 f"cover the chain in order without gaps, and this one must start at {expected}")
@@ -158,8 +207,9 @@ class Plan:
             expected = stage.end + 1
         if expected != num_layers:
             raise PlanError(f"the stages end at layer {expected - 1} but the chain has {num_layers} layers")
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise PlanError(f"a plan needs at least 1 micro-batch, got {self.micro_batches}")
+        if self.micro_batches is not None:
+            _whole(self.micro_batches, "the plan's micro_batches (it needs at least 1 micro-batch)", 1,
+                   MAX_MICRO_BATCHES)
 
     @property
     def replicas(self) -> tuple[int, ...]:
@@ -190,23 +240,56 @@ class Plan:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, data: dict) -> Plan:
-        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
-            raise PlanError(f"plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}; "
+    def from_json(cls, data: Any, where: str = "plan JSON") -> Plan:
+        """The plan ``data`` describes, every field typed and bounded (:meth:`check_against`):
+        a PlanError naming ``where`` and the field, never a TypeError or a NaN tier."""
+        data = expect_mapping(data, what=where, error=PlanError)
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION or isinstance(version, bool):
+            raise PlanError(f"{where}: plan schema {version!r:.40} is not {PLAN_SCHEMA_VERSION}; "
                             "re-plan with this flatpack version")
+        stages = data.get("stages")
+        if not isinstance(stages, list) or not stages or len(stages) > MAX_LAYERS:
+            raise PlanError(f"{where}: stages must be a non-empty list of stage objects")
+        solver, predictions = data.get("solver", "manual"), data.get("predictions", {})
+        if not isinstance(solver, str) or len(solver) > 256:
+            raise PlanError(f"{where}: solver must be a name (a string of at most 256 characters)")
+        if not isinstance(predictions, dict):
+            raise PlanError(f"{where}: predictions must be an object, not {type(predictions).__name__}")
+        if "num_layers" not in data:
+            raise PlanError(f"{where} has no num_layers; it is written by flatpack plan or flatpack compile")
+        built = []
+        for index, stage in enumerate(stages):
+            stage = expect_mapping(stage, what=f"{where}: stages[{index}]", error=PlanError)
+            unknown = sorted(set(stage) - set(STAGE_FIELDS))
+            missing = [name for name in ("start", "end") if name not in stage]
+            if unknown or missing:
+                raise PlanError(f"{where}: stages[{index}] has {'unknown fields ' + repr(unknown) if unknown else ''}"
+                                f"{' and ' if unknown and missing else ''}"
+                                f"{'no ' + ' or '.join(missing) if missing else ''}; a stage has "
+                                f"{', '.join(STAGE_FIELDS)}")
+            split = stage.get("split")
+            if split is not None and not isinstance(split, str):
+                raise PlanError(f"{where}: stages[{index}].split must be a string or null")
+            built.append(StagePlan(stage["start"], stage["end"], stage.get("memory_mb"), stage.get("replicas", 1),
+                                   recompute=stage.get("recompute", False), split=split))
+        plan = cls(tuple(built), data["num_layers"], solver, predictions, micro_batches=data.get("micro_batches"),
+                   provenance=Provenance.from_json(data["provenance"]) if data.get("provenance") is not None else None)
         try:
-            stages = tuple(StagePlan(**stage) for stage in data["stages"])
-            provenance = Provenance.from_json(data["provenance"]) if data.get("provenance") is not None else None
-            plan = cls(stages, int(data["num_layers"]), data.get("solver", "manual"), data.get("predictions", {}),
-                       micro_batches=data.get("micro_batches"), provenance=provenance)
-        except (KeyError, TypeError) as err:
-            raise PlanError(f"malformed plan JSON: {err}") from None
-        plan.check_against(plan.num_layers)
+            plan.check_against(_whole(plan.num_layers, f"{where}: num_layers", 1, MAX_LAYERS))
+        except PlanError as err:
+            raise PlanError(f"{where}: {err}") from None
         return plan
 
     @classmethod
-    def loads(cls, text: str) -> Plan:
-        return cls.from_json(json.loads(text))
+    def loads(cls, text: str | bytes, where: str = "plan JSON") -> Plan:
+        """A plan from JSON text: strict JSON (no NaN, no duplicate keys, bounded depth)."""
+        return cls.from_json(parse_json(text, what=where, error=PlanError), where)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        """A plan file (``flatpack plan --out``), read with the bounded reader."""
+        return cls.from_json(load_json(path, limit=PLAN_FILE_LIMIT, what=str(path), error=PlanError), str(path))
 
 
 def _stage_json(stage: StagePlan) -> dict:

@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from flatpack.atomic import write_atomic
 from flatpack.errors import InputError
+from flatpack.safeio import MiB, load_json
 from flatpack.ir.profile import Linear
 from flatpack.platform.catalog import RequestCpu
 
@@ -93,13 +94,37 @@ READABLE_VERSIONS = (1, 2)
 OP_CLASSES = ("conv", "matmul", "elementwise")
 
 
+# a calibration holds per-layer lines of a model's chain: a few MB for the largest
+CALIBRATION_FILE_LIMIT = 256 * MiB
+# no measured figure (seconds, bytes per second, a ratio) comes near this; a larger one is an
+# overflow waiting to happen in a cost model, not a measurement
+MAX_FIGURE = 1e15
+MAX_TIER_MB = 1_048_576   # a memory tier of 1 TiB
+MAX_WORKERS = 1_024
+
+
 def _number(value: Any, where: str, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"calibration file: {where} must be a finite number, got {value!r}")
+    # an int is finite however large (math.isfinite of a 400-digit one overflows); MAX_FIGURE bounds it
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)):
+        raise InputError(f"calibration file: {where} must be a finite number, got {value!r:.60}")
     if value < 0 or (positive and value == 0):
         raise InputError(f"calibration file: {where} must be {'positive' if positive else 'non-negative'}, "
                          f"got {value!r}")
+    if value > MAX_FIGURE:
+        raise InputError(f"calibration file: {where} is {value!r:.40}, above the largest figure a calibration may hold "
+                         f"({MAX_FIGURE:g})")
     return float(value)
+
+
+def _count_key(key: Any, high: int) -> int | None:
+    """A JSON object key naming a whole number from 1 to ``high`` (ASCII digits: Python's
+    isdigit also takes superscripts, which int() refuses), else None."""
+    text = str(key)
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        return None
+    number = int(text)
+    return number if 1 <= number <= high else None
 
 
 def _lines(data: Any, count: int, where: str) -> tuple[Linear, ...]:
@@ -130,8 +155,9 @@ TASK_KINDS = ("forward", "backward", "upload", "download", "sync", "step", "iter
 
 
 def _task_overheads(data: Any, where: str) -> dict[int, dict[str, float]]:
-    if not isinstance(data, dict) or not all(str(key).isdigit() and int(key) > 0 for key in data):
-        raise InputError(f"calibration file: {where} must map worker counts (\"2\", \"4\") to task seconds")
+    if not isinstance(data, dict) or not all(_count_key(key, MAX_WORKERS) for key in data):
+        raise InputError(f"calibration file: {where} must map worker counts (\"2\", \"4\", at most {MAX_WORKERS}) "
+                         "to task seconds")
     found = {}
     for key, terms in data.items():
         # a task can take less than the equations say (a mean below the model): >= 0, not > 0
@@ -270,8 +296,10 @@ class StoreLatency:
             raise InputError("calibration file: \"store_latency\" must be {\"distribution\": \"exponnorm\", "
                              "\"K\": ..., \"loc\": ..., \"scale\": ..., \"samples\": ...}")
         loc = data.get("loc")
-        if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not math.isfinite(loc):
-            raise InputError(f"calibration file: store_latency.loc must be a finite number, got {loc!r}")
+        # a location may be negative; NaN fails the comparison, so it is refused too
+        if isinstance(loc, bool) or not isinstance(loc, (int, float)) or not -MAX_FIGURE <= loc <= MAX_FIGURE:
+            raise InputError(f"calibration file: store_latency.loc must be a finite number from {-MAX_FIGURE:g} to "
+                             f"{MAX_FIGURE:g}, got {loc!r:.40}")
         return cls(_number(data.get("K"), "store_latency.K", positive=True), float(loc),
                    _number(data.get("scale"), "store_latency.scale", positive=True),
                    int(_number(data.get("samples", 0), "store_latency.samples")))
@@ -317,8 +345,9 @@ class CollectiveFit:
             raise InputError(f"calibration file: \"collective\" lacks {', '.join(missing)} (or say why it was not "
                              "measured with {\"skipped\": \"...\"})")
         ranks = data["ranks"]
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
-            raise InputError(f"calibration file: collective.ranks must be an integer of 2 or more, got {ranks!r}")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 2 <= ranks <= MAX_WORKERS:
+            raise InputError(f"calibration file: collective.ranks must be an integer of 2 or more (at most "
+                             f"{MAX_WORKERS}), got {ranks!r:.60}")
         sizes = data["sizes_bytes"]
 
         def series(values: Any, name: str) -> tuple[float, ...]:
@@ -334,9 +363,12 @@ class CollectiveFit:
             raise InputError(f"calibration file: {where}.sizes_bytes must increase, got {list(sizes_bytes)}")
         all_reduce = data["all_reduce_s"]
         if not isinstance(all_reduce, dict) or not all_reduce or not all(
-                str(count).isdigit() and 2 <= int(count) <= ranks for count in all_reduce):
+                (_count_key(count, ranks) or 0) >= 2 for count in all_reduce):
             raise InputError(f"calibration file: {where}.all_reduce_s must map rank counts (\"2\" to \"{ranks}\") to "
                              "seconds per message size")
+        for name in ("backend", "device", "device_name"):
+            if not isinstance(data[name], str) or len(data[name]) > 256:
+                raise InputError(f"calibration file: {where}.{name} must be a string")
         return cls(ranks=ranks, backend=str(data["backend"]), device=str(data["device"]),
                    device_name=str(data["device_name"]),
                    sizes_bytes=sizes_bytes,
@@ -371,7 +403,7 @@ class TargetInfo:
         if missing:
             raise InputError(f"calibration file: \"target\" lacks {', '.join(missing)}")
         threads = data.get("threads", 1)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_WORKERS:
             raise InputError(f"calibration file: target.threads must be a positive integer, got {threads!r}")
         return cls(str(data["name"]), str(data["date"]), str(data["host"]), str(data["flatpack_version"]),
                    None if data.get("region") is None else str(data["region"]), threads)
@@ -603,14 +635,19 @@ class Calibration:
             raise InputError("calibration file: \"tiers\" must map memory sizes in MB to measurements")
         tiers = {}
         for key, tier in data["tiers"].items():
-            if not str(key).isdigit() or int(key) <= 0:
-                raise InputError(f"calibration file: tier key {key!r} is not a memory size in MB")
+            if _count_key(key, MAX_TIER_MB) is None:
+                raise InputError(f"calibration file: tier key {key!r:.60} is not a memory size in MB (1 to "
+                                 f"{MAX_TIER_MB:,})")
             tiers[int(key)] = TierCalibration.from_json(tier, str(key), len(layers))
         optional: dict[str, Any] = {name: _number(data[name], name)
                                     for name in ("storage_latency_s", "overlap_slowdown", "poll_overhead_s")
                                     if data.get(name) is not None}
         if data.get("host_cores") is not None:
-            optional["host_cores"] = int(_number(data["host_cores"], "host_cores", positive=True))
+            cores = _number(data["host_cores"], "host_cores", positive=True)
+            if not cores.is_integer() or cores > 65_536:
+                raise InputError(f"calibration file: host_cores must be a whole number of cores (1 to 65,536), got "
+                                 f"{data['host_cores']!r}")
+            optional["host_cores"] = int(cores)
         if data.get("target") is not None:
             optional["target"] = TargetInfo.from_json(data["target"])
         if data.get("store_latency") is not None:
@@ -625,7 +662,9 @@ class Calibration:
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, dict):
             raise InputError("calibration file: \"provenance\" must be an object of strings")
-        return cls(platform=str(data["platform"]), layer_names=tuple(layers), tiers=tiers, graph_hash=graph_hash,
+        if not isinstance(data["platform"], str) or len(data["platform"]) > 256:
+            raise InputError("calibration file: \"platform\" must be a platform's name (a string)")
+        return cls(platform=data["platform"], layer_names=tuple(layers), tiers=tiers, graph_hash=graph_hash,
                    provenance={str(k): str(v) for k, v in provenance.items()}, collective=collective, **optional)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -635,14 +674,10 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
-        path = Path(path)
+        """A calibration file, read with the bounded reader (no NaN, no duplicate keys, bounded
+        size and depth); a bad value is an InputError naming the file and the field."""
+        data = load_json(path, limit=CALIBRATION_FILE_LIMIT, what=f"calibration file {path}")
         try:
-            text = path.read_text()
-        except OSError as error:
-            raise InputError(f"cannot read calibration file {path}: {error.strerror or error}") from error
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise InputError(f"calibration file {path} is not valid JSON ({error.msg} at line {error.lineno})") \
-                from error
-        return cls.from_json(data)
+            return cls.from_json(data)
+        except InputError as error:
+            raise InputError(f"{path}: {error}") from None

@@ -201,14 +201,16 @@ class RequestCpu:
                  "get_per_byte": "get_s_per_byte"}
         if not isinstance(data, Mapping) or not {"put", "get", "miss"} <= set(data):
             raise InputError(f"{where} must be an object with put, get and miss seconds (and optionally "
-                             f"put_per_byte, get_per_byte), got {data!r}")
+                             f"put_per_byte, get_per_byte), got {data!r:.200}")
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise InputError(f"{where} has unknown keys {unknown}; it takes {', '.join(names)}")
         values = {}
         for key, value in data.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InputError(f"{where}.{key} must be a number of seconds, got {value!r}")
+            # finite, not negative and at most an hour: a request's CPU cost, not an overflow
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+                raise InputError(f"{where}.{key} must be a non-negative number of seconds (at most 3600), got "
+                                 f"{value!r:.60}")
             values[names[key]] = float(value)
         return cls(**values)
 

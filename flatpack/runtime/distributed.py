@@ -75,7 +75,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flatpack.atomic import write_atomic
-from flatpack.errors import InputError
+from flatpack.errors import ArtifactError, InputError
 from flatpack.runtime import clipping, timeline
 from flatpack.runtime.precision import autocast, for_wire, loss_scaler
 from flatpack.runtime.spec import (DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs,
@@ -757,6 +757,13 @@ def run_rank(run: DistributedRun, context: Path, out: Path, *, data_dir: Path | 
     The rank's stage is verified before it is loaded: against the context's
     ``stages/flatpack.index.json``, which must have sha256 ``digest`` when one is given
     (``--digest`` or ``FLATPACK_DIGEST``, set where the rank is started, not in the context)."""
+    if not digest:
+        # as a function worker refuses one (runtime.function.artifact_index): without a digest
+        # only the context's own index would vouch for the stage, which whoever wrote it chose
+        raise ArtifactError(f"this rank was started with no artifact digest (--digest or ${DIGEST_ENV} is empty or "
+                            "unset), so its stage cannot be verified and will not be loaded; start it with the "
+                            f"digest of the compiled artifact (Compiled.digest), as gpu_container.deploy sets "
+                            f"${DIGEST_ENV}")
     layout = run.layout
     world = int(os.environ.get("WORLD_SIZE", layout.world_size))
     if world != layout.world_size:
@@ -812,7 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = with_overrides(run, iterations=args.iterations, batch=args.batch)
         data_dir = None if args.synthetic else Path(args.data or context / DATA_DIR)
         run_rank(run, context, Path(args.out), data_dir=data_dir, rank=rank, local_rank=local_rank,
-                 warmup=args.warmup, digest=args.digest or os.environ.get(DIGEST_ENV) or None,
+                 warmup=args.warmup, digest=args.digest if args.digest is not None else os.environ.get(DIGEST_ENV),
                  parameters=Path(args.parameters) if args.parameters else None)
     except Exception:  # noqa: BLE001 - the launcher reads the traceback from this rank's log
         failed_at = time.time()

@@ -74,6 +74,7 @@ _DELETE_BATCH = 1000
 # A worker that spends its budget reports a transient failure and is relaunched.
 RETRY_ENV = "FLATPACK_STORE_RETRY_S"
 DEFAULT_RETRY_S = 120.0
+MAX_RETRY_S = 86_400.0    # a day: the longest retry budget a store accepts
 # Exponential backoff with full jitter: sleep U(0, min(cap, base * 2**attempt)). The first
 # retries come within 50-100 ms (a dropped connection), the cap keeps a caller from sleeping
 # long past the end of an outage (at most 5 s, 2.5 s on average) while a fleet of throttled
@@ -295,15 +296,16 @@ def _as_bytes(data: object, what: str) -> bytes:
 
 
 def check_retry_s(value: Any, source: str = "retry_s") -> float:
-    """A retry budget in seconds: a finite number >= 0 (0: a single attempt)."""
+    """A retry budget in seconds: a finite number in [0, :data:`MAX_RETRY_S`] (0: a single
+    attempt). A day at most: a larger budget is a hang, not a retry policy."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise StoreError(f"{source}={value!r} is not a number of seconds; give it in seconds, "
                          f"e.g. {source}=300") from None
-    if not 0.0 <= seconds < float("inf"):
-        raise StoreError(f"{source}={value!r} must be a finite number of seconds >= 0 (0 retries nothing); "
-                         f"the default is {DEFAULT_RETRY_S:g}")
+    if not 0.0 <= seconds <= MAX_RETRY_S:
+        raise StoreError(f"{source}={value!r} must be a finite number of seconds from 0 (0 retries nothing) to "
+                         f"{MAX_RETRY_S:g} (a day); the default is {DEFAULT_RETRY_S:g}")
     return seconds
 
 
@@ -707,6 +709,22 @@ class S3Store(Store):
         for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
             keys.extend(item["Key"][start:] for item in page.get("Contents", ()))
         return keys
+
+    def objects(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every key under ``prefix`` with its size and ETag, from the listing alone (what a
+        run's data fingerprint records of s3:// shards; nothing is downloaded)."""
+        full = self.prefix + prefix
+        start = len(self.prefix)
+
+        def listing() -> dict[str, dict[str, Any]]:
+            found: dict[str, dict[str, Any]] = {}
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                for item in page.get("Contents", ()):
+                    found[item["Key"][start:]] = {"size": int(item.get("Size", 0)),
+                                                  "etag": str(item.get("ETag", "")).strip('"')}
+            return found
+
+        return self._call("list", prefix, listing)
 
     def _delete_many(self, keys: list[str]) -> None:
         for i in range(0, len(keys), _DELETE_BATCH):

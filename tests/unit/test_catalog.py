@@ -371,7 +371,7 @@ def test_calibration_malformed_contents():
 
 
 def test_calibration_unreadable_files(tmp_path):
-    with pytest.raises(InputError, match="cannot read calibration file"):
+    with pytest.raises(InputError, match="calibration file .*missing.json does not exist"):
         Calibration.load(tmp_path / "missing.json")
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")

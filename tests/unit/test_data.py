@@ -296,8 +296,10 @@ def test_a_factory_source_is_never_imported_from_a_record(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     record = parse_source("mydata.py:make").to_json()
     assert record is not None, "a factory source is recorded by its name"
-    with pytest.raises(InputError, match="name it again: flatpack resume RUN_DIR --data .*mydata.py:make"):
+    # the recorded reference is never offered back as a command (someone may have edited it)
+    with pytest.raises(InputError, match="--data MODULE:FACTORY") as unnamed:
         source_from_json(record)
+    assert "mydata" not in str(unnamed.value)
     with pytest.raises(InputError, match="is not the factory this run recorded"):
         source_from_json(record, factory="other.py:make")
     assert source_from_json(record, factory="mydata.py:make").to_json() == record
