@@ -9,13 +9,13 @@ memory) and its median iteration is set beside:
 
 * uncalibrated: FuncPipe's t_iter from the catalog alone (``funcpipe.iteration``, β = 1,
   t_lat = the catalog's 2 ms);
-* calibrated: ``runtime.report.predicted_iteration`` with the calibration file: for the
+* calibrated: ``analysis.report.predicted_iteration`` with the calibration file: for the
   synchronous schedule ``funcpipe.predicted`` (the measured compute ratios, latency
   distribution's mean, bandwidth, polling, optimizer step, the host's cores and the task
   terms: ``funcpipe.Overheads``); for 1F1B with a flush, the same per-task figures laid out
   in the order the runtime issues 1F1B's tasks (``report.predicted_schedule``), whose span
   exceeds FuncPipe's t_iter when transfers are as long as the compute; and at least the
-  host bound (``runtime.host_load``: the iteration's CPU, workers, invoker and store, over
+  host bound (``analysis.host_load``: the iteration's CPU, workers, invoker and store, over
   the host's cores, with each store request's CPU from the calibration). The table also
   prints the bound and the prediction without it (the critical path alone), and the MAPE of
   both, so that what the bound changes is read off one run; and the CPU the bound predicts
@@ -41,7 +41,7 @@ with other work are distorted by it (the model's κ counts only this run's worke
 run it on a quiet machine.
 
 ``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
-``runtime.refit.replan``), runs the new plan and measures it.
+``analysis.refit.replan``), runs the new plan and measures it.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
         [--models vgg16,rnn-3] [--iterations 7] [--rounds 3] [--calibrate-each-round]
@@ -66,6 +66,8 @@ import torch
 from scipy.stats import spearmanr
 
 from flatpack import zoo
+from flatpack.analysis import report
+from flatpack.analysis.refit import replan
 from flatpack.cpus import HostCpuSampler
 from flatpack.ir.profile import CACHE_ENV
 from flatpack.job import JobOptions, run_training
@@ -73,8 +75,6 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.platform.catalog import get_platform
-from flatpack.runtime import report
-from flatpack.runtime.refit import replan
 
 
 @dataclass(frozen=True)

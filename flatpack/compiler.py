@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from flatpack.analysis.refit import COMPILED_DIR, EVENTS_FILE, Replan, refit, replan
 from flatpack.atomic import write_atomic
 from flatpack.codegen.emit import emit_stages
 from flatpack.compiled_info import COMPILED_KIND, CompiledInfo
@@ -44,7 +45,6 @@ from flatpack.platform.catalog import platform_names
 from flatpack.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.runtime import timeline
 from flatpack.runtime.precision import crossed
-from flatpack.runtime.refit import COMPILED_DIR, EVENTS_FILE, Replan, refit, replan
 from flatpack.runtime.timeline import Event
 from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
 from flatpack.safeio import expect_mapping, load_json
@@ -341,7 +341,7 @@ def check_trust_file(trust_file: str | os.PathLike, signature: ArtifactSignature
 
 def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:
     """The problem, plan and timeline a ``flatpack run`` left in ``run_dir`` (for
-    :func:`flatpack.runtime.refit.refit`, ``compile(measured=RUN_DIR)`` and ``flatpack plan --from-run``)."""
+    :func:`flatpack.analysis.refit.refit`, ``compile(measured=RUN_DIR)`` and ``flatpack plan --from-run``)."""
     run_dir = Path(run_dir)
     events_path, compiled_dir = run_dir / EVENTS_FILE, run_dir / COMPILED_DIR
     for path in (events_path, compiled_dir):
@@ -362,14 +362,14 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Problem, Plan, list[Event]]:
 
 
 def refit_run(run_dir: str | os.PathLike) -> Calibration:
-    """:func:`~flatpack.runtime.refit.refit` of what ``flatpack run`` left in ``run_dir``
+    """:func:`~flatpack.analysis.refit.refit` of what ``flatpack run`` left in ``run_dir``
     (``compile(measured=...)``)."""
     problem, plan, events = load_run(run_dir)
     return refit(problem, plan, events, source=str(run_dir))
 
 
 def replan_run(run_dir: str | os.PathLike, *, solver: str = "dp") -> Replan:
-    """:func:`~flatpack.runtime.refit.replan` of what ``flatpack run`` left in ``run_dir``."""
+    """:func:`~flatpack.analysis.refit.replan` of what ``flatpack run`` left in ``run_dir``."""
     problem, plan, events = load_run(run_dir)
     return replan(problem, plan, events, solver=solver, source=str(run_dir))
 
@@ -529,7 +529,7 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     ``plan`` given with one is refused (``PlanError``) when made for another graph, target,
     workload (when ``workload`` is given), calibration or flatpack version, or used with a
     warning when ``force``. ``measured``: a finished ``flatpack run`` directory whose
-    timeline re-fits the per-layer and per-transfer times (``runtime.refit``) in place
+    timeline re-fits the per-layer and per-transfer times (``analysis.refit``) in place
     of ``calibration``; the solver then searches the tiers that run measured unless
     ``memory_mb`` says otherwise. ``options``: the cost-model solvers' search space and
     objective (:class:`~flatpack.partitioner.options.ProblemOptions`): ``memory_mb``,

@@ -110,7 +110,7 @@ class HostCpuSampler:
     """The host's busy CPU seconds over time: ``/proc/stat``'s first line (every CPU's user,
     nice, system, irq and softirq time; not steal, which ran no process of this host),
     sampled every ``period_s`` on a thread for as long as the ``with`` block runs. What the
-    host bound predicts for a local run (``runtime.host_load``), measured:
+    host bound predicts for a local run (``analysis.host_load``), measured:
     ``benchmarks/fidelity.py`` prints it beside the bound's CPU.
     Samples nothing where there is no procfs."""
 

@@ -10,9 +10,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from flatpack.analysis.reference import first_output
 from flatpack.data import first_batch_rows
 from flatpack.runtime.optim import loss_value
-from flatpack.runtime.reference import first_output
 
 
 @dataclass(frozen=True)

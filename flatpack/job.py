@@ -25,6 +25,9 @@ from torch import nn
 
 import flatpack
 from flatpack import logs
+from flatpack.analysis import chrome_trace, gantt, report
+from flatpack.analysis.reference import call, first_output, torch_threads
+from flatpack.analysis.refit import EVENTS_FILE
 from flatpack.backends import local
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.backends.functions import merge_results
@@ -45,10 +48,8 @@ from flatpack.platform.catalog import get_platform
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
 from flatpack.rundir import PRIVATE_FILE_MODE, RunDirectory, RunRecord, fingerprint_changes, make_private
-from flatpack.runtime import chrome_trace, gantt, report, timeline
+from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
-from flatpack.runtime.reference import call, first_output, torch_threads
-from flatpack.runtime.refit import EVENTS_FILE
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
 from flatpack.stage.settings import PRECISIONS
 from flatpack.verdict import pipeline_optimizer_state, verdict
@@ -755,7 +756,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                 f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
                 f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {_percent(calibrated.iteration_error)} "
                 "on the later iterations")
-        # the timeline, for `flatpack plan --from-run` (runtime.refit) to re-fit the model to
+        # the timeline, for `flatpack plan --from-run` (analysis.refit) to re-fit the model to
         (options.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
         # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
         running = [event for event in result.events if event.kind != "load"]

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from flatpack.analysis.reference import call, first_output, train_async_single_process, train_single_process
 from flatpack.backends.functions import checkpoint_tensors
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.reference import call, first_output, train_async_single_process, train_single_process
 from flatpack.runtime.spec import ASYNC_SCHEDULE
 from flatpack.weights import with_aliases
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch.utils.data import DataLoader
 
+from flatpack.analysis.host_load import INVOKER_POLL_S
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
 from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan
@@ -39,7 +40,6 @@ from flatpack.progress import ProgressLine
 from flatpack.runtime import channel_split, chaos, forkjoin, timeline
 from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec, stop_message
 from flatpack.runtime.function import Role
-from flatpack.runtime.host_load import INVOKER_POLL_S
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
@@ -57,7 +57,7 @@ from flatpack.weights import state_dict_of
 
 # every function backend (local, aws-lambda, alibaba-fc) runs FunctionDeployment: all of it
 FUNCTION_CAPABILITIES = frozenset(Capability)
-# the invoker's poll of its workers' reports; the host bound counts its lists (runtime.host_load)
+# the invoker's poll of its workers' reports; the host bound counts its lists (analysis.host_load)
 POLL_S = INVOKER_POLL_S
 DATA_WINDOW = 4          # iterations of data kept uploaded ahead of the slowest worker (the first stage prefetches)
 # an iteration's data and target keys go up this many at a time. One after another, a 2 x 2

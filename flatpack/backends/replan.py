@@ -3,7 +3,7 @@
 
 At every epoch boundary (``epoch_iterations``) the invoker hands this module the timeline
 the current plan measured. :class:`ReplanPolicy` decides: by default it re-fits the cost
-model to that timeline and solves again (``runtime.refit.replan``, what ``flatpack plan
+model to that timeline and solves again (``analysis.refit.replan``, what ``flatpack plan
 --from-run`` does after a run) and switches when the new plan is predicted at least
 ``threshold`` faster. A switch (:func:`switch_plan`) happens after every function of the
 epoch ended, its last iteration checkpointed by every stage:
@@ -11,7 +11,7 @@ epoch ended, its last iteration checkpointed by every stage:
 1. the stages are emitted for the new cuts (``compiler.with_plan``) and uploaded under a new
    run prefix of the same store;
 2. the stage checkpoints are read into one training state by parameter name and written as
-   the new stages' checkpoints of the same iteration (``runtime.restage``), where the new
+   the new stages' checkpoints of the same iteration (``analysis.restage``), where the new
    functions' first invocation loads them, and the run's call records are copied there;
 3. ``on_switch`` (``flatpack run``: the run directory now names the new prefix and plan),
    then the deployment runs the new plan and the old prefix is deleted.
@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from flatpack import logs
+from flatpack.analysis.refit import Replan, replan
+from flatpack.analysis.restage import gather, stage_checkpoint
 from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled, with_plan
 from flatpack.errors import InputError
 from flatpack.partitioner.plan import Plan
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.refit import Replan, replan
-from flatpack.runtime.restage import gather, stage_checkpoint
 from flatpack.runtime.spec import RunSpec
 
 if TYPE_CHECKING:   # functions imports this module: the annotation only

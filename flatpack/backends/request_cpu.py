@@ -7,7 +7,7 @@ which the server took 174, the four workers 82-100 each and the invoker 59, whil
 iteration measured 307 ms, 595 / 2 = 298 (BENCHMARKS.md, issue 19's tenth pass). It made
 about 175 store requests an iteration, 61 of them polls that missed; its layers' compute was
 about 54 core-ms. Such an iteration is bounded by the host's throughput, not by the
-critical path FuncPipe's equations follow (``runtime.host_load``).
+critical path FuncPipe's equations follow (``analysis.host_load``).
 
 How: ``ROUNDS`` rounds of ``SMALL_REQUESTS`` puts of ``SMALL_BYTES``, as many gets of them
 and as many gets of absent keys (a poll's miss), then ``LARGE_REQUESTS`` puts and gets of

@@ -73,7 +73,7 @@ HOST_REPEATS = 15
 # readings (WARM_READINGS). 7: a second, small transfer probe after the link idled; the
 # bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
 # 8: the store requests' host CPU (request_cpu_s, backends.request_cpu), which the host bound
-# counts by (runtime.host_load): a cached calibration without it bounds nothing.
+# counts by (analysis.host_load): a cached calibration without it bounds nothing.
 METHOD_REVISION = 8
 
 
@@ -173,7 +173,7 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         request_cpu = None
         server = getattr(deployment, "server", None)
         if emulated and server is not None and server.pid is not None:
-            # the host's cores are shared: what a request costs them bounds a run (runtime.host_load)
+            # the host's cores are shared: what a request costs them bounds a run (analysis.host_load)
             say("timing the host CPU of the store's requests (client and server)")
             request_cpu = measure_request_cpu(deployment.store, server.pid, f"{keys.run}/calibrate/request-cpu")
     measured = _tiers(memory_sizes, results, launched, host_passes)

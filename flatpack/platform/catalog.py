@@ -170,7 +170,7 @@ class RequestCpu:
     invoker and the S3 server share its cores). ``flatpack calibrate --target local`` times
     it (``backends.request_cpu.measure_request_cpu``): a put, a get of a key that is
     there, a get of one that is not yet (a poll's miss), each a fixed part plus seconds per
-    byte moved. ``runtime.host_load`` sums them over an iteration's requests."""
+    byte moved. ``analysis.host_load`` sums them over an iteration's requests."""
 
     put_s: float
     get_s: float

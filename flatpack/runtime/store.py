@@ -55,7 +55,7 @@ def wait_misses(seconds: float, request_s: float = 0.0) -> int:
     """The gets :meth:`Store.wait` makes that find no key, when the key appears ``seconds``
     after the wait began and each get takes ``request_s``: one at once, then one after each
     back-off sleep (1, 2, 4, then every 5 ms) that ends before the key appears. What a poll
-    asks of the store's CPU (``runtime.host_load``)."""
+    asks of the store's CPU (``analysis.host_load``)."""
     misses, elapsed, delay = 0, 0.0, _WAIT_FIRST_S
     while elapsed + request_s < seconds:
         misses += 1

@@ -202,7 +202,7 @@ def checkpoint_bytes(iteration: int, state_tensors: dict[str, torch.Tensor], tra
     non-tensor entries in the ``scalars`` metadata), its accumulated gradients (``a/<name>``),
     the optimizer's parameter groups, the steps taken (the schedule's position), the
     accumulation count and the loss scaler's state. What :meth:`StageTrainer.load_state`
-    installs; ``StageTrainer.state_bytes`` and a plan switch (``runtime.restage``) write it."""
+    installs; ``StageTrainer.state_bytes`` and a plan switch (``analysis.restage``) write it."""
     tensors = {f"w/{name}": tensor.detach() for name, tensor in state_tensors.items()}
     state = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}

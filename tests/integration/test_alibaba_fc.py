@@ -13,10 +13,10 @@ from typing import Iterator
 
 import pytest
 
+from flatpack.analysis.reference import train_single_process
 from flatpack.backends import alibaba_fc
-from flatpack.backends.standins.fc_api import LocalFunctionCompute, context_resolver
 from flatpack.errors import DeployError, InputError
-from flatpack.runtime.reference import train_single_process
+from tests.standins.fc_api import LocalFunctionCompute, context_resolver
 
 from .test_local_training import assert_same_parameters, batches, compiled_with, make_model
 

@@ -15,6 +15,7 @@ import torch
 
 import flatpack
 from flatpack import cli
+from flatpack.analysis.reference import train_async_single_process, train_single_process
 from flatpack.backends import local
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import pipedream
@@ -22,7 +23,6 @@ from flatpack.runtime.function import Role
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.reference import train_async_single_process, train_single_process
 from flatpack.runtime.spec import RunSpec, split_value, stage_specs
 from flatpack.runtime.stashing import forward_version
 from flatpack.runtime.store import FileStore

@@ -19,6 +19,7 @@ import yaml
 from torch import nn
 
 import flatpack
+from flatpack.analysis.reference import train_single_process
 from flatpack.backends import gpu_container
 from flatpack.backends.lock import committed_lock
 from flatpack.backends.protocol import Deployment
@@ -31,7 +32,6 @@ from flatpack.runtime.distributed import (RUN_MODES, Channels, DistributedRun, L
                                           with_overrides)
 from flatpack.stage.artifact import load_stage
 from flatpack.stage.wire import pack_values
-from flatpack.runtime.reference import train_single_process
 from flatpack.runtime.training import TARGET
 from flatpack.stage.artifact import load_stage
 

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 
+from flatpack.analysis.reference import train_single_process
 from flatpack.backends import aws_lambda
 from flatpack.backends.profiling import profile_in_target
 from flatpack.partitioner.cost.gillis import ForkJoinPlan
-from flatpack.backends.standins.lambda_api import LocalLambdaEndpoint, moto_resolver
-from flatpack.runtime.reference import train_single_process
+from tests.standins.lambda_api import LocalLambdaEndpoint, moto_resolver
 
 from .conftest import ecr_push
 from .test_local_training import BATCH, assert_same_parameters, batches, compiled_with, make_model

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.analysis.reference import train_single_process
 from flatpack.backends import functions, local
 from flatpack.errors import FunctionOutOfMemory
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.elastic import doubling
-from flatpack.runtime.reference import train_single_process
 
 pytestmark = pytest.mark.slow
 

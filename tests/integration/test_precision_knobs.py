@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatpack
+from flatpack.analysis.reference import torch_threads, train_single_process
 from flatpack.backends import local
 from flatpack.stage import wire
-from flatpack.runtime.reference import torch_threads, train_single_process
 from flatpack.stage.artifact import stage_manifest
 from flatpack.verdict import compare_training, pipeline_optimizer_state
 

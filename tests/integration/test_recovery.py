@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flatpack.analysis.reference import train_single_process
 from flatpack.backends import local
 from flatpack.errors import RunFailure
-from flatpack.runtime.reference import train_single_process
 from tests.integration.test_local_training import assert_same_parameters, batches, compiled_with, make_model
 
 pytestmark = pytest.mark.slow

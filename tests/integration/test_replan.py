@@ -1,7 +1,7 @@
 """``train(replan=...)``: a run that switches plans between epochs (``backends.replan``) ends
 with the weights and losses of a run that keeps one plan, a crash in the middle of a switch
 resumes from one plan's consistent checkpoint, and the default policy re-fits the cost model
-to the epoch's timeline (``runtime.refit.replan``)."""
+to the epoch's timeline (``analysis.refit.replan``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flatpack
+from flatpack.analysis.refit import Replan
 from flatpack.backends import local
 from flatpack.backends import replan as replan_module
 from flatpack.backends.replan import ReplanPolicy
@@ -16,7 +17,6 @@ from flatpack.errors import InputError
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.workload import Workload
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
-from flatpack.runtime.refit import Replan
 from tests.integration.test_local_training import BATCH, batches, compiled_with, make_model
 
 pytestmark = pytest.mark.slow

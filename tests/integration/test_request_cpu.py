@@ -1,5 +1,5 @@
 """The host CPU of a store request on the local S3 server, as `flatpack calibrate --target
-local` measures it for the host bound (runtime.host_load): client and server together, each
+local` measures it for the host bound (analysis.host_load): client and server together, each
 verb's fixed part and its part per byte, and nothing left in the store."""
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ import boto3
 import pytest
 from botocore.config import Config as BotoConfig
 
-from flatpack.backends.standins import runner
-from flatpack.backends.standins.fc_api import (ERROR_TYPE_HEADER, UNHANDLED_ERROR, LocalFunctionCompute,
-                                               context_resolver)
-from flatpack.backends.standins.lambda_api import (LocalLambdaEndpoint, dockerfile_command, image_keys,
-                                                   moto_resolver, parse_function_name)
-from flatpack.backends.standins.runner import FC, FunctionCode, InvocationResult, run_invocation
+from tests.standins import runner
+from tests.standins.fc_api import (ERROR_TYPE_HEADER, UNHANDLED_ERROR, LocalFunctionCompute,
+                                   context_resolver)
+from tests.standins.lambda_api import (LocalLambdaEndpoint, dockerfile_command, image_keys,
+                                       moto_resolver, parse_function_name)
+from tests.standins.runner import FC, FunctionCode, InvocationResult, run_invocation
 
 # obviously fake credentials: moto and the stand-ins accept any, the FC stand-in checks these
 ACCESS_KEY_ID, SECRET = "test-key-id", "test-secret"

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.analysis.reference import call, train_single_process
 from flatpack.backends import local
 from flatpack.evaluation import evaluate
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
-from flatpack.runtime.reference import call, train_single_process
 
 pytestmark = pytest.mark.slow
 

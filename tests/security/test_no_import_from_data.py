@@ -32,10 +32,6 @@ ALLOWED = {
     # at compile time, the module of a function the traced graph calls (a live object in the
     # compiling process), and only below torch, math, operator or builtins
     ("codegen/emit.py", "_import_callable"): "a live callable's module, allowlisted roots, at compile time",
-    # the Lambda stand-in's bootstrap imports the handler the deployment configured
-    # (flatpack.runtime.handler), as awslambdaric does; the handler name is deployment
-    # configuration, not artifact data
-    ("backends/standins/bootstrap.py", "load_handler"): "the configured function handler",
     # the one place a stage's generated source runs: build_module, whose callers pass an
     # artifact that was verified against its index (and digest) first (test_tampering.py,
     # test_worker.py)

@@ -160,7 +160,8 @@ def test_another_user_gets_nothing_from_a_live_runs_store_and_the_run_resumes_to
     assert {r[0] for r in results} == set(ports) and len(results) == len(ports) * 2 * len(ATTACK)
 
     assert main(["resume", str(attacked)]) == 0
-    untouched, resumed = load_file(tmp_path / "untouched" / "trained.safetensors"), load_file(attacked / "trained.safetensors")
+    untouched = load_file(tmp_path / "untouched" / "trained.safetensors")
+    resumed = load_file(attacked / "trained.safetensors")
     assert untouched.keys() == resumed.keys()
     for name, value in untouched.items():
         assert torch.equal(resumed[name], value), name

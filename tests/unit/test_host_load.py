@@ -1,6 +1,6 @@
 """Issue 19, tenth pass: the host bound. On the local backend the workers, the invoker and the
 S3 server share the host's cores, and an iteration takes at least the CPU it asks of them over
-those cores (runtime.host_load); the demo's 2 x 2 plan ran at that bound, 98 % of both cores
+those cores (analysis.host_load); the demo's 2 x 2 plan ran at that bound, 98 % of both cores
 busy, 64 ms past its critical path."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import time
 
 import pytest
 
+from flatpack.analysis import host_load as host_load_module
+from flatpack.analysis import report
+from flatpack.analysis.host_load import INVOKER_POLL_S, host_load
 from flatpack.cpus import HostCpuSampler
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.cost.common import layer_times
 from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import RequestCpu
-from flatpack.runtime import host_load as host_load_module
-from flatpack.runtime import report
-from flatpack.runtime.host_load import INVOKER_POLL_S, host_load
 from flatpack.runtime.store import FileStore, StoreKeyError, wait_misses
 from flatpack.runtime.timeline import Event
 from tests.unit.test_cost_models import TWO_STAGES, plan, platform, problem

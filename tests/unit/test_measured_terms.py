@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.analysis import report
+from flatpack.analysis.refit import refit, replan
 from flatpack.compiler import load_run
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost import funcpipe
@@ -21,9 +23,7 @@ from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.funcpipe import Overheads, host_contention
 from flatpack.partitioner.plan import Plan, PlanReuseWarning, Provenance
 from flatpack.partitioner.workload import Workload
-from flatpack.runtime import report
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.refit import refit, replan
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Event
 from flatpack.runtime.training import StageTrainer
@@ -337,7 +337,7 @@ def test_compile_measured_refuses_what_it_cannot_refit(tmp_path):
 
 
 def test_the_predicted_schedule_gives_the_update_its_measured_step():
-    from flatpack.runtime.report import predicted_schedule
+    from flatpack.analysis.report import predicted_schedule
 
     measured = dataclasses.replace(problem(workload=Workload("train", batch=8, micro_batches=4, optimizer="adam")),
                                    calibration=target_calibration(platform="test",
@@ -347,7 +347,7 @@ def test_the_predicted_schedule_gives_the_update_its_measured_step():
 
 
 def test_1f1b_is_predicted_by_simulating_the_order_the_runtime_issues():
-    from flatpack.runtime.report import predicted_iteration, predicted_schedule
+    from flatpack.analysis.report import predicted_iteration, predicted_schedule
     from flatpack.runtime.training import compute_order
 
     single = plan((0, 1, 1024, 1), (2, 2, 2048, 1))

@@ -1,4 +1,4 @@
-"""``runtime.restage``: a training state read from one plan's stage checkpoints, written for
+"""``analysis.restage``: a training state read from one plan's stage checkpoints, written for
 other cuts and read back, is the same state, entry by entry and by parameter name."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import flatpack
+from flatpack.analysis.restage import TrainingState, gather, stage_checkpoint
 from flatpack.errors import RunFailure
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec
-from flatpack.runtime.restage import TrainingState, gather, stage_checkpoint
 from flatpack.runtime.training import checkpoint_bytes, stage_tensors
 
 SPEC = OptimizerSpec("adamw", 0.01, {"weight_decay": 0.1}, no_decay_bias_norm=True,

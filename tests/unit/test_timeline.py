@@ -12,13 +12,13 @@ import time
 
 import pytest
 
+from flatpack.analysis.report import compare, predicted_schedule
 from flatpack.errors import InputError
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.workload import Workload
 from flatpack.progress import Progress, ProgressLine
 from flatpack.runtime import timeline
-from flatpack.runtime.report import compare, predicted_schedule
 from flatpack.runtime.timeline import Event, Recorder, dumps, loads, summarize
 from tests.property.solver_strategies import make_platform, make_problem
 
@@ -316,7 +316,7 @@ def test_compare_of_the_predicted_schedule_has_no_error():
 
 def test_gantt_writes_png_with_and_without_prediction(tmp_path):
     pytest.importorskip("matplotlib")
-    from flatpack.runtime import gantt
+    from flatpack.analysis import gantt
 
     problem, plan = training(4), three_stages(2)
     predicted = predicted_schedule(problem, plan)
@@ -382,7 +382,7 @@ def test_the_chrome_trace_holds_every_task_as_a_complete_event_of_its_process(tm
     """timeline.json follows the Trace Event Format: a JSON object with traceEvents; metadata
     names each process and lane; every task is an "X" event with integer pid/tid and
     microsecond ts/dur from its process's first task; measured and predicted apart."""
-    from flatpack.runtime import chrome_trace
+    from flatpack.analysis import chrome_trace
     from flatpack.runtime.timeline import Event
 
     measured = [Event(0, 0, 0, "forward", 100.0, 100.5, micro_batch=0),

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flatpack import cli
+from flatpack.analysis.reference import train_single_process
 from flatpack.errors import InputError
 from flatpack.evaluation import evaluate
 from flatpack.job import JobOptions
@@ -23,7 +24,6 @@ from flatpack.partitioner.workload import Workload
 from flatpack.runtime import clipping
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, packed_positions, parse_options
-from flatpack.runtime.reference import train_single_process
 from flatpack.runtime.store import FileStore
 
 

@@ -159,7 +159,7 @@ def test_the_runtime_and_the_reference_refuse_an_unknown_precision():
     import torch
 
     from flatpack.runtime.optim import OptimizerSpec
-    from flatpack.runtime.reference import train_single_process
+    from flatpack.analysis.reference import train_single_process
     from flatpack.runtime.spec import RunSpec
 
     with pytest.raises(InputError, match="precision 'fp8' is not one of fp32, bf16, fp16; use fp32"):

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from flatpack.runtime.reference import train_single_process
+from flatpack.analysis.reference import train_single_process
 from flatpack.verdict import Verdict, adam_step_bound, adam_weight_bound, compare_training
 from tests.unit.narrowing import problem_of
 

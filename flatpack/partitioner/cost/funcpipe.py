@@ -94,7 +94,7 @@ class PipelineCost:
     fits: bool
     unfit_stage: int | None        # the first stage whose memory need exceeds its tier
     overheads: Overheads | None = None   # the measured terms added to the paper's (None: the paper's model)
-    # t_host (runtime.host_load): a shared host's CPU over its cores, where it bounds the run's prediction
+    # t_host (analysis.host_load): a shared host's CPU over its cores, where it bounds the run's prediction
     host_bound_s: float | None = None
 
     def to_json(self) -> dict:

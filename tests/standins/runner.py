@@ -1,6 +1,6 @@
 """One invocation of a function's handler in a fresh subprocess, the way Lambda or FC runs it.
 
-:func:`run_invocation` starts :mod:`~flatpack.backends.standins.bootstrap` in the
+:func:`run_invocation` starts :mod:`~tests.standins.bootstrap` in the
 function's code directory with the caller's environment, the function's variables and the
 platform's reserved variables; the event goes in on stdin, stdout and stderr become the
 function's log, and the result comes back on a pipe of its own. The runner enforces what
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping
 
-from flatpack.backends.standins import bootstrap
-from flatpack.backends.standins.bootstrap import (FAILURE, FC, HEADER, INIT_LIMIT_S, LAMBDA, MEMORY, READY, SUCCESS,
-                                                  peak_rss_kib)
+from tests.standins import bootstrap
+from tests.standins.bootstrap import (FAILURE, FC, HEADER, INIT_LIMIT_S, LAMBDA, MEMORY, READY, SUCCESS,
+                                      peak_rss_kib)
 
 PLATFORMS = (LAMBDA, FC)
 DEFAULT_REGIONS = {LAMBDA: "us-east-1", FC: "cn-hangzhou"}

@@ -3,7 +3,7 @@
 moto serves Lambda's control plane (``create_function``, ``get_function``...) but runs code
 only through Docker. :class:`LocalLambdaEndpoint` is the data plane: it answers
 ``POST /2015-03-31/functions/{FunctionName}/invocations`` the way Lambda does and runs each
-invocation in a fresh subprocess (:mod:`~flatpack.backends.standins.runner`), so
+invocation in a fresh subprocess (:mod:`~tests.standins.runner`), so
 ``boto3.client("lambda", endpoint_url=endpoint.url).invoke(...)`` works unchanged:
 RequestResponse (200, the payload; a function error as ``X-Amz-Function-Error: Unhandled``),
 Event (202, run in the background and recorded), DryRun (204), ``LogType="Tail"``, an
@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from flatpack.backends.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, FunctionCode, InvocationResult,
-                                               run_invocation)
+from tests.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, FunctionCode, InvocationResult,
+                                   run_invocation)
 
 Resolver = Callable[[str], "FunctionCode | None"]
 _Service = TypeVar("_Service", bound="LocalHTTPService")
 
 
 class Runner(Protocol):
-    """How a service runs one invocation: :func:`~flatpack.backends.standins.runner.run_invocation`'s
+    """How a service runs one invocation: :func:`~tests.standins.runner.run_invocation`'s
     shape, the qualifier it was invoked with included (it ends the invoked ARN)."""
 
     def __call__(self, code: FunctionCode, payload: bytes, request_id: str | None = None, *,

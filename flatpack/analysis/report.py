@@ -20,10 +20,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+from flatpack.analysis.host_load import host_load, shares_host
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
-from flatpack.runtime.host_load import host_load, shares_host
 from flatpack.runtime.timeline import Event, Measured, summarize
 from flatpack.runtime.training import compute_order
 from flatpack.table import format_table
@@ -115,7 +115,7 @@ class Comparison:
         bound = self.cost.host_bound_s
         if bound is not None and bound >= self.predicted_iteration_s:
             lines.append(f"  the host bound sets the prediction: the iteration's CPU (workers, invoker, store) over "
-                         f"the host's cores is {_ms(bound)} ms, longer than its critical path (runtime.host_load)")
+                         f"the host's cores is {_ms(bound)} ms, longer than its critical path (analysis.host_load)")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = Tr
     prediction is the span of :func:`predicted_schedule` under 1F1B's order, plus the
     iteration's own term o_it, and dollars at that span (the other terms are FuncPipe's).
     On a host the workers share (the local backend, its request CPU calibrated), at least
-    the host bound t_host (:mod:`flatpack.runtime.host_load`), dollars at that time."""
+    the host bound t_host (:mod:`flatpack.analysis.host_load`), dollars at that time."""
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     overheads = cost.overheads or funcpipe.Overheads()
     iteration_s = cost.iteration_s

@@ -7,7 +7,7 @@ A run's timeline says what each stage's forward, backward, upload and optimizer 
 line is scaled by its stage's measured-over-predicted ratio (the timeline times stages, not
 layers, so the layers of a stage share its ratio), t_lat is re-fitted as an activation
 upload's seconds beyond its bytes at the stage's bandwidth (uploads, because a download's
-time includes waiting for its producer: as ``runtime.report.calibrate`` does), and the
+time includes waiting for its producer: as ``analysis.report.calibrate`` does), and the
 optimizer step's seconds per byte from the stage's measured update. :func:`replan` solves
 again on that calibration, over the tiers the run measured (the run says nothing of other
 tiers), and reports the old plan, the new plan and the predicted saving.

@@ -7,7 +7,7 @@ protocol="http")``: the SDK then sends ``http://127.0.0.1:PORT/2023-03-30/functi
 no account id in the host. Functions live in memory as the JSON the SDK sent plus the
 fields FC adds; every request is kept in :attr:`LocalFunctionCompute.requests` for tests.
 
-Invocations run through :mod:`~flatpack.backends.standins.runner` in a fresh subprocess,
+Invocations run through :mod:`~tests.standins.runner` in a fresh subprocess,
 in place of the custom container's HTTP server: the handler gets the JSON-decoded event, as
 from a server that decodes it (``FunctionCode.raw_event`` gives it the bytes); a function error
 comes back with status 200 and ``x-fc-error-type: UnhandledInvocationError``, as FC
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote
 
-from flatpack.backends.standins.lambda_api import (InvocationRecord, InvokingService, Request, Response, Runner,
-                                                   dockerfile_command, image_keys)
-from flatpack.backends.standins.runner import FC, TEST_ACCOUNT_ID, FunctionCode, run_invocation
+from tests.standins.lambda_api import (InvocationRecord, InvokingService, Request, Response, Runner,
+                                       dockerfile_command, image_keys)
+from tests.standins.runner import FC, TEST_ACCOUNT_ID, FunctionCode, run_invocation
 
 FCResolver = Callable[[dict], "FunctionCode | None"]
 

@@ -1,14 +1,14 @@
 """The function side of one stand-in invocation: a minimal Lambda / FC Python runtime.
 
-:mod:`flatpack.backends.standins.runner` starts this file as a script (``python -u
+:mod:`tests.standins.runner` starts this file as a script (``python -u
 bootstrap.py SPEC``) in the function's code directory, the event on stdin. It imports
 ``module.function`` from the handler string, tells the runner init is done, calls
 ``handler(event, context)`` and sends the JSON result, or the error in the platform's shape,
 back on a pipe of its own (the handler may print to stdout/stderr, which the runner keeps
 as the function's log).
 
-It imports the standard library only, never flatpack: ``python -m`` of this module would
-import the ``flatpack`` package first, and with it torch (~2 s per invocation); a real
+It imports the standard library only, never flatpack (torch with it: ~2 s per invocation),
+and runs as a script, not with ``python -m``, which would import its packages first: a real
 runtime imports only what the handler imports. The runner imports the framing helpers and
 :func:`handler_deadline` from here so both sides agree on them.
 

@@ -1,6 +1,6 @@
 """A run's timeline as a Gantt chart: one row per worker, its three lanes (compute, upload,
 download) as sub-rows, tasks coloured by kind; optionally the model's predicted schedule
-(``runtime.report.predicted_schedule``) in a panel above, on the same time axis.
+(``analysis.report.predicted_schedule``) in a panel above, on the same time axis.
 
 matplotlib is optional and imported only when a chart is drawn; the figure is drawn on the
 Agg canvas directly (no pyplot), so no display or global backend state is touched.
