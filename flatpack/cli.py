@@ -785,8 +785,9 @@ def cmd_teardown(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_CODES = """exit codes: 0 success; 1 a run failed (a function's error, out of memory, a refused artifact,
-an equivalence check that failed); 2 bad input (an option, a model, a file; nothing was started);
+EXIT_CODES = """exit codes: 0 success; 1 a run failed (a function's error, out of memory, a function that
+refused its stage, an equivalence check that failed); 2 bad input (an option, a model, a file, an artifact
+refused by load or check before any of its code ran; nothing was started);
 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM; the run directory stays resumable)"""
 
 
