@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 import flatpack
-from flatpack import logs
+from flatpack import logs, safeio
 from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
@@ -33,6 +33,8 @@ else:   # Python 3.10
     import tomli as tomllib
 
 LOG = logs.get("cli")
+# a config is a flat table of a verb's options: a few hundred bytes
+MAX_CONFIG_BYTES = safeio.MiB
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
@@ -246,18 +248,17 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
-    # start-up time: a verb imports what it runs
-    from flatpack.compiled_info import CompiledInfo
-    from flatpack.compiler import COMPILED_FILE
-
-    verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key)
-    CompiledInfo.parse(json.loads(verified.files[COMPILED_FILE]), str(Path(args.dir) / COMPILED_FILE))
-    if verified.trust == "directory":
+    """Verifies an artifact as ``flatpack.load`` does, without running any of it: it *is*
+    ``flatpack.load`` (index, sizes, sha256, the vocabulary of ``flatpack.json``, its plan,
+    every manifest and every safetensors framing), so a directory ``load`` would refuse fails
+    here with the same ArtifactError (exit 2), and none of the stage code is imported."""
+    compiled = flatpack.load(args.dir, digest=args.digest, verify_key=args.verify_key)
+    if compiled.trust == "directory":
         LOG.warning("the index itself was trusted only as far as this directory is: pass --digest (the digest "
                     "compile printed) or --verify-key to check it against something held elsewhere")
-    report(args, f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}",
-           {"dir": args.dir, "files": len(verified.files), "digest": verified.digest, "trust": verified.trust})
+    files = len(compiled.index.files)
+    report(args, f"{args.dir}: {files} files match the index; digest {compiled.digest}",
+           {"dir": args.dir, "files": files, "digest": compiled.digest, "trust": compiled.trust})
     return 0
 
 
@@ -1284,13 +1285,17 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
+    # a regular file of bounded size (a FIFO or /dev/zero given as --config is refused, not read)
+    raw = safeio.read_bounded(path, limit=MAX_CONFIG_BYTES, what=f"--config {path}")
     try:
-        with open(path, "rb") as file:
-            table = tomllib.load(file)
-    except FileNotFoundError:
-        raise InputError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as err:
+        table = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(f"--config {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as err:   # its message ends "(at line L, column C)"
         raise InputError(f"--config {path} is not valid TOML: {err}") from None
+    except RecursionError:
+        raise InputError(f"--config {path} nests arrays or tables too deep for the TOML parser; a flatpack config "
+                         "is a flat table of options") from None
     options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
     defaults: dict[str, Any] = {}
     for key, value in table.items():

@@ -68,12 +68,16 @@ def read_bounded(path: str | os.PathLike, *, limit: int, what: str, error: type[
     larger than ``limit`` bytes; a file that grows while it is read is refused too."""
     fd = open_regular(path, what=what, error=error, dir_fd=dir_fd)
     try:
-        return _read_fd(fd, limit=limit, what=what, path=path, error=error)
+        return read_fd(fd, limit=limit, what=what, path=path, error=error)
     finally:
         os.close(fd)
 
 
-def _read_fd(fd: int, *, limit: int, what: str, path: str | os.PathLike, error: type[FlatpackError]) -> bytes:
+def read_fd(fd: int, *, limit: int, what: str, path: str | os.PathLike,
+            error: type[FlatpackError] = InputError) -> bytes:
+    """The bytes of the open regular file ``fd`` (from :func:`open_regular` or
+    :func:`open_beneath`), refused before reading when ``fstat`` says it has more than
+    ``limit`` bytes, and refused if it grows past ``limit`` while it is read."""
     size = os.fstat(fd).st_size
     if size > limit:
         raise _fail(error, f"{what}: {path} has {size:,} bytes, more than the {limit:,} this file may have")
@@ -225,6 +229,6 @@ def read_beneath(root_fd: int, relative: str, *, limit: int, what: str,
     """:func:`read_bounded` of ``relative`` reached by :func:`open_beneath` (no link followed)."""
     fd = open_beneath(root_fd, relative, what=what, error=error)
     try:
-        return _read_fd(fd, limit=limit, what=what, path=relative, error=error)
+        return read_fd(fd, limit=limit, what=what, path=relative, error=error)
     finally:
         os.close(fd)
