@@ -156,6 +156,8 @@ def _check_zip(source: IO[bytes], name: str, *, npy: bool) -> None:
                     raise InputError(f"shard {name}: its members declare {total:,}+ bytes uncompressed together, "
                                      f"more than the {MAX_SHARD_BYTES:,} a shard may hold (a zip bomb, or data to "
                                      "split into smaller shards)")
+            # every size first: a header is inflated to be read, and only within the limits
+            for member in members:
                 if npy and member.filename.endswith(".npy"):
                     _check_npy_header(archive, member, name)
     except InputError:

@@ -17,8 +17,11 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
+import signal
 import struct
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +45,8 @@ VALUES: tuple[Any, ...] = (None, True, False, 0, -1, 1, 7, 2**31, 2**63, 2**64 +
                            "", "x", "\u0000", "../../etc/passwd", "subprocess:Popen", "A" * 10_000, [], {}, [1, 2],
                            {"a": 1}, [[[]]], {"kind": None})
 # JSON text Python's json turns into non-finite floats or lone surrogates
-TEXTUAL = ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", '"\\ud800"', '"\\u0000"', "123456789012345678901234567890")
+TEXTUAL = ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", '"\\ud800"', '"\\u0000"',
+           "123456789012345678901234567890")
 
 
 # -- mutators --------------------------------------------------------------------------------
@@ -85,9 +89,9 @@ def _nodes(document: Any, limit: int = 4000) -> list[tuple[Any, ...]]:
         found.append(path)
         node = _at(document, path)
         if isinstance(node, dict):
-            paths.extend(path + (key,) for key in node)
+            paths.extend((*path, key) for key in node)
         elif isinstance(node, list):
-            paths.extend(path + (index,) for index in range(len(node)))
+            paths.extend((*path, index) for index in range(len(node)))
     return found
 
 
@@ -371,10 +375,10 @@ def formats(space: Workspace) -> list[Format]:
     def read_calibration(data: bytes) -> object:
         return Calibration.load(space.file("calibration.json", data))
 
-    run_parser = _subparser(cli.build_parser(), "run")
+    plan_parser = _subparser(cli.build_parser(), "plan")
 
     def read_config(data: bytes) -> object:
-        return cli.config_defaults(str(space.file("config.toml", data)), run_parser)
+        return cli.config_defaults(str(space.file("config.toml", data)), plan_parser)
 
     def read_shards(suffix: str) -> Callable[[bytes], object]:
         def read(data: bytes) -> object:
@@ -433,6 +437,43 @@ def outcome(fmt: Format, data: bytes) -> tuple[str, str]:
         fmt.read(data)
     except FlatpackError as err:
         return "refused", str(err)
+    except Hang:
+        raise
     except Exception as err:  # noqa: BLE001 - what the fuzzer looks for: anything but a flatpack error
         return "traceback", f"{type(err).__name__}: {str(err)[:160]}"
     return "accepted", ""
+
+
+class Hang(Exception):
+    """A case ran past its time bound (raised from SIGALRM)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    kind: str          # accepted, refused, traceback or hang
+    message: str
+    seconds: float
+    rss_growth: int    # bytes the process's peak RSS grew by during the case
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def guarded(fmt: Format, data: bytes, *, seconds: int = 5) -> Result:
+    """:func:`outcome` under a SIGALRM time bound, with the case's time and peak-RSS growth."""
+    def alarm(signum: int, frame: Any) -> None:
+        raise Hang(f"{fmt.name}: the reader ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    before, start = peak_rss(), time.monotonic()
+    signal.alarm(seconds)
+    try:
+        kind, message = outcome(fmt, data)
+    except Hang as err:
+        kind, message = "hang", str(err)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return Result(kind, message, time.monotonic() - start, peak_rss() - before)
