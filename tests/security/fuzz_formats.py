@@ -394,7 +394,7 @@ def formats(space: Workspace) -> list[Format]:
     pt = io.BytesIO()
     torch.save(tensors, pt)
     npz = io.BytesIO()
-    np.savez_compressed(npz, **{key: value.numpy() for key, value in tensors.items()})
+    np.savez_compressed(npz, input=tensors["input"].numpy(), target=tensors["target"].numpy())
     run = RunRecord(run="fuzz", loss="cross_entropy", iterations=3).dumps().encode()
 
     return [

@@ -218,7 +218,7 @@ def test_a_pt_shard_is_loaded_weights_only(tmp_path, sentinel):
 def test_a_valid_shard_of_each_format_still_reads(tmp_path):
     tensors = {"input": torch.randn(4, 3), "target": torch.arange(4)}
     torch.save(tensors, tmp_path / "a.pt")
-    np.savez_compressed(tmp_path / "b.npz", **{key: value.numpy() for key, value in tensors.items()})
+    np.savez_compressed(tmp_path / "b.npz", input=tensors["input"].numpy(), target=tensors["target"].numpy())
     from safetensors.torch import save_file
 
     save_file(tensors, tmp_path / "c.safetensors")
@@ -452,7 +452,7 @@ def test_save_refuses_to_overwrite_a_fifo_flatpack_json_without_hanging(compiled
 @pytest.mark.parametrize(("text", "cause"), [
     ('batch = 8\nsolver = "dp"\nsolver = "miqp"\n', "line 3"),
     ("batch = [" * 50_000 + "\n", "line 1"),
-    ("batch = " + "[" * 100_000 + "1" + "]" * 100_000 + "\n", str("nests")),
+    ("batch = " + "[" * 100_000 + "1" + "]" * 100_000 + "\n", "nests"),
 ])
 def test_a_malformed_toml_config_names_the_file_and_line(tmp_path, text, cause):
     config = tmp_path / "bad.toml"
