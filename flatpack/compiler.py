@@ -240,7 +240,7 @@ def load(directory: str | os.PathLike, *, digest: str | None = None,
         raise ArtifactError(f"{marker} has no plan (an object under 'plan'); the output is corrupted, recompile")
     try:
         plan = Plan.from_json(document["plan"])
-    except (PlanError, KeyError, TypeError, ValueError, AttributeError) as err:
+    except (PlanError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         # the plan's reader raises PlanError; anything else it let through is named here, never a traceback
         raise ArtifactError(f"{marker}'s 'plan' is malformed ({type(err).__name__}: {err}); the output is "
                             "corrupted, recompile") from None

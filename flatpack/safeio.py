@@ -120,7 +120,8 @@ def json_depth(text: str) -> int:
 def parse_json(data: bytes | str, *, what: str, error: type[FlatpackError] = InputError,
                max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``data`` parsed as strict JSON: UTF-8, at most ``max_depth`` levels deep, no duplicate
-    keys, no ``NaN``/``Infinity``; anything else is ``error`` naming ``what``."""
+    keys, no ``NaN``/``Infinity`` and no number that overflows a float (``1e999``); anything
+    else is ``error`` naming ``what``."""
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as exc:
@@ -140,8 +141,16 @@ def parse_json(data: bytes | str, *, what: str, error: type[FlatpackError] = Inp
     def no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
 
+    def finite_float(literal: str) -> float:
+        # 1e999 is valid JSON that Python's float() turns into inf, which NaN checks downstream miss
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {literal[:40]} is too large for a float")
+        return value
+
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant,
+                          parse_float=finite_float)
     except (ValueError, RecursionError) as exc:
         raise _fail(error, f"{what} is not valid JSON: {exc}") from None
 

@@ -261,13 +261,16 @@ def test_deep_json_in_a_calibration_is_an_input_error(tmp_path):
         Calibration.load(path)
 
 
-def test_duplicate_keys_and_nan_are_refused_in_the_index(out):
+def test_duplicate_keys_nan_and_overflowing_numbers_are_refused_in_the_index(out):
     raw = (out / INDEX_FILE).read_text()
     (out / INDEX_FILE).write_text('{"kind": "x", ' + raw[1:])
     with pytest.raises(ArtifactError, match="the key 'kind' appears twice"):
         load(out)
     (out / INDEX_FILE).write_text(raw.replace('"schema_version":1', '"schema_version":NaN'))
     with pytest.raises(ArtifactError, match="NaN is not a JSON number"):
+        load(out)
+    (out / INDEX_FILE).write_text(raw.replace('"schema_version":1', '"schema_version":1e999'))
+    with pytest.raises(ArtifactError, match="1e999 is too large for a float"):
         load(out)
 
 
