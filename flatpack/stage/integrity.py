@@ -276,6 +276,14 @@ def read_file(root_fd: int, root: Path, name: str, *, limit: int, size: int | No
     reached with no symlink at any component, refused before a byte is read when it is larger
     than ``limit`` or, with ``size`` (what the index records), of another size."""
     shown = str(root / name)
+    try:
+        os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        # only for the message: the file itself is opened below, component by component
+        raise ArtifactError(f"{shown} is missing; the artifact is incomplete. Recompile the model, or restore the "
+                            "file from the original output.") from None
+    except OSError:
+        pass   # a link or a non-directory on the way: open_beneath names it
     fd = safeio.open_beneath(root_fd, name, what=shown, error=ArtifactError)
     try:
         actual = os.fstat(fd).st_size

@@ -335,6 +335,12 @@ def test_an_index_entry_that_is_a_directory_on_disk_is_refused(out):
         load(out)
 
 
+def test_a_missing_stage_file_is_named_with_the_fix(out):
+    (out / "stage_001" / "stage.py").unlink()
+    with pytest.raises(ArtifactError, match=f"{out / 'stage_001' / 'stage.py'} is missing.*Recompile"):
+        load(out)
+
+
 def test_a_parent_swapped_for_a_symlink_between_the_scan_and_the_open_is_refused(out, sentinel, tmp_path,
                                                                                monkeypatch):
     """The race, made deterministic: the stage directory is swapped for a link to a copy
