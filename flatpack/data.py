@@ -4,7 +4,9 @@
 A :class:`DataSource` is one of
 
 * :class:`ShardDirectory`: a directory of shards, ``*.safetensors``, ``*.pt`` (tensors saved
-  with ``torch.save``, read with ``torch.load(weights_only=True)``) or ``*.npz``;
+  with ``torch.save``, read with ``torch.load(weights_only=True)``) or ``*.npz``, each read
+  as a bounded regular file and checked before a parser sees it (:func:`check_shard`: size,
+  safetensors framing, a zip's declared sizes; ``tests/security/test_bounded_reader.py``);
 * :class:`S3Shards`: the same shards under an ``s3://bucket/prefix`` (any S3-compatible
   endpoint; credentials from the standard AWS environment variables);
 * :class:`DatasetFactory`: ``package.module:factory`` or ``file.py:factory`` returning a
