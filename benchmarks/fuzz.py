@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                 slowest, grown = max(slowest, result.seconds), max(grown, result.rss_growth)
                 if result.kind in ("traceback", "hang"):
                     # one kind of failure whatever byte position or value the message names
-                    kind = re.sub(r"\d+", "N", result.message.split("\n")[0])[:110]
+                    kind = re.sub(r"0x[0-9a-f]+|\d+", "N", result.message.split("\n")[0])
+                    kind = re.sub(r"'[^']*'", "'…'", kind)[:110]
                     tracebacks[kind] += 1
                     if tracebacks[kind] == 1:
                         details.append(f"  {fmt.name} seed {seed}: {result.kind}: {result.message[:110]}")
