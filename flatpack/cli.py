@@ -15,14 +15,14 @@ from typing import Any, Sequence
 import torch
 
 import flatpack
-from flatpack import logs
+from flatpack import logs, safeio
 from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
 from flatpack.runtime.optim import parse_options
 from flatpack.runtime.spec import SCHEDULES
-from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, read_verified
+from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
 from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table
 from flatpack.version import __version__
@@ -33,6 +33,8 @@ else:   # Python 3.10
     import tomli as tomllib
 
 LOG = logs.get("cli")
+# a config is a flat table of a verb's options: a few hundred bytes
+MAX_CONFIG_BYTES = safeio.MiB
 
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
@@ -256,22 +258,19 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Verifies an artifact as ``flatpack.load`` does, without running any of it."""
-    # start-up time: a verb imports what it runs
-    from flatpack.compiled_info import CompiledInfo
-    from flatpack.compiler import COMPILED_FILE, check_trust_file, check_trust_file_args
-
-    check_trust_file_args(args.trust_file, args.name)
-    verified = read_verified(args.dir, digest=args.digest, verify_key=args.verify_key, name=args.name,
-                             min_version=args.min_version)
-    CompiledInfo.parse(json.loads(verified.files[COMPILED_FILE]), str(Path(args.dir) / COMPILED_FILE))
-    signature = verified.signature
-    if args.trust_file is not None and signature is not None:
-        check_trust_file(args.trust_file, signature, args.dir)
-    if verified.trust == "directory":
+    """Verifies an artifact as ``flatpack.load`` does, without running any of it: it *is*
+    ``flatpack.load`` (index, sizes, sha256, the signature and its subject, the vocabulary of
+    ``flatpack.json``, its plan, every manifest and every safetensors framing), so a directory
+    ``load`` would refuse fails here with the same ArtifactError (exit 2), and none of the
+    stage code is imported."""
+    compiled = flatpack.load(args.dir, digest=args.digest, verify_key=args.verify_key, name=args.name,
+                             min_version=args.min_version, trust_file=args.trust_file)
+    if compiled.trust == "directory":
         LOG.warning("the index itself was trusted only as far as this directory is: pass --digest (the digest "
                     "compile printed) or --verify-key to check it against something held elsewhere")
-    text = f"{args.dir}: {len(verified.files)} files match the index; digest {verified.digest}"
+    files = len(compiled.index.files)
+    signature = compiled.signature
+    text = f"{args.dir}: {files} files match the index; digest {compiled.digest}"
     if signature is not None and signature.name is not None:
         text += f"\nsigned as {signature.name} version {signature.version} at {signature.signed_at} ({signature.key})"
     elif signature is not None:
@@ -280,8 +279,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         LOG.warning("no name was required (--name), so any artifact signed by this key would pass here too, e.g. "
                     "another model or an older build copied over this directory; pass --name (and --min-version "
                     "or --trust-file) to refuse those")
-    report(args, text, {"dir": args.dir, "files": len(verified.files), "digest": verified.digest,
-                        "trust": verified.trust, "signature": None if signature is None else signature.to_json()})
+    report(args, text, {"dir": args.dir, "files": files, "digest": compiled.digest, "trust": compiled.trust,
+                        "signature": None if signature is None else signature.to_json()})
     return 0
 
 
@@ -1319,13 +1318,17 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
+    # a regular file of bounded size (a FIFO or /dev/zero given as --config is refused, not read)
+    raw = safeio.read_bounded(path, limit=MAX_CONFIG_BYTES, what=f"--config {path}")
     try:
-        with open(path, "rb") as file:
-            table = tomllib.load(file)
-    except FileNotFoundError:
-        raise InputError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as err:
+        table = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(f"--config {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as err:   # its message ends "(at line L, column C)"
         raise InputError(f"--config {path} is not valid TOML: {err}") from None
+    except RecursionError:
+        raise InputError(f"--config {path} nests arrays or tables too deep for the TOML parser; a flatpack config "
+                         "is a flat table of options") from None
     options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
     defaults: dict[str, Any] = {}
     for key, value in table.items():

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -47,6 +48,7 @@ from flatpack.runtime import timeline
 from flatpack.runtime.precision import crossed
 from flatpack.runtime.timeline import Event
 from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
+from flatpack import safeio
 from flatpack.safeio import expect_mapping, load_json
 from flatpack.stage.integrity import (INDEX_FILE, KEY_FINGERPRINT, SIGNATURE_FILE, Index, check_subject_name,
                                       check_subject_version, read_verified, sign_index)
@@ -55,6 +57,8 @@ from flatpack.stage.tensor_check import TensorSpec, check_tensor
 from flatpack.version import __version__
 
 COMPILED_FILE = "flatpack.json"
+# flatpack.json holds the chain's JSON and its profile: a few MiB for the largest zoo model
+MAX_COMPILED_BYTES = 256 * safeio.MiB
 
 
 class Compiled:
@@ -141,27 +145,39 @@ class Compiled:
         ``deploy(..., digest=...)``) and no file of the artifact can change unnoticed."""
         return self.index.digest
 
-    def save(self, directory: str | os.PathLike) -> Path:
+    def save(self, directory: str | os.PathLike, *, private: bool = True) -> Path:
         """Writes ``flatpack.json``, ``plan.json``, one ``stage_NNN/`` per stage and
         ``flatpack.index.json`` (every file's size and sha256; its own sha256 is
         ``self.digest``), atomically.
 
-        Refuses a directory that exists, is not empty and was not written by flatpack; a
-        previous flatpack output there is replaced whole.
+        The files are written into a new directory with an unpredictable name beside the
+        target (``tempfile.mkdtemp``: created exclusively, mode 0700, so nothing another user
+        planted or raced into the parent is written through) and renamed into place.
+        ``private`` (the default): the artifact is readable by its owner only (files 0600,
+        directories 0700); ``private=False``: by everyone (0644 and 0755), for an artifact
+        other users or services deploy. Refuses a directory that exists, is not empty and was
+        not written by flatpack; a previous flatpack output there is replaced whole.
         """
         target = Path(directory)
         check_out_dir(target)
         files = self.files()
         self._index = Index.build(files)
         files[INDEX_FILE] = self._index.raw
-        staging = target.parent / f".{target.name}.flatpack-tmp-{os.getpid()}"
-        if staging.exists():
-            shutil.rmtree(staging)
+        file_mode, dir_mode = (0o600, 0o700) if private else (0o644, 0o755)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.flatpack-tmp-"))
         try:
             for relative, data in files.items():
                 path = staging / relative
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
+                for parent in reversed(path.relative_to(staging).parents[:-1]):
+                    if not (staging / parent).is_dir():
+                        (staging / parent).mkdir()
+                        os.chmod(staging / parent, dir_mode)   # not mkdir's mode: the umask would narrow it
+                # O_EXCL: the staging directory is ours and new, so every file in it is created here
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode)
+                with os.fdopen(fd, "wb") as file:
+                    file.write(data)
+                os.chmod(path, file_mode)   # the umask may have taken bits private=False asks for
+            os.chmod(staging, dir_mode)
             _replace_dir(staging, target)
         finally:
             if staging.exists():
@@ -173,8 +189,9 @@ def _replace_dir(staging: Path, target: Path) -> None:
     if not target.exists():
         staging.rename(target)
         return
-    retired = target.parent / f".{target.name}.flatpack-old-{os.getpid()}"
-    target.rename(retired)
+    # the old output moves into a fresh private directory (no predictable name to pre-plant), then goes
+    retired = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.flatpack-old-"))
+    target.rename(retired / "old")
     staging.rename(target)
     shutil.rmtree(retired, ignore_errors=True)
 
@@ -191,8 +208,10 @@ def check_out_dir(directory: Path) -> None:
         return
     marker = directory / COMPILED_FILE
     try:
-        written_by_us = json.loads(marker.read_text()).get("kind") == COMPILED_KIND
-    except (OSError, ValueError, AttributeError):
+        # bounded and regular files only: a FIFO or a huge file planted there cannot hang or fill the save
+        document = safeio.load_json(marker, limit=MAX_COMPILED_BYTES, what=str(marker), error=ArtifactError)
+        written_by_us = isinstance(document, dict) and document.get("kind") == COMPILED_KIND
+    except ArtifactError:
         written_by_us = False
     if not written_by_us:
         raise ArtifactError(f"{directory} exists, is not empty and was not written by flatpack (no "
@@ -224,17 +243,23 @@ def load(directory: str | os.PathLike, *, digest: str | None = None, verify_key:
     check_trust_file_args(trust_file, name)
     directory = Path(directory)
     marker = directory / COMPILED_FILE
+    # lstat only: no file of the artifact is opened before the index is (a FIFO here cannot hang it)
     if not marker.is_file():
         raise ArtifactError(f"{directory} has no {COMPILED_FILE}: it is not a flatpack output directory")
     verified = read_verified(directory, digest=digest, verify_key=verify_key, name=name, min_version=min_version)
-    try:
-        document = json.loads(verified.files[COMPILED_FILE])
-    except (KeyError, ValueError) as err:
-        raise ArtifactError(f"{marker} is missing from the index or not valid JSON ({err}); recompile") from None
+    if COMPILED_FILE not in verified.files:
+        raise ArtifactError(f"{marker} is not listed in {directory / INDEX_FILE}; the artifact was altered, "
+                            "recompile it")
+    document = safeio.parse_json(verified.files[COMPILED_FILE], what=str(marker), error=ArtifactError)
     info = CompiledInfo.parse(document, str(marker))
     if not isinstance(document.get("plan"), dict):
-        raise ArtifactError(f"{marker} has no plan; the output is corrupted, recompile")
-    plan = Plan.from_json(document["plan"])
+        raise ArtifactError(f"{marker} has no plan (an object under 'plan'); the output is corrupted, recompile")
+    try:
+        plan = Plan.from_json(document["plan"])
+    except (PlanError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+        # the plan's reader raises PlanError; anything else it let through is named here, never a traceback
+        raise ArtifactError(f"{marker}'s 'plan' is malformed ({type(err).__name__}: {err}); the output is "
+                            "corrupted, recompile") from None
     artifacts = []
     for index in range(len(plan.stages)):
         prefix = stage_dirname(index)

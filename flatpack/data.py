@@ -4,7 +4,9 @@
 A :class:`DataSource` is one of
 
 * :class:`ShardDirectory`: a directory of shards, ``*.safetensors``, ``*.pt`` (tensors saved
-  with ``torch.save``, read with ``torch.load(weights_only=True)``) or ``*.npz``;
+  with ``torch.save``, read with ``torch.load(weights_only=True)``) or ``*.npz``, each read
+  as a bounded regular file and checked before a parser sees it (:func:`check_shard`: size,
+  safetensors framing, a zip's declared sizes; ``tests/security/test_bounded_reader.py``);
 * :class:`S3Shards`: the same shards under an ``s3://bucket/prefix`` (any S3-compatible
   endpoint; credentials from the standard AWS environment variables);
 * :class:`DatasetFactory`: ``package.module:factory`` or ``file.py:factory`` returning a
@@ -36,28 +38,37 @@ import concurrent.futures
 import hashlib
 import inspect
 import io
+import math
+import os
 import sys
 import threading
+import zipfile
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import IO, Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
-from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from flatpack import safeio
 from flatpack.errors import InputError
 from flatpack.factories import import_factory
 from flatpack.runtime.store import S3Store
+from flatpack.stage.integrity import MAX_SAFETENSORS_HEADER_BYTES, check_safetensors
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
 
 SHARD_SUFFIXES = (".safetensors", ".pt", ".npz")
+# A shard is read whole into memory and a few are kept for the batches in flight: 4 GiB
+# (file, or a zip's members uncompressed) is far above the hundreds of MiB shards usually
+# are, and far below what would take a machine's memory.
+MAX_SHARD_BYTES = 4 << 30
+MAX_SHARD_MEMBERS = 100_000
+MAX_NPY_HEADER = 10_000   # numpy's own default limit for a .npy header
 TARGET_KEYS = ("target", "targets", "y")
 # the model computes its own loss from these inputs (HuggingFace's convention)
 OWN_LOSS_INPUTS = ("labels",)
@@ -87,33 +98,124 @@ def _as_named(loaded: Any, where: str) -> dict[str, torch.Tensor]:
 
 
 def read_shard(data: bytes | Path, name: str) -> dict[str, torch.Tensor]:
-    """All tensors of a shard (a file or its bytes); ``name`` gives the format by its suffix."""
-    source = str(data) if isinstance(data, Path) else io.BytesIO(data)
+    """All tensors of a shard (a file or its bytes); ``name`` gives the format by its suffix.
+    The bytes are checked before a parser sees them (:func:`check_shard`), so a hostile or
+    corrupt shard is an InputError naming it, never a traceback or a memory blow-up."""
+    if not name.endswith(SHARD_SUFFIXES):
+        raise InputError(f"shard {name} is not one of {', '.join(SHARD_SUFFIXES)}")
+    if isinstance(data, Path):
+        # a regular file of bounded size, its size from fstat before a byte is read
+        data = safeio.read_bounded(data, limit=MAX_SHARD_BYTES, what=f"shard {name}")
+    check_shard(data, name)
     try:
         if name.endswith(".safetensors"):
-            return load_file(data) if isinstance(data, Path) else load_safetensors(data)
+            return load_safetensors(data)
         if name.endswith(".pt"):
-            return _as_named(torch.load(source, weights_only=True, map_location="cpu"), name)
-        if name.endswith(".npz"):
-            with np.load(source, allow_pickle=False) as archive:
-                return {key: torch.from_numpy(np.ascontiguousarray(archive[key])) for key in archive.files}
+            return _as_named(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"), name)
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            return {key: torch.from_numpy(np.ascontiguousarray(archive[key])) for key in archive.files}
     except InputError:
         raise
     except Exception as err:  # noqa: BLE001 - a corrupt or foreign file: name it and the cause
         raise InputError(f"cannot read shard {name}: {type(err).__name__}: {err}") from None
-    raise InputError(f"shard {name} is not one of {', '.join(SHARD_SUFFIXES)}")
+
+
+def check_shard(data: bytes, name: str) -> None:
+    """Refuses, before any parser sees it, a shard whose bytes could make one raise from deep
+    inside or allocate without bound: more than :data:`MAX_SHARD_BYTES`; a safetensors file
+    whose framing does not hold (:func:`~flatpack.stage.integrity.check_safetensors`); a
+    ``.npz`` (or a ``.pt``, a zip too) whose members declare more than
+    :data:`MAX_SHARD_BYTES` uncompressed, one by one or together, or whose ``.npy`` headers
+    claim arrays larger than their members. The zip directory's sizes are read, nothing is
+    decompressed: a 6 MiB zip bomb that would inflate to 6 GiB costs nothing."""
+    if len(data) > MAX_SHARD_BYTES:
+        raise InputError(f"shard {name} has {len(data):,} bytes, more than the {MAX_SHARD_BYTES:,} a shard may have; "
+                         "split the data into smaller shards")
+    if name.endswith(".safetensors"):
+        check_safetensors(data, f"shard {name}", error=InputError)
+    elif name.endswith(".npz"):
+        _check_zip(io.BytesIO(data), name, npy=True)
+    elif name.endswith(".pt") and zipfile.is_zipfile(io.BytesIO(data)):
+        # torch.save writes a zip (a legacy .pt is a plain pickle stream, which weights_only reads bounded)
+        _check_zip(io.BytesIO(data), name, npy=False)
+
+
+def _check_zip(source: IO[bytes], name: str, *, npy: bool) -> None:
+    """A zip's directory (and its ``.npy`` headers) against the limits; reads only those."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            members = archive.infolist()
+            if len(members) > MAX_SHARD_MEMBERS:
+                raise InputError(f"shard {name} holds {len(members):,} members, more than the {MAX_SHARD_MEMBERS:,} "
+                                 "a shard may have; store fewer, larger arrays per shard")
+            total = 0
+            for member in members:
+                # the size the zip directory declares; zipfile never inflates a member past it
+                if member.file_size > MAX_SHARD_BYTES:
+                    raise InputError(f"shard {name}: the member {member.filename[:80]!r} declares "
+                                     f"{member.file_size:,} bytes uncompressed, more than the {MAX_SHARD_BYTES:,} a "
+                                     "shard may hold; split the data into smaller shards")
+                total += member.file_size
+                if total > MAX_SHARD_BYTES:
+                    raise InputError(f"shard {name}: its members declare {total:,}+ bytes uncompressed together, "
+                                     f"more than the {MAX_SHARD_BYTES:,} a shard may hold (a zip bomb, or data to "
+                                     "split into smaller shards)")
+            # every size first: a header is inflated to be read, and only within the limits
+            for member in members:
+                if npy and member.filename.endswith(".npy"):
+                    _check_npy_header(archive, member, name)
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - zipfile's and numpy's many errors for a corrupt archive
+        raise InputError(f"cannot read shard {name}: it is not a valid {'.npz' if npy else '.pt'} archive "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def _check_npy_header(archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> None:
+    """An array's ``.npy`` header against its member's declared size: numpy allocates the
+    shape the header claims before it reads the data, so a header claiming more than the
+    member holds is refused here instead of allocated there."""
+    with archive.open(member) as stream:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(stream, max_header_size=MAX_NPY_HEADER)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(stream, max_header_size=MAX_NPY_HEADER)
+        else:
+            raise InputError(f"shard {name}: the array {member.filename[:80]!r} has .npy format version {version}, "
+                             "not 1.0 or 2.0; save it with numpy.savez")
+        header_end = stream.tell()
+    if dtype.hasobject:
+        raise InputError(f"shard {name}: the array {member.filename[:80]!r} holds Python objects, which are never "
+                         "unpickled; store numeric arrays")
+    needed = math.prod(shape) * dtype.itemsize
+    if needed > member.file_size - header_end:
+        raise InputError(f"shard {name}: the array {member.filename[:80]!r} claims shape {shape} of {dtype} "
+                         f"({needed:,} bytes) but its member holds {member.file_size - header_end:,}; the file is "
+                         "corrupted or hostile")
+
+
+def _safetensors_columns(file: IO[bytes], size: int, name: str) -> dict[str, _Shape]:
+    """A safetensors shard's tensors as shapes and dtypes, from its header alone: the framing
+    is checked (:func:`~flatpack.stage.integrity.check_safetensors`) on the header and the
+    file's size, without reading the data section."""
+    head = file.read(8)
+    header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if header_len <= MAX_SAFETENSORS_HEADER_BYTES:
+        head += file.read(header_len)
+    header = check_safetensors(head, f"shard {name}", error=InputError, size=size)
+    return {key: _Shape(entry["shape"], entry["dtype"]) for key, entry in header.items() if key != "__metadata__"}
 
 
 class _Shape:
-    """A safetensors slice seen as far as :func:`shard_schema` looks: shape and dtype."""
+    """A safetensors tensor seen as far as :func:`shard_schema` looks: shape and dtype."""
 
     _DTYPES: ClassVar[dict[str, str]] = {
         "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
         "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
-    def __init__(self, view: Any) -> None:
-        self.shape = tuple(view.get_shape())
-        dtype: str = view.get_dtype()
+    def __init__(self, shape: list[int], dtype: str) -> None:
+        self.shape = tuple(shape)
         self.dtype = "torch." + self._DTYPES.get(dtype, dtype.lower())
 
     def dim(self) -> int:
@@ -241,22 +343,37 @@ class ShardDirectory(ShardSource):
 
     def columns(self, name: str) -> tuple[int, Schema]:
         """From the file's header where the format has one (safetensors: shapes and dtypes
-        without reading the data; .pt: memory-mapped), so checking a large directory is cheap."""
+        without reading the data; .pt: its zip directory checked, then memory-mapped), so
+        checking a large directory is cheap. The file is opened once, as a regular file of
+        bounded size, and checked as :func:`read_shard` checks it."""
         path = self.path / name
+        if not name.endswith((".safetensors", ".pt")):
+            return super().columns(name)
+        fd = safeio.open_regular(path, what=f"shard {name}")
         try:
-            if name.endswith(".safetensors"):
-                with safe_open(str(path), framework="pt") as handle:
-                    # a safetensors handle has keys() but is not iterable itself
-                    shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}  # noqa: SIM118
-                    return shard_schema(shapes, name)
-            if name.endswith(".pt"):
-                return shard_schema(_as_named(torch.load(path, weights_only=True, mmap=True, map_location="cpu"),
-                                              name), name)
+            with os.fdopen(os.dup(fd), "rb") as file:
+                size = os.fstat(fd).st_size
+                if size > MAX_SHARD_BYTES:
+                    raise InputError(f"shard {name} has {size:,} bytes, more than the {MAX_SHARD_BYTES:,} a shard "
+                                     "may have; split the data into smaller shards")
+                if name.endswith(".safetensors"):
+                    return shard_schema(_safetensors_columns(file, size, name), name)
+                if zipfile.is_zipfile(file):
+                    _check_zip(file, name, npy=False)
+                # memory-mapped through the descriptor already checked (Linux names it under /proc)
+                proc = f"/proc/self/fd/{fd}"
+                if os.path.exists(proc):
+                    loaded = torch.load(proc, weights_only=True, mmap=True, map_location="cpu")
+                else:
+                    file.seek(0)
+                    loaded = torch.load(file, weights_only=True, map_location="cpu")
+                return shard_schema(_as_named(loaded, name), name)
         except InputError:
             raise
         except Exception as err:  # noqa: BLE001 - a corrupt or foreign file: name it and the cause
             raise InputError(f"cannot read shard {name}: {type(err).__name__}: {err}") from None
-        return super().columns(name)
+        finally:
+            os.close(fd)
 
     def describe(self) -> str:
         return f"shards in {self.path}"

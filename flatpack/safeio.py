@@ -68,12 +68,16 @@ def read_bounded(path: str | os.PathLike, *, limit: int, what: str, error: type[
     larger than ``limit`` bytes; a file that grows while it is read is refused too."""
     fd = open_regular(path, what=what, error=error, dir_fd=dir_fd)
     try:
-        return _read_fd(fd, limit=limit, what=what, path=path, error=error)
+        return read_fd(fd, limit=limit, what=what, path=path, error=error)
     finally:
         os.close(fd)
 
 
-def _read_fd(fd: int, *, limit: int, what: str, path: str | os.PathLike, error: type[FlatpackError]) -> bytes:
+def read_fd(fd: int, *, limit: int, what: str, path: str | os.PathLike,
+            error: type[FlatpackError] = InputError) -> bytes:
+    """The bytes of the open regular file ``fd`` (from :func:`open_regular` or
+    :func:`open_beneath`), refused before reading when ``fstat`` says it has more than
+    ``limit`` bytes, and refused if it grows past ``limit`` while it is read."""
     size = os.fstat(fd).st_size
     if size > limit:
         raise _fail(error, f"{what}: {path} has {size:,} bytes, more than the {limit:,} this file may have")
@@ -116,7 +120,8 @@ def json_depth(text: str) -> int:
 def parse_json(data: bytes | str, *, what: str, error: type[FlatpackError] = InputError,
                max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``data`` parsed as strict JSON: UTF-8, at most ``max_depth`` levels deep, no duplicate
-    keys, no ``NaN``/``Infinity``; anything else is ``error`` naming ``what``."""
+    keys, no ``NaN``/``Infinity`` and no number that overflows a float (``1e999``); anything
+    else is ``error`` naming ``what``."""
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as exc:
@@ -136,8 +141,16 @@ def parse_json(data: bytes | str, *, what: str, error: type[FlatpackError] = Inp
     def no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
 
+    def finite_float(literal: str) -> float:
+        # 1e999 is valid JSON that Python's float() turns into inf, which NaN checks downstream miss
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {literal[:40]} is too large for a float")
+        return value
+
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant,
+                          parse_float=finite_float)
     except (ValueError, RecursionError) as exc:
         raise _fail(error, f"{what} is not valid JSON: {exc}") from None
 
@@ -226,6 +239,6 @@ def read_beneath(root_fd: int, relative: str, *, limit: int, what: str,
     """:func:`read_bounded` of ``relative`` reached by :func:`open_beneath` (no link followed)."""
     fd = open_beneath(root_fd, relative, what=what, error=error)
     try:
-        return _read_fd(fd, limit=limit, what=what, path=relative, error=error)
+        return read_fd(fd, limit=limit, what=what, path=relative, error=error)
     finally:
         os.close(fd)

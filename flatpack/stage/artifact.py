@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -96,11 +97,21 @@ def parse_stage(contents: dict[str, bytes], where: str) -> StageArtifact:
                                 "Recompile the model, or restore the file from the original output.")
     # the framing is checked before safetensors parses it (header size, tensor bounds)
     check_safetensors(contents[WEIGHTS_FILE], f"{where}/{WEIGHTS_FILE}")
-    tensors = load_safetensors(contents[WEIGHTS_FILE])
+    try:
+        tensors = load_safetensors(contents[WEIGHTS_FILE])
+    except (SafetensorError, KeyError, TypeError, ValueError, RuntimeError) as err:
+        # the framing check mirrors the parser's; this names the file should the two ever disagree
+        raise ArtifactError(f"{where}/{WEIGHTS_FILE} passed the framing check but safetensors refused it "
+                            f"({type(err).__name__}: {err}); recompile the model") from None
+    try:
+        source = contents[SOURCE_FILE].decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ArtifactError(f"{where}/{SOURCE_FILE} is not UTF-8 text (byte {err.start}); the stage code flatpack "
+                            "writes always is: recompile the model") from None
     missing = {entry.name for entry in manifest.parameters} - tensors.keys()
     if missing:
         raise ArtifactError(f"{where}/{WEIGHTS_FILE} lacks {sorted(missing)[:3]}; recompile the model")
-    return StageArtifact(manifest.stage, contents[SOURCE_FILE].decode(), tensors, manifest)
+    return StageArtifact(manifest.stage, source, tensors, manifest)
 
 
 def build_module(artifact: StageArtifact, filename: str = "<flatpack stage>") -> nn.Module:

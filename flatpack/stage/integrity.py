@@ -25,13 +25,15 @@ import os
 import re
 import stat
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
+from flatpack import safeio
 from flatpack.errors import ArtifactError, FlatpackError, InputError
-from flatpack.safeio import expect_mapping, finite, parse_json, read_bounded
+from flatpack.safeio import expect_mapping, finite, parse_json
 
 INDEX_FILE = "flatpack.index.json"
 SIGNATURE_FILE = "flatpack.index.sig"
@@ -47,7 +49,14 @@ ENV_KEY_PREFIX = "env:"
 # offsets) is far below it, so a larger claim means the bytes are not flatpack's.
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 _HEADER_LEN = struct.Struct("<Q")
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+# An index lists a few files per stage (~150 bytes each): 16 MiB is over 100,000 files. A
+# signature document is under 300 bytes.
+MAX_INDEX_BYTES = 16 * safeio.MiB
+MAX_SIGNATURE_BYTES = 64 * 1024
+# Every other file but the weights (flatpack.json, plan.json, a manifest, stage.py) is text flatpack
+# wrote: a few MiB for the largest model. Weights are bounded by the size the index records.
+MAX_TEXT_FILE_BYTES = 256 * safeio.MiB
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
                 "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _PATH_PART = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -102,10 +111,7 @@ class Index:
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Index:
         """Parses and checks an index's bytes (call it after the digest or signature check)."""
-        try:
-            document = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ArtifactError(f"{where} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
+        document = safeio.parse_json(raw, what=where, error=ArtifactError)
         if not isinstance(document, dict) or document.get("kind") != INDEX_KIND:
             raise ArtifactError(f"{where} is not a flatpack index (kind {INDEX_KIND!r} expected); recompile the model")
         if document.get("schema_version") != INDEX_SCHEMA_VERSION:
@@ -442,49 +448,85 @@ class Verified:
         return self.index.digest
 
 
-def _read_regular(path: Path, shown: str) -> bytes:
-    """The file's bytes, refusing a symlink or anything but a regular file (no following)."""
+@contextmanager
+def open_artifact(root: Path) -> Iterator[int]:
+    """A descriptor of the artifact directory ``root``: every file of it is then read below
+    this descriptor (:func:`read_file`), so a stage directory swapped for a symlink after the
+    scan is refused instead of followed."""
+    fd = safeio.open_directory(root, what="the artifact directory", error=ArtifactError)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_file(root_fd: int, root: Path, name: str, *, limit: int, size: int | None = None) -> bytes:
+    """The bytes of ``name`` below the open artifact directory ``root_fd``: a regular file
+    reached with no symlink at any component, refused before a byte is read when it is larger
+    than ``limit`` or, with ``size`` (what the index records), of another size."""
+    shown = str(root / name)
+    try:
+        os.stat(name, dir_fd=root_fd, follow_symlinks=False)
     except FileNotFoundError:
-        raise ArtifactError(f"{shown} is missing; the artifact is incomplete. Recompile the model.") from None
-    except OSError as err:
-        if path.is_symlink():
-            raise ArtifactError(f"{shown} is a symbolic link; an artifact's files must be regular files inside it. "
-                                "Replace the link with the file, or recompile.") from None
-        raise ArtifactError(f"cannot read {shown}: {err}") from None
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-            raise ArtifactError(f"{shown} is not a regular file; recompile the model")
-        return file.read()
+        # only for the message: the file itself is opened below, component by component
+        raise ArtifactError(f"{shown} is missing; the artifact is incomplete. Recompile the model, or restore the "
+                            "file from the original output.") from None
+    except OSError:
+        pass   # a link or a non-directory on the way: open_beneath names it
+    fd = safeio.open_beneath(root_fd, name, what=shown, error=ArtifactError)
+    try:
+        actual = os.fstat(fd).st_size
+        if size is not None and actual != size:
+            # the index's own wording: whatever the file is (a 6 GiB sparse file), none of it is read
+            cause = "truncated" if actual < size else "longer than it was written"
+            raise ArtifactError(f"{shown} has {actual:,} bytes but {INDEX_FILE} records {size:,}: the file is "
+                                f"{cause}. Recompile the model, or restore the file from the original output.")
+        return safeio.read_fd(fd, limit=limit if size is None else size, what=shown, path=name, error=ArtifactError)
+    finally:
+        os.close(fd)
 
 
-def _scan(root: Path, under: str | None) -> list[str]:
-    """Relative paths of the files below ``root`` (or its subdirectory ``under``); refuses
-    symbolic links and anything that is neither a file nor a directory."""
-    start = root / under if under else root
-    if start.is_symlink():
-        raise ArtifactError(f"{start} is a symbolic link; an artifact's files must be inside it. Recompile.")
+def _scan(root: Path, root_fd: int, under: str | None) -> list[str]:
+    """Relative paths of the files below the open directory ``root_fd`` (or its subdirectory
+    ``under``), walked by descriptor; refuses symbolic links and anything that is neither a
+    file nor a directory."""
+    start_fd = root_fd
+    if under:
+        try:
+            mode = os.stat(under, dir_fd=root_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            raise ArtifactError(f"{root / under} does not exist; it is not a stage of this artifact") from None
+        if stat.S_ISLNK(mode):
+            raise ArtifactError(f"{root / under} is a symbolic link; an artifact's files must be inside it. "
+                                "Recompile.")
+        start_fd = safeio.open_beneath(root_fd, under, what=str(root / under), error=ArtifactError, directory=True)
     found = []
-    for current, dirs, files in os.walk(start, followlinks=False):
-        for name in [*dirs, *files]:
-            path = Path(current) / name
-            mode = os.lstat(path).st_mode
-            if stat.S_ISLNK(mode):
-                raise ArtifactError(f"{path} is a symbolic link; an artifact's files must be regular files inside "
-                                    "it. Replace the link with the file, or recompile.")
-            if stat.S_ISREG(mode):
-                found.append(path.relative_to(root).as_posix())
-            elif not stat.S_ISDIR(mode):
-                raise ArtifactError(f"{path} is not a regular file; remove it from the artifact")
+    try:
+        for current, dirs, files, current_fd in os.fwalk(".", dir_fd=start_fd, follow_symlinks=False):
+            for name in [*dirs, *files]:
+                relative = os.path.normpath(os.path.join(under or ".", current, name))
+                mode = os.stat(name, dir_fd=current_fd, follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    raise ArtifactError(f"{root / relative} is a symbolic link; an artifact's files must be regular "
+                                        "files inside it. Replace the link with the file, or recompile.")
+                if stat.S_ISREG(mode):
+                    found.append(Path(relative).as_posix())
+                elif not stat.S_ISDIR(mode):
+                    raise ArtifactError(f"{root / relative} is not a regular file (a FIFO, socket or device); "
+                                        "remove it from the artifact")
+    finally:
+        if start_fd != root_fd:
+            os.close(start_fd)
     return found
 
 
 def read_index(root: str | os.PathLike, *, digest: str | None = None, verify_key: str | os.PathLike | None = None,
-               name: str | None = None, min_version: int | None = None) -> tuple[Index, str, Signature | None]:
+               name: str | None = None, min_version: int | None = None,
+               root_fd: int | None = None) -> tuple[Index, str, Signature | None]:
     """The artifact's index, checked against ``digest`` and/or the signature under
     ``verify_key`` (whose subject must be ``name`` at ``min_version`` or later, when given)
-    before it is parsed; what vouched for it (see :class:`Verified`); and the signature."""
+    before it is parsed; what vouched for it (see :class:`Verified`); and the signature.
+    ``root_fd``: the artifact directory already open (see :func:`open_artifact`)."""
     if verify_key is None and (name is not None or min_version is not None):
         raise InputError("a required artifact name or least version is checked against the signature: pass the "
                          "key that signed it too (verify_key= / --verify-key)")
@@ -493,22 +535,32 @@ def read_index(root: str | os.PathLike, *, digest: str | None = None, verify_key
     if min_version is not None:
         check_subject_version(min_version, "the least version required (min_version= / --min-version)")
     root = Path(root)
+    if root_fd is None:
+        with open_artifact(root) as fd:
+            return read_index(root, digest=digest, verify_key=verify_key, name=name, min_version=min_version,
+                              root_fd=fd)
     index_path = root / INDEX_FILE
-    if not index_path.exists() and not index_path.is_symlink():
+    try:
+        os.stat(INDEX_FILE, dir_fd=root_fd, follow_symlinks=False)
+    except FileNotFoundError:
         raise ArtifactError(f"{root} has no {INDEX_FILE}: it was not written by this flatpack (or was stripped of its "
-                            "index), so none of its files can be verified. Recompile the model with this version.")
-    raw = _read_regular(index_path, str(index_path))
+                            "index), so none of its files can be verified. Recompile the model with this version.") \
+            from None
+    # a FIFO, a device or a 6 GiB file in the index's place is refused before a byte is read
+    raw = read_file(root_fd, root, INDEX_FILE, limit=MAX_INDEX_BYTES)
     trust = "directory"
     if digest is not None:
         check_digest(raw, digest, str(index_path))
         trust = "digest"
     signature = None
     if verify_key is not None:
-        signature_path = root / SIGNATURE_FILE
         document = None
-        if signature_path.exists() or signature_path.is_symlink():
-            document = read_bounded(signature_path, limit=MAX_SIGNATURE_BYTES, what=str(signature_path),
-                                    error=ArtifactError)
+        try:
+            os.stat(SIGNATURE_FILE, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            document = read_file(root_fd, root, SIGNATURE_FILE, limit=MAX_SIGNATURE_BYTES)
         signature = check_signature(raw, document, verify_key, str(root), name=name, min_version=min_version)
         trust = "digest" if digest is not None else "signature"
     return Index.parse(raw, str(index_path)), trust, signature
@@ -518,28 +570,34 @@ def read_verified(root: str | os.PathLike, *, digest: str | None = None, verify_
                   under: str | None = None, name: str | None = None, min_version: int | None = None) -> Verified:
     """Reads the artifact at ``root`` and checks it: the index against ``digest`` / the
     signature (and its subject against ``name`` and ``min_version``), then every file (or only
-    those below ``under``, a stage directory) against the index — sizes, sha256, no symlinks,
-    no unlisted files, safetensors headers in bounds. Nothing is imported or executed here."""
+    those below ``under``, a stage directory) against the index — sizes (from ``fstat``, before
+    reading), sha256, no symlinks at any component, no unlisted files, safetensors framing.
+    Every file is read below one descriptor of ``root``. Nothing is imported or executed here."""
     root = Path(root)
-    if not root.is_dir():
-        raise ArtifactError(f"{root} is not a directory; pass the directory `flatpack compile --out` wrote")
-    index, trust, signature = read_index(root, digest=digest, verify_key=verify_key, name=name,
-                                         min_version=min_version)
-    present = set(_scan(root, under)) - {INDEX_FILE, SIGNATURE_FILE}
-    wanted = [listed for listed in index.files if under is None or listed.startswith(f"{under}/")]
-    if under is not None and not wanted:
-        raise ArtifactError(f"{root}/{INDEX_FILE} lists no files under {under}/; it is not a stage of this artifact")
-    unlisted = sorted(present - set(wanted))
-    if unlisted:
-        raise ArtifactError(f"{root / unlisted[0]} is not listed in {root}/{INDEX_FILE}; the artifact was altered. "
-                            "Remove the file or recompile the model.")
-    files = {}
-    for listed in wanted:
-        shown = str(root / listed)
-        data = index.check(listed, _read_regular(root / listed, shown), shown)
-        if listed.endswith(".safetensors"):
-            check_safetensors(data, shown)
-        files[listed] = data
+    with open_artifact(root) as root_fd:
+        index, trust, signature = read_index(root, digest=digest, verify_key=verify_key, name=name,
+                                             min_version=min_version, root_fd=root_fd)
+        present = set(_scan(root, root_fd, under)) - {INDEX_FILE, SIGNATURE_FILE}
+        wanted = [listed for listed in index.files if under is None or listed.startswith(f"{under}/")]
+        if under is not None and not wanted:
+            raise ArtifactError(f"{root}/{INDEX_FILE} lists no files under {under}/; it is not a stage of this "
+                                "artifact")
+        unlisted = sorted(present - set(wanted))
+        if unlisted:
+            raise ArtifactError(f"{root / unlisted[0]} is not listed in {root}/{INDEX_FILE}; the artifact was altered. "
+                                "Remove the file or recompile the model.")
+        files = {}
+        for listed in wanted:
+            shown = str(root / listed)
+            entry = index.files[listed]
+            if not listed.endswith(".safetensors") and entry.size > MAX_TEXT_FILE_BYTES:
+                raise ArtifactError(f"{root}/{INDEX_FILE} records {entry.size:,} bytes for {listed}, more than the "
+                                    f"{MAX_TEXT_FILE_BYTES:,} any file of an artifact but its weights may have; the "
+                                    "artifact is corrupted or hostile, recompile it")
+            data = index.check(listed, read_file(root_fd, root, listed, limit=entry.size, size=entry.size), shown)
+            if listed.endswith(".safetensors"):
+                check_safetensors(data, shown)
+            files[listed] = data
     return Verified(index, files, trust, signature)
 
 
@@ -554,47 +612,94 @@ def verify_files(index: Index, contents: Mapping[str, bytes], where: str) -> Non
 
 # -- weights ---------------------------------------------------------------------------------
 
-def check_safetensors(data: bytes, where: str, max_header_bytes: int = MAX_SAFETENSORS_HEADER_BYTES) -> None:
-    """Checks a safetensors buffer's framing before any parser sees it: the 8-byte
-    little-endian header length is within the file and ``max_header_bytes``, the header is a
-    JSON object, and every tensor's byte range lies inside the data section and matches its
-    dtype and shape. Raises ArtifactError naming ``where``."""
-    if len(data) < _HEADER_LEN.size:
-        raise ArtifactError(f"{where} has {len(data)} bytes, fewer than a safetensors header length: the file is "
-                            "truncated. Recompile the model, or restore the file.")
+def check_safetensors(data: bytes, where: str, max_header_bytes: int = MAX_SAFETENSORS_HEADER_BYTES, *,
+                      error: type[FlatpackError] = ArtifactError, size: int | None = None) -> dict[str, Any]:
+    """Checks a safetensors buffer's framing before any parser sees it, as strictly as the
+    safetensors parser itself, so that it never raises: the 8-byte little-endian header length
+    is within the file and ``max_header_bytes``; the header is strict JSON (UTF-8, at most
+    :data:`flatpack.safeio.MAX_JSON_DEPTH` deep, no duplicate keys), an object whose
+    ``__metadata__``, if any, maps strings to strings; every tensor's dtype is known, its shape
+    whole numbers whose product fits 64 bits, and its byte range matches dtype and shape; and
+    the ranges, taken in order, tile the data section exactly (no overlap, no gap, no trailing
+    bytes). Raises ``error`` (ArtifactError; InputError for a data shard) naming ``where``.
+    ``size``: the file's size when ``data`` holds only its first bytes (the header). Returns
+    the header."""
+    size = len(data) if size is None else size
+    if size < _HEADER_LEN.size or len(data) < _HEADER_LEN.size:
+        raise error(f"{where} has {size} bytes, fewer than a safetensors header length: the file is "
+                    "truncated. Recompile the model, or restore the file.")
     (header_len,) = _HEADER_LEN.unpack_from(data)
     if header_len > max_header_bytes:
-        raise ArtifactError(f"{where} claims a {header_len}-byte safetensors header, over the {max_header_bytes}-byte "
-                            "limit: the file is corrupted or hostile. Recompile the model.")
-    if _HEADER_LEN.size + header_len > len(data):
-        raise ArtifactError(f"{where} claims a {header_len}-byte header but has {len(data)} bytes: the file is "
-                            "truncated. Recompile the model, or restore the file.")
-    try:
-        header = json.loads(data[_HEADER_LEN.size:_HEADER_LEN.size + header_len])
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{where}'s safetensors header is not valid JSON ({err}); recompile the model") from None
+        raise error(f"{where} claims a {header_len}-byte safetensors header, over the {max_header_bytes}-byte "
+                    "limit: the file is corrupted or hostile. Recompile the model.")
+    if _HEADER_LEN.size + header_len > min(size, len(data)):
+        raise error(f"{where} claims a {header_len}-byte header but has {size} bytes: the file is "
+                    "truncated. Recompile the model, or restore the file.")
+    header = safeio.parse_json(data[_HEADER_LEN.size:_HEADER_LEN.size + header_len],
+                               what=f"{where}'s safetensors header", error=error)
     if not isinstance(header, dict):
-        raise ArtifactError(f"{where}'s safetensors header is not a JSON object; recompile the model")
-    body = len(data) - _HEADER_LEN.size - header_len
+        raise error(f"{where}'s safetensors header is a JSON {type(header).__name__}, not an object; "
+                    "recompile the model")
+    body = size - _HEADER_LEN.size - header_len
+    ranges: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            _check_metadata(entry, where, error)
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            count = 1
-            for dim in shape:
-                if not isinstance(dim, int) or dim < 0:
-                    raise ValueError(dim)
-                count *= dim
-            width = _DTYPE_BYTES[dtype]
-            if not (isinstance(begin, int) and isinstance(end, int)):
-                raise ValueError((begin, end))
-        except (KeyError, TypeError, ValueError):
-            raise ArtifactError(f"{where}: the tensor {str(name)[:80]!r} has a malformed entry in its safetensors "
-                                "header; recompile the model") from None
+        begin, end, needed = _tensor_range(name, entry, where, error)
         if not 0 <= begin <= end <= body:
-            raise ArtifactError(f"{where}: the tensor {str(name)[:80]!r} claims bytes {begin}..{end} but the data "
-                                f"section has {body} bytes: the file is truncated or hostile. Recompile the model.")
-        if end - begin != count * width:
-            raise ArtifactError(f"{where}: the tensor {str(name)[:80]!r} ({dtype}, shape {shape}) needs "
-                                f"{count * width} bytes but its offsets span {end - begin}; recompile the model")
+            raise error(f"{where}: the tensor {name[:80]!r} claims bytes {begin}..{end} but the data "
+                        f"section has {body} bytes: the file is truncated or hostile. Recompile the model.")
+        if end - begin != needed:
+            raise error(f"{where}: the tensor {name[:80]!r} ({entry['dtype']}, shape {entry['shape']}) needs "
+                        f"{needed} bytes but its offsets span {end - begin}; recompile the model")
+        ranges.append((begin, end, name))
+    # the parser requires the ranges, in offset order, to cover the data section exactly
+    covered = 0
+    for begin, end, name in sorted(ranges):
+        if begin != covered:
+            how = "overlaps the tensor before it" if begin < covered else f"leaves bytes {covered}..{begin} unused"
+            raise error(f"{where}: the tensor {name[:80]!r} (bytes {begin}..{end}) {how}; tensors must tile the "
+                        "data section. The file is corrupted or hostile: recompile the model.")
+        covered = end
+    if covered != body:
+        raise error(f"{where}: the tensors cover {covered} of the {body} bytes of the data section; the file has "
+                    "trailing bytes. Recompile the model.")
+    return header
+
+
+def _check_metadata(entry: Any, where: str, error: type[FlatpackError]) -> None:
+    if not isinstance(entry, dict):
+        raise error(f"{where}: the safetensors header's __metadata__ is a JSON {type(entry).__name__}, not an "
+                    "object of strings; recompile the model")
+    for key, value in entry.items():
+        if not isinstance(value, str):
+            raise error(f"{where}: the safetensors header's __metadata__[{key[:80]!r}] is a JSON "
+                        f"{type(value).__name__}, not a string; recompile the model")
+
+
+def _tensor_range(name: str, entry: Any, where: str, error: type[FlatpackError]) -> tuple[int, int, int]:
+    """A header entry's byte range and the bytes its dtype and shape need."""
+    def malformed(why: str) -> FlatpackError:
+        return error(f"{where}: the tensor {name[:80]!r} has a malformed entry in its safetensors header ({why}); "
+                     "recompile the model")
+
+    if not isinstance(entry, dict):
+        raise malformed(f"a JSON {type(entry).__name__}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        raise malformed(f"dtype {str(dtype)[:40]!r} is not one of {', '.join(sorted(_DTYPE_BYTES))}")
+    if not isinstance(shape, list) or not all(_whole(dim) for dim in shape):
+        raise malformed("shape is not a list of whole numbers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(offset) for offset in offsets):
+        raise malformed("data_offsets is not [begin, end] in whole numbers")
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count >= 1 << 64:   # the parser multiplies in 64 bits, in order, and refuses an overflow
+            raise malformed(f"shape {shape} has more elements than 64 bits count")
+    return offsets[0], offsets[1], count * _DTYPE_BYTES[dtype]
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from flatpack import safeio
 from flatpack.errors import ArtifactError
 from flatpack.stage.json_fields import Invalid as _Invalid
 from flatpack.stage.json_fields import ints as _ints
@@ -176,10 +177,8 @@ class Manifest:
     def parse(cls, raw: bytes, where: str) -> Manifest:
         """Parses and validates ``manifest.json`` read from ``where``; an ArtifactError names
         what is wrong (never a KeyError later, in whatever reads the field)."""
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ArtifactError(f"{where} is not valid JSON ({err}); the artifact is corrupted, recompile it") from None
+        # strict, bounded JSON: a manifest nested 200,000 deep is an ArtifactError, not a RecursionError
+        data = safeio.parse_json(raw, what=where, error=ArtifactError)
         if not isinstance(data, dict) or data.get("kind") != STAGE_KIND:
             kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
             raise ArtifactError(f"{where} is not a flatpack stage manifest (kind={kind!r})")
