@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from flatpack import safeio
+import flatpack.safeio as safeio
 from flatpack.errors import ArtifactError, FlatpackError, InputError
 from flatpack.safeio import expect_mapping, finite, parse_json
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from flatpack import safeio
+import flatpack.safeio as safeio
 from flatpack.errors import ArtifactError
 from flatpack.stage.json_fields import Invalid as _Invalid
 from flatpack.stage.json_fields import ints as _ints

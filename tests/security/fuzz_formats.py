@@ -292,7 +292,8 @@ class Workspace:
             compiled = flatpack.compile(small_model(), (torch.randn(4, 8),), stages=2)
         self.artifact = compiled.save(root / "artifact")
         os.environ[HMAC_ENV] = HMAC_KEY
-        (self.artifact / SIGNATURE).write_bytes(sign_index((self.artifact / INDEX).read_bytes(), f"env:{HMAC_ENV}"))
+        index = (self.artifact / INDEX).read_bytes()
+        (self.artifact / SIGNATURE).write_bytes(sign_index(index, f"env:{HMAC_ENV}", name="fuzzed", version=1))
         self.pristine = {name: (self.artifact / name).read_bytes()
                          for name in (INDEX, COMPILED, SIGNATURE, MANIFEST, WEIGHTS, WEIGHTS_MANIFEST)}
         self.plan = compiled.plan.dumps().encode()
@@ -312,7 +313,7 @@ class Workspace:
                  for path in sorted(self.artifact.rglob("*")) if path.is_file() and path.name not in (INDEX, SIGNATURE)}
         index = Index.build(files)
         (self.artifact / INDEX).write_bytes(index.raw)
-        (self.artifact / SIGNATURE).write_bytes(sign_index(index.raw, f"env:{HMAC_ENV}"))
+        (self.artifact / SIGNATURE).write_bytes(sign_index(index.raw, f"env:{HMAC_ENV}", name="fuzzed", version=1))
         return index.digest
 
     def file(self, name: str, data: bytes) -> Path:
