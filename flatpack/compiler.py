@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -283,7 +284,10 @@ def sign(directory: str | os.PathLike, key: str | os.PathLike, *, name: str, ver
     atomically and returns the digest it signed. ``key``: an Ed25519 private key file (PEM),
     or ``env:NAME`` for HMAC-SHA256 with the key in that environment variable."""
     verified = read_verified(directory, digest=digest)
-    write_atomic(Path(directory) / SIGNATURE_FILE, sign_index(verified.index.raw, key, name=name, version=version))
+    # as private as the artifact it signs (a saved artifact is 0600 unless saved with private=False)
+    mode = stat.S_IMODE(os.stat(Path(directory) / INDEX_FILE).st_mode)
+    write_atomic(Path(directory) / SIGNATURE_FILE, sign_index(verified.index.raw, key, name=name, version=version),
+                 mode=mode)
     return verified.digest
 
 

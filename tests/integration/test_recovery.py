@@ -20,6 +20,7 @@ import torch
 from flatpack.analysis.reference import train_single_process
 from flatpack.backends import local
 from flatpack.errors import RunFailure
+from tests.helpers import assert_same_weights, flatpack_process, stop_with_sigterm, wait_for_output
 from tests.integration.test_local_training import assert_same_parameters, batches, compiled_with, make_model
 
 pytestmark = pytest.mark.slow
@@ -178,8 +179,6 @@ def test_a_run_whose_s3_server_was_killed_resumes_on_a_new_server_over_the_same_
 def test_a_flatpack_run_stopped_by_sigterm_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     """The command line: SIGTERM of `flatpack run` mid-training, then `flatpack resume OUT`,
     ends with the weights `flatpack run` reaches when nothing stops it, bit for bit."""
-    from safetensors.torch import load_file
-
     from flatpack.cli import main
 
     arguments = ["run", "vgg16", "--batch", "16", "--micro-batches", "2", "--iterations", "5",
@@ -187,29 +186,14 @@ def test_a_flatpack_run_stopped_by_sigterm_resumes_to_the_weights_of_an_uninterr
     assert main([*arguments, "--out", str(tmp_path / "whole")]) == 0
     stopped = tmp_path / "stopped"
     log_path = tmp_path / "stopped.log"
-    with open(log_path, "wb") as log:
-        runner = subprocess.Popen([sys.executable, "-m", "flatpack", *arguments, "--out", str(stopped)],
-                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            deadline = time.time() + 300
-            while "iter 3/5" not in log_path.read_text(errors="replace"):
-                assert runner.poll() is None and time.time() < deadline, log_path.read_text(errors="replace")[-3000:]
-                time.sleep(0.1)
-            runner.send_signal(signal.SIGTERM)
-            assert runner.wait(timeout=60) == 128 + signal.SIGTERM
-        finally:
-            if runner.poll() is None:
-                runner.kill()
-                runner.wait()
+    with flatpack_process([*arguments, "--out", str(stopped)], log_path) as runner:
+        wait_for_output(runner, log_path, "iter 3/5")
+        stop_with_sigterm(runner)
     output = log_path.read_text(errors="replace")
     assert f"flatpack resume {stopped}" in output, output[-3000:]
     assert json.loads((stopped / "run.json").read_text())["state"] == "running"
     assert main(["resume", str(stopped)]) == 0
     assert json.loads((stopped / "run.json").read_text())["state"] == "done"
     assert not (stopped / "store").exists()      # a finished run keeps its weights, not its store
-    whole, resumed = load_file(tmp_path / "whole" / "trained.safetensors"), load_file(stopped / "trained.safetensors")
-    assert whole.keys() == resumed.keys()
-    for name, value in whole.items():
-        assert torch.equal(resumed[name], value), name
+    assert_same_weights(tmp_path / "whole" / "trained.safetensors", stopped / "trained.safetensors")
     assert main(["resume", str(stopped)]) == 0    # nothing left to do, and it says so

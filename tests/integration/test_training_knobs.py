@@ -202,16 +202,9 @@ def test_an_evaluated_run_stopped_mid_call_resumes_every_remaining_call_to_the_s
     calls it had not begun, ending with the uninterrupted run's weights bit for bit (the
     schedule's steps and the accumulation travel in the checkpoints)."""
     import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    from safetensors.torch import load_file
 
     from flatpack.cli import main
+    from tests.helpers import assert_same_weights, flatpack_process, stop_with_sigterm, wait_for_output
 
     arguments = ["run", "mlp", "--batch", "8", "--micro-batches", "2", "--iterations", "6", "--replicas", "1",
                  "--stages", "2", "--checkpoint-every", "1", "--no-verify", "--eval-every", "2",
@@ -219,30 +212,15 @@ def test_an_evaluated_run_stopped_mid_call_resumes_every_remaining_call_to_the_s
                  "--accumulate", "2"]
     assert main([*arguments, "--out", str(tmp_path / "whole")]) == 0
     stopped, log_path = tmp_path / "stopped", tmp_path / "stopped.log"
-    with open(log_path, "wb") as log:
-        runner = subprocess.Popen([sys.executable, "-m", "flatpack", *arguments, "--out", str(stopped)],
-                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            deadline = time.time() + 300
-            while "iter 3/6" not in log_path.read_text(errors="replace"):
-                assert runner.poll() is None and time.time() < deadline, log_path.read_text(errors="replace")[-3000:]
-                time.sleep(0.1)
-            runner.send_signal(signal.SIGTERM)
-            assert runner.wait(timeout=60) == 128 + signal.SIGTERM
-        finally:
-            if runner.poll() is None:
-                runner.kill()
-                runner.wait()
+    with flatpack_process([*arguments, "--out", str(stopped)], log_path) as runner:
+        wait_for_output(runner, log_path, "iter 3/6")
+        stop_with_sigterm(runner)
     assert "evaluation after 2 iterations" in log_path.read_text(errors="replace")
     capsys.readouterr()
     assert main(["resume", str(stopped)]) == 0
     assert "training the run's last 2 iterations" in capsys.readouterr().err   # the logger's narration
     assert json.loads((stopped / "run.json").read_text())["state"] == "done"
-    whole, resumed = load_file(tmp_path / "whole" / "trained.safetensors"), load_file(stopped / "trained.safetensors")
-    assert whole.keys() == resumed.keys()
-    for name, value in whole.items():
-        assert torch.equal(resumed[name], value), name
+    assert_same_weights(tmp_path / "whole" / "trained.safetensors", stopped / "trained.safetensors")
 
 
 class TiedNet(nn.Module):

@@ -4,6 +4,8 @@ shared local S3 server of the integration tests (for the worker tests)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,16 @@ def rewrite_index(root: Path) -> str:
 def hostile_stage_source(source: str, sentinel: Path) -> str:
     """Stage code that creates the sentinel as soon as it is executed."""
     return f"open({str(sentinel)!r}, 'w').close()\n" + source
+
+
+def rewrite_weights(out: Path, data: bytes) -> Path:
+    """Stage 1's weights replaced, its manifest and the index made consistent: only the
+    framing checks stand between the bytes and the safetensors parser."""
+    weights = out / "stage_001" / "weights.safetensors"
+    weights.write_bytes(data)
+    manifest_path = out / "stage_001" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["weights.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    rewrite_index(out)
+    return weights

@@ -31,7 +31,7 @@ from flatpack.data import MAX_SHARD_BYTES, ShardDirectory, read_shard
 from flatpack.errors import ArtifactError, InputError
 from flatpack.stage import integrity
 from flatpack.stage.integrity import INDEX_FILE, check_safetensors
-from tests.security.conftest import rewrite_index
+from tests.security.conftest import rewrite_index, rewrite_weights
 from tests.security.fuzz_formats import _subparser, deep
 
 GiB = 1 << 30
@@ -77,17 +77,6 @@ def framed(header: dict, body: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + body
 
 
-def rewrite_weights(out: Path, data: bytes) -> Path:
-    """Stage 1's weights replaced, its manifest and the index made consistent: only the
-    framing check stands between the bytes and the parser."""
-    weights = out / "stage_001" / "weights.safetensors"
-    weights.write_bytes(data)
-    manifest_path = out / "stage_001" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["weights.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-    rewrite_index(out)
-    return weights
 
 
 def check_exit(out: Path, capsys, *args: str) -> tuple[int, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import stat
 import os
 import shutil
 from pathlib import Path
@@ -367,6 +368,9 @@ def test_cli_sign_with_a_name_then_check_requiring_it(out, keys, tmp_path, capsy
     private, public = keys
     assert main(["sign", str(out), "--key", str(private), "--name", NAME, "--version", "3"]) == 0
     assert f"as {NAME} version 3" in capsys.readouterr().out
+    # as private as the artifact it signs
+    modes = {stat.S_IMODE((out / name).stat().st_mode) for name in (SIGNATURE_FILE, INDEX_FILE)}
+    assert modes == {0o600}
     assert main(["check", str(out), "--verify-key", str(public), "--name", NAME, "--min-version", "3"]) == 0
     captured = capsys.readouterr()
     assert f"signed as {NAME} version 3 at 20" in captured.out and "no name was required" not in captured.err

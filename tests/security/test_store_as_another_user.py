@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.helpers import assert_same_weights, flatpack_process, stop_with_sigterm, wait_for_output
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
@@ -119,8 +117,6 @@ def _attack_as_nobody(ports: list[int]) -> list[list]:
 
 
 def test_another_user_gets_nothing_from_a_live_runs_store_and_the_run_resumes_to_the_same_weights(tmp_path):
-    from safetensors.torch import load_file
-
     from flatpack.cli import main
 
     arguments = ["run", "mlp", "--batch", "16", "--micro-batches", "2", "--iterations", "60", "--stages", "2",
@@ -128,29 +124,21 @@ def test_another_user_gets_nothing_from_a_live_runs_store_and_the_run_resumes_to
     assert main([*arguments, "--out", str(tmp_path / "untouched")]) == 0
     attacked = tmp_path / "attacked"
     log_path = tmp_path / "attacked.log"
-    with open(log_path, "wb") as log:
+    weed: list[int] = []
 
-        runner = subprocess.Popen([sys.executable, "-m", "flatpack", *arguments, "--out", str(attacked)],
-                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=Path(__file__).resolve().parents[2],
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            deadline = time.time() + 300
-            pid = None
-            while pid is None or "iter 2/60" not in log_path.read_text(errors="replace"):
-                assert runner.poll() is None and time.time() < deadline, log_path.read_text(errors="replace")[-3000:]
-                pid = pid or _weed_serving(attacked / "store")
-                time.sleep(0.05)
-            ports = _listening_ports(pid)
-            assert len(ports) >= 9, ports       # master, volume, filer, s3, admin: HTTP and gRPC
-            results = _attack_as_nobody(ports)
-            assert runner.poll() is None, "the run ended before the attack did; it cannot show the store held"
-            runner.send_signal(signal.SIGTERM)
-            assert runner.wait(timeout=60) == 128 + signal.SIGTERM
-        finally:
-            if runner.poll() is None:
-                runner.kill()
-                runner.wait()
+    def find_weed() -> None:
+        if not weed and (pid := _weed_serving(attacked / "store")) is not None:
+            weed.append(pid)
+
+    with flatpack_process([*arguments, "--out", str(attacked)], log_path) as runner:
+        wait_for_output(runner, log_path, "iter 2/60", also=find_weed)
+        find_weed()
+        assert weed, "no weed process serves the run's store"
+        ports = _listening_ports(weed[0])
+        assert len(ports) >= 9, ports       # master, volume, filer, s3, admin: HTTP and gRPC
+        results = _attack_as_nobody(ports)
+        assert runner.poll() is None, "the run ended before the attack did; it cannot show the store held"
+        stop_with_sigterm(runner)
 
     answered = [r for r in results if isinstance(r[4], int) and 200 <= r[4] < 300]
     allowed = [r for r in answered if (r[2], r[3]) in LIVENESS and r[1] == "http" and r[5] == ""]
@@ -160,8 +148,4 @@ def test_another_user_gets_nothing_from_a_live_runs_store_and_the_run_resumes_to
     assert {r[0] for r in results} == set(ports) and len(results) == len(ports) * 2 * len(ATTACK)
 
     assert main(["resume", str(attacked)]) == 0
-    untouched = load_file(tmp_path / "untouched" / "trained.safetensors")
-    resumed = load_file(attacked / "trained.safetensors")
-    assert untouched.keys() == resumed.keys()
-    for name, value in untouched.items():
-        assert torch.equal(resumed[name], value), name
+    assert_same_weights(tmp_path / "untouched" / "trained.safetensors", attacked / "trained.safetensors")

@@ -21,7 +21,7 @@ import flatpack
 from flatpack.errors import ArtifactError
 from flatpack.stage.artifact import load_stage
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE, check_safetensors, sign_index
-from tests.security.conftest import hostile_stage_source, rewrite_index
+from tests.security.conftest import hostile_stage_source, rewrite_index, rewrite_weights
 
 
 def refused(out: Path, sentinel: Path, *names: str, **trust) -> str:
@@ -212,21 +212,10 @@ def test_symlinked_stage_directory_is_refused(out, sentinel, tmp_path):
     refused(out, sentinel, str(stage), "symbolic link")
 
 
-def _rewrite_weights(out: Path, data: bytes) -> Path:
-    """Replaces stage 1's weights and fixes the manifest and index, so only the framing checks
-    stand between the bytes and the safetensors parser."""
-    weights = out / "stage_001" / "weights.safetensors"
-    weights.write_bytes(data)
-    manifest_path = out / "stage_001" / "manifest.json"
-    manifest_json = json.loads(manifest_path.read_text())
-    manifest_json["files"]["weights.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest_path.write_text(json.dumps(manifest_json, indent=2) + "\n")
-    rewrite_index(out)
-    return weights
 
 
 def test_oversized_safetensors_header_is_refused(out, sentinel):
-    weights = _rewrite_weights(out, struct.pack("<Q", 1 << 40) + b"{}")
+    weights = rewrite_weights(out, struct.pack("<Q", 1 << 40) + b"{}")
     refused(out, sentinel, str(weights), "header", "limit")
 
 
@@ -239,7 +228,7 @@ def test_truncated_weights_are_refused(out, sentinel):
 
 def test_truncated_weights_with_a_rewritten_index_are_refused_by_the_framing(out, sentinel):
     data = (out / "stage_001" / "weights.safetensors").read_bytes()
-    weights = _rewrite_weights(out, data[: len(data) - 16])
+    weights = rewrite_weights(out, data[: len(data) - 16])
     refused(out, sentinel, str(weights), "truncated")
 
 
