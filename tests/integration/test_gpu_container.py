@@ -386,8 +386,10 @@ def test_launch_script_runs_the_context_under_torchrun(tmp_path):
     context = gpu_container.write_context(gpu_container.package(compiled, backend="gloo", iterations=2),
                                           tmp_path / "context")
     torchrun = shutil.which("torchrun") or None
+    # the digest the ranks check their stages against, as the Kubernetes Job sets it (a rank
+    # started without one refuses: tests/security/test_run_records.py)
     env = {**os.environ, "MASTER_PORT": str(gpu_container._free_port()), "FLATPACK_OUT": str(tmp_path / "out"),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "FLATPACK_DIGEST": compiled.digest}
     if torchrun is None:   # the entry point of this interpreter's torch, where no script is on PATH
         env["PATH"] = f"{tmp_path}:{env.get('PATH', '')}"
         shim = tmp_path / "torchrun"
