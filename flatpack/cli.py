@@ -1312,12 +1312,18 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
     if verb not in subparsers.choices:
         return parser.parse_args(rest)    # argparse names the missing or unknown verb
     sub = subparsers.choices[verb]
-    sub.set_defaults(**config_defaults(known.config, sub))
+    others = {action.dest for name, other in subparsers.choices.items() if name != verb
+              for action in other._actions if action.option_strings}
+    sub.set_defaults(**config_defaults(known.config, sub, others))
     return parser.parse_args(rest)
 
 
-def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
+def config_defaults(path: str, parser: argparse.ArgumentParser,
+                    others: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`).
+    A key that is not ``parser``'s option but is in ``others`` (another verb's options, as
+    dests) is skipped, and the skipped keys named once at info level: one file serves every
+    verb. A key that is no verb's option is refused with the close matches."""
     # a regular file of bounded size (a FIFO or /dev/zero given as --config is refused, not read)
     raw = safeio.read_bounded(path, limit=MAX_CONFIG_BYTES, what=f"--config {path}")
     try:
@@ -1331,17 +1337,21 @@ def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any
                          "is a flat table of options") from None
     options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
     defaults: dict[str, Any] = {}
+    verb = parser.prog.split()[-1]
+    skipped = []
     for key, value in table.items():
         dest = key.replace("-", "_")
+        if dest not in options and dest in others:
+            skipped.append(key)
+            continue
         if dest not in options:
             names = sorted(name.replace("_", "-") for name in options)
             close = difflib.get_close_matches(key.replace("_", "-"), names, n=2)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise InputError(f"--config {path}: {key!r} is not an option of `flatpack {parser.prog.split()[-1]}`; "
+            raise InputError(f"--config {path}: {key!r} is not an option of `flatpack {verb}`; "
                              f"{hint}the options are: {', '.join(names)}")
         action = options[dest]
-        if isinstance(value, list):   # lists as TOML arrays, for the comma-separated options
-            value = ",".join(str(item) for item in value)
+        value = _config_value(path, key, action, value)
         wanted = action.type if action.type in (int, float) else None
         if wanted is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                    or (wanted is int and isinstance(value, float))):
@@ -1353,7 +1363,32 @@ def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any
             raise InputError(f"--config {path}: {key!r} must be one of {', '.join(map(str, action.choices))}, "
                              f"got {value!r}")
         defaults[dest] = value
+    if skipped:
+        LOG.info("--config %s: %s %s not %s option of `flatpack %s` (another verb's); skipped",
+                 path, ", ".join(skipped), "is" if len(skipped) == 1 else "are", "an" if len(skipped) == 1 else "its",
+                 verb)
     return defaults
+
+
+def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    """A config ``value`` as the command line would give ``action``: an option that takes
+    text (a comma list such as --micro-batches, a name) takes a TOML string, number or array
+    of them (``micro-batches = 2``, ``replicas = [1, 2]``), as the text ``"2"`` or ``"1,2"``."""
+    takes_text = action.type is None and action.nargs != 0 and not isinstance(
+        action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
+                 argparse._CountAction))
+    if not takes_text:
+        return value
+    scalar = (str, int, float)
+    if isinstance(value, list):   # lists as TOML arrays, for the comma-separated options
+        if not value or any(isinstance(item, bool) or not isinstance(item, scalar) for item in value):
+            raise InputError(f"--config {path}: {key!r} takes text, a number or an array of them (e.g. {key} = "
+                             f"[1, 2] for --{key.replace('_', '-')} 1,2), got {value!r}")
+        return ",".join(str(item) for item in value)
+    if isinstance(value, bool) or not isinstance(value, scalar):
+        raise InputError(f"--config {path}: {key!r} takes text, a number or an array of them (e.g. {key} = [1, 2] "
+                         f"for --{key.replace('_', '-')} 1,2), got {value!r}")
+    return str(value)
 
 
 def _say_interrupted(out: str | None, how: str) -> None:

@@ -1,0 +1,73 @@
+"""The first hour of a new user (issue 41): a TOML config with numbers and arrays for the
+comma-list options, one config file for every verb, --config and the exit codes in every
+verb's help, "did you mean" for misspelt options and verbs, a --help that does not import
+torch, counts in the singular, and refused runs that check their arguments first and leave
+no directory behind."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flatpack import cli
+from flatpack.cli import build_parser, main
+
+
+def _parse(tmp_path, text: str, *argv: str):
+    config = tmp_path / "u.toml"
+    config.write_text(text)
+    return cli.parse_arguments(build_parser(), [*argv, "--config", str(config)])
+
+
+@pytest.mark.parametrize("text, verb, wanted", [
+    ("batch = 16\nmicro-batches = 2\n", "plan", (16, "2", None)),
+    ("micro-batches = [2, 4]\nreplicas = [1, 2]\n", "plan", (64, "2,4", "1,2")),
+    ("replicas = 2\nmemory = [512, 1024]\n", "plan", (64, None, "2")),
+])
+def test_toml_numbers_and_arrays_work_for_the_comma_list_options(tmp_path, text, verb, wanted):
+    args = _parse(tmp_path, text, verb, "mlp")
+    assert (args.batch, args.micro_batches, args.replicas) == wanted
+
+
+def test_the_plan_workload_takes_a_config_integer(tmp_path):
+    args = _parse(tmp_path, "batch = 16\nmicro-batches = 2\nmemory = [512, 1024]\n", "plan", "mlp")
+    workload, options = cli._plan_workload(args)
+    assert workload.micro_batches == 2 and options.memory_mb == (512, 1024)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("micro-batches = {a = 1}\n", "'micro-batches' takes text, a number or an array"),
+    ("replicas = [true]\n", "'replicas' takes text, a number or an array"),
+    ("replicas = []\n", "'replicas' takes text, a number or an array"),
+])
+def test_a_wrongly_typed_list_option_is_a_clean_error_naming_file_and_key(tmp_path, capsys, text, words):
+    config = tmp_path / "u.toml"
+    config.write_text(text)
+    assert main(["plan", "mlp", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and str(config) in err and "Traceback" not in err
+
+
+def test_the_help_example_config_is_valid_for_every_verb_that_takes_it(tmp_path):
+    help_text = " ".join(build_parser().format_help().split())
+    assert "batch = 64, micro-batches = 8, replicas = [1, 2]" in help_text
+    for verb in ("run", "plan", "deploy"):
+        extra = ["--target", "aws-lambda", "--out", str(tmp_path / "o")] if verb == "deploy" else []
+        args = _parse(tmp_path, "batch = 64\nmicro-batches = 8\nreplicas = [1, 2]\n", verb, "mlp", *extra)
+        assert args.batch == 64 and str(args.micro_batches) == "8" and args.replicas == "1,2"
+
+
+def test_a_runs_config_given_to_plan_skips_the_other_verbs_keys(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="flatpack"):
+        args = _parse(tmp_path, 'batch = 16\niterations = 3\nschedule = "1f1b"\n', "plan", "mlp")
+    assert args.batch == 16 and not hasattr(args, "iterations")
+    skipped = [record.getMessage() for record in caplog.records if "skipped" in record.getMessage()]
+    assert len(skipped) == 1 and "iterations, schedule" in skipped[0] and "flatpack plan" in skipped[0]
+
+
+def test_a_key_that_is_no_verbs_option_is_still_refused(tmp_path, capsys):
+    config = tmp_path / "u.toml"
+    config.write_text("micro-batchs = 2\n")
+    assert main(["plan", "mlp", "--config", str(config)]) == 2
+    assert "did you mean micro-batches" in capsys.readouterr().err
