@@ -863,15 +863,25 @@ def _calibrate_container(args: argparse.Namespace, path: Path) -> Any:
                                 device=args.device, timeout_s=args.timeout, report=LOG.info)
 
 
+CONFIG_HELP = ("defaults for the verb's options from a TOML file whose keys are the option names "
+               "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line win, and "
+               "another verb's keys are skipped. Give it anywhere: flatpack run vgg16 --config run.toml")
+
+
+def _every_verb(sub: Any) -> None:
+    """What every verb's --help shows: --config (:func:`parse_arguments` takes it from
+    anywhere on the command line) and the exit codes."""
+    for verb_parser in sub.choices.values():
+        verb_parser.add_argument("--config", metavar="FILE.toml", help=CONFIG_HELP)
+        verb_parser.epilog = EXIT_CODES
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
     _verbosity_args(parser)
-    parser.add_argument("--config", metavar="FILE.toml",
-                        help="defaults for the verb's options from a TOML file whose keys are the option names "
-                             "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line "
-                             "win. Give it anywhere: flatpack run vgg16 --config run.toml")
+    parser.add_argument("--config", metavar="FILE.toml", help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect_parser = sub.add_parser("inspect", help="print the layer chain of a model")
@@ -1250,6 +1260,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "catalog's figures and the store round trip measured at deploy)")
     _json_flag(demo_parser, "demo")
     demo_parser.set_defaults(run=cmd_demo)
+    _every_verb(sub)
     return parser
 
 
@@ -1313,7 +1324,7 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
         return parser.parse_args(rest)    # argparse names the missing or unknown verb
     sub = subparsers.choices[verb]
     others = {action.dest for name, other in subparsers.choices.items() if name != verb
-              for action in other._actions if action.option_strings}
+              for action in other._actions if action.option_strings and action.dest not in ("help", "config")}
     sub.set_defaults(**config_defaults(known.config, sub, others))
     return parser.parse_args(rest)
 
@@ -1335,7 +1346,8 @@ def config_defaults(path: str, parser: argparse.ArgumentParser,
     except RecursionError:
         raise InputError(f"--config {path} nests arrays or tables too deep for the TOML parser; a flatpack config "
                          "is a flat table of options") from None
-    options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
+    options = {action.dest: action for action in parser._actions
+               if action.option_strings and action.dest not in ("help", "config")}
     defaults: dict[str, Any] = {}
     verb = parser.prog.split()[-1]
     skipped = []

@@ -71,3 +71,27 @@ def test_a_key_that_is_no_verbs_option_is_still_refused(tmp_path, capsys):
     config.write_text("micro-batchs = 2\n")
     assert main(["plan", "mlp", "--config", str(config)]) == 2
     assert "did you mean micro-batches" in capsys.readouterr().err
+
+
+def _verbs():
+    return build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+
+
+def test_every_verbs_help_lists_config_and_the_exit_codes(capsys):
+    verbs = _verbs()
+    assert len(verbs) >= 13
+    for verb in verbs:
+        with pytest.raises(SystemExit) as done:
+            main([verb, "--help"])
+        printed = " ".join(capsys.readouterr().out.split())
+        assert done.value.code == 0
+        assert "--config FILE.toml" in printed and "options given on the command line win" in printed, verb
+        assert "exit codes: 0 success; 1 a run failed" in printed and "2 bad input" in printed, verb
+        assert "128+N stopped by signal N" in printed, verb
+
+
+def test_config_after_the_verb_still_gives_defaults(tmp_path):
+    config = tmp_path / "u.toml"
+    config.write_text("batch = 8\n")
+    args = cli.parse_arguments(build_parser(), ["plan", "--config", str(config), "mlp"])
+    assert args.batch == 8
