@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -863,6 +864,54 @@ def _calibrate_container(args: argparse.Namespace, path: Path) -> Any:
                                 device=args.device, timeout_s=args.timeout, report=LOG.info)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a misspelt option, verb or choice (difflib's close
+    matches; Python 3.11's argparse has no suggest_on_error), said on one error line, exit 2."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        assert parsed is not None    # parse_known_args returns a namespace
+        if extras:
+            verb = self._verb_parser(parsed)
+            options = sorted({name for action in verb._actions for name in action.option_strings})
+            said = []
+            after_option = False   # a word after an unrecognized --option is taken as its value
+            for extra in extras:
+                if not extra.startswith("-"):
+                    if not after_option:
+                        said.append(f"unrecognized argument {extra!r}")
+                    after_option = False
+                    continue
+                name, equals, _ = extra.partition("=")
+                after_option = not equals
+                close = difflib.get_close_matches(name, options, n=1)
+                said.append(f"unrecognized option {name}" + (f"; did you mean {close[0]}?" if close else ""))
+            verb.exit(2, f"{verb.prog}: error: {'; '.join(said)} (see {verb.prog} --help)\n")
+        return parsed
+
+    def _verb_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The verb's own parser (whose options an unrecognized one is matched against), or this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                verb = action.choices.get(str(getattr(parsed, action.dest, None)), self)
+                return verb if isinstance(verb, argparse.ArgumentParser) else self
+        return self
+
+    def error(self, message: str) -> Any:
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match is None:
+            super().error(message)
+        given, choices = match.group(1), re.findall(r"'([^']*)'", match.group(2))
+        close = difflib.get_close_matches(given, choices, n=2)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        if message.startswith("argument command:"):
+            message = f"unknown verb {given!r}{hint} (the verbs: {', '.join(choices)}; see {self.prog} --help)"
+        else:
+            message = f"{message}{hint}"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 CONFIG_HELP = ("defaults for the verb's options from a TOML file whose keys are the option names "
                "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line win, and "
                "another verb's keys are skipped. Give it anywhere: flatpack run vgg16 --config run.toml")
@@ -877,7 +926,7 @@ def _every_verb(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
+    parser = _Parser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
     _verbosity_args(parser)

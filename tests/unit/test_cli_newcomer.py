@@ -73,8 +73,11 @@ def test_a_key_that_is_no_verbs_option_is_still_refused(tmp_path, capsys):
     assert "did you mean micro-batches" in capsys.readouterr().err
 
 
-def _verbs():
-    return build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+def _verbs() -> dict:
+    import argparse
+
+    return next(action.choices for action in build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction))
 
 
 def test_every_verbs_help_lists_config_and_the_exit_codes(capsys):
@@ -95,3 +98,26 @@ def test_config_after_the_verb_still_gives_defaults(tmp_path):
     config.write_text("batch = 8\n")
     args = cli.parse_arguments(build_parser(), ["plan", "--config", str(config), "mlp"])
     assert args.batch == 8
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "mlp", "--micro-batchs", "2"], "flatpack plan: error: unrecognized option --micro-batchs; did you mean "
+                                            "--micro-batches?"),
+    (["plan", "mlp", "--micro-batchs=2"], "did you mean --micro-batches?"),
+    (["run", "mlp", "--iteratons", "2"], "did you mean --iterations?"),
+    (["plna", "mlp"], "flatpack: error: unknown verb 'plna'; did you mean plan?"),
+    (["plan", "mlp", "--mode", "trian"], "invalid choice: 'trian' (choose from 'train', 'infer'); did you mean train?"),
+])
+def test_a_misspelt_option_or_verb_gets_a_did_you_mean_on_one_line(capsys, argv, words):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_option_with_no_close_match_is_still_named(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["inspect", "mlp", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "unrecognized option --zzzzzz" in err and "did you mean" not in err
