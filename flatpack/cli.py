@@ -11,9 +11,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 import flatpack
 from flatpack import logs, safeio
@@ -21,12 +19,13 @@ from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
-from flatpack.runtime.optim import parse_options
-from flatpack.runtime.spec import SCHEDULES
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
-from flatpack.stage.settings import SYNC_METHODS
+from flatpack.stage.settings import SCHEDULES, SYNC_METHODS
 from flatpack.table import format_table
 from flatpack.version import __version__
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -617,6 +616,9 @@ def _text_stream(args: argparse.Namespace) -> Any:
 
 def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The JobOptions of the run parser's training-knob block."""
+    # start-up time: a verb imports what it runs
+    from flatpack.runtime.optim import parse_options
+
     return {"optimizer": args.optimizer, "lr": args.lr,
             "optimizer_args": parse_options(args.optimizer_args, "--optimizer-args"),
             "no_decay_bias_norm": args.no_decay_bias_norm, "schedule_lr": args.schedule_lr,

@@ -121,3 +121,15 @@ def test_an_option_with_no_close_match_is_still_named(capsys):
         main(["inspect", "mlp", "--zzzzzz"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "unrecognized option --zzzzzz" in err and "did you mean" not in err
+
+
+def test_building_the_parser_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import flatpack.cli, sys\nflatpack.cli.build_parser()\n"
+            "for verb in ('plan', 'run', 'demo'):\n"
+            "    try:\n        flatpack.cli.main([verb, '--help'])\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stderr.strip().splitlines()[-1] == "False"
