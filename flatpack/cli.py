@@ -21,7 +21,7 @@ from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
 from flatpack.stage.settings import SCHEDULES, SYNC_METHODS
-from flatpack.table import format_table
+from flatpack.table import format_table, plural
 from flatpack.version import __version__
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                 target=args.target, out_dir=args.out, calibration=args.calibration, plan=plan,
                                 force=args.force)
     text = (f"{chain_table(compiled.chain, compiled.plan.ranges)}\n\n"
-            f"wrote {len(compiled.plan.stages)} stages to {args.out}\ndigest {compiled.digest}\n"
+            f"wrote {plural(len(compiled.plan.stages), 'stage')} to {args.out}\ndigest {compiled.digest}\n"
             "  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
             "or sign it: flatpack sign DIR --key KEY --name NAME --version N")
     report(args, text, {"out": args.out, "digest": compiled.digest, "stages": len(compiled.plan.stages),
@@ -270,7 +270,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                     "compile printed) or --verify-key to check it against something held elsewhere")
     files = len(compiled.index.files)
     signature = compiled.signature
-    text = f"{args.dir}: {files} files match the index; digest {compiled.digest}"
+    text = (f"{args.dir}: {plural(files, 'file')} {'matches' if files == 1 else 'match'} the index; "
+            f"digest {compiled.digest}")
     if signature is not None and signature.name is not None:
         text += f"\nsigned as {signature.name} version {signature.version} at {signature.signed_at} ({signature.key})"
     elif signature is not None:
@@ -559,7 +560,7 @@ def _plan_title(args: argparse.Namespace, problem: Any, cost_model: str, solve_s
     workload = problem.workload
     shape = (f"train, batch {workload.batch}, M {workload.micro_batches}, {workload.optimizer}, {workload.sync} sync"
              if workload.mode == "train" else f"infer, batch {workload.batch} per request")
-    return (f"{_model_label(args)} on {problem.platform.name}: {shape}; {len(problem.chain)} layers; "
+    return (f"{_model_label(args)} on {problem.platform.name}: {shape}; {plural(len(problem.chain), 'layer')}; "
             f"solver {args.solver} ({solve_s:.2f} s); {cost_model} cost model")
 
 
@@ -724,7 +725,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{start}-{end} ({stage.memory_mb or '-'} MB x{stage.replicas})"
                        for (start, end), stage in zip(compiled.plan.ranges, compiled.plan.stages))
     LOG.info(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
-             f"{len(compiled.plan.stages)} stages, layers {stages}")
+             f"{plural(len(compiled.plan.stages), 'stage')}, layers {stages}")
     document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
                 "plan": compiled.plan.to_json()}
     if args.dry_run or args.target == "gpu-container":
@@ -766,9 +767,9 @@ def _file_tree(out: Path, files: dict[str, bytes]) -> str:
             runtime[root] = (count + 1, size + len(data))
             continue
         rows.append((path, f"{len(data):,}", ""))
-    rows += [(root + "/", f"{size:,}", f"{count} files: the flatpack runtime")
+    rows += [(root + "/", f"{size:,}", f"{plural(count, 'file')}: the flatpack runtime")
              for root, (count, size) in runtime.items()]
-    return (f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:\n"
+    return (f"wrote {plural(len(files), 'file')}, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:\n"
             + format_table(["file", "bytes", ""], rows, numeric={1}, indent="  "))
 
 

@@ -133,3 +133,21 @@ def test_building_the_parser_does_not_import_torch():
             "print('torch' in sys.modules, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stderr.strip().splitlines()[-1] == "False"
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), (torch.randn(4, 8),)
+'''
+
+
+def test_a_count_of_one_reads_in_the_singular(tmp_path, capsys):
+    factory = tmp_path / "my_model.py"
+    factory.write_text(FACTORY)
+    assert main(["compile", f"{factory}:build", "--stages", "1", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 stage to" in out and "1 stages" not in out
