@@ -663,10 +663,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          memory_mb=tiers, pick="fastest", out=Path(args.out),
                          calibration=Path(args.calibration) if args.calibration not in (None, "none", "auto") else None)
     options.check()
+    # the model before the host calibration (minutes when not cached): a misspelt name is refused at once
+    model, inputs = load_factory(args.model, "tiny")
     if args.calibration in (None, "auto"):
         # measured once per host and cached: the prediction the demo prints is then calibrated
         options = dataclasses.replace(options, calibration=cached_local_calibration(tiers, LOG.info))
-    model, inputs = load_factory(args.model, "tiny")
     LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
     result = run_training(model, inputs, options, stream=_text_stream(args))
     report(args, None, result.to_json)

@@ -34,7 +34,7 @@ from flatpack.backends.functions import merge_results
 from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            parse_source, split_shards)
-from flatpack.errors import FlatpackError, InputError
+from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
@@ -47,7 +47,7 @@ from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
-from flatpack.rundir import PRIVATE_FILE_MODE, RunDirectory, RunRecord, fingerprint_changes, make_private
+from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes, make_private
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
@@ -583,6 +583,20 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
+    """Trains ``model`` as ``options`` say, reporting on ``stream``. A run refused before it
+    started (a flatpack error other than RunFailure, before its run record was written)
+    leaves no run directory behind where this call created it."""
+    out = Path(options.out)
+    created = not out.exists()
+    try:
+        return _run_training(model, example, options, stream=stream)
+    except FlatpackError as err:
+        if created and not isinstance(err, RunFailure) and out.is_dir() and not (out / RUN_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 

@@ -151,3 +151,34 @@ def test_a_count_of_one_reads_in_the_singular(tmp_path, capsys):
     assert main(["compile", f"{factory}:build", "--stages", "1", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "wrote 1 stage to" in out and "1 stages" not in out
+
+
+def test_demo_checks_the_model_before_the_host_calibration(tmp_path, capsys, monkeypatch):
+    from flatpack.backends import target_calibration
+
+    def calibrate(*args, **kwargs):
+        raise AssertionError("the host calibration ran before the model was checked")
+
+    monkeypatch.setattr(target_calibration, "cached_local_calibration", calibrate)
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "resnet999", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'resnet999'" in err and "did you mean" in err
+    assert not out.exists()
+
+
+def test_a_refused_run_leaves_no_run_directory_behind(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path / "cache"))
+    factory = tmp_path / "my_model.py"
+    factory.write_text(FACTORY)
+    out = tmp_path / "run"
+    assert main(["run", f"{factory}:build", "--stages", "9", "--out", str(out), "--batch", "8",
+                 "--micro-batches", "2", "--iterations", "2"]) == 2
+    assert "cannot cut a chain" in capsys.readouterr().err
+    assert not out.exists()
+    # a directory the user made stays, with what was in it
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["run", f"{factory}:build", "--stages", "9", "--out", str(out), "--batch", "8",
+                 "--micro-batches", "2", "--iterations", "2"]) == 2
+    assert (out / "notes.txt").read_text() == "mine"
