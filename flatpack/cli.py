@@ -1352,6 +1352,7 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     unknown key is refused with the close matches."""
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, verbosity = _take_verbosity(argv)
+    logs.configure(verbosity)   # -q silences the config's note on skipped keys too
     args = _parse_with_config(parser, argv)
     args.verbosity = verbosity
     return args
