@@ -7,12 +7,11 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 import flatpack
 from flatpack import logs, safeio
@@ -20,12 +19,13 @@ from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
-from flatpack.runtime.optim import parse_options
-from flatpack.runtime.spec import SCHEDULES
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
-from flatpack.stage.settings import SYNC_METHODS
-from flatpack.table import format_table
+from flatpack.stage.settings import SCHEDULES, SYNC_METHODS
+from flatpack.table import format_table, plural
 from flatpack.version import __version__
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -238,7 +238,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                 target=args.target, out_dir=args.out, calibration=args.calibration, plan=plan,
                                 force=args.force)
     text = (f"{chain_table(compiled.chain, compiled.plan.ranges)}\n\n"
-            f"wrote {len(compiled.plan.stages)} stages to {args.out}\ndigest {compiled.digest}\n"
+            f"wrote {plural(len(compiled.plan.stages), 'stage')} to {args.out}\ndigest {compiled.digest}\n"
             "  pin it where the artifact is used (flatpack check/resume --digest, flatpack.load(dir, digest=...)), "
             "or sign it: flatpack sign DIR --key KEY --name NAME --version N")
     report(args, text, {"out": args.out, "digest": compiled.digest, "stages": len(compiled.plan.stages),
@@ -270,7 +270,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                     "compile printed) or --verify-key to check it against something held elsewhere")
     files = len(compiled.index.files)
     signature = compiled.signature
-    text = f"{args.dir}: {files} files match the index; digest {compiled.digest}"
+    text = (f"{args.dir}: {plural(files, 'file')} {'matches' if files == 1 else 'match'} the index; "
+            f"digest {compiled.digest}")
     if signature is not None and signature.name is not None:
         text += f"\nsigned as {signature.name} version {signature.version} at {signature.signed_at} ({signature.key})"
     elif signature is not None:
@@ -559,7 +560,7 @@ def _plan_title(args: argparse.Namespace, problem: Any, cost_model: str, solve_s
     workload = problem.workload
     shape = (f"train, batch {workload.batch}, M {workload.micro_batches}, {workload.optimizer}, {workload.sync} sync"
              if workload.mode == "train" else f"infer, batch {workload.batch} per request")
-    return (f"{_model_label(args)} on {problem.platform.name}: {shape}; {len(problem.chain)} layers; "
+    return (f"{_model_label(args)} on {problem.platform.name}: {shape}; {plural(len(problem.chain), 'layer')}; "
             f"solver {args.solver} ({solve_s:.2f} s); {cost_model} cost model")
 
 
@@ -616,6 +617,9 @@ def _text_stream(args: argparse.Namespace) -> Any:
 
 def _training_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The JobOptions of the run parser's training-knob block."""
+    # start-up time: a verb imports what it runs
+    from flatpack.runtime.optim import parse_options
+
     return {"optimizer": args.optimizer, "lr": args.lr,
             "optimizer_args": parse_options(args.optimizer_args, "--optimizer-args"),
             "no_decay_bias_norm": args.no_decay_bias_norm, "schedule_lr": args.schedule_lr,
@@ -659,10 +663,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          memory_mb=tiers, pick="fastest", out=Path(args.out),
                          calibration=Path(args.calibration) if args.calibration not in (None, "none", "auto") else None)
     options.check()
+    # the model before the host calibration (minutes when not cached): a misspelt name is refused at once
+    model, inputs = load_factory(args.model, "tiny")
     if args.calibration in (None, "auto"):
         # measured once per host and cached: the prediction the demo prints is then calibrated
         options = dataclasses.replace(options, calibration=cached_local_calibration(tiers, LOG.info))
-    model, inputs = load_factory(args.model, "tiny")
     LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
     result = run_training(model, inputs, options, stream=_text_stream(args))
     report(args, None, result.to_json)
@@ -721,7 +726,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{start}-{end} ({stage.memory_mb or '-'} MB x{stage.replicas})"
                        for (start, end), stage in zip(compiled.plan.ranges, compiled.plan.stages))
     LOG.info(f"compiled {args.model} for {args.target} in {time.perf_counter() - started:.1f} s: "
-             f"{len(compiled.plan.stages)} stages, layers {stages}")
+             f"{plural(len(compiled.plan.stages), 'stage')}, layers {stages}")
     document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
                 "plan": compiled.plan.to_json()}
     if args.dry_run or args.target == "gpu-container":
@@ -763,9 +768,9 @@ def _file_tree(out: Path, files: dict[str, bytes]) -> str:
             runtime[root] = (count + 1, size + len(data))
             continue
         rows.append((path, f"{len(data):,}", ""))
-    rows += [(root + "/", f"{size:,}", f"{count} files: the flatpack runtime")
+    rows += [(root + "/", f"{size:,}", f"{plural(count, 'file')}: the flatpack runtime")
              for root, (count, size) in runtime.items()]
-    return (f"wrote {len(files)} files, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:\n"
+    return (f"wrote {plural(len(files), 'file')}, {sum(map(len, files.values())) / 1e6:.1f} MB, into {out}:\n"
             + format_table(["file", "bytes", ""], rows, numeric={1}, indent="  "))
 
 
@@ -863,15 +868,73 @@ def _calibrate_container(args: argparse.Namespace, path: Path) -> Any:
                                 device=args.device, timeout_s=args.timeout, report=LOG.info)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a misspelt option, verb or choice (difflib's close
+    matches; Python 3.11's argparse has no suggest_on_error), said on one error line, exit 2."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        assert parsed is not None    # parse_known_args returns a namespace
+        if extras:
+            verb = self._verb_parser(parsed)
+            options = sorted({name for action in verb._actions for name in action.option_strings})
+            said = []
+            after_option = False   # a word after an unrecognized --option is taken as its value
+            for extra in extras:
+                if not extra.startswith("-"):
+                    if not after_option:
+                        said.append(f"unrecognized argument {extra!r}")
+                    after_option = False
+                    continue
+                name, equals, _ = extra.partition("=")
+                after_option = not equals
+                close = difflib.get_close_matches(name, options, n=1)
+                said.append(f"unrecognized option {name}" + (f"; did you mean {close[0]}?" if close else ""))
+            verb.exit(2, f"{verb.prog}: error: {'; '.join(said)} (see {verb.prog} --help)\n")
+        return parsed
+
+    def _verb_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The verb's own parser (whose options an unrecognized one is matched against), or this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                verb = action.choices.get(str(getattr(parsed, action.dest, None)), self)
+                return verb if isinstance(verb, argparse.ArgumentParser) else self
+        return self
+
+    def error(self, message: str) -> Any:
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match is None:
+            super().error(message)
+        given, choices = match.group(1), re.findall(r"'([^']*)'", match.group(2))
+        close = difflib.get_close_matches(given, choices, n=2)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        if message.startswith("argument command:"):
+            message = f"unknown verb {given!r}{hint} (the verbs: {', '.join(choices)}; see {self.prog} --help)"
+        else:
+            message = f"{message}{hint}"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+CONFIG_HELP = ("defaults for the verb's options from a TOML file whose keys are the option names "
+               "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line win, and "
+               "another verb's keys are skipped. Give it anywhere: flatpack run vgg16 --config run.toml")
+
+
+def _every_verb(sub: Any) -> None:
+    """What every verb's --help shows: --config (:func:`parse_arguments` takes it from
+    anywhere on the command line) and the exit codes."""
+    for verb_parser in sub.choices.values():
+        verb_parser.add_argument("--config", metavar="FILE.toml", help=CONFIG_HELP)
+        verb_parser.epilog = EXIT_CODES
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
+    parser = _Parser(prog="flatpack", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flatpack {__version__}")
     _verbosity_args(parser)
-    parser.add_argument("--config", metavar="FILE.toml",
-                        help="defaults for the verb's options from a TOML file whose keys are the option names "
-                             "(batch = 64, micro-batches = 8, replicas = [1, 2]); options given on the command line "
-                             "win. Give it anywhere: flatpack run vgg16 --config run.toml")
+    parser.add_argument("--config", metavar="FILE.toml", help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect_parser = sub.add_parser("inspect", help="print the layer chain of a model")
@@ -1250,6 +1313,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "catalog's figures and the store round trip measured at deploy)")
     _json_flag(demo_parser, "demo")
     demo_parser.set_defaults(run=cmd_demo)
+    _every_verb(sub)
     return parser
 
 
@@ -1288,6 +1352,7 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     unknown key is refused with the close matches."""
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, verbosity = _take_verbosity(argv)
+    logs.configure(verbosity)   # -q silences the config's note on skipped keys too
     args = _parse_with_config(parser, argv)
     args.verbosity = verbosity
     return args
@@ -1312,12 +1377,18 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
     if verb not in subparsers.choices:
         return parser.parse_args(rest)    # argparse names the missing or unknown verb
     sub = subparsers.choices[verb]
-    sub.set_defaults(**config_defaults(known.config, sub))
+    others = {action.dest for name, other in subparsers.choices.items() if name != verb
+              for action in other._actions if action.option_strings and action.dest not in ("help", "config")}
+    sub.set_defaults(**config_defaults(known.config, sub, others))
     return parser.parse_args(rest)
 
 
-def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`)."""
+def config_defaults(path: str, parser: argparse.ArgumentParser,
+                    others: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The defaults a TOML config file gives ``parser``'s options (see :func:`parse_arguments`).
+    A key that is not ``parser``'s option but is in ``others`` (another verb's options, as
+    dests) is skipped, and the skipped keys named once at info level: one file serves every
+    verb. A key that is no verb's option is refused with the close matches."""
     # a regular file of bounded size (a FIFO or /dev/zero given as --config is refused, not read)
     raw = safeio.read_bounded(path, limit=MAX_CONFIG_BYTES, what=f"--config {path}")
     try:
@@ -1329,19 +1400,24 @@ def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any
     except RecursionError:
         raise InputError(f"--config {path} nests arrays or tables too deep for the TOML parser; a flatpack config "
                          "is a flat table of options") from None
-    options = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
+    options = {action.dest: action for action in parser._actions
+               if action.option_strings and action.dest not in ("help", "config")}
     defaults: dict[str, Any] = {}
+    verb = parser.prog.split()[-1]
+    skipped = []
     for key, value in table.items():
         dest = key.replace("-", "_")
+        if dest not in options and dest in others:
+            skipped.append(key)
+            continue
         if dest not in options:
             names = sorted(name.replace("_", "-") for name in options)
             close = difflib.get_close_matches(key.replace("_", "-"), names, n=2)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise InputError(f"--config {path}: {key!r} is not an option of `flatpack {parser.prog.split()[-1]}`; "
+            raise InputError(f"--config {path}: {key!r} is not an option of `flatpack {verb}`; "
                              f"{hint}the options are: {', '.join(names)}")
         action = options[dest]
-        if isinstance(value, list):   # lists as TOML arrays, for the comma-separated options
-            value = ",".join(str(item) for item in value)
+        value = _config_value(path, key, action, value)
         wanted = action.type if action.type in (int, float) else None
         if wanted is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                    or (wanted is int and isinstance(value, float))):
@@ -1353,7 +1429,32 @@ def config_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any
             raise InputError(f"--config {path}: {key!r} must be one of {', '.join(map(str, action.choices))}, "
                              f"got {value!r}")
         defaults[dest] = value
+    if skipped:
+        LOG.info("--config %s: %s %s not %s option of `flatpack %s` (another verb's); skipped",
+                 path, ", ".join(skipped), "is" if len(skipped) == 1 else "are", "an" if len(skipped) == 1 else "its",
+                 verb)
     return defaults
+
+
+def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    """A config ``value`` as the command line would give ``action``: an option that takes
+    text (a comma list such as --micro-batches, a name) takes a TOML string, number or array
+    of them (``micro-batches = 2``, ``replicas = [1, 2]``), as the text ``"2"`` or ``"1,2"``."""
+    takes_text = action.type is None and action.nargs != 0 and not isinstance(
+        action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
+                 argparse._CountAction))
+    if not takes_text:
+        return value
+    scalar = (str, int, float)
+    if isinstance(value, list):   # lists as TOML arrays, for the comma-separated options
+        if not value or any(isinstance(item, bool) or not isinstance(item, scalar) for item in value):
+            raise InputError(f"--config {path}: {key!r} takes text, a number or an array of them (e.g. {key} = "
+                             f"[1, 2] for --{key.replace('_', '-')} 1,2), got {value!r}")
+        return ",".join(str(item) for item in value)
+    if isinstance(value, bool) or not isinstance(value, scalar):
+        raise InputError(f"--config {path}: {key!r} takes text, a number or an array of them (e.g. {key} = [1, 2] "
+                         f"for --{key.replace('_', '-')} 1,2), got {value!r}")
+    return str(value)
 
 
 def _say_interrupted(out: str | None, how: str) -> None:

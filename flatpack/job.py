@@ -34,7 +34,7 @@ from flatpack.backends.functions import merge_results
 from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            parse_source, split_shards)
-from flatpack.errors import FlatpackError, InputError
+from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
@@ -47,11 +47,12 @@ from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
-from flatpack.rundir import PRIVATE_FILE_MODE, RunDirectory, RunRecord, fingerprint_changes, make_private
+from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes, make_private
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
 from flatpack.stage.settings import PRECISIONS
+from flatpack.table import plural
 from flatpack.verdict import pipeline_optimizer_state, verdict
 from flatpack.weights import save_state_dict, state_dict_of
 
@@ -339,7 +340,7 @@ class FixedCuts:
 
     @property
     def name(self) -> str:
-        return f"split-points {','.join(self.split_points)}" if self.split_points else f"{self.stages} stages"
+        return f"split-points {','.join(self.split_points)}" if self.split_points else plural(self.stages or 0, "stage")
 
     def __call__(self, problem: Any) -> Any:
         if not self.split_points:
@@ -582,6 +583,20 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
 
 
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
+    """Trains ``model`` as ``options`` say, reporting on ``stream``. A run refused before it
+    started (a flatpack error other than RunFailure, before its run record was written)
+    leaves no run directory behind where this call created it."""
+    out = Path(options.out)
+    created = not out.exists()
+    try:
+        return _run_training(model, example, options, stream=stream)
+    except FlatpackError as err:
+        if created and not isinstance(err, RunFailure) and out.is_dir() and not (out / RUN_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -600,8 +615,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         if options.data is not None:
             order = ("in the DataLoader's order" if batches.source.kind == "loader" else
                      f"shuffled, seed {options.seed}" if options.shuffle else "in order")
-            LOG.info(f"data: {batches.description}, {batches.per_epoch} batches of {options.batch} per epoch, "
-                     f"{iterations} iterations ({order}"
+            LOG.info(f"data: {batches.description}, {plural(batches.per_epoch, 'batch', 'batches')} of "
+                     f"{options.batch} per epoch, {plural(iterations, 'iteration')} ({order}"
                      f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
                      f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
         example_batch = batches[0][0]
@@ -634,7 +649,7 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
                                                            progress=None if logs.progress_enabled() else False),
                                     workload=workload, calibration=options.calibration, **extra)
         LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
-                 f"{compiled.plan.num_layers} layers, solver {getattr(solver, 'name', solver)}")
+                 f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
         if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
             raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
         _print_front(compiled, say)
@@ -691,7 +706,8 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         directory.write(record)
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                  run=record.run) as deployment:
-            LOG.info(f"deployed {sum(s.replicas for s in compiled.plan.stages)} functions (one process each) sharing a "
+            LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
+                     "sharing a "
                      f"local S3 server at {deployment.store_url.split('?')[0]}")
             if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
                 problem = compiled.problem
@@ -718,15 +734,15 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
             directory.write(record)
             shutil.rmtree(directory.root / retired, ignore_errors=True)
         _finish(directory, record, compiled, result.parameters, say, options.save)
-        say(f"\ntrained {iterations} iterations in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
+        say(f"\ntrained {plural(iterations, 'iteration')} in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
             f"samples/s), ${result.dollars:.6f} at the platform's prices")
         for restart in result.restarts:
             say(f"  {restart.describe()}")
         for switch in result.switches:
             say(f"  re-planned {switch.describe()}")
         if options.replan and not result.switches:
-            say(f"  re-planned every {options.epoch_iterations} iterations: no other plan was predicted at least "
-                f"{options.replan_threshold * 100:.0f}% faster, the run kept its plan")
+            say(f"  re-planned every {plural(options.epoch_iterations or 0, 'iteration')}: no other plan was "
+                f"predicted at least {options.replan_threshold * 100:.0f}% faster, the run kept its plan")
         if evaluations:
             say("held-out evaluation (through the inference path): " + "; ".join(
                 f"iter {found.iteration}: loss {found.loss:.4f}"
@@ -942,7 +958,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                 last = deployment.calls()[-1]
                 trained = last.batch_offset + last.iterations
                 if trained < record.iterations:
-                    LOG.info(f"training the run's last {record.iterations - trained} iterations")
+                    LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
                     rest = deployment.train(lambda index: batches[trained + index],
                                             iterations=record.iterations - trained, loss=record.loss,
                                             progress=logs.progress_enabled(), batch_offset=trained,

@@ -58,3 +58,9 @@ def _widen_for_groups(widths: list[int], groups: Sequence[tuple[str, int]]) -> l
             widths[start + span - 1] += len(title) - have
         start += span
     return widths
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """A count for people to read: ``plural(1, "stage")`` is "1 stage", ``plural(3, "stage")``
+    "3 stages"; ``nouns`` where adding "s" is wrong (``plural(2, "batch", "batches")``)."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"

@@ -23,6 +23,7 @@ from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.stage.manifest import ValueEntry
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
+from flatpack.table import plural
 
 NON_FINITE = ("warn", "error", "ignore")
 
@@ -86,9 +87,9 @@ def check_batch(compiled: Any, batch: Any, index: int, *, batch_size: int | None
         raise InputError(f"batch {index}: the target has {target.shape[0]} rows but the inputs have {rows}; give "
                          "one target row per sample")
     if batch_size is not None and rows != batch_size:
-        raise InputError(f"batch {index} has {rows} samples but the run's batches have {batch_size}; every batch "
-                         "of a run (and of later train() calls on the deployment) must have the same size, or the "
-                         "replicas would average unequal shards. Drop or pad the last batch")
+        raise InputError(f"batch {index} has {plural(rows, 'sample')} but the run's batches have {batch_size}; "
+                         "every batch of a run (and of later train() calls on the deployment) must have the same "
+                         "size, or the replicas would average unequal shards. Drop or pad the last batch")
     if non_finite != "ignore":
         tensors = [(name, value) for name, value in values.items()]
         if isinstance(target, torch.Tensor):
@@ -120,9 +121,11 @@ def check_training_call(compiled: Any, batches: Sequence[Any] | Callable[[int], 
     for index in range(count):
         size = check_batch(compiled, batch_for(index), index, batch_size=size, non_finite=non_finite)
     if size is not None and size < micro_batches:
-        raise InputError(f"a batch of {size} samples cannot be cut into {micro_batches} micro-batches; use a batch "
-                         f"of at least {micro_batches} samples or fewer micro-batches")
+        raise InputError(f"a batch of {plural(size, 'sample')} cannot be cut into "
+                         f"{plural(micro_batches, 'micro-batch', 'micro-batches')}; use a batch of at least "
+                         f"{plural(micro_batches, 'sample')} or fewer micro-batches")
     if max(degrees) > micro_batches:
         raise InputError(f"stage {degrees.index(max(degrees))} has {max(degrees)} replicas but an iteration has "
-                         f"only {micro_batches} micro-batches; use at least {max(degrees)} micro-batches")
+                         f"only {plural(micro_batches, 'micro-batch', 'micro-batches')}; use at least {max(degrees)} "
+                         "micro-batches")
     return size if size is not None else 0

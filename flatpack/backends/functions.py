@@ -52,6 +52,7 @@ from flatpack.runtime.worker import OUT_OF_MEMORY, REINVOKE
 from flatpack.stage import wire
 from flatpack.stage.artifact import build_module
 from flatpack.stage.wire import pack_values
+from flatpack.table import plural
 from flatpack.units import MIB
 from flatpack.weights import state_dict_of
 
@@ -255,8 +256,9 @@ class FunctionDeployment:
     def _upload_batch(self, iteration: int, batch: Any, micro_batches: int) -> int:
         values, target, size = batch_values(self.compiled, batch, iteration)
         if size < micro_batches:
-            raise InputError(f"batch {iteration} has {size} samples; it cannot be cut into {micro_batches} "
-                             "micro-batches. Use a larger batch or fewer micro-batches")
+            raise InputError(f"batch {iteration} has {plural(size, 'sample')}; it cannot be cut into "
+                             f"{plural(micro_batches, 'micro-batch', 'micro-batches')}. Use a larger batch or fewer "
+                             "micro-batches")
         pieces = {name: split_value(value, size, micro_batches) for name, value in values.items()}
         targets = split_value(target, size, micro_batches) if isinstance(target, torch.Tensor) else None
         objects = {self.keys.data(iteration, m): pack_values({name: piece[m] for name, piece in pieces.items()})
@@ -670,7 +672,8 @@ def iteration_count(batches: Sequence[Any] | Callable[[int], Any], iterations: i
     if iterations < 1:
         raise InputError(f"train needs at least one iteration, got {iterations}")
     if not callable(batches) and iterations > len(batches):
-        raise InputError(f"train was asked for {iterations} iterations but given {len(batches)} batches; pass "
+        raise InputError(f"train was asked for {plural(iterations, 'iteration')} but given "
+                         f"{plural(len(batches), 'batch', 'batches')}; pass "
                          "more batches, fewer iterations, or a function of the iteration")
     return iterations
 

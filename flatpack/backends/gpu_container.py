@@ -70,6 +70,7 @@ from flatpack.runtime.training import TARGET
 from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, parse_stage
 from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 from flatpack.stage.wire import pack_values, unpack_values
+from flatpack.table import plural
 
 NAME = "gpu-container"
 CAPABILITIES = frozenset(Capability) - {Capability.RESUME}
@@ -134,7 +135,8 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
                          "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target")
     micro_batches = micro_batches or default_micro_batches(compiled)
     if batch < micro_batches:
-        raise InputError(f"a batch of {batch} samples cannot be cut into {micro_batches} micro-batches; use a "
+        raise InputError(f"a batch of {plural(batch, 'sample')} cannot be cut into "
+                         f"{plural(micro_batches, 'micro-batch', 'micro-batches')}; use a "
                          "larger batch or fewer micro-batches")
     manifests = [artifact.manifest for artifact in compiled.artifacts]
     # no tiers: the containers' own resources bound them, nothing is emulated (``_tier`` prices the run)
@@ -709,8 +711,9 @@ class GpuContainerDeployment:
             values, target, size = first if iteration == 0 else batch_values(self.compiled, batch_for(iteration),
                                                                                iteration)
             if size != rows:
-                raise InputError(f"batch {iteration} has {size} samples, batch 0 has {rows}; every iteration of a "
-                                 "run must have the same batch size (the loss is scaled by micro-batch / batch)")
+                raise InputError(f"batch {iteration} has {plural(size, 'sample')}, batch 0 has {rows}; every "
+                                 "iteration of a run must have the same batch size (the loss is scaled by "
+                                 "micro-batch / batch)")
             if isinstance(target, torch.Tensor):
                 values = {**values, TARGET: target}
             data_file(directory, iteration).write_bytes(pack_values(values))

@@ -59,7 +59,7 @@ from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSp
 from flatpack.runtime.function import Role
 from flatpack.stage.manifest import Manifest
 from flatpack.stage.wire import pack_values
-from flatpack.table import format_table
+from flatpack.table import format_table, plural
 from flatpack.version import __version__
 
 log = logging.getLogger("flatpack.profiling")
@@ -139,7 +139,7 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         layer_names = tuple(layer.name for layer in graph.layers)
         leaves = [leaf.detach() if hasattr(leaf, "detach") else leaf
                   for leaf in compiled.input_leaves(example_inputs, example_kwargs)]
-        say(f"compiled {len(layer_names)} layers, one per stage; deploying")
+        say(f"compiled {plural(len(layer_names), 'layer')}, one per stage; deploying")
         deployment = deploy(compiled)
         cleanup.callback(deployment.teardown)   # also on failure: nothing is left in the store
         # a deployment from a caller's ``deploy`` need not say; one that does not, does not emulate

@@ -40,6 +40,7 @@ from flatpack.partitioner.plan import Plan
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import RunSpec
+from flatpack.table import plural
 
 if TYPE_CHECKING:   # functions imports this module: the annotation only
     from flatpack.backends.functions import FunctionDeployment
@@ -141,7 +142,8 @@ def check_replan(deployment: FunctionDeployment, policy: ReplanPolicy, *, asynch
         raise InputError(f"the replan threshold is a share of the iteration time in [0, 1), got {policy.threshold}; "
                          f"use e.g. {DEFAULT_THRESHOLD}")
     if epoch_iterations is None or epoch_iterations >= iterations:
-        raise InputError(f"replan acts at epoch boundaries, and this call's {iterations} iterations have none: give "
+        raise InputError(f"replan acts at epoch boundaries, and this call's {plural(iterations, 'iteration')} "
+                         f"{'has' if iterations == 1 else 'have'} none: give "
                          f"epoch_iterations (--epoch-iterations) shorter than the run, e.g. {max(iterations // 2, 1)}")
     if policy.choose is None and epoch_iterations <= SKIP_FIRST:
         raise InputError(f"replan re-fits the cost model to each epoch's iterations after its first {SKIP_FIRST} "
@@ -185,7 +187,7 @@ class Replanner:
         too_wide = [stage.replicas for stage in proposal.new.stages if stage.replicas > spec.micro_batches]
         if too_wide:
             LOG.info(f"after iteration {last}: the new plan has {max(too_wide)} replicas of a stage, more than the "
-                     f"run's {spec.micro_batches} micro-batches; keeping the plan")
+                     f"run's {plural(spec.micro_batches, 'micro-batch', 'micro-batches')}; keeping the plan")
             return None
         new_spec = switch_plan(deployment, with_plan(deployment.compiled, proposal.new), spec, switch,
                                self.policy.on_switch)

@@ -20,7 +20,7 @@ from flatpack.partitioner.cost.hydrozoa import HybridCost
 from flatpack.partitioner.cost.pipedream import PipeDreamCost
 from flatpack.partitioner.cost.registry import label_of
 from flatpack.partitioner.objective import Evaluation, evaluate
-from flatpack.table import format_table
+from flatpack.table import format_table, plural
 from flatpack.partitioner.pareto import RECOMMEND_EFFICIENCY, Front, dollars_of, efficiency, time_of
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -199,7 +199,7 @@ def _funcpipe_breakdown(problem: Problem, plan: Plan, cost: PipelineCost, evalua
     micro_batches = plan.micro_batches_for(problem.workload)
     lines = [
         _summary(problem, evaluation),
-        f"  d = {cost.replicas} replica(s) of every stage, M = {micro_batches} micro-batches of "
+        f"  d = {plural(cost.replicas, 'replica')} of every stage, M = {micro_batches} micro-batches of "
         f"{cost.micro_batch_size:g} samples (µ = {cost.micro_batches_per_replica} per replica), "
         f"{cost.sync_method} scatter-reduce",
         f"  forward pass {cost.forward_s:.4g} s = first micro-batch {cost.first_forward_s:.4g} s + "
@@ -235,9 +235,9 @@ def _gillis_breakdown(problem: Problem, cost: ForkJoinCost, evaluation: Evaluati
     price = _price(problem, cost.memory_mb)
     lines = [
         _summary(problem, evaluation),
-        f"  every function {cost.memory_mb} MB; {cost.invocations} invocation(s); billed {cost.billed_s:.4g} s at "
-        f"{cost.granularity_s:g} s granularity: duration ${cost.duration_dollars:.3e} + requests "
-        f"${cost.request_dollars:.3e}",
+        f"  every function {cost.memory_mb} MB; {plural(cost.invocations, 'invocation')}; billed "
+        f"{cost.billed_s:.4g} s at {cost.granularity_s:g} s granularity: duration ${cost.duration_dollars:.3e} + "
+        f"requests ${cost.request_dollars:.3e}",
         "",
     ]
     master_dollars = platform.billed_seconds(cost.latency_s) * price + platform.price_per_request
@@ -289,7 +289,7 @@ def _pipedream_breakdown(problem: Problem, cost: PipeDreamCost, evaluation: Eval
     lines = [
         _summary(problem, evaluation),
         f"  {cost.micro_batches} micro-batches × the slowest step {cost.slowest_s:.4g} s ({cost.bottleneck}); "
-        f"{cost.workers} worker(s) in all",
+        f"{plural(cost.workers, 'worker')} in all",
         "",
     ]
     rows = []
@@ -326,8 +326,8 @@ def text_report(problem: Problem, selection: Selection, title: str) -> str:
     """Title, the table, what the marker means, then the chosen plan stage by stage."""
     chosen = selection.chosen_plan
     count = len(selection.plans)
-    what = {"front": f"Pareto front: {count} plan(s), fastest first", "slo": "SLO mode", "weights": "weighted mode",
-            "fixed": "fixed cuts"}
+    what = {"front": f"Pareto front: {plural(count, 'plan')}, fastest first", "slo": "SLO mode",
+            "weights": "weighted mode", "fixed": "fixed cuts"}
     parts = [title, what[selection.kind], "", front_table(problem, selection), "", explain(problem, selection), "",
              f"plan {selection.chosen} ({selection.reason}) by stage — " + stage_breakdown(problem, chosen)]
     return "\n".join(parts)

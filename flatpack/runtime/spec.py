@@ -15,12 +15,11 @@ from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import SCALED, WIRE_DTYPES, LossScaling
 from flatpack.stage.manifest import Manifest
-from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
+from flatpack.stage.settings import PRECISIONS, SCHEDULES, SYNC_METHODS
 from flatpack.stage.tensor_check import TensorSpec, dtype_name
 
 # "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
 # weight stashing (runtime.stashing)
-SCHEDULES = ("sync", "1f1b", "1f1b-async")
 ASYNC_SCHEDULE = "1f1b-async"
 DATA_SOURCE = -1   # an input that comes from the data, not from an earlier stage
 

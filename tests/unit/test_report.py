@@ -122,7 +122,7 @@ def test_funcpipe_breakdown_stage_dollars_add_up():
     assert len(cells) == 2
     assert sum(cells) == pytest.approx(plan.predictions["dollars"], rel=1e-3)
     assert "cut after layer 1" in text and "stage 1 memory: activations" in text
-    assert "d = 2 replica(s)" in text and "µ = 2 per replica" in text
+    assert "d = 2 replicas" in text and "µ = 2 per replica" in text
 
 
 def test_gillis_breakdown_bills_master_and_workers():

@@ -223,7 +223,7 @@ def _tiny_compiled():
     ({"iterations": 5}, "asked for 5 iterations but given 2 batches"),
     ({"loss": "hinge"}, "loss 'hinge' is not one of"),
     ({"schedule": "gpipe"}, "schedule 'gpipe' is not one of"),
-    ({"micro_batches": 1}, "2 replicas but an iteration has only 1 micro-batches"),
+    ({"micro_batches": 1}, "2 replicas but an iteration has only 1 micro-batch;"),
     ({"optimizer": "lamb"}, "optimizer 'lamb' is not known"),
 ])
 def test_train_refuses_bad_requests_before_starting_functions(tmp_path, options, message):

@@ -8,6 +8,7 @@ from typing import ClassVar
 from flatpack.errors import PlanError
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
+from flatpack.table import plural
 
 DEFAULT_STAGES = 2
 
@@ -31,8 +32,8 @@ class Balanced:
             raise PlanError(f"stages must be a positive integer, got {stages!r}")
         if stages > count:
             raise PlanError(
-                f"cannot cut a chain of {count} layers into {stages} stages. Ask for at most "
-                f"{count} stages, or keep more layers by dropping merge-branches/coarsen from "
+                f"cannot cut a chain of {plural(count, 'layer')} into {plural(stages, 'stage')}. Ask for at most "
+                f"{plural(count, 'stage')}, or keep more layers by dropping merge-branches/coarsen from "
                 "the pass pipeline (passes=\"fuse-elementwise\")."
             )
         prefix = [0]
