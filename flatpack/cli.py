@@ -227,12 +227,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     plan = None
     if args.plan is not None:
-        try:
-            plan = Plan.load(args.plan)
-        except OSError as error:
-            raise InputError(f"cannot read --plan {args.plan}: {error.strerror or error}") from error
-        except json.JSONDecodeError as error:
-            raise InputError(f"--plan {args.plan} is not a plan's JSON ({error.msg} at line {error.lineno})") from error
+        # the bounded reader: a missing, non-regular, huge or malformed file is a PlanError naming it
+        plan = Plan.load(args.plan)
     model, inputs = load_factory(args.model, args.size)
     compiled = flatpack.compile(model, inputs, passes=pipeline_for(args), stages=args.stages, solver=args.solver,
                                 target=args.target, out_dir=args.out, calibration=args.calibration, plan=plan,

@@ -35,7 +35,6 @@ each into fixed micro-batches). Tests: ``tests/unit/test_data.py``,
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import inspect
 import io
 import math
@@ -58,6 +57,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from flatpack import safeio
 from flatpack.errors import InputError
 from flatpack.factories import import_factory
+from flatpack.rundir import file_fingerprint
 from flatpack.runtime.store import S3Store
 from flatpack.stage.integrity import MAX_SAFETENSORS_HEADER_BYTES, check_safetensors
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
@@ -128,9 +128,7 @@ def check_shard(data: bytes, name: str) -> None:
     :data:`MAX_SHARD_BYTES` uncompressed, one by one or together, or whose ``.npy`` headers
     claim arrays larger than their members. The zip directory's sizes are read, nothing is
     decompressed: a 6 MiB zip bomb that would inflate to 6 GiB costs nothing."""
-    if len(data) > MAX_SHARD_BYTES:
-        raise InputError(f"shard {name} has {len(data):,} bytes, more than the {MAX_SHARD_BYTES:,} a shard may have; "
-                         "split the data into smaller shards")
+    check_shard_size(len(data), name)
     if name.endswith(".safetensors"):
         check_safetensors(data, f"shard {name}", error=InputError)
     elif name.endswith(".npz"):
@@ -138,6 +136,14 @@ def check_shard(data: bytes, name: str) -> None:
     elif name.endswith(".pt") and zipfile.is_zipfile(io.BytesIO(data)):
         # torch.save writes a zip (a legacy .pt is a plain pickle stream, which weights_only reads bounded)
         _check_zip(io.BytesIO(data), name, npy=False)
+
+
+def check_shard_size(size: int, name: str) -> None:
+    """Refuses a shard of more than :data:`MAX_SHARD_BYTES` (a file's size from ``fstat``, or
+    the bytes an S3 get returned)."""
+    if size > MAX_SHARD_BYTES:
+        raise InputError(f"shard {name} has {size:,} bytes, more than the {MAX_SHARD_BYTES:,} a shard may have; "
+                         "split the data into smaller shards")
 
 
 def _check_zip(source: IO[bytes], name: str, *, npy: bool) -> None:
@@ -339,7 +345,7 @@ class ShardDirectory(ShardSource):
         return read_shard(self.path / name, name)
 
     def shard_fingerprints(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-        return {name: _file_sha256(self.path / name) for name in names}
+        return {name: file_fingerprint(self.path / name, what=f"shard {name}") for name in names}
 
     def columns(self, name: str) -> tuple[int, Schema]:
         """From the file's header where the format has one (safetensors: shapes and dtypes
@@ -353,9 +359,7 @@ class ShardDirectory(ShardSource):
         try:
             with os.fdopen(os.dup(fd), "rb") as file:
                 size = os.fstat(fd).st_size
-                if size > MAX_SHARD_BYTES:
-                    raise InputError(f"shard {name} has {size:,} bytes, more than the {MAX_SHARD_BYTES:,} a shard "
-                                     "may have; split the data into smaller shards")
+                check_shard_size(size, name)
                 if name.endswith(".safetensors"):
                     return shard_schema(_safetensors_columns(file, size, name), name)
                 if zipfile.is_zipfile(file):
@@ -520,7 +524,9 @@ class DatasetFactory(DataSource):
         defined_in = Path(source) if source.endswith(".py") else Path(getattr(module, "__file__", None) or "")
         found: dict[str, Any] = {"kind": "factory", "spec": self.spec}
         if defined_in.name and defined_in.is_file():
-            found["file_sha256"] = _file_sha256(defined_in)["sha256"]
+            # the file itself: a module reached through a link is hashed where it lives
+            hashed = file_fingerprint(defined_in.resolve(), what=f"the factory's file {defined_in}")
+            found["file_sha256"] = hashed["sha256"]
         if not self.iterable and hasattr(self.dataset, "__len__"):
             found["length"] = len(self.dataset)   # type: ignore[arg-type]
         return found
@@ -536,20 +542,6 @@ class LoaderSource(DataSource):
 
     def describe(self) -> str:
         return f"a DataLoader over {type(self.loader.dataset).__name__}"
-
-
-def _file_sha256(path: Path) -> dict[str, Any]:
-    """A data file's size and sha256, read in chunks (shards may be large)."""
-    digest = hashlib.sha256()
-    size = 0
-    try:
-        with open(path, "rb") as file:
-            while chunk := file.read(1 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-    except OSError as err:
-        raise InputError(f"cannot read {path} to fingerprint the run's data: {err.strerror or err}") from None
-    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def _call_factory(spec: str) -> Any:

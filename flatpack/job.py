@@ -47,7 +47,7 @@ from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
-from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes, make_private
+from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
@@ -653,8 +653,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
             raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
         _print_front(compiled, say)
-        compiled.save(options.out / "compiled")
-        make_private(options.out / "compiled")
+        compiled.save(options.out / "compiled")    # private (0600/0700), as Compiled.save writes by default
         say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
         reads_target = loss != "output"    # a model that returns its loss reads no target key
         cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=reads_target,
@@ -707,8 +706,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                  run=record.run) as deployment:
             LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
-                     "sharing a "
-                     f"local S3 server at {deployment.store_url.split('?')[0]}")
+                     f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
             if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
                 problem = compiled.problem
                 LOG.info(f"store request latency from the calibration file: "
@@ -729,7 +727,6 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         if result.switches:
             # the finished run's compiled/ is the plan that trained last, as its events.json is
             final.save(directory.compiled)
-            make_private(directory.compiled)
             retired, record = record.compiled, dataclasses.replace(record, compiled=directory.compiled.name)
             directory.write(record)
             shutil.rmtree(directory.root / retired, ignore_errors=True)
@@ -840,7 +837,6 @@ def _recording_switches(directory: RunDirectory) -> Any:
     def on_switch(switch: PlanSwitch, compiled: Any) -> None:
         name = f"compiled-{switch.run}"
         compiled.save(directory.root / name)
-        make_private(directory.root / name)
         record = directory.read()
         directory.write(dataclasses.replace(record, run=switch.run, compiled=name))
         if record.compiled != directory.compiled.name:

@@ -108,17 +108,17 @@ def _only(data: dict[str, Any], what: str, allowed: Sequence[str]) -> None:
                          f"it may have {', '.join(allowed)} (it is written by `flatpack run`)")
 
 
-def _json_value(value: Any, what: str, depth: int = 0) -> None:
+def _json_value(value: Any, what: str) -> None:
     """A nested record value (an optimizer's options) made only of JSON scalars, lists and
     objects with finite numbers; the reader already bounded its depth."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InputError(f"{what} holds {value!r}; numbers must be finite")
     if isinstance(value, dict):
         for key, item in value.items():
-            _json_value(item, f"{what}.{key}", depth + 1)
+            _json_value(item, f"{what}.{key}")
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _json_value(item, f"{what}[{index}]", depth + 1)
+            _json_value(item, f"{what}[{index}]")
     elif not (value is None or isinstance(value, (str, int, float, bool))):
         raise InputError(f"{what} holds a {type(value).__name__}, which JSON does not have")
 
@@ -334,18 +334,6 @@ def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> li
             changes.append(f"{name!r:.200} changed content ({digest} {str(before.get(digest))[:16]}…, now "
                            f"{str(after.get(digest))[:16]}…)")
     return changes
-
-
-def make_private(path: Path) -> None:
-    """``path`` and everything below it private to the owner: directories 0700, files 0600.
-    Links are left alone (chmod would follow them out of the tree), and os.walk does not
-    descend into a linked directory."""
-    for current, _, files in os.walk(path):
-        os.chmod(current, PRIVATE_DIR_MODE)
-        for name in files:
-            child = Path(current) / name
-            if not child.is_symlink():
-                os.chmod(child, PRIVATE_FILE_MODE)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def open_regular(path: str | os.PathLike, *, what: str, error: type[FlatpackErro
     ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer (and a
     device never gets read): the descriptor's type is checked with ``fstat`` and anything but a
     regular file refused. ``dir_fd`` opens ``path`` relative to an open directory (see
-    :func:`open_dir_nofollow`), so no component of the path is looked up by name again."""
+    :func:`open_beneath`), so no component of the path is looked up by name again."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, dir_fd=dir_fd)

@@ -103,16 +103,19 @@ def resume(directory: RunDirectory, **options: Any) -> Any:
 
 # -- 1. a message never offers the record's factory as a command ------------------------------
 
-FACTORY_DATA = {"source": {"kind": "factory", "spec": "/tmp/attacker/evil.py:make"}, "batch": BATCH, "epochs": 1,
-                "iterations": 2, "shuffle": False, "seed": 0, "drop_last": True, "layout": None}
+def factory_data(spec: str) -> dict[str, Any]:
+    """A record's data naming the dataset factory ``spec`` (what an attacker writes into run.json)."""
+    return {"source": {"kind": "factory", "spec": spec}, "batch": BATCH, "epochs": 1, "iterations": 2,
+            "shuffle": False, "seed": 0, "drop_last": True, "layout": None}
 
 
 def test_resume_of_a_factory_run_never_prints_the_recorded_factory(compiled, tmp_path, capsys):
     directory = hand_made_run(tmp_path / "run", compiled)
-    edit_record(directory, data=FACTORY_DATA)
+    attacker = tmp_path / "attacker"
+    edit_record(directory, data=factory_data(f"{attacker / 'evil.py'}:make"))
     with pytest.raises(InputError) as refused:
         resume(directory)
-    assert "evil" not in str(refused.value) and "/tmp/attacker" not in str(refused.value)
+    assert "evil" not in str(refused.value) and str(attacker) not in str(refused.value)
     assert "--data MODULE:FACTORY" in str(refused.value)
     # the command line says the same, and nothing in its output is the attacker's path
     assert main(["resume", str(directory.root)]) == 2
@@ -128,10 +131,12 @@ def test_resume_of_a_factory_run_never_prints_the_recorded_factory(compiled, tmp
 
 # -- 2. compiled stays inside the run directory ----------------------------------------------
 
-@pytest.mark.parametrize("name", ["../outside", "/tmp/outside", "compiled/../../outside", "a/b", "", ".."])
+@pytest.mark.parametrize("name", ["../outside", "ABSOLUTE", "compiled/../../outside", "a/b", "", ".."])
 def test_compiled_outside_the_run_directory_is_refused_naming_the_field(compiled, tmp_path, name):
     directory = hand_made_run(tmp_path / "run", compiled)
     compiled.save(tmp_path / "outside")
+    if name == "ABSOLUTE":     # the absolute path of a real artifact outside the run directory
+        name = str(tmp_path / "outside")
     edit_record(directory, compiled=name)
     with pytest.raises(InputError, match=f"{RUN_FILE}: compiled .*inside the run directory"):
         directory.read()
