@@ -35,7 +35,8 @@ from flatpack.cli import human_bytes
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.profile import stage_saved_bytes
 from flatpack.ir.trace import trace
-from flatpack.profiler import ProfileOptions, saved_tensors
+from flatpack.measure import saved_tensors
+from flatpack.profiler import ProfileOptions
 
 DEFAULT_MODELS = ("vgg11", "vgg16", "resnet50", "resnet101", "wrn50-2", "alexnet", "amoebanet-d18",
                   "bert-large", "gpt2", "rnn-3")

@@ -8,7 +8,7 @@ import times to its log) and reads every worker's log when the job is done:
 
 * ``train``: 2 stages on the local backend, 2 iterations (``runtime.worker`` -> ``runtime.training``);
 * ``serve``: the same model served through fork-join, 2 requests (``runtime.forkjoin``);
-* ``profile``: one emulated tier profiled (``runtime.profile_function``, which needs the profiler);
+* ``profile``: one emulated tier profiled (``runtime.profile_function``, which times layers with ``flatpack.measure``);
 * ``calibrate``: one tier calibrated, no probe pipeline (``runtime.calibrate_function``);
 * ``distributed``: 2 gloo ranks of the gpu-container backend, 1 iteration (``runtime.distributed``).
 

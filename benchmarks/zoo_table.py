@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from flatpack.profiler import saved_tensors
+from flatpack.measure import saved_tensors
 from flatpack.zoo import ZOO, build
 from flatpack.units import MIB
 

@@ -89,3 +89,10 @@ class DeployError(FlatpackError):
     def __init__(self, message: str, *, rolled_back: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.rolled_back = rolled_back
+
+
+def first_line(err: BaseException) -> str:
+    """An error as one short line for a note: its type and the first line of its message
+    (at most 300 characters; torch's messages run to pages)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]

@@ -54,7 +54,8 @@ from flatpack.ir.profile import Linear
 from flatpack.partitioner.plan import Plan
 from flatpack.platform.calibration import Calibration, TierCalibration
 from flatpack.platform.catalog import get_platform
-from flatpack.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, example_batch_size, graph_hash, host_info
+from flatpack.measure import example_batch_size
+from flatpack.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, graph_hash, host_info
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
 from flatpack.runtime.function import Role
 from flatpack.stage.manifest import Manifest

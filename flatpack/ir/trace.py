@@ -27,7 +27,7 @@ from torch import nn
 from torch.fx.graph import CodeGen
 from torch.fx.graph_module import _copy_attr
 
-from flatpack.errors import InputError, TraceError
+from flatpack.errors import InputError, TraceError, first_line
 from flatpack.ir import ops, structure
 
 FX = "fx"
@@ -184,7 +184,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
             traced = _trace_fx(model, signature, bound_args, bound_kwargs)
         except Exception as err:  # noqa: BLE001 - any fx failure sends us to export
             failures.append((FX, err))
-            notes.append(f"fx failed: {_first_line(err)}")
+            notes.append(f"fx failed: {first_line(err)}")
     if traced is None:
         try:
             traced = _trace_export(model, signature, bound_args, bound_kwargs, spec)
@@ -394,7 +394,7 @@ def _export_example(model: nn.Module, signature: Signature, args: tuple, kwargs:
     try:
         exported, attempt = _export_dynamic(model, signature, doubled_args, doubled_kwargs, doubled_notes, start)
     except Exception as err:  # noqa: BLE001 - keep the batch-1 graph and say why
-        failure = (f"{_BATCH_ONE_NOTE}; tracing it repeated to batch 2 failed ({_first_line(err)}): "
+        failure = (f"{_BATCH_ONE_NOTE}; tracing it repeated to batch 2 failed ({first_line(err)}): "
                    "the graph runs at batch 1 only")
     else:
         if any(0 in dims for dims in _dynamic_dims(exported.graph_module.graph)):
@@ -428,7 +428,7 @@ def _export_dynamic(model: nn.Module, signature: Signature, args: tuple, kwargs:
         try:
             return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes), index
         except Exception as err:  # noqa: BLE001 - retry with fewer dynamic dimensions before giving up
-            notes.append(f"dynamic {what} dimensions refused ({_first_line(err)})")
+            notes.append(f"dynamic {what} dimensions refused ({first_line(err)})")
     notes.append("traced with static shapes")
     return torch.export.export(model, args, kwargs, strict=False), len(attempts) - 1
 
@@ -557,7 +557,7 @@ def switch_modes(model: nn.Module, traced: Traced, signature: Signature, args: t
             else:
                 other = _trace_export(model, signature, args, kwargs, spec, traced.export_route)
     except Exception as err:  # noqa: BLE001 - the traced mode still works; say what cannot switch
-        reason = f"it cannot be traced in {_mode(other_mode)} mode: {_first_line(err)}"
+        reason = f"it cannot be traced in {_mode(other_mode)} mode: {first_line(err)}"
         traced.mode_fixed = [f"the whole model ({reason})"]
     else:
         traced.mode_fixed = _align_modes(traced, other, primary_is_train=traced.training)
@@ -844,11 +844,6 @@ def fetch_attr(root: nn.Module, target: str) -> Any:
     return value
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
-
-
 _DATA_DEPENDENT = ("control flow", "data-dependent", "data dependent", "GuardOnDataDependent",
                    "Could not guard", "Could not extract specialized integer", "len() on")
 _UNSUPPORTED = ("not supported", "Unsupported", "NotImplemented", "unsupported")
@@ -881,7 +876,7 @@ def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) ->
                "branches with torch.cond, or pass concrete inputs")
     where = f"in submodule '{module_path}' ({type(module).__name__})" if module_path \
         else f"in {type(model).__name__}.forward"
-    details = "; ".join(f"{frontend}: {_first_line(err)}" for frontend, err in failures)
+    details = "; ".join(f"{frontend}: {first_line(err)}" for frontend, err in failures)
     return TraceError(f"could not trace the model {where}: {construct}. Fix: {fix}. ({details})")
 
 

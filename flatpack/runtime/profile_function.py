@@ -15,7 +15,7 @@ It runs the chain layer by layer, each layer's artifact loaded alone and dropped
 the real example inputs (cut or repeated to each micro-batch size), so every layer sees the
 values it sees in a run — token ids in range, masks, sizes that depend on the batch —
 rather than values invented from the manifest's shapes. Each layer is timed by the host
-profiler's own code (``profiler.time_layer``), forward and backward, median of the
+profiler's own code (``measure.time_layer``), forward and backward, median of the
 repeats, and fitted as ``a·micro_batch + b``.
 
 Memory: before any measurement every layer's weights and gradients are checked against the
@@ -45,9 +45,9 @@ from typing import Any, Callable
 
 import torch
 
-from flatpack.ir.profile import Linear
-from flatpack.ir.trace import _first_line
-from flatpack.profiler import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
+from flatpack.errors import first_line
+from flatpack.linear import Linear
+from flatpack.measure import forward_outputs, layer_peak_bytes, resize_inputs, time_layer
 from flatpack.runtime.function import Role, cpu_throttle, emulated_clock, load_module, peak_rss_bytes
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.store import Store
@@ -236,7 +236,7 @@ def run_profile(store: Store, role: Role, raw_spec: bytes) -> int:
             except Exception as err:  # noqa: BLE001 - later layers are measured at the other sizes
                 del envs[batch]
                 measured[-1] = _with_note(measured[-1], f"micro-batch {batch} dropped for the later layers: "
-                                                        f"{_first_line(err)}")
+                                                        f"{first_line(err)}")
         del module
         for values in envs.values():   # free what no later layer reads
             for value_name in [key for key in values if last_reader.get(key, -1) <= index]:
@@ -271,7 +271,7 @@ def _profile_layer(module: torch.nn.Module, index: int, envs: dict[int, dict[str
         try:
             peak = layer_peak_bytes(module, values, spec.grad_values)
         except Exception as err:  # noqa: BLE001 - a size the layer refuses: fit over the others, as the host does
-            notes.append(f"micro-batch {batch} refused: {_first_line(err)}")
+            notes.append(f"micro-batch {batch} refused: {first_line(err)}")
             continue
         need = spec.base_memory_bytes + weights + peak
         if need > limit:

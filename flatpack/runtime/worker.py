@@ -174,7 +174,7 @@ def run_role(role: Role, store: Store, started: float) -> int:
     try:
         raw = store.wait(role.spec_key, 120)
         if role.kind == "profile":
-            # start-up time: only the profile role loads the profiler (and ir, codegen beneath it)
+            # start-up time: only the profile role loads the layer timing (flatpack.measure)
             from flatpack.runtime.profile_function import run_profile
             return run_profile(store, role, raw)
         if role.kind == "calibrate":

@@ -71,7 +71,8 @@ def test_hf_models_profile_with_their_masks_and_exact_activation_bytes(factory, 
     """Export-traced graphs with keyword inputs (ids, mask) are resized per batch size, and
     the per-layer saved bytes add up to what autograd keeps for the whole model."""
     from flatpack.ir.profile import stage_saved_bytes
-    from flatpack.profiler import ProfileOptions, saved_tensors
+    from flatpack.measure import saved_tensors
+    from flatpack.profiler import ProfileOptions
 
     model, inputs = factory()
     model.train()

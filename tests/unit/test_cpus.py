@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flatpack
-from flatpack import cpus, profiler
+from flatpack import cpus, measure, profiler
 from flatpack.codegen.emit import emit_stages
 from flatpack.partitioner.plan import Plan
 from flatpack.runtime import calibrate_function
@@ -62,10 +62,10 @@ def test_none_leaves_the_process_where_it_is():
 
 
 def test_the_profile_schedule_warms_each_cpu_then_times_its_share():
-    assert profiler._run_schedule((0, 1), warmup=1, repeats=5) == [
+    assert measure.run_schedule((0, 1), warmup=1, repeats=5) == [
         (0, False), (0, True), (0, True), (0, True), (1, False), (1, True), (1, True)]
-    assert profiler._run_schedule((None,), warmup=2, repeats=3) == [(None, False)] * 2 + [(None, True)] * 3
-    assert profiler._run_schedule((0, 1), warmup=0, repeats=2) == [(0, True), (1, True)]
+    assert measure.run_schedule((None,), warmup=2, repeats=3) == [(None, False)] * 2 + [(None, True)] * 3
+    assert measure.run_schedule((0, 1), warmup=0, repeats=2) == [(0, True), (1, True)]
 
 
 @contextlib.contextmanager
@@ -109,11 +109,11 @@ def test_a_layer_s_figure_is_the_mean_of_its_per_cpu_medians(monkeypatch):
         ticks[0] += 1.0 if current[0] == 0 else 2.0
         return compute()
 
-    monkeypatch.setattr(profiler, "pinned", pinned)
+    monkeypatch.setattr(measure, "pinned", pinned)
     layer = torch.nn.Linear(4, 4)
     compiled = _one_layer_chain(layer)
-    training, served = profiler._time_chain(compiled.modules, compiled.env, compiled.grad_values, repeats=4,
-                                            warmup=1, execute=execute, clock=clock, cpus=(0, 1))
+    training, served = measure.time_chain(compiled.modules, compiled.env, compiled.grad_values, repeats=4,
+                                          warmup=1, execute=execute, clock=clock, cpus=(0, 1))
     assert training == [(1.5, 1.5)] and served == [1.5]
     # each CPU's pin is held over all its runs (given back between them, the thread could move
     # and return to cold caches before a timed run), and given back at the end

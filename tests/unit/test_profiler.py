@@ -17,7 +17,8 @@ import flatpack
 from flatpack.errors import InputError
 from flatpack.ir import meta
 from flatpack.ir.profile import ChainProfile, LayerProfile, Linear
-from flatpack.profiler import ProfileOptions, cache_path, optimizer_state_bytes, saved_tensors
+from flatpack.measure import saved_tensors
+from flatpack.profiler import ProfileOptions, cache_path, optimizer_state_bytes
 from tests.unit.narrowing import graph_of, problem_of, profile_of
 
 FAST: dict[str, Any] = dict(repeats=1, warmup=0, batch_sizes=(1, 2, 4), progress=False)
