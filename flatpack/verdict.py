@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,8 +18,31 @@ from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import ASYNC_SCHEDULE
 from flatpack.weights import with_aliases
 
-if TYPE_CHECKING:
-    from flatpack.job import JobOptions
+
+class RunOptions(Protocol):
+    """What the verdict reads of the run's options (``job.JobOptions`` has them all): named
+    here, not imported, since job imports this module."""
+
+    @property
+    def iterations(self) -> int | None: ...
+
+    @property
+    def micro_batches(self) -> int: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def schedule(self) -> str: ...
+
+    @property
+    def vertical_sync(self) -> bool: ...
+
+    @property
+    def eval_every(self) -> int: ...
+
+    def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec: ...
+
 
 # -- the verdict: is the pipelined run what single-process training computes? ---------------
 #
@@ -318,7 +341,7 @@ def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[s
     return found
 
 
-def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOptions, loss: str,
+def verdict(initial: nn.Module, compiled: Any, batches: list, options: RunOptions, loss: str,
             parameters: dict[str, torch.Tensor], pipelined_state: dict[str, dict[str, torch.Tensor]], *,
             dropouts: int, example: Any) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and

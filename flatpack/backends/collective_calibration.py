@@ -33,7 +33,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-import flatpack
 from flatpack.backends import profiling
 # how a rendezvous port is found and a rank's log is quoted
 from flatpack.backends.gpu_container import _free_port as free_port, _tail
@@ -43,6 +42,7 @@ from flatpack.platform.calibration import Calibration, CollectiveFit, TargetInfo
 from flatpack.platform.catalog import get_platform
 from flatpack.profiler import host_info
 from flatpack.runtime.collective_probe import DEFAULT_REPEATS, DEFAULT_SIZES, RESULT_FORMAT
+from flatpack.sources import ROOT
 from flatpack.version import __version__
 
 PROBE_MODULE = "flatpack.runtime.collective_probe"
@@ -88,7 +88,7 @@ def measure(*, ranks: int = DEFAULT_RANKS, backend: str | None = None, device: s
     sizes = sorted(set(sizes))   # the probe writes its medians in increasing size
     if repeats < 1 or timeout_s <= 0:
         raise InputError(f"repeats must be at least 1 and the timeout positive, got {repeats} and {timeout_s}")
-    source_root = Path(flatpack.__file__).resolve().parent.parent
+    source_root = ROOT.parent
     with tempfile.TemporaryDirectory(prefix="flatpack-collective-") as scratch:
         directory = Path(scratch)
         out = directory / "probe.json"

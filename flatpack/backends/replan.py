@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 from flatpack import logs
 from flatpack.analysis.refit import Replan, replan
@@ -40,10 +40,9 @@ from flatpack.partitioner.plan import Plan
 from flatpack.runtime import timeline
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.spec import RunSpec
+from flatpack.runtime.store import Store
+from flatpack.stage.manifest import Manifest
 from flatpack.table import plural
-
-if TYPE_CHECKING:   # functions imports this module: the annotation only
-    from flatpack.backends.functions import FunctionDeployment
 
 LOG = logs.get("replan")
 
@@ -57,6 +56,41 @@ DEFAULT_THRESHOLD = 0.05
 SKIP_FIRST = 2
 
 Chooser = Callable[[Compiled, list[timeline.Event]], Replan]
+
+
+class _CallRecord(Protocol):
+    """A training call's record in the store (``functions.CallRecord``), as a switch copies it."""
+
+    @property
+    def first_iteration(self) -> int: ...
+
+    def dumps(self) -> bytes: ...
+
+
+class SwitchableDeployment(Protocol):
+    """What a plan switch uses of a deployment (``functions.FunctionDeployment`` has it all):
+    named here, not imported, since functions imports this module."""
+
+    @property
+    def platform(self) -> str: ...
+
+    @property
+    def compiled(self) -> Compiled: ...
+
+    @property
+    def keys(self) -> RunKeys: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def manifests(self) -> Sequence[Manifest]: ...
+
+    def calls(self) -> Sequence[_CallRecord]: ...
+
+    def adopt(self, compiled: Compiled, keys: RunKeys) -> None: ...
+
+    def respecified(self, spec: RunSpec) -> RunSpec: ...
 
 
 @dataclass
@@ -123,7 +157,7 @@ class ReplanPolicy:
                       source="the run's last epoch")
 
 
-def check_replan(deployment: FunctionDeployment, policy: ReplanPolicy, *, asynchronous: bool, elastic: bool,
+def check_replan(deployment: SwitchableDeployment, policy: ReplanPolicy, *, asynchronous: bool, elastic: bool,
                  epoch_iterations: int | None, iterations: int) -> None:
     """Refuses, before any function starts, a run that cannot re-plan, naming the cause and the fix."""
     if deployment.platform != "local":
@@ -168,7 +202,7 @@ class Replanner:
         self.policy = policy
         self.switches: list[PlanSwitch] = []
 
-    def after_epoch(self, deployment: FunctionDeployment, spec: RunSpec, events: list[timeline.Event],
+    def after_epoch(self, deployment: SwitchableDeployment, spec: RunSpec, events: list[timeline.Event],
                     last: int) -> RunSpec | None:
         """At the boundary after iteration ``last`` (every stage checkpointed it): the spec of
         the new plan the run switched to, or None to keep the current one. ``events``: the
@@ -210,7 +244,7 @@ def next_run(run: str) -> str:
     return f"{found.group(1)}-plan{int(found.group(2)) + 1}" if found else f"{run}-plan1"
 
 
-def switch_plan(deployment: FunctionDeployment, compiled: Compiled, spec: RunSpec, switch: PlanSwitch,
+def switch_plan(deployment: SwitchableDeployment, compiled: Compiled, spec: RunSpec, switch: PlanSwitch,
                 on_switch: Callable[[PlanSwitch, Compiled], None] | None = None) -> RunSpec:
     """Moves the run from the deployment's plan onto ``compiled`` after ``switch.iteration``
     (see the module's steps) and returns the run's spec for the new plan."""

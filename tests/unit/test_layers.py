@@ -14,8 +14,10 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import grimp
 import pytest
 
 import flatpack
@@ -46,6 +48,47 @@ def test_the_sub_package_import_graph_has_no_cycle():
     files = import_graph()
     assert cycles(package_graph(files)) == []
     assert cycles(files) == []
+
+
+# The one type-only cycle left, being removed: the backend protocol names the concrete
+# functions.TrainResult for its train() return type (TrainResult moves out of functions.py).
+# An edge listed here is left out of the graph; delete the entry once it is gone.
+KNOWN_TYPE_ONLY_EDGES = {("flatpack.backends.protocol", "flatpack.backends.functions"),
+                         # gpu_container reads flatpack.__version__ through the package root,
+                         # whose type-only imports name api (above the backends): a cycle between
+                         # packages, not modules; flatpack.version.__version__ removes it
+                         ("flatpack.backends.gpu_container", "flatpack")}
+
+
+def _grimp_graph(exclude_type_checking: bool) -> dict[str, set[str]]:
+    """Every import between flatpack's modules, function-level ones included, as grimp (which
+    import-linter runs on) reads them; with ``exclude_type_checking=False`` those under
+    ``if TYPE_CHECKING:`` too."""
+    graph = grimp.build_graph("flatpack", include_external_packages=False,
+                              exclude_type_checking_imports=exclude_type_checking, cache_dir=None)
+    return {module: set(graph.find_modules_directly_imported_by(module)) for module in graph.modules}
+
+
+def _without(graph: dict[str, set[str]], edges: set[tuple[str, str]]) -> dict[str, set[str]]:
+    return {module: {target for target in targets if (module, target) not in edges}
+            for module, targets in graph.items()}
+
+
+def test_no_import_cycle_of_any_kind_type_only_included():
+    """No two flatpack modules import each other, directly or not, counting the imports under
+    ``if TYPE_CHECKING:`` (a type-only cycle still says two modules depend on each other),
+    nor do two sub-packages (the package root, the facade over all of them, is a node of its own)."""
+    graph = _grimp_graph(exclude_type_checking=False)
+    modules = _without(graph, KNOWN_TYPE_ONLY_EDGES)
+    assert cycles(modules) == []
+    assert cycles(package_graph({module: Counter(targets) for module, targets in modules.items()})) == []
+
+
+def test_the_cycle_check_sees_type_checking_imports():
+    """The check above is not blind to type-only imports: the root package's ``if
+    TYPE_CHECKING:`` import of ``flatpack.api`` is in its graph and not in the runtime one."""
+    assert "flatpack.api" in _grimp_graph(exclude_type_checking=False)["flatpack"]
+    assert "flatpack.api" not in _grimp_graph(exclude_type_checking=True)["flatpack"]
 
 
 def test_cycles_are_found_where_they_are():
