@@ -580,20 +580,40 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
     lowered = _lower(model, args, kwargs, pipeline, target=target, stages=stages, profile=profile,
                      workload=workload, calibration=calibration, options=options)
     graph, traced, chain_profile, problem = lowered.graph, lowered.traced, lowered.profile, lowered.problem
-    current = provenance_of(graph, target, workload, problem)
-    if plan is None:
-        assert solver_obj is not None  # resolved above (before lowering, to fail fast) whenever plan is None
-        plan = solver_obj(problem)
-        if not isinstance(plan, Plan):
-            raise PlanError(f"solver {getattr(solver_obj, 'name', solver_obj)!r} returned "
-                            f"{type(plan).__name__}, not a Plan")
-        plan = dataclasses.replace(plan, provenance=current)
-    elif plan.provenance is not None:
-        # a workload not given here is not known, so it is not held against the plan's
-        plan.provenance.check(current if workload is not None else
-                              dataclasses.replace(current, workload=plan.provenance.workload), force=force)
+    plan = _planned(plan, solver_obj, problem, provenance_of(graph, target, workload, problem),
+                    given_workload=workload is not None, force=force)
     plan, artifacts = _emit(graph, problem, plan)
-    info = CompiledInfo(
+    info = _compiled_info(model, target, traced, graph, pipeline, plan, chain_profile)
+    compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info, problem=problem)
+    if out_dir is not None:
+        compiled.save(out_dir)
+    return compiled
+
+
+def _planned(plan: Plan | None, solver: Solver | None, problem: Problem, current: Provenance, *,
+             given_workload: bool, force: bool) -> Plan:
+    """The plan to emit: ``solver``'s for ``problem`` when no plan was given, recording where
+    it comes from (``current``); else the given one, checked against ``current`` (refused when
+    made for another graph, target, workload, calibration or version, unless ``force``)."""
+    if plan is None:
+        assert solver is not None  # compile resolves it (before lowering, to fail fast) whenever plan is None
+        solved = solver(problem)
+        if not isinstance(solved, Plan):
+            raise PlanError(f"solver {getattr(solver, 'name', solver)!r} returned "
+                            f"{type(solved).__name__}, not a Plan")
+        return dataclasses.replace(solved, provenance=current)
+    if plan.provenance is not None:
+        # a workload not given here is not known, so it is not held against the plan's
+        plan.provenance.check(current if given_workload else
+                              dataclasses.replace(current, workload=plan.provenance.workload), force=force)
+    return plan
+
+
+def _compiled_info(model: nn.Module, target: str, traced: Any, graph: LayerGraph, pipeline: Sequence[Pass],
+                   plan: Plan, chain_profile: ChainProfile | None) -> CompiledInfo:
+    """What ``flatpack.json`` records of a compile: versions, target, how the model was
+    traced and lowered, its input and output contract, the stages and the chain."""
+    return CompiledInfo(
         flatpack_version=__version__,
         torch_version=torch.__version__,
         target=target,
@@ -616,10 +636,6 @@ def compile(model: nn.Module, example_inputs: Any = (), *, target: str = "local"
         chain=graph.to_json(),
         profile=chain_profile,
     )
-    compiled = Compiled(graph=graph, plan=plan, artifacts=artifacts, info=info, problem=problem)
-    if out_dir is not None:
-        compiled.save(out_dir)
-    return compiled
 
 
 def _emit(graph: LayerGraph, problem: Problem, plan: Plan) -> tuple[Plan, list[StageArtifact]]:

@@ -47,13 +47,14 @@ from torch import nn
 
 from flatpack.backends import get_backend
 from flatpack.backends.functions import FunctionDeployment, Invocation, read_status
+from flatpack.compiler import Compiled
 from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.ir.passes import resolve
 from flatpack.ir.profile import Linear
 from flatpack.partitioner.plan import Plan
 from flatpack.platform.calibration import Calibration, TierCalibration
-from flatpack.platform.catalog import get_platform
+from flatpack.platform.catalog import Platform, get_platform
 from flatpack.measure import example_batch_size
 from flatpack.profiler import DEFAULT_BATCH_SIZES, ProfileOptions, graph_hash, host_info
 from flatpack.runtime.profile_function import DOES_NOT_FIT, ERROR, OK, ProfileSpec, TierResult, profile_role
@@ -146,36 +147,56 @@ def profile_in_target(model: nn.Module, example_inputs: Any = (), *, target: str
         # a deployment from a caller's ``deploy`` need not say; one that does not, does not emulate
         emulated = bool(getattr(deployment, "emulate_tiers", False))
         probe = _probe_size(emulated, bandwidth_probe_bytes)
-        keys = deployment.keys
-        deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info.input_names, leaves))))
-        grad_values = _grad_values(compiled)
-        layer_inputs = tuple(artifact.manifest.input_names for artifact in compiled.artifacts)
-        weights, gradients = zip(*(_weight_and_grad_bytes(artifact.manifest) for artifact in compiled.artifacts))
-        roles = []
-        for memory_mb in memory_sizes:
-            spec = ProfileSpec(run=keys.run, layers=layer_names, layer_inputs=layer_inputs, weight_bytes=weights,
-                               grad_bytes=gradients, input_names=compiled.info.input_names,
-                               grad_values=grad_values, batch_sizes=sizes, example_batch=example_batch_size(leaves),
-                               memory_mb=memory_mb, vcpus=platform.tier(memory_mb).vcpus, emulate_cpu=emulated,
-                               base_memory_bytes=int(platform.base_memory_bytes), repeats=repeats, warmup=warmup,
-                               threads=threads, bandwidth_probe_bytes=probe)
-            role = profile_role(keys, memory_mb, compiled.digest)
-            deployment.store.put(role.spec_key, spec.dumps())
-            roles.append(role)
+        roles = _put_specs(compiled, deployment, leaves, platform, memory_sizes, layer_names, batch_sizes=sizes,
+                           emulated=emulated, probe=probe, repeats=repeats, warmup=warmup, threads=threads)
         ended = _run_functions(roles, launch or deployment.launch, parallel, timeout_s, say)
         results = {role.stage: _collect(deployment, role, ended[role.stage]) for role in roles}
         failed_tiers.extend(memory_mb for memory_mb, result in results.items() if result.status == ERROR)
-        next_step = _next_step(deployment, emulated) if failed_tiers else ""
-        if failed_tiers:
-            failed = f"the profiler function failed on: {', '.join(f'{mb} MB' for mb in failed_tiers)}. {next_step}"
-            log.warning("%s", failed)
-            say(failed)
+        next_step = _report_failures(deployment, emulated, failed_tiers, say)
     calibration = _calibration(target, layer_names, graph_hash(graph), results, emulated, sizes, repeats, threads,
                                next_step)
     if out is not None:
         calibration.save(out)
         say(f"wrote {out}")
     return calibration
+
+
+def _put_specs(compiled: Compiled, deployment: FunctionDeployment, leaves: list[Any], platform: Platform,
+               memory_sizes: Sequence[int], layer_names: tuple[str, ...], *, batch_sizes: tuple[int, ...],
+               emulated: bool, probe: int, repeats: int, warmup: int, threads: int) -> list[Role]:
+    """Puts the model's example inputs and one :class:`ProfileSpec` per memory tier into the
+    deployment's store (the chain compiled one layer per stage) and returns the roles that
+    read them."""
+    keys = deployment.keys
+    deployment.store.put(keys.profile("inputs"), pack_values(dict(zip(compiled.info.input_names, leaves))))
+    weights, gradients = zip(*(_weight_and_grad_bytes(artifact.manifest) for artifact in compiled.artifacts))
+    roles = []
+    for memory_mb in memory_sizes:
+        spec = ProfileSpec(run=keys.run, layers=layer_names,
+                           layer_inputs=tuple(artifact.manifest.input_names for artifact in compiled.artifacts),
+                           weight_bytes=weights, grad_bytes=gradients, input_names=compiled.info.input_names,
+                           grad_values=_grad_values(compiled), batch_sizes=batch_sizes,
+                           example_batch=example_batch_size(leaves), memory_mb=memory_mb,
+                           vcpus=platform.tier(memory_mb).vcpus, emulate_cpu=emulated,
+                           base_memory_bytes=int(platform.base_memory_bytes), repeats=repeats, warmup=warmup,
+                           threads=threads, bandwidth_probe_bytes=probe)
+        role = profile_role(keys, memory_mb, compiled.digest)
+        deployment.store.put(role.spec_key, spec.dumps())
+        roles.append(role)
+    return roles
+
+
+def _report_failures(deployment: FunctionDeployment, emulated: bool, failed_tiers: Sequence[int],
+                     say: Callable[[str], None]) -> str:
+    """Warns of the tiers whose profiler function failed and returns what to do next (where
+    the logs are); "" when none failed."""
+    if not failed_tiers:
+        return ""
+    next_step = _next_step(deployment, emulated)
+    failed = f"the profiler function failed on: {', '.join(f'{mb} MB' for mb in failed_tiers)}. {next_step}"
+    log.warning("%s", failed)
+    say(failed)
+    return next_step
 
 
 def profile_command(model: nn.Module, example_inputs: Any, *, target: str, tiers: Sequence[int] | None = None,

@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +43,7 @@ from flatpack.compiler import compile as compile_model
 from flatpack.errors import InputError, RunFailure, StoreKeyError
 from flatpack.platform.calibration import (SCHEMA_VERSION, TASK_KINDS, Calibration, StoreLatency, TargetInfo,
                                            TierCalibration)
-from flatpack.platform.catalog import get_platform, host_cores
+from flatpack.platform.catalog import Platform, RequestCpu, get_platform, host_cores
 from flatpack.profiler import default_cache_dir, host_clock, host_info
 from flatpack.runtime.calibrate_function import (IDLE_S, SMALL_PROBE_PARTS, CalibrateResult, CalibrateSpec,
                                                  calibrate_role, time_op_classes)
@@ -101,23 +102,9 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     each, and record the task terms they measure (:mod:`flatpack.backends.task_overheads`;
     0: not measured)."""
     platform = get_platform(target)
-    if platform.kind == "container":
-        raise InputError(f"{target}'s ranks talk to each other directly, not through a store: measure their link "
-                         "and all-reduce with backends.collective_calibration.calibrate_collective (the CLI's "
-                         f"`flatpack calibrate --target {target}` does)")
+    _check_request(target, platform, emulate=emulate, region=region, task_iterations=task_iterations,
+                   threads=threads, round_trips=round_trips, probe_bytes=probe_bytes, timeout_s=timeout_s)
     memory_sizes = profiling._tier_sizes(platform, tiers)
-    local = emulate or target == "local"
-    if region is not None and local:
-        raise InputError(f"--region places calibration functions in a cloud region; "
-                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region "
-                         "out")
-    if task_iterations and task_iterations <= task_overheads.SKIP:
-        raise InputError(f"--probe-iterations {task_iterations}: the probe pipelines' first {task_overheads.SKIP} "
-                         f"iterations are not measured; give at least {task_overheads.SKIP + 1}, or 0 to skip them")
-    if threads < 1 or round_trips < 4 or probe_bytes < 1 or timeout_s <= 0:
-        raise InputError(f"calibrate needs threads >= 1, round_trips >= 4 (8 requests or more for the latency fit), "
-                         f"probe_bytes >= 1 and a positive timeout; got threads={threads}, round_trips={round_trips}, "
-                         f"probe_bytes={probe_bytes}, timeout_s={timeout_s}")
     say = report or (lambda line: None)
     failed: list[int] = []
     with contextlib.ExitStack() as cleanup:
@@ -131,52 +118,113 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         deployment = deploy(compiled)
         cleanup.callback(deployment.teardown)
         emulated = bool(getattr(deployment, "emulate_tiers", False))
-        keys = deployment.keys
         for memory_mb in memory_sizes:
             tier = platform.tier(memory_mb)
-            spec = CalibrateSpec(run=keys.run, memory_mb=memory_mb, vcpus=tier.vcpus, emulate_cpu=emulated,
+            spec = CalibrateSpec(run=deployment.keys.run, memory_mb=memory_mb, vcpus=tier.vcpus, emulate_cpu=emulated,
                                  bandwidth_bytes_s=tier.bandwidth_bytes_s if emulated else None, threads=threads,
                                  round_trips=round_trips, probe_bytes=probe_bytes)
-            deployment.store.put(keys.calibrate("spec", memory_mb), spec.dumps())
-        launched: dict[tuple[int, int], float] = {}
-
-        def timed(role: Role) -> Invocation:
-            launched[(role.stage, role.start_iteration)] = time.time()
-            return (launch or deployment.launch)(role)
-
-        results: dict[tuple[int, int], CalibrateResult] = {}
-        # the host's probes just before and just after each function: the host's speed moves
-        # by up to 45 % for seconds to minutes (BENCHMARKS.md, issue 19's sixth pass), so a
-        # function's reading is set beside the host's nearest in time, not the run's first
-        host_passes: dict[tuple[int, int], dict[str, float]] = {}
-        before = _on_host(threads)
-        for invocation in range(COLD, WARM + WARM_READINGS):
-            verb = ("calibrating (cold start)" if invocation == COLD
-                    else f"starting again (warm, {invocation} of {WARM_READINGS})")
-            for memory_mb in memory_sizes:
-                role = calibrate_role(keys, memory_mb, invocation, compiled.digest)
-                profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
-                after = _on_host(threads)
-                host_passes[(memory_mb, invocation)] = {name: (seconds + after[name]) / 2
-                                                        for name, seconds in before.items()}
-                before = after
-                result = _collect(deployment, role)
-                if result is None:
-                    failed.append(role.stage)
-                else:
-                    results[(role.stage, invocation)] = result
+            deployment.store.put(deployment.keys.calibrate("spec", memory_mb), spec.dumps())
+        readings = _invoke_tiers(deployment, compiled.digest, memory_sizes, launch or deployment.launch, threads,
+                                 timeout_s, say, failed)
         if failed:
-            reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(keys, mb, COLD))}"
+            reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(deployment.keys, mb, COLD))}"
                                 for mb in sorted(set(failed)))
             raise RunFailure(f"the calibration function failed on {reasons}. "
                              + profiling._next_step(deployment, emulated))
-        request_cpu = None
-        server = getattr(deployment, "server", None)
-        if emulated and server is not None and server.pid is not None:
-            # the host's cores are shared: what a request costs them bounds a run (analysis.host_load)
-            say("timing the host CPU of the store's requests (client and server)")
-            request_cpu = measure_request_cpu(deployment.store, server.pid, f"{keys.run}/calibrate/request-cpu")
-    measured = _tiers(memory_sizes, results, launched, host_passes)
+        request_cpu = _request_cpu(deployment, emulated, say)
+    calibration = _calibration(target, memory_sizes, readings, emulated=emulated, region=region, threads=threads,
+                               round_trips=round_trips, probe_bytes=probe_bytes, request_cpu=request_cpu)
+    if task_iterations:
+        calibration = _with_task_overheads(calibration, target, emulate, memory_sizes, region, deploy,
+                                           task_iterations, timeout_s, say)
+    if out is not None:
+        calibration.save(out)
+        say(f"wrote {out}")
+    return calibration
+
+
+def _check_request(target: str, platform: Platform, *, emulate: bool, region: str | None, task_iterations: int,
+                   threads: int, round_trips: int, probe_bytes: int, timeout_s: float) -> None:
+    """Refuses, before anything is deployed, a calibration that cannot run as asked."""
+    if platform.kind == "container":
+        raise InputError(f"{target}'s ranks talk to each other directly, not through a store: measure their link "
+                         "and all-reduce with backends.collective_calibration.calibrate_collective (the CLI's "
+                         f"`flatpack calibrate --target {target}` does)")
+    if region is not None and (emulate or target == "local"):
+        raise InputError(f"--region places calibration functions in a cloud region; "
+                         f"{'emulated tiers' if emulate else 'the local target'} run on this machine. Leave --region "
+                         "out")
+    if task_iterations and task_iterations <= task_overheads.SKIP:
+        raise InputError(f"--probe-iterations {task_iterations}: the probe pipelines' first {task_overheads.SKIP} "
+                         f"iterations are not measured; give at least {task_overheads.SKIP + 1}, or 0 to skip them")
+    if threads < 1 or round_trips < 4 or probe_bytes < 1 or timeout_s <= 0:
+        raise InputError(f"calibrate needs threads >= 1, round_trips >= 4 (8 requests or more for the latency fit), "
+                         f"probe_bytes >= 1 and a positive timeout; got threads={threads}, round_trips={round_trips}, "
+                         f"probe_bytes={probe_bytes}, timeout_s={timeout_s}")
+
+
+@dataclass
+class _Readings:
+    """What the calibration functions measured, by (memory MB, invocation): each one's result,
+    when it was launched (wall clock), and the host's probe seconds around it."""
+
+    results: dict[tuple[int, int], CalibrateResult] = field(default_factory=dict)
+    launched: dict[tuple[int, int], float] = field(default_factory=dict)
+    host_passes: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+
+
+def _invoke_tiers(deployment: FunctionDeployment, digest: str, memory_sizes: Sequence[int],
+                  launch: Callable[[Role], Invocation], threads: int, timeout_s: float, say: Callable[[str], None],
+                  failed: list[int]) -> _Readings:
+    """Invokes each tier's calibration function once cold and ``WARM_READINGS`` times warm, one
+    at a time, with the host's probes between them; a tier whose function failed goes to
+    ``failed``."""
+    readings = _Readings()
+
+    def timed(role: Role) -> Invocation:
+        readings.launched[(role.stage, role.start_iteration)] = time.time()
+        return launch(role)
+
+    # the host's probes just before and just after each function: the host's speed moves
+    # by up to 45 % for seconds to minutes (BENCHMARKS.md, issue 19's sixth pass), so a
+    # function's reading is set beside the host's nearest in time, not the run's first
+    before = _on_host(threads)
+    for invocation in range(COLD, WARM + WARM_READINGS):
+        verb = ("calibrating (cold start)" if invocation == COLD
+                else f"starting again (warm, {invocation} of {WARM_READINGS})")
+        for memory_mb in memory_sizes:
+            role = calibrate_role(deployment.keys, memory_mb, invocation, digest)
+            profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
+            after = _on_host(threads)
+            readings.host_passes[(memory_mb, invocation)] = {name: (seconds + after[name]) / 2
+                                                             for name, seconds in before.items()}
+            before = after
+            result = _collect(deployment, role)
+            if result is None:
+                failed.append(role.stage)
+            else:
+                readings.results[(role.stage, invocation)] = result
+    return readings
+
+
+def _request_cpu(deployment: FunctionDeployment, emulated: bool, say: Callable[[str], None]) -> RequestCpu | None:
+    """The host CPU a store request costs (client and server), where the store's server runs
+    on this host beside emulated tiers; None elsewhere."""
+    server = getattr(deployment, "server", None)
+    if not emulated or server is None or server.pid is None:
+        return None
+    # the host's cores are shared: what a request costs them bounds a run (analysis.host_load)
+    say("timing the host CPU of the store's requests (client and server)")
+    return measure_request_cpu(deployment.store, server.pid, f"{deployment.keys.run}/calibrate/request-cpu")
+
+
+def _calibration(target: str, memory_sizes: Sequence[int], readings: _Readings, *, emulated: bool,
+                 region: str | None, threads: int, round_trips: int, probe_bytes: int,
+                 request_cpu: RequestCpu | None) -> Calibration:
+    """The calibration the readings make: per tier, the store's latency and poll overhead from
+    the cold invocations, the host's probe seconds averaged over every pass."""
+    results, host_passes = readings.results, readings.host_passes
+    measured = _tiers(memory_sizes, results, readings.launched, host_passes)
     host_seconds = {name: statistics.mean(passes[name] for passes in host_passes.values())
                     for name in next(iter(host_passes.values()))}
     requests = [seconds for (_, invocation), result in results.items() if invocation == COLD
@@ -185,19 +233,12 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
              for seconds in result.poll_overhead_s]
     first = results[(memory_sizes[0], COLD)]
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    calibration = Calibration(
+    return Calibration(
         platform=target, layer_names=(), tiers=measured,
         target=TargetInfo(target, now, host_info().cpu, __version__, region, threads),
         store_latency=StoreLatency.fit(requests), poll_overhead_s=statistics.mean(polls),
         host_cores=host_cores() if emulated else None, collective=first.collective, request_cpu=request_cpu,
         provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
-    if task_iterations:
-        calibration = _with_task_overheads(calibration, target, emulate, memory_sizes, region, deploy,
-                                           task_iterations, timeout_s, say)
-    if out is not None:
-        calibration.save(out)
-        say(f"wrote {out}")
-    return calibration
 
 
 def cached_local_calibration(tiers: Sequence[int], report: Callable[[str], None] | None = None) -> Path:
