@@ -36,7 +36,7 @@ from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               memory_limit, micro_batches_per_replica, recompute_seconds, stage_memory,
                                               stage_tensors, stage_tier, to_json, uniform_replicas)
-from flatpack.partitioner.plan import Plan
+from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.space import SearchSpace
 from flatpack.units import mb
@@ -330,17 +330,7 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     backward = [slowdown * recompute_seconds(fwd, bwd, stage.recompute) * factor + extra.task("backward", s)
                 for s, ((fwd, bwd), stage, factor) in enumerate(zip(compute, plan.stages, stretch))]
 
-    boundaries = []
-    for b in range(count - 1):
-        nbytes = problem.boundary_bytes(plan.stages[b].end, micro)
-        boundaries.append(BoundaryCost(
-            after_layer=plan.stages[b].end, bytes=nbytes,
-            forward_upload_s=nbytes / bandwidth[b] + latency + extra.task("upload", b),
-            forward_download_s=(nbytes / bandwidth[b + 1] + latency + poll + extra.task("download", b + 1)
-                                + (extra.target_s if b == count - 2 else 0.0)),
-            backward_upload_s=nbytes / bandwidth[b + 1] + latency + extra.task("upload", b + 1),
-            backward_download_s=nbytes / bandwidth[b] + latency + poll + extra.task("download", b),
-        ))
+    boundaries = _boundary_costs(problem, plan, micro, bandwidth, latency, poll, extra)
 
     # the first micro-batch's transfers start on links idle since the last iteration: each
     # less the burst (b), on the link of the stage on either side of its boundary; the later
@@ -354,27 +344,9 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
                        *(bc.forward_download_s for bc in boundaries)])
     forward_total = first_forward + (mu - 1) * forward_lag
 
-    sync_copies = 2 if replicas > 1 else 0
-    stages = []
-    for s, (stage, tier) in enumerate(zip(plan.stages, tiers)):
-        above = boundaries[s:]
-        lag = max([*backward[s:], *(bc.backward_upload_s for bc in above),
-                   *(bc.backward_download_s for bc in above)])
-        done = (sum(backward[s:]) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above)
-                - sum(credits[s:]) + (mu - 1) * lag)
-        grads = gradient_bytes(problem, stage.start, stage.end)
-        sync = scatter_reduce_seconds(grads, replicas, bandwidth[s], latency + poll, problem.workload.sync)
-        if replicas > 1:
-            moved = scatter_reduce_seconds(grads, replicas, bandwidth[s], 0.0, problem.workload.sync)
-            sync += extra.marker_s + extra.task("sync", s) - extra.sync_burst_saving(moved, s)
-        memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
-                              sync_buffer_copies=sync_copies, recompute=stage.recompute)
-        stages.append(StageCost(
-            index=s, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth[s],
-            forward_s=forward[s], backward_s=backward[s], recompute=stage.recompute, backward_lag_s=lag,
-            backward_done_s=done,
-            sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
-        ))
+    stages = [_stage_cost(problem, s, stage, tier, forward[s], backward[s:], boundaries[s:], credits[s:],
+                          bandwidth[s], mu=mu, replicas=replicas, latency=latency, poll=poll, extra=extra)
+              for s, (stage, tier) in enumerate(zip(plan.stages, tiers))]
 
     optimizer = [extra.step(s) for s in range(count)]
     pipeline_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
@@ -388,6 +360,50 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         stages=tuple(stages), boundaries=tuple(boundaries), first_forward_s=first_forward, forward_lag_s=forward_lag,
         forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
         dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit, overheads=overheads,
+    )
+
+
+def _boundary_costs(problem: Problem, plan: Plan, micro: float, bandwidth: list[float], latency: float,
+                    poll: float, extra: Overheads) -> list[BoundaryCost]:
+    """Each boundary's four transfers (eq. 8): its activations up from the stage below and
+    down into the stage above, its gradients back the other way; every download pays the
+    poll overhead, the last boundary's forward download the target's hand-off."""
+    count = len(plan.stages)
+    boundaries = []
+    for b in range(count - 1):
+        nbytes = problem.boundary_bytes(plan.stages[b].end, micro)
+        boundaries.append(BoundaryCost(
+            after_layer=plan.stages[b].end, bytes=nbytes,
+            forward_upload_s=nbytes / bandwidth[b] + latency + extra.task("upload", b),
+            forward_download_s=(nbytes / bandwidth[b + 1] + latency + poll + extra.task("download", b + 1)
+                                + (extra.target_s if b == count - 2 else 0.0)),
+            backward_upload_s=nbytes / bandwidth[b + 1] + latency + extra.task("upload", b + 1),
+            backward_download_s=nbytes / bandwidth[b] + latency + poll + extra.task("download", b),
+        ))
+    return boundaries
+
+
+def _stage_cost(problem: Problem, index: int, stage: StagePlan, tier: Tier, forward_s: float,
+                backward_from: list[float], above: list[BoundaryCost], credits_from: list[float], bandwidth: float,
+                *, mu: int, replicas: int, latency: float, poll: float, extra: Overheads) -> StageCost:
+    """Stage ``index``'s backward (eq. 11: its own and every later stage's backward and the
+    transfers above it, ``backward_from``, ``above`` and ``credits_from`` being those from
+    this stage up), its gradients' sync (eq. 12) and its memory (eq. 3b)."""
+    lag = max([*backward_from, *(bc.backward_upload_s for bc in above), *(bc.backward_download_s for bc in above)])
+    done = (sum(backward_from) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above)
+            - sum(credits_from) + (mu - 1) * lag)
+    grads = gradient_bytes(problem, stage.start, stage.end)
+    sync = scatter_reduce_seconds(grads, replicas, bandwidth, latency + poll, problem.workload.sync)
+    if replicas > 1:
+        moved = scatter_reduce_seconds(grads, replicas, bandwidth, 0.0, problem.workload.sync)
+        sync += extra.marker_s + extra.task("sync", index) - extra.sync_burst_saving(moved, index)
+    memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
+                          sync_buffer_copies=2 if replicas > 1 else 0, recompute=stage.recompute)
+    return StageCost(
+        index=index, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth,
+        forward_s=forward_s, backward_s=backward_from[0], recompute=stage.recompute, backward_lag_s=lag,
+        backward_done_s=done,
+        sync_bytes=grads, sync_s=sync, memory=memory, memory_needed_bytes=memory.total, fits=memory.fits,
     )
 
 
