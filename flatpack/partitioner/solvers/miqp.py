@@ -812,109 +812,123 @@ class _CpModel:
         # start-up time: ortools' CP-SAT is loaded by a miqp solve alone
         from ortools.sat.python import cp_model
 
+        self.cp = cp_model
         self.part, self.objective, self.scaling = part, objective, scaling
         self.bound: float | None = None
-        count, lags = part.num_layers, part.per_replica - 1
-        ticks = scaling.ticks
-        model = self.model = cp_model.CpModel()
-        arcs = part.arcs
-        x = self.x = [model.new_bool_var(f"x{arc.start}_{arc.end}_{arc.memory_mb}") for arc in arcs]
+        count, arcs = part.num_layers, part.arcs
+        self.model = cp_model.CpModel()
+        self.x = [self.model.new_bool_var(f"x{arc.start}_{arc.end}_{arc.memory_mb}") for arc in arcs]
         starting: dict[int, list[int]] = {i: [] for i in range(count)}
         ending: dict[int, list[int]] = {i: [] for i in range(count)}
         for index, arc in enumerate(arcs):
             starting[arc.start].append(index)
             ending[arc.end].append(index)
-
-        # a path from layer 0 to the last layer: one stage starts at 0, stages tile the chain
-        model.add(cp_model.LinearExpr.sum([x[a] for a in starting[0]]) == 1)
-        for i in range(1, count):
-            model.add(cp_model.LinearExpr.sum([x[a] for a in ending[i - 1]])
-                      == cp_model.LinearExpr.sum([x[a] for a in starting[i]]))
-        model.add(cp_model.LinearExpr.sum([x[a] for a in ending[count - 1]]) == 1)
-        if part.min_stages > 1 or part.max_stages < count:
-            model.add_linear_constraint(cp_model.LinearExpr.sum(x), part.min_stages, part.max_stages)
-
-        cap = scaling.time_cap
-        forward_lag = [ticks(arc.forward_lag_s) for arc in arcs]
-        lag, lag_own = [ticks(arc.lag_s) for arc in arcs], [ticks(arc.lag_own_s) for arc in arcs]
-        backward_path = [ticks(arc.backward_path_s) for arc in arcs]
-        backward_own = [ticks(arc.backward_own_s) for arc in arcs]
-        forward_path = [ticks(arc.forward_path_s) for arc in arcs]
-
         covering = [[a for a, arc in enumerate(arcs) if arc.start <= k <= arc.end] for k in range(count)]
-
-        def weighted(indices: Sequence[int], coefficients: Sequence[int]):
-            return cp_model.LinearExpr.weighted_sum([x[a] for a in indices], [coefficients[a] for a in indices])
-
+        self._tile_the_chain(starting, ending)
         # with lags (µ > 1) only; Λ and G have one variable per layer, Λ_L = G_L = 0 beside them
         self.forward_lag: cp_model.IntVar | None = None
         self.suffix_lag: list[cp_model.IntVar] = []
         self.stage_lag: list[cp_model.IntVar] = []
-        if lags > 0:
-            # Δ_f ≥ the lag of the stage covering layer k, for every k (exactly one covers it,
-            # which makes these rows tighter in the LP than one row per arc)
-            self.forward_lag = model.new_int_var(0, max(forward_lag), "forward_lag")
-            for k in range(count):
-                model.add(self.forward_lag >= weighted(covering[k], forward_lag))
-            top = max(lag)
-            # Λ_i: the largest lag of the stages starting at i or later (Λ_L = 0)
-            self.suffix_lag = [model.new_int_var(0, top, f"suffix_lag{i}") for i in range(count)]
-            suffix_lag = [*self.suffix_lag, 0]
-            for i in range(count):
-                model.add(self.suffix_lag[i] >= suffix_lag[i + 1])
-                model.add(self.suffix_lag[i] >= weighted(starting[i], lag))
-            # Δ_b of the stage covering layer k: its own compute and upload, and everything above
-            # it (the stages starting after k). Indexed by covered layer rather than by first
-            # layer: Σ over the arcs covering k of x is 1 even in the LP, so these rows are
-            # not diluted by fractional stage starts
-            self.stage_lag = [model.new_int_var(0, top, f"stage_lag{k}") for k in range(count)]
-            for k in range(count):
-                model.add(self.stage_lag[k] >= suffix_lag[k + 1])
-                model.add(self.stage_lag[k] >= weighted(covering[k], lag_own))
+        if part.per_replica > 1:
+            self._add_lags(starting, covering)
+        floors = self._add_iteration_time(starting, covering)
+        self.price: cp_model.IntVar | None = None
+        self.product: cp_model.IntVar | None = None
+        target = self._add_price(floors) if objective.product else self.time
+        self.limit = None
+        if incumbent is not None:
+            # only plans at least as good as the incumbent, up to the rounding
+            self.limit = math.floor(self.model_from_true(incumbent) * (1 + scaling.tolerance)) + 1
+            self.model.add(target <= self.limit)
+        self.model.minimize(target)
+
+    def _weighted(self, indices: Iterable[int], coefficients: Sequence[int]) -> Any:
+        """Σ coefficient_a · x_a over the arcs ``indices``."""
+        indices = list(indices)
+        return self.cp.LinearExpr.weighted_sum([self.x[a] for a in indices], [coefficients[a] for a in indices])
+
+    def _tile_the_chain(self, starting: dict[int, list[int]], ending: dict[int, list[int]]) -> None:
+        """A path from layer 0 to the last layer: one stage starts at 0, stages tile the chain,
+        between the subproblem's least and most stages."""
+        total, x, model, count = self.cp.LinearExpr.sum, self.x, self.model, self.part.num_layers
+        model.add(total([x[a] for a in starting[0]]) == 1)
+        for i in range(1, count):
+            model.add(total([x[a] for a in ending[i - 1]]) == total([x[a] for a in starting[i]]))
+        model.add(total([x[a] for a in ending[count - 1]]) == 1)
+        if self.part.min_stages > 1 or self.part.max_stages < count:
+            model.add_linear_constraint(total(x), self.part.min_stages, self.part.max_stages)
+
+    def _add_lags(self, starting: dict[int, list[int]], covering: list[list[int]]) -> None:
+        """Δ_f, Λ_i and the Δ_b of the stage covering each layer (with lags, µ > 1, only)."""
+        model, ticks, count, arcs = self.model, self.scaling.ticks, self.part.num_layers, self.part.arcs
+        forward_lag = [ticks(arc.forward_lag_s) for arc in arcs]
+        lag, lag_own = [ticks(arc.lag_s) for arc in arcs], [ticks(arc.lag_own_s) for arc in arcs]
+        # Δ_f ≥ the lag of the stage covering layer k, for every k (exactly one covers it,
+        # which makes these rows tighter in the LP than one row per arc)
+        self.forward_lag = model.new_int_var(0, max(forward_lag), "forward_lag")
+        for k in range(count):
+            model.add(self.forward_lag >= self._weighted(covering[k], forward_lag))
+        top = max(lag)
+        # Λ_i: the largest lag of the stages starting at i or later (Λ_L = 0)
+        self.suffix_lag = [model.new_int_var(0, top, f"suffix_lag{i}") for i in range(count)]
+        suffix_lag = [*self.suffix_lag, 0]
+        for i in range(count):
+            model.add(self.suffix_lag[i] >= suffix_lag[i + 1])
+            model.add(self.suffix_lag[i] >= self._weighted(starting[i], lag))
+        # Δ_b of the stage covering layer k: its own compute and upload, and everything above
+        # it (the stages starting after k). Indexed by covered layer rather than by first
+        # layer: Σ over the arcs covering k of x is 1 even in the LP, so these rows are
+        # not diluted by fractional stage starts
+        self.stage_lag = [model.new_int_var(0, top, f"stage_lag{k}") for k in range(count)]
+        for k in range(count):
+            model.add(self.stage_lag[k] >= suffix_lag[k + 1])
+            model.add(self.stage_lag[k] >= self._weighted(covering[k], lag_own))
+
+    def _add_iteration_time(self, starting: dict[int, list[int]], covering: list[list[int]]) -> list[int]:
+        """G_i, Z and t_iter (under the SLO when there is one); returns each arc's floor in
+        ticks, the fastest plan through it."""
+        model, ticks, cap, scaling = self.model, self.scaling.ticks, self.scaling.time_cap, self.scaling
+        count, arcs, lags = self.part.num_layers, self.part.arcs, self.part.per_replica - 1
+        backward_path = [ticks(arc.backward_path_s) for arc in arcs]
+        backward_own = [ticks(arc.backward_own_s) for arc in arcs]
+        forward_path = [ticks(arc.forward_path_s) for arc in arcs]
         # G_i: backward compute and transfers of the stages starting at i or later
         self.suffix_path = [model.new_int_var(0, cap, f"suffix_path{i}") for i in range(count)]
         suffix_path = [*self.suffix_path, 0]
         for i in range(count):
-            model.add(self.suffix_path[i] == suffix_path[i + 1] + weighted(starting[i], backward_path))
+            model.add(self.suffix_path[i] == suffix_path[i + 1] + self._weighted(starting[i], backward_path))
         # Z ≥ t_b + t_s of the stage covering layer k: G_{k+1} is the backward work of the
         # stages after it, whichever layer of the stage k is
         self.done = model.new_int_var(0, cap, "done")
         for k in range(count):
             stage_lag = lags * self.stage_lag[k] if lags > 0 else 0
-            model.add(self.done >= suffix_path[k + 1] + weighted(covering[k], backward_own) + stage_lag)
+            model.add(self.done >= suffix_path[k + 1] + self._weighted(covering[k], backward_own) + stage_lag)
         self.time = model.new_int_var(0, cap, "t_iter")
-        model.add(self.time == weighted(range(len(arcs)), forward_path)
+        model.add(self.time == self._weighted(range(len(arcs)), forward_path)
                   + (lags * self.forward_lag if self.forward_lag is not None else 0) + self.done)
-        if objective.slo_s is not None:
-            model.add(self.time <= math.floor(objective.slo_s / scaling.tick_s))
+        if self.objective.slo_s is not None:
+            model.add(self.time <= math.floor(self.objective.slo_s / scaling.tick_s))
         # t_iter is at least the fastest plan through the stage covering layer k: redundant
         # for integer plans, a much better LP bound for fractional ones
         floors = [math.floor(seconds / scaling.tick_s) for seconds in time_floors(arcs, count)]
         for k in range(count):
-            model.add(self.time >= weighted(covering[k], floors))
+            model.add(self.time >= self._weighted(covering[k], floors))
+        return floors
 
-        self.price: cp_model.IntVar | None = None
-        self.product: cp_model.IntVar | None = None
-        if objective.product:
-            units = [scaling.units(arc.price_per_s) for arc in arcs]
-            price_cap = scaling.offset_units + min(part.max_stages, count) * max(units)
-            self.price = model.new_int_var(0, price_cap, "price")
-            model.add(self.price == scaling.offset_units + weighted(range(len(arcs)), units))
-            self.product = model.new_int_var(0, cap * price_cap, "t_iter_x_price")
-            model.add_multiplication_equality(self.product, [self.time, self.price])
-            # t_iter·Q = κ·t_iter + Σ_a price_a·(t_iter·x_a) ≥ κ·t_iter + Σ_a price_a·floor_a·x_a:
-            # a linear bound on the product that the LP relaxation of the product lacks
-            model.add(self.product >= scaling.offset_units * self.time
-                      + weighted(range(len(arcs)), [unit * floor for unit, floor in zip(units, floors)]))
-            target = self.product
-        else:
-            target = self.time
-        self.limit = None
-        if incumbent is not None:
-            # only plans at least as good as the incumbent, up to the rounding
-            self.limit = math.floor(self.model_from_true(incumbent) * (1 + scaling.tolerance)) + 1
-            model.add(target <= self.limit)
-        model.minimize(target)
+    def _add_price(self, floors: list[int]) -> Any:
+        """Q (the plan's price per second) and t_iter·Q, the objective's product; returns it."""
+        model, scaling, arcs, count = self.model, self.scaling, self.part.arcs, self.part.num_layers
+        units = [scaling.units(arc.price_per_s) for arc in arcs]
+        price_cap = scaling.offset_units + min(self.part.max_stages, count) * max(units)
+        self.price = model.new_int_var(0, price_cap, "price")
+        model.add(self.price == scaling.offset_units + self._weighted(range(len(arcs)), units))
+        self.product = model.new_int_var(0, scaling.time_cap * price_cap, "t_iter_x_price")
+        model.add_multiplication_equality(self.product, [self.time, self.price])
+        # t_iter·Q = κ·t_iter + Σ_a price_a·(t_iter·x_a) ≥ κ·t_iter + Σ_a price_a·floor_a·x_a:
+        # a linear bound on the product that the LP relaxation of the product lacks
+        model.add(self.product >= scaling.offset_units * self.time
+                  + self._weighted(range(len(arcs)), [unit * floor for unit, floor in zip(units, floors)]))
+        return self.product
 
     def model_from_true(self, value: float) -> float:
         return value / self._unit()
