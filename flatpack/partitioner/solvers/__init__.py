@@ -19,7 +19,9 @@ DEFAULT_SOLVER = "balanced"
 
 @runtime_checkable
 class Solver(Protocol):
-    name: str
+    # read-only: a frozen dataclass's field or a property names a solver as well as an attribute
+    @property
+    def name(self) -> str: ...
 
     def __call__(self, problem: Problem) -> Plan: ...
 
