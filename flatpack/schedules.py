@@ -21,17 +21,22 @@ once, and everything else asks the object.
   one 1F1B sequence over the call.
 
 A new flush-type schedule is one class with :meth:`Schedule.actions` and
-:meth:`Schedule.iteration_s`, registered under its name (``tests/unit/test_schedules.py``
-adds one and trains with it). Torch-free: the command line imports it for its choices.
+:meth:`Schedule.iteration_s`, registered under its name; one defined outside flatpack reaches
+the workers, which are processes of their own, through the deployment's environment
+(:data:`PLUGINS_ENV`, :func:`register_plugins`). ``tests/unit/test_schedules.py`` adds one
+(``tests/unit/gpipe_schedule.py``) and trains with it on the local backend. Torch-free: the
+command line imports it for its choices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
 from flatpack.errors import InputError
 from flatpack.registry import Registry
@@ -287,3 +292,31 @@ def get(schedule: str | Schedule) -> Schedule:
 def names() -> list[str]:
     """Every registered schedule's name, the built-ins first in their order."""
     return [*SCHEDULES, *(name for name in SCHEDULE_REGISTRY.names() if name not in SCHEDULES)]
+
+
+# a schedule defined outside flatpack, named in the deployment's environment as
+# "module:Class" (comma-separated, as the registry names its built-ins): every worker, a
+# process of its own, imports and registers it before it reads its run. The environment is
+# the deployer's, as trusted as PYTHONPATH; a run's data (the spec in the store) only names
+# a registered schedule, never code
+PLUGINS_ENV = "FLATPACK_SCHEDULES"
+
+
+def register_plugins(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Registers the schedule classes ``environ[PLUGINS_ENV]`` names (one registered already,
+    the same class, is left as it is); returns their names."""
+    registered = []
+    for entry in (part.strip() for part in environ.get(PLUGINS_ENV, "").split(",")):
+        if not entry:
+            continue
+        module_name, colon, attribute = entry.partition(":")
+        if not colon:
+            raise InputError(f"{PLUGINS_ENV} names {entry!r}; name each schedule class as module:Class, e.g. "
+                             "my_schedules:Interleaved")
+        found = getattr(importlib.import_module(module_name), attribute, None)
+        if not (isinstance(found, type) and issubclass(found, Schedule)):
+            raise InputError(f"{PLUGINS_ENV} names {entry!r}, which is {found!r}, not a Schedule subclass")
+        if SCHEDULE_REGISTRY.factories.get(found.name) is not found:
+            SCHEDULE_REGISTRY.register(found.name, found)
+        registered.append(found.name)
+    return registered
