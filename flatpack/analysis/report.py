@@ -230,55 +230,13 @@ def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = Tru
     long as the compute its span exceeds the synchronous one; :func:`predicted_iteration`
     takes it as 1F1B's prediction.
     """
-    return _simulate(problem, funcpipe.predicted(problem, plan, reads_target=reads_target), schedule_named(schedule))
+    return _simulate(problem, funcpipe.predicted(problem, plan, reads_target=reads_target), schedule)
 
 
-def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: Schedule) -> list[Event]:
+def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str | Schedule) -> list[Event]:
     """:func:`predicted_schedule` of the measured-terms ``cost`` already computed for the plan."""
-    d = cost.replicas
-    count = len(cost.stages)
-    total = problem.workload.micro_batch_count
     overheads = cost.overheads
-    boundaries = cost.boundaries
-
-    # tasks per worker in program order: (key, kind, lane, micro_batch, seconds, nbytes, needs)
-    programs: dict[tuple[int, int], list[tuple]] = {}
-    for s, stage in enumerate(cost.stages):
-        below = boundaries[s - 1] if s > 0 else None
-        above = boundaries[s] if s < count - 1 else None
-        for r in range(d):
-            tasks: list[tuple] = []
-            backwards = []
-            for action in schedule.actions(s, count, list(range(r, total, d))):
-                m = action.micro_batch
-                if action.is_forward:
-                    needs = []
-                    if below:
-                        tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
-                                      int(below.bytes), [("fu", s - 1, m)]))
-                        needs = [("fd", s, m)]
-                    tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
-                    if above:
-                        tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
-                                      [("f", s, m)]))
-                    continue
-                needs = [("f", s, m)]
-                if above:
-                    tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
-                                  int(above.bytes), [("bu", s + 1, m)]))
-                    needs += [("fu", s, m), ("bd", s, m)]
-                tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
-                backwards.append(("b", s, m))
-                if below:
-                    tasks.append((("bu", s, m), "upload", "upload", m, below.backward_upload_s, int(below.bytes),
-                                  [("b", s, m)]))
-            last = backwards
-            if d > 1:
-                tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
-                last = [("s", s, r)]
-            step = overheads.step(s) if overheads is not None else 0.0
-            tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
-            programs[(s, r)] = tasks
+    programs = _programs(cost, schedule_named(schedule), problem.workload.micro_batch_count)
 
     # per worker and lane, the tasks wait their turn; a task runs once the tasks it needs end
     queues = {(worker, lane): [t for t in tasks if t[2] == lane]
@@ -316,6 +274,51 @@ def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: Schedule)
         events.append(Event(s, r, 0, kind, start, end, micro_batch=m, nbytes=nbytes, lane=lane))
     events.sort(key=lambda e: (e.start, e.stage, e.replica, LANE_ORDER[e.lane]))
     return events
+
+
+def _programs(cost: funcpipe.PipelineCost, schedule: Schedule, total: int) -> dict[tuple[int, int], list[tuple]]:
+    """Each worker's (stage, replica) tasks in program order, the schedule's actions over the
+    ``total`` micro-batches it owns with their transfers, then its sync and update: (key,
+    kind, lane, micro_batch, seconds, nbytes, the keys of the tasks it needs)."""
+    d, count, boundaries = cost.replicas, len(cost.stages), cost.boundaries
+    programs: dict[tuple[int, int], list[tuple]] = {}
+    for s, stage in enumerate(cost.stages):
+        below = boundaries[s - 1] if s > 0 else None
+        above = boundaries[s] if s < count - 1 else None
+        for r in range(d):
+            tasks: list[tuple] = []
+            backwards = []
+            for action in schedule.actions(s, count, list(range(r, total, d))):
+                m = action.micro_batch
+                if action.is_forward:
+                    needs = []
+                    if below:
+                        tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
+                                      int(below.bytes), [("fu", s - 1, m)]))
+                        needs = [("fd", s, m)]
+                    tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
+                    if above:
+                        tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
+                                      [("f", s, m)]))
+                    continue
+                needs = [("f", s, m)]
+                if above:
+                    tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
+                                  int(above.bytes), [("bu", s + 1, m)]))
+                    needs += [("fu", s, m), ("bd", s, m)]
+                tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
+                backwards.append(("b", s, m))
+                if below:
+                    tasks.append((("bu", s, m), "upload", "upload", m, below.backward_upload_s, int(below.bytes),
+                                  [("b", s, m)]))
+            last = backwards
+            if d > 1:
+                tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
+                last = [("s", s, r)]
+            step = cost.overheads.step(s) if cost.overheads is not None else 0.0
+            tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
+            programs[(s, r)] = tasks
+    return programs
 
 
 LANE_ORDER = {"compute": 0, "upload": 1, "download": 2}
