@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import flatpack
-from flatpack import logs, safeio
+from flatpack import logs, safeio, schedules
 from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
-from flatpack.stage.settings import SCHEDULES, SYNC_METHODS
+from flatpack.stage.settings import SYNC_METHODS
 from flatpack.table import format_table, plural
 from flatpack.version import __version__
 
@@ -1163,10 +1163,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "synthetic batches of another seed)")
     run_parser.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                             help="hold out the last F of --data's shards (whole shards) for --eval-every")
-    run_parser.add_argument("--schedule", default="sync", choices=SCHEDULES,
-                            help="FuncPipe's synchronous schedule, PipeDream's 1F1B with a flush, or PipeDream's "
-                                 "asynchronous 1F1B: no flush, an optimizer step per micro-batch, weight stashing "
-                                 "(one replica per stage; the pipeline drains at the end of each call)")
+    run_parser.add_argument("--schedule", default=schedules.DEFAULT_SCHEDULE, choices=schedules.names(),
+                            help="the pipeline schedule: " + "; ".join(
+                                f"{name}: {schedules.get(name).description}" for name in schedules.names())
+                            + " (an asynchronous one drains the pipeline at the end of each call)")
     run_parser.add_argument("--vertical-sync", action="store_true",
                             help="with --schedule 1f1b-async: every stage computes a micro-batch with the weight "
                                  "version the first stage used for it (PipeDream's vertical sync)")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import flatpack
-from flatpack import logs
+from flatpack import logs, schedules
 from flatpack.analysis import chrome_trace, gantt, report
 from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
@@ -50,7 +50,7 @@ from flatpack.progress import ProgressLine
 from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
-from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
+from flatpack.schedules import DEFAULT_SCHEDULE, Setup
 from flatpack.stage.settings import PRECISIONS
 from flatpack.table import plural
 from flatpack.verdict import pipeline_optimizer_state, verdict
@@ -88,8 +88,8 @@ class JobOptions:
     eval_every: int = 0
     eval_data: Any = None
     eval_fraction: float = 0.0
-    schedule: str = "sync"
-    vertical_sync: bool = False            # 1f1b-async: every stage on the first stage's weight version
+    schedule: str = DEFAULT_SCHEDULE       # a registered schedule's name (flatpack.schedules)
+    vertical_sync: bool = False            # asynchronous schedules: every stage on the first stage's weight version
     sync: str = "pipelined"
     solver: str = "dp"
     passes: str | None = None
@@ -176,8 +176,10 @@ class JobOptions:
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
              f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
         spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
-        need(self.schedule in SCHEDULES, f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        check_async_options(self.schedule, self.vertical_sync, self.replicas, spec, precision=self.precision)
+        # an unknown name is refused listing the known ones; then what the schedule does not run with
+        schedules.get(self.schedule).check(Setup(
+            replicas=tuple(self.replicas), vertical_sync=self.vertical_sync, clip_grad_norm=spec.clip_grad_norm,
+            accumulate=spec.accumulate, precision=self.precision, replan=bool(self.replan)))
         need(self.iterations is None or self.iterations % spec.accumulate == 0,
              f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
              f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
@@ -255,9 +257,6 @@ class JobOptions:
         need(isinstance(self.replan_threshold, (int, float)) and 0 <= self.replan_threshold < 1,
              f"--replan-threshold is the least predicted saving that switches plans, a share in [0, 1), got "
              f"{self.replan_threshold}; use e.g. {DEFAULT_THRESHOLD}")
-        need(self.schedule != ASYNC_SCHEDULE,
-             "--replan switches plans between epochs, and 1f1b-async has micro-batches in flight across "
-             "iterations with stashed weights no checkpoint holds; use --schedule sync or 1f1b, or leave --replan out")
         need(self.precision == "fp32",
              f"--replan with --precision {self.precision}: tensors are rounded to {self.precision} at the stage "
              "boundaries, which move with the plan, so the single-process check cannot reproduce the run; use "
@@ -269,10 +268,10 @@ class JobOptions:
 
     def optimizer_steps(self, iterations: int) -> int:
         """The optimizer steps of ``iterations``: one per K under --accumulate K, and one per
-        micro-batch under 1f1b-async (PipeDream's minibatch)."""
-        if self.schedule == ASYNC_SCHEDULE:
-            return iterations * self.micro_batches
-        return iterations // self.accumulate if isinstance(self.accumulate, int) and self.accumulate >= 1 else 1
+        micro-batch under an asynchronous schedule (PipeDream's minibatch: ``Schedule.optimizer_steps``)."""
+        if not (isinstance(self.accumulate, int) and self.accumulate >= 1):
+            return 1
+        return iterations * schedules.get(self.schedule).optimizer_steps(self.micro_batches) // self.accumulate
 
     def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec:
         """The run's optimizer as the plain data every stage and the reference build it from;
@@ -626,6 +625,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         # the cost model counts the state of the optimizer the run names, read from the optimizer
         workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
                             optimizer="adam" if spec.is_adam_like else "sgd-momentum", sync=options.sync,
+                            schedule=options.schedule,
                             optimizer_state_factor=spec.state_factor(),
                             precision=options.precision, recompute=options.recompute)
         started = time.perf_counter()
@@ -666,10 +666,10 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
                 "backward (the tier chosen does not hold them; one more forward each)")
         checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
         every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, iterations)
-        if options.schedule == ASYNC_SCHEDULE:
+        if not schedules.get(options.schedule).flush:
             # micro-batches are in flight between iterations: only a drained pipeline checkpoints
             every = options.eval_every or iterations
-            why = "1f1b-async checkpoints only where its pipeline drains, at the end of each call"
+            why = f"{options.schedule} checkpoints only where its pipeline drains, at the end of each call"
         elif options.checkpoint_every:
             why = "as asked"
         elif checkpoints.overhead(cost.iteration_s, every) <= 0.05:

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from flatpack import schedules
 from flatpack.analysis.reference import call, first_output, train_async_single_process, train_single_process
 from flatpack.backends.functions import checkpoint_tensors
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.spec import ASYNC_SCHEDULE
 from flatpack.weights import with_aliases
 
 
@@ -366,21 +366,22 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: RunOption
     # under bf16/fp16 the reference computes as the stages do (see the tolerances above): it
     # rounds what crosses the plan's cuts, with the workers' one intra-op thread
     pipeline, threads = (compiled, 1) if options.precision != "fp32" else (None, None)
-    if options.schedule == ASYNC_SCHEDULE:
+    schedule = schedules.get(options.schedule)
+    if not schedule.flush:
         # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
         # calls of N iterations, and the pipeline drains at the end of each
         reference, _ = train_async_single_process(
-            initial, batches, run_iterations, stage_of=parameter_stages(compiled), stages=len(stages),
-            micro_batches=micro_batches, optimizer=optimizer, loss=loss, vertical_sync=options.vertical_sync,
-            call_iterations=options.eval_every or None, optimizer_state=reference_state, precision=options.precision,
-            pipeline=pipeline, threads=threads)
+            initial, batches, run_iterations, schedule=schedule, stage_of=parameter_stages(compiled),
+            stages=len(stages), micro_batches=micro_batches, optimizer=optimizer, loss=loss,
+            vertical_sync=options.vertical_sync, call_iterations=options.eval_every or None,
+            optimizer_state=reference_state, precision=options.precision, pipeline=pipeline, threads=threads)
     else:
         reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
                                             optimizer_state=reference_state, precision=options.precision,
                                             pipeline=pipeline, threads=threads)
-    # the bounds grow with the optimizer's steps: one per micro-batch under 1f1b-async
-    iterations = run_iterations * (micro_batches if options.schedule == ASYNC_SCHEDULE else 1)
+    # the bounds grow with the optimizer's steps: one per micro-batch under an asynchronous schedule
+    iterations = run_iterations * schedule.optimizer_steps(micro_batches)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
                                                 optimizer, iterations, options.precision,
                                                 initial.state_dict())

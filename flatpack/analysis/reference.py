@@ -20,9 +20,10 @@ from torch import nn
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, loss_value
 from flatpack.runtime.precision import SCALED, LossScaling, autocast
-from flatpack.runtime.spec import (ASYNC_SCHEDULE, check_async_options, check_precision, micro_batch_size,
+from flatpack.runtime.spec import (check_precision, micro_batch_size,
                                    split_value)
-from flatpack.runtime.stashing import forward_version
+from flatpack.schedules import Schedule, Setup
+from flatpack.schedules import get as schedule_named
 from flatpack.stage.artifact import stage_manifest
 
 
@@ -223,19 +224,20 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
 
 
 def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
-                               stage_of: Mapping[str, int], stages: int, micro_batches: int,
+                               schedule: Schedule | str, stage_of: Mapping[str, int], stages: int, micro_batches: int,
                                optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                                vertical_sync: bool = False, call_iterations: int | None = None,
                                optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
                                copy_model: bool = True, precision: str = "fp32",
                                pipeline: Any = None, threads: int | None = None) -> tuple[nn.Module, list[float]]:
-    """Single-process simulation of PipeDream's asynchronous 1F1B with weight stashing
-    (``schedule="1f1b-async"``, ``runtime.stashing``): what such a pipelined run must equal.
+    """Single-process simulation of an asynchronous ``schedule`` with weight stashing
+    (``runtime.stashing``; PipeDream's 1F1B without a flush, ``1f1b-async``): what such a
+    pipelined run must equal.
 
     The call's micro-batches g = 0, 1, ... (each global batch cut as the pipeline cuts it)
     run in order; micro-batch g computes its forward and backward with, for each parameter,
     the version its stage (``stage_of[name]`` of ``stages``) had stashed for it
-    (``stashing.forward_version``: the stage's own steps before its forward of g, or under
+    (``Schedule.weight_version``: the stage's own steps before its forward of g, or under
     ``vertical_sync`` the first stage's), its loss is its own mean, and its gradient steps
     the latest weights: one optimizer step per micro-batch, on every stage alike. g counts
     from the start of a ``train()`` call, where the pipeline starts empty:
@@ -246,7 +248,12 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     :func:`train_single_process` takes them."""
     with torch_threads(threads):
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
-        check_async_options(ASYNC_SCHEDULE, vertical_sync, [1] * stages, spec, precision=precision)
+        schedule = schedule_named(schedule)
+        if schedule.flush:
+            raise InputError(f"the {schedule.name} schedule flushes every iteration; train_single_process is its "
+                             "reference, not this simulation of an asynchronous one")
+        schedule.check(Setup(replicas=(1,) * stages, vertical_sync=vertical_sync,
+                             clip_grad_norm=spec.clip_grad_norm, accumulate=spec.accumulate, precision=precision))
         forward, paths = through_stages(trained, pipeline, precision)
         missing = [name for name, _ in named if name not in stage_of]
         if missing:
@@ -271,7 +278,7 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
                 sequence = steps - call_start
                 piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
                 piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-                versions = {name: call_start + forward_version(sequence, stage_of[name], stages, vertical_sync)
+                versions = {name: call_start + schedule.weight_version(sequence, stage_of[name], stages, vertical_sync)
                             for name, _ in named}
                 weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
                 args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)

@@ -25,7 +25,8 @@ from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.runtime.timeline import Event, Measured, summarize
-from flatpack.runtime.training import compute_order
+from flatpack.schedules import DEFAULT_SCHEDULE, Schedule
+from flatpack.schedules import get as schedule_named
 from flatpack.table import format_table
 
 
@@ -130,7 +131,7 @@ class Comparison:
 
 
 def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first: int = 1,
-            reads_target: bool = True, schedule: str = "sync") -> Comparison:
+            reads_target: bool = True, schedule: str | Schedule = DEFAULT_SCHEDULE) -> Comparison:
     """The model's prediction for ``plan`` run under ``schedule`` (:func:`predicted_iteration`)
     beside the summary of a run's ``events`` (``reads_target``: the run's loss reads a
     target, :func:`funcpipe.predicted`)."""
@@ -140,25 +141,29 @@ def compare(problem: Problem, plan: Plan, events: Iterable[Event], *, skip_first
 
 
 def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = True,
-                        schedule: str = "sync") -> funcpipe.PipelineCost:
-    """What one iteration of ``plan`` is predicted to take and cost under ``schedule``.
-    Synchronous: FuncPipe's t_iter with the measured terms (:func:`funcpipe.predicted`). 1F1B
-    with a flush has the same bubble only while transfers are short beside the compute: its
-    prediction is the span of :func:`predicted_schedule` under 1F1B's order, plus the
-    iteration's own term o_it, and dollars at that span (the other terms are FuncPipe's).
-    On a host the workers share (the local backend, its request CPU calibrated), at least
-    the host bound t_host (:mod:`flatpack.analysis.host_load`), dollars at that time."""
+                        schedule: str | Schedule = DEFAULT_SCHEDULE) -> funcpipe.PipelineCost:
+    """What one iteration of ``plan`` is predicted to take and cost under ``schedule``: the
+    schedule's own prediction (``Schedule.iteration_s``) from FuncPipe's t_iter with the
+    measured terms (:func:`funcpipe.predicted`) and, where the schedule asks for it, the span
+    of :func:`predicted_schedule` under its order plus the iteration's own term o_it (1F1B
+    with a flush: it has FuncPipe's bubble only while transfers are short beside the
+    compute), dollars at that time (the other terms are FuncPipe's). On a host the workers
+    share (the local backend, its request CPU calibrated), at least the host bound t_host
+    (:mod:`flatpack.analysis.host_load`), dollars at that time."""
+    schedule = schedule_named(schedule)
     cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
     overheads = cost.overheads or funcpipe.Overheads()
-    iteration_s = cost.iteration_s
-    simulated = None
-    if schedule == "1f1b":    # the asynchronous 1F1B has no flush: FuncPipe's t_iter bounds it
-        simulated = _simulate(problem, cost, schedule)
-        iteration_s = max(max(event.end for event in simulated) + overheads.iteration_s,
-                          funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads))
+    simulated: list[Event] = []
+
+    def simulated_s() -> float:
+        simulated[:] = _simulate(problem, cost, schedule)
+        return max(max(event.end for event in simulated) + overheads.iteration_s,
+                   funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads))
+
+    iteration_s = schedule.iteration_s(cost.iteration_s, simulated_s)
     bound = None
     if shares_host(problem.platform):
-        events = simulated if simulated is not None else _simulate(problem, cost, "sync")
+        events = simulated or _simulate(problem, cost, schedule)
         load = host_load(problem, plan, dataclasses.replace(cost, iteration_s=iteration_s), events,
                          reads_target=reads_target)
         if load is not None:
@@ -202,12 +207,13 @@ def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: 
 
 
 def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = True,
-                       schedule: str = "sync") -> list[Event]:
-    """One iteration of ``schedule`` ("sync": FuncPipe's; "1f1b": PipeDream's 1F1B with a
-    flush), simulated with the model's predicted per-micro-batch durations, starting at time 0.
+                       schedule: str | Schedule = DEFAULT_SCHEDULE) -> list[Event]:
+    """One iteration of ``schedule`` (e.g. ``sync``: FuncPipe's; ``1f1b``: PipeDream's 1F1B
+    with a flush), simulated with the model's predicted per-micro-batch durations, starting
+    at time 0.
 
     Every replica r of every stage runs its compute tasks in the runtime's order
-    (``training.compute_order``) over the micro-batches m it owns (m % d == r): a forward
+    (``Schedule.actions``) over the micro-batches m it owns (m % d == r): a forward
     downloads its input first (stage > 0) and uploads its output after (not the last stage);
     a backward downloads its output gradient first (not the last stage) and uploads its input
     gradient after (stage > 0), and waits, as the runtime's does, for its forward and that
@@ -227,51 +233,10 @@ def predicted_schedule(problem: Problem, plan: Plan, *, reads_target: bool = Tru
     return _simulate(problem, funcpipe.predicted(problem, plan, reads_target=reads_target), schedule)
 
 
-def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> list[Event]:
+def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str | Schedule) -> list[Event]:
     """:func:`predicted_schedule` of the measured-terms ``cost`` already computed for the plan."""
-    d = cost.replicas
-    count = len(cost.stages)
-    total = problem.workload.micro_batch_count
     overheads = cost.overheads
-    boundaries = cost.boundaries
-
-    # tasks per worker in program order: (key, kind, lane, micro_batch, seconds, nbytes, needs)
-    programs: dict[tuple[int, int], list[tuple]] = {}
-    for s, stage in enumerate(cost.stages):
-        below = boundaries[s - 1] if s > 0 else None
-        above = boundaries[s] if s < count - 1 else None
-        for r in range(d):
-            tasks: list[tuple] = []
-            backwards = []
-            for direction, m in compute_order(schedule, list(range(r, total, d)), s, count):
-                if direction == "F":
-                    needs = []
-                    if below:
-                        tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
-                                      int(below.bytes), [("fu", s - 1, m)]))
-                        needs = [("fd", s, m)]
-                    tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
-                    if above:
-                        tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
-                                      [("f", s, m)]))
-                    continue
-                needs = [("f", s, m)]
-                if above:
-                    tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
-                                  int(above.bytes), [("bu", s + 1, m)]))
-                    needs += [("fu", s, m), ("bd", s, m)]
-                tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
-                backwards.append(("b", s, m))
-                if below:
-                    tasks.append((("bu", s, m), "upload", "upload", m, below.backward_upload_s, int(below.bytes),
-                                  [("b", s, m)]))
-            last = backwards
-            if d > 1:
-                tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
-                last = [("s", s, r)]
-            step = overheads.step(s) if overheads is not None else 0.0
-            tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
-            programs[(s, r)] = tasks
+    programs = _programs(cost, schedule_named(schedule), problem.workload.micro_batch_count)
 
     # per worker and lane, the tasks wait their turn; a task runs once the tasks it needs end
     queues = {(worker, lane): [t for t in tasks if t[2] == lane]
@@ -309,6 +274,51 @@ def _simulate(problem: Problem, cost: funcpipe.PipelineCost, schedule: str) -> l
         events.append(Event(s, r, 0, kind, start, end, micro_batch=m, nbytes=nbytes, lane=lane))
     events.sort(key=lambda e: (e.start, e.stage, e.replica, LANE_ORDER[e.lane]))
     return events
+
+
+def _programs(cost: funcpipe.PipelineCost, schedule: Schedule, total: int) -> dict[tuple[int, int], list[tuple]]:
+    """Each worker's (stage, replica) tasks in program order, the schedule's actions over the
+    ``total`` micro-batches it owns with their transfers, then its sync and update: (key,
+    kind, lane, micro_batch, seconds, nbytes, the keys of the tasks it needs)."""
+    d, count, boundaries = cost.replicas, len(cost.stages), cost.boundaries
+    programs: dict[tuple[int, int], list[tuple]] = {}
+    for s, stage in enumerate(cost.stages):
+        below = boundaries[s - 1] if s > 0 else None
+        above = boundaries[s] if s < count - 1 else None
+        for r in range(d):
+            tasks: list[tuple] = []
+            backwards = []
+            for action in schedule.actions(s, count, list(range(r, total, d))):
+                m = action.micro_batch
+                if action.is_forward:
+                    needs = []
+                    if below:
+                        tasks.append((("fd", s, m), "download", "download", m, below.forward_download_s,
+                                      int(below.bytes), [("fu", s - 1, m)]))
+                        needs = [("fd", s, m)]
+                    tasks.append((("f", s, m), "forward", "compute", m, stage.forward_s, 0, needs))
+                    if above:
+                        tasks.append((("fu", s, m), "upload", "upload", m, above.forward_upload_s, int(above.bytes),
+                                      [("f", s, m)]))
+                    continue
+                needs = [("f", s, m)]
+                if above:
+                    tasks.append((("bd", s, m), "download", "download", m, above.backward_download_s,
+                                  int(above.bytes), [("bu", s + 1, m)]))
+                    needs += [("fu", s, m), ("bd", s, m)]
+                tasks.append((("b", s, m), "backward", "compute", m, stage.backward_s, 0, needs))
+                backwards.append(("b", s, m))
+                if below:
+                    tasks.append((("bu", s, m), "upload", "upload", m, below.backward_upload_s, int(below.bytes),
+                                  [("b", s, m)]))
+            last = backwards
+            if d > 1:
+                tasks.append((("s", s, r), "sync", "compute", None, stage.sync_s, stage.sync_bytes, backwards))
+                last = [("s", s, r)]
+            step = cost.overheads.step(s) if cost.overheads is not None else 0.0
+            tasks.append((("u", s, r), "update", "compute", None, step, 0, last))
+            programs[(s, r)] = tasks
+    return programs
 
 
 LANE_ORDER = {"compute": 0, "upload": 1, "download": 2}

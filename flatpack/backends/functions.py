@@ -349,13 +349,11 @@ class FunctionDeployment:
                        shared=self._shared(),
                        faults=tuple(faults), store_faults=store_faults, precision=precision,
                        vertical_sync=vertical_sync, loss_scaling=LossScaling.of(loss_scaling))
-        if spec.asynchronous and elastic is not None:
-            raise InputError("elastic re-scaling changes replica degrees between epochs, and 1f1b-async runs one "
-                             "replica per stage; use --schedule 1f1b for an elastic run, or leave elastic out")
+        spec.check_schedule(replan=bool(replan), elastic=elastic is not None)
         replanner = None
         if replan:
             policy = ReplanPolicy.of(replan)
-            check_replan(self, policy, asynchronous=spec.asynchronous, elastic=elastic is not None,
+            check_replan(self, policy, elastic=elastic is not None,
                          epoch_iterations=epoch_iterations, iterations=iterations)
             replanner = Replanner(policy)
         spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])

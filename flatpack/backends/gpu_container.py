@@ -65,8 +65,10 @@ from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE,
 from flatpack.runtime.forkjoin import join_batch
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.precision import LossScaling
-from flatpack.runtime.spec import ASYNC_SCHEDULE, RunSpec, micro_batch_size, shared_holders, stage_specs
+from flatpack.runtime.spec import RunSpec, micro_batch_size, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET
+from flatpack import schedules
+from flatpack.schedules import Setup
 from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, parse_stage
 from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, sha256_hex, verify_files
 from flatpack.stage.wire import pack_values, unpack_values
@@ -130,9 +132,7 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     recompute its activations recomputes them on its ranks (``training.stage_backward``).
     ``mode`` "infer": forward passes only, the model's outputs written back."""
     training = mode == TRAIN
-    if schedule == ASYNC_SCHEDULE:
-        raise InputError("the 1f1b-async schedule runs on functions (the local, Lambda and Alibaba FC backends); "
-                         "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target")
+    schedules.get(schedule).check(Setup(ranks=True))
     micro_batches = micro_batches or default_micro_batches(compiled)
     if batch < micro_batches:
         raise InputError(f"a batch of {plural(batch, 'sample')} cannot be cut into "

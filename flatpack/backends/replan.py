@@ -157,7 +157,7 @@ class ReplanPolicy:
                       source="the run's last epoch")
 
 
-def check_replan(deployment: SwitchableDeployment, policy: ReplanPolicy, *, asynchronous: bool, elastic: bool,
+def check_replan(deployment: SwitchableDeployment, policy: ReplanPolicy, *, elastic: bool,
                  epoch_iterations: int | None, iterations: int) -> None:
     """Refuses, before any function starts, a run that cannot re-plan, naming the cause and the fix."""
     if deployment.platform != "local":
@@ -165,10 +165,6 @@ def check_replan(deployment: SwitchableDeployment, policy: ReplanPolicy, *, asyn
                          f"the store; a {deployment.platform} function runs the stage code of the image it was "
                          "deployed with. Re-plan after the run (flatpack plan --from-run RUN_DIR) and deploy the "
                          "new plan")
-    if asynchronous:
-        raise InputError("replan switches plans between epochs, and 1f1b-async has micro-batches in flight across "
-                         "iterations with stashed weights that no checkpoint holds; use --schedule sync or 1f1b, or "
-                         "leave replan out")
     if elastic:
         raise InputError("elastic re-scales the plan's replica degrees at epoch boundaries and replan replaces the "
                          "plan there (degrees included); give one of them")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from flatpack.errors import InputError
 from flatpack.ir.profile import OPTIMIZERS
+from flatpack.schedules import DEFAULT_SCHEDULE, Schedule
+from flatpack.schedules import get as schedule_named
 from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
 
 MODES = ("train", "infer")
@@ -28,7 +30,9 @@ class Workload:
     (per iteration for training, per request for inference) for the SLO solvers.
     ``precision`` "bf16" or "fp16": boundary tensors cross in bfloat16 or float16, half the
     bytes of the float32 profile (``Problem.boundary_bytes``). ``recompute``: see RECOMPUTE; the solvers that
-    choose tiers treat "recompute this stage" as one more option per stage."""
+    choose tiers treat "recompute this stage" as one more option per stage. ``schedule``: the
+    pipeline schedule a training run takes (a registered name, ``flatpack.schedules``), which
+    the cost model must predict (``CostModel.predicts``)."""
 
     mode: str = "train"
     batch: int = 64
@@ -38,6 +42,7 @@ class Workload:
     slo_s: float | None = None
     precision: str = "fp32"
     recompute: str = "never"
+    schedule: str = DEFAULT_SCHEDULE
     # bytes of optimizer state per byte of trainable parameters, derived from the optimizer a
     # run names (runtime.optim.OptimizerSpec.state_factor: AdamW 2, SGD with momentum 1, plain
     # SGD 0); None: the state the profile measured for ``optimizer``
@@ -67,11 +72,17 @@ class Workload:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}: never keeps every "
                              "stage's activations, auto lets the solver choose per stage")
+        schedule_named(self.schedule)     # an unknown name is refused, listing the registered ones
         if self.optimizer_state_factor is not None and not self.optimizer_state_factor >= 0:
             raise InputError(f"optimizer_state_factor must be >= 0 bytes per parameter byte, got "
                              f"{self.optimizer_state_factor!r}")
         if self.slo_s is not None and not self.slo_s > 0:
             raise InputError(f"an SLO must be a positive number of seconds, got {self.slo_s!r}")
+
+    @property
+    def schedule_object(self) -> Schedule:
+        """The registered schedule ``schedule`` names."""
+        return schedule_named(self.schedule)
 
     @property
     def recompute_choices(self) -> tuple[bool, ...]:

@@ -6,9 +6,9 @@ stage 1's, and so on (:class:`Layout`). Micro-batch m of an iteration runs on re
 m mod d of every stage (``StageSpec.owned``), so an activation of micro-batch m goes from
 replica m mod d_src of its producing stage to replica m mod d_dst of each consuming stage —
 which may be any later stage (skip connections), not only the next — and its gradient comes
-back the same route. An iteration is FuncPipe's synchronous schedule (all forwards of the
-owned micro-batches, then their backwards) or 1F1B (``training.compute_order``, shared with
-the store-based runtime); then the stage's replicas all-reduce (sum) their gradients in a
+back the same route. An iteration is the run's schedule's actions (``Schedule.actions``, the
+same the store-based runtime runs: FuncPipe's synchronous schedule, 1F1B, any schedule that
+flushes every iteration); then the stage's replicas all-reduce (sum) their gradients in a
 ``dist.new_group`` of their own (a ring in gloo and NCCL), and the optimizer steps.
 
 Why the messages cannot deadlock or mismatch: every send is asynchronous (``isend``,
@@ -80,7 +80,7 @@ from flatpack.runtime import clipping, timeline
 from flatpack.runtime.precision import autocast, for_wire, loss_scaler
 from flatpack.runtime.spec import (DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs,
                                    split_value)
-from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, compute_order, flat_grads,
+from flatpack.runtime.training import (TARGET, MicroBatchState, assign_flat_grads, flat_grads,
                                        input_gradients, stage_backward, stage_forward)
 from flatpack.stage.artifact import load_stage, stage_dirname, stage_manifest, stage_tensors
 from flatpack.stage.manifest import ValueEntry
@@ -217,6 +217,7 @@ class DistributedRun:
             raise InputError(f"a run needs at least one iteration, got {self.iterations}")
         if self.mode not in RUN_MODES:
             raise InputError(f"run mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
+        self.spec.check_schedule(ranks=True)     # the ranks run only schedules that flush every iteration
 
     @property
     def layout(self) -> Layout:
@@ -639,11 +640,11 @@ class StageRank:
         self._loss_total = 0.0
         data = self._data(iteration)
         states: dict[int, MicroBatchState] = {}
-        for kind, m in compute_order(self.spec.schedule, self.owned, self.role.stage, len(self.spec.stages)):
-            if kind == "F":
-                self._forward(iteration, m, data.get(m, {}), states)
+        for action in self.spec.schedule_object.actions(self.role.stage, len(self.spec.stages), self.owned):
+            if action.is_forward:
+                self._forward(iteration, action.micro_batch, data.get(action.micro_batch, {}), states)
             else:
-                self._backward(iteration, m, states)
+                self._backward(iteration, action.micro_batch, states)
         self.messenger.flush()
         # gradient accumulation: the local gradients keep adding up in .grad (ranks never
         # replay, so nothing needs checkpointing) and the replicas reduce once per step

@@ -29,10 +29,11 @@ from typing import Any, ContextManager, Iterable
 import torch
 
 from flatpack.errors import InputError
+from flatpack.stage.settings import SCALED_PRECISIONS
 
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-SCALED = ("fp16",)   # the precisions that train with a loss scaler
+SCALED = SCALED_PRECISIONS   # the precisions that train with a loss scaler
 
 
 def autocast(precision: str, device_type: str = "cpu") -> ContextManager[Any]:

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import LossScaling
+from flatpack.schedules import DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TrainSettings:
     optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec(name="sgd"))
     loss: str = "cross_entropy"
     micro_batches: int | None = None
-    schedule: str = "sync"
+    schedule: str = DEFAULT_SCHEDULE     # a registered schedule's name (flatpack.schedules)
     sync: str | None = None
     threads: int = 1
     checkpoint_every: int = 1

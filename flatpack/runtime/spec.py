@@ -4,6 +4,7 @@ the store's address and its role (``runtime.function.Role``) to start."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -13,14 +14,13 @@ import torch
 from flatpack.batching import has_batch_dimension
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.precision import SCALED, WIRE_DTYPES, LossScaling
+from flatpack.runtime.precision import WIRE_DTYPES, LossScaling
+from flatpack.schedules import DEFAULT_SCHEDULE, Schedule, Setup
+from flatpack.schedules import get as schedule_named
 from flatpack.stage.manifest import Manifest
-from flatpack.stage.settings import PRECISIONS, SCHEDULES, SYNC_METHODS
+from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
 from flatpack.stage.tensor_check import TensorSpec, dtype_name
 
-# "1f1b-async": PipeDream's 1F1B without a flush, one optimizer step per micro-batch and
-# weight stashing (runtime.stashing)
-ASYNC_SCHEDULE = "1f1b-async"
 DATA_SOURCE = -1   # an input that comes from the data, not from an earlier stage
 
 
@@ -53,7 +53,7 @@ class RunSpec:
     optimizer: OptimizerSpec
     loss: str
     loss_output: str                   # the model output the loss reads
-    schedule: str = "sync"
+    schedule: str = DEFAULT_SCHEDULE   # a registered schedule's name (flatpack.schedules): the wire format
     sync: str = "pipelined"
     threads: int = 1
     wait_timeout_s: float = 300.0
@@ -70,17 +70,14 @@ class RunSpec:
     # see runtime.chaos; None: none
     store_faults: dict | None = None
     precision: str = "fp32"            # one of PRECISIONS
-    # 1f1b-async only: every stage uses the weight version the first stage used for a
+    # asynchronous schedules only: every stage uses the weight version the first stage used for a
     # micro-batch (PipeDream's vertical sync), not its own latest
     vertical_sync: bool = False
     # fp16 only: torch.amp.GradScaler's settings for every stage's loss scaler
     loss_scaling: LossScaling = field(default_factory=LossScaling)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        check_async_options(self.schedule, self.vertical_sync, [stage.replicas for stage in self.stages],
-                            self.optimizer, sorted(self.shared), self.time_limit_s, self.precision)
+        self.check_schedule()
         check_precision(self.precision)
         if self.sync not in SYNC_METHODS:
             raise InputError(f"sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}")
@@ -91,19 +88,30 @@ class RunSpec:
                                  f"{self.micro_batches} micro-batches; some replicas would idle. Use at most "
                                  f"{self.micro_batches} replicas or more micro-batches")
 
-    @property
-    def asynchronous(self) -> bool:
-        return self.schedule == ASYNC_SCHEDULE
+    @functools.cached_property
+    def schedule_object(self) -> Schedule:
+        """The registered schedule ``schedule`` names (an InputError listing them otherwise)."""
+        return schedule_named(self.schedule)
+
+    def check_schedule(self, *, replan: bool = False, elastic: bool = False, ranks: bool = False) -> None:
+        """Refuses, before any worker starts, what the schedule does not run with
+        (``Schedule.check``); ``replan``, ``elastic``, ``ranks``: as ``schedules.Setup`` says."""
+        self.schedule_object.check(Setup(
+            replicas=tuple(stage.replicas for stage in self.stages), vertical_sync=self.vertical_sync,
+            clip_grad_norm=self.optimizer.clip_grad_norm, accumulate=self.optimizer.accumulate,
+            precision=self.precision, shared=tuple(sorted(self.shared)), time_limit_s=self.time_limit_s,
+            replan=replan, elastic=elastic, ranks=ranks))
 
     def checkpoints_after(self, iteration: int, segment_end: int) -> bool:
         """Whether replica 0 of every stage checkpoints after ``iteration``: every
         ``checkpoint_every``-th iteration of the call and the last of each segment. The
         invoker keeps an iteration's tensors until the next such checkpoint, so a lost
         stage replays from its last checkpoint with its neighbours' tensors still there.
-        Under 1f1b-async only the last of each segment: between iterations micro-batches
-        are in flight with stashed weights that a checkpoint of the weights would not hold,
-        so a lost stage replays the segment from its start (every step is deterministic)."""
-        if self.asynchronous:
+        Under an asynchronous schedule only the last of each segment: between iterations
+        micro-batches are in flight with stashed weights that a checkpoint of the weights
+        would not hold, so a lost stage replays the segment from its start (every step is
+        deterministic)."""
+        if not self.schedule_object.flush:
             return iteration == segment_end - 1
         return (iteration + 1 - self.first_iteration) % self.checkpoint_every == 0 or iteration == segment_end - 1
 
@@ -154,41 +162,6 @@ def routing(manifests: Sequence[Manifest],
                 consumers[producer].add(index)
         sources.append(stage_sources)
     return sources, [tuple(sorted(c)) for c in consumers]
-
-
-def check_async_options(schedule: str, vertical_sync: bool, replicas: Sequence[int], optimizer: OptimizerSpec,
-                        shared: Sequence[str] = (), time_limit_s: float | None = None,
-                        precision: str = "fp32") -> None:
-    """Refuses what the asynchronous 1F1B does not combine with, before any function starts
-    (``RunSpec`` and ``flatpack run``'s options both ask): it steps each stage after every
-    micro-batch on that stage's own gradient, so nothing that needs every stage (or every
-    replica) at one step can run, and it has micro-batches in flight between iterations."""
-    if schedule != ASYNC_SCHEDULE:
-        if vertical_sync:
-            raise InputError(f"vertical sync applies to the 1f1b-async schedule, not {schedule!r}; use "
-                             "--schedule 1f1b-async --vertical-sync, or leave --vertical-sync out")
-        return
-    fix = "use --schedule 1f1b (flushed) for it, or run 1f1b-async without it"
-    if any(degree > 1 for degree in replicas):
-        raise InputError(f"1f1b-async runs one replica per stage (PipeDream's 1F1B-RR is not built), but the replica "
-                         f"degrees are {list(replicas)}; use --replicas 1, or {fix}")
-    if optimizer.clip_grad_norm is not None:
-        raise InputError(f"--clip-grad-norm {optimizer.clip_grad_norm} needs every stage's gradient of one step, but "
-                         f"1f1b-async steps each stage on its own micro-batch; {fix}")
-    if precision in SCALED:
-        raise InputError(f"--precision {precision} skips a step wherever any stage's gradient overflowed, which needs "
-                         f"every stage's gradient of one step, but 1f1b-async steps each stage on its own "
-                         f"micro-batch; use --precision bf16 (no loss scaler), or {fix}")
-    if optimizer.accumulate != 1:
-        raise InputError(f"--accumulate {optimizer.accumulate}: 1f1b-async steps after every micro-batch (PipeDream's "
-                         f"minibatch), so there is nothing to accumulate; use larger micro-batches, or {fix}")
-    if shared:
-        raise InputError(f"tied weights {list(shared)} are held by several stages, which must step together, but "
-                         f"1f1b-async steps each stage alone; untie them, or {fix}")
-    if time_limit_s is not None:
-        raise InputError(f"a function time limit ({time_limit_s} s) re-invokes a function between iterations, where "
-                         "1f1b-async has micro-batches in flight; train in calls short enough for the platform's "
-                         f"limit (the pipeline drains at the end of each call) with time_limit_s=None, or {fix}")
 
 
 def check_precision(precision: Any) -> None:

@@ -1,73 +1,22 @@
-"""PipeDream's asynchronous 1F1B (thesis Ch. 5, "1F1B" and "weight stashing"): the order of
-a stage's compute tasks over a whole call, which weight version each micro-batch uses, and
-the stash of versions a stage keeps for its in-flight micro-batches.
+"""PipeDream's weight stashing (thesis Ch. 5): the weight versions a stage keeps for its
+in-flight micro-batches under an asynchronous schedule (``flatpack.schedules``, e.g.
+``1f1b-async``).
 
-Under ``schedule="1f1b-async"`` every micro-batch is one of PipeDream's minibatches: each
+Under an asynchronous schedule every micro-batch is one of PipeDream's minibatches: each
 stage steps its optimizer after every backward, and the pipeline never flushes between
-iterations (only at the end of a call). Stage s of S keeps ``w = S - s - 1`` forwards in
-flight before its first backward, so before the forward of micro-batch g (numbered across
-the call's iterations) it has taken ``g - w`` steps: that is the version the forward uses.
-Weight stashing keeps that version until the micro-batch's backward, which computes its
-gradient on the same weights. Vertical sync makes every stage use the version the first
-stage used, ``g - (S - 1)``, so a micro-batch sees one consistent model across stages.
+iterations (only at the end of a call). The schedule says which version the forward of the
+call's g-th micro-batch uses (``Schedule.weight_version``: under 1F1B, stage s of S has taken
+``g - (S - s - 1)`` steps by then); weight stashing keeps that version until the
+micro-batch's backward, which computes its gradient on the same weights. Vertical sync makes
+every stage use the version the first stage used, so a micro-batch sees one consistent model
+across stages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
-
-
-@dataclass(frozen=True)
-class AsyncTask:
-    """One compute task of the asynchronous schedule: "F" or "B" of micro-batch
-    ``micro_batch`` of ``iteration``, the ``sequence``-th micro-batch of the call."""
-
-    kind: str
-    iteration: int
-    micro_batch: int
-    sequence: int
-
-
-def warmup_forwards(stage: int, stages: int) -> int:
-    """Forwards stage ``stage`` runs before its first backward: PipeDream's NOAM - 1 for one
-    replica per stage, S - s - 1 (the last stage alternates from the start)."""
-    return stages - stage - 1
-
-
-def forward_version(sequence: int, stage: int, stages: int, vertical_sync: bool) -> int:
-    """The optimizer steps (since the call began) a stage has taken when it runs the forward
-    of the call's ``sequence``-th micro-batch, or under vertical sync those of the first
-    stage: the weight version the micro-batch's forward and backward use on this stage."""
-    lag = warmup_forwards(0 if vertical_sync else stage, stages)
-    return max(0, sequence - lag)
-
-
-def async_chunks(first_iteration: int, end_iteration: int, micro_batches: int, stage: int,
-                 stages: int) -> list[list[AsyncTask]]:
-    """The stage's compute tasks over iterations ``first_iteration``..``end_iteration - 1``
-    as one 1F1B sequence without a flush, cut into one list per iteration: iteration i's
-    list runs from the forward of its first micro-batch to the task before the next
-    iteration's first forward, and the last also drains the pipeline's backwards."""
-    total = (end_iteration - first_iteration) * micro_batches
-    warmup = min(warmup_forwards(stage, stages), total)
-
-    def task(kind: str, sequence: int) -> AsyncTask:
-        return AsyncTask(kind, first_iteration + sequence // micro_batches, sequence % micro_batches, sequence)
-
-    order = [task("F", g) for g in range(warmup)]
-    for g in range(warmup, total):
-        order += [task("F", g), task("B", g - warmup)]
-    order += [task("B", g) for g in range(total - warmup, total)]
-    chunks: list[list[AsyncTask]] = [[] for _ in range(end_iteration - first_iteration)]
-    current = 0
-    for item in order:
-        if item.kind == "F":
-            current = item.sequence // micro_batches
-        chunks[current].append(item)
-    return chunks
 
 
 class WeightStash:

@@ -1,13 +1,16 @@
 """What a training function runs: one stage replica of the pipeline, iteration by iteration.
 
-Each iteration is FuncPipe's synchronous schedule (§3.2): the forwards of every
-micro-batch the replica owns, then their backwards in reverse order, then the gradient
-synchronization among the stage's replicas (``collectives.scatter_reduce``) and the
-optimizer step. ``schedule="1f1b"`` interleaves them as PipeDream's one-forward-one-backward
-with a flush. ``schedule="1f1b-async"`` is PipeDream's 1F1B without a flush (one optimizer
-step per micro-batch, weight stashing: ``stashing``); its iterations are slices of one 1F1B
-sequence over the call. Within an iteration the work is a task DAG over three lanes
-(``lanes``): downloads of inputs and gradients, computation, and uploads run at the same time.
+The order of a replica's forwards and backwards is its schedule's (``flatpack.schedules``:
+``RunSpec.schedule`` names it, ``Schedule.call_actions`` gives each iteration's actions),
+and one loop runs every schedule (:meth:`StageTrainer.run_iteration`). A flush schedule ends
+each iteration with the gradient synchronization among the stage's replicas
+(``collectives.scatter_reduce``) and one optimizer step: FuncPipe's synchronous schedule
+(§3.2: the forwards of every micro-batch the replica owns, then their backwards in reverse
+order), or PipeDream's 1F1B with a flush. An asynchronous schedule (``1f1b-async``,
+PipeDream's 1F1B without a flush) steps after every backward on the weights its forward used
+(weight stashing: ``stashing``), and its iterations are slices of one sequence over the
+call. Within an iteration the work is a task DAG over three lanes (``lanes``): downloads of
+inputs and gradients, computation, and uploads run at the same time.
 
 Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
 micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and
@@ -33,9 +36,10 @@ from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs
-from flatpack.runtime.stashing import AsyncTask, WeightStash, async_chunks, forward_version
+from flatpack.runtime.stashing import WeightStash
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
+from flatpack.schedules import Action
 from flatpack.stage import wire
 from flatpack.stage.artifact import install_weights, stage_manifest, stage_tensors
 from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
@@ -45,21 +49,6 @@ if TYPE_CHECKING:   # the gpu-container ranks run the micro-batch compute withou
     from flatpack.runtime.function import Role
 
 TARGET = "__target__"     # the data blob's entry holding a micro-batch's targets
-
-
-def compute_order(schedule: str, owned: list[int], stage: int, stages: int) -> list[tuple[str, int]]:
-    """The replica's compute tasks, ("F" | "B", micro-batch), in order."""
-    if schedule == "sync":
-        return [("F", m) for m in owned] + [("B", m) for m in reversed(owned)]
-    warmup = min(stages - stage - 1, len(owned))
-    order = [("F", m) for m in owned[:warmup]]
-    pending = list(owned[:warmup])
-    for m in owned[warmup:]:
-        order.append(("F", m))
-        pending.append(m)
-        order.append(("B", pending.pop(0)))
-    order.extend(("B", m) for m in pending)
-    return order
 
 
 # -- the micro-batch compute, shared with the gpu-container ranks (runtime.distributed) -------
@@ -120,7 +109,7 @@ class MicroBatchState:
     outputs: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     target: Any = None      # the last stage's targets, for a recomputed forward's loss
-    # 1f1b-async: the stashed weight version the forward used, as the leaf tensors autograd
+    # an asynchronous schedule: the stashed weight version the forward used, as the leaf tensors autograd
     # saved (by original name), so that the backward computes the gradient on them
     version: int | None = None
     weights: dict[str, torch.Tensor] | None = None
@@ -131,7 +120,7 @@ def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration:
     """The stage's forward of one micro-batch into ``state`` (its outputs, and on the last
     stage its loss), under the precision's autocast and with the micro-batch's dropout seed
     (:func:`micro_batch_seed`), so that a recomputed forward draws the same masks. With
-    ``state.weights`` (1f1b-async) the forward computes on that stashed version, mapped to
+    ``state.weights`` (an asynchronous schedule) the forward computes on that stashed version, mapped to
     the module's attributes by ``attrs``. Autograd records it or not as the caller's grad
     mode says: a recomputing stage's first forward runs without."""
     args = [state.inputs[name] for name in stage.inputs]
@@ -147,7 +136,7 @@ def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration:
             outputs = torch.func.functional_call(
                 module, {attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
         state.outputs = dict(zip(stage.outputs, outputs))
-        if stage.index == len(spec.stages) - 1 and spec.asynchronous:
+        if stage.index == len(spec.stages) - 1 and not spec.schedule_object.flush:
             # each micro-batch is a step of its own (PipeDream's minibatch): its mean loss
             state.loss = loss_value(spec.loss, state.outputs[spec.loss_output], state.target)
         elif stage.index == len(spec.stages) - 1:
@@ -254,14 +243,16 @@ class StageTrainer:
         self.accumulated_count = 0
         self.is_last = role.stage == len(spec.stages) - 1
         self.losses: dict[int, float] = {}
-        self._prefetched: dict[int, Future] = {}
-        # 1f1b-async (``stashing``): the call's tasks by iteration, micro-batches in flight
-        # across iterations, the weight versions they hold, the steps taken since the call
-        # began and the forwards run (the version a vertical-sync forward asks for)
+        self._prefetched: dict[tuple[int, int], Future] = {}   # (iteration, micro-batch) -> its inputs
+        # the call's actions by iteration (``Schedule.call_actions``) and the micro-batches in
+        # flight, by iteration; an asynchronous schedule's (``stashing``) cross iterations, with
+        # the weight versions they hold, the steps taken since the call began and the
+        # forwards run (the version a vertical-sync forward asks for)
+        self.schedule = spec.schedule_object
         self.observe_weights = observe_weights
         self.attrs = stage_manifest(module).attributes()
-        self.stash = WeightStash(self.trainable) if spec.asynchronous else None
-        self._chunks: list[list[AsyncTask]] | None = None
+        self.stash = None if self.schedule.flush else WeightStash(self.trainable)
+        self._actions: list[list[Action]] | None = None
         self._in_flight: dict[int, dict[int, MicroBatchState]] = {}
         self.call_steps = 0
         self._forwards_run = 0
@@ -385,9 +376,9 @@ class StageTrainer:
         input_grads = input_gradients(state.inputs)
         if self.is_last and state.loss is not None:
             # the report's loss is the batch's mean, whatever the accumulation's 1/K weight
-            # (1f1b-async: each micro-batch's mean, weighted by its share of the batch)
-            weight = (micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch) / self.spec.batch
-                      if self.spec.asynchronous else self.spec.optimizer.accumulate)
+            # (asynchronous: each micro-batch's mean, weighted by its share of the batch)
+            weight = (self.spec.optimizer.accumulate if self.schedule.flush
+                      else micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch) / self.spec.batch)
             self._loss_total += float(state.loss.detach()) * weight
         if self.stash is not None:
             self._stashed_weights("B", iteration, micro_batch, state)
@@ -401,90 +392,73 @@ class StageTrainer:
     def _sends_gradients(self) -> bool:
         return any(source != DATA_SOURCE for source in self.stage.sources.values())
 
-    # one iteration --------------------------------------------------------------------------
+    # one iteration ----------------------------------------------------------------------------
     def run_iteration(self, iteration: int, lanes: Lanes) -> None:
+        """Iteration ``iteration``'s actions (``Schedule.call_actions``): a flush schedule's
+        forwards and backwards of the iteration, then the synchronization and the step; an
+        asynchronous one's slice of the call's sequence, whose forwards may be backwarded in
+        a later slice and whose backwards may be an earlier iteration's (each steps on its
+        own). A slice waits only for its own tasks."""
         self._loss_total = 0.0
-        if self.stash is not None:
-            self._run_async_iteration(iteration, lanes)
-            return
-        owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
-        order = compute_order(self.spec.schedule, owned, self.role.stage, len(self.spec.stages))
+        actions = self._iteration_actions(iteration)
         prefetched, self._prefetched = self._prefetched, {}
-        states: dict[int, MicroBatchState] = {}
-        forwards: dict[int, Future] = {}
-        uploads: dict[int, Future] = {}
-        pending: list[Future] = []
-        for kind, m in order:
-            if kind == "F":
-                fetched = prefetched.pop(m, None) or lanes.submit("download", self._fetch_inputs, iteration, m)
-                forwards[m] = lanes.submit("compute", self._forward, iteration, m, fetched, states, after=[fetched])
-                if not self.is_last:
-                    uploads[m] = lanes.submit("upload", self._upload_outputs, iteration, m, states,
-                                              after=[forwards[m]])
-                    pending.append(uploads[m])
-            else:
-                fetched = None if self.is_last else lanes.submit("download", self._fetch_gradients, iteration, m)
-                # the backward releases the micro-batch's state, so it waits for every lane that
-                # reads it: its forward and the upload of its outputs. In a first run the
-                # gradients cannot arrive before that upload, but in a replayed iteration they
-                # are already in the store (at-least-once execution: any task may run twice)
-                done = lanes.submit("compute", self._backward, iteration, m, fetched, states,
-                                    after=[forwards[m], uploads.get(m), fetched])
-                if self._sends_gradients:
-                    pending.append(lanes.submit("upload", self._upload_gradients, iteration, m, done, after=[done]))
-                else:
-                    pending.append(done)
-        # markers for the invoker's straggler watch go out on the upload lane, off the critical path
-        lanes.submit("upload", self._mark, iteration, "forwarded", after=list(forwards.values()))
-        if self._reads_only_data and iteration + 1 < self.role.end_iteration:
-            self._prefetched = {m: lanes.submit("prefetch", self._fetch_inputs, iteration + 1, m, "prefetch")
-                                for kind, m in order if kind == "F"}
-        for future in pending:
-            future.result()
-        lanes.submit("upload", self._mark, iteration, "computed")
-        lanes.submit("compute", self._synchronize, iteration, lanes).result()
-        lanes.submit("compute", self._update, iteration).result()
-
-    # the asynchronous 1F1B ------------------------------------------------------------------
-    def _run_async_iteration(self, iteration: int, lanes: Lanes) -> None:
-        """Iteration ``iteration``'s slice of the call's one 1F1B sequence: its forwards, and
-        the backwards (of this or earlier iterations) between them. Micro-batches forwarded
-        here may be backwarded in a later slice; nothing waits for the pipeline to empty
-        before the call's last iteration. A slice waits only for its own tasks."""
-        if self._chunks is None:
-            self._chunks = async_chunks(self.role.start_iteration, self.role.end_iteration, self.spec.micro_batches,
-                                        self.role.stage, len(self.spec.stages))
         forwards: dict[tuple[int, int], Future] = {}
         uploads: dict[tuple[int, int], Future] = {}
         pending: list[Future] = []
-        for task in self._chunks[iteration - self.role.start_iteration]:
-            key = (task.iteration, task.micro_batch)
-            states = self._in_flight.setdefault(task.iteration, {})
-            if task.kind == "F":
-                fetched = lanes.submit("download", self._fetch_inputs, task.iteration, task.micro_batch)
-                forwards[key] = lanes.submit("compute", self._forward, task.iteration, task.micro_batch, fetched,
-                                             states, after=[fetched])
+        for action in actions:
+            number, m = self.role.start_iteration + action.iteration, action.micro_batch
+            key, states = (number, m), self._in_flight.setdefault(number, {})
+            if action.is_forward:
+                fetched = prefetched.pop(key, None) or lanes.submit("download", self._fetch_inputs, number, m)
+                forwards[key] = lanes.submit("compute", self._forward, number, m, fetched, states, after=[fetched])
                 pending.append(forwards[key])
                 if not self.is_last:
-                    uploads[key] = lanes.submit("upload", self._upload_outputs, task.iteration, task.micro_batch,
-                                                states, after=[forwards[key]])
+                    uploads[key] = lanes.submit("upload", self._upload_outputs, number, m, states,
+                                                after=[forwards[key]])
                     pending.append(uploads[key])
                 continue
-            # as in run_iteration, the backward releases the state its forward and upload read
-            # (a micro-batch forwarded in an earlier slice: that slice waited for both)
-            fetched = (None if self.is_last
-                       else lanes.submit("download", self._fetch_gradients, task.iteration, task.micro_batch))
-            done = lanes.submit("compute", self._backward, task.iteration, task.micro_batch, fetched, states,
+            fetched = None if self.is_last else lanes.submit("download", self._fetch_gradients, number, m)
+            # the backward releases the micro-batch's state, so it waits for every lane that
+            # reads it: its forward and the upload of its outputs (a micro-batch forwarded in an
+            # earlier slice: that slice waited for both). In a first run the gradients cannot
+            # arrive before that upload, but in a replayed iteration they are already in the
+            # store (at-least-once execution: any task may run twice)
+            done = lanes.submit("compute", self._backward, number, m, fetched, states,
                                 after=[forwards.get(key), uploads.get(key), fetched])
-            pending.append(lanes.submit("upload", self._upload_gradients, task.iteration, task.micro_batch, done,
-                                        after=[done]) if self._sends_gradients else done)
+            pending.append(lanes.submit("upload", self._upload_gradients, number, m, done, after=[done])
+                           if self._sends_gradients else done)
+        # markers for the invoker's straggler watch go out on the upload lane, off the critical path
         lanes.submit("upload", self._mark, iteration, "forwarded", after=list(forwards.values()))
+        self._prefetch(iteration + 1, lanes)
         for future in pending:
             future.result()
         self._in_flight = {number: states for number, states in self._in_flight.items() if states}
         lanes.submit("upload", self._mark, iteration, "computed")
-        if self.is_last:
-            self.losses[iteration] = self._loss_total
+        if not self.schedule.flush:     # each backward stepped already
+            if self.is_last:
+                self.losses[iteration] = self._loss_total
+            return
+        lanes.submit("compute", self._synchronize, iteration, lanes).result()
+        lanes.submit("compute", self._update, iteration).result()
+
+    def _iteration_actions(self, iteration: int) -> list[Action]:
+        """This replica's actions of ``iteration``, from the schedule's actions of the call."""
+        if self._actions is None:
+            owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
+            self._actions = self.schedule.call_actions(self.role.stage, len(self.spec.stages), owned,
+                                                       self.role.end_iteration - self.role.start_iteration)
+        return self._actions[iteration - self.role.start_iteration]
+
+    def _prefetch(self, iteration: int, lanes: Lanes) -> None:
+        """The first stage's inputs are the data, already in the store: the forwards of
+        ``iteration`` download theirs while the current one computes."""
+        if not self._reads_only_data or iteration >= self.role.end_iteration:
+            return
+        for action in self._iteration_actions(iteration):
+            number = self.role.start_iteration + action.iteration
+            if action.is_forward:
+                self._prefetched[(number, action.micro_batch)] = lanes.submit(
+                    "prefetch", self._fetch_inputs, number, action.micro_batch, "prefetch")
 
     def _stashed_weights(self, kind: str, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
         """A forward takes its weight version from the stash (the live weights, kept as that
@@ -494,7 +468,8 @@ class StageTrainer:
         if kind == "F":
             sequence = self._forwards_run
             self._forwards_run += 1
-            state.version = forward_version(sequence, self.role.stage, len(self.spec.stages), self.spec.vertical_sync)
+            state.version = self.schedule.weight_version(sequence, self.role.stage, len(self.spec.stages),
+                                                         self.spec.vertical_sync)
             if state.version == self.call_steps:
                 stash.snapshot(state.version)
             state.weights = stash.acquire(state.version)
@@ -511,7 +486,7 @@ class StageTrainer:
             param.grad = weights[name].grad
         # release first, so that a version nobody holds any more is not copied for the step;
         # without vertical sync no later forward asks for the current version once it is stepped
-        oldest_wanted = (forward_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
+        oldest_wanted = (self.schedule.weight_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
                          if self.spec.vertical_sync else self.call_steps + 1)
         stash.release(version, oldest_wanted)
         state.weights = None
@@ -527,17 +502,17 @@ class StageTrainer:
             stash.snapshot(self.call_steps)
 
     def _weight_stash(self) -> WeightStash:
-        """The stash of weight versions, which only a 1f1b-async stage keeps."""
+        """The stash of weight versions, which only a stage under an asynchronous schedule keeps."""
         if self.stash is None:
-            raise RuntimeError(f"stage {self.role.stage} keeps no weight versions: only the 1f1b-async schedule "
-                               "stashes them")
+            raise RuntimeError(f"stage {self.role.stage} keeps no weight versions: the {self.schedule.name} schedule "
+                               "flushes every iteration, and only an asynchronous schedule stashes them")
         return self.stash
 
     def _held_version(self, state: MicroBatchState) -> tuple[int, dict[str, torch.Tensor]]:
         """The weight version a micro-batch's forward took from the stash, and its leaves."""
         if state.version is None or state.weights is None:
             raise RuntimeError(f"stage {self.role.stage}: a micro-batch holds no stashed weight version (its "
-                               "forward did not run on this stage under 1f1b-async)")
+                               "forward did not run on this stage under an asynchronous schedule)")
         return state.version, state.weights
 
     @property

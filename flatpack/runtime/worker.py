@@ -38,6 +38,7 @@ from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, Role, c
                                        peak_rss_bytes, tier_link)
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.store import Store, StoreUnavailable, is_transient_failure, open_plain_store
+from flatpack.schedules import register_plugins
 from flatpack.units import MIB
 
 if TYPE_CHECKING:
@@ -224,6 +225,7 @@ def run_role(role: Role, store: Store, started: float) -> int:
 def main() -> None:
     started = time.time()
     role = Role.loads(os.environ[ROLE_ENV])
+    register_plugins()      # schedules the deployment defines outside flatpack (flatpack.schedules)
     code = run_role(role, open_plain_store(os.environ[STORE_ENV]), started)
     sys.stdout.flush()
     sys.stderr.flush()

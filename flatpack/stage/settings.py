@@ -8,6 +8,5 @@ SYNC_METHODS = ("pipelined", "lambdaml")
 # the tensors crossing stage boundaries travel as bfloat16/float16; fp16 scales its loss
 # (runtime.precision)
 PRECISIONS = ("fp32", "bf16", "fp16")
-# the pipeline schedules a run may train with (runtime.spec's RunSpec checks them; the CLI
-# offers them without importing torch); "1f1b-async" is runtime.spec's ASYNC_SCHEDULE
-SCHEDULES = ("sync", "1f1b", "1f1b-async")
+# the precisions that train with a loss scaler (a step is skipped where a gradient overflowed)
+SCALED_PRECISIONS = ("fp16",)

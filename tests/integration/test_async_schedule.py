@@ -24,7 +24,7 @@ from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import RunSpec, split_value, stage_specs
-from flatpack.runtime.stashing import forward_version
+from flatpack.schedules import get as schedule_named
 from flatpack.runtime.store import FileStore
 from flatpack.runtime.timeline import Recorder
 from flatpack.runtime.training import TARGET, StageTrainer
@@ -40,6 +40,7 @@ ADAM = OptimizerSpec("adam", lr=0.02)
 # 4 iterations of 4 micro-batches: 16 steps per stage, micro-batches in flight across every
 # iteration boundary of a 2- or 3-stage pipeline (the stashing the tests are about)
 ITERATIONS = 4
+ASYNC = "1f1b-async"
 SGD = OptimizerSpec("sgd", lr=0.05, options={"momentum": 0.9})
 
 
@@ -53,7 +54,7 @@ def test_async_run_equals_the_single_process_simulation_of_the_same_schedule(s3_
     compiled = compiled_with(model, data[0][0], [1] * stages, micro_batches=4)
     assert len(compiled.plan.stages) == stages
     simulated, losses = train_async_single_process(model, data, ITERATIONS, stage_of=parameter_stages(compiled),
-                                                   stages=stages, micro_batches=4, optimizer=ADAM,
+                                                   schedule=ASYNC, stages=stages, micro_batches=4, optimizer=ADAM,
                                                    vertical_sync=vertical_sync)
     # the schedule matters: flushed training on the same batches ends elsewhere
     flushed, _ = train_single_process(model, data, ITERATIONS, optimizer=ADAM, micro_batches=4)
@@ -75,7 +76,7 @@ def test_a_recomputing_stage_recomputes_with_its_stashed_version(s3_server):
     compiled = flatpack.compile(model, (data[0][0],), plan=plan)
     assert all(stage.recompute for stage in compiled.plan.stages)
     simulated, _ = train_async_single_process(model, data, 3, stage_of=parameter_stages(compiled), stages=2,
-                                              micro_batches=4, optimizer=ADAM)
+                                              schedule=ASYNC, micro_batches=4, optimizer=ADAM)
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         result = deployment.train(data, iterations=3, optimizer=ADAM, schedule="1f1b-async")
     assert_same_parameters(result, simulated)
@@ -89,7 +90,7 @@ def test_bf16_asynchronous_run_equals_the_simulation_computed_as_the_stages_comp
     model, data = transformer_case()
     compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=4)
     simulated, losses = train_async_single_process(model, data, 2, stage_of=parameter_stages(compiled), stages=2,
-                                                   micro_batches=4, optimizer=SGD, precision="bf16",
+                                                   schedule=ASYNC, micro_batches=4, optimizer=SGD, precision="bf16",
                                                    pipeline=compiled, threads=1)
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         result = deployment.train(data, iterations=2, optimizer=SGD, schedule="1f1b-async", precision="bf16")
@@ -182,7 +183,7 @@ def test_each_backward_computes_on_the_weights_its_forward_used(tmp_path, vertic
         assert version == forward_version_used, key
         assert fingerprint == forward_fingerprint, key     # the same values, not only the same number
         stage, sequence = key
-        assert version == forward_version(sequence, stage, stages, vertical_sync)
+        assert version == schedule_named("1f1b-async").weight_version(sequence, stage, stages, vertical_sync)
         stale += steps > version        # the stage stepped between this forward and its backward
     assert stale > 0
     # no flush: stage 0 forwards iteration 1's first micro-batch before iteration 0's last backward
@@ -208,9 +209,9 @@ def test_calls_drain_the_pipeline_and_a_second_call_continues_from_the_first(s3_
     compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=2)
     stages_of = parameter_stages(compiled)
     in_calls, _ = train_async_single_process(model, data, 6, stage_of=stages_of, stages=2, micro_batches=2,
-                                             optimizer=ADAM, call_iterations=3)
+                                             schedule=ASYNC, optimizer=ADAM, call_iterations=3)
     one_call, _ = train_async_single_process(model, data, 6, stage_of=stages_of, stages=2, micro_batches=2,
-                                             optimizer=ADAM)
+                                             schedule=ASYNC, optimizer=ADAM)
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(in_calls.parameters(), one_call.parameters()))
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         deployment.train(data[:3], iterations=3, optimizer=ADAM, schedule="1f1b-async")
@@ -225,7 +226,7 @@ def test_a_lost_stage_replays_the_call_to_the_same_weights(s3_server):
     model, data = transformer_case()
     compiled = compiled_with(model, data[0][0], [1, 1, 1], micro_batches=4)
     simulated, _ = train_async_single_process(model, data, ITERATIONS, stage_of=parameter_stages(compiled), stages=3,
-                                              micro_batches=4, optimizer=ADAM)
+                                              schedule=ASYNC, micro_batches=4, optimizer=ADAM)
     kill = {"stage": 0, "replica": 0, "iteration": 2, "at": "backward", "action": "kill"}
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         result = deployment.train(data, iterations=ITERATIONS, optimizer=ADAM, schedule="1f1b-async", faults=[kill])

@@ -13,30 +13,41 @@ from flatpack.errors import InputError
 from flatpack.job import JobOptions
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec
-from flatpack.runtime.stashing import WeightStash, async_chunks, forward_version
+from flatpack.runtime.stashing import WeightStash
+from flatpack.schedules import get
+
+ASYNC = get("1f1b-async")
+
+
+def async_chunks(first: int, end: int, micro_batches: int, stage: int, stages: int) -> list[list[tuple]]:
+    """The schedule's slices of a call of iterations ``first``..``end - 1`` as (kind, the
+    micro-batch's number in the call, its iteration, its micro-batch) tuples."""
+    return [[(action.kind.value, action.iteration * micro_batches + action.micro_batch, first + action.iteration,
+              action.micro_batch) for action in chunk]
+            for chunk in ASYNC.call_actions(stage, stages, list(range(micro_batches)), end - first)]
 
 
 def test_the_order_is_one_1f1b_sequence_over_the_call_sliced_by_iteration():
     chunks = async_chunks(5, 8, 2, 0, 3)      # iterations 5..7, two micro-batches, first of three stages
-    assert [[(t.kind, t.sequence) for t in chunk] for chunk in chunks] == [
+    assert [[t[:2] for t in chunk] for chunk in chunks] == [
         [("F", 0), ("F", 1)],
         [("F", 2), ("B", 0), ("F", 3), ("B", 1)],
         [("F", 4), ("B", 2), ("F", 5), ("B", 3), ("B", 4), ("B", 5)]]
-    assert (chunks[1][1].iteration, chunks[1][1].micro_batch) == (5, 0)   # an earlier iteration's backward
+    assert chunks[1][1][2:] == (5, 0)   # an earlier iteration's backward
     last_stage = async_chunks(0, 2, 2, 2, 3)
-    assert [[(t.kind, t.sequence) for t in chunk] for chunk in last_stage] == [
+    assert [[t[:2] for t in chunk] for chunk in last_stage] == [
         [("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
     # every stage forwards and backwards each micro-batch exactly once
     for stage in range(4):
-        tasks = [(t.kind, t.sequence) for chunk in async_chunks(0, 3, 2, stage, 4) for t in chunk]
+        tasks = [t[:2] for chunk in async_chunks(0, 3, 2, stage, 4) for t in chunk]
         assert sorted(tasks) == sorted([(kind, g) for g in range(6) for kind in "FB"])
 
 
 def test_versions_lag_by_the_stages_in_flight_and_vertical_sync_takes_the_first_stages():
     # stage s has taken g - (S - s - 1) steps before the forward of micro-batch g
-    assert [forward_version(5, stage, 3, False) for stage in range(3)] == [3, 4, 5]
-    assert [forward_version(5, stage, 3, True) for stage in range(3)] == [3, 3, 3]
-    assert forward_version(1, 0, 3, False) == 0     # the pipeline filling: no step yet
+    assert [ASYNC.weight_version(5, stage, 3, False) for stage in range(3)] == [3, 4, 5]
+    assert [ASYNC.weight_version(5, stage, 3, True) for stage in range(3)] == [3, 3, 3]
+    assert ASYNC.weight_version(1, 0, 3, False) == 0     # the pipeline filling: no step yet
 
 
 def test_the_stash_gives_each_micro_batch_its_own_leaves_and_copies_only_a_held_version_before_a_step():
@@ -76,7 +87,7 @@ def spec(replicas: int = 1, **changes) -> RunSpec:
     (lambda: spec(shared={"w": (0, 1)}), r"tied weights \['w'\] .* untie them, or use --schedule 1f1b"),
     (lambda: spec(time_limit_s=880.0), r"a function time limit \(880.0 s\) .* time_limit_s=None"),
     (lambda: spec(schedule="1f1b", vertical_sync=True), "vertical sync applies to the 1f1b-async schedule, not '1f1b'"),
-    (lambda: spec(schedule="2f2b"), "schedule '2f2b' is not one of sync, 1f1b, 1f1b-async"),
+    (lambda: spec(schedule="2f2b"), "unknown schedule '2f2b'; known schedules: 1f1b, 1f1b-async, sync"),
 ])
 def test_combinations_the_asynchronous_schedule_does_not_run_are_refused(make, words):
     with pytest.raises(InputError, match=words):

@@ -18,7 +18,7 @@ from flatpack.partitioner.objective import evaluate
 from flatpack.partitioner.solvers.hydrozoa_planner import sync_overheads
 from flatpack.partitioner.workload import MODES, Workload
 from flatpack.platform.catalog import KINDS
-from flatpack.runtime.spec import SCHEDULES
+from flatpack.schedules import SCHEDULES, get
 from tests.unit.test_cost_models import TWO_STAGES, platform, plan, problem
 
 TRAIN = Workload("train", batch=8, micro_batches=4, optimizer="sgd")
@@ -62,6 +62,20 @@ def test_each_problem_resolves_to_the_model_it_resolved_to_before(mode, kind, op
             cost_model_for(target)
 
 
+def test_a_model_that_cannot_predict_the_workload_s_schedule_is_refused_naming_one_that_can():
+    asynchronous = dataclasses.replace(TRAIN, schedule="1f1b-async")
+    assert cost_model_for(problem_on("serverless", asynchronous)).name == "funcpipe"
+    for option in (None, "hydrozoa", "pipedream"):
+        given = {} if option is None else {"cost_model": option}
+        with pytest.raises(InputError, match=r"prices only schedules that flush every iteration, not the "
+                                             r"asynchronous 1f1b-async; choose --cost-model funcpipe"):
+            cost_model_for(problem_on("container", asynchronous, **given))
+    assert cost_model_for(problem_on("container", asynchronous, cost_model="funcpipe")).name == "funcpipe"
+    assert cost_model_for(problem_on("container", dataclasses.replace(TRAIN, schedule="1f1b"))).name == "hydrozoa"
+    with pytest.raises(InputError, match="unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, sync"):
+        dataclasses.replace(TRAIN, schedule="gpipe")
+
+
 def test_the_built_in_names_in_the_order_reports_list_them():
     # key == entry name and refusing a taken name: tests/unit/test_registries.py, as for every registry
     assert COST_MODELS == ("funcpipe", "hydrozoa", "pipedream", "gillis")
@@ -76,12 +90,15 @@ def test_an_unknown_name_lists_the_known_ones():
 
 
 def test_each_model_names_the_schedules_and_plan_shape_it_prices():
-    known_schedules = {*SCHEDULES, "fork-join"}
     for name in COST_MODELS:
         model = entry(name)
         assert model.modes and set(model.modes) <= set(MODES)
         assert model.platform_kinds and set(model.platform_kinds) <= set(KINDS)
-        assert model.schedules and set(model.schedules) <= known_schedules, name
+    # every model prices a flush schedule; only FuncPipe's an asynchronous one (its t_iter bounds it)
+    predicting = {name: [schedule for schedule in SCHEDULES if entry(name).predicts(get(schedule))]
+                  for name in COST_MODELS}
+    assert predicting == {"funcpipe": ["sync", "1f1b", "1f1b-async"], "hydrozoa": ["sync", "1f1b"],
+                          "pipedream": ["sync", "1f1b"], "gillis": ["sync", "1f1b"]}
     # the shapes brute force and the sampling solvers enumerate, as they did by name
     shapes = {name: (entry(name).tier_per_stage, entry(name).degree_per_stage) for name in COST_MODELS}
     assert shapes == {"funcpipe": (True, False), "hydrozoa": (True, False), "pipedream": (True, True),

@@ -348,7 +348,7 @@ def test_the_predicted_schedule_gives_the_update_its_measured_step():
 
 def test_1f1b_is_predicted_by_simulating_the_order_the_runtime_issues():
     from flatpack.analysis.report import predicted_iteration, predicted_schedule
-    from flatpack.runtime.training import compute_order
+    from flatpack.schedules import get
 
     single = plan((0, 1, 1024, 1), (2, 2, 2048, 1))
     # the simulated first stage computes in the runtime's 1F1B order: one warm-up forward, then
@@ -356,7 +356,7 @@ def test_1f1b_is_predicted_by_simulating_the_order_the_runtime_issues():
     compute = [(event.kind[0].upper(), event.micro_batch) for event in predicted_schedule(problem(), single,
                                                                                         schedule="1f1b")
                if event.stage == 0 and event.lane == "compute" and event.micro_batch is not None]
-    assert compute == compute_order("1f1b", [0, 1, 2, 3], 0, 2)
+    assert compute == [(action.kind.value, action.micro_batch) for action in get("1f1b").actions(0, 2, [0, 1, 2, 3])]
     sync = predicted_iteration(problem(), single, schedule="sync")
     assert sync == funcpipe.predicted(problem(), single)
     # transfers far longer than the compute: each backward on the first stage waits for the

@@ -1,4 +1,4 @@
-"""Every registry of named things — passes, solvers, cost models, platforms, backends, models — is one
+"""Every registry of named things — passes, solvers, cost models, platforms, backends, models, schedules — is one
 :class:`flatpack.registry.Registry`: a name can be registered once, and an entry that knows its
 own name is registered under it."""
 
@@ -13,9 +13,10 @@ from flatpack.models import MODELS
 from flatpack.partitioner.cost.registry import COST_MODEL_REGISTRY
 from flatpack.partitioner.solvers import SOLVERS
 from flatpack.registry import Registry
+from flatpack.schedules import SCHEDULE_REGISTRY
 
 REGISTRIES = {"pass": PASSES, "solver": SOLVERS, "cost model": COST_MODEL_REGISTRY, "platform": PLATFORMS,
-              "backend": BACKENDS, "model": MODELS}
+              "backend": BACKENDS, "model": MODELS, "schedule": SCHEDULE_REGISTRY}
 
 
 def entry_name(entry: object) -> str | None:

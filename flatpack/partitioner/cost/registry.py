@@ -1,7 +1,7 @@
 """The cost models by name, each an entry that knows what it prices and how to price a plan.
 
 An entry is a small frozen dataclass (:class:`CostModel`): its ``name``, the workload kinds
-(``"train"``, ``"infer"``), platform kinds and runtime schedules it prices, the shape of the
+(``"train"``, ``"infer"``), platform kinds and pipeline schedules it prices, the shape of the
 plans it prices (a tier per stage or one for all; a replica degree per stage or one for all),
 its own options as typed fields (Hydrozoa's α and β, Gillis's measured delay), and
 :meth:`CostModel.price`, the one entry point that times and prices a plan. :data:`COST_MODEL_REGISTRY`
@@ -30,6 +30,7 @@ from flatpack.partitioner.options import ProblemOptions
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
 from flatpack.registry import Registry
+from flatpack.schedules import Schedule
 
 # typing.Self is 3.11+; the package supports 3.10 (pyproject requires-python)
 ModelT = TypeVar("ModelT", bound="CostModel")
@@ -70,7 +71,9 @@ class CostModel(ABC):
     label: ClassVar[str]                      # how reports name it ("FuncPipe")
     modes: ClassVar[tuple[str, ...]]          # workload kinds it prices
     platform_kinds: ClassVar[tuple[str, ...]]
-    schedules: ClassVar[tuple[str, ...]]      # runtime schedules that run the plans it prices
+    # whether it prices asynchronous schedules (no flush, ``flatpack.schedules``) beside the
+    # ones that flush every iteration: see :meth:`predicts`
+    asynchronous: ClassVar[bool]
     tier_per_stage: ClassVar[bool]            # False: one memory tier for every function
     degree_per_stage: ClassVar[bool]          # False: one replica degree for the whole pipeline
 
@@ -83,6 +86,13 @@ class CostModel(ABC):
     def prices(cls, mode: str, platform_kind: str) -> bool:
         """Whether this model describes ``mode`` workloads on ``platform_kind`` platforms."""
         return mode in cls.modes and platform_kind in cls.platform_kinds
+
+    @classmethod
+    def predicts(cls, schedule: Schedule) -> bool:
+        """Whether this model prices a training iteration under ``schedule``: every model
+        prices a flush schedule's (its cuts run with any order of actions), only some an
+        asynchronous one's."""
+        return schedule.flush or cls.asynchronous
 
     @abstractmethod
     def price(self, problem: Problem, plan: Plan) -> Priced:
@@ -97,7 +107,8 @@ class FuncPipeModel(CostModel):
     label: ClassVar[str] = "FuncPipe"
     modes: ClassVar[tuple[str, ...]] = ("train",)
     platform_kinds: ClassVar[tuple[str, ...]] = ("serverless", "local", "container")
-    schedules: ClassVar[tuple[str, ...]] = ("sync", "1f1b", "1f1b-async")
+    # FuncPipe's t_iter bounds a pipeline that never drains (``Schedule.iteration_s``)
+    asynchronous: ClassVar[bool] = True
     tier_per_stage: ClassVar[bool] = True
     degree_per_stage: ClassVar[bool] = False
 
@@ -116,7 +127,7 @@ class GillisModel(CostModel):
     label: ClassVar[str] = "Gillis"
     modes: ClassVar[tuple[str, ...]] = ("infer",)
     platform_kinds: ClassVar[tuple[str, ...]] = ("serverless", "local", "container")
-    schedules: ClassVar[tuple[str, ...]] = ("fork-join",)
+    asynchronous: ClassVar[bool] = False    # it prices inference (fork-join), no training schedule
     tier_per_stage: ClassVar[bool] = False
     degree_per_stage: ClassVar[bool] = True
 
@@ -144,7 +155,7 @@ class HydrozoaModel(CostModel):
     label: ClassVar[str] = "Hydrozoa"
     modes: ClassVar[tuple[str, ...]] = ("train",)
     platform_kinds: ClassVar[tuple[str, ...]] = ("container",)
-    schedules: ClassVar[tuple[str, ...]] = ("sync", "1f1b")
+    asynchronous: ClassVar[bool] = False    # GPU-container ranks run only flush schedules
     tier_per_stage: ClassVar[bool] = True
     degree_per_stage: ClassVar[bool] = False
 
@@ -174,7 +185,7 @@ class PipeDreamModel(CostModel):
     label: ClassVar[str] = "PipeDream"
     modes: ClassVar[tuple[str, ...]] = ("train",)
     platform_kinds: ClassVar[tuple[str, ...]] = ("container",)
-    schedules: ClassVar[tuple[str, ...]] = ("sync", "1f1b")
+    asynchronous: ClassVar[bool] = False    # GPU-container ranks run only flush schedules
     tier_per_stage: ClassVar[bool] = True
     degree_per_stage: ClassVar[bool] = True
 
@@ -218,10 +229,22 @@ def cost_model_for(problem: Problem) -> CostModel:
     mode, kind = problem.workload.mode, problem.platform.kind
     chosen = problem.options.cost_model if mode in CHOOSABLE_MODES else None
     if chosen is None:
-        return entry(DEFAULT_MODELS[(mode, kind)]).of_options(problem.options)
+        return _predicting(entry(DEFAULT_MODELS[(mode, kind)]), problem).of_options(problem.options)
     if chosen in models_pricing(mode, kind):
-        return entry(chosen).of_options(problem.options)
+        return _predicting(entry(chosen), problem).of_options(problem.options)
     if kind == "container":
         raise InputError(f"cost_model {chosen!r} cannot price GPU-container training; use hydrozoa or pipedream")
     raise InputError(f"cost_model {chosen!r} cannot price training on {problem.platform.name}: workers there "
                      "share only storage, which FuncPipe's model describes; leave cost_model out")
+
+
+def _predicting(model: type[CostModel], problem: Problem) -> type[CostModel]:
+    """``model``, unless the problem trains with a schedule it does not predict: that is
+    refused, naming the models that do."""
+    schedule = problem.workload.schedule_object
+    if problem.workload.mode != "train" or model.predicts(schedule):
+        return model
+    able = [name for name in models_pricing("train", problem.platform.kind) if entry(name).predicts(schedule)]
+    fix = (f"choose --cost-model {' or '.join(able)}, or " if able else "") + "train with a schedule that flushes"
+    raise InputError(f"the {model.label} cost model ({model.name}) prices only schedules that flush every iteration, "
+                     f"not the asynchronous {schedule.name}; {fix} (--schedule)")
