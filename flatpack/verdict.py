@@ -19,7 +19,7 @@ from flatpack.runtime.spec import ASYNC_SCHEDULE
 from flatpack.weights import with_aliases
 
 if TYPE_CHECKING:
-    from flatpack.job import JobOptions
+    from flatpack.job_options import JobOptions
 
 # -- the verdict: is the pipelined run what single-process training computes? ---------------
 #
@@ -323,11 +323,11 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
             dropouts: int, example: Any) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and
     checks the run against it (see the tolerances above)."""
-    run_iterations = options.iterations
+    run_iterations = options.batches.iterations
     if run_iterations is None:
         raise ValueError("the verdict needs the run's iterations: pass the JobOptions training_data resolved")
     stages = compiled.plan.stages
-    micro_batches = compiled.plan.micro_batches or options.micro_batches
+    micro_batches = compiled.plan.micro_batches or options.train.micro_batches
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
                     run_iterations, optimizer.describe(), dropouts=dropouts)
@@ -342,24 +342,24 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
     reference_state: dict[str, dict[str, torch.Tensor]] = {}
     # under bf16/fp16 the reference computes as the stages do (see the tolerances above): it
     # rounds what crosses the plan's cuts, with the workers' one intra-op thread
-    pipeline, threads = (compiled, 1) if options.precision != "fp32" else (None, None)
-    if options.schedule == ASYNC_SCHEDULE:
+    pipeline, threads = (compiled, 1) if options.train.precision != "fp32" else (None, None)
+    if options.train.schedule == ASYNC_SCHEDULE:
         # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
         # calls of N iterations, and the pipeline drains at the end of each
         reference, _ = train_async_single_process(
             initial, batches, run_iterations, stage_of=parameter_stages(compiled), stages=len(stages),
-            micro_batches=micro_batches, optimizer=optimizer, loss=loss, vertical_sync=options.vertical_sync,
-            call_iterations=options.eval_every or None, optimizer_state=reference_state, precision=options.precision,
-            pipeline=pipeline, threads=threads)
+            micro_batches=micro_batches, optimizer=optimizer, loss=loss, vertical_sync=options.train.vertical_sync,
+            call_iterations=options.evaluation.eval_every or None, optimizer_state=reference_state,
+            precision=options.train.precision, pipeline=pipeline, threads=threads)
     else:
         reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
-                                            optimizer_state=reference_state, precision=options.precision,
+                                            optimizer_state=reference_state, precision=options.train.precision,
                                             pipeline=pipeline, threads=threads)
     # the bounds grow with the optimizer's steps: one per micro-batch under 1f1b-async
-    iterations = run_iterations * (micro_batches if options.schedule == ASYNC_SCHEDULE else 1)
+    iterations = run_iterations * (micro_batches if options.train.schedule == ASYNC_SCHEDULE else 1)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
-                                                optimizer, iterations, options.precision,
+                                                optimizer, iterations, options.train.precision,
                                                 initial.state_dict())
     found.equivalent = not found.note and all(check.passed for check in found.checks)
     return found

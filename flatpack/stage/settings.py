@@ -11,3 +11,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # the pipeline schedules a run may train with (runtime.spec's RunSpec checks them; the CLI
 # offers them without importing torch); "1f1b-async" is runtime.spec's ASYNC_SCHEDULE
 SCHEDULES = ("sync", "1f1b", "1f1b-async")
+# what a NaN or infinity in the data or in an iteration's loss does: a warning, a stop (the run
+# stays resumable), or nothing (backends.batch_checks)
+NON_FINITE = ("warn", "error", "ignore")

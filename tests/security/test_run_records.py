@@ -237,7 +237,7 @@ def test_test_only_train_options_are_dropped_from_a_record(compiled, tmp_path, c
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real `flatpack run` of the smallest model, two iterations, one stage."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    options = JobOptions(batch=BATCH, micro_batches=1, iterations=2, stages=1, replicas=(1,), verify=False,
+    options = JobOptions.of(batch=BATCH, micro_batches=1, iterations=2, stages=1, replicas=(1,), verify=False,
                          out=out, optimizer="sgd")
     run_training(make_model(), (torch.randn(BATCH, 8),), options, stream=io.StringIO())
     return out
