@@ -25,12 +25,13 @@ CLOUD_FLAGS = ("name", "region", "bucket", "account", "namespace", "role_arn", "
 
 
 def deploy_targets() -> list[str]:
-    """The backends (flatpack.backends.BACKENDS) that package a deployment: every one but the
-    local target's, which runs in-process."""
+    """The targets a backend (flatpack.backends.BACKENDS) deploys to in an account or cluster:
+    every one but those of the local platform kind, which run in-process (flatpack run)."""
     # start-up time: a verb imports what it runs
-    from flatpack.backends import BACKENDS, get_backend
+    from flatpack.backends import BACKENDS
+    from flatpack.platform.catalog import get_platform
 
-    return [name for name in BACKENDS.names() if callable(getattr(get_backend(name), "package", None))]
+    return [name for name in BACKENDS.names() if get_platform(name).kind != "local"]
 
 
 def cloud_options(backend: Any, packages_only: bool) -> tuple[str, ...]:
