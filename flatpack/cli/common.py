@@ -209,7 +209,7 @@ def check_tiers(target: str, memory_mb: Sequence[int]) -> None:
 
 def targets_help() -> str:
     """The catalog's platforms, as a --target's help lists them."""
-    # the catalog's names alone (torch-free)
+    # start-up time: the catalog's names alone (a verb imports what it runs)
     from flatpack.platform.catalog import platform_names
 
     return ", ".join(platform_names())

@@ -98,7 +98,7 @@ def test_job_options_count_a_step_per_micro_batch_and_refuse_replicas_before_com
     schedule = options.optimizer_spec().schedule
     assert schedule is not None and schedule.options["T_max"] == 12
     with pytest.raises(InputError, match="one replica per stage"):
-        dataclasses.replace(options, replicas=(1, 2)).check()
+        options.with_changes(replicas=(1, 2)).check()
 
 
 @pytest.mark.parametrize(("args", "words"), [

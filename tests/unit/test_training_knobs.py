@@ -297,7 +297,7 @@ def test_held_out_data_scored_with_another_loss_is_refused_before_launch(tmp_pat
     with pytest.raises(InputError, match="would be scored with mse but the run trains with cross_entropy"):
         evaluation_batches(model, example, options, "cross_entropy")
     good = shard_directory(tmp_path / "good", 2)
-    assert len(evaluation_batches(model, example, dataclasses.replace(options, eval_data=str(good)),
+    assert len(evaluation_batches(model, example, options.with_changes(eval_data=str(good)),
                                   "cross_entropy")) == 2
 
 
