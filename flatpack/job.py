@@ -738,28 +738,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                  run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
-            calls = deployment.calls()
-            resumed_after = done if calls else None
-            if not calls:
-                LOG.info("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss,
-                                          progress=logs.progress_enabled(),
-                                          **(record.train_options or {}))
-            else:
-                LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
-                         if done is not None else f"resuming run {record.run} from its first iteration")
-                result = deployment.resume(batches, progress=logs.progress_enabled())
-                # a run evaluated every N iterations trained as calls of N: the calls it had
-                # not begun follow the resumed one (without the evaluations)
-                last = deployment.calls()[-1]
-                trained = last.batch_offset + last.iterations
-                if trained < record.iterations:
-                    LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
-                    rest = deployment.train(lambda index: batches[trained + index],
-                                            iterations=record.iterations - trained, loss=record.loss,
-                                            progress=logs.progress_enabled(), batch_offset=trained,
-                                            **(record.train_options or {}))
-                    result = rest if result is None else merge_results([result, rest])
+            resumed_after = done if deployment.calls() else None
+            result = _resume_calls(deployment, batches, record, done)
             parameters = deployment.parameters()
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "
@@ -768,6 +748,29 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         return ResumeResult(root, "done", resumed_after, len(result.losses) if result is not None else 0,
                             result.losses[-1] if result is not None and result.losses else None,
                             directory.trained_path)
+
+
+def _resume_calls(deployment: Any, batches: Any, record: RunRecord, done: int | None) -> Any:
+    """The training calls of a resumed run: all of it when none had begun, else the call that
+    stopped (from checkpoint ``done``) and the calls it had not begun."""
+    if not deployment.calls():
+        LOG.info("the run had not started training; training it from the start")
+        return deployment.train(batches, iterations=record.iterations, loss=record.loss,
+                                progress=logs.progress_enabled(), **(record.train_options or {}))
+    LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
+             if done is not None else f"resuming run {record.run} from its first iteration")
+    result = deployment.resume(batches, progress=logs.progress_enabled())
+    # a run evaluated every N iterations trained as calls of N: the calls it had
+    # not begun follow the resumed one (without the evaluations)
+    last = deployment.calls()[-1]
+    trained = last.batch_offset + last.iterations
+    if trained >= record.iterations:
+        return result
+    LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
+    rest = deployment.train(lambda index: batches[trained + index], iterations=record.iterations - trained,
+                            loss=record.loss, progress=logs.progress_enabled(), batch_offset=trained,
+                            **(record.train_options or {}))
+    return rest if result is None else merge_results([result, rest])
 
 
 def _check_optimizer(record: RunRecord, directory: RunDirectory) -> None:

@@ -11,7 +11,7 @@ fills it in. Nothing here imports torch: ``flatpack run --help`` builds this par
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,7 +57,7 @@ class RunOption:
     group: str
     field: str
     value: Callable[[Any], Any] | None
-    argparse: dict[str, Any] = field(default_factory=dict)
+    arguments: dict[str, Any]        # what argparse is told of it (type, choices, metavar, help, ...)
 
     @property
     def dest(self) -> str:
@@ -176,7 +176,7 @@ def add_run_options(parser: Any) -> None:
         options = parser.option_group(title)
         for option in RUN_OPTIONS:
             if option.group == group:
-                options.add_argument(option.flag, default=argparse.SUPPRESS, **option.argparse)
+                options.add_argument(option.flag, default=argparse.SUPPRESS, **option.arguments)
 
 
 def job_values(args: argparse.Namespace) -> dict[str, Any]:
