@@ -171,7 +171,7 @@ def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
 def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float, HostCpuSampler]:
     model, example = zoo.build(case.model, "tiny")
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
-        options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
+        options = JobOptions.of(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
                              # a Shape is a solver object, which solver_for takes though JobOptions.solver
                              # is annotated as a name
                              optimizer="adam", lr=1e-3,

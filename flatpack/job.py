@@ -8,17 +8,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import difflib
 import io
-import itertools
-import math
 import os
 import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence, TextIO, cast
+from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
 
 import torch
 from torch import nn
@@ -29,369 +26,28 @@ from flatpack.analysis import chrome_trace, gantt, report
 from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
 from flatpack.backends import local
-from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.backends.functions import merge_results
-from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
+from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
+from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
-from flatpack.partitioner.cost.funcpipe import with_tiers
-from flatpack.partitioner.plan import Plan
-from flatpack.partitioner.solvers import available_solvers, get_solver
-from flatpack.partitioner.solvers.base import CostSolver
-from flatpack.partitioner.workload import RECOMPUTE, Workload
-from flatpack.platform.calibration import Calibration
-from flatpack.platform.catalog import get_platform
+from flatpack.partitioner.solvers.wrappers import check_split_points, dp, run_solver
+from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
 from flatpack.progress import ProgressLine
 from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes
 from flatpack.runtime import timeline
-from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
-from flatpack.schedules import DEFAULT_SCHEDULE, Setup
-from flatpack.stage.settings import PRECISIONS
+from flatpack.runtime.optim import OptimizerSpec
+from flatpack.runtime.settings import RunControls, TrainSettings
 from flatpack.table import plural
 from flatpack.verdict import pipeline_optimizer_state, verdict
 from flatpack.weights import save_state_dict, state_dict_of
 
 LOG = logs.get("job")
-
-
-# --loss names on the command line and what the runtime calls them
-LOSS_NAMES = {"cross-entropy": "cross_entropy", "cross_entropy": "cross_entropy", "mse": "mse",
-              "output": "output"}
-
-
-@dataclass
-class JobOptions:
-    batch: int = 32
-    micro_batches: int = 4
-    iterations: int | None = 4     # None with --data: --epochs full passes over the data
-    # any torch.optim optimizer by name (adam, adamw, sgd: momentum 0.9 unless optimizer_args
-    # says otherwise, ...) with its keyword options, or a whole OptimizerSpec (then the knobs
-    # below it stand for are taken from it)
-    optimizer: str | OptimizerSpec = "adam"
-    lr: float = 0.01
-    optimizer_args: dict[str, Any] = field(default_factory=dict)
-    # a learning-rate schedule by name (cosine, linear, step, ... or a torch.optim.lr_scheduler
-    # class) with its options, after ``warmup`` steps of linear warm-up; None: a constant rate
-    schedule_lr: str | None = None
-    schedule_args: dict[str, Any] = field(default_factory=dict)
-    warmup: int = 0
-    no_decay_bias_norm: bool = False       # weight_decay 0 for biases and norm weights (< 2 dims)
-    clip_grad_norm: float | None = None    # the global gradient norm over every stage, at most this
-    accumulate: int = 1                    # optimizer steps every K iterations: a K x larger batch
-    # every N iterations (0: never) the loss (and for classification the accuracy) on held-out
-    # data, through the inference path: eval_data (a --data SOURCE) or eval_fraction of --data
-    eval_every: int = 0
-    eval_data: Any = None
-    eval_fraction: float = 0.0
-    schedule: str = DEFAULT_SCHEDULE       # a registered schedule's name (flatpack.schedules)
-    vertical_sync: bool = False            # asynchronous schedules: every stage on the first stage's weight version
-    sync: str = "pipelined"
-    solver: str = "dp"
-    passes: str | None = None
-    replicas: tuple[int, ...] = (1, 2)
-    memory_mb: tuple[int, ...] | None = None
-    out: Path = field(default_factory=lambda: Path("flatpack-run"))
-    verify: bool = True
-    seed: int = 0
-    # iterations between checkpoints; 0: the shortest interval whose upload costs at most 5%
-    # of an iteration's time (funcpipe.checkpoint_cost). A lost function recovers with any
-    # interval; `flatpack resume` after a crash of the runner restarts from the last one
-    checkpoint_every: int = 0
-    # "recommended": the solver's choice (FuncPipe's recommendation for dp); "fastest": the
-    # fastest plan on dp's Pareto front
-    pick: str = "recommended"
-    # a NaN or infinity in the data or an iteration's loss: "warn", "error" (stop) or "ignore"
-    non_finite: str = "warn"
-    # --data: a directory or s3://bucket/prefix of shards, a module:factory returning a Dataset,
-    # or (Python) a DataLoader or flatpack.data.DataSource; None: synthetic batches
-    data: Any = None
-    store_endpoint: str | None = None   # the S3 endpoint of an s3:// --data (None: AWS)
-    epochs: int = 1
-    shuffle: bool = True
-    drop_last: bool = False
-    # "auto": the model output's `loss` when it has one, else cross-entropy for (batch, classes)
-    # outputs and mean squared error otherwise; or cross-entropy, mse
-    loss: str = "auto"
-    save: Path | None = None             # also write the trained state dict here (.safetensors)
-    # fixed cuts instead of the solver's: N stages of balanced parameter bytes, or a stage
-    # beginning at each named module (torch.distributed.pipelining's split points)
-    stages: int | None = None
-    split_points: tuple[str, ...] = ()
-    # a calibration file (flatpack calibrate --target local, or flatpack profile --target):
-    # the prediction uses its measurements instead of the catalog's and the store round trip
-    # measured at deploy; the plan records its digest
-    calibration: Path | None = None
-    # "bf16"/"fp16": autocast in every stage, float32 master weights and optimizer state,
-    # bfloat16/float16 tensors between stages, fp16 with GradScaler's loss scaling
-    # (runtime.precision); the verdict's reference autocasts and rounds at the cuts too
-    precision: str = "fp32"
-    # "auto": the solver may let a stage recompute its activations in the backward instead of
-    # keeping them (a smaller tier for one more forward); "never": every stage keeps them
-    recompute: str = "never"
-    # re-fit the cost model to each epoch of --epoch-iterations iterations and switch to a plan
-    # predicted at least replan_threshold faster (backends.replan; the run ends with the
-    # weights a run on one plan reaches)
-    replan: bool = False
-    epoch_iterations: int | None = None
-    replan_threshold: float = DEFAULT_THRESHOLD
-
-    def check(self) -> None:
-        """Refuses options no run can use, each with its cause and fix, before anything is
-        loaded, compiled or started (``flatpack run``/``demo`` call it first)."""
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise InputError(message)
-
-        need(isinstance(self.batch, int) and self.batch >= 1,
-             f"--batch must be a positive number of samples per iteration, got {self.batch}; use e.g. --batch 32")
-        need(isinstance(self.micro_batches, int) and self.micro_batches >= 1,
-             f"--micro-batches must be at least 1, got {self.micro_batches}; use e.g. --micro-batches 4")
-        need(self.micro_batches <= self.batch,
-             f"--micro-batches {self.micro_batches} is more than the {self.batch} samples of a batch, so some "
-             f"micro-batches would be empty; use at most --micro-batches {self.batch} or a larger --batch")
-        if self.batch % self.micro_batches:
-            fits = next(m for m in range(self.micro_batches, 0, -1) if self.batch % m == 0)
-            raise InputError(f"--batch {self.batch} does not divide into {self.micro_batches} equal micro-batches "
-                             f"(the plan and the cost model assume equal ones); use --micro-batches {fits} or a "
-                             f"--batch that is a multiple of {self.micro_batches}, e.g. "
-                             f"{self.batch + self.micro_batches - self.batch % self.micro_batches}")
-        need((self.iterations is None and self.data is not None)
-             or (isinstance(self.iterations, int) and self.iterations >= 1),
-             f"--iterations must be at least 1 (the number of global batches to train), got {self.iterations}")
-        need(isinstance(self.epochs, int) and self.epochs >= 1,
-             f"--epochs must be at least 1 (full passes over --data), got {self.epochs}")
-        need(self.data is not None or (self.epochs == 1 and not self.drop_last and self.store_endpoint is None),
-             "--epochs, --drop-last and --store-endpoint apply to --data; give --data SOURCE or leave them out")
-        if ":" in str(self.loss):
-            check_loss(self.loss)      # refuses it, saying why (data never names code)
-        need(self.loss == "auto" or self.loss in LOSS_NAMES,
-             f"--loss must be auto or one of {', '.join(LOSS_NAMES)}, got {self.loss!r}")
-        need(self.save is None or Path(self.save).suffix == ".safetensors",
-             f"--save {self.save}: the weights are written as safetensors; name the file *.safetensors")
-        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
-             f"--lr must be a positive, finite learning rate, got {self.lr}; use e.g. --lr 0.01")
-        spec = self.optimizer_spec()      # refuses unknown names and options, listing the valid ones
-        # an unknown name is refused listing the known ones; then what the schedule does not run with
-        schedules.get(self.schedule).check(Setup(
-            replicas=tuple(self.replicas), vertical_sync=self.vertical_sync, clip_grad_norm=spec.clip_grad_norm,
-            accumulate=spec.accumulate, precision=self.precision, replan=bool(self.replan)))
-        need(self.iterations is None or self.iterations % spec.accumulate == 0,
-             f"--iterations {self.iterations} is not a multiple of --accumulate {spec.accumulate}: the last "
-             f"{(self.iterations or 0) % spec.accumulate} iterations would never step; use --iterations "
-             f"{(self.iterations or 0) // spec.accumulate * spec.accumulate or spec.accumulate} or another "
-             "--accumulate")
-        need(spec.schedule is None or self.iterations is None
-             or spec.schedule.warmup < self.optimizer_steps(self.iterations),
-             f"--warmup {spec.schedule.warmup if spec.schedule else 0} is not shorter than the run's "
-             f"{self.optimizer_steps(self.iterations or 0)} optimizer steps; use a shorter warm-up or more "
-             "--iterations")
-        need(isinstance(self.eval_every, int) and self.eval_every >= 0,
-             f"--eval-every must be a number of iterations >= 0 (0: no evaluation), got {self.eval_every}")
-        need(isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1,
-             f"--eval-fraction must be in [0, 1) (the share of --data held out), got {self.eval_fraction}; "
-             "use e.g. --eval-fraction 0.1")
-        need(not self.eval_every or self.data is None or self.eval_data is not None or self.eval_fraction > 0,
-             "--eval-every needs held-out data: give --eval-data SOURCE or --eval-fraction F (of --data)")
-        need(bool(self.eval_every) or (self.eval_data is None and not self.eval_fraction),
-             "--eval-data and --eval-fraction apply to --eval-every N; give it, or leave them out")
-        need(not self.eval_fraction or self.data is not None,
-             "--eval-fraction holds out a share of --data; give --data SOURCE, or --eval-data SOURCE instead")
-        need(self.eval_data is None or not self.eval_fraction,
-             "--eval-data and --eval-fraction both name the held-out data; give one")
-        need(bool(self.replicas) and all(isinstance(d, int) and d >= 1 for d in self.replicas),
-             f"--replicas lists data-parallel degrees, each at least 1, got {','.join(map(str, self.replicas))}; "
-             "use e.g. --replicas 1,2")
-        need(min(self.replicas) <= self.micro_batches,
-             f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {self.micro_batches} "
-             "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
-        if self.memory_mb:
-            platform = get_platform("local")
-            for size in self.memory_mb:
-                need(isinstance(size, int) and size >= 1, f"--memory takes tiers in MB, each positive, got {size}")
-                platform.tier(size)   # names the sizes the local platform offers
-        need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-             f"checkpoint_every must be 0 (only the last iteration) or a positive count, got {self.checkpoint_every}")
-        need(self.pick in ("recommended", "fastest"), f"pick must be 'recommended' or 'fastest', got {self.pick!r}")
-        need(self.non_finite in NON_FINITE,
-             f"--non-finite must be one of {', '.join(NON_FINITE)}, got {self.non_finite!r}")
-        need(not self.out.exists() or self.out.is_dir(),
-             f"--out {self.out} is a file; give a directory (it is created if missing)")
-        if self.calibration is not None:
-            # read and checked now: a bad file is refused before anything is compiled or started
-            need(Calibration.load(self.calibration).platform == "local",
-                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
-                 "functions: use `flatpack calibrate --target local`")
-        need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
-             f"--stages must be a positive number of stages, got {self.stages}")
-        need(self.stages is None or not self.split_points,
-             "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
-        need((self.stages is None and not self.split_points) or self.pick == "recommended",
-             "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
-
-        need(self.precision in PRECISIONS,
-             f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}; use fp32 (the default), bf16 "
-             "(autocast with float32 master weights) or fp16 (the same with a loss scaler)")
-        need(self.recompute in RECOMPUTE,
-             f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}; use never (the default: every "
-             "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
-        if self.pick != "fastest":
-            solver_for(self.solver)
-        self._check_replan(need)
-
-    def _check_replan(self, need: Any) -> None:
-        need(self.replan or (self.epoch_iterations is None and self.replan_threshold == DEFAULT_THRESHOLD),
-             "--epoch-iterations and --replan-threshold apply to --replan; give it, or leave them out")
-        if not self.replan:
-            return
-        need(isinstance(self.epoch_iterations, int) and self.epoch_iterations > SKIP_FIRST,
-             f"--replan re-plans every --epoch-iterations N iterations from the iterations after each epoch's first "
-             f"{SKIP_FIRST} (cold starts, warm-up); give --epoch-iterations {SKIP_FIRST + 1} or more")
-        need(self.iterations is None or self.iterations > (self.epoch_iterations or 0),
-             f"--epoch-iterations {self.epoch_iterations} is not shorter than the run's {self.iterations} "
-             "iterations, so there is no epoch boundary to re-plan at; use fewer or more --iterations")
-        need(isinstance(self.replan_threshold, (int, float)) and 0 <= self.replan_threshold < 1,
-             f"--replan-threshold is the least predicted saving that switches plans, a share in [0, 1), got "
-             f"{self.replan_threshold}; use e.g. {DEFAULT_THRESHOLD}")
-        need(self.precision == "fp32",
-             f"--replan with --precision {self.precision}: tensors are rounded to {self.precision} at the stage "
-             "boundaries, which move with the plan, so the single-process check cannot reproduce the run; use "
-             "--precision fp32 with --replan")
-        need(not self.eval_every,
-             "--replan switches plans at --epoch-iterations boundaries inside one training call, and --eval-every "
-             "trains as calls of N iterations; give one of them")
-
-
-    def optimizer_steps(self, iterations: int) -> int:
-        """The optimizer steps of ``iterations``: one per K under --accumulate K, and one per
-        micro-batch under an asynchronous schedule (PipeDream's minibatch: ``Schedule.optimizer_steps``)."""
-        if not (isinstance(self.accumulate, int) and self.accumulate >= 1):
-            return 1
-        return iterations * schedules.get(self.schedule).optimizer_steps(self.micro_batches) // self.accumulate
-
-    def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec:
-        """The run's optimizer as the plain data every stage and the reference build it from;
-        a schedule's length (cosine's T_max, ...) defaults to the run's optimizer steps after
-        the warm-up. An unknown name or option is an InputError listing the valid ones."""
-        iterations = iterations or self.iterations or 1
-        if isinstance(self.optimizer, OptimizerSpec):
-            knobs = ("optimizer_args", "schedule_lr", "schedule_args", "warmup", "no_decay_bias_norm", "clip_grad_norm",
-                     "accumulate")
-            defaults = JobOptions()
-            given = [name for name in knobs if getattr(self, name) != getattr(defaults, name)]
-            if given:
-                raise InputError(f"optimizer is an OptimizerSpec, which holds {', '.join(given)} itself; set them "
-                                 "in the spec, not beside it")
-            return self.optimizer
-        if self.schedule_args and not self.schedule_lr:
-            raise InputError("--schedule-args apply to --schedule-lr NAME; give it, or leave them out")
-        options = dict(self.optimizer_args)
-        lr = options.pop("lr", self.lr)
-        schedule = (ScheduleSpec(self.schedule_lr, dict(self.schedule_args), self.warmup) if self.schedule_lr
-                    else ScheduleSpec("constant", {}, self.warmup) if self.warmup else None)
-        return OptimizerSpec(self.optimizer, lr, options, self.no_decay_bias_norm,
-                             schedule.with_length(self.optimizer_steps(iterations)) if schedule is not None else None,
-                             self.clip_grad_norm, self.accumulate)
-
-
-def solver_for(name: Any) -> Any:
-    """The solver ``flatpack run`` compiles with: the named one, and for a solver that only
-    cuts (``balanced`` leaves every stage without a memory tier) the smallest tier that fits
-    each stage, so the cost model can predict the run (:func:`funcpipe.with_tiers`). An
-    unknown name is refused with the close matches."""
-    if isinstance(name, str):
-        base = name.split("{", 1)[0].strip()
-        names = list(available_solvers())
-        if base not in names:
-            close = difflib.get_close_matches(base, names, n=2, cutoff=0.5)
-            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-            raise InputError(f"unknown solver {base!r}; {hint}the solvers are: {', '.join(names)}")
-    return WithTiers(get_solver(name))
-
-
-@dataclass(frozen=True)
-class WithTiers:
-    """A solver whose plans get a memory tier for every stage left without one."""
-
-    solver: Any
-
-    @property
-    def name(self) -> str:
-        return getattr(self.solver, "name", str(self.solver))
-
-    def __call__(self, problem: Any) -> Any:
-        return with_tiers(problem, self.solver(problem))
-
-
-@dataclass(frozen=True)
-class FixedCuts:
-    """A solver that cuts where the user says: before each module in ``split_points`` (as
-    torch.distributed.pipelining's ``SplitPoint.BEGINNING`` does), or into ``stages`` stages
-    of balanced parameter bytes. Every stage one replica; :class:`WithTiers` gives each the
-    smallest memory tier that fits."""
-
-    split_points: tuple[str, ...] = ()
-    stages: int | None = None
-
-    @property
-    def name(self) -> str:
-        return f"split-points {','.join(self.split_points)}" if self.split_points else plural(self.stages or 0, "stage")
-
-    def __call__(self, problem: Any) -> Any:
-        if not self.split_points:
-            return get_solver("balanced")(dataclasses.replace(problem, stages=self.stages))
-        starts = [split_layer(problem.chain, point) for point in self.split_points]
-        if sorted(set(starts)) != starts or 0 in starts:
-            raise InputError(f"--split-points {','.join(self.split_points)} cut at layers {starts}: they must name "
-                             "modules in the order the model runs them, none of them the first layer, each in a "
-                             "different layer (see flatpack inspect MODEL for the layers)")
-        bounds = [0, *starts, len(problem.chain)]
-        return Plan.from_ranges([(begin, end - 1) for begin, end in itertools.pairwise(bounds)], len(problem.chain),
-                                "split-points")
-
-
-def split_layer(chain: Any, module: str) -> int:
-    """The index of the first layer of ``chain`` that runs module ``module`` (a layer is named
-    ``module.path:op``): the stage that begins there."""
-    names = [layer.name.split(":", 1)[0] for layer in chain]
-    for index, name in enumerate(names):
-        if name == module or name.startswith(module + "."):
-            return index
-    close = difflib.get_close_matches(module, sorted(set(names)), n=3, cutoff=0.5)
-    hint = f"; layers begin at {', '.join(close)}" if close else ""
-    raise InputError(f"--split-points: no layer begins at module {module!r} after the passes{hint}. A split point "
-                     "must start a layer: see the layer names with flatpack inspect MODEL, or keep more layers with "
-                     "--passes fuse-elementwise")
-
-
-def check_split_points(model: nn.Module, points: Sequence[str]) -> None:
-    """Refuses split points that name no module of ``model``, with the close matches."""
-    modules = dict(model.named_modules())
-    for point in points:
-        if point not in modules:
-            close = difflib.get_close_matches(point, list(modules), n=3, cutoff=0.5)
-            hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise InputError(f"--split-points: {type(model).__name__} has no module {point!r}; {hint}name modules as "
-                             "model.named_modules() does, e.g. bert.encoder.layer.2")
-
-
-def _dp() -> CostSolver:
-    """dp, the exact cost-model solver, whose front the job reports and picks from."""
-    return cast(CostSolver, get_solver("dp"))  # the registry's "dp" is solvers.dp.Dp, a CostSolver
-
-
-@dataclass(frozen=True)
-class FastestOnFront:
-    """A solver: the fastest plan on dp's Pareto front."""
-
-    name: str = "dp-fastest"
-
-    def __call__(self, problem: Any) -> Any:
-        return _dp().front(problem).plans[0]
 
 
 @dataclass
@@ -534,27 +190,28 @@ def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str) -> str:
 def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[Any, str, int]:
     """The run's batches (a list, or :class:`flatpack.data.Batches` built on demand from
     ``--data``), its loss and its iterations, checked before anything is compiled."""
-    if options.data is None:
-        count = options.iterations or 4
-        batches, loss = synthetic_batches(model, example, options.batch, count, options.seed)
-        if options.loss != "auto" and LOSS_NAMES.get(options.loss, options.loss) != loss:
-            raise InputError(f"--loss {options.loss} needs real targets; the synthetic batches (no --data) train "
+    data, asked = options.batches, options.train.loss
+    if data.data is None:
+        count = data.iterations or SYNTHETIC_ITERATIONS
+        batches, loss = synthetic_batches(model, example, data.batch, count, data.seed)
+        if asked != "auto" and LOSS_NAMES.get(asked, asked) != loss:
+            raise InputError(f"--loss {asked} needs real targets; the synthetic batches (no --data) train "
                              f"with {loss}. Give --data SOURCE, or leave --loss out")
         return batches, loss, count
 
-    source = parse_source(options.data, endpoint=options.store_endpoint)
-    if options.eval_fraction:
-        source = split_shards(source, options.eval_fraction)[0]
-    batches = make_batches(source, model, example, batch=options.batch, epochs=options.epochs,
-                           iterations=options.iterations, shuffle=options.shuffle, seed=options.seed,
-                           drop_last=options.drop_last)
+    source = parse_source(data.data, endpoint=data.store_endpoint)
+    if options.evaluation.eval_fraction:
+        source = split_shards(source, options.evaluation.eval_fraction)[0]
+    batches = make_batches(source, model, example, batch=data.batch, epochs=data.epochs,
+                           iterations=data.iterations, shuffle=data.shuffle, seed=data.seed,
+                           drop_last=data.drop_last)
     inputs, target = batches(0)
 
     check_against_example(example, inputs, f"--data {batches.description}")
-    if batches.batch != options.batch:
-        raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {options.batch}; "
+    if batches.batch != data.batch:
+        raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {data.batch}; "
                          "give the run the loader's batch size")
-    return batches, choose_loss(model, inputs, target, options.loss), len(batches)
+    return batches, choose_loss(model, inputs, target, asked), len(batches)
 
 
 def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
@@ -564,28 +221,30 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
     synthetic batches drawn with another seed. Checked against the model and the training
     ``loss`` before launch (held-out data without the labels a model's own loss needs would
     otherwise be scored on its logits)."""
-    if options.eval_data is None and not options.eval_fraction:
-        return synthetic_batches(model, example, options.batch, 2, options.seed + 1)[0]
-    if options.eval_data is not None:
-        source = parse_source(options.eval_data, endpoint=options.store_endpoint)
+    data, held = options.batches, options.evaluation
+    if held.eval_data is None and not held.eval_fraction:
+        return synthetic_batches(model, example, data.batch, 2, data.seed + 1)[0]
+    if held.eval_data is not None:
+        source = parse_source(held.eval_data, endpoint=data.store_endpoint)
     else:
-        source = split_shards(parse_source(options.data, endpoint=options.store_endpoint), options.eval_fraction)[1]
+        source = split_shards(parse_source(data.data, endpoint=data.store_endpoint), held.eval_fraction)[1]
     # a partial last batch is left out: eval batches, like training ones, have one size
-    batches = make_batches(source, model, example, batch=options.batch, shuffle=False, drop_last=True)
+    batches = make_batches(source, model, example, batch=data.batch, shuffle=False, drop_last=True)
     inputs, target = batches[0]
     check_against_example(example, inputs, f"--eval-data {batches.description}")
-    scored = choose_loss(model, inputs, target, options.loss)
+    scored = choose_loss(model, inputs, target, options.train.loss)
     if scored != loss:
         raise InputError(f"the held-out data ({batches.description}) would be scored with {scored} but the run trains "
                          f"with {loss}; give it the same tensors as --data (targets or labels alike)")
     return batches
 
 
+
 def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
     """Trains ``model`` as ``options`` say, reporting on ``stream``. A run refused before it
     started (a flatpack error other than RunFailure, before its run record was written)
     leaves no run directory behind where this call created it."""
-    out = Path(options.out)
+    out = Path(options.output.out)
     created = not out.exists()
     try:
         return _run_training(model, example, options, stream=stream)
@@ -595,199 +254,337 @@ def run_training(model: nn.Module, example: Any, options: JobOptions, *, stream:
         raise
 
 
+@dataclass
+class _Run:
+    """What the steps of one run hand on to the next (see :func:`_run_training`)."""
+
+    options: JobOptions
+    say: Callable[..., None]
+    batches: Any = None
+    loss: str = ""
+    iterations: int = 0
+    held_out: Any = None
+    compiled: Any = None
+    settings: TrainSettings | None = None
+    directory: RunDirectory | None = None
+    problem: Any = None            # the compiled problem, with the store latency this deployment measured
+    final: Any = None              # the compiled artifact that trained last (another after a re-plan)
+    result: Any = None
+    evaluations: list[Any] = field(default_factory=list)
+    pipelined_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reads_target(self) -> bool:
+        return self.loss != "output"    # a model that returns its loss reads no target key
+
+    @property
+    def out(self) -> Path:
+        return Path(self.options.output.out)
+
+
 def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream: TextIO) -> JobResult:
+    """The run, step by step: check, prepare the data, compile and plan, record the run,
+    deploy and train, finish, compare with the prediction, plot, and the verdict."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
     options.check()
+    _check_trainable(model)
+    torch.manual_seed(options.batches.seed)
+    dropouts = without_dropout(model)
+    RunDirectory(options.output.out).create()    # 0700 when flatpack makes it: the run's model and data are private
+    run = _Run(options, say)
+    # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
+    with torch_threads(1):
+        _prepare_data(run, model, example)
+        # the weights and buffers training starts from (profiling runs the model in train
+        # mode, which moves BatchNorm's running statistics): the reference starts here too
+        initial = copy.deepcopy(model)
+        _compile(run, model)
+        every = _checkpoint_interval(run, _predict(run))
+        _record(run, every)
+        _deploy_and_train(run)
+        _finish_run(run)
+        comparison, calibrated = _compare(run)
+        files = _plots(run, type(model).__name__)
+        max_diff, equivalent = _verdict(run, initial, dropouts)
+        return JobResult(run.final, run.result, comparison, calibrated, max_diff, equivalent, files, run.evaluations)
+
+
+def _check_trainable(model: nn.Module) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise InputError(f"{type(model).__name__} has no trainable parameters (none, or all with requires_grad="
                          "False), so there is nothing to train; give a model with parameters, or use flatpack "
                          "compile/deploy to serve it")
-    torch.manual_seed(options.seed)
-    dropouts = without_dropout(model)
-    RunDirectory(options.out).create()    # 0700 when flatpack makes it: the run's model and data are private
-    # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
-    with torch_threads(1):
-        batches, loss, iterations = training_data(model, example, options)
-        options = dataclasses.replace(options, iterations=iterations)
-        if options.data is not None:
-            order = ("in the DataLoader's order" if batches.source.kind == "loader" else
-                     f"shuffled, seed {options.seed}" if options.shuffle else "in order")
-            LOG.info(f"data: {batches.description}, {plural(batches.per_epoch, 'batch', 'batches')} of "
-                     f"{options.batch} per epoch, {plural(iterations, 'iteration')} ({order}"
-                     f"{', last partial batch dropped' if options.drop_last else ''}); loss: "
-                     f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
-        example_batch = batches[0][0]
-        held_out = evaluation_batches(model, example, options, loss) if options.eval_every else None
-        spec = options.optimizer_spec()
-        say(f"optimizer: {spec.describe()}")
-        # the cost model counts the state of the optimizer the run names, read from the optimizer
-        workload = Workload("train", batch=options.batch, micro_batches=options.micro_batches,
-                            optimizer="adam" if spec.is_adam_like else "sgd-momentum", sync=options.sync,
-                            schedule=options.schedule,
-                            optimizer_state_factor=spec.state_factor(),
-                            precision=options.precision, recompute=options.recompute)
-        started = time.perf_counter()
-        extra: dict[str, Any] = {"replicas": options.replicas}
-        if options.memory_mb:
-            extra["memory_mb"] = options.memory_mb
-        # profile at the micro-batch size the workers run (and two smaller ones for the fit):
-        # extrapolating a·batch+b from much smaller batches overestimates vectorized layers
-        micro = max(1, options.batch // options.micro_batches)
-        sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
-        if options.split_points:
-            check_split_points(model, options.split_points)
-        solver = (WithTiers(FixedCuts(options.split_points, options.stages))
-                  if options.stages or options.split_points
-                  else FastestOnFront() if options.pick == "fastest" else solver_for(options.solver))
-        # the weights and buffers training starts from (profiling runs the model in train
-        # mode, which moves BatchNorm's running statistics): the reference starts here too
-        initial = copy.deepcopy(model)
-        compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
-                                    profile=ProfileOptions(batch_sizes=sizes, repeats=3,
-                                                           progress=None if logs.progress_enabled() else False),
-                                    workload=workload, calibration=options.calibration, **extra)
-        LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
-                 f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
-        if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
-            raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
-        _print_front(compiled, say)
-        compiled.save(options.out / "compiled")    # private (0600/0700), as Compiled.save writes by default
-        say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
-        reads_target = loss != "output"    # a model that returns its loss reads no target key
-        cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=reads_target,
-                                          schedule=options.schedule)
-        say(f"\nchosen plan ({options.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
-            f"${cost.dollars_per_iteration:.3g} per iteration")
-        recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
-        if recomputing:
-            say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
-                "backward (the tier chosen does not hold them; one more forward each)")
-        checkpoints = funcpipe.checkpoint_cost(compiled.problem, compiled.plan)
-        every = options.checkpoint_every or checkpoints.interval_for(cost.iteration_s, iterations)
-        if not schedules.get(options.schedule).flush:
-            # micro-batches are in flight between iterations: only a drained pipeline checkpoints
-            every = options.eval_every or iterations
-            why = f"{options.schedule} checkpoints only where its pipeline drains, at the end of each call"
-        elif options.checkpoint_every:
-            why = "as asked"
-        elif checkpoints.overhead(cost.iteration_s, every) <= 0.05:
-            why = "the shortest interval whose upload costs at most 5% of an iteration"
-        else:
-            why = "a checkpoint costs more than 5% of the run's iterations: only the last is taken"
-        LOG.info(f"checkpoints every {every} iteration{'s' * (every != 1)} ({why}): "
-                 f"{checkpoints.bytes / 2**20:.1f} MiB each, {checkpoints.upload_s * 1000:.0f} ms of upload, "
-                 f"{checkpoints.overhead(cost.iteration_s, every) * 100:.1f}% of an iteration amortized")
-        # the run directory keeps what `flatpack resume` needs until the run succeeds: the
-        # batches, the run record and the S3 server's data (checkpoints included)
-        directory = RunDirectory(options.out)
-        directory.remove_store()      # an earlier run's in the same directory: this run replaces it
-        data_record = _data_record(batches, options)
-        if data_record is None:
-            if options.data is not None:
-                LOG.info("the DataLoader cannot be reopened by name, so its batches are copied into the run "
-                         "directory for flatpack resume")
-            fingerprint = directory.save_batches(batches)
-        else:
-            # what the run trains on, so that resume refuses data changed since (a shard
-            # replaced with one of the same shapes would otherwise train silently)
-            fingerprint = batches.source.fingerprint()
-        # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
-        # no workload to default them from), so `flatpack resume` retrains the same way
-        train_options = {"optimizer": spec.to_json(), "schedule": options.schedule,
-                         "vertical_sync": options.vertical_sync,
-                         "sync": options.sync, "threads": 1, "checkpoint_every": every,
-                         "non_finite": options.non_finite, "precision": options.precision,
-                         "micro_batches": compiled.plan.micro_batches or options.micro_batches}
-        record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=iterations,
-                           data=data_record, train_options=train_options, fingerprint=fingerprint)
+
+
+def _prepare_data(run: _Run, model: nn.Module, example: Any) -> None:
+    """The batches, the loss and the iterations (the options then say how many), and the
+    held-out batches of --eval-every."""
+    options = run.options
+    batches, loss, iterations = training_data(model, example, options)
+    run.options = options = options.with_changes(iterations=iterations)
+    run.batches, run.loss, run.iterations = batches, loss, iterations
+    if options.batches.data is not None:
+        data = options.batches
+        order = ("in the DataLoader's order" if batches.source.kind == "loader" else
+                 f"shuffled, seed {data.seed}" if data.shuffle else "in order")
+        LOG.info(f"data: {batches.description}, {plural(batches.per_epoch, 'batch', 'batches')} of "
+                 f"{data.batch} per epoch, {plural(iterations, 'iteration')} ({order}"
+                 f"{', last partial batch dropped' if data.drop_last else ''}); loss: "
+                 f"{'the model output' + chr(39) + 's own' if loss == 'output' else loss}")
+    run.held_out = evaluation_batches(model, example, options, loss) if options.evaluation.eval_every else None
+
+
+def _compile(run: _Run, model: nn.Module) -> None:
+    """Profiles, plans and compiles the model for local functions; prints the front and
+    saves the artifact into the run directory."""
+    options, say = run.options, run.say
+    spec = options.optimizer_spec()
+    say(f"optimizer: {spec.describe()}")
+    train, plan = options.train, options.plan
+    # the cost model counts the state of the optimizer the run names, read from the optimizer
+    workload = Workload("train", batch=options.batches.batch, micro_batches=train.micro_batches,
+                        optimizer="adam" if spec.is_adam_like else "sgd-momentum", sync=train.sync,
+                        schedule=train.schedule, optimizer_state_factor=spec.state_factor(),
+                        precision=train.precision, recompute=plan.recompute)
+    started = time.perf_counter()
+    extra: dict[str, Any] = {"replicas": plan.replicas}
+    if plan.memory_mb:
+        extra["memory_mb"] = plan.memory_mb
+    # profile at the micro-batch size the workers run (and two smaller ones for the fit):
+    # extrapolating a·batch+b from much smaller batches overestimates vectorized layers
+    micro = max(1, options.batches.batch // train.micro_batches)
+    sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
+    if plan.split_points:
+        check_split_points(model, plan.split_points)
+    solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points)
+    compiled = flatpack.compile(model, run.batches[0][0], target="local", solver=solver, passes=plan.passes,
+                                profile=ProfileOptions(batch_sizes=sizes, repeats=3,
+                                                       progress=None if logs.progress_enabled() else False),
+                                workload=workload, calibration=plan.calibration, **extra)
+    LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
+             f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
+    if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
+        raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
+    _print_front(compiled, say)
+    compiled.save(run.out / "compiled")    # private (0600/0700), as Compiled.save writes by default
+    say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
+    run.compiled = compiled
+
+
+def _predict(run: _Run) -> Any:
+    """The chosen plan's predicted iteration, said; returns it."""
+    compiled, say = run.compiled, run.say
+    cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=run.reads_target,
+                                      schedule=run.options.train.schedule)
+    say(f"\nchosen plan ({run.options.plan.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
+        f"${cost.dollars_per_iteration:.3g} per iteration")
+    recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
+    if recomputing:
+        say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
+            "backward (the tier chosen does not hold them; one more forward each)")
+    return cost
+
+
+def _checkpoint_interval(run: _Run, cost: Any) -> int:
+    """The iterations between checkpoints: --checkpoint-every, else the cost model's choice."""
+    options, iterations = run.options, run.iterations
+    checkpoints = funcpipe.checkpoint_cost(run.compiled.problem, run.compiled.plan)
+    every = options.train.checkpoint_every or checkpoints.interval_for(cost.iteration_s, iterations)
+    if not schedules.get(options.train.schedule).flush:
+        # micro-batches are in flight between iterations: only a drained pipeline checkpoints
+        every = options.evaluation.eval_every or iterations
+        why = f"{options.train.schedule} checkpoints only where its pipeline drains, at the end of each call"
+    elif options.train.checkpoint_every:
+        why = "as asked"
+    elif checkpoints.overhead(cost.iteration_s, every) <= 0.05:
+        why = "the shortest interval whose upload costs at most 5% of an iteration"
+    else:
+        why = "a checkpoint costs more than 5% of the run's iterations: only the last is taken"
+    LOG.info(f"checkpoints every {every} iteration{'s' * (every != 1)} ({why}): "
+             f"{checkpoints.bytes / 2**20:.1f} MiB each, {checkpoints.upload_s * 1000:.0f} ms of upload, "
+             f"{checkpoints.overhead(cost.iteration_s, every) * 100:.1f}% of an iteration amortized")
+    return every
+
+
+def _record(run: _Run, every: int) -> None:
+    """The run directory keeps what `flatpack resume` needs until the run succeeds: the
+    batches (or what names them, with their fingerprint), the run record and the S3
+    server's data (checkpoints included)."""
+    options, batches = run.options, run.batches
+    directory = RunDirectory(options.output.out)
+    directory.remove_store()      # an earlier run's in the same directory: this run replaces it
+    data_record = _data_record(batches, options)
+    if data_record is None:
+        if options.batches.data is not None:
+            LOG.info("the DataLoader cannot be reopened by name, so its batches are copied into the run "
+                     "directory for flatpack resume")
+        fingerprint = directory.save_batches(batches)
+    else:
+        # what the run trains on, so that resume refuses data changed since (a shard
+        # replaced with one of the same shapes would otherwise train silently)
+        fingerprint = batches.source.fingerprint()
+    # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
+    # no workload to default them from), so `flatpack resume` retrains the same way
+    run.settings = options.train_settings(loss=run.loss, checkpoint_every=every,
+                                          micro_batches=run.compiled.plan.micro_batches)
+    record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=run.loss, iterations=run.iterations,
+                       data=data_record, train_options=recorded_options(run.settings, options.train.non_finite),
+                       fingerprint=fingerprint)
+    directory.write(record)
+    run.directory = directory
+
+
+def recorded_options(settings: TrainSettings, non_finite: str) -> dict[str, Any]:
+    """What ``run.json`` records of a training call (its ``train_options``), the keyword
+    options ``flatpack resume`` trains with again."""
+    return {"optimizer": settings.optimizer.to_json(), "schedule": settings.schedule,
+            "vertical_sync": settings.vertical_sync, "sync": settings.sync, "threads": settings.threads,
+            "checkpoint_every": settings.checkpoint_every, "non_finite": non_finite,
+            "precision": settings.precision, "micro_batches": settings.micro_batches}
+
+
+def train_call(deployment: Any, batches: Any, settings: TrainSettings, controls: RunControls) -> Any:
+    """``deployment.train`` with the run's settings and controls: the one place the job calls
+    it (in the keyword form every backend takes today)."""
+    replan = ({"replan": controls.replan, "epoch_iterations": controls.epoch_iterations} if controls.replan
+              else {})
+    return deployment.train(batches, iterations=controls.iterations, loss=settings.loss, progress=controls.progress,
+                            batch_offset=controls.batch_offset,
+                            **recorded_options(settings, controls.non_finite), **replan)
+
+
+def _deploy_and_train(run: _Run) -> None:
+    """Deploys the plan to local functions sharing a local S3 server, measures the store's
+    round trip (unless a calibration file did), trains (and evaluates), and reads what the
+    verdict compares."""
+    options, directory, compiled = run.options, run.directory, run.compiled
+    assert directory is not None and run.settings is not None    # _record made them
+    record = directory.read()
+    with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
+                                             run=record.run) as deployment:
+        LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
+                 f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
+        run.problem = _measured_problem(compiled, deployment)
+        plan = options.plan
+        controls = RunControls(iterations=run.iterations, progress=logs.progress_enabled(),
+                               non_finite=options.train.non_finite,
+                               replan=(ReplanPolicy(plan.replan_threshold, on_switch=_recording_switches(directory))
+                                       if plan.replan else False),
+                               epoch_iterations=plan.epoch_iterations if plan.replan else None)
+        run.result, run.evaluations = train_and_evaluate(deployment, run.batches, run.settings, controls,
+                                                         options.evaluation.eval_every, run.held_out, run.say)
+        # after a switch the deployment runs the last plan
+        run.final = deployment.compiled
+        run.pipelined_state = pipeline_optimizer_state(deployment, run.final) if options.output.verify else {}
+
+
+def _measured_problem(compiled: Any, deployment: Any) -> Any:
+    """The compiled problem with the store latency this deployment measured, unless a
+    calibration file (a separate flatpack calibrate run) measured it."""
+    if compiled.problem.calibration is not None:
+        problem = compiled.problem
+        LOG.info(f"store request latency from the calibration file: "
+                 f"{problem.platform.storage_latency_s * 1000:.1f} ms")
+        return problem
+    problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
+        compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
+    LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
+             "(replaces the catalog's assumption in the prediction)")
+    return problem
+
+
+def _finish_run(run: _Run) -> None:
+    """The trained weights saved, the run directory naming the plan that trained last, and
+    what the training did, said."""
+    options, directory, result, say = run.options, run.directory, run.result, run.say
+    assert directory is not None    # _record made it
+    record = directory.read()
+    if result.switches:
+        # the finished run's compiled/ is the plan that trained last, as its events.json is
+        run.final.save(directory.compiled)
+        retired, record = record.compiled, dataclasses.replace(record, compiled=directory.compiled.name)
         directory.write(record)
-        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                 run=record.run) as deployment:
-            LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
-                     f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
-            if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
-                problem = compiled.problem
-                LOG.info(f"store request latency from the calibration file: "
-                         f"{problem.platform.storage_latency_s * 1000:.1f} ms")
-            else:
-                problem = dataclasses.replace(compiled.problem, platform=dataclasses.replace(
-                    compiled.problem.platform, storage_latency_s=deployment.measure_latency()))
-                LOG.info(f"store round trip measured: {problem.platform.storage_latency_s * 1000:.1f} ms "
-                         "(replaces the catalog's assumption in the prediction)")
-            replan = ({"replan": ReplanPolicy(options.replan_threshold, on_switch=_recording_switches(directory)),
-                       "epoch_iterations": options.epoch_iterations} if options.replan else None)
-            result, evaluations = train_and_evaluate(deployment, batches, iterations, loss, train_options,
-                                                     options.eval_every, held_out, say, replan)
-            # after a switch the deployment runs the last plan
-            final = deployment.compiled
-            pipelined_state = pipeline_optimizer_state(deployment, final) if options.verify else {}
-        record = directory.read()
-        if result.switches:
-            # the finished run's compiled/ is the plan that trained last, as its events.json is
-            final.save(directory.compiled)
-            retired, record = record.compiled, dataclasses.replace(record, compiled=directory.compiled.name)
-            directory.write(record)
-            shutil.rmtree(directory.root / retired, ignore_errors=True)
-        _finish(directory, record, compiled, result.parameters, say, options.save)
-        say(f"\ntrained {plural(iterations, 'iteration')} in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
-            f"samples/s), ${result.dollars:.6f} at the platform's prices")
-        for restart in result.restarts:
-            say(f"  {restart.describe()}")
-        for switch in result.switches:
-            say(f"  re-planned {switch.describe()}")
-        if options.replan and not result.switches:
-            say(f"  re-planned every {plural(options.epoch_iterations or 0, 'iteration')}: no other plan was "
-                f"predicted at least {options.replan_threshold * 100:.0f}% faster, the run kept its plan")
-        if evaluations:
-            say("held-out evaluation (through the inference path): " + "; ".join(
-                f"iter {found.iteration}: loss {found.loss:.4f}"
-                + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in evaluations))
-        # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
-        skip = 2 if iterations >= 3 else min(1, iterations - 1)
-        # after a switch, the last plan against the iterations it ran
-        measured = ([event for event in result.events if event.iteration > result.switches[-1].iteration]
-                    if result.switches else result.events)
-        comparison = report.compare(problem, final.plan, measured, skip_first=skip, reads_target=reads_target,
-                                    schedule=options.schedule)
-        say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
-        say(comparison.table())
-        calibrated = in_run_calibration = None
-        try:
-            # FuncPipe's in-run calibration (β and t_lat from iteration 1) stands in for a
-            # calibration file; with one, the prediction above is already calibrated
-            if skip == 2 and compiled.problem.calibration is None and not result.switches:
-                in_run_calibration = report.calibrate(problem, compiled.plan, result.events, iteration=1)
-        except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
-            LOG.info(f"no calibration on iteration 1: {err}")
-        if in_run_calibration is not None:
-            tuned, beta, latency = in_run_calibration
-            calibrated = report.compare(tuned, final.plan, measured, skip_first=skip,
-                                        reads_target=reads_target, schedule=options.schedule)
-            say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
-                f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
-                f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {_percent(calibrated.iteration_error)} "
-                "on the later iterations")
-        # the timeline, for `flatpack plan --from-run` (analysis.refit) to re-fit the model to
-        (options.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
-        # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
-        running = [event for event in result.events if event.kind != "load"]
-        schedule = report.predicted_schedule(problem, final.plan, reads_target=reads_target,
-                                             schedule=options.schedule)
-        files = [options.out / "compiled", gantt.plot(running, options.out / "timeline.png", predicted=schedule,
-                                                      title=f"{type(model).__name__}: {len(final.plan.stages)} "
-                                                            "stages on local functions"),
-                 chrome_trace.write(result.events, options.out / "timeline.json", predicted=schedule)]
-        say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured), {files[2]} (the same as a Chrome "
+        shutil.rmtree(directory.root / retired, ignore_errors=True)
+    _finish(directory, record, run.compiled, result.parameters, say, options.output.save)
+    say(f"\ntrained {plural(run.iterations, 'iteration')} in {result.wall_s:.1f} s ({result.samples_per_s:.1f} "
+        f"samples/s), ${result.dollars:.6f} at the platform's prices")
+    for restart in result.restarts:
+        say(f"  {restart.describe()}")
+    for switch in result.switches:
+        say(f"  re-planned {switch.describe()}")
+    if options.plan.replan and not result.switches:
+        say(f"  re-planned every {plural(options.plan.epoch_iterations or 0, 'iteration')}: no other plan was "
+            f"predicted at least {options.plan.replan_threshold * 100:.0f}% faster, the run kept its plan")
+    if run.evaluations:
+        say("held-out evaluation (through the inference path): " + "; ".join(
+            f"iter {found.iteration}: loss {found.loss:.4f}"
+            + (f", accuracy {found.accuracy:.3f}" if found.accuracy is not None else "") for found in run.evaluations))
+
+
+def _measured_events(run: _Run) -> list[Any]:
+    """The iterations the last plan ran (after a switch, those after it)."""
+    result = run.result
+    return ([event for event in result.events if event.iteration > result.switches[-1].iteration]
+            if result.switches else result.events)
+
+
+def _compare(run: _Run) -> tuple[Any, Any]:
+    """Predicted against measured, and FuncPipe's in-run calibration (β and t_lat from
+    iteration 1) where no calibration file stands in for it; the timeline written for
+    `flatpack plan --from-run` (analysis.refit) to re-fit the model to."""
+    result, say, schedule = run.result, run.say, run.options.train.schedule
+    # iteration 0 pays the cold start; with enough iterations, iteration 1 measures β
+    skip = 2 if run.iterations >= 3 else min(1, run.iterations - 1)
+    measured = _measured_events(run)
+    comparison = report.compare(run.problem, run.final.plan, measured, skip_first=skip,
+                                reads_target=run.reads_target, schedule=schedule)
+    say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
+    say(comparison.table())
+    calibrated = in_run_calibration = None
+    try:
+        # with a calibration file, the prediction above is already calibrated
+        if skip == 2 and run.compiled.problem.calibration is None and not result.switches:
+            in_run_calibration = report.calibrate(run.problem, run.compiled.plan, result.events, iteration=1)
+    except FlatpackError as err:  # the calibration is context: a measured β < 1 is refused by the platform
+        LOG.info(f"no calibration on iteration 1: {err}")
+    if in_run_calibration is not None:
+        tuned, beta, latency = in_run_calibration
+        calibrated = report.compare(tuned, run.final.plan, measured, skip_first=skip,
+                                    reads_target=run.reads_target, schedule=schedule)
+        say(f"calibrated on iteration 1 as FuncPipe's profiler does in the target (β = {beta:.2f} compute "
+            f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
+            f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {_percent(calibrated.iteration_error)} "
+            "on the later iterations")
+    (run.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
+    return comparison, calibrated
+
+
+def _plots(run: _Run, model_name: str) -> list[Path]:
+    """The Gantt chart and the Chrome trace, predicted above measured."""
+    out = run.out
+    # loading a stage (a cold start) is not part of an iteration; the chart shows the iterations
+    running = [event for event in run.result.events if event.kind != "load"]
+    schedule = report.predicted_schedule(run.problem, run.final.plan, reads_target=run.reads_target,
+                                         schedule=run.options.train.schedule)
+    files = [out / "compiled", gantt.plot(running, out / "timeline.png", predicted=schedule,
+                                          title=f"{model_name}: {len(run.final.plan.stages)} stages on local "
+                                                "functions"),
+             chrome_trace.write(run.result.events, out / "timeline.json", predicted=schedule)]
+    run.say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured), {files[2]} (the same as a Chrome "
             f"trace: open it in ui.perfetto.dev or chrome://tracing) and the stage artifacts in {files[0]}")
-        max_diff = equivalent = None
-        if options.verify:
-            found = verdict(initial, compiled, batches, options, loss, result.parameters, pipelined_state,
-                            dropouts=dropouts, example=example_batch)
-            say(found.describe())
-            max_diff, equivalent = found.max_weight_diff, found.equivalent
-        return JobResult(final, result, comparison, calibrated, max_diff, equivalent, files, evaluations)
+    return files
+
+
+def _verdict(run: _Run, initial: nn.Module, dropouts: int) -> tuple[float | None, bool | None]:
+    """The run against single-process training from the same weights (--no-verify: none)."""
+    if not run.options.output.verify:
+        return None, None
+    found = verdict(initial, run.compiled, run.batches, run.options, run.loss, run.result.parameters,
+                    run.pipelined_state, dropouts=dropouts, example=run.batches[0][0])
+    run.say(found.describe())
+    return found.max_weight_diff, found.equivalent
 
 
 def _percent(error: float | None) -> str:
@@ -795,21 +592,21 @@ def _percent(error: float | None) -> str:
     return "-" if error is None else f"{error * 100:+.1f}%"
 
 
-def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str, train_options: dict[str, Any],
+def train_and_evaluate(deployment: Any, batches: Any, settings: TrainSettings, controls: RunControls,
                        eval_every: int, held_out: Iterable[tuple[Any, Any]] | None,
-                       say: Any, replan: dict[str, Any] | None = None) -> tuple[Any, list[Any]]:
-    """Trains ``iterations`` batches; with ``eval_every`` N, as calls of N iterations (each
-    continues from the previous one's checkpoint: weights, optimizer state, the schedule's
-    position, accumulated gradients), after each of which the held-out batches go through the
-    inference path (the deployment serves the latest checkpoint) and the loss (and accuracy)
-    joins the progress line and the report. ``replan``: the re-planning options of the one
-    call (``JobOptions.check`` refuses them with ``eval_every``). Returns the calls' results
-    as one and the evaluations."""
+                       say: Any) -> tuple[Any, list[Any]]:
+    """Trains ``controls.iterations`` batches; with ``eval_every`` N, as calls of N iterations
+    (each continues from the previous one's checkpoint: weights, optimizer state, the
+    schedule's position, accumulated gradients), after each of which the held-out batches go
+    through the inference path (the deployment serves the latest checkpoint) and the loss
+    (and accuracy) joins the progress line and the report. Re-planning (``controls.replan``)
+    runs in the one call (``JobOptions.check`` refuses it with ``eval_every``). Returns the
+    calls' results as one and the evaluations."""
     if not eval_every:
-        return deployment.train(batches, iterations=iterations, loss=loss, progress=logs.progress_enabled(),
-                                **train_options, **(replan or {})), []
+        return train_call(deployment, batches, settings, controls), []
     if held_out is None:
         raise ValueError(f"eval_every={eval_every} evaluates on held-out batches; pass them as held_out")
+    iterations = controls.iterations or 0
     degrees = [stage.replicas for stage in deployment.compiled.plan.stages]
     line = ProgressLine(iterations, first_batch_rows(batches[0]), deployment.dollars_per_second(degrees),
                         None if logs.progress_enabled() else io.StringIO())   # -q: no progress
@@ -817,10 +614,11 @@ def train_and_evaluate(deployment: Any, batches: Any, iterations: int, loss: str
     with line:
         while done < iterations:
             length = min(eval_every, iterations - done)
-            results.append(deployment.train(lambda index, offset=done: batches[offset + index], iterations=length,
-                                            loss=loss, progress=line, batch_offset=done, **train_options))
+            call_controls = controls.replace(iterations=length, progress=line, batch_offset=done)
+            results.append(train_call(deployment, lambda index, offset=done: batches[offset + index], settings,
+                                      call_controls))
             done += length
-            found = evaluate(deployment.infer, held_out, loss, iteration=done)
+            found = evaluate(deployment.infer, held_out, settings.loss, iteration=done)
             evaluations.append(found)
             line.note = found.short()   # the line stays open across the calls: `with line` ends it
             say(found.describe())
@@ -866,9 +664,10 @@ def _data_record(batches: Any, options: JobOptions) -> dict | None:
     DataLoader, which cannot be reopened by name: the run directory keeps those batches)."""
     if not isinstance(batches, Batches) or batches.source is None or batches.source.to_json() is None:
         return None
-    return {"source": batches.source.to_json(), "batch": options.batch, "epochs": options.epochs,
-            "iterations": options.iterations, "shuffle": options.shuffle, "seed": options.seed,
-            "drop_last": options.drop_last, "layout": batches.layout_json()}
+    data = options.batches
+    return {"source": batches.source.to_json(), "batch": data.batch, "epochs": data.epochs,
+            "iterations": data.iterations, "shuffle": data.shuffle, "seed": data.seed,
+            "drop_last": data.drop_last, "layout": batches.layout_json()}
 
 
 def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameters: dict[str, torch.Tensor],
@@ -938,28 +737,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
                                                  run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
-            calls = deployment.calls()
-            resumed_after = done if calls else None
-            if not calls:
-                LOG.info("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss,
-                                          progress=logs.progress_enabled(),
-                                          **(record.train_options or {}))
-            else:
-                LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
-                         if done is not None else f"resuming run {record.run} from its first iteration")
-                result = deployment.resume(batches, progress=logs.progress_enabled())
-                # a run evaluated every N iterations trained as calls of N: the calls it had
-                # not begun follow the resumed one (without the evaluations)
-                last = deployment.calls()[-1]
-                trained = last.batch_offset + last.iterations
-                if trained < record.iterations:
-                    LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
-                    rest = deployment.train(lambda index: batches[trained + index],
-                                            iterations=record.iterations - trained, loss=record.loss,
-                                            progress=logs.progress_enabled(), batch_offset=trained,
-                                            **(record.train_options or {}))
-                    result = rest if result is None else merge_results([result, rest])
+            resumed_after = done if deployment.calls() else None
+            result = _resume_calls(deployment, batches, record, done)
             parameters = deployment.parameters()
         if result is not None:
             say(f"\ntrained {len(result.losses)} more iterations in {result.wall_s:.1f} s; final loss "
@@ -968,6 +747,29 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         return ResumeResult(root, "done", resumed_after, len(result.losses) if result is not None else 0,
                             result.losses[-1] if result is not None and result.losses else None,
                             directory.trained_path)
+
+
+def _resume_calls(deployment: Any, batches: Any, record: RunRecord, done: int | None) -> Any:
+    """The training calls of a resumed run: all of it when none had begun, else the call that
+    stopped (from checkpoint ``done``) and the calls it had not begun."""
+    if not deployment.calls():
+        LOG.info("the run had not started training; training it from the start")
+        return deployment.train(batches, iterations=record.iterations, loss=record.loss,
+                                progress=logs.progress_enabled(), **(record.train_options or {}))
+    LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
+             if done is not None else f"resuming run {record.run} from its first iteration")
+    result = deployment.resume(batches, progress=logs.progress_enabled())
+    # a run evaluated every N iterations trained as calls of N: the calls it had
+    # not begun follow the resumed one (without the evaluations)
+    last = deployment.calls()[-1]
+    trained = last.batch_offset + last.iterations
+    if trained >= record.iterations:
+        return result
+    LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
+    rest = deployment.train(lambda index: batches[trained + index], iterations=record.iterations - trained,
+                            loss=record.loss, progress=logs.progress_enabled(), batch_offset=trained,
+                            **(record.train_options or {}))
+    return rest if result is None else merge_results([result, rest])
 
 
 def _check_optimizer(record: RunRecord, directory: RunDirectory) -> None:
@@ -1010,7 +812,7 @@ def _check_data(directory: RunDirectory, record: RunRecord, current: dict[str, A
 
 def _print_front(compiled: Any, say: Any) -> None:
     try:
-        front = _dp().front(compiled.problem)
+        front = dp().front(compiled.problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs
         LOG.warning(f"no front: {err}")
         return

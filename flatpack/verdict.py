@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,33 +15,9 @@ from torch import nn
 from flatpack import schedules
 from flatpack.analysis.reference import call, first_output, train_async_single_process, train_single_process
 from flatpack.backends.functions import checkpoint_tensors
+from flatpack.job_options import JobOptions
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.weights import with_aliases
-
-
-class RunOptions(Protocol):
-    """What the verdict reads of the run's options (``job.JobOptions`` has them all): named
-    here, not imported, since job imports this module."""
-
-    @property
-    def iterations(self) -> int | None: ...
-
-    @property
-    def micro_batches(self) -> int: ...
-
-    @property
-    def precision(self) -> str: ...
-
-    @property
-    def schedule(self) -> str: ...
-
-    @property
-    def vertical_sync(self) -> bool: ...
-
-    @property
-    def eval_every(self) -> int: ...
-
-    def optimizer_spec(self, iterations: int | None = None) -> OptimizerSpec: ...
 
 
 # -- the verdict: is the pipelined run what single-process training computes? ---------------
@@ -341,16 +317,16 @@ def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[s
     return found
 
 
-def verdict(initial: nn.Module, compiled: Any, batches: list, options: RunOptions, loss: str,
+def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOptions, loss: str,
             parameters: dict[str, torch.Tensor], pipelined_state: dict[str, dict[str, torch.Tensor]], *,
             dropouts: int, example: Any) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and
     checks the run against it (see the tolerances above)."""
-    run_iterations = options.iterations
+    run_iterations = options.batches.iterations
     if run_iterations is None:
         raise ValueError("the verdict needs the run's iterations: pass the JobOptions training_data resolved")
     stages = compiled.plan.stages
-    micro_batches = compiled.plan.micro_batches or options.micro_batches
+    micro_batches = compiled.plan.micro_batches or options.train.micro_batches
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
                     run_iterations, optimizer.describe(), dropouts=dropouts)
@@ -365,25 +341,25 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: RunOption
     reference_state: dict[str, dict[str, torch.Tensor]] = {}
     # under bf16/fp16 the reference computes as the stages do (see the tolerances above): it
     # rounds what crosses the plan's cuts, with the workers' one intra-op thread
-    pipeline, threads = (compiled, 1) if options.precision != "fp32" else (None, None)
-    schedule = schedules.get(options.schedule)
+    pipeline, threads = (compiled, 1) if options.train.precision != "fp32" else (None, None)
+    schedule = schedules.get(options.train.schedule)
     if not schedule.flush:
         # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
         # calls of N iterations, and the pipeline drains at the end of each
         reference, _ = train_async_single_process(
             initial, batches, run_iterations, schedule=schedule, stage_of=parameter_stages(compiled),
             stages=len(stages), micro_batches=micro_batches, optimizer=optimizer, loss=loss,
-            vertical_sync=options.vertical_sync, call_iterations=options.eval_every or None,
-            optimizer_state=reference_state, precision=options.precision, pipeline=pipeline, threads=threads)
+            vertical_sync=options.train.vertical_sync, call_iterations=options.evaluation.eval_every or None,
+            optimizer_state=reference_state, precision=options.train.precision, pipeline=pipeline, threads=threads)
     else:
         reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
-                                            optimizer_state=reference_state, precision=options.precision,
+                                            optimizer_state=reference_state, precision=options.train.precision,
                                             pipeline=pipeline, threads=threads)
     # the bounds grow with the optimizer's steps: one per micro-batch under an asynchronous schedule
     iterations = run_iterations * schedule.optimizer_steps(micro_batches)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
-                                                optimizer, iterations, options.precision,
+                                                optimizer, iterations, options.train.precision,
                                                 initial.state_dict())
     found.equivalent = not found.note and all(check.passed for check in found.checks)
     return found

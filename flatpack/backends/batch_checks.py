@@ -22,10 +22,9 @@ from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.stage.manifest import ValueEntry
+from flatpack.stage.settings import NON_FINITE
 from flatpack.stage.tensor_check import TensorSpec, check_tensor
 from flatpack.table import plural
-
-NON_FINITE = ("warn", "error", "ignore")
 
 
 def example_inputs(compiled: Any) -> dict[str, ValueEntry]:

@@ -10,3 +10,6 @@ SYNC_METHODS = ("pipelined", "lambdaml")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the precisions that train with a loss scaler (a step is skipped where a gradient overflowed)
 SCALED_PRECISIONS = ("fp16",)
+# what a NaN or infinity in the data or in an iteration's loss does: a warning, a stop (the run
+# stays resumable), or nothing (backends.batch_checks)
+NON_FINITE = ("warn", "error", "ignore")

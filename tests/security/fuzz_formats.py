@@ -415,10 +415,9 @@ def formats(space: Workspace) -> list[Format]:
 
 
 def _subparser(parser: Any, verb: str) -> Any:
-    import argparse
+    from flatpack.cli.parser import verb_parsers
 
-    action = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
-    return action.choices[verb]
+    return verb_parsers(parser)[verb]
 
 
 def _calibration_seed() -> bytes:

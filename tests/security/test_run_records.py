@@ -78,8 +78,9 @@ def hand_made_run(root: Path, compiled: flatpack.Compiled, *, shards: Path | Non
         source = ShardDirectory(shards)
         batches = make_batches(source, make_model(), (torch.randn(BATCH, 8),), batch=BATCH, shuffle=False,
                                drop_last=True)
-        options = SimpleNamespace(batch=BATCH, epochs=1, iterations=2, shuffle=False, seed=0, drop_last=True)
-        data, fingerprint = _data_record(batches, options), source.fingerprint()  # type: ignore[arg-type]
+        options = JobOptions.of(batch=BATCH, epochs=1, iterations=2, shuffle=False, seed=0, drop_last=True,
+                                data=str(shards))
+        data, fingerprint = _data_record(batches, options), source.fingerprint()
     else:
         data = None
         fingerprint = directory.save_batches([(torch.randn(BATCH, 8), torch.randint(0, 4, (BATCH,)))
@@ -237,7 +238,7 @@ def test_test_only_train_options_are_dropped_from_a_record(compiled, tmp_path, c
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real `flatpack run` of the smallest model, two iterations, one stage."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    options = JobOptions(batch=BATCH, micro_batches=1, iterations=2, stages=1, replicas=(1,), verify=False,
+    options = JobOptions.of(batch=BATCH, micro_batches=1, iterations=2, stages=1, replicas=(1,), verify=False,
                          out=out, optimizer="sgd")
     run_training(make_model(), (torch.randn(BATCH, 8),), options, stream=io.StringIO())
     return out

@@ -103,13 +103,13 @@ def test_the_run_spec_carries_vertical_sync_and_checkpoints_only_where_the_pipel
 
 
 def test_job_options_count_a_step_per_micro_batch_and_refuse_replicas_before_compiling():
-    options = JobOptions(schedule="1f1b-async", replicas=(1,), micro_batches=4, iterations=3, schedule_lr="cosine")
+    options = JobOptions.of(schedule="1f1b-async", replicas=(1,), micro_batches=4, iterations=3, schedule_lr="cosine")
     options.check()
     assert options.optimizer_steps(3) == 12
     schedule = options.optimizer_spec().schedule
     assert schedule is not None and schedule.options["T_max"] == 12
     with pytest.raises(InputError, match="one replica per stage"):
-        dataclasses.replace(options, replicas=(1, 2)).check()
+        options.with_changes(replicas=(1, 2)).check()
 
 
 @pytest.mark.parametrize(("args", "words"), [

@@ -137,16 +137,16 @@ def test_a_bad_config_file_exits_2_naming_the_key(text, words, tmp_path, capsys)
 
 
 def test_a_run_that_fails_exits_1_and_bad_input_exits_2(monkeypatch, capsys):
-    from flatpack import cli
+    from flatpack.cli import training
     from flatpack.errors import FunctionOutOfMemory, InputError
 
     def out_of_memory(args):
         raise FunctionOutOfMemory("stage 0 replica 0 ran out of memory", stage=0, replica=0, peak_bytes=2,
                                   limit_bytes=1)
 
-    monkeypatch.setattr(cli, "cmd_run", out_of_memory)
+    monkeypatch.setattr(training, "cmd_run", out_of_memory)
     assert main(["run", "mlp"]) == 1
     assert "flatpack: error: run failed: stage 0 replica 0 ran out of memory" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "cmd_run", lambda args: (_ for _ in ()).throw(InputError("--batch must be positive")))
+    monkeypatch.setattr(training, "cmd_run", lambda args: (_ for _ in ()).throw(InputError("--batch must be positive")))
     assert main(["run", "mlp"]) == 2
     assert "flatpack: error: --batch must be positive" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import pytest
 import flatpack
 from flatpack.backends.cloud import Ledger
 from flatpack.cli import build_parser, main
+from flatpack.cli.parser import option_strings, verb_parsers
 from flatpack.rundir import RunDirectory, RunRecord
 
 FACTORY = '''
@@ -81,12 +82,11 @@ def test_platforms_resume_and_teardown_print_json(tmp_path, capsys):
 
 def test_every_verb_that_reports_takes_json():
     parser = build_parser()
-    verbs = next(action for action in parser._actions if action.dest == "command").choices
-    assert isinstance(verbs, dict), "the command's choices are its subparsers by name"
+    verbs = verb_parsers(parser)
     reporting = {"inspect", "compile", "sign", "check", "profile", "plan", "platforms", "run", "resume", "deploy",
                  "teardown", "demo", "calibrate"}
     missing = [verb for verb in reporting & set(verbs)
-               if "--json" not in verbs[verb]._option_string_actions]
+               if "--json" not in option_strings(verbs[verb])]
     assert missing == []
 
 

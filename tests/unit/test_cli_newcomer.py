@@ -32,7 +32,9 @@ def test_toml_numbers_and_arrays_work_for_the_comma_list_options(tmp_path, text,
 
 def test_the_plan_workload_takes_a_config_integer(tmp_path):
     args = _parse(tmp_path, "batch = 16\nmicro-batches = 2\nmemory = [512, 1024]\n", "plan", "mlp")
-    workload, options = cli._plan_workload(args)
+    from flatpack.cli.planning import _plan_workload
+
+    workload, options = _plan_workload(args)
     assert workload.micro_batches == 2 and options.memory_mb == (512, 1024)
 
 
@@ -74,10 +76,7 @@ def test_a_key_that_is_no_verbs_option_is_still_refused(tmp_path, capsys):
 
 
 def _verbs() -> dict:
-    import argparse
-
-    return next(action.choices for action in build_parser()._actions
-                if isinstance(action, argparse._SubParsersAction))
+    return cli.verb_parsers(build_parser())
 
 
 def test_every_verbs_help_lists_config_and_the_exit_codes(capsys):

@@ -108,9 +108,10 @@ def test_each_model_names_the_schedules_and_plan_shape_it_prices():
 
 def test_models_pricing_container_training_are_the_command_line_s_choices():
     from flatpack.cli import build_parser
+    from flatpack.cli.parser import declared, verb_parsers
 
-    plan_parser = build_parser()._subparsers._group_actions[0].choices["plan"]  # type: ignore[union-attr]
-    choices = next(action.choices for action in plan_parser._actions if action.dest == "cost_model")
+    plan_parser = verb_parsers(build_parser())["plan"]
+    choices = next(action.choices for action in declared(plan_parser) if action.dest == "cost_model")
     assert sorted(choices) == sorted(models_pricing("train", "container"))
     assert models_pricing("train", "serverless") == ["funcpipe"] == models_pricing("train", "local")
     assert models_pricing("infer", "container") == ["gillis"]

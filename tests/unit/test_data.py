@@ -204,14 +204,14 @@ def test_a_run_record_reads_the_same_batches_again_without_the_model(tmp_path):
 
 def test_run_options_for_data_are_checked_before_anything_starts(tmp_path):
     with pytest.raises(InputError, match="--epochs, --drop-last and --store-endpoint apply to --data"):
-        JobOptions(epochs=2).check()
+        JobOptions.of(epochs=2).check()
     with pytest.raises(InputError, match="--save .*name the file \\*.safetensors"):
-        JobOptions(save=tmp_path / "w.pt").check()
+        JobOptions.of(save=tmp_path / "w.pt").check()
     with pytest.raises(InputError, match="--loss must be auto"):
-        JobOptions(loss="hinge").check()
+        JobOptions.of(loss="hinge").check()
     with pytest.raises(InputError, match="a loss function named by module is not supported"):
-        JobOptions(loss="no_such_module_fp:focal").check()
-    JobOptions(data=str(tmp_path), iterations=None, epochs=2, drop_last=True, loss="cross-entropy").check()
+        JobOptions.of(loss="no_such_module_fp:focal").check()
+    JobOptions.of(data=str(tmp_path), iterations=None, epochs=2, drop_last=True, loss="cross-entropy").check()
 
 
 class Tied(nn.Module):

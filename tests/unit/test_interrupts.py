@@ -130,10 +130,11 @@ def test_an_interrupted_cli_command_says_so_and_exits_128_plus_the_signal():
     result = _python("""
         import os, signal, sys
         import flatpack.cli as cli
+        import flatpack.cli.planning as planning
         def slow(args):
             os.kill(os.getpid(), signal.SIGTERM)
             import time; time.sleep(30)
-        cli.cmd_platforms = slow     # build_parser binds the name when main() calls it
+        planning.cmd_platforms = slow     # build_parser binds the name when main() calls it
         sys.exit(cli.main(["platforms"]))
         """)
     assert result.returncode == 143, result.stderr

@@ -53,7 +53,7 @@ def test_a_model_without_trainable_parameters_is_refused_before_compiling(tmp_pa
 
     model = torch.nn.Sequential(torch.nn.ReLU())
     with pytest.raises(InputError, match="no trainable parameters"):
-        run_training(model, (torch.randn(8, 4),), JobOptions(batch=8, out=tmp_path), stream=io.StringIO())
+        run_training(model, (torch.randn(8, 4),), JobOptions.of(batch=8, out=tmp_path), stream=io.StringIO())
 
 
 def test_optimizer_option_typos_name_the_key_and_the_valid_ones():

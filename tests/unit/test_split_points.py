@@ -11,7 +11,8 @@ from torch import nn
 from flatpack.cli import main
 from flatpack.compiler import build_problem
 from flatpack.errors import InputError
-from flatpack.job import FixedCuts, JobOptions, check_split_points
+from flatpack.job import JobOptions
+from flatpack.partitioner.solvers.wrappers import FixedCuts, check_split_points
 from flatpack.partitioner.problem import Problem
 
 
@@ -55,11 +56,11 @@ def test_split_points_that_start_no_layer_or_run_backwards_are_refused():
 
 def test_run_options_for_fixed_cuts_are_checked_first():
     with pytest.raises(InputError, match="--stages and --split-points both fix the cuts"):
-        JobOptions(stages=2, split_points=("head",)).check()
+        JobOptions.of(stages=2, split_points=("head",)).check()
     with pytest.raises(InputError, match="--stages must be a positive"):
-        JobOptions(stages=0).check()
+        JobOptions.of(stages=0).check()
     with pytest.raises(InputError, match="with --stages or --split-points the cuts are fixed"):
-        JobOptions(stages=2, pick="fastest").check()
+        JobOptions.of(stages=2, pick="fastest").check()
 
 
 def test_plan_prices_the_cuts_asked_for(capsys):

@@ -190,9 +190,9 @@ def test_run_refuses_a_calibration_of_another_target_before_anything_starts(tmp_
 
     path = target_calibration(platform="aws-lambda").save(tmp_path / "lambda.json")
     with pytest.raises(InputError, match="measured on another target.*flatpack calibrate --target local"):
-        JobOptions(calibration=path, out=tmp_path / "run").check()
+        JobOptions.of(calibration=path, out=tmp_path / "run").check()
     with pytest.raises(InputError, match="calibration file .*missing.json does not exist"):
-        JobOptions(calibration=tmp_path / "missing.json", out=tmp_path / "run").check()
+        JobOptions.of(calibration=tmp_path / "missing.json", out=tmp_path / "run").check()
 
 
 def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():

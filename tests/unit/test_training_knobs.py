@@ -219,18 +219,18 @@ def test_optimizer_state_bytes_follow_the_optimizer_chosen():
 # -- the run options ------------------------------------------------------------------------------
 
 def test_job_options_make_the_spec_with_the_schedule_running_to_the_end():
-    options = JobOptions(optimizer="adamw", optimizer_args={"lr": 3e-4, "weight_decay": 0.01}, schedule_lr="cosine",
+    options = JobOptions.of(optimizer="adamw", optimizer_args={"lr": 3e-4, "weight_decay": 0.01}, schedule_lr="cosine",
                          warmup=2, clip_grad_norm=1.0, accumulate=2, iterations=20, no_decay_bias_norm=True)
     options.check()
     spec = options.optimizer_spec()
     assert spec == OptimizerSpec("adamw", 3e-4, {"weight_decay": 0.01}, True,
                                  ScheduleSpec("cosine", {"T_max": 8}, 2), 1.0, 2)
-    schedule = JobOptions(warmup=3, iterations=10).optimizer_spec().schedule
+    schedule = JobOptions.of(warmup=3, iterations=10).optimizer_spec().schedule
     assert schedule is not None and schedule.name == "constant"
     whole = OptimizerSpec("adamw", clip_grad_norm=1.0)
-    assert JobOptions(optimizer=whole).optimizer_spec() is whole
+    assert JobOptions.of(optimizer=whole).optimizer_spec() is whole
     with pytest.raises(InputError, match="holds warmup, clip_grad_norm itself"):
-        JobOptions(optimizer=whole, warmup=2, clip_grad_norm=0.5).optimizer_spec()
+        JobOptions.of(optimizer=whole, warmup=2, clip_grad_norm=0.5).optimizer_spec()
 
 
 @pytest.mark.parametrize("args, words", [
@@ -293,11 +293,11 @@ def test_held_out_data_scored_with_another_loss_is_refused_before_launch(tmp_pat
 
     model, example = mlp()
     held = shard_directory(tmp_path / "held", 1, target=lambda g: torch.randn(8, 10, generator=g))
-    options = JobOptions(batch=8, eval_every=2, eval_data=str(held))
+    options = JobOptions.of(batch=8, eval_every=2, eval_data=str(held))
     with pytest.raises(InputError, match="would be scored with mse but the run trains with cross_entropy"):
         evaluation_batches(model, example, options, "cross_entropy")
     good = shard_directory(tmp_path / "good", 2)
-    assert len(evaluation_batches(model, example, dataclasses.replace(options, eval_data=str(good)),
+    assert len(evaluation_batches(model, example, options.with_changes(eval_data=str(good)),
                                   "cross_entropy")) == 2
 
 

@@ -152,7 +152,7 @@ def test_job_options_refuse_a_bad_precision_or_recompute(options, words, tmp_pat
     from flatpack.job import JobOptions
 
     with pytest.raises(InputError, match=words):
-        JobOptions(out=tmp_path / "out", **options).check()
+        JobOptions.of(out=tmp_path / "out", **options).check()
 
 
 def test_the_runtime_and_the_reference_refuse_an_unknown_precision():

@@ -113,7 +113,7 @@ def test_balanced_plans_get_memory_tiers_before_costing():
     import flatpack
     from flatpack.examples import mlp
     from flatpack.profiler import ProfileOptions
-    from flatpack.job import solver_for
+    from flatpack.partitioner.solvers.wrappers import solver_for
     from flatpack.partitioner.cost import funcpipe
     from flatpack.partitioner.workload import Workload
 

@@ -7,14 +7,19 @@ string, with options as the pass pipelines take them: ``"rl{episodes=2000,seed=3
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from flatpack.errors import PlanError
-from flatpack.partitioner.plan import Plan
-from flatpack.partitioner.problem import Problem
 from flatpack.registry import Registry, parse_specs
 
+if TYPE_CHECKING:   # the names alone are read where torch must not load (the command line's --help)
+    from flatpack.partitioner.plan import Plan
+    from flatpack.partitioner.problem import Problem
+
 DEFAULT_SOLVER = "balanced"
+# a training run's --pick: the solver's own choice (FuncPipe's recommendation for dp), or the
+# fastest plan on dp's front (solvers.wrappers.FastestOnFront)
+PICKS = ("recommended", "fastest")
 
 
 @runtime_checkable

@@ -1,0 +1,144 @@
+"""The training verbs: ``run`` (compile, plan, deploy to local functions, train, report and
+verify), ``resume`` (a run that stopped) and ``demo`` (the main job on a zoo model)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from flatpack import logs
+from flatpack.cli.common import json_flag, load_factory, report, text_stream, trust_args
+from flatpack.cli.run_options import add_run_options, job_values
+from flatpack.errors import InputError
+
+LOG = logs.get("cli")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
+    from flatpack.job import run_training
+    from flatpack.job_options import JobOptions
+
+    values = job_values(args)
+    if "iterations" not in values and values.get("data") is not None:
+        values["iterations"] = None      # --data without --iterations: --epochs full passes
+    options = JobOptions.of(**values)
+    if args.target != "local":
+        raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
+                         f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
+                         "deployment, see docs/cloud.md)")
+    # every option is checked before the model is built and before any process starts
+    options.check()
+    args.out = str(options.output.out)   # where main's message after a stop signal finds the run directory
+    model, inputs = load_factory(args.model, args.size)
+    result = run_training(model, inputs, options, stream=text_stream(args))
+    report(args, None, result.to_json)
+    return 0 if result.equivalent in (None, True) else 1
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
+    from flatpack.job import resume_training
+
+    result = resume_training(Path(args.run_dir), stream=text_stream(args), clean=args.clean, digest=args.digest,
+                             verify_key=args.verify_key, data=args.data, name=args.name,
+                             min_version=args.min_version, trust_file=args.trust_file,
+                             accept_changed_data=args.accept_changed_data)
+    report(args, None, result.to_json)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
+    from flatpack.backends.target_calibration import cached_local_calibration
+    from flatpack.job import run_training
+    from flatpack.job_options import JobOptions
+
+    tiers = (512, 1024)
+    options = JobOptions.of(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
+                            passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", replicas=(1, 2),
+                            memory_mb=tiers, pick="fastest", out=Path(args.out),
+                            calibration=(Path(args.calibration) if args.calibration not in (None, "none", "auto")
+                                         else None))
+    options.check()
+    # the model before the host calibration (minutes when not cached): a misspelt name is refused at once
+    model, inputs = load_factory(args.model, "tiny")
+    if args.calibration in (None, "auto"):
+        # measured once per host and cached: the prediction the demo prints is then calibrated
+        options = options.with_changes(calibration=cached_local_calibration(tiers, LOG.info))
+    LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of local functions")
+    result = run_training(model, inputs, options, stream=text_stream(args))
+    report(args, None, result.to_json)
+    return 0 if result.equivalent else 1
+
+
+def _add_run(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run", help="compile, plan, deploy to local functions, train, report predicted vs measured and check "
+                    "equivalence with single-process training",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compiles MODEL, plans it, deploys it to local functions sharing a local S3 server, trains it "
+                    "(on --data, or on synthetic batches), reports predicted vs measured and checks the result "
+                    "against single-process training.",
+        epilog="examples:\n"
+               "  flatpack run mlp                                   synthetic batches, 4 iterations\n"
+               "  flatpack run bert --data shards/ --batch 8 --micro-batches 4 --epochs 2 \\\n"
+               "      --save bert.safetensors                        keyword inputs (input_ids, attention_mask,\n"
+               "                                                     labels): the model's own loss\n"
+               "  AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... flatpack run model.py:build \\\n"
+               "      --data s3://bucket/train/ --store-endpoint http://127.0.0.1:8333 --loss cross-entropy\n"
+               "  flatpack run model.py:build --data mydata.py:dataset --drop-last --loss mypkg.losses:focal\n"
+               "then: model.load_state_dict(flatpack.load_state_dict('bert.safetensors'))")
+    parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
+    parser.add_argument("--target", default="local",
+                        help="local (the default): flatpack run trains on local functions; the cloud targets "
+                             "deploy with flatpack deploy")
+    add_run_options(parser)
+    json_flag(parser, "run")
+    parser.set_defaults(run=cmd_run)
+
+
+def _add_resume(subparsers: Any) -> None:
+    parser = subparsers.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
+                                                  "server) from its last checkpoint, to the same weights")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
+    parser.add_argument("--data", default=None, metavar="MODULE:FACTORY",
+                        help="a run whose --data was a dataset factory names it again (run.json records it, "
+                             "but never names code to import), e.g. --data mydata.py:make")
+    parser.add_argument("--clean", action="store_true",
+                        help="remove the run's store data instead of resuming it")
+    parser.add_argument("--accept-changed-data", action="store_true",
+                        help="resume even though the run's data (shards, the dataset factory's file, the "
+                             "batches file) changed since it started; a warning names what changed")
+    trust_args(parser)
+    json_flag(parser, "resume")
+    parser.set_defaults(run=cmd_resume)
+
+
+def _add_demo(subparsers: Any) -> None:
+    parser = subparsers.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
+                                              "functions through a local S3 server, report and verify")
+    parser.add_argument("--model", default="vgg16",
+                        help="a zoo model (built at reduced size) or a built-in example, keyword-input "
+                             "HuggingFace ones included, e.g. --model bert")
+    parser.add_argument("--iterations", type=int, default=12,
+                        help="iterations to train (default 12): the first two (cold start, warm-up) are not "
+                             "measured, and the median of the rest is set beside the prediction. Fewer "
+                             "measure the run before its steady state: the invoker feeds the first 4 "
+                             "iterations' data before the workers start and deletes nothing before the "
+                             "first checkpoint")
+    parser.add_argument("--out", default="flatpack-demo",
+                        help="the run directory: chart, artifacts, logs, trained weights (default "
+                             "./flatpack-demo)")
+    parser.add_argument("--calibration", default="auto", metavar="FILE|auto|none",
+                        help="predict with what `flatpack calibrate --target local` measured: a file, auto (the "
+                             "default: this host's, measured on the first demo and cached) or none (the "
+                             "catalog's figures and the store round trip measured at deploy)")
+    json_flag(parser, "demo")
+    parser.set_defaults(run=cmd_demo)
+
+
+# each verb's parser, added to the command's subparsers (flatpack.cli.build_parser orders them)
+VERBS = {"run": _add_run, "resume": _add_resume, "demo": _add_demo}
