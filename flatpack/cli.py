@@ -19,6 +19,7 @@ from flatpack.errors import FlatpackError, InputError, PlanError, RunFailure
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.ir.profile import OPTIMIZERS
 from flatpack.partitioner.workload import MODES
+from flatpack.serve import command as serve_command
 from flatpack.stage.integrity import INDEX_FILE, SIGNATURE_FILE
 from flatpack.stage.settings import SCHEDULES, SYNC_METHODS
 from flatpack.table import format_table, plural
@@ -1289,6 +1290,7 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(teardown_parser, "teardown")
     teardown_parser.set_defaults(run=cmd_teardown)
 
+    serve_command.add_parser(sub)
     demo_parser = sub.add_parser("demo", help="the main job: compile a zoo model, plan it, train it on local "
                                               "functions through a local S3 server, report and verify")
     demo_parser.add_argument("--model", default="vgg16",
