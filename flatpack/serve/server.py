@@ -3,7 +3,7 @@
 (:meth:`Server.start`, for tests and notebooks).
 
 A signal first drains (new requests get 503, the accepted ones finish: ``Service.drain``),
-then uvicorn stops listening and the lifespan's end stops every function; a second signal
+keeps answering 503 for ``drain_grace_s``, then uvicorn stops listening and the lifespan's end stops every function; a second signal
 exits without waiting. ``tests/integration/test_serve.py`` sends SIGTERM under load.
 """
 
@@ -76,6 +76,9 @@ class _Uvicorn(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         await self.service.drain()
+        # still listening for a moment: a request already on its way gets a 503 naming the
+        # drain, not a refused connection (a load balancer has seen /readyz fail by then)
+        await asyncio.sleep(self.service.settings.drain_grace_s)
         self.should_exit = True
 
     @contextlib.contextmanager

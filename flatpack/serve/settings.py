@@ -29,7 +29,8 @@ class ServeSettings:
     ``max_request_samples``: a request with more samples is refused (413); ``max_batch``:
     the most samples one batch may hold; ``admin_token``: the bearer token ``POST
     /admin/version`` requires (None: the endpoint is off); ``drain_timeout_s``: how long a
-    SIGTERM waits for the requests in flight."""
+    SIGTERM waits for the requests in flight; ``drain_grace_s``: how long it then keeps
+    answering new requests with 503 before it stops listening."""
 
     slo_s: float
     target: str = "local"
@@ -39,6 +40,7 @@ class ServeSettings:
     max_request_samples: int = DEFAULT_MAX_REQUEST_SAMPLES
     max_batch: int = DEFAULT_MAX_BATCH
     drain_timeout_s: float = 60.0
+    drain_grace_s: float = 1.0
     admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,8 +55,9 @@ class ServeSettings:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not self.drain_timeout_s > 0:
-            raise InputError(f"drain_timeout_s must be positive, got {self.drain_timeout_s!r}")
+        if not self.drain_timeout_s > 0 or not self.drain_grace_s >= 0:
+            raise InputError(f"drain_timeout_s must be positive and drain_grace_s at least 0, got "
+                             f"{self.drain_timeout_s!r} and {self.drain_grace_s!r}")
 
 
 def read_admin_token(token_file: str | os.PathLike | None = None, env_name: str = TOKEN_ENV) -> str | None:
