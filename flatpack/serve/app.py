@@ -80,7 +80,8 @@ class Service:
         policy = BatchPolicy.choose(version.latency, self.settings.slo_s, self.settings.max_batch)
         if not policy.meets_slo:
             LOG.warning("one sample takes %.0f ms through this deployment, too long for an SLO of %.0f ms: serving "
-                        "one request at a time", version.latency.seconds(1) * 1e3, self.settings.slo_s * 1e3)
+                        "for throughput (no batching delay)", version.latency.seconds(1) * 1e3,
+                        self.settings.slo_s * 1e3)
         self.metrics.max_batch.set(policy.max_batch)
         self.metrics.max_delay.set(policy.max_delay_s)
         LOG.info("batches of at most %d samples, at most %.1f ms of queueing, for an SLO of %.0f ms",

@@ -14,10 +14,12 @@ to close, D, then for its own batch, t(B). Hence, with h the headroom kept for n
 
 D is capped at t(B) because, under load, waiting longer than one batch's service time gains
 nothing (the next batch could not start earlier), and at light load it would only add latency.
-Admission is bounded by the same model: a request that would wait behind ⌈(Q + s)/B⌉ queued
-batches (Q samples queued, s its own) plus the batch in service, so that its predicted
-completion ((⌈(Q + s)/B⌉ + 1)·t(B)) exceeds S, is shed with a 503 at once instead of timing out
-later (the server stays within the SLO for those it accepts). Requests are concatenated along
+When even 2·t(1) > h·S no batch meets the SLO: the server then runs for throughput (B = the
+cap, D = 0: a batch takes whatever queued while the previous one ran) and says so at start.
+Admission is bounded by the same model: a request that finds Q samples queued (s its own) is
+predicted to finish after ⌈(Q + s)/B⌉ batches, plus the one in service if any; when that times
+t(B) exceeds S it is shed with a 503 at once instead of answering late (the server stays within
+the SLO for those it accepts). A request that finds the queue empty is always admitted. Requests are concatenated along
 dimension 0 and the outputs split back by each request's sample count.
 """
 
@@ -69,7 +71,7 @@ class LatencyModel:
 class BatchPolicy:
     """``max_batch`` samples, ``max_delay_s`` of queueing, for ``slo_s`` under ``model``
     (the formula is in the module docstring). ``meets_slo``: False when even one sample
-    cannot meet the SLO (the server runs, one request at a time, and says so)."""
+    meets the SLO (the server then runs for throughput and says so)."""
 
     max_batch: int
     max_delay_s: float
@@ -82,16 +84,20 @@ class BatchPolicy:
         budget = headroom * slo_s
         fitting = [size for size in range(1, cap + 1) if 2 * model.seconds(size) <= budget]
         if not fitting:
-            return cls(1, 0.0, slo_s, model, False)
+            # no batch meets the SLO: serve for throughput, the largest batches and no wait
+            return cls(cap, 0.0, slo_s, model, False)
         size = fitting[-1]
         delay = max(0.0, min(budget - 2 * model.seconds(size), model.seconds(size)))
         return cls(size, delay, slo_s, model, True)
 
-    def admits(self, queued_samples: int, samples: int) -> bool:
-        """Whether a request of ``samples`` behind ``queued_samples`` is predicted to finish
-        within the SLO (see the module docstring)."""
-        batches = math.ceil((queued_samples + samples) / self.max_batch)
-        return (batches + 1) * self.model.seconds(self.max_batch) <= self.slo_s or queued_samples == 0
+    def admits(self, queued_samples: int, samples: int, busy: bool) -> bool:
+        """Whether a request of ``samples`` behind ``queued_samples`` (and the batch in
+        service, when ``busy``) is predicted to finish within the SLO (see the module
+        docstring); a request that finds nothing queued is always admitted."""
+        if queued_samples == 0:
+            return True
+        batches = math.ceil((queued_samples + samples) / self.max_batch) + int(busy)
+        return batches * self.model.seconds(self.max_batch) <= self.slo_s
 
     def predicted_s(self, samples: int) -> float:
         return self.model.seconds(samples)
@@ -138,6 +144,7 @@ class Batcher:
         self._idle.set()
         self._busy = 0                   # requests submitted and not yet answered
         self.closed = False
+        self._running = False            # a batch is in service
         self._task: asyncio.Task | None = None
 
     @property
@@ -154,7 +161,7 @@ class Batcher:
     async def submit(self, request: Request) -> Answer:
         if self.closed:
             raise Closed()
-        if not self.policy.admits(self.queued_samples, request.samples):
+        if not self.policy.admits(self.queued_samples, request.samples, self._running):
             raise Overloaded()
         item = _Item(request, asyncio.get_running_loop().create_future())
         self._pending.append(item)
@@ -223,6 +230,7 @@ class Batcher:
         batch = {name: torch.cat([item.request.tensors[name] for item in items]) for name in names}
         samples = sum(item.request.samples for item in items)
         started = time.perf_counter()
+        self._running = True
         try:
             outputs, digest = await self._run_batch(batch)
             sizes = [item.request.samples for item in items]
@@ -233,6 +241,7 @@ class Batcher:
                     item.future.set_exception(err)
             return
         finally:
+            self._running = False
             if self._on_batch is not None:
                 self._on_batch(len(items), samples, time.perf_counter() - started)
         predicted = self.policy.predicted_s(samples)

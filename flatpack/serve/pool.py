@@ -98,7 +98,8 @@ class Version:
         self.cold_starts = len(self.deployment.workers)
         self.invocations_per_request = len(self.deployment.workers)
         platform = get_platform(self.deployment.platform)
-        self._dollars_per_s = self.deployment.dollars_per_second([stage.replicas for stage in self.compiled.plan.stages])
+        degrees = [stage.replicas for stage in self.compiled.plan.stages]
+        self._dollars_per_s = self.deployment.dollars_per_second(degrees)
         self._price_per_request = platform.price_per_request
         LOG.info("version %s warm in %.1f s: %d functions, %.1f ms + %.2f ms/sample", self.digest[:12],
                  time.perf_counter() - started, self.cold_starts, self.latency.fixed_s * 1e3,
@@ -109,7 +110,7 @@ class Version:
         for name, spec in zip(self.contract.names, self.contract.specs):
             dtype = getattr(torch, spec.dtype)
             shape = (samples, *spec.shape[1:])
-            tensors[name] = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape).to(dtype)
+            tensors[name] = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
         return tensors
 
     def dollars(self, seconds: float) -> float:

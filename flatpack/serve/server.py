@@ -3,8 +3,9 @@
 (:meth:`Server.start`, for tests and notebooks).
 
 A signal first drains (new requests get 503, the accepted ones finish: ``Service.drain``),
-keeps answering 503 for ``drain_grace_s``, then uvicorn stops listening and the lifespan's end stops every function; a second signal
-exits without waiting. ``tests/integration/test_serve.py`` sends SIGTERM under load.
+keeps answering 503 for ``drain_grace_s``, then uvicorn stops listening and the lifespan's
+end stops every function; a second signal exits without waiting
+(``tests/integration/test_serve.py`` sends SIGTERM under load).
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.slo_s, (int, float)) and math.isfinite(self.slo_s) and self.slo_s > 0):
-            raise InputError(f"the SLO must be a positive number of seconds, got {self.slo_s!r} (--slo-ms 200 is 0.2 s)")
+            raise InputError(f"the SLO must be a positive number of seconds, got {self.slo_s!r} "
+                             "(--slo-ms 200 is 0.2 s)")
         if self.target not in TARGETS:
             raise InputError(f"flatpack serve runs on {', '.join(TARGETS)} so far, not {self.target!r}; "
                              "use --target local")

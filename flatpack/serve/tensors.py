@@ -94,7 +94,8 @@ def parse_request(body: bytes, media: str, contract: InputContract, max_samples:
         raise RequestError(422, f"unknown input {unknown[0]!r}; the model takes {', '.join(map(repr, contract.names))}")
     missing = [name for name in contract.names if name not in tensors]
     if missing:
-        raise RequestError(422, f"input {missing[0]!r} is missing; the model takes {', '.join(map(repr, contract.names))}")
+        raise RequestError(422, f"input {missing[0]!r} is missing; the model takes "
+                                f"{', '.join(map(repr, contract.names))}")
     samples = _check_shapes(tensors, contract, max_samples)
     key = tuple(tuple(tensors[name].shape[1:]) for name in contract.names)
     return Request({name: tensors[name] for name in contract.names}, samples, key, media)
@@ -118,7 +119,8 @@ def _check_shapes(tensors: Mapping[str, torch.Tensor], contract: InputContract, 
     assert samples is not None      # InputContract.of refuses a model without inputs' specs
     if samples < contract.min_samples:
         raise RequestError(422, f"the request has {samples} sample(s); this plan splits a group by batch over "
-                                f"{contract.min_samples} partitions, so a request needs at least {contract.min_samples}")
+                                f"{contract.min_samples} partitions, so a request needs at least "
+                                f"{contract.min_samples}")
     if samples > max_samples:
         raise RequestError(413, f"the request has {samples} samples; the limit is {max_samples} per request "
                                 "(split it, or raise --max-request-samples)")

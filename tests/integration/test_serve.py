@@ -130,7 +130,6 @@ def test_concurrent_requests_of_mixed_batch_sizes_equal_the_model(server, model,
 BAD_REQUESTS = [
     ("wrong shape", {"json": {"inputs": {"x": torch.zeros(2, 3, 5, 6).tolist()}}}, 422, "input 'x' has shape"),
     ("wrong rank", {"json": {"inputs": {"x": torch.zeros(2, 3).tolist()}}}, 422, "2 dimensions"),
-    ("fractions for an int", None, None, None),
     ("dtype", {"content": save_safetensors({"x": torch.zeros(2, *SAMPLE, dtype=torch.float64)}),
                "headers": {"content-type": "application/safetensors"}}, 422, "dtype float64"),
     ("too large", {"content": b"{" + b" " * 70_000 + b"}", "headers": {"content-type": "application/json"}}, 413,
@@ -150,7 +149,7 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("case", "request_args", "status", "message"),
-                         [case for case in BAD_REQUESTS if case[1] is not None], ids=lambda value: str(value)[:20])
+                         BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
 def test_a_bad_request_gets_a_4xx_with_one_clear_message(server, case, request_args, status, message):
     response = httpx.post(f"{server.url}/v1/predict", timeout=30, **request_args)
     assert response.status_code == status, response.text
@@ -234,7 +233,8 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
     accepted is answered correctly; later ones get 503 or find the port closed; the server
     exits 0 and every function and store process it started is gone."""
     directory, digest, _, _ = artifacts
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "flatpack", "serve", str(directory), "--digest", digest,
                                 "--target", "local", "--slo-ms", "2000", "--port", "0"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
