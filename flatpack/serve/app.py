@@ -202,7 +202,8 @@ async def _predict(service: Service, request: Request) -> Response:
     body = encode_outputs(answer.outputs, parsed.form, answer.digest)
     return Response(body, media_type=parsed.form, headers={
         DIGEST_HEADER: answer.digest, "x-flatpack-batch-samples": str(answer.batch_samples),
-        "x-flatpack-predicted-ms": f"{answer.predicted_s * 1e3:.2f}"})
+        "x-flatpack-predicted-ms": f"{answer.predicted_s * 1e3:.2f}",
+        "x-flatpack-batch-ms": f"{answer.measured_s * 1e3:.2f}"})
 
 
 async def healthz(request: Request) -> Response:

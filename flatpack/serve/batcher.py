@@ -116,7 +116,8 @@ class Answer:
     outputs: dict[str, torch.Tensor]
     digest: str
     batch_samples: int
-    predicted_s: float
+    predicted_s: float          # the latency model's time for this batch
+    measured_s: float           # the time the batch took
 
 
 # runs one concatenated batch: its tensors by input name -> (outputs by name, the digest that ran it)
@@ -244,8 +245,8 @@ class Batcher:
             self._running = False
             if self._on_batch is not None:
                 self._on_batch(len(items), samples, time.perf_counter() - started)
-        predicted = self.policy.predicted_s(samples)
+        predicted, measured = self.policy.predicted_s(samples), time.perf_counter() - started
         for index, item in enumerate(items):
             if not item.future.done():
                 item.future.set_result(Answer({name: part[index] for name, part in parts.items()}, digest, samples,
-                                              predicted))
+                                              predicted, measured))
