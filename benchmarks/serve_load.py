@@ -103,7 +103,7 @@ def wait_ready(url: str) -> None:
 
 
 async def drive(url: str, rate: float, duration_s: float, concurrency: int, seed: int) -> list[tuple]:
-    """(status or None, seconds, (predicted, measured batch ms) or None, run seconds) per request
+    """(status or the client's error, seconds, (predicted, measured batch ms) or None, run seconds) per request
     of one open-loop run."""
     rng = random.Random(seed)
     arrivals, clock = [], 0.0
@@ -127,8 +127,8 @@ async def drive(url: str, rate: float, duration_s: float, concurrency: int, seed
                     measured = response.headers.get("x-flatpack-batch-ms")
                     results.append((response.status_code, time.perf_counter() - sent,
                                     (float(predicted), float(measured)) if predicted and measured else None))
-                except httpx.HTTPError:
-                    results.append((None, time.perf_counter() - sent, None))
+                except httpx.HTTPError as err:       # no answer: counted as an error, by kind
+                    results.append((type(err).__name__, time.perf_counter() - sent, None))
 
         await asyncio.gather(*(one(at, x) for at, x in arrivals))
         elapsed = time.perf_counter() - start
@@ -145,6 +145,7 @@ def summary(name: str, rate: float, results: list[tuple], slo_s: float) -> dict:
             "slo": sum(seconds <= slo_s for seconds in ok) / max(len(results), 1),
             "errors": sum(status != 200 for status, _, _, _ in results),
             "shed": sum(status == 503 for status, _, _, _ in results), "answered": len(ok),
+            "kinds": sorted({str(status) for status, _, _, _ in results if status not in (200, 503)}),
             "predicted": statistics.mean(value[0] for value in batches) if batches else None,
             "measured": statistics.mean(value[1] for value in batches) if batches else None}
 
@@ -221,7 +222,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         cost = f"{row['dollars']:.2e}" if "dollars" in row else "-"
         lines.append(f"| {row['server']} | {row['rate']:.0f} | {row['requests']} | {row['throughput']:.1f} | "
                      f"{row['p50']:.1f} | {row['p95']:.1f} | {row['p99']:.1f} | {row['slo']:.1%} | "
-                     f"{row['errors']} ({row['shed']}) | {batch} | {cost} |")
+                     f"{row['errors']} ({row['shed']}{', ' if row['kinds'] else ''}{' '.join(row['kinds'])}) | "
+                     f"{batch} | {cost} |")
     return "\n".join(lines)
 
 

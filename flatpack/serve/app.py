@@ -75,15 +75,17 @@ class Service:
         self.batcher.start()
         self.metrics.cold_starts.inc(self.version.cold_starts)
 
-    def _policy(self, version: Version) -> BatchPolicy:
+    def _policy(self, version: Version, announce: bool = True) -> BatchPolicy:
         assert version.latency is not None      # set by Version.start
         policy = BatchPolicy.choose(version.latency, self.settings.slo_s, self.settings.max_batch)
+        self.metrics.max_batch.set(policy.max_batch)
+        self.metrics.max_delay.set(policy.max_delay_s)
+        if not announce:
+            return policy
         if not policy.meets_slo:
             LOG.warning("one sample takes %.0f ms through this deployment, too long for an SLO of %.0f ms: serving "
                         "for throughput (no batching delay)", version.latency.seconds(1) * 1e3,
                         self.settings.slo_s * 1e3)
-        self.metrics.max_batch.set(policy.max_batch)
-        self.metrics.max_delay.set(policy.max_delay_s)
         LOG.info("batches of at most %d samples, at most %.1f ms of queueing, for an SLO of %.0f ms",
                  policy.max_batch, policy.max_delay_s * 1e3, self.settings.slo_s * 1e3)
         return policy
@@ -119,6 +121,8 @@ class Service:
         self.metrics.batch_requests.observe(requests)
         self.metrics.batch_samples.observe(samples)
         self.metrics.dollars.inc(self.version.dollars(seconds))
+        if self.version.observe(samples, seconds) and self.batcher is not None:
+            self.batcher.policy = self._policy(self.version, announce=False)
 
     # blue/green ------------------------------------------------------------------------------
     async def switch(self, directory: Path, digest: str) -> Version:

@@ -1,5 +1,6 @@
 """Dynamic batching inside the SLO: requests queue, a batch closes at ``max_batch`` samples or
-``max_delay_s`` after its oldest request arrived, and both bounds come from the latency model.
+``max_delay_s`` after its oldest request arrived, and both bounds come from the latency model
+(measured at warm-up, re-fitted to the batches served: ``serve.pool.Version.observe``).
 
 The policy (:meth:`BatchPolicy.choose`) is Clipper's and Triton's adaptive batching (Crankshaw
 et al., NSDI '17, §4.3: the largest batch whose latency fits the SLO; Triton's dynamic batcher:

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import statistics
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,11 @@ from flatpack.serve.tensors import InputContract, flat_outputs
 
 LOG = logs.get("serve")
 WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
+# while serving, the latency model is re-fitted to the last OBSERVED_BATCHES batches every
+# REFIT_EVERY batches: a host that gets busier (or quieter) than at warm-up moves the batch
+# size, the delay and the admission bound with it
+OBSERVED_BATCHES = 64
+REFIT_EVERY = 16
 
 
 def contract_of(compiled: Compiled) -> InputContract:
@@ -75,6 +81,8 @@ class Version:
         self.invocations_per_request = 0
         self._dollars_per_s = 0.0
         self._price_per_request = 0.0
+        self._observed: deque[tuple[int, float]] = deque(maxlen=OBSERVED_BATCHES)
+        self._since_fit = 0
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._start)
@@ -117,6 +125,17 @@ class Version:
         """What one batch of ``seconds`` costs: every function of the fork-join group held for
         it, and one request charge per invocation."""
         return self._dollars_per_s * seconds + self._price_per_request * self.invocations_per_request
+
+    def observe(self, samples: int, seconds: float) -> bool:
+        """Records a batch's time; every ``REFIT_EVERY`` batches re-fits :attr:`latency` to
+        the recent ones and returns True (the caller re-chooses its batching policy)."""
+        self._observed.append((samples, seconds))
+        self._since_fit += 1
+        if self._since_fit < REFIT_EVERY:
+            return False
+        self._since_fit = 0
+        self.latency = LatencyModel.fit(list(self._observed), "measured while serving")
+        return True
 
     async def infer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._infer, tensors)
