@@ -11,6 +11,7 @@ end stops every function; a second signal exits without waiting
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import os
 import signal
@@ -112,7 +113,7 @@ class Server:
             raise InputError(f"cannot listen on {settings.host}:{settings.port} ({err.strerror}); choose another "
                              "--port") from None
         config = uvicorn.Config(build_app(self.service), log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=settings.drain_timeout_s, access_log=False)
+                                timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s), access_log=False)
         self._uvicorn = _Uvicorn(config, self.service)
         self._thread: threading.Thread | None = None
 
