@@ -18,8 +18,9 @@ nothing (the next batch could not start earlier), and at light load it would onl
 When even 2·t(1) > h·S no batch meets the SLO: the server then runs for throughput (B = the
 cap, D = 0: a batch takes whatever queued while the previous one ran) and says so at start.
 Admission is bounded by the same model: a request that finds Q samples queued (s its own) is
-predicted to finish after ⌈(Q + s)/B⌉ batches, plus the one in service if any; when that times
-t(B) exceeds S it is shed with a 503 at once instead of answering late (the server stays within
+predicted to finish after the batches those Q + s samples form (⌊(Q + s)/B⌋ full ones and the
+rest, each priced by t) plus the batch in service, if any (t of its size); when that exceeds S
+it is shed with a 503 at once instead of answering late (the server stays within
 the SLO for those it accepts). A request that finds the queue empty is always admitted. Requests are concatenated along
 dimension 0 and the outputs split back by each request's sample count.
 """
@@ -27,7 +28,6 @@ dimension 0 and the outputs split back by each request's sample count.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,6 +67,14 @@ class LatencyModel:
         slope = max(slope, 0.0)
         return cls(max(mean_seconds - slope * mean_size, 0.0), slope, source)
 
+    def refit(self, points: Sequence[tuple[int, float]]) -> LatencyModel:
+        """This model with its fixed part moved to the batches served, ``points``: the median
+        of (seconds − per_sample·samples). The slope stays the warm-up's, measured over a
+        wider range of sizes than a busy server's batches (a slope fitted to those alone
+        extrapolates noise to the largest batch)."""
+        residuals = sorted(seconds - self.per_sample_s * size for size, seconds in points)
+        return LatencyModel(max(residuals[len(residuals) // 2], 0.0), self.per_sample_s, "measured while serving")
+
 
 @dataclass(frozen=True)
 class BatchPolicy:
@@ -91,14 +99,21 @@ class BatchPolicy:
         delay = max(0.0, min(budget - 2 * model.seconds(size), model.seconds(size)))
         return cls(size, delay, slo_s, model, True)
 
-    def admits(self, queued_samples: int, samples: int, busy: bool) -> bool:
-        """Whether a request of ``samples`` behind ``queued_samples`` (and the batch in
-        service, when ``busy``) is predicted to finish within the SLO (see the module
-        docstring); a request that finds nothing queued is always admitted."""
+    def admits(self, queued_samples: int, samples: int, running_samples: int = 0) -> bool:
+        """Whether a request of ``samples`` behind ``queued_samples`` (and a batch of
+        ``running_samples`` in service, 0 when none) is predicted to finish within the SLO
+        (see the module docstring); a request that finds nothing queued is always admitted."""
         if queued_samples == 0:
             return True
-        batches = math.ceil((queued_samples + samples) / self.max_batch) + int(busy)
-        return batches * self.model.seconds(self.max_batch) <= self.slo_s
+        return self.queue_seconds(queued_samples + samples) + self.running_seconds(running_samples) <= self.slo_s
+
+    def queue_seconds(self, samples: int) -> float:
+        """The time to run ``samples`` queued samples: full batches of ``max_batch``, then the rest."""
+        full, rest = divmod(samples, self.max_batch)
+        return full * self.model.seconds(self.max_batch) + (self.model.seconds(rest) if rest else 0.0)
+
+    def running_seconds(self, samples: int) -> float:
+        return self.model.seconds(samples) if samples else 0.0
 
     def predicted_s(self, samples: int) -> float:
         return self.model.seconds(samples)
@@ -146,7 +161,7 @@ class Batcher:
         self._idle.set()
         self._busy = 0                   # requests submitted and not yet answered
         self.closed = False
-        self._running = False            # a batch is in service
+        self._running = 0                # the samples of the batch in service (0: none)
         self._task: asyncio.Task | None = None
 
     @property
@@ -232,7 +247,7 @@ class Batcher:
         batch = {name: torch.cat([item.request.tensors[name] for item in items]) for name in names}
         samples = sum(item.request.samples for item in items)
         started = time.perf_counter()
-        self._running = True
+        self._running = samples
         try:
             outputs, digest = await self._run_batch(batch)
             sizes = [item.request.samples for item in items]
@@ -243,7 +258,7 @@ class Batcher:
                     item.future.set_exception(err)
             return
         finally:
-            self._running = False
+            self._running = 0
             if self._on_batch is not None:
                 self._on_batch(len(items), samples, time.perf_counter() - started)
         predicted, measured = self.policy.predicted_s(samples), time.perf_counter() - started

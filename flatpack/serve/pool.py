@@ -33,9 +33,9 @@ from flatpack.serve.tensors import InputContract, flat_outputs
 
 LOG = logs.get("serve")
 WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
-# while serving, the latency model is re-fitted to the last OBSERVED_BATCHES batches every
-# REFIT_EVERY batches: a host that gets busier (or quieter) than at warm-up moves the batch
-# size, the delay and the admission bound with it
+# while serving, the latency model's fixed part is re-fitted to the last OBSERVED_BATCHES
+# batches every REFIT_EVERY batches (LatencyModel.refit): a host that gets busier (or quieter)
+# than at warm-up moves the batch size, the delay and the admission bound with it
 OBSERVED_BATCHES = 64
 REFIT_EVERY = 16
 
@@ -134,7 +134,8 @@ class Version:
         if self._since_fit < REFIT_EVERY:
             return False
         self._since_fit = 0
-        self.latency = LatencyModel.fit(list(self._observed), "measured while serving")
+        assert self.latency is not None         # set by _start, before any batch
+        self.latency = self.latency.refit(list(self._observed))
         return True
 
     async def infer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from flatpack.serve.batcher import Batcher, BatchPolicy, LatencyModel, Overloaded
+from flatpack.serve.batcher import Batcher, BatchPolicy, Closed, LatencyModel, Overloaded
 from flatpack.serve.tensors import InputContract, RequestError, parse_request
 from flatpack.stage.tensor_check import TensorSpec
 
@@ -40,11 +40,12 @@ def test_an_slo_no_batch_meets_serves_for_throughput():
 
 
 def test_admission_sheds_what_the_model_says_would_miss_the_slo():
-    policy = BatchPolicy.choose(LINE, 0.100, cap=64)      # B = 30, t(B) = 40 ms
-    assert policy.admits(0, 30, busy=True)                # an empty queue always admits
-    assert policy.admits(20, 10, busy=True)               # one batch + the one in service: 80 ms
-    assert not policy.admits(25, 10, busy=True)           # two batches + the one in service: 120 ms
-    assert policy.admits(25, 10, busy=False)              # two batches: 80 ms
+    policy = BatchPolicy.choose(LINE, 0.100, cap=64)      # B = 30, t(b) = 10 ms + b ms
+    assert policy.admits(0, 30, running_samples=30)       # an empty queue always admits
+    assert policy.admits(25, 10, running_samples=30)      # t(30) + t(5) + in service t(30) = 95 ms
+    assert not policy.admits(40, 10, running_samples=30)  # t(30) + t(20) + t(30) = 110 ms
+    assert policy.admits(40, 10, running_samples=0)       # t(30) + t(20) = 70 ms
+    assert not policy.admits(80, 10, running_samples=0)   # 3·t(30) = 120 ms
 
 
 def _request(contract: InputContract, x: torch.Tensor):
@@ -109,10 +110,12 @@ def test_a_full_queue_sheds_and_a_closed_batcher_refuses():
         await asyncio.sleep(0)
         second = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(2, 3))))
         await asyncio.sleep(0)
-        with pytest.raises(Overloaded):     # behind 2 or 4 queued samples and a batch: ≥ 120 ms
+        with pytest.raises(Overloaded):     # behind 2 or 4 queued samples (and a batch): ≥ 120 ms
             await batcher.submit(_request(CONTRACT, torch.ones(2, 3)))
         await asyncio.gather(first, second)
         await batcher.stop()
+        with pytest.raises(Closed):
+            await batcher.submit(_request(CONTRACT, torch.ones(2, 3)))
 
     asyncio.run(scenario())
 
@@ -139,3 +142,39 @@ def test_a_fraction_for_an_integer_input_is_refused():
     contract = InputContract.of(["ids"], [TensorSpec((2, 5), "int64", (0,))])
     with pytest.raises(RequestError, match="holds fractions, but the model takes int64"):
         parse_request(b'{"inputs": {"ids": [[1.5, 2, 3, 4, 5]]}}', "application/json", contract, 64)
+
+
+def test_flatpack_serve_is_the_package_and_callable_and_the_verb_is_registered():
+    import flatpack
+    import flatpack.serve.server
+    from flatpack.cli import build_parser
+
+    assert callable(flatpack.serve) and flatpack.serve.server.Server is not None
+    args = build_parser().parse_args(["serve", "art", "--digest", "d" * 64, "--slo-ms", "250", "--port", "0"])
+    assert (args.model, args.slo_ms, args.port, args.target) == ("art", 250.0, 0, "local")
+
+
+def test_settings_refuse_bad_values_and_never_show_the_token(tmp_path, monkeypatch):
+    from flatpack.errors import InputError
+    from flatpack.serve.settings import ServeSettings, read_admin_token
+
+    with pytest.raises(InputError, match="runs on local so far, not 'aws-lambda'"):
+        ServeSettings(slo_s=0.2, target="aws-lambda")
+    with pytest.raises(InputError, match="positive number of seconds"):
+        ServeSettings(slo_s=0.0)
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-0123456789\n")
+    token = read_admin_token(token_file)
+    assert token == "s3cret-token-0123456789"
+    assert token not in repr(ServeSettings(slo_s=0.2, admin_token=token))
+    monkeypatch.setenv("FLATPACK_ADMIN_TOKEN", "short")
+    with pytest.raises(InputError, match="shorter than 16 characters") as refused:
+        read_admin_token()
+    assert "short" not in str(refused.value).replace("shorter", "")
+
+
+def test_refit_moves_the_fixed_part_to_the_batches_served_and_keeps_the_warm_up_slope():
+    warm = LatencyModel(0.100, 0.002, "measured at warm-up")
+    refitted = warm.refit([(4, 0.308), (8, 0.316), (2, 0.504), (6, 0.312)])
+    assert refitted.per_sample_s == 0.002 and refitted.fixed_s == pytest.approx(0.300)
+    assert refitted.source == "measured while serving"
