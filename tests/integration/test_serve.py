@@ -71,7 +71,9 @@ def _wait_ready(url: str, timeout_s: float = READY_TIMEOUT_S) -> dict:
 @pytest.fixture(scope="module")
 def server(artifacts):
     directory, digest, _, _ = artifacts
-    settings = ServeSettings(slo_s=2.0, port=0, max_body_bytes=64 * 1024, max_request_samples=16,
+    # an SLO no batch misses even on a loaded 2-core host: these tests are about answers, and
+    # the admission control that sheds what would miss a tight one is tests/unit/test_serve_batching.py's
+    settings = ServeSettings(slo_s=60.0, port=0, max_body_bytes=64 * 1024, max_request_samples=16,
                              admin_token=TOKEN)
     running = Server(flatpack.load(directory, digest=digest), settings).start()
     try:
@@ -236,7 +238,7 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
     root = str(Path(__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "flatpack", "serve", str(directory), "--digest", digest,
-                                "--target", "local", "--slo-ms", "2000", "--port", "0"], env=env,
+                                "--target", "local", "--slo-ms", "60000", "--port", "0"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = process.stdout.readline()
