@@ -95,7 +95,7 @@ class Version:
             example = self._example(size)
             for _ in range(WARM_UP_REPEATS):
                 began = time.perf_counter()
-                self.deployment.infer(example)
+                self.deployment.infer(self._call(example))
                 points.append((size, time.perf_counter() - began))
         # the first call started the functions: its time is the cold start, not the model's
         points = points[1:]
@@ -142,7 +142,16 @@ class Version:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._infer, tensors)
 
     def _infer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flat_outputs(self.deployment.infer(tensors))
+        return flat_outputs(self.deployment.infer(self._call(tensors)))
+
+    def _call(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+        """The model's call for the request's inputs: by keyword where every input is named
+        as a parameter of ``forward`` (HF models' ``input_ids``, ``attention_mask``), else by
+        position in the graph's placeholder order (a placeholder fx or export renamed)."""
+        parameters = {name for name, _, _ in self.compiled.info.signature.parameters}
+        if set(tensors) <= parameters:
+            return tensors
+        return tuple(tensors[name] for name in self.contract.names)
 
     async def close(self) -> None:
         """Stops every function and the store this version started; queued after any batch

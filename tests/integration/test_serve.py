@@ -294,3 +294,30 @@ async def _load_then_sigterm(url: str, process: subprocess.Popen) -> list:
             if signalled and all(response is None for _, response, after in outcomes[-8:]):
                 break
     return outcomes
+
+
+def test_a_model_given_by_name_is_compiled_for_inference_and_served_by_position():
+    """``flatpack serve mlp``: the example is compiled for inference under the SLO; its graph
+    names its input ``input_1``, not ``forward``'s parameter, so the version calls it by
+    position, and the answer equals the model's."""
+    from flatpack.serve.command import _build_model
+    from flatpack.serve.pool import Version
+    from flatpack.serve.server import resolve
+
+    model, example = _build_model("mlp", "tiny")
+    compiled = resolve(model, example, settings=ServeSettings(slo_s=0.5))
+    version = Version(compiled, "local", 16)
+    assert version.contract.names == ("input_1",)
+    x = torch.randn(3, 64)
+
+    async def run() -> dict:
+        await version.start()
+        try:
+            return await version.infer({"input_1": x})
+        finally:
+            await version.close()
+
+    outputs = asyncio.run(run())
+    with torch.no_grad():
+        torch.testing.assert_close(outputs["output"], model(x))
+    assert version.latency is not None and version.latency.source == "measured at warm-up"
