@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from flatpack.api import compile
     from flatpack.compiler import Compiled, StagedModule, load, sign
     from flatpack.partitioner.plan import Plan, StagePlan
+    from flatpack.serve import serve
     from flatpack.weights import load_state_dict, save_state_dict
 
 # public name -> the module that defines it, imported when the name is first read
@@ -31,11 +32,15 @@ _LAZY = {
 __all__ = [
     "ArtifactError", "CodegenError", "Compiled", "FlatpackError", "InputError", "PassError", "Plan",
     "PlanError", "StagePlan", "StagedModule", "TraceError", "__version__", "compile", "load",
-    "load_state_dict", "save_state_dict", "sign",
+    "load_state_dict", "save_state_dict", "serve", "sign",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "serve":
+        # the package itself: importing it binds flatpack.serve to the module, which is callable
+        # (flatpack/serve/__init__.py), so flatpack.serve(...) and flatpack.serve.server both work
+        return importlib.import_module("flatpack.serve")
     if name not in _LAZY:
         raise AttributeError(f"module 'flatpack' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -13,6 +13,7 @@ from flatpack.cli.common import human_bytes, load_factory, pipeline_for
 from flatpack.cli.parser import (CONFIG_HELP, EXIT_CODES, Parser, config_defaults, every_verb, parse_arguments,
                                  verb_parsers, verbosity_args)
 from flatpack.errors import FlatpackError, RunFailure
+from flatpack.serve import command as serve_command
 from flatpack.interrupts import Interrupted, clean_shutdown
 from flatpack.version import __version__
 
@@ -23,8 +24,8 @@ LOG = logs.get("cli")
 
 # the verbs in the order --help lists them, and the module that adds each one's parser
 VERB_ORDER = ("inspect", "compile", "profile", "calibrate", "plan", "platforms", "run", "resume", "sign", "check",
-              "deploy", "teardown", "demo")
-VERB_MODULES = (artifacts, measuring, planning, training, cloud)
+              "deploy", "teardown", "serve", "demo")
+VERB_MODULES = (artifacts, measuring, planning, training, cloud, serve_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

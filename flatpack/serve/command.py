@@ -1,0 +1,72 @@
+"""``flatpack serve MODEL|ARTIFACT_DIR [--digest D] --target local --slo-ms S [--port P]``: the
+verb's parser and its run. Imports nothing heavy at import time (the CLI's start-up)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from flatpack.errors import InputError
+from flatpack.serve.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SAMPLES, TARGETS
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over HTTP with dynamic batching inside an SLO (POST /v1/predict, /metrics, "
+                      "/readyz, /openapi.json); SIGTERM drains")
+    parser.add_argument("model", metavar="MODEL|ARTIFACT_DIR",
+                        help="a directory written by flatpack compile, or a model (path/to/file.py:factory, "
+                             "package.module:factory, a built-in example or a zoo model), compiled for inference")
+    parser.add_argument("--digest", default=None, help="serve the artifact only if its index has this sha256")
+    parser.add_argument("--target", default="local", choices=TARGETS)
+    parser.add_argument("--slo-ms", type=float, required=True, help="the latency bound per request, milliseconds")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log says which)")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="size of a zoo model")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument("--max-request-samples", type=int, default=DEFAULT_MAX_REQUEST_SAMPLES)
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
+    parser.add_argument("--token-file", default=None,
+                        help="the admin bearer token for POST /admin/version (default: $FLATPACK_ADMIN_TOKEN; "
+                             "neither: the endpoint is off)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+VERBS = {"serve": add_parser}
+
+
+def run(args: argparse.Namespace) -> int:
+    # start-up time: a verb imports what it runs
+    from flatpack.serve.server import Server, resolve
+    from flatpack.serve.settings import ServeSettings, read_admin_token
+
+    settings = ServeSettings(slo_s=args.slo_ms / 1e3, target=args.target, host=args.host, port=args.port,
+                             max_body_bytes=args.max_body_bytes, max_request_samples=args.max_request_samples,
+                             max_batch=args.max_batch, admin_token=read_admin_token(args.token_file))
+    if Path(args.model).is_dir():
+        compiled = resolve(args.model, digest=args.digest, settings=settings)
+    else:
+        model, inputs = _build_model(args.model, args.size)
+        compiled = resolve(model, inputs, digest=args.digest, settings=settings)
+    server = Server(compiled, settings)
+    print(f"serving {compiled.digest} on {server.url}", flush=True)
+    server.run()
+    return 0
+
+
+def _build_model(spec: str, size: str) -> tuple:
+    from flatpack import models
+    from flatpack.factories import import_factory
+
+    named = models.find(spec)
+    if named is not None:
+        return named.build(size)
+    if ":" not in spec:
+        raise InputError(f"{spec!r} is neither an artifact directory nor a model (path/to/file.py:factory, "
+                         f"package.module:factory, or one of {', '.join(models.model_names())})")
+    result = import_factory(spec, "MODEL")()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    return result

@@ -1,0 +1,171 @@
+"""One served version: a digest-pinned compiled model deployed as warm functions, its latency
+model measured at warm-up, and the one thread that talks to it.
+
+Every call into a deployment (deploy, infer, teardown) runs on the version's own thread: the
+fork-join master serves one request at a time, and a function the local backend starts dies
+with the thread that started it (``flatpack.interrupts.die_with_parent``), so that thread lives
+exactly as long as the version. The functions stay resident between requests
+(``FunctionDeployment.infer`` keeps its master and workers warm until ``stop_inference``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from flatpack import logs
+from flatpack.backends import get_backend
+from flatpack.compiler import Compiled
+from flatpack.errors import PlanError
+from flatpack.partitioner.cost import gillis
+from flatpack.partitioner.cost.gillis import ForkJoinPlan
+from flatpack.partitioner.workload import Workload
+from flatpack.platform.catalog import get_platform
+from flatpack.serve.batcher import LatencyModel
+from flatpack.serve.tensors import InputContract, flat_outputs
+
+LOG = logs.get("serve")
+WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
+# while serving, the latency model's fixed part is re-fitted to the last OBSERVED_BATCHES
+# batches every REFIT_EVERY batches (LatencyModel.refit): a host that gets busier (or quieter)
+# than at warm-up moves the batch size, the delay and the admission bound with it
+OBSERVED_BATCHES = 64
+REFIT_EVERY = 16
+
+
+def contract_of(compiled: Compiled) -> InputContract:
+    """The requests ``compiled`` accepts: its inputs' specs, and the most partitions a group
+    split by batch has (each needs a sample)."""
+    groups = ForkJoinPlan.from_plan(compiled.plan).groups
+    needed = max([group.partitions for group in groups if group.workers and group.split == "batch"], default=1)
+    return InputContract.of(compiled.info.input_names, compiled.info.input_specs, needed)
+
+
+def gillis_model(compiled: Compiled, sizes: tuple[int, int]) -> LatencyModel | None:
+    """Gillis's predicted latency (``partitioner.cost.gillis.latency``) at two batch sizes, as a
+    line; None for an artifact loaded from disk (it carries no Problem to price) or a plan
+    without a memory tier or a profile (Gillis prices a function size from profiled layers)."""
+    if compiled.problem is None or ForkJoinPlan.from_plan(compiled.plan).memory_mb is None:
+        return None
+    points = []
+    for size in sizes:
+        problem = dataclasses.replace(compiled.problem, workload=Workload(mode="infer", batch=size))
+        try:
+            points.append((size, gillis.latency(problem, compiled.plan).latency_s))
+        except PlanError:       # compiled without a profile: nothing to price
+            return None
+    return LatencyModel.fit(points, "gillis")
+
+
+class Version:
+    """A deployment of ``compiled`` on ``target``; :meth:`start` deploys and warms it."""
+
+    def __init__(self, compiled: Compiled, target: str, max_batch: int) -> None:
+        self.compiled = compiled
+        self.digest = compiled.digest
+        self.contract = contract_of(compiled)
+        self.target = target
+        self._probe_sizes = (self.contract.min_samples, max(self.contract.min_samples, min(max_batch, 16)))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flatpack-{self.digest[:8]}")
+        self.deployment: Any = None
+        self.latency: LatencyModel | None = None
+        self.predicted: LatencyModel | None = None    # Gillis's, where the compiled model has a Problem
+        self.cold_starts = 0
+        self.invocations_per_request = 0
+        self._dollars_per_s = 0.0
+        self._price_per_request = 0.0
+        self._observed: deque[tuple[int, float]] = deque(maxlen=OBSERVED_BATCHES)
+        self._since_fit = 0
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._start)
+
+    def _start(self) -> None:
+        started = time.perf_counter()
+        self.deployment = get_backend(self.target).deploy(self.compiled, digest=self.digest)
+        points = []
+        for size in self._probe_sizes:
+            example = self._example(size)
+            for _ in range(WARM_UP_REPEATS):
+                began = time.perf_counter()
+                self.deployment.infer(self._call(example))
+                points.append((size, time.perf_counter() - began))
+        # the first call started the functions: its time is the cold start, not the model's
+        points = points[1:]
+        medians = [(size, statistics.median(seconds for each, seconds in points if each == size))
+                   for size in sorted({size for size, _ in points})]
+        self.latency = LatencyModel.fit(medians, "measured at warm-up")
+        self.predicted = gillis_model(self.compiled, self._probe_sizes)
+        self.cold_starts = len(self.deployment.workers)
+        self.invocations_per_request = len(self.deployment.workers)
+        platform = get_platform(self.deployment.platform)
+        degrees = [stage.replicas for stage in self.compiled.plan.stages]
+        self._dollars_per_s = self.deployment.dollars_per_second(degrees)
+        self._price_per_request = platform.price_per_request
+        LOG.info("version %s warm in %.1f s: %d functions, %.1f ms + %.2f ms/sample", self.digest[:12],
+                 time.perf_counter() - started, self.cold_starts, self.latency.fixed_s * 1e3,
+                 self.latency.per_sample_s * 1e3)
+
+    def _example(self, samples: int) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for name, spec in zip(self.contract.names, self.contract.specs):
+            dtype = getattr(torch, spec.dtype)
+            shape = (samples, *spec.shape[1:])
+            tensors[name] = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+        return tensors
+
+    def dollars(self, seconds: float) -> float:
+        """What one batch of ``seconds`` costs: every function of the fork-join group held for
+        it, and one request charge per invocation."""
+        return self._dollars_per_s * seconds + self._price_per_request * self.invocations_per_request
+
+    def observe(self, samples: int, seconds: float) -> bool:
+        """Records a batch's time; every ``REFIT_EVERY`` batches re-fits :attr:`latency` to
+        the recent ones and returns True (the caller re-chooses its batching policy)."""
+        self._observed.append((samples, seconds))
+        self._since_fit += 1
+        if self._since_fit < REFIT_EVERY:
+            return False
+        self._since_fit = 0
+        assert self.latency is not None         # set by _start, before any batch
+        self.latency = self.latency.refit(list(self._observed))
+        return True
+
+    async def infer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._infer, tensors)
+
+    def _infer(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flat_outputs(self.deployment.infer(self._call(tensors)))
+
+    def _call(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+        """The model's call for the request's inputs: by keyword where every input is named
+        as a parameter of ``forward`` (HF models' ``input_ids``, ``attention_mask``), else by
+        position in the graph's placeholder order (a placeholder fx or export renamed)."""
+        parameters = {name for name, _, _ in self.compiled.info.signature.parameters}
+        if set(tensors) <= parameters:
+            return tensors
+        return tuple(tensors[name] for name in self.contract.names)
+
+    async def close(self) -> None:
+        """Stops every function and the store this version started; queued after any batch
+        still running on it (its one thread), so that batch finishes first."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._teardown)
+        await loop.run_in_executor(None, self._executor.shutdown)
+
+    def close_now(self) -> None:
+        """:meth:`close` from a thread without an event loop (a failed start)."""
+        self._executor.submit(self._teardown).result()
+        self._executor.shutdown()
+
+    def _teardown(self) -> None:
+        if self.deployment is not None:
+            self.deployment.teardown()
+            self.deployment = None
