@@ -8,7 +8,7 @@ target name in :data:`BACKENDS` (a registry that refuses duplicate names). ``loc
 every stage replica as its own process sharing only a local S3 server; ``aws-lambda`` and
 ``alibaba-fc`` deploy the same functions as container images (``images``, ``cloud``) and share
 the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
-``torch.distributed``. The platform data behind each target (tiers,
+``torch.distributed``; ``ray`` runs the local backend's functions as Ray tasks on a cluster. The platform data behind each target (tiers,
 bandwidth, prices, limits, with sources) is in :mod:`flatpack.platform.catalog`.
 """
 
@@ -17,7 +17,7 @@ from flatpack.errors import InputError
 from flatpack.platform.catalog import BUILTIN_PLATFORMS
 from flatpack.registry import Registry
 
-# The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container.
+# The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container, ray.
 TARGETS = tuple(BUILTIN_PLATFORMS)
 BACKEND_FUNCTIONS = ("package", "deploy", "invoke", "teardown")
 
@@ -26,6 +26,7 @@ BACKENDS: Registry[Backend] = Registry("backend", InputError, {
     "aws-lambda": "flatpack.backends.aws_lambda:backend",
     "alibaba-fc": "flatpack.backends.alibaba_fc:backend",
     "gpu-container": "flatpack.backends.gpu_container:backend",
+    "ray": "flatpack.backends.ray:backend",
 })
 
 
