@@ -62,13 +62,14 @@ from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
 from flatpack.units import GIB, MIB
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "connect", "read_cluster",
-           "check_capacity", "RayDeployment", "RayInvocation", "Demand"]
+           "check_capacity", "training_asks", "inference_asks", "RayDeployment", "RayInvocation", "Demand"]
 
 NAME = "ray"
 CAPABILITIES = FUNCTION_CAPABILITIES
 LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
 PRICE_ENV = {"price_per_vcpu_s": "FLATPACK_RAY_PRICE_PER_VCPU_S", "price_per_gb_s": "FLATPACK_RAY_PRICE_PER_GB_S"}
 UNTIERED_CPUS = 1.0      # what a function of a stage without a memory tier asks for (Ray's default for a task)
+NODE_LINE = "[flatpack] ran on Ray node "   # a function's log starts with the node its task ran on
 POLL_EVERY_S = 0.02      # an invocation asks Ray about its task at most this often (inference polls every 2 ms)
 
 
@@ -176,29 +177,43 @@ def demand_of(memory_mb: int | None) -> Demand:
     return Demand(tier.vcpus, tier.memory_bytes)
 
 
-def check_capacity(compiled: Compiled, cluster: RayCluster) -> None:
-    """InputError, before any process starts, when ``cluster`` cannot run every function of
-    ``compiled``'s plan at once: a tier no single node holds, or more vCPU or memory in all
-    than the alive nodes have (the message names the shortfall and the stages asking)."""
-    stages = compiled.plan.stages
-    demands = [demand_of(stage.memory_mb) for stage in stages]
-    for index, demand in enumerate(demands):
+def training_asks(compiled: Compiled) -> list[tuple[str, int, Demand]]:
+    """The functions a training run of ``compiled`` keeps running at once: each stage's
+    replicas, as ``(stage label, count, demand)``."""
+    return [(f"stage {index}", stage.replicas, demand_of(stage.memory_mb))
+            for index, stage in enumerate(compiled.plan.stages)]
+
+
+def inference_asks(compiled: Compiled) -> list[tuple[str, int, Demand]]:
+    """The functions fork-join inference keeps warm: the master and every group's workers,
+    all of the fork-join plan's tier."""
+    plan = ForkJoinPlan.from_plan(compiled.plan)
+    demand = demand_of(plan.memory_mb)
+    return [("the master", 1, demand)] + [(f"group {index}", group.workers, demand)
+                                            for index, group in enumerate(plan.groups) if group.workers]
+
+
+def check_capacity(asks: Sequence[tuple[str, int, Demand]], cluster: RayCluster, what: str = "the plan") -> None:
+    """InputError, before any process starts, when ``cluster`` cannot run the functions
+    ``asks`` lists (:func:`training_asks`, :func:`inference_asks`) at once: a function no
+    single node holds, or more vCPU or memory in all than the alive nodes have (the message
+    names the shortfall and who asks for it)."""
+    for label, _, demand in asks:
         if not any(node.cpus >= demand.cpus and node.memory_bytes >= demand.memory_bytes for node in cluster.nodes):
-            raise InputError(f"stage {index} asks for {demand.cpus:g} vCPU and {demand.memory_bytes / MIB:.0f} MB per "
-                             f"function, and no node of the Ray cluster has that much (the largest: "
+            raise InputError(f"{label} of {what} asks for {demand.cpus:g} vCPU and {demand.memory_bytes / MIB:.0f} MB "
+                             f"per function, and no node of the Ray cluster has that much (the largest: "
                              f"{cluster.largest_cpus:g} CPUs, {cluster.largest_memory_mb} MB). Plan smaller tiers "
                              "(--memory) or add a bigger node")
-    asks = ", ".join(f"stage {index}: {stage.replicas} x {demand.cpus:g}"
-                     for index, (stage, demand) in enumerate(zip(stages, demands)))
-    cpus = sum(stage.replicas * demand.cpus for stage, demand in zip(stages, demands))
+    listed = ", ".join(f"{label}: {count} x {demand.cpus:g}" for label, count, demand in asks)
+    cpus = sum(count * demand.cpus for _, count, demand in asks)
     if cpus > cluster.total_cpus + 1e-9:
-        raise InputError(f"the plan needs {cpus:g} vCPU at once ({asks}) and the Ray cluster has "
+        raise InputError(f"{what} needs {cpus:g} vCPU at once ({listed}) and the Ray cluster has "
                          f"{cluster.total_cpus:g}: {cpus - cluster.total_cpus:g} vCPU short. Add nodes, or plan "
                          "fewer replicas or smaller tiers")
-    memory = sum(stage.replicas * demand.memory_bytes for stage, demand in zip(stages, demands))
-    memory, available = memory / GIB, cluster.total_memory_bytes / GIB
+    memory = sum(count * demand.memory_bytes for _, count, demand in asks) / GIB
+    available = cluster.total_memory_bytes / GIB
     if memory > available:
-        raise InputError(f"the plan needs {memory:.2f} GiB of memory at once and the Ray cluster has {available:.2f} "
+        raise InputError(f"{what} needs {memory:.2f} GiB of memory at once and the Ray cluster has {available:.2f} "
                          f"GiB: {memory - available:.2f} GiB short. Add nodes, or plan fewer replicas or smaller tiers")
 
 
@@ -230,7 +245,7 @@ def deploy(compiled: Compiled, *, address: str | None = None, store_url: str | N
     connection = connect(address, price_per_vcpu_s=price_per_vcpu_s, price_per_gb_s=price_per_gb_s,
                          runtime_env=runtime_env)
     try:
-        check_capacity(compiled, connection.cluster)
+        check_capacity(training_asks(compiled), connection.cluster)
         check_store_reachable(connection.node_hosts, store_url)
         deployment = open_deployment(RayDeployment, compiled, store_url=store_url, env=env, workdir=workdir,
                                      run=run, data_dir=data_dir)
@@ -306,10 +321,12 @@ class RayInvocation:
         ray = _ray()
         try:
             code, output, self.node = ray.get(self.ref)
+            header = f"{NODE_LINE}{self.node}\n"
         except ray.exceptions.RayError as err:    # the task was lost: crashed, cancelled, its node died
-            self.failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-            code, output = self.LOST, f"[flatpack] the Ray task was lost: {self.failure}\n".encode()
-        self.log_path.write_bytes(output)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            self.failure = f"{type(err).__name__}: {first}"
+            code, output, header = self.LOST, b"", f"[flatpack] the Ray task was lost: {self.failure}\n"
+        self.log_path.write_bytes(header.encode() + output)
         self.code = code
 
 
@@ -330,6 +347,12 @@ class RayDeployment(LocalDeployment):
         if role.kind == "train":
             return self.compiled.plan.stages[role.stage].memory_mb
         return ForkJoinPlan.from_plan(self.compiled.plan).memory_mb
+
+    def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
+        # every fork-join function stays warm at once: refused here when the cluster cannot hold them
+        if self.connection is not None:
+            check_capacity(inference_asks(self.compiled), self.connection.cluster, "fork-join inference")
+        return super()._start_inference(threads, wait_timeout_s)
 
     def teardown(self, clean: bool | None = None) -> None:
         """Stops every function and the server deploy started (``LocalDeployment.teardown``),
