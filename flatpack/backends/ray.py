@@ -67,6 +67,8 @@ __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "tea
 NAME = "ray"
 CAPABILITIES = FUNCTION_CAPABILITIES
 LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
+# flatpack calibrate/profile --target ray start one function per memory tier (backends.profiling)
+PROFILE_FUNCTIONS = True
 PRICE_ENV = {"price_per_vcpu_s": "FLATPACK_RAY_PRICE_PER_VCPU_S", "price_per_gb_s": "FLATPACK_RAY_PRICE_PER_GB_S"}
 UNTIERED_CPUS = 1.0      # what a function of a stage without a memory tier asks for (Ray's default for a task)
 NODE_LINE = "[flatpack] ran on Ray node "   # a function's log starts with the node its task ran on
@@ -236,16 +238,21 @@ def deploy(compiled: Compiled, *, address: str | None = None, store_url: str | N
            env: dict[str, str] | None = None, workdir: str | os.PathLike | None = None, run: str | None = None,
            data_dir: str | os.PathLike | None = None, digest: str | None = None,
            price_per_vcpu_s: float | None = None, price_per_gb_s: float | None = None,
-           runtime_env: dict | None = None) -> RayDeployment:
+           runtime_env: dict | None = None, profile_tiers: Sequence[int] = ()) -> RayDeployment:
     """Connects to the Ray cluster at ``address`` (:func:`connect`), refuses a plan it cannot
     hold (:func:`check_capacity`) and a store its nodes cannot reach, then deploys as
     ``local.deploy`` does (``store_url``, ``env``, ``workdir``, ``run``, ``data_dir`` and
-    ``digest`` mean the same): the store, and the stage artifacts uploaded under a run prefix."""
+    ``digest`` mean the same): the store, and the stage artifacts uploaded under a run prefix.
+    ``profile_tiers``: the memory tiers a calibration or profile run starts one function of
+    at a time (``backends.profiling``), each checked to fit a node."""
     check_deploy_request(compiled, store_url=store_url, data_dir=data_dir, digest=digest)
     connection = connect(address, price_per_vcpu_s=price_per_vcpu_s, price_per_gb_s=price_per_gb_s,
                          runtime_env=runtime_env)
     try:
         check_capacity(training_asks(compiled), connection.cluster)
+        for memory_mb in profile_tiers:
+            check_capacity([(f"the {memory_mb} MB tier", 1, demand_of(memory_mb))], connection.cluster,
+                           "the calibration")
         check_store_reachable(connection.node_hosts, store_url)
         deployment = open_deployment(RayDeployment, compiled, store_url=store_url, env=env, workdir=workdir,
                                      run=run, data_dir=data_dir)
@@ -342,10 +349,12 @@ class RayDeployment(LocalDeployment):
         return invoke(self, role)
 
     def memory_mb_of(self, role: Role) -> int | None:
-        """The tier of ``role``'s function: its stage's for training, the fork-join plan's for
-        inference (``FunctionDeployment._start_inference`` holds them to it)."""
+        """The tier of ``role``'s function: its stage's for training, the tier a profile or
+        calibration function measures, the fork-join plan's for inference."""
         if role.kind == "train":
             return self.compiled.plan.stages[role.stage].memory_mb
+        if role.kind in ("profile", "calibrate"):     # one function per tier: its stage is the tier's MB
+            return role.stage
         return ForkJoinPlan.from_plan(self.compiled.plan).memory_mb
 
     def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
