@@ -592,11 +592,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                          split_points=_names(args.split_points), precision=args.precision,
                          recompute=args.recompute, calibration=Path(args.calibration) if args.calibration else None,
                          replan=args.replan, epoch_iterations=args.epoch_iterations,
+                         target=args.target, address=args.address,
                          **({"replan_threshold": args.replan_threshold} if args.replan_threshold is not None else {}))
-    if args.target != "local":
-        raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
-                         f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
-                         "deployment, see docs/cloud.md)")
     # every option is checked before the model is built and before any process starts
     options.check()
     model, inputs = load_factory(args.model, args.size)
@@ -631,7 +628,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     result = resume_training(Path(args.run_dir), stream=_text_stream(args), clean=args.clean, digest=args.digest,
                              verify_key=args.verify_key, data=args.data, name=args.name,
                              min_version=args.min_version, trust_file=args.trust_file,
-                             accept_changed_data=args.accept_changed_data)
+                             accept_changed_data=args.accept_changed_data, target=args.target,
+                             address=args.address)
     report(args, None, result.to_json)
     return 0
 
@@ -687,8 +685,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from flatpack.partitioner.workload import Workload
 
     if args.target not in CLOUD_OPTIONS:
-        raise InputError(f"flatpack deploy targets {', '.join(CLOUD_OPTIONS)}; the local target runs in-process "
-                         "(flatpack run MODEL)")
+        raise InputError(f"flatpack deploy targets {', '.join(CLOUD_OPTIONS)}; the local and ray targets run "
+                         "from the process that trains (flatpack run MODEL [--target ray --address ADDRESS])")
     if args.backend is not None and args.target != "gpu-container":
         raise InputError(f"--backend chooses the gpu-container ranks' collective backend; {args.target} functions "
                          "talk through the store. Leave --backend out, or use --target gpu-container")
@@ -813,6 +811,22 @@ def _verbosity_args(parser: argparse.ArgumentParser) -> None:
                         help="only warnings and errors on stderr (no progress), e.g. flatpack plan bert -q")
 
 
+def _connect_ray(args: argparse.Namespace) -> None:
+    """``--target ray``: connects to the cluster at ``--address`` first (the platform is read
+    from it; the deployment then uses this connection). ``--address`` is refused elsewhere."""
+    address = getattr(args, "address", None)
+    if args.target == "ray":
+        from flatpack.backends import get_backend
+
+        get_backend("ray").connect(address)
+    elif address is not None:
+        raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
+
+
+RAY_ADDRESS_HELP = ("--target ray: the Ray cluster (auto: the one `ray start` runs here or $RAY_ADDRESS; "
+                    "ray://HOST:10001; local: a one-node cluster started in this process)")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
     from flatpack.backends.target_calibration import calibrate_target, calibration_summary
@@ -830,6 +844,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if given:
         raise InputError(f"{' and '.join(given)} choose the ranks of a GPU-container calibration; {args.target}'s "
                          "functions talk through the store. Leave them out, or use --target gpu-container")
+    _connect_ray(args)
     calibration = calibrate_target(args.target, tiers=_ints(args.tiers, "--tiers") if args.tiers else None, out=path,
                                    emulate=args.emulate, region=args.region, round_trips=args.round_trips,
                                    probe_bytes=int(args.probe_mb * (1 << 20)), timeout_s=args.timeout,
@@ -988,6 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "seconds beyond the cost model, and FuncPipe's beta), and writes what it measured to a "
                     "versioned calibration file that compile, plan and run take with --calibration.")
     calibrate_parser.add_argument("--target", required=True, help="platform to measure (see flatpack platforms)")
+    calibrate_parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     calibrate_parser.add_argument("--tiers", default=None, metavar="MB[,MB...]",
                                   help="memory tiers to measure (default: the target's)")
     calibrate_parser.add_argument("--out", default=None, help="the calibration file (default calibration.json)")
@@ -1097,7 +1113,8 @@ def build_parser() -> argparse.ArgumentParser:
                "then: model.load_state_dict(flatpack.load_state_dict('bert.safetensors'))")
     run_parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
     run_parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
-    run_parser.add_argument("--target", default="local")
+    run_parser.add_argument("--target", default="local", help="where the functions run: local or ray")
+    run_parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     run_parser.add_argument("--batch", type=int, default=32)
     run_parser.add_argument("--micro-batches", type=int, default=4)
     run_parser.add_argument("--iterations", type=int, default=None,
@@ -1216,6 +1233,8 @@ def build_parser() -> argparse.ArgumentParser:
     resume_parser = sub.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")
     resume_parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
+    resume_parser.add_argument("--target", default="local", help="where the run's functions run: local or ray")
+    resume_parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     resume_parser.add_argument("--data", default=None, metavar="MODULE:FACTORY",
                                help="a run whose --data was a dataset factory names it again (run.json records it, "
                                     "but never names code to import), e.g. --data mydata.py:make")

@@ -28,7 +28,7 @@ from flatpack import logs
 from flatpack.analysis import chrome_trace, gantt, report
 from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
-from flatpack.backends import local
+from flatpack.backends import get_backend, local
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.backends.functions import merge_results
 from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
@@ -133,6 +133,10 @@ class JobOptions:
     # "auto": the solver may let a stage recompute its activations in the backward instead of
     # keeping them (a smaller tier for one more forward); "never": every stage keeps them
     recompute: str = "never"
+    # where the functions run: "local" (processes of this machine) or "ray" (the same functions
+    # as Ray tasks on the cluster at ``address``: None/"auto", "ray://host:port", "local")
+    target: str = "local"
+    address: str | None = None
     # re-fit the cost model to each epoch of --epoch-iterations iterations and switch to a plan
     # predicted at least replan_threshold faster (backends.replan; the run ends with the
     # weights a run on one plan reaches)
@@ -207,11 +211,16 @@ class JobOptions:
         need(min(self.replicas) <= self.micro_batches,
              f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {self.micro_batches} "
              "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
+        need(self.target in RUN_TARGETS, f"flatpack run trains on {' or '.join(RUN_TARGETS)} functions, not "
+             f"{self.target!r}; to deploy to a cloud target use `flatpack deploy MODEL --target {self.target} --out "
+             "DIR` (then train from Python with the deployment, see docs/cloud.md)")
+        need(self.address is None or self.target == "ray",
+             "--address names the Ray cluster to run on; give --target ray with it, or leave it out")
         if self.memory_mb:
-            platform = get_platform("local")
+            platform = get_platform(self.target)
             for size in self.memory_mb:
                 need(isinstance(size, int) and size >= 1, f"--memory takes tiers in MB, each positive, got {size}")
-                platform.tier(size)   # names the sizes the local platform offers
+                platform.tier(size)   # names the sizes the target's platform offers
         need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
              f"checkpoint_every must be 0 (only the last iteration) or a positive count, got {self.checkpoint_every}")
         need(self.pick in ("recommended", "fastest"), f"pick must be 'recommended' or 'fastest', got {self.pick!r}")
@@ -221,9 +230,9 @@ class JobOptions:
              f"--out {self.out} is a file; give a directory (it is created if missing)")
         if self.calibration is not None:
             # read and checked now: a bad file is refused before anything is compiled or started
-            need(Calibration.load(self.calibration).platform == "local",
-                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
-                 "functions: use `flatpack calibrate --target local`")
+            need(Calibration.load(self.calibration).platform == self.target,
+                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on "
+                 f"{self.target} functions: use `flatpack calibrate --target {self.target}`")
         need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
              f"--stages must be a positive number of stages, got {self.stages}")
         need(self.stages is None or not self.split_points,
@@ -644,12 +653,15 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         # the weights and buffers training starts from (profiling runs the model in train
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
-        compiled = flatpack.compile(model, example_batch, target="local", solver=solver, passes=options.passes,
+        if options.target == "ray":    # the plan is made for the cluster's nodes (platform.catalog.ray)
+            get_backend("ray").connect(options.address)
+        compiled = flatpack.compile(model, example_batch, target=options.target, solver=solver, passes=options.passes,
                                     profile=ProfileOptions(batch_sizes=sizes, repeats=3,
                                                            progress=None if logs.progress_enabled() else False),
                                     workload=workload, calibration=options.calibration, **extra)
-        LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
-                 f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
+        LOG.info(f"compiled {type(model).__name__} for target {options.target} in "
+                 f"{time.perf_counter() - started:.1f} s: {plural(compiled.plan.num_layers, 'layer')}, "
+                 f"solver {getattr(solver, 'name', solver)}")
         if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
             raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
         _print_front(compiled, say)
@@ -703,9 +715,10 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=iterations,
                            data=data_record, train_options=train_options, fingerprint=fingerprint)
         directory.write(record)
-        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                 run=record.run) as deployment:
-            LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
+        with _resumable(directory), deploy_for(options.target, options.address, compiled, workdir=directory.logs,
+                                               data_dir=directory.store, run=record.run) as deployment:
+            where = "one process each" if options.target == "local" else "one Ray task each"
+            LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} ({where}) "
                      f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
             if compiled.problem.calibration is not None:   # measured by a separate flatpack calibrate run
                 problem = compiled.problem
@@ -888,10 +901,27 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
         say(f"saved them to {saved}")
 
 
+RUN_TARGETS = ("local", "ray")
+
+
+def deploy_for(target: str, address: str | None, compiled: Any, **options: Any) -> Any:
+    """``flatpack run``'s and ``resume``'s deployment: the local backend's functions, or
+    (``target="ray"``) the same functions as Ray tasks on the cluster at ``address``; ``options``
+    are ``local.deploy``'s, which both take."""
+    if target not in RUN_TARGETS:
+        raise InputError(f"flatpack run and resume train on {' or '.join(RUN_TARGETS)} functions, not {target!r}")
+    if target == "ray":
+        return get_backend("ray").deploy(compiled, address=address, **options)
+    if address is not None:
+        raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
+    return local.deploy(compiled, **options)
+
+
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
                     verify_key: str | None = None, data: str | None = None, name: str | None = None,
                     min_version: int | None = None, trust_file: str | None = None,
-                    accept_changed_data: bool = False) -> ResumeResult:
+                    accept_changed_data: bool = False, target: str = "local",
+                    address: str | None = None) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
@@ -900,7 +930,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     whose data came from a dataset factory names it again (``run.json`` is data and never
     names code to import). The data is checked against the fingerprint the run recorded at its
     start; ``accept_changed_data`` resumes on changed data anyway (with a warning naming what
-    changed)."""
+    changed). ``target``/``address``: where the functions run, as the run was started
+    (``flatpack run --target ray --address ...``)."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -935,8 +966,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                     accept_changed_data)
         batches = directory.load_batches()
     with torch_threads(1):   # as run_training trains
-        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                 run=record.run) as deployment:
+        with _resumable(directory), deploy_for(target, address, compiled, workdir=directory.logs,
+                                               data_dir=directory.store, run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
             calls = deployment.calls()
             resumed_after = done if calls else None

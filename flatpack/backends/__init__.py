@@ -7,9 +7,10 @@ the rest), the :class:`~flatpack.backends.protocol.Backend` protocol; it is look
 target name in :data:`BACKENDS` (a registry that refuses duplicate names). ``local`` runs
 every stage replica as its own process sharing only a local S3 server; ``aws-lambda`` and
 ``alibaba-fc`` deploy the same functions as container images (``images``, ``cloud``) and share
-the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
-``torch.distributed``; ``ray`` runs the local backend's functions as Ray tasks on a cluster. The platform data behind each target (tiers,
-bandwidth, prices, limits, with sources) is in :mod:`flatpack.platform.catalog`.
+the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that
+talk to each other with ``torch.distributed``; ``ray`` runs the local backend's functions as
+Ray tasks on a cluster. The platform data behind each target (tiers, bandwidth, prices,
+limits, with sources) is in :mod:`flatpack.platform.catalog`.
 """
 
 from flatpack.backends.protocol import Backend, Capability

@@ -175,3 +175,24 @@ def test_the_platform_is_the_clusters_and_a_plan_too_big_for_it_is_refused_befor
     with pytest.raises(InputError, match=r"needs 12.00 GiB of memory at once .* 10.00 GiB: 2.00 GiB short"):
         ray_backend.check_capacity([("stage 0", 3, ray_backend.Demand(0.5, 4 * GIB))], cluster)
     assert get_backend("ray") is ray_backend
+
+
+def test_flatpack_run_target_ray_trains_on_the_cluster_and_passes_the_verdict(ray_cluster, tmp_path, capsys):
+    """The command line end to end on the cluster this process is connected to: plan for its
+    nodes, train as Ray tasks, and the verdict against single-process training."""
+    from flatpack import cli
+
+    code = cli.main(["run", "mlp", "--target", "ray", "--stages", "2", "--replicas", "2", "--memory", str(TIER_MB),
+                     "--batch", "8", "--micro-batches", "2", "--iterations", "3", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "equivalence with single-process training: passed" in out
+    logs = sorted((tmp_path / "run").rglob("train-s*-a0.log"))
+    assert logs and all(log.read_text().startswith(ray_backend.NODE_LINE) for log in logs)
+
+
+def test_address_without_target_ray_is_refused_before_anything_runs(tmp_path):
+    from flatpack import cli
+
+    assert cli.main(["run", "mlp", "--address", "auto", "--out", str(tmp_path / "run")]) != 0
+    assert not (tmp_path / "run" / "store").exists()
