@@ -13,13 +13,24 @@ start-up is not in it; the start-up (deploy to the first iteration's end) is pri
 Printed: per round and backend the median iteration and the start-up; then the ratio of Ray's
 median to local's (issue 39 asks for at most 1.15). The weights of every Ray run are checked
 bit-identical to local's.
+
+``--fidelity``: then a separate ``flatpack calibrate --target ray --address ...`` run measures
+the cluster, and six plans of benchmarks/fidelity.py's cases run through ``flatpack run
+--target ray`` with that calibration (``JobOptions(target="ray")``); printed per plan the
+calibrated prediction, the measured median iteration and the error, then the MAPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -79,11 +90,53 @@ def measure(deployment, iterations: int) -> tuple[float, float, dict[str, torch.
     return summary.iteration_s, first_end - started, result.parameters
 
 
+FIDELITY_TIERS = (512, 1024)
+
+
+def fidelity(address: str, iterations: int) -> None:
+    """Calibrates the cluster, runs six of fidelity.py's plans on it and prints the
+    calibrated prediction's error against each measured median iteration."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fidelity import CASES, mape
+
+    from flatpack import zoo
+    from flatpack.job import JobOptions, run_training
+
+    cases = [CASES[index] for index in (1, 2, 4, 7, 8, 9)]   # vgg16, resnet50 and rnn-3; 1-2 stages, d 1-2
+    with tempfile.TemporaryDirectory(prefix="flatpack-ray-fidelity-") as scratch:
+        calibration = Path(scratch) / "calibration.json"
+        command = [sys.executable, "-m", "flatpack", "calibrate", "--target", "ray", "--address", address,
+                   "--tiers", ",".join(map(str, FIDELITY_TIERS)), "--out", str(calibration)]
+        print("$ " + " ".join(command[1:]), flush=True)
+        subprocess.run(command, check=True, stdout=sys.stderr, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        rows, errors = [], []
+        for index, case in enumerate(cases):
+            model, example = zoo.build(case.model, "tiny")
+            options = JobOptions(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
+                                 optimizer="adam", lr=1e-3, solver=case.shape,  # pyright: ignore[reportArgumentType]
+                                 replicas=(case.shape.replicas,), memory_mb=(case.shape.memory_mb,),
+                                 out=Path(scratch) / f"run-{index}", verify=False, schedule=case.schedule,
+                                 passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
+                                 calibration=calibration, target="ray", address=address)
+            comparison = run_training(model, example, options, stream=io.StringIO()).comparison
+            error = comparison.iteration_error
+            errors.append(error)
+            rows.append((case.model, case.label, f"{comparison.predicted_iteration_s * 1000:.0f}",
+                         f"{comparison.measured_iteration_s * 1000:.0f}", f"{error * 100:+.1f}%"))
+            print(f"{case.model} {case.label}: predicted {rows[-1][2]} ms, measured {rows[-1][3]} ms, "
+                  f"error {rows[-1][4]}", flush=True)
+    print()
+    print(format_table(["model", "plan", "predicted ms", "measured ms", "error"], rows, numeric={2, 3, 4}))
+    print(f"\ncalibrated prediction on Ray: MAPE {mape(errors, f' over {len(errors)} plans')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--width", type=int, default=256, help="the hidden layers' width (compute per iteration)")
+    parser.add_argument("--fidelity", action="store_true", help="then calibrate the cluster and predict 6 plans")
+    parser.add_argument("--fidelity-iterations", type=int, default=7)
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -111,14 +164,17 @@ def main() -> None:
                 same = all(torch.equal(weights["ray"][key], value) for key, value in weights["local"].items())
                 print(f"round {round_}: Ray's weights {'bit-identical to' if same else 'DIFFER from'} local's",
                       flush=True)
+        print()
+        print(format_table(["round", "backend", "median iteration ms", "start-up s"], rows, numeric={0, 2, 3}))
+        local_s, ray_s = statistics.median(medians["local"]), statistics.median(medians["ray"])
+        print(f"\nmedian iteration: local {local_s * 1000:.1f} ms, ray {ray_s * 1000:.1f} ms; ray / local = "
+              f"{ray_s / local_s:.3f}", flush=True)
+        if args.fidelity:
+            print()
+            fidelity(cluster.address, args.fidelity_iterations)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print()
-    print(format_table(["round", "backend", "median iteration ms", "start-up s"], rows, numeric={0, 2, 3}))
-    local_s, ray_s = statistics.median(medians["local"]), statistics.median(medians["ray"])
-    print(f"\nmedian iteration: local {local_s * 1000:.1f} ms, ray {ray_s * 1000:.1f} ms; ray / local = "
-          f"{ray_s / local_s:.3f}")
 
 
 if __name__ == "__main__":
