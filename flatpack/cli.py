@@ -816,9 +816,9 @@ def _connect_ray(args: argparse.Namespace) -> None:
     from it; the deployment then uses this connection). ``--address`` is refused elsewhere."""
     address = getattr(args, "address", None)
     if args.target == "ray":
-        from flatpack.backends import get_backend
+        from flatpack.backends import ray as ray_backend
 
-        get_backend("ray").connect(address)
+        ray_backend.connect(address)
     elif address is not None:
         raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
 

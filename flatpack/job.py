@@ -28,7 +28,8 @@ from flatpack import logs
 from flatpack.analysis import chrome_trace, gantt, report
 from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
-from flatpack.backends import get_backend, local
+from flatpack.backends import local
+from flatpack.backends import ray as ray_backend
 from flatpack.backends.batch_checks import NON_FINITE
 from flatpack.backends.functions import merge_results
 from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST, PlanSwitch, ReplanPolicy
@@ -654,7 +655,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
         # mode, which moves BatchNorm's running statistics): the reference starts here too
         initial = copy.deepcopy(model)
         if options.target == "ray":    # the plan is made for the cluster's nodes (platform.catalog.ray)
-            get_backend("ray").connect(options.address)
+            ray_backend.connect(options.address)
         compiled = flatpack.compile(model, example_batch, target=options.target, solver=solver, passes=options.passes,
                                     profile=ProfileOptions(batch_sizes=sizes, repeats=3,
                                                            progress=None if logs.progress_enabled() else False),
@@ -911,7 +912,7 @@ def deploy_for(target: str, address: str | None, compiled: Any, **options: Any) 
     if target not in RUN_TARGETS:
         raise InputError(f"flatpack run and resume train on {' or '.join(RUN_TARGETS)} functions, not {target!r}")
     if target == "ray":
-        return get_backend("ray").deploy(compiled, address=address, **options)
+        return ray_backend.deploy(compiled, address=address, **options)
     if address is not None:
         raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
     return local.deploy(compiled, **options)
