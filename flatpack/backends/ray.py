@@ -101,10 +101,10 @@ def connect(address: str | None = None, *, price_per_vcpu_s: float | None = None
     ray = _ray()
     opened_here = False
     if not ray.is_initialized():
-        target = None if address == "local" else (address or "auto")
+        target = address or "auto"     # Ray's "local" starts a new instance even where a cluster runs
         try:
             ray.init(address=target, runtime_env=runtime_env, logging_level=logging.WARNING,
-                     include_dashboard=False if target is None else None)
+                     include_dashboard=False if target == "local" else None)
         except ConnectionError as err:
             raise InputError(f"no Ray cluster answers at {target!r} ({err}). Start one (`ray start --head`), pass "
                              "its address (--address ray://HOST:10001), or address='local' for a one-node cluster "
