@@ -109,7 +109,8 @@ def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_s
     """SIGKILL of the Ray worker process running a function's task (the function dies with
     it): Ray reports the task lost (no Ray retry), flatpack's invoker restarts it."""
     with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
-        killer = threading.Thread(target=kill_task_process, args=(deployment, 0, 1, 1), daemon=True)
+        killed: list[int] = []
+        killer = threading.Thread(target=kill_task_process, args=(deployment, 0, 1, 1, killed), daemon=True)
         killer.start()
         result = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule="1f1b",
                                   faults=[{"stage": 0, "replica": 1, "iteration": 1, "action": "sleep",
@@ -117,23 +118,28 @@ def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_s
         killer.join()
     assert [(r.worker, r.reason) for r in result.restarts] == [("s0r1", "lost")]
     assert_bit_identical(result.parameters, local_results["1f1b"].parameters)
+    # the function died with its task's process (PR_SET_PDEATHSIG), not left running beside its replacement
+    assert killed and not os.path.exists(f"/proc/{killed[0]}")
 
 
-def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica: int, iteration: int) -> None:
+def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica: int, iteration: int,
+                      killed: list[int]) -> None:
     """Waits until the function of ``stage``/``replica`` reported ``iteration - 1`` (it then
     sleeps in ``iteration``, a fault of the test), and SIGKILLs the Ray worker process that
-    runs its task: the parent of the function's process."""
+    runs its task: the parent of the function's process (whose pid goes to ``killed``)."""
     deadline = time.time() + 60
     key = deployment.keys.progress(iteration - 1, stage, replica)
     while not deployment.store.exists(key):
         assert time.time() < deadline, "the function never reported"
         time.sleep(0.05)
-    os.kill(function_parent(stage, replica), signal.SIGKILL)
+    child, parent = function_process(stage, replica)
+    killed.append(child)
+    os.kill(parent, signal.SIGKILL)
 
 
-def function_parent(stage: int, replica: int) -> int:
-    """The parent pid of the running function process of ``stage``/``replica`` (found by
-    the role in its environment)."""
+def function_process(stage: int, replica: int) -> tuple[int, int]:
+    """The pid of the running function process of ``stage``/``replica`` (found by the role
+    in its environment) and its parent's."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -147,7 +153,7 @@ def function_parent(stage: int, replica: int) -> int:
             continue
         role = env.get(b"FLATPACK_ROLE", b"")
         if b'"kind": "train"' in role and f'"stage": {stage}, "replica": {replica},'.encode() in role:
-            return parent
+            return int(pid), parent
     raise AssertionError(f"no function process for stage {stage} replica {replica}")
 
 
