@@ -25,7 +25,8 @@ from flatpack import logs, schedules
 from flatpack.analysis import chrome_trace, gantt, report
 from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
-from flatpack.backends import local
+from flatpack.backends import RUN_TARGETS, local
+from flatpack.backends import ray as ray_backend
 from flatpack.backends.functions import merge_results
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
@@ -359,11 +360,13 @@ def _compile(run: _Run, model: nn.Module) -> None:
     if plan.split_points:
         check_split_points(model, plan.split_points)
     solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points)
-    compiled = flatpack.compile(model, run.batches[0][0], target="local", solver=solver, passes=plan.passes,
+    if plan.target == "ray":    # the plan is made for the cluster's nodes (platform.catalog.ray)
+        ray_backend.connect(plan.address)
+    compiled = flatpack.compile(model, run.batches[0][0], target=plan.target, solver=solver, passes=plan.passes,
                                 profile=ProfileOptions(batch_sizes=sizes, repeats=3,
                                                        progress=None if logs.progress_enabled() else False),
                                 workload=workload, calibration=plan.calibration, **extra)
-    LOG.info(f"compiled {type(model).__name__} for target local in {time.perf_counter() - started:.1f} s: "
+    LOG.info(f"compiled {type(model).__name__} for target {plan.target} in {time.perf_counter() - started:.1f} s: "
              f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
     if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
         raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
@@ -462,9 +465,11 @@ def _deploy_and_train(run: _Run) -> None:
     options, directory, compiled = run.options, run.directory, run.compiled
     assert directory is not None and run.settings is not None    # _record made them
     record = directory.read()
-    with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                             run=record.run) as deployment:
-        LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} (one process each) "
+    with _resumable(directory), deploy_for(options.plan.target, options.plan.address, compiled,
+                                           workdir=directory.logs, data_dir=directory.store,
+                                           run=record.run) as deployment:
+        where = "one process each" if options.plan.target == "local" else "one Ray task each"
+        LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} ({where}) "
                  f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
         run.problem = _measured_problem(compiled, deployment)
         plan = options.plan
@@ -687,10 +692,24 @@ def _finish(directory: RunDirectory, record: RunRecord, compiled: Any, parameter
         say(f"saved them to {saved}")
 
 
+def deploy_for(target: str, address: str | None, compiled: Any, **options: Any) -> Any:
+    """``flatpack run``'s and ``resume``'s deployment: the local backend's functions, or
+    (``target="ray"``) the same functions as Ray tasks on the cluster at ``address``; ``options``
+    are ``local.deploy``'s, which both take."""
+    if target not in RUN_TARGETS:
+        raise InputError(f"flatpack run and resume train on {' or '.join(RUN_TARGETS)} functions, not {target!r}")
+    if target == "ray":
+        return ray_backend.deploy(compiled, address=address, **options)
+    if address is not None:
+        raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
+    return local.deploy(compiled, **options)
+
+
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
                     verify_key: str | None = None, data: str | None = None, name: str | None = None,
                     min_version: int | None = None, trust_file: str | None = None,
-                    accept_changed_data: bool = False) -> ResumeResult:
+                    accept_changed_data: bool = False, target: str = "local",
+                    address: str | None = None) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
     uninterrupted run would have reached. ``clean``: discard the run's store data instead.
@@ -699,7 +718,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     whose data came from a dataset factory names it again (``run.json`` is data and never
     names code to import). The data is checked against the fingerprint the run recorded at its
     start; ``accept_changed_data`` resumes on changed data anyway (with a warning naming what
-    changed)."""
+    changed). ``target``/``address``: where the functions run, as the run was started
+    (``flatpack run --target ray --address ...``)."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -734,8 +754,8 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                     accept_changed_data)
         batches = directory.load_batches()
     with torch_threads(1):   # as run_training trains
-        with _resumable(directory), local.deploy(compiled, workdir=directory.logs, data_dir=directory.store,
-                                                 run=record.run) as deployment:
+        with _resumable(directory), deploy_for(target, address, compiled, workdir=directory.logs,
+                                               data_dir=directory.store, run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
             resumed_after = done if deployment.calls() else None
             result = _resume_calls(deployment, batches, record, done)

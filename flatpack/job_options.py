@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
+from flatpack.backends import RUN_TARGETS
 from flatpack.backends.replan import DEFAULT_THRESHOLD, SKIP_FIRST
 from flatpack import schedules
 from flatpack.errors import InputError
@@ -217,6 +218,10 @@ class PlanOptions:
     """How the run is planned: the solver (or fixed cuts), the search space, the calibration,
     and re-planning between epochs."""
 
+    # where the functions run: "local" (processes of this machine) or "ray" (the same functions
+    # as Ray tasks on the cluster at ``address``: None/"auto", "ray://host:port", "local")
+    target: str = "local"
+    address: str | None = None
     solver: str = "dp"
     passes: str | None = None
     replicas: tuple[int, ...] = (1, 2)
@@ -249,17 +254,22 @@ class PlanOptions:
         need(min(self.replicas) <= micro_batches,
              f"every degree in --replicas {','.join(map(str, self.replicas))} exceeds the {micro_batches} "
              "micro-batches of an iteration, so replicas would idle; allow --replicas 1 or use more --micro-batches")
+        need(self.target in RUN_TARGETS, f"flatpack run trains on {' or '.join(RUN_TARGETS)} functions, not "
+             f"{self.target!r}; to deploy to a cloud target use `flatpack deploy MODEL --target {self.target} --out "
+             "DIR` (then train from Python with the deployment, see docs/cloud.md)")
+        need(self.address is None or self.target == "ray",
+             "--address names the Ray cluster to run on; give --target ray with it, or leave it out")
         if self.memory_mb:
-            platform = get_platform("local")
+            platform = get_platform(self.target)
             for size in self.memory_mb:
                 need(isinstance(size, int) and size >= 1, f"--memory takes tiers in MB, each positive, got {size}")
-                platform.tier(size)   # names the sizes the local platform offers
+                platform.tier(size)   # names the sizes the target's platform offers
         need(self.pick in PICKS, f"pick must be one of {', '.join(map(repr, PICKS))}, got {self.pick!r}")
         if self.calibration is not None:
             # read and checked now: a bad file is refused before anything is compiled or started
-            need(Calibration.load(self.calibration).platform == "local",
-                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on local "
-                 "functions: use `flatpack calibrate --target local`")
+            need(Calibration.load(self.calibration).platform == self.target,
+                 f"--calibration {self.calibration} was measured on another target; flatpack run trains on "
+                 f"{self.target} functions: use `flatpack calibrate --target {self.target}`")
         self._check_cuts()
         need(self.recompute in RECOMPUTE,
              f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}; use never (the default: every "

@@ -7,9 +7,10 @@ the rest), the :class:`~flatpack.backends.protocol.Backend` protocol; it is look
 target name in :data:`BACKENDS` (a registry that refuses duplicate names). ``local`` runs
 every stage replica as its own process sharing only a local S3 server; ``aws-lambda`` and
 ``alibaba-fc`` deploy the same functions as container images (``images``, ``cloud``) and share
-the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that talk to each other with
-``torch.distributed``. The platform data behind each target (tiers,
-bandwidth, prices, limits, with sources) is in :mod:`flatpack.platform.catalog`.
+the local backend's invoker (``functions``); ``gpu-container`` runs stages as containers that
+talk to each other with ``torch.distributed``; ``ray`` runs the local backend's functions as
+Ray tasks on a cluster. The platform data behind each target (tiers, bandwidth, prices,
+limits, with sources) is in :mod:`flatpack.platform.catalog`.
 """
 
 from flatpack.backends.protocol import Backend, Capability
@@ -17,8 +18,11 @@ from flatpack.errors import InputError
 from flatpack.platform.catalog import BUILTIN_PLATFORMS
 from flatpack.registry import Registry
 
-# The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container.
+# The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container, ray.
 TARGETS = tuple(BUILTIN_PLATFORMS)
+# where flatpack run and resume train: the local backend's processes, or the same functions as
+# Ray tasks on a cluster; the other targets deploy (flatpack deploy) and train from Python
+RUN_TARGETS = ("local", "ray")
 BACKEND_FUNCTIONS = ("package", "deploy", "invoke", "teardown")
 
 BACKENDS: Registry[Backend] = Registry("backend", InputError, {
@@ -26,6 +30,7 @@ BACKENDS: Registry[Backend] = Registry("backend", InputError, {
     "aws-lambda": "flatpack.backends.aws_lambda:backend",
     "alibaba-fc": "flatpack.backends.alibaba_fc:backend",
     "gpu-container": "flatpack.backends.gpu_container:backend",
+    "ray": "flatpack.backends.ray:backend",
 })
 
 

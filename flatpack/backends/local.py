@@ -23,7 +23,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
                                          read_status)
@@ -43,6 +43,7 @@ __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "tea
 NAME = "local"
 CAPABILITIES = FUNCTION_CAPABILITIES
 LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
+D = TypeVar("D", bound="LocalDeployment")
 
 
 def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, str] | None = None,
@@ -58,11 +59,28 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
     printed). Either way every function verifies its stage against ``compiled.digest``,
     which it receives in its invocation (``tests/security/test_worker.py``).
     """
+    check_deploy_request(compiled, store_url=store_url, data_dir=data_dir, digest=digest)
+    return open_deployment(LocalDeployment, compiled, store_url=store_url, env=env, workdir=workdir, run=run,
+                           data_dir=data_dir)
+
+
+def check_deploy_request(compiled: Compiled, *, store_url: str | None, data_dir: str | os.PathLike | None,
+                         digest: str | None) -> None:
+    """What deploy refuses before any process starts: an artifact that is not ``digest``, and
+    a store given twice."""
     if digest is not None:
         check_digest(compiled.index.raw, digest, "the artifact to deploy")
     if data_dir is not None and store_url is not None:
         raise InputError("data_dir is where deploy's own S3 server keeps its data; with store_url there is none "
                          "(give one or the other)")
+
+
+def open_deployment(kind: type[D], compiled: Compiled, *, store_url: str | None,
+                    env: dict[str, str] | None, workdir: str | os.PathLike | None, run: str | None,
+                    data_dir: str | os.PathLike | None) -> D:
+    """A ``kind`` deployment (local, or a subclass whose functions run elsewhere: ``ray``) of
+    ``compiled`` on ``store_url``, or on an S3 server started here, with the stage artifacts
+    uploaded under ``run`` (a fresh run prefix by default); see :func:`deploy`."""
     server = None
     temporary: Path | None = None
     try:
@@ -75,8 +93,8 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
             else:
                 workdir = temporary = Path(tempfile.mkdtemp(prefix="flatpack-local-"))
         run = run or f"run-{uuid.uuid4().hex[:10]}"
-        deployment = LocalDeployment(compiled, store_url, dict(env or {}), RunKeys(run), Path(workdir),
-                                     store=server.store() if server is not None else None)
+        deployment = kind(compiled, store_url, dict(env or {}), RunKeys(run), Path(workdir),
+                          store=server.store() if server is not None else None)
     except BaseException:
         if server is not None:
             server.stop()

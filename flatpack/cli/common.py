@@ -15,6 +15,23 @@ from flatpack.errors import InputError
 if TYPE_CHECKING:
     import torch
 
+RAY_ADDRESS_HELP = ("--target ray: the Ray cluster (auto: the one `ray start` runs here or $RAY_ADDRESS; "
+                    "ray://HOST:10001; local: a one-node cluster started in this process)")
+
+
+def connect_ray(args: argparse.Namespace) -> None:
+    """``--target ray``: connects to the cluster at ``--address`` first (the platform is read
+    from it; the deployment then uses this connection). ``--address`` is refused elsewhere."""
+    address = getattr(args, "address", None)
+    if args.target == "ray":
+        # start-up time: a verb imports what it runs
+        from flatpack.backends import ray as ray_backend
+
+        ray_backend.connect(address)
+    elif address is not None:
+        raise InputError("--address names the Ray cluster to run on; give --target ray with it, or leave it out")
+
+
 LOG = logs.get("cli")
 
 JSON_HELP = ("print a JSON document on stdout instead of the text report (diagnostics stay on stderr), e.g. "

@@ -9,8 +9,8 @@ from typing import Any
 
 import flatpack
 from flatpack import logs
-from flatpack.cli.common import (compile_args, human_bytes, ints, json_flag, json_or_file, load_factory,
-                                 pipeline_for, positive_ints, report, targets_help)
+from flatpack.cli.common import (RAY_ADDRESS_HELP, compile_args, connect_ray, human_bytes, ints, json_flag,
+                                 json_or_file, load_factory, pipeline_for, positive_ints, report, targets_help)
 from flatpack.errors import FlatpackError, InputError
 from flatpack.table import format_table
 
@@ -91,6 +91,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if given:
         raise InputError(f"{' and '.join(given)} choose the ranks of a GPU-container calibration; {args.target}'s "
                          "functions talk through the store. Leave them out, or use --target gpu-container")
+    connect_ray(args)
     calibration = calibrate_target(args.target, tiers=ints(args.tiers, "--tiers") if args.tiers else None, out=path,
                                    emulate=args.emulate, region=args.region, round_trips=args.round_trips,
                                    probe_bytes=int(args.probe_mb * (1 << 20)), timeout_s=args.timeout,
@@ -161,6 +162,7 @@ def _add_calibrate(subparsers: Any) -> None:
                     "seconds beyond the cost model, and FuncPipe's beta), and writes what it measured to a "
                     "versioned calibration file that compile, plan and run take with --calibration.")
     parser.add_argument("--target", required=True, help=f"platform to measure: {targets_help()}")
+    parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     parser.add_argument("--tiers", default=None, metavar="MB[,MB...]",
                         help="memory tiers to measure (default: the target's)")
     parser.add_argument("--out", default=None, help="the calibration file (default calibration.json)")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flatpack.cli.common import ints, names, split_points_help, stages_help
+from flatpack import schedules
+from flatpack.backends import RUN_TARGETS
+from flatpack.cli.common import RAY_ADDRESS_HELP, ints, names, split_points_help, stages_help
 from flatpack.partitioner.solvers import PICKS
 from flatpack.partitioner.workload import RECOMPUTE
-from flatpack import schedules
 from flatpack.stage.settings import NON_FINITE, PRECISIONS, SYNC_METHODS
 
 # JobOptions's groups (flatpack.job_options.GROUPS) as `flatpack run --help` titles them
@@ -138,6 +139,10 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
                 '--data takes (without --data: two synthetic batches of another seed)'),
     Option('--eval-fraction', 'evaluation', type=float, metavar='F', help="hold out the last F of --data's shards "
                 '(whole shards) for --eval-every'),
+    Option('--target', 'plan', choices=RUN_TARGETS, help='where the functions run: local (processes of this '
+                'machine, the default) or ray (Ray tasks on the cluster at --address); the cloud targets deploy '
+                'with flatpack deploy'),
+    Option('--address', 'plan', metavar='ADDRESS', help=RAY_ADDRESS_HELP),
     Option('--solver', 'plan', help=_SOLVER_HELP),
     Option('--passes', 'plan', help='pass pipeline, e.g. '
                 '"fuse-elementwise,merge-branches,coarsen{max-layers=48,by=time}"'),

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from flatpack import logs
-from flatpack.cli.common import json_flag, load_factory, report, text_stream, trust_args
+from flatpack.backends import RUN_TARGETS
+from flatpack.cli.common import RAY_ADDRESS_HELP, json_flag, load_factory, report, text_stream, trust_args
 from flatpack.cli.run_options import add_run_options, job_values
-from flatpack.errors import InputError
 
 LOG = logs.get("cli")
 
@@ -24,10 +24,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "iterations" not in values and values.get("data") is not None:
         values["iterations"] = None      # --data without --iterations: --epochs full passes
     options = JobOptions.of(**values)
-    if args.target != "local":
-        raise InputError(f"flatpack run trains on local functions; to deploy to {args.target!r} use "
-                         f"`flatpack deploy MODEL --target {args.target} --out DIR` (then train from Python with the "
-                         "deployment, see docs/cloud.md)")
     # every option is checked before the model is built and before any process starts
     options.check()
     args.out = str(options.output.out)   # where main's message after a stop signal finds the run directory
@@ -44,7 +40,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     result = resume_training(Path(args.run_dir), stream=text_stream(args), clean=args.clean, digest=args.digest,
                              verify_key=args.verify_key, data=args.data, name=args.name,
                              min_version=args.min_version, trust_file=args.trust_file,
-                             accept_changed_data=args.accept_changed_data)
+                             accept_changed_data=args.accept_changed_data, target=args.target,
+                             address=args.address)
     report(args, None, result.to_json)
     return 0
 
@@ -92,9 +89,6 @@ def _add_run(subparsers: Any) -> None:
                "then: model.load_state_dict(flatpack.load_state_dict('bert.safetensors'))")
     parser.add_argument("model", help="path/to/file.py:factory, package.module:factory, an example or a zoo model")
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"], help="zoo model size")
-    parser.add_argument("--target", default="local",
-                        help="local (the default): flatpack run trains on local functions; the cloud targets "
-                             "deploy with flatpack deploy")
     add_run_options(parser)
     json_flag(parser, "run")
     parser.set_defaults(run=cmd_run)
@@ -104,6 +98,9 @@ def _add_resume(subparsers: Any) -> None:
     parser = subparsers.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
+    parser.add_argument("--target", default="local", choices=RUN_TARGETS,
+                        help="where the run's functions run: local or ray, as the run was started")
+    parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     parser.add_argument("--data", default=None, metavar="MODULE:FACTORY",
                         help="a run whose --data was a dataset factory names it again (run.json records it, "
                              "but never names code to import), e.g. --data mydata.py:make")

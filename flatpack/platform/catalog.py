@@ -715,6 +715,142 @@ def local() -> Platform:
         poll_overhead_s=0.0025, host_cores=host_cores())
 
 
+# -- ray: a cluster's nodes -----------------------------------------------------------------
+#
+# A Ray cluster is the user's own machines; what a function of it costs is what its share of a
+# node costs. The default is the price of renting that share by the second: AWS Fargate's
+# on-demand rates (us-east-1, Linux/x86), per vCPU-hour and per GB-hour. An on-prem cluster
+# sets its own (RayCluster's prices; FLATPACK_RAY_PRICE_PER_VCPU_S / _PER_GB_S, read by
+# flatpack.backends.ray; --price-per-vcpu-s / --price-per-gb-s).
+FARGATE_PRICING = ("AWS Fargate pricing, https://aws.amazon.com/fargate/pricing/ (us-east-1, Linux/x86, on-demand: "
+                   "$0.04048 per vCPU-hour, $0.004445 per GB-hour)")
+RAY_PRICE_PER_VCPU_S = 0.04048 / 3600
+RAY_PRICE_PER_GB_S = 0.004445 / 3600
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """What one alive node of a Ray cluster offers tasks: its ``CPU`` and ``memory`` resources
+    (Ray's logical resources: the scheduler's labels, not a quota)."""
+
+    cpus: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    """A Ray cluster as the planner sees it: its nodes (read by ``flatpack.backends.ray``
+    from ``ray.nodes()``), the price of a vCPU-second and a GB-second on it, and where the
+    figures come from."""
+
+    nodes: tuple[RayNode, ...]
+    price_per_vcpu_s: float = RAY_PRICE_PER_VCPU_S
+    price_per_gb_s: float = RAY_PRICE_PER_GB_S
+    source: str = "assumption: no cluster was read"
+    price_source: str = f"default: {FARGATE_PRICING}"
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise InputError("a Ray cluster needs at least one alive node with CPUs; start one (ray start --head)")
+        for name in ("price_per_vcpu_s", "price_per_gb_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise InputError(f"the Ray cluster's {name} must be a non-negative number of dollars, got {value!r}")
+
+    @property
+    def total_cpus(self) -> float:
+        return sum(node.cpus for node in self.nodes)
+
+    @property
+    def total_memory_bytes(self) -> int:
+        return sum(node.memory_bytes for node in self.nodes)
+
+    @property
+    def largest_cpus(self) -> float:
+        return max(node.cpus for node in self.nodes)
+
+    @property
+    def largest_memory_mb(self) -> int:
+        return max(node.memory_bytes for node in self.nodes) // MIB
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (the one-node cluster assumed when no cluster was read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):   # not POSIX
+        return 8 * GIB
+
+
+_ray_cluster: RayCluster | None = None
+
+
+def use_ray_cluster(cluster: RayCluster | None) -> None:
+    """Plans for ``target="ray"`` describe ``cluster`` from now on (None: this host as a
+    one-node cluster); ``flatpack.backends.ray.connect`` calls it with the cluster it read."""
+    global _ray_cluster
+    _ray_cluster = cluster
+
+
+def ray_cluster() -> RayCluster:
+    """The cluster plans for ``ray`` are made for: the one read last, else this host."""
+    if _ray_cluster is not None:
+        return _ray_cluster
+    return RayCluster((RayNode(float(host_cores()), host_memory_bytes()),),
+                      source="assumption: no Ray cluster was read in this process, so this host as a one-node "
+                             "cluster (its cores and physical memory); connect first (flatpack.backends.ray.connect, "
+                             "--address) to plan for the cluster's real nodes")
+
+
+def _ray_sources(cluster: RayCluster) -> dict[str, str]:
+    sources = _local_sources(host_cores())
+    as_local = "as local (Lambda in miniature), so that a plan's tiers mean the same on local and on Ray: "
+    sources.update({
+        "min_memory_mb": as_local + sources["min_memory_mb"],
+        "max_memory_mb": f"the largest node's memory resource ({cluster.source}): a function runs on one node",
+        "storage_latency_s": "assumption: 2 ms, as local, for a round trip to the S3 store the nodes share (the "
+                             "local SeaweedFS on the driver, or the user's endpoint); flatpack calibrate --target "
+                             "ray measures it",
+        "price_per_request": "a Ray task has no per-request fee",
+        "billing_granularity_s": "assumption: a cluster's cost accrues continuously; 1 ms, no rounding to speak of",
+        "scaling.host_vcpu_cap": f"the largest node's CPU resource ({cluster.source}): a function runs on one node",
+        "scaling.max_vcpus": as_local + sources["scaling.max_vcpus"],
+        "scaling.price_per_gb_s": cluster.price_source,
+        "scaling.price_per_vcpu_s": cluster.price_source,
+        "tier.vcpus": as_local + "memory / 1,769 MB, capped at the largest node's CPUs. The Ray task asks for "
+                      "this many CPUs (num_cpus) and the tier's memory in bytes (memory); Ray's resources are "
+                      "labels, so the worker holds itself to them as on local",
+        "tier.price_per_s": "vCPUs x scaling.price_per_vcpu_s + memory in GiB x scaling.price_per_gb_s",
+        "tier.bandwidth_bytes_s": as_local + "the token-bucket rate each function throttles itself to. "
+                                  + LAMBDA_SOURCES["scaling.bandwidth_points"],
+        "direct_networking": "functions pass tensors through the S3 store every node reaches, as on local",
+    })
+    sources.pop("host_cores")
+    return sources
+
+
+def ray() -> Platform:
+    """The Ray cluster plans are made for (:func:`ray_cluster`) as a platform: local's tier rule
+    (vCPU and bandwidth in proportion to memory), bounded by the largest node's CPUs and
+    memory, priced at the cluster's rates. Not cached: ``use_ray_cluster`` changes it."""
+    cluster = ray_cluster()
+    lam = aws_lambda()
+    assert lam.scaling is not None  # the Lambda catalog entry scales CPU with memory
+    max_memory_mb = min(cluster.largest_memory_mb, lam.max_memory_mb)
+    if max_memory_mb < lam.min_memory_mb:
+        raise InputError(f"the Ray cluster's largest node offers {max_memory_mb} MB of memory; a function needs at "
+                         f"least {lam.min_memory_mb} MB. Give the nodes more (ray start --memory)")
+    scaling = replace(lam.scaling, host_vcpu_cap=cluster.largest_cpus, price_per_gb_s=cluster.price_per_gb_s,
+                      price_per_vcpu_s=cluster.price_per_vcpu_s)
+    tiers = tuple(scaling.tier(mb) for mb in FUNCPIPE_TIERS_MB if mb <= max_memory_mb) or (scaling.tier(max_memory_mb),)
+    return Platform(
+        name="ray", kind="local", tiers=tiers, min_memory_mb=lam.min_memory_mb, max_memory_mb=max_memory_mb,
+        storage_latency_s=0.002, price_per_request=0.0, billing_granularity_s=0.001, timeout_s=None,
+        base_memory_bytes=lam.base_memory_bytes, overlap_slowdown=lam.overlap_slowdown,
+        aggregate_bandwidth_bytes_s=None, direct_networking=False, sources=_ray_sources(cluster), scaling=scaling,
+        poll_overhead_s=0.0025)
+
+
 # -- the registry ----------------------------------------------------------------------------
 
 BUILTIN_PLATFORMS = {
@@ -722,6 +858,7 @@ BUILTIN_PLATFORMS = {
     "aws-lambda": "flatpack.platform.catalog:aws_lambda",
     "alibaba-fc": "flatpack.platform.catalog:alibaba_fc",
     "gpu-container": "flatpack.platform.catalog:gpu_container",
+    "ray": "flatpack.platform.catalog:ray",
 }
 
 PLATFORMS: Registry[Platform] = Registry("platform", InputError, BUILTIN_PLATFORMS)

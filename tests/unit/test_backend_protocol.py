@@ -17,7 +17,7 @@ from flatpack.errors import InputError
 from flatpack.partitioner.workload import MODES, Workload
 
 DEPLOYMENTS = {"local": "LocalDeployment", "aws-lambda": "LambdaDeployment", "alibaba-fc": "FcDeployment",
-               "gpu-container": "GpuContainerDeployment"}
+               "gpu-container": "GpuContainerDeployment", "ray": "RayDeployment"}
 METHODS = {Capability.TRAIN: "train", Capability.INFER: "infer", Capability.RESUME: "resume",
            Capability.TEARDOWN: "teardown"}
 

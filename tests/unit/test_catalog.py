@@ -119,7 +119,7 @@ def test_local_mimics_lambda_within_this_host(lam):
 # -- registry --------------------------------------------------------------------------------
 
 def test_targets_are_the_builtin_platforms():
-    assert TARGETS == ("local", "aws-lambda", "alibaba-fc", "gpu-container")
+    assert TARGETS == ("local", "aws-lambda", "alibaba-fc", "gpu-container", "ray")
     assert set(TARGETS) == set(BUILTIN_PLATFORMS)
     assert all(get_platform(name).name == name for name in TARGETS)
 

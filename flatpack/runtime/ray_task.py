@@ -1,0 +1,42 @@
+"""What a Ray task of the ``ray`` backend runs on its node: one function, the same
+``python -m flatpack.runtime.worker`` process the local backend starts, given its role and
+the store's address in its environment; the task returns the process's exit code and the
+tail of its output.
+
+A fresh interpreter per function, not the Ray worker process itself, because the function
+is held to its tier by its own process's figures (peak resident memory, thread CPU time),
+kills itself for an injected ``kill`` fault and ends with ``os._exit``: a Ray worker is
+reused across tasks and carries Ray's own memory. The child dies with the task's process
+(``PR_SET_PDEATHSIG``: ``ray.cancel(force=True)`` or a lost node takes it down too); Ray
+runs a task on its worker's main thread, which that needs (``flatpack.interrupts``).
+
+Stdlib only (and ``ray``, there anyway): the node needs no torch in the Ray worker itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from flatpack.interrupts import die_with_parent
+
+LOG_LIMIT_BYTES = 1 << 20     # the tail of a function's output that travels back with its exit code
+
+
+def run_function(env: dict[str, str], log_limit_bytes: int = LOG_LIMIT_BYTES) -> tuple[int, bytes, str]:
+    """Runs one function with ``env`` added to this process's environment; returns its exit
+    code (negative: the signal that ended it), the last ``log_limit_bytes`` of its output and
+    the id of the node it ran on."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    with tempfile.TemporaryFile(prefix="flatpack-function-") as log:
+        process = subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env={**os.environ, **env},
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, preexec_fn=die_with_parent())
+        code = process.wait()
+        size = log.seek(0, os.SEEK_END)
+        log.seek(max(0, size - log_limit_bytes))
+        return code, log.read(), node

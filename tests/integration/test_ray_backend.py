@@ -1,0 +1,204 @@
+"""The ray backend on a real Ray cluster of three nodes started on this machine (a head and two
+workers, each with its own CPU and memory resources): the same plan and batches train to
+bit-identical weights on Ray and on the local backend, with 1F1B and sync; a function killed
+mid-run (its own process, or the Ray task's process) is restarted by flatpack's invoker
+and the weights are those of an undisturbed run; fork-join inference answers as local's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Iterator
+
+import pytest
+import torch
+
+import flatpack
+from flatpack.backends import get_backend, local
+from flatpack.errors import InputError
+from flatpack.partitioner.plan import Plan, StagePlan
+from flatpack.platform.catalog import get_platform
+from tests.integration.test_local_training import BATCH, batches, make_model
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402 - after the skip: Ray is an optional extra
+
+from flatpack.backends import ray as ray_backend  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+GIB = 1 << 30
+TIER_MB = 1769          # one vCPU on the Lambda rule local and ray share: no throttling on a busy host
+OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Cluster]:
+    """A head and two workers, each its own raylet with its own resources (Ray's CPUs are
+    scheduling labels, so 5 on a 2-core machine is fine); this process is the driver."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "memory": 2 * GIB,
+                                                            "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, memory=4 * GIB)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def compiled_for(target: str, replicas: tuple[int, int] = (2, 2), micro_batches: int = 4) -> flatpack.Compiled:
+    """2 stages x 2 replicas at one fixed tier, compiled for ``target`` (the same weights:
+    the model is seeded)."""
+    model = make_model()
+    layers = flatpack.compile(model, (torch.randn(BATCH, 8),), stages=2).plan.num_layers
+    ranges = Plan.from_cuts([layers // 2 - 1], layers).ranges
+    plan = Plan(tuple(StagePlan(start, end, TIER_MB, degree) for (start, end), degree in zip(ranges, replicas)),
+                layers, micro_batches=micro_batches)
+    return flatpack.compile(model, (torch.randn(BATCH, 8),), plan=plan, target=target)
+
+
+def assert_bit_identical(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+@pytest.fixture(scope="module")
+def local_results(s3_server) -> dict[str, local.TrainResult]:
+    """The local backend's run of the same plan and batches, per schedule."""
+    results = {}
+    for schedule in ("sync", "1f1b"):
+        with local.deploy(compiled_for("local"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+            results[schedule] = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule=schedule)
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["sync", "1f1b"])
+def test_ray_training_is_bit_identical_to_local(ray_cluster, s3_server, local_results, schedule):
+    compiled = compiled_for("ray")
+    with ray_backend.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        result = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule=schedule)
+        nodes = set(deployment_nodes(deployment))
+    assert_bit_identical(result.parameters, local_results[schedule].parameters)
+    assert result.losses == local_results[schedule].losses
+    assert result.restarts == []
+    # the cluster's 5 CPUs hold the 4 one-vCPU functions only across nodes
+    assert len(nodes) >= 2
+
+
+def deployment_nodes(deployment: ray_backend.RayDeployment) -> list[str]:
+    """The nodes the run's functions ran on, as their logs record them."""
+    return [path.read_text().splitlines()[0].removeprefix(ray_backend.NODE_LINE)
+            for path in deployment.workdir.glob("train-*.log")]
+
+
+def test_a_function_that_kills_itself_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results):
+    kill = {"stage": 1, "replica": 1, "iteration": 2, "at": "backward", "action": "kill"}
+    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        result = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule="sync", faults=[kill])
+    assert [(r.worker, r.iteration, r.reason) for r in result.restarts] == [("s1r1", 2, "lost")]
+    assert_bit_identical(result.parameters, local_results["sync"].parameters)
+
+
+def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results):
+    """SIGKILL of the Ray worker process running a function's task (the function dies with
+    it): Ray reports the task lost (no Ray retry), flatpack's invoker restarts it."""
+    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        killed: list[int] = []
+        killer = threading.Thread(target=kill_task_process, args=(deployment, 0, 1, 1, killed), daemon=True)
+        killer.start()
+        result = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule="1f1b",
+                                  faults=[{"stage": 0, "replica": 1, "iteration": 1, "action": "sleep",
+                                           "seconds": 3}])
+        killer.join()
+    assert [(r.worker, r.reason) for r in result.restarts] == [("s0r1", "lost")]
+    assert_bit_identical(result.parameters, local_results["1f1b"].parameters)
+    # the function died with its task's process (PR_SET_PDEATHSIG), not left running beside its replacement
+    assert killed and not os.path.exists(f"/proc/{killed[0]}")
+
+
+def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica: int, iteration: int,
+                      killed: list[int]) -> None:
+    """Waits until the function of ``stage``/``replica`` reported ``iteration - 1`` (it then
+    sleeps in ``iteration``, a fault of the test), and SIGKILLs the Ray worker process that
+    runs its task: the parent of the function's process (whose pid goes to ``killed``)."""
+    deadline = time.time() + 60
+    key = deployment.keys.progress(iteration - 1, stage, replica)
+    while not deployment.store.exists(key):
+        assert time.time() < deadline, "the function never reported"
+        time.sleep(0.05)
+    child, parent = function_process(stage, replica)
+    killed.append(child)
+    os.kill(parent, signal.SIGKILL)
+
+
+def function_process(stage: int, replica: int) -> tuple[int, int]:
+    """The pid of the running function process of ``stage``/``replica`` (found by the role
+    in its environment) and its parent's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"flatpack.runtime.worker" not in cmdline.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        role = env.get(b"FLATPACK_ROLE", b"")
+        if b'"kind": "train"' in role and f'"stage": {stage}, "replica": {replica},'.encode() in role:
+            return int(pid), parent
+    raise AssertionError(f"no function process for stage {stage} replica {replica}")
+
+
+def test_inference_on_ray_equals_local(ray_cluster, s3_server):
+    inputs = [torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    with local.deploy(compiled_for("local"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        expected = [deployment.infer(x) for x in inputs]
+    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        answers = [deployment.infer(x) for x in inputs]
+    for ours, theirs in zip(answers, expected):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_platform_is_the_clusters_and_a_plan_too_big_for_it_is_refused_before_launch(ray_cluster, s3_server):
+    connection = ray_backend.connect()
+    assert not connection.opened_here
+    cluster = connection.cluster
+    assert sorted(node.cpus for node in cluster.nodes) == [1.0, 2.0, 2.0]
+    platform = get_platform("ray")
+    assert platform.max_memory_mb == 4096 and platform.tier(4096).vcpus == 2.0   # the largest node bounds a tier
+    with pytest.raises(InputError, match=r"needs 6 vCPU at once .* has 5: 1 vCPU short"):
+        ray_backend.deploy(compiled_for("ray", replicas=(3, 3)), store_url=s3_server.url(""), env=s3_server.env())
+    with pytest.raises(InputError, match=r"no node of the Ray cluster has that much"):
+        ray_backend.check_capacity([("stage 0", 1, ray_backend.Demand(3.0, GIB))], cluster)
+    with pytest.raises(InputError, match=r"needs 12.00 GiB of memory at once .* 10.00 GiB: 2.00 GiB short"):
+        ray_backend.check_capacity([("stage 0", 3, ray_backend.Demand(0.5, 4 * GIB))], cluster)
+    assert get_backend("ray") is ray_backend
+
+
+def test_flatpack_run_target_ray_trains_on_the_cluster_and_passes_the_verdict(ray_cluster, tmp_path, capsys):
+    """The command line end to end on the cluster this process is connected to: plan for its
+    nodes, train as Ray tasks, and the verdict against single-process training."""
+    from flatpack import cli
+
+    code = cli.main(["run", "mlp", "--target", "ray", "--stages", "2", "--replicas", "2", "--memory", str(TIER_MB),
+                     "--batch", "8", "--micro-batches", "2", "--iterations", "3", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "equivalence with single-process training: passed" in out
+    logs = sorted((tmp_path / "run").rglob("train-s*-a0.log"))
+    assert logs and all(log.read_text().startswith(ray_backend.NODE_LINE) for log in logs)
+
+
+def test_address_without_target_ray_is_refused_before_anything_runs(tmp_path):
+    from flatpack import cli
+
+    assert cli.main(["run", "mlp", "--address", "auto", "--out", str(tmp_path / "run")]) != 0
+    assert not (tmp_path / "run" / "store").exists()
