@@ -15,6 +15,7 @@ from torch import nn
 
 from flatpack import examples, zoo
 from flatpack.errors import InputError
+from flatpack.factories import import_factory
 from flatpack.registry import Registry
 
 EXAMPLE, ZOO = "example", "zoo"
@@ -78,3 +79,26 @@ def find(name: str) -> NamedModel | None:
 
 def close_matches(name: str) -> list[str]:
     return difflib.get_close_matches(name, model_names(), n=3)
+
+
+def load(spec: str, size: str = "tiny") -> tuple[nn.Module, Any]:
+    """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a registered model
+    name (flatpack.models: a built-in example, or a zoo model built at ``size``)."""
+    named = find(spec)
+    if named is not None:
+        return named.build(size)
+    source, colon, attribute = spec.rpartition(":")
+    if not colon and not spec.endswith(".py"):
+        close = close_matches(spec)
+        if close:
+            raise InputError(f"unknown model {spec!r}; did you mean {' or '.join(close)}? (see flatpack inspect "
+                             "--help for what MODEL may be)")
+    if not colon or not source or not attribute:
+        raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
+                         f"of the built-in examples ({', '.join(model_names(EXAMPLE))}) or a zoo "
+                         f"model ({', '.join(model_names(ZOO))})")
+    factory = import_factory(spec, "MODEL")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    return result

@@ -40,31 +40,11 @@ JSON_HELP = ("print a JSON document on stdout instead of the text report (diagno
 
 def load_factory(spec: str, size: str = "tiny") -> tuple[torch.nn.Module, Any]:
     """MODEL is ``path/to/file.py:factory``, ``package.module:factory`` or a registered model
-    name (flatpack.models: a built-in example, or a zoo model built at ``size``)."""
+    name (:func:`flatpack.models.load`)."""
     # start-up time: a verb imports what it runs
     from flatpack import models
 
-    named = models.find(spec)
-    if named is not None:
-        return named.build(size)
-    source, colon, attribute = spec.rpartition(":")
-    if not colon and not spec.endswith(".py"):
-        close = models.close_matches(spec)
-        if close:
-            raise InputError(f"unknown model {spec!r}; did you mean {' or '.join(close)}? (see flatpack inspect "
-                             "--help for what MODEL may be)")
-    if not colon or not source or not attribute:
-        raise InputError(f"MODEL {spec!r} must be path/to/file.py:factory, package.module:factory, one "
-                         f"of the built-in examples ({', '.join(models.model_names(models.EXAMPLE))}) or a zoo "
-                         f"model ({', '.join(models.model_names(models.ZOO))})")
-    # start-up time: a verb imports what it runs
-    from flatpack.factories import import_factory
-
-    factory = import_factory(spec, "MODEL")
-    result = factory()
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
-    return result
+    return models.load(spec, size)
 
 
 def human_bytes(count: float) -> str:

@@ -7,7 +7,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flatpack.errors import InputError
 from flatpack.serve.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SAMPLES, TARGETS
 
 
@@ -57,16 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_model(spec: str, size: str) -> tuple:
+    # start-up time: a verb imports what it runs
     from flatpack import models
-    from flatpack.factories import import_factory
 
-    named = models.find(spec)
-    if named is not None:
-        return named.build(size)
-    if ":" not in spec:
-        raise InputError(f"{spec!r} is neither an artifact directory nor a model (path/to/file.py:factory, "
-                         f"package.module:factory, or one of {', '.join(models.model_names())})")
-    result = import_factory(spec, "MODEL")()
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise InputError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
-    return result
+    return models.load(spec, size)
