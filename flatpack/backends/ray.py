@@ -378,6 +378,7 @@ class RayDeployment(LocalDeployment):
 def _remote_function() -> Any:
     """``runtime.ray_task.run_function`` as a Ray remote function (made once: Ray exports it
     to the cluster the first time it is submitted)."""
+    # optional dependency: the task's module imports ray, an extra this module loads only on use
     from flatpack.runtime.ray_task import run_function
 
     return _ray().remote(run_function)
@@ -386,6 +387,7 @@ def _remote_function() -> Any:
 def _ray() -> Any:
     """The ``ray`` package (an optional extra: ``pip install 'flatpack[ray]'``)."""
     try:
+        # optional dependency: ray is an extra (pip install 'flatpack[ray]')
         import ray
     except ImportError:
         raise InputError("the ray target needs Ray: pip install 'flatpack[ray]' (or 'ray>=2.40')") from None

@@ -29,6 +29,8 @@ def run_function(env: dict[str, str], log_limit_bytes: int = LOG_LIMIT_BYTES) ->
     """Runs one function with ``env`` added to this process's environment; returns its exit
     code (negative: the signal that ended it), the last ``log_limit_bytes`` of its output and
     the id of the node it ran on."""
+    # optional dependency: this runs inside a Ray task, where ray is installed; importing the
+    # module elsewhere (the invoker pickles this function by reference) must not need it
     import ray
 
     node = ray.get_runtime_context().get_node_id()

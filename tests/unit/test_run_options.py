@@ -17,7 +17,7 @@ from flatpack.errors import InputError
 from flatpack.job_options import GROUPS, JobOptions, option_names
 
 # the run verb's options that are not JobOptions's: what to train and where
-VERB_LEVEL = {"-h", "--help", "--size", "--target", "--json", "--config"}
+VERB_LEVEL = {"-h", "--help", "--size", "--json", "--config"}
 
 
 def _run_parser():
