@@ -699,7 +699,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
                          "vertical_sync": options.vertical_sync,
                          "sync": options.sync, "threads": 1, "checkpoint_every": every,
                          "non_finite": options.non_finite, "precision": options.precision,
-                         "micro_batches": compiled.plan.micro_batches or options.micro_batches}
+                         "micro_batches": compiled.plan.micro_batches_for(compiled.problem.workload)}
         record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=loss, iterations=iterations,
                            data=data_record, train_options=train_options, fingerprint=fingerprint)
         directory.write(record)
