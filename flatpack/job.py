@@ -50,6 +50,7 @@ from flatpack.progress import ProgressLine
 from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
+from flatpack.runtime.settings import split_options
 from flatpack.runtime.spec import ASYNC_SCHEDULE, SCHEDULES, check_async_options
 from flatpack.stage.settings import PRECISIONS
 from flatpack.table import plural
@@ -942,9 +943,9 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
             resumed_after = done if calls else None
             if not calls:
                 LOG.info("the run had not started training; training it from the start")
-                result = deployment.train(batches, iterations=record.iterations, loss=record.loss,
-                                          progress=logs.progress_enabled(),
-                                          **(record.train_options or {}))
+                result = deployment.train(batches, *split_options(record.train_options or {}),
+                                          iterations=record.iterations, loss=record.loss,
+                                          progress=logs.progress_enabled())
             else:
                 LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
                          if done is not None else f"resuming run {record.run} from its first iteration")
@@ -956,9 +957,9 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                 if trained < record.iterations:
                     LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
                     rest = deployment.train(lambda index: batches[trained + index],
+                                            *split_options(record.train_options or {}),
                                             iterations=record.iterations - trained, loss=record.loss,
-                                            progress=logs.progress_enabled(), batch_offset=trained,
-                                            **(record.train_options or {}))
+                                            progress=logs.progress_enabled(), batch_offset=trained)
                     result = rest if result is None else merge_results([result, rest])
             parameters = deployment.parameters()
         if result is not None:

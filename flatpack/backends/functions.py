@@ -337,7 +337,7 @@ class FunctionDeployment:
         Save it with :func:`flatpack.save_state_dict`."""
         return state_dict_of(self.compiled, self.parameters(iteration))
 
-    def resume(self, batches: Batches, controls: RunControls | None = None,
+    def resume(self, batches: Sequence[Any] | Callable[[int], Any], controls: RunControls | None = None,
                **options: Unpack[TrainOptions]) -> TrainResult | None:
         """Continues the run's last train() call after any crash (a worker, the invoker, the
         store server) from the last checkpoint every stage has, with the settings the call
@@ -721,7 +721,7 @@ class _Run:
                     if wanted is not None:
                         self.spec = self.spec.with_replicas(list(wanted))
                 if begin < self.end and self.replanner is not None:
-                    self._replan(begin - 1)
+                    self._replan(self.replanner, begin - 1)
         except BaseException:
             self.deployment.stop_workers()
             raise
@@ -739,12 +739,12 @@ class _Run:
                            samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks,
                            switches=self.replanner.switches if self.replanner is not None else [])
 
-    def _replan(self, last: int) -> None:
+    def _replan(self, replanner: Replanner, last: int) -> None:
         """At the epoch boundary after ``last``, every function of the epoch ended: the
         replanner may move the run onto a new plan (new stages under a new run prefix, the
         checkpoints moved onto them); the next epoch then launches the new plan's functions."""
         events = self._events(current_plan=True)
-        spec = self.replanner.after_epoch(self.deployment, self.spec, events, last)
+        spec = replanner.after_epoch(self.deployment, self.spec, events, last)
         if spec is None:
             return
         self.earlier_events.extend(events)

@@ -131,10 +131,11 @@ NOT_HONOURED = ("its ranks keep no checkpoints, run no faults and all-reduce the
 
 
 def build_run(compiled: Compiled, settings: TrainSettings | None = None, controls: RunControls | None = None, *,
-              iterations: int, batch: int, backend: str = "nccl", device: str | None = None, seed: int = 0,
-              run: str | None = None, mode: str = TRAIN, **options: Unpack[TrainOptions]) -> DistributedRun:
+              batch: int, backend: str = "nccl", device: str | None = None, seed: int = 0, run: str | None = None,
+              mode: str = TRAIN, **options: Unpack[TrainOptions]) -> DistributedRun:
     """The ``run.json`` document of a run of ``compiled`` with ``settings`` and ``controls``
-    (or their fields as keywords); ``wait_timeout_s`` bounds each wait on a peer. A setting
+    (or their fields as keywords): ``iterations`` global batches of ``batch`` samples;
+    ``wait_timeout_s`` bounds each wait on a peer. A setting
     or control the ranks do not act on is refused. The loss and ``precision`` are checked by
     ``RunSpec``; a stage the plan lets recompute its activations recomputes them on its ranks
     (``training.stage_backward``). ``mode`` "infer": forward passes only, the model's outputs
@@ -142,6 +143,8 @@ def build_run(compiled: Compiled, settings: TrainSettings | None = None, control
     settings, controls = resolve_options(settings, controls, options, what="a gpu-container run")
     refuse_unhonoured(settings, controls, HONOURED_SETTINGS + HONOURED_CONTROLS, what="a gpu-container run",
                       why=NOT_HONOURED)
+    if controls.iterations is None:
+        raise InputError("a gpu-container run needs iterations=: the ranks are started for a fixed number")
     training = mode == TRAIN
     if settings.schedule == ASYNC_SCHEDULE:
         raise InputError("the 1f1b-async schedule runs on functions (the local, Lambda and Alibaba FC backends); "
@@ -162,7 +165,7 @@ def build_run(compiled: Compiled, settings: TrainSettings | None = None, control
     read_by_loss = loss_output(compiled) if training else output_names[0]
     spec = RunSpec.of(settings, controls, run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages,
                       shared=shared_holders(manifests), batch=batch, loss_output=read_by_loss)
-    return DistributedRun(spec=spec, iterations=iterations, backend=backend,
+    return DistributedRun(spec=spec, iterations=controls.iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
                           example_batch=example_batch(compiled), seed=seed, mode=mode,
                           outputs=() if training else output_names)
@@ -231,7 +234,7 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
         raise InputError("the model has no batched tensor input to size a synthetic batch by; pass batch=")
     settings = TrainSettings(optimizer=OptimizerSpec.of(optimizer), loss=loss, micro_batches=micro_batches,
                              schedule=schedule, precision=precision)
-    run = build_run(compiled, settings, RunControls(wait_timeout_s=timeout_s), iterations=iterations, batch=batch,
+    run = build_run(compiled, settings, RunControls(iterations=iterations, wait_timeout_s=timeout_s), batch=batch,
                     backend=backend, run=name)
     pods = world // gpus_per_pod
     image = image or f"{name}:latest"
@@ -752,8 +755,8 @@ class GpuContainerDeployment:
             batch_for = batches if callable(batches) else batches.__getitem__
             first = batch_values(self.compiled, batch_for(0), 0)
             batch = first[2]     # measured once: the run's batch, which every later batch must match
-        run = build_run(self.compiled, settings, controls, iterations=iterations, batch=batch, backend=self.backend,
-                        device=self.device, seed=seed, mode=mode)
+        run = build_run(self.compiled, settings, controls.replace(iterations=iterations), batch=batch,
+                        backend=self.backend, device=self.device, seed=seed, mode=mode)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
