@@ -43,7 +43,7 @@ from flatpack.progress import ProgressLine
 from flatpack.rundir import PRIVATE_FILE_MODE, RUN_FILE, RunDirectory, RunRecord, fingerprint_changes
 from flatpack.runtime import timeline
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.settings import RunControls, TrainSettings
+from flatpack.runtime.settings import RunControls, TrainSettings, split_options
 from flatpack.table import plural
 from flatpack.verdict import pipeline_optimizer_state, verdict
 from flatpack.weights import save_state_dict, state_dict_of
@@ -431,7 +431,8 @@ def _record(run: _Run, every: int) -> None:
     # every setting that decides the arithmetic, micro-batches included (a loaded artifact has
     # no workload to default them from), so `flatpack resume` retrains the same way
     run.settings = options.train_settings(loss=run.loss, checkpoint_every=every,
-                                          micro_batches=run.compiled.plan.micro_batches)
+                                          micro_batches=run.compiled.plan.micro_batches_for(
+                                              run.compiled.problem.workload))
     record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=run.loss, iterations=run.iterations,
                        data=data_record, train_options=recorded_options(run.settings, options.train.non_finite),
                        fingerprint=fingerprint)
@@ -449,13 +450,9 @@ def recorded_options(settings: TrainSettings, non_finite: str) -> dict[str, Any]
 
 
 def train_call(deployment: Any, batches: Any, settings: TrainSettings, controls: RunControls) -> Any:
-    """``deployment.train`` with the run's settings and controls: the one place the job calls
-    it (in the keyword form every backend takes today)."""
-    replan = ({"replan": controls.replan, "epoch_iterations": controls.epoch_iterations} if controls.replan
-              else {})
-    return deployment.train(batches, iterations=controls.iterations, loss=settings.loss, progress=controls.progress,
-                            batch_offset=controls.batch_offset,
-                            **recorded_options(settings, controls.non_finite), **replan)
+    """``deployment.train`` with the run's settings and controls, whole: the one place the
+    job starts a training call (resume repeats what the store's call record holds)."""
+    return deployment.train(batches, settings, controls)
 
 
 def _deploy_and_train(run: _Run) -> None:
@@ -774,8 +771,8 @@ def _resume_calls(deployment: Any, batches: Any, record: RunRecord, done: int | 
     stopped (from checkpoint ``done``) and the calls it had not begun."""
     if not deployment.calls():
         LOG.info("the run had not started training; training it from the start")
-        return deployment.train(batches, iterations=record.iterations, loss=record.loss,
-                                progress=logs.progress_enabled(), **(record.train_options or {}))
+        return deployment.train(batches, *split_options(record.train_options or {}), iterations=record.iterations,
+                                loss=record.loss, progress=logs.progress_enabled())
     LOG.info(f"resuming run {record.run} after iteration {done} (the last checkpoint every stage took)"
              if done is not None else f"resuming run {record.run} from its first iteration")
     result = deployment.resume(batches, progress=logs.progress_enabled())
@@ -786,9 +783,9 @@ def _resume_calls(deployment: Any, batches: Any, record: RunRecord, done: int | 
     if trained >= record.iterations:
         return result
     LOG.info(f"training the run's last {plural(record.iterations - trained, 'iteration')}")
-    rest = deployment.train(lambda index: batches[trained + index], iterations=record.iterations - trained,
-                            loss=record.loss, progress=logs.progress_enabled(), batch_offset=trained,
-                            **(record.train_options or {}))
+    rest = deployment.train(lambda index: batches[trained + index], *split_options(record.train_options or {}),
+                            iterations=record.iterations - trained, loss=record.loss,
+                            progress=logs.progress_enabled(), batch_offset=trained)
     return rest if result is None else merge_results([result, rest])
 
 

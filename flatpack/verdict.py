@@ -14,7 +14,7 @@ from torch import nn
 
 from flatpack import schedules
 from flatpack.analysis.reference import call, first_output, train_async_single_process, train_single_process
-from flatpack.backends.functions import checkpoint_tensors
+from flatpack.backends.functions import checkpoint_tensors, workload_of
 from flatpack.job_options import JobOptions
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.weights import with_aliases
@@ -326,7 +326,8 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
     if run_iterations is None:
         raise ValueError("the verdict needs the run's iterations: pass the JobOptions training_data resolved")
     stages = compiled.plan.stages
-    micro_batches = compiled.plan.micro_batches or options.train.micro_batches
+    # the run's M as the backend resolved it (the plan's, else its workload's: --micro-batches)
+    micro_batches = compiled.plan.micro_batches_for(workload_of(compiled))
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
                     run_iterations, optimizer.describe(), dropouts=dropouts)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flatpack.backends import cloud
-from flatpack.backends.functions import FUNCTION_CAPABILITIES, TrainResult
+from flatpack.backends.functions import FUNCTION_CAPABILITIES
+from flatpack.backends.results import TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
 from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled

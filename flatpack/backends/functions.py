@@ -18,9 +18,9 @@ import math
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, Unpack
 
 import torch
 from torch.utils.data import DataLoader
@@ -29,6 +29,8 @@ from flatpack.analysis.host_load import INVOKER_POLL_S
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
 from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan
+from flatpack.backends.results import Restart, TrainResult
+from flatpack.backends.results import merge_results as merge_results   # job.py's name for it
 from flatpack.compiler import Compiled
 from flatpack.data import loader_batches
 from flatpack.errors import ArtifactRefused, FunctionOutOfMemory, InputError, RunFailure, StoreError
@@ -41,9 +43,9 @@ from flatpack.runtime import channel_split, chaos, forkjoin, timeline
 from flatpack.runtime.forkjoin import ForkJoinSpec, GroupSpec, stop_message
 from flatpack.runtime.function import Role
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.optim import OptimizerSpec, check_loss
-from flatpack.runtime.precision import LossScaling
 from flatpack.safeio import expect_mapping, parse_json
+from flatpack.runtime.settings import (RunControls, TrainOptions, TrainSettings, fields_of, refuse_unhonoured,
+                                       resolve_options)
 from flatpack.runtime.spec import RunSpec, StageSpec, shared_holders, split_value, stage_specs
 from flatpack.runtime.store import Store
 from flatpack.runtime.store_url import open_store
@@ -75,7 +77,9 @@ MAX_RESTARTS = 3         # per worker, for lost functions and relaunched straggl
 # 28 % (BENCHMARKS.md, "Issue 19, sixth pass")
 RELEASE_EVERY_S = 1.0
 
-Elastic = Callable[[int, tuple[int, ...]], Sequence[int] | None]
+# what train() trains on: global (inputs, target) batches, a function of the iteration, or a DataLoader
+Batches = Sequence[Any] | Callable[[int], Any] | DataLoader
+WAIT_TIMEOUT_S = 120.0   # a function's wait on a peer's tensor, when the call names none
 
 
 class Invocation(Protocol):
@@ -89,97 +93,38 @@ class Invocation(Protocol):
     def kill(self) -> None: ...
 
 
-@dataclass
-class Restart:
-    worker: str
-    iteration: int
-    # "lost" (killed), "straggler", "time limit", "transient" (a store fault outlasted its retries)
-    reason: str
-    attempt: int
-    behind_s: float = 0.0  # straggler: how far behind its peers when relaunched
-    cost_s: float = 0.0    # seconds the iteration took beyond the peers' pace because of it
-
-    def describe(self) -> str:
-        if self.reason == "straggler":
-            return (f"{self.worker} straggled in iteration {self.iteration}: {self.behind_s:.2f} s behind its peers, "
-                    f"relaunched from the last checkpoint (attempt {self.attempt}); it cost {self.cost_s:.2f} s")
-        if self.reason == "time limit":
-            return f"{self.worker} checkpointed near its time limit and was invoked again at iteration {self.iteration}"
-        if self.reason == "transient":
-            return (f"{self.worker} gave up on a transient fault and was restarted at iteration {self.iteration} "
-                    f"from the last checkpoint (attempt {self.attempt})")
-        return (f"{self.worker} was lost and restarted at iteration {self.iteration} from the last checkpoint "
-                f"(attempt {self.attempt})")
-
-
-@dataclass
-class TrainResult:
-    parameters: dict[str, torch.Tensor]   # original parameter and buffer names -> final values
-    losses: list[float]                   # mean loss over the global batch, per iteration
-    events: list[timeline.Event]
-    restarts: list[Restart]
-    degrees: list[tuple[int, ...]]        # replica degrees of each segment (elasticity)
-    wall_s: float
-    samples: int
-    dollars: float                        # functions' memory x seconds at the platform's price
-    peak_bytes: dict[str, int] = field(default_factory=dict)
-    switches: list[Any] = field(default_factory=list)   # backends.replan.PlanSwitch, each plan switch in order
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def merge_results(results: Sequence[TrainResult]) -> TrainResult:
-    """Consecutive ``train()`` calls as one result: the last call's parameters, the calls'
-    losses, events, restarts and segments in order, their time, samples and dollars summed,
-    each function's highest peak."""
-    peaks: dict[str, int] = {}
-    for result in results:
-        for worker, peak in result.peak_bytes.items():
-            peaks[worker] = max(peaks.get(worker, 0), peak)
-    return TrainResult(parameters=results[-1].parameters, losses=[loss for r in results for loss in r.losses],
-                       events=[event for r in results for event in r.events],
-                       restarts=[restart for r in results for restart in r.restarts],
-                       degrees=[degrees for r in results for degrees in r.degrees],
-                       wall_s=sum(r.wall_s for r in results), samples=sum(r.samples for r in results),
-                       dollars=sum(r.dollars for r in results), peak_bytes=peaks,
-                       switches=[switch for r in results for switch in r.switches])
-
-
 @dataclass(frozen=True)
 class CallRecord:
     """One train() call as the store keeps it (``RunKeys.call``), so that another process
     can resume it: its iteration numbers, the checkpoint it started from, where its first
-    batch sits in the caller's data, and its settings (plain data). The store is a file tree
-    a run directory holds, so a resume takes only the settings train() records
-    (:data:`CALL_OPTIONS`): never a test-only knob such as ``faults``."""
+    batch sits in the caller's data, and its :class:`TrainSettings` (resolved: micro-batches
+    and sync as the call ran). The store is a file tree a run directory holds, so a record
+    holds nothing but training settings: a run control written into one by hand (``faults``,
+    ``timeout_s``) makes it a :class:`StoreError`, never a knob of the resume
+    (tests/security/test_run_records.py)."""
 
     first_iteration: int
     iterations: int
     initial_checkpoint: int | None
     batch_offset: int
-    options: dict[str, Any]
+    settings: TrainSettings
 
     def dumps(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode()
+        return json.dumps({"first_iteration": self.first_iteration, "iterations": self.iterations,
+                           "initial_checkpoint": self.initial_checkpoint, "batch_offset": self.batch_offset,
+                           "settings": self.settings.to_json()}).encode()
 
     @classmethod
     def loads(cls, raw: bytes) -> CallRecord:
-        data = expect_mapping(parse_json(raw, what="a train() call record in the store", error=StoreError),
-                              what="a train() call record in the store", error=StoreError)
-        if not isinstance(data.get("options"), dict):
-            raise StoreError("a train() call record in the store has no options object; it is not one this flatpack "
-                             "wrote")
+        what = "a train() call record in the store"
+        data = expect_mapping(parse_json(raw, what=what, error=StoreError), what=what, error=StoreError)
+        if not isinstance(data.get("settings"), dict):
+            raise StoreError(f"{what} has no settings object; it is not one this flatpack wrote")
         try:
-            return cls(**data)
-        except TypeError as err:
-            raise StoreError(f"a train() call record in the store is not one this flatpack wrote ({err})") from None
-
-
-# the settings a train() call records for resume (below); nothing else is read back
-CALL_OPTIONS = ("optimizer", "loss", "micro_batches", "schedule", "sync", "threads", "checkpoint_every", "precision",
-                "vertical_sync", "loss_scaling")
+            settings = TrainSettings.from_json(data.pop("settings"))
+            return cls(settings=settings, **data)
+        except (InputError, TypeError, ValueError) as err:
+            raise StoreError(f"{what} is not one this flatpack wrote ({err})") from None
 
 
 @dataclass
@@ -275,98 +220,85 @@ class FunctionDeployment:
         return size
 
     # training -----------------------------------------------------------------------------
-    def train(self, batches: Sequence[Any] | Callable[[int], Any], *, iterations: int | None = None,
-              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
-              micro_batches: int | None = None, schedule: str = "sync", sync: str | None = None,
-              threads: int = 1, checkpoint_every: int = 1, time_limit_s: float | None = None,
-              elastic: Elastic | None = None, epoch_iterations: int | None = None,
-              straggler_ratio: float | None = None, faults: Iterable[dict] = (), progress: bool | Any = False,
-              timeout_s: float = 600.0, wait_timeout_s: float = 120.0, batch_offset: int = 0,
-              store_faults: dict | None = None, non_finite: str = "warn", precision: str = "fp32",
-              vertical_sync: bool = False, loss_scaling: LossScaling | dict | None = None,
-              replan: Any = False) -> TrainResult:
-        """Trains ``iterations`` global batches through the pipeline and returns the final
-        parameters (read from the last checkpoints), the losses and the timeline.
+    def train(self, batches: Batches, settings: TrainSettings | None = None, controls: RunControls | None = None,
+              **options: Unpack[TrainOptions]) -> TrainResult:
+        """Trains ``controls.iterations`` global batches through the pipeline and returns the
+        final parameters (read from the last checkpoints), the losses and the timeline.
+
+        ``settings`` (:class:`~flatpack.runtime.settings.TrainSettings`) is what the pipeline
+        computes, recorded with the call so :meth:`resume` repeats it; ``controls``
+        (:class:`~flatpack.runtime.settings.RunControls`) how the call is driven. A Python
+        caller may name their fields as keywords instead (``iterations=3, micro_batches=4``),
+        over ``settings`` and ``controls`` when given; an unknown name is an ``InputError``.
 
         ``batches``: a sequence of ``(inputs, target)`` global batches, a function of the
         iteration, or a ``torch.utils.data.DataLoader`` (one epoch unless ``iterations`` says
         more; dict samples go to the model's inputs by name, ``target`` to the loss:
-        :func:`flatpack.data.loader_batches`). ``elastic(epoch, degrees) -> new degrees | None`` is asked at every epoch
-        boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a replica that has not
-        finished its micro-batches ``ratio`` × the peers' compute time after they did.
+        :func:`flatpack.data.loader_batches`). ``elastic(epoch, degrees) -> new degrees | None``
+        is asked at every epoch boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a
+        replica that has not finished its micro-batches ``ratio`` × the peers' compute time
+        after they did.
 
         A second call continues from the weights the first one left (its last checkpoint),
         and so does a call after a failed one (from the last checkpoint every stage took).
         ``batch_offset``: the index of this call's first batch in the caller's data (what
-        :meth:`resume` uses to pick up where a call stopped). ``store_faults``: transient
-        store errors and stalls injected into the functions' store clients for chaos runs
-        (``runtime.chaos``; e.g. ``{"error_rate": 0.1, "stall_rate": 0.05, "stall_s": 2}``).
-        ``precision``: "fp32", "bf16" (autocast in every stage, float32 master weights and
-        optimizer state, bfloat16 tensors between stages: ``runtime.precision``) or "fp16"
-        (the same in float16, the loss scaled as ``torch.amp.GradScaler`` scales it, with
-        ``loss_scaling``'s settings: ``precision.LossScaling``, None for GradScaler's defaults).
-        ``schedule``: "sync" (FuncPipe), "1f1b" (PipeDream's 1F1B with a flush per
-        iteration) or "1f1b-async" (PipeDream's 1F1B without a flush, an optimizer step per
-        micro-batch with weight stashing, and with ``vertical_sync`` every stage on the first
-        stage's version: ``runtime.stashing``; the pipeline drains at the end of the call).
-        ``non_finite``: what a NaN or infinity does, in the inputs (checked before launch,
-        ``backends.batch_checks``) and in an iteration's loss (checked as each iteration is
-        reported): "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore".
-        ``replan``: True or a :class:`~flatpack.backends.replan.ReplanPolicy` re-fits the cost
-        model to each epoch's timeline and, when a new plan is predicted faster by the policy's
-        threshold, moves the run onto it (``backends.replan``; the local backend, not with
-        ``elastic`` or 1f1b-async). The switches are in the result's ``switches``, and the
-        deployment runs the last plan afterwards (``self.compiled``).
+        :meth:`resume` uses). ``store_faults``: transient store errors and stalls injected into
+        the functions' store clients for chaos runs (``runtime.chaos``). ``precision``: "fp32",
+        "bf16" (autocast in every stage, float32 master weights and optimizer state, bfloat16
+        tensors between stages: ``runtime.precision``) or "fp16" (the same in float16, the loss
+        scaled as ``torch.amp.GradScaler`` scales it, with ``loss_scaling``'s settings).
+        ``schedule``: "sync" (FuncPipe), "1f1b" (PipeDream's 1F1B with a flush per iteration)
+        or "1f1b-async" (no flush, an optimizer step per micro-batch with weight stashing, and
+        with ``vertical_sync`` every stage on the first stage's version: ``runtime.stashing``).
+        ``non_finite``: what a NaN or infinity does, in the inputs and in an iteration's loss:
+        "warn" (once), "error" (stops the call; the checkpoints stay) or "ignore". ``replan``:
+        True or a :class:`~flatpack.backends.replan.ReplanPolicy` moves the run onto a plan
+        predicted faster after an epoch (``backends.replan``; the local backend, not with
+        ``elastic`` or 1f1b-async); the switches are in the result's ``switches``.
         """
-        check_loss(loss)
+        settings, controls = resolve_options(settings, controls, options)
         if isinstance(batches, DataLoader):
-            batches = loader_batches(batches, iterations)
-            iterations = iterations or len(batches)
-        # the data and settings, checked before any function starts
+            batches = loader_batches(batches, controls.iterations)
+            controls = controls.replace(iterations=controls.iterations or len(batches))
+        settings, controls = resolve_settings(self.compiled, settings), self._controls(controls)
+        iterations = iteration_count(batches, controls.iterations)
+        # the data and settings, checked before any function starts; the batch size measured
+        # here is the one the workers cut into micro-batches
         self._batch_size = check_training_call(
-            self.compiled, batches, iterations=iteration_count(batches, iterations), optimizer=optimizer,
-            micro_batches=micro_batches or default_micro_batches(self.compiled),
-            previous_batch_size=self._batch_size, non_finite=non_finite)
-        plan = self.compiled.plan
-        batch_for = batches if callable(batches) else batches.__getitem__
-        iterations = iteration_count(batches, iterations)
-        workload = workload_of(self.compiled)
-        micro_batches = micro_batches or default_micro_batches(self.compiled)
-        sync = sync or (workload.sync if workload else "pipelined")
-        if checkpoint_every < 1:
-            raise InputError(f"checkpoint_every must be at least 1 (a checkpoint every that many iterations), got "
-                             f"{checkpoint_every}")
-        degrees = tuple(stage.replicas for stage in plan.stages)
+            self.compiled, batches, iterations=iterations, optimizer=settings.optimizer,
+            micro_batches=settings.micro_batch_count, previous_batch_size=self._batch_size,
+            non_finite=controls.non_finite)
+        degrees = tuple(stage.replicas for stage in self.compiled.plan.stages)
         # inference functions hold the weights they loaded; the next request restarts them
         self.stop_inference()
         first = self.next_iteration()
-        spec = RunSpec(run=self.keys.run, stages=self._stage_specs(degrees), micro_batches=micro_batches, batch=1,
-                       optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=loss_output(self.compiled),
-                       schedule=schedule, sync=sync, threads=threads, wait_timeout_s=wait_timeout_s,
-                       checkpoint_every=checkpoint_every,
-                       time_limit_s=time_limit_s if time_limit_s is not None else self.time_limit_s,
-                       first_iteration=first, initial_checkpoint=self.consistent_checkpoint(),
-                       shared=self._shared(),
-                       faults=tuple(faults), store_faults=store_faults, precision=precision,
-                       vertical_sync=vertical_sync, loss_scaling=LossScaling.of(loss_scaling))
-        spec.check_schedule(replan=bool(replan), elastic=elastic is not None)
-        replanner = None
-        if replan:
-            policy = ReplanPolicy.of(replan)
-            check_replan(self, policy, elastic=elastic is not None,
-                         epoch_iterations=epoch_iterations, iterations=iterations)
-            replanner = Replanner(policy)
-        spec = dataclasses.replace(spec, batch=batch_values(self.compiled, batch_for(0), 0)[2])
-        record = CallRecord(first, iterations, spec.initial_checkpoint, batch_offset,
-                            {"optimizer": spec.optimizer.to_json(), "loss": loss, "micro_batches": micro_batches,
-                             "schedule": schedule, "sync": sync, "threads": threads,
-                             "checkpoint_every": checkpoint_every, "precision": precision,
-                             "vertical_sync": vertical_sync,
-                             "loss_scaling": dataclasses.asdict(spec.loss_scaling)})
+        spec = RunSpec.of(settings, controls, run=self.keys.run, stages=self._stage_specs(degrees),
+                          shared=self._shared(), batch=self._batch_size, loss_output=loss_output(self.compiled),
+                          first_iteration=first, initial_checkpoint=self.consistent_checkpoint())
+        replanner = self._replanner(spec, controls, iterations)
+        record = CallRecord(first, iterations, spec.initial_checkpoint, controls.batch_offset, settings)
         self.store.put(self.keys.call(first), record.dumps())
-        run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, elastic,
-                   epoch_iterations or iterations, straggler_ratio, progress, timeout_s, non_finite, replanner)
+        batch_for = batches if callable(batches) else batches.__getitem__
+        run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, controls,
+                   replanner)
         return run.execute()
+
+    def _controls(self, controls: RunControls) -> RunControls:
+        """``controls`` with this backend's defaults where they name none: the platform's time
+        limit, and a worker's wait on a peer."""
+        return controls.replace(
+            time_limit_s=controls.time_limit_s if controls.time_limit_s is not None else self.time_limit_s,
+            wait_timeout_s=controls.wait_timeout_s if controls.wait_timeout_s is not None else WAIT_TIMEOUT_S)
+
+    def _replanner(self, spec: RunSpec, controls: RunControls, iterations: int) -> Replanner | None:
+        """The re-planner ``controls.replan`` asks for, checked against the call (None: none)."""
+        spec.check_schedule(replan=bool(controls.replan), elastic=controls.elastic is not None)
+        if not controls.replan:
+            return None
+        policy = ReplanPolicy.of(controls.replan)
+        check_replan(self, policy, elastic=controls.elastic is not None,
+                     epoch_iterations=controls.epoch_iterations, iterations=iterations)
+        return Replanner(policy)
 
     # calls and checkpoints ------------------------------------------------------------------
     def calls(self) -> list[CallRecord]:
@@ -403,10 +335,19 @@ class FunctionDeployment:
         Save it with :func:`flatpack.save_state_dict`."""
         return state_dict_of(self.compiled, self.parameters(iteration))
 
-    def resume(self, batches: Sequence[Any] | Callable[[int], Any], **options: Any) -> TrainResult | None:
+    def resume(self, batches: Sequence[Any] | Callable[[int], Any], controls: RunControls | None = None,
+               **options: Unpack[TrainOptions]) -> TrainResult | None:
         """Continues the run's last train() call after any crash (a worker, the invoker, the
-        store server) from the last checkpoint every stage has, with the same settings, on the
-        same ``batches`` the call was given. Returns None when that call had finished."""
+        store server) from the last checkpoint every stage has, with the settings the call
+        recorded, on the same ``batches`` the call was given. ``controls`` (or their fields as
+        keywords: ``timeout_s=120``) drive the resumed call; a training setting is refused,
+        since the call's recorded ones are repeated (tests/unit/test_train_settings.py).
+        Returns None when that call had finished."""
+        settings, controls = resolve_options(None, controls, options, what="resume()")
+        if settings != TrainSettings():
+            raise InputError("resume() repeats the settings the call recorded; give it run controls only "
+                             f"({', '.join(sorted(fields_of(TrainSettings, options)))} are training settings). "
+                             "Start a new train() call to train otherwise")
         calls = self.calls()
         if not calls:
             raise InputError(f"run {self.keys.run} has no train() call to resume; call train() first")
@@ -417,10 +358,8 @@ class FunctionDeployment:
             return None
         batch_for = batches if callable(batches) else batches.__getitem__
         offset = last.batch_offset + trained
-        # only what train() records: a knob written into the record by hand is not honoured
-        settings = {**{name: value for name, value in last.options.items() if name in CALL_OPTIONS}, **options}
-        return self.train(lambda index: batch_for(offset + index), iterations=last.iterations - trained,
-                          batch_offset=offset, **settings)
+        return self.train(lambda index: batch_for(offset + index), last.settings,
+                          controls.replace(iterations=last.iterations - trained, batch_offset=offset))
 
     def measure_latency(self, samples: int = 21) -> float:
         """Median seconds of one small store access (a put or a get) from this process: the
@@ -438,10 +377,18 @@ class FunctionDeployment:
         return sorted(times)[len(times) // 2]
 
     # inference ----------------------------------------------------------------------------
-    def infer(self, inputs: Any, *, threads: int = 1, wait_timeout_s: float = 120.0) -> Any:
+    def infer(self, inputs: Any, settings: TrainSettings | None = None, controls: RunControls | None = None,
+              **options: Unpack[TrainOptions]) -> Any:
         """Serves one request through Gillis's fork-join (``runtime.forkjoin``) and returns
         the model's outputs, structured as the model returns them. The first call starts
-        the master and the workers; they stay warm for later requests."""
+        the master and the workers (with ``threads`` and ``wait_timeout_s``); they stay warm
+        for later requests. Any other setting is refused: a fork-join request has no
+        micro-batches, optimizer or schedule."""
+        settings, controls = resolve_options(settings, controls, options, what="infer()")
+        refuse_unhonoured(settings, controls, ("threads", "wait_timeout_s"), what="infer() on functions",
+                          why="it serves one fork-join request")
+        threads = settings.threads or 1
+        wait_timeout_s = controls.wait_timeout_s if controls.wait_timeout_s is not None else WAIT_TIMEOUT_S
         names = self.compiled.info.input_names
         values = dict(zip(names, self.compiled.input_leaves(inputs)))
         self._check_batch_splits(forkjoin.request_batch(values))
@@ -681,9 +628,13 @@ def workload_of(compiled: Compiled) -> Workload | None:
     return compiled.problem.workload if compiled.problem is not None else None
 
 
-def default_micro_batches(compiled: Compiled) -> int:
-    """M when ``train`` is not given one: the plan's, else the workload's, else 1."""
-    return compiled.plan.micro_batches_for(workload_of(compiled))
+def resolve_settings(compiled: Compiled, settings: TrainSettings) -> TrainSettings:
+    """``settings`` for ``compiled``'s plan: the micro-batches the call gives, else the plan's,
+    else its workload's (``Plan.micro_batches_for``), and the sync method the call gives, else
+    the workload's."""
+    workload = workload_of(compiled)
+    return settings.replace(micro_batches=compiled.plan.micro_batches_for(workload, settings.micro_batches),
+                            sync=settings.sync or (workload.sync if workload else "pipelined"))
 
 
 def loss_output(compiled: Compiled) -> str:
@@ -702,8 +653,7 @@ class _Run:
     deletes finished iterations' tensors and prints the progress line."""
 
     def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], first: int,
-                 end: int, elastic: Elastic | None, epoch_iterations: int, straggler_ratio: float | None,
-                 progress: Any, timeout_s: float, non_finite: str = "warn", replanner: Any = None) -> None:
+                 end: int, controls: RunControls, replanner: Replanner | None = None) -> None:
         self.deployment = deployment
         # a chaos run's faults reach the invoker's own requests too (data, progress, garbage)
         self.store = chaos.wrap(deployment.store, spec.store_faults, salt="invoker")
@@ -712,12 +662,12 @@ class _Run:
         self.batch_for = batch_for     # of the iteration number
         self.first = first             # the call's iterations are first..end-1 (numbers unique in the run)
         self.end = end
-        self.elastic = elastic
-        self.epoch_iterations = epoch_iterations
-        self.straggler_ratio = straggler_ratio
-        self.progress = progress
-        self.timeout_s = timeout_s
-        self.non_finite = non_finite
+        self.elastic = controls.elastic
+        self.epoch_iterations = controls.epoch_iterations or end - first
+        self.straggler_ratio = controls.straggler_ratio
+        self.progress = controls.progress
+        self.timeout_s = controls.timeout_s
+        self.non_finite = controls.non_finite
         self.warned_non_finite = False
         self.restarts: list[Restart] = []
         self.uploaded = first
@@ -769,7 +719,7 @@ class _Run:
                     if wanted is not None:
                         self.spec = self.spec.with_replicas(list(wanted))
                 if begin < self.end and self.replanner is not None:
-                    self._replan(begin - 1)
+                    self._replan(self.replanner, begin - 1)
         except BaseException:
             self.deployment.stop_workers()
             raise
@@ -787,12 +737,12 @@ class _Run:
                            samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks,
                            switches=self.replanner.switches if self.replanner is not None else [])
 
-    def _replan(self, last: int) -> None:
+    def _replan(self, replanner: Replanner, last: int) -> None:
         """At the epoch boundary after ``last``, every function of the epoch ended: the
         replanner may move the run onto a new plan (new stages under a new run prefix, the
         checkpoints moved onto them); the next epoch then launches the new plan's functions."""
         events = self._events(current_plan=True)
-        spec = self.replanner.after_epoch(self.deployment, self.spec, events, last)
+        spec = replanner.after_epoch(self.deployment, self.spec, events, last)
         if spec is None:
             return
         self.earlier_events.extend(events)

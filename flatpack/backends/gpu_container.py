@@ -41,15 +41,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, Unpack
 
 import torch
 import yaml
 from safetensors.torch import load_file
 
-import flatpack
+from flatpack.version import __version__
 from flatpack.backends.batch_checks import batch_values
-from flatpack.backends.functions import TrainResult, default_micro_batches, iteration_count, loss_output, workload_of
+from flatpack.backends.functions import iteration_count, loss_output, resolve_settings, workload_of
+from flatpack.backends.results import TrainResult
 from flatpack.backends.images import (PIP_INSTALL, TORCH_REQUIREMENT, base_comment, check_lock, copy_problems,
                                       hardening_problems, runtime_sources, write_files)
 from flatpack.backends.lock import committed_lock, lock_problems
@@ -64,7 +65,8 @@ from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE,
                                           outputs_file, parameters_file, stage_path, timeline_file)
 from flatpack.runtime.forkjoin import join_batch
 from flatpack.runtime.optim import OptimizerSpec
-from flatpack.runtime.precision import LossScaling
+from flatpack.runtime.settings import (RunControls, TrainOptions, TrainSettings, refuse_unhonoured,
+                                       resolve_options)
 from flatpack.runtime.spec import RunSpec, micro_batch_size, shared_holders, stage_specs
 from flatpack.runtime.training import TARGET
 from flatpack import schedules
@@ -122,18 +124,32 @@ def example_batch(compiled: Compiled) -> int | None:
     return None
 
 
-def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches: int | None = None,
-              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy", schedule: str = "sync",
-              backend: str = "nccl", device: str | None = None, seed: int = 0, timeout_s: float = 300.0,
-              run: str | None = None, precision: str = "fp32",
-              loss_scaling: LossScaling | dict | None = None, mode: str = TRAIN) -> DistributedRun:
-    """The ``run.json`` document of a run of ``compiled``; ``timeout_s`` bounds each wait on a
-    peer. The loss and ``precision`` are checked by ``RunSpec``; a stage the plan lets
-    recompute its activations recomputes them on its ranks (``training.stage_backward``).
-    ``mode`` "infer": forward passes only, the model's outputs written back."""
+# what a gpu-container run acts on; every other setting or control is refused, not ignored
+HONOURED_SETTINGS = ("optimizer", "loss", "micro_batches", "schedule", "threads", "precision", "loss_scaling")
+HONOURED_CONTROLS = ("iterations", "timeout_s", "wait_timeout_s")
+NOT_HONOURED = ("its ranks keep no checkpoints, run no faults and all-reduce their gradients "
+                "in one process group for the whole job")
+
+
+def build_run(compiled: Compiled, settings: TrainSettings | None = None, controls: RunControls | None = None, *,
+              batch: int, backend: str = "nccl", device: str | None = None, seed: int = 0, run: str | None = None,
+              mode: str = TRAIN, **options: Unpack[TrainOptions]) -> DistributedRun:
+    """The ``run.json`` document of a run of ``compiled`` with ``settings`` and ``controls``
+    (or their fields as keywords): ``iterations`` global batches of ``batch`` samples;
+    ``wait_timeout_s`` bounds each wait on a peer. A setting
+    or control the ranks do not act on is refused. The loss and ``precision`` are checked by
+    ``RunSpec``; a stage the plan lets recompute its activations recomputes them on its ranks
+    (``training.stage_backward``). ``mode`` "infer": forward passes only, the model's outputs
+    written back."""
+    settings, controls = resolve_options(settings, controls, options, what="a gpu-container run")
+    refuse_unhonoured(settings, controls, HONOURED_SETTINGS + HONOURED_CONTROLS, what="a gpu-container run",
+                      why=NOT_HONOURED)
+    if controls.iterations is None:
+        raise InputError("a gpu-container run needs iterations=: the ranks are started for a fixed number")
     training = mode == TRAIN
-    schedules.get(schedule).check(Setup(ranks=True))
-    micro_batches = micro_batches or default_micro_batches(compiled)
+    schedules.get(settings.schedule).check(Setup(ranks=True))
+    settings = resolve_settings(compiled, settings)
+    micro_batches = settings.micro_batch_count
     if batch < micro_batches:
         raise InputError(f"a batch of {plural(batch, 'sample')} cannot be cut into "
                          f"{plural(micro_batches, 'micro-batch', 'micro-batches')}; use a "
@@ -146,11 +162,9 @@ def build_run(compiled: Compiled, *, iterations: int, batch: int, micro_batches:
     output_names = compiled.info.output_names
     # an inference computes no loss: any stage may produce the first output
     read_by_loss = loss_output(compiled) if training else output_names[0]
-    spec = RunSpec(run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages, micro_batches=micro_batches,
-                   batch=batch, optimizer=OptimizerSpec.of(optimizer), loss=loss, loss_output=read_by_loss,
-                   schedule=schedule, wait_timeout_s=timeout_s, shared=shared_holders(manifests), precision=precision,
-                   loss_scaling=LossScaling.of(loss_scaling))
-    return DistributedRun(spec=spec, iterations=iterations, backend=backend,
+    spec = RunSpec.of(settings, controls, run=run or f"run-{uuid.uuid4().hex[:10]}", stages=stages,
+                      shared=shared_holders(manifests), batch=batch, loss_output=read_by_loss)
+    return DistributedRun(spec=spec, iterations=controls.iterations, backend=backend,
                           device=device or ("cuda" if backend == "nccl" else "cpu"),
                           example_batch=example_batch(compiled), seed=seed, mode=mode,
                           outputs=() if training else output_names)
@@ -217,8 +231,10 @@ def package(compiled: Compiled, *, backend: str = "nccl", iterations: int = 100,
     batch = batch or (workload.batch if workload else None) or example_batch(compiled)
     if batch is None:
         raise InputError("the model has no batched tensor input to size a synthetic batch by; pass batch=")
-    run = build_run(compiled, iterations=iterations, batch=batch, micro_batches=micro_batches, optimizer=optimizer,
-                    loss=loss, schedule=schedule, backend=backend, timeout_s=timeout_s, run=name, precision=precision)
+    settings = TrainSettings(optimizer=OptimizerSpec.of(optimizer), loss=loss, micro_batches=micro_batches,
+                             schedule=schedule, precision=precision)
+    run = build_run(compiled, settings, RunControls(iterations=iterations, wait_timeout_s=timeout_s), batch=batch,
+                    backend=backend, run=name)
     pods = world // gpus_per_pod
     image = image or f"{name}:latest"
     files: dict[str, bytes] = {
@@ -239,7 +255,7 @@ def _commands(name: str, image: str, world: int, pods: int) -> str:
     """What a user runs to start the Job (flatpack calls no cluster API itself)."""
     return f"""\
 #!/usr/bin/env bash
-# generated by flatpack {flatpack.__version__}: {name}, {world} ranks in {pods} pod(s) on a Kubernetes cluster with GPUs
+# generated by flatpack {__version__}: {name}, {world} ranks in {pods} pod(s) on a Kubernetes cluster with GPUs
 set -euo pipefail
 cd "$(dirname "$0")"
 docker build --platform linux/amd64 -t {image} .
@@ -270,7 +286,7 @@ def _check_name(name: str) -> None:
 def _dockerfile(base: BaseImage) -> str:
     comments = "\n".join(base_comment(base))
     return f"""\
-# Generated by flatpack {flatpack.__version__}: one image for every rank of a gpu-container run.
+# Generated by flatpack {__version__}: one image for every rank of a gpu-container run.
 # Base: {base.name} with {TORCH_REQUIREMENT} from PyPI, whose Linux x86-64 wheel is the CUDA build
 # (CUDA runtime, cuDNN and NCCL arrive as nvidia-* wheels); the node supplies only the NVIDIA driver.
 # requirements.txt is a hash lock: pip installs exactly those files or nothing.
@@ -297,7 +313,7 @@ def _launch_script(world: int, data: str | None) -> str:
                                out='"$OUT"', context=".", data_option=False)
     return f"""\
 #!/bin/sh
-# Generated by flatpack {flatpack.__version__}: starts this node's ranks of the run ({world} in all).
+# Generated by flatpack {__version__}: starts this node's ranks of the run ({world} in all).
 # NNODES, NPROC_PER_NODE, NODE_RANK (else JOB_COMPLETION_INDEX), MASTER_ADDR and MASTER_PORT come
 # from the environment (the Kubernetes Job sets them); alone, every rank starts on this machine.
 # FLATPACK_DATA: a directory of iter_NNNNNN.safetensors batches; unset, batches are synthetic.
@@ -401,7 +417,7 @@ def _job_yaml(compiled: Compiled, *, name: str, image: str, pods: int, nproc: in
     }
     documents = yaml.safe_dump_all([service, job, network_policy(name, labels)], sort_keys=False,
                                    explicit_start=True)
-    return f"# Generated by flatpack {flatpack.__version__}. {SCHEMA_NOTE}.\n# {POLICY_NOTE}\n" + documents
+    return f"# Generated by flatpack {__version__}. {SCHEMA_NOTE}.\n# {POLICY_NOTE}\n" + documents
 
 
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_UID, "runAsGroup": RUN_UID, "fsGroup": RUN_UID,
@@ -719,18 +735,17 @@ class GpuContainerDeployment:
             data_file(directory, iteration).write_bytes(pack_values(values))
 
     # running --------------------------------------------------------------------------------
-    def prepare(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
-                optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
-                micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
-                timeout_s: float = 300.0, warmup: int = 1, seed: int = 0, threads: int | None = None,
-                precision: str = "fp32", loss_scaling: LossScaling | dict | None = None, mode: str = TRAIN,
-                parameters: Path | None = None) -> RunLaunch:
+    def prepare(self, batches: Sequence[Any] | Callable[[int], Any] | None, settings: TrainSettings | None = None,
+                controls: RunControls | None = None, *, batch: int | None = None, warmup: int = 1, seed: int = 0,
+                mode: str = TRAIN, parameters: Path | None = None, **options: Unpack[TrainOptions]) -> RunLaunch:
         """Writes a run's ``run.json`` and data under ``runs/`` without starting it. The run is
         checked (batch 0's size included) before any data is written, and a run that fails
         to be written leaves nothing behind. ``mode`` "infer": a forward-only run
         (:meth:`infer`); ``parameters``: a finished run's output directory to start from."""
+        settings, controls = resolve_options(settings, controls, options, what="prepare()")
         first = None
         batch_for: Callable[[int], Any] | None = None
+        iterations = controls.iterations
         if batches is None:
             if not iterations or not batch:
                 raise InputError("a synthetic run (batches=None) needs iterations= and batch=")
@@ -738,10 +753,9 @@ class GpuContainerDeployment:
             iterations = iteration_count(batches, iterations)
             batch_for = batches if callable(batches) else batches.__getitem__
             first = batch_values(self.compiled, batch_for(0), 0)
-            batch = first[2]
-        run = build_run(self.compiled, iterations=iterations, batch=batch, micro_batches=micro_batches,
-                        optimizer=optimizer, loss=loss, schedule=schedule, backend=self.backend, device=self.device,
-                        seed=seed, timeout_s=timeout_s, precision=precision, loss_scaling=loss_scaling, mode=mode)
+            batch = first[2]     # measured once: the run's batch, which every later batch must match
+        run = build_run(self.compiled, settings, controls.replace(iterations=iterations), batch=batch,
+                        backend=self.backend, device=self.device, seed=seed, mode=mode)
         directory = self.workdir / "runs" / run.spec.run
         directory.mkdir(parents=True)
         data = directory / DATA_DIR if first is not None else None
@@ -752,54 +766,55 @@ class GpuContainerDeployment:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        threads = threads or max(1, (os.cpu_count() or 1) // run.layout.world_size)
+        threads = settings.threads or max(1, (os.cpu_count() or 1) // run.layout.world_size)
         self.current = RunLaunch(run, directory, _free_port(), data=data, warmup=warmup, threads=threads,
                                  parameters=parameters)
         return self.current
 
-    def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, *, iterations: int | None = None,
-              optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
-              micro_batches: int | None = None, schedule: str = "sync", batch: int | None = None,
-              timeout_s: float = 600.0, wait_timeout_s: float = 300.0, warmup: int = 1, seed: int = 0,
-              threads: int | None = None, precision: str = "fp32",
-              loss_scaling: LossScaling | dict | None = None, replan: Any = False) -> TrainResult:
+    def train(self, batches: Sequence[Any] | Callable[[int], Any] | None, settings: TrainSettings | None = None,
+              controls: RunControls | None = None, *, batch: int | None = None, warmup: int = 1, seed: int = 0,
+              **options: Unpack[TrainOptions]) -> TrainResult:
         """Trains ``iterations`` global batches with one process per rank on this machine and
         returns the final parameters, the losses and the timeline, as the local backend does.
 
-        ``batches``: ``(inputs, target)`` global batches (or a function of the iteration);
-        None trains on synthetic batches of ``batch`` samples (a throughput run; the losses
-        are of random data). ``timeout_s`` bounds the whole run, ``wait_timeout_s`` each
-        rank's wait on a peer. ``warmup``: iterations left out of each rank's median.
-        ``precision`` "bf16": autocast on the ranks' device, bfloat16 between stages; "fp16":
-        float16, with ``torch.amp.GradScaler``'s loss scaling (``loss_scaling``). The
-        batches written for the run are removed when it ends; its logs and outputs stay
-        under the work directory until ``teardown``. ``replan`` is refused: the ranks hold
-        their stages in one process group for the whole job.
+        ``settings`` and ``controls`` (or their fields as keywords) as ``FunctionDeployment.train``
+        takes them; a gpu-container run acts on :data:`HONOURED_SETTINGS` and
+        :data:`HONOURED_CONTROLS` and refuses the others. ``batches``: ``(inputs, target)``
+        global batches (or a function of the iteration); None trains on synthetic batches of
+        ``batch`` samples (a throughput run; the losses are of random data). ``timeout_s``
+        bounds the whole run, ``wait_timeout_s`` each rank's wait on a peer. ``warmup``:
+        iterations left out of each rank's median. ``threads``: None shares the machine's
+        cores among the ranks. ``precision`` "bf16": autocast on the ranks' device, bfloat16
+        between stages; "fp16": float16, with ``torch.amp.GradScaler``'s loss scaling
+        (``loss_scaling``). The batches written for the run are removed when it ends; its logs
+        and outputs stay under the work directory until ``teardown``. ``replan`` is refused:
+        the ranks hold their stages in one process group for the whole job.
         """
-        if replan:
+        settings, controls = resolve_options(settings, controls, options, what="train()")
+        if controls.replan:
             raise InputError("replan switches plans between epochs on the local backend; gpu-container ranks hold "
                              "their stages in one process group for the whole job. Re-plan after the run (flatpack "
                              "plan --from-run RUN_DIR) and deploy the new plan")
-        launch = self.prepare(batches, iterations=iterations, optimizer=optimizer, loss=loss,
-                              micro_batches=micro_batches, schedule=schedule, batch=batch,
-                              timeout_s=wait_timeout_s, warmup=warmup, seed=seed, threads=threads,
-                              precision=precision, loss_scaling=loss_scaling)
-        wall = self._execute(launch, timeout_s)
+        launch = self.prepare(batches, settings, controls, batch=batch, warmup=warmup, seed=seed)
+        wall = self._execute(launch, controls.timeout_s)
         result = self._result(launch, wall)
         self.trained = launch.out
         return result
 
-    def infer(self, inputs: Any, *, micro_batches: int | None = None, timeout_s: float = 600.0,
-              wait_timeout_s: float = 300.0, threads: int | None = None, precision: str = "fp32") -> Any:
+    def infer(self, inputs: Any, settings: TrainSettings | None = None, controls: RunControls | None = None,
+              **options: Unpack[TrainOptions]) -> Any:
         """Runs one request through the ranks, forwards only, and returns the model's outputs,
         structured as the model returns them. The ranks compute with the weights of the last
         ``train`` on this deployment, else the compiled ones. ``micro_batches`` cuts the
         request as a training batch is cut (default: the plan's), so every replica of a
         stage takes its share; the request needs at least that many samples. Every call
         starts the ranks afresh (a container job, not a warm server)."""
-        launch = self.prepare([(inputs, None)], iterations=1, micro_batches=micro_batches, timeout_s=wait_timeout_s,
-                              warmup=0, threads=threads, precision=precision, mode=INFER, parameters=self.trained)
-        self.last_latency_s = self._execute(launch, timeout_s)
+        settings, controls = resolve_options(settings, controls, options, what="infer()")
+        refuse_unhonoured(settings, controls, ("micro_batches", "threads", "precision", "timeout_s", "wait_timeout_s"),
+                          what="infer() on gpu-container", why="it runs forward passes only")
+        launch = self.prepare([(inputs, None)], settings, controls.replace(iterations=1), warmup=0, mode=INFER,
+                              parameters=self.trained)
+        self.last_latency_s = self._execute(launch, controls.timeout_s)
         return self._outputs(launch)
 
     def _execute(self, launch: RunLaunch, timeout_s: float) -> float:

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Restart, TrainResult, oom_error,
-                                         read_status)
+from flatpack.backends.functions import FUNCTION_CAPABILITIES, FunctionDeployment, oom_error, read_status
+from flatpack.backends.results import Restart, TrainResult
 from flatpack.backends.protocol import Capability
 from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled

@@ -11,11 +11,12 @@ started.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Unpack, runtime_checkable
 
 if TYPE_CHECKING:
-    from flatpack.backends.functions import TrainResult
+    from flatpack.backends.results import TrainResult
     from flatpack.compiler import Compiled
+    from flatpack.runtime.settings import RunControls, TrainOptions, TrainSettings
 
 
 class Capability(str, enum.Enum):
@@ -38,9 +39,18 @@ class Deployment(Protocol):
 
     compiled: Compiled
 
-    def train(self, batches: Any, *args: Any, **options: Any) -> TrainResult: ...
+    def train(self, batches: Any, settings: TrainSettings | None = None, controls: RunControls | None = None,
+              **options: Unpack[TrainOptions]) -> TrainResult:
+        """Trains on ``batches`` with ``settings`` (what the pipeline computes) and ``controls``
+        (how the call is driven); ``options`` are their fields as keywords, over them
+        (``runtime.settings.resolve_options``). A setting the backend does not act on is refused."""
+        ...
 
-    def infer(self, inputs: Any, *args: Any, **options: Any) -> Any: ...
+    def infer(self, inputs: Any, settings: TrainSettings | None = None, controls: RunControls | None = None,
+              **options: Unpack[TrainOptions]) -> Any:
+        """The model's outputs for ``inputs``; of ``settings`` and ``controls`` only what an
+        inference uses (threads, waits; the gpu-container's micro-batches and precision)."""
+        ...
 
     def teardown(self) -> Any: ...
 

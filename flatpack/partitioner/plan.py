@@ -215,10 +215,11 @@ class Plan:
     def replicas(self) -> tuple[int, ...]:
         return tuple(stage.replicas for stage in self.stages)
 
-    def micro_batches_for(self, workload: Workload | None) -> int:
-        """M when this plan runs: the plan's own (a solver that chose it), else the workload's,
-        else 1 (a plan made without a workload)."""
-        return self.micro_batches or (workload.micro_batches if workload else None) or 1
+    def micro_batches_for(self, workload: Workload | None, explicit: int | None = None) -> int:
+        """M when this plan runs: ``explicit`` (a train() call's ``micro_batches``), else the
+        plan's own (a solver that chose it), else the workload's, else 1 (a plan made without
+        a workload). The one place M is resolved: the backends, the job and the verdict call it."""
+        return explicit or self.micro_batches or (workload.micro_batches if workload else None) or 1
 
     @property
     def memory_mb(self) -> tuple[int | None, ...]:

@@ -15,6 +15,7 @@ from flatpack.batching import has_batch_dimension
 from flatpack.errors import InputError
 from flatpack.runtime.optim import OptimizerSpec, check_loss
 from flatpack.runtime.precision import WIRE_DTYPES, LossScaling
+from flatpack.runtime.settings import RunControls, TrainSettings
 from flatpack.schedules import DEFAULT_SCHEDULE, Schedule, Setup
 from flatpack.schedules import get as schedule_named
 from flatpack.stage.manifest import Manifest
@@ -22,6 +23,7 @@ from flatpack.stage.settings import PRECISIONS, SYNC_METHODS
 from flatpack.stage.tensor_check import TensorSpec, dtype_name
 
 DATA_SOURCE = -1   # an input that comes from the data, not from an earlier stage
+WAIT_TIMEOUT_S = 300.0   # a worker's wait on a peer's tensor, when the call names none
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class RunSpec:
     schedule: str = DEFAULT_SCHEDULE   # a registered schedule's name (flatpack.schedules): the wire format
     sync: str = "pipelined"
     threads: int = 1
-    wait_timeout_s: float = 300.0
+    wait_timeout_s: float = WAIT_TIMEOUT_S
     checkpoint_every: int = 1
     time_limit_s: float | None = None  # a function re-invokes itself before this (Lambda: 900 s)
     # the call's first iteration and the checkpoint (an iteration number) its first iteration
@@ -101,6 +103,22 @@ class RunSpec:
             clip_grad_norm=self.optimizer.clip_grad_norm, accumulate=self.optimizer.accumulate,
             precision=self.precision, shared=tuple(sorted(self.shared)), time_limit_s=self.time_limit_s,
             replan=replan, elastic=elastic, ranks=ranks))
+
+    @classmethod
+    def of(cls, settings: TrainSettings, controls: RunControls, *, run: str, stages: tuple[StageSpec, ...],
+           shared: dict[str, tuple[int, ...]], batch: int, loss_output: str, first_iteration: int = 0,
+           initial_checkpoint: int | None = None) -> RunSpec:
+        """What the workers of one call run: the call's ``settings`` (resolved for the plan: its
+        micro-batches known), the driving ``controls`` the workers act on (time limit, waits,
+        injected faults), the plan's ``stages`` and the ``batch`` measured from the data."""
+        return cls(run=run, stages=stages, micro_batches=settings.micro_batch_count, batch=batch,
+                   optimizer=settings.optimizer, loss=settings.loss, loss_output=loss_output,
+                   schedule=settings.schedule, sync=settings.sync or "pipelined", threads=settings.threads or 1,
+                   wait_timeout_s=controls.wait_timeout_s if controls.wait_timeout_s is not None else WAIT_TIMEOUT_S,
+                   checkpoint_every=settings.checkpoint_every, time_limit_s=controls.time_limit_s,
+                   first_iteration=first_iteration, initial_checkpoint=initial_checkpoint, shared=shared,
+                   faults=controls.faults, store_faults=controls.store_faults, precision=settings.precision,
+                   vertical_sync=settings.vertical_sync, loss_scaling=settings.loss_scaling)
 
     def checkpoints_after(self, iteration: int, segment_end: int) -> bool:
         """Whether replica 0 of every stage checkpoints after ``iteration``: every

@@ -100,6 +100,10 @@ def test_a_failed_call_resumes_from_the_last_checkpoint_to_the_same_weights(s3_s
         resumed = deployment.resume(data, wait_timeout_s=30, timeout_s=120)
         assert resumed is not None and len(resumed.losses) == 4
         assert deployment.resume(data) is None
+        failed, resumed_call = deployment.calls()
+    # the resumed call repeated the failed one's settings (checkpoints every 2, its optimizer, M)
+    assert resumed_call.settings == failed.settings and failed.settings.checkpoint_every == 2
+    assert (resumed_call.batch_offset, resumed_call.iterations) == (2, 4)
     assert_same_parameters(resumed, reference)
     assert resumed.losses == pytest.approx(losses[2:], rel=1e-4, abs=1e-5)
 

@@ -477,19 +477,24 @@ def test_a_gpu_container_rank_without_a_digest_refuses_to_load_its_stage(compile
 
 
 def test_a_call_record_in_the_store_cannot_inject_faults_into_a_resume():
-    """The store under RUN/store is files too: a knob written into a train() call record by
-    hand is not passed to train() by resume, and a hostile record is a StoreError."""
+    """The store under RUN/store is files too: a call record holds training settings only, so
+    a run control written into one by hand (faults, a 1e9 s timeout) makes it a StoreError,
+    and resume passes the recorded settings whole, with no control but its own."""
     from flatpack.backends.functions import CallRecord, FunctionDeployment
     from flatpack.errors import StoreError
+    from flatpack.runtime.settings import RunControls, TrainSettings
 
-    record = CallRecord(0, 4, None, 0, {"optimizer": "sgd", "loss": "mse", "faults": [{"action": "raise"}],
-                                        "timeout_s": 1e9})
-    asked: dict[str, Any] = {}
+    settings = TrainSettings(optimizer="sgd", loss="mse", micro_batches=2)
+    record = CallRecord(0, 4, None, 0, settings)
+    asked: list[tuple[TrainSettings, RunControls]] = []
     fake = SimpleNamespace(calls=lambda: [CallRecord.loads(record.dumps())], consistent_checkpoint=lambda: 1,
-                           train=lambda batches, **options: asked.update(options))
+                           train=lambda batches, settings, controls: asked.append((settings, controls)))
     FunctionDeployment.resume(fake, [None] * 4)  # type: ignore[arg-type]
-    assert asked == {"optimizer": "sgd", "loss": "mse", "iterations": 2, "batch_offset": 2}
-    for raw in (b"[" * DEEP + b"]" * DEEP, b'{"options": 1}', b'{"options": {}, "exec": 1}', b"NaN"):
+    assert asked == [(settings, RunControls(iterations=2, batch_offset=2))]
+    hostile = json.loads(record.dumps())
+    hostile["settings"].update({"faults": [{"action": "raise"}], "timeout_s": 1e9})
+    for raw in (b"[" * DEEP + b"]" * DEEP, b'{"settings": 1}', b'{"settings": {}, "exec": 1}', b"NaN",
+                json.dumps(hostile).encode(), b'{"settings": {"loss": "rm -rf"}}'):
         with pytest.raises(StoreError, match="call record"):
             CallRecord.loads(raw)
 

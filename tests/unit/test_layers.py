@@ -50,14 +50,9 @@ def test_the_sub_package_import_graph_has_no_cycle():
     assert cycles(files) == []
 
 
-# The one type-only cycle left, being removed: the backend protocol names the concrete
-# functions.TrainResult for its train() return type (TrainResult moves out of functions.py).
-# An edge listed here is left out of the graph; delete the entry once it is gone.
-KNOWN_TYPE_ONLY_EDGES = {("flatpack.backends.protocol", "flatpack.backends.functions"),
-                         # gpu_container reads flatpack.__version__ through the package root,
-                         # whose type-only imports name api (above the backends): a cycle between
-                         # packages, not modules; flatpack.version.__version__ removes it
-                         ("flatpack.backends.gpu_container", "flatpack")}
+# Edges left out of the graph: none (the last type-only cycles, protocol -> functions.TrainResult
+# and gpu_container -> the package root, are gone); keep it empty.
+KNOWN_TYPE_ONLY_EDGES: set[tuple[str, str]] = set()
 
 
 def _grimp_graph(exclude_type_checking: bool) -> dict[str, set[str]]:
