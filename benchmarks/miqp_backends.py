@@ -1,7 +1,7 @@
 """miqp's backend choice, measured: CP-SAT on the integer-scaled arc model with the bilinear
 term kept as a product, against MIP solvers (SCIP, CBC, HiGHS through pywraplp) on the same
 arc model in floating point with the product linearized (App. C technique 2 of
-../shared/papers/000_2f8f665d06f7d6de.txt: w_a ≥ t_iter − T_ub·(1 − x_a), so that
+FuncPipe: w_a ≥ t_iter − T_ub·(1 − x_a), so that
 t_iter·Q = κ·t_iter + Σ_a price_a·w_a).
 
 Both get the same subproblem — the (M, d) of the exact optimum, the same arcs (after the same

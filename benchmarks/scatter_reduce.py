@@ -1,5 +1,5 @@
 """Pipelined versus LambdaML scatter-reduce through a throttled local S3 store, measured against
-FuncPipe §3.3's formulas (000_2f8f665d06f7d6de.txt): eq. 1, LambdaML's three phases,
+FuncPipe §3.3's formulas: eq. 1, LambdaML's three phases,
 3·s/w − 2·s/(n·w) + 4·t_lat, and eq. 2, the pipelined schedule, 2·s/w + (2 + n)·t_lat. The
 paper measured up to 26 % lower sync time for pipelined (§5.5, Fig. 9b); the formulas bound
 the gain by 33 % as n grows.

@@ -3,7 +3,7 @@ plan's training iteration takes, beside what the workers' timeline (``runtime.ti
 shows it took; and the model's predictions laid out as a timeline of their own
 (:func:`predicted_schedule`) to draw beside the measured one.
 
-Per stage the prediction is FuncPipe's per-micro-batch figures (000_2f8f665d06f7d6de.txt
+Per stage the prediction is FuncPipe's per-micro-batch figures (FuncPipe
 App. B): forward t̂_fc and backward t̂_bc; the forward-direction transfers, the upload t_fu
 on the stage's output boundary and the download t_fd on its input boundary (the backward
 direction is in the JSON form); the synchronization t_s; and the iteration total t_iter

@@ -1,4 +1,4 @@
-"""The planner's view of Gillis's channel split (001_af86584f8598a88a.txt §II-C, §III-C):
+"""The planner's view of Gillis's channel split (Gillis §II-C, §III-C):
 for every group of consecutive layers that a channel split applies to, the numbers the
 fork-join cost model needs.
 

@@ -7,7 +7,7 @@ the registry (``cost/registry.py``) — so that every solver, brute force includ
 by the same numbers.
 
 :class:`Weights` is FuncPipe's weighted sum α₁·c_iter + α₂·t_iter
-(000_2f8f665d06f7d6de.txt eq. 3a). FuncPipe's default pairs (1, 0), (1, 2¹⁶), (1, 2¹⁹),
+(FuncPipe eq. 3a). FuncPipe's default pairs (1, 0), (1, 2¹⁶), (1, 2¹⁹),
 (1, 2²²) (§5.1) only make sense with c_iter in memory-seconds: its eq. 6,
 c_iter = P·t_iter·c_mem, with c_mem in MB and the price P left out — in dollars a Lambda
 iteration costs ~10⁻³ and time would take all the weight from the first non-zero α₂. So the

@@ -41,7 +41,7 @@ def non_dominated(plans: Iterable[Plan]) -> list[Plan]:
 
 
 def efficiency(plan: Plan, cheapest: Plan) -> float:
-    """FuncPipe's δ = (t_cost/t_p − 1)/(c_p/c_cost − 1) (000_2f8f665d06f7d6de.txt §5.1): the
+    """FuncPipe's δ = (t_cost/t_p − 1)/(c_p/c_cost − 1) (FuncPipe §5.1): the
     speed-up over the cheapest plan per unit of extra cost. A plan as cheap as the cheapest
     and faster is infinitely efficient; one as cheap and no faster scores 0."""
     speedup = time_of(cheapest) / time_of(plan) - 1

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 
 KINDS = ("serverless", "container", "local")
 
-# Where the numbers come from. Papers are cited by file name in ../shared/papers/ (beside the repository).
-FUNCPIPE = "FuncPipe (papers/000_2f8f665d06f7d6de.txt)"
-GILLIS = "Gillis (papers/001_af86584f8598a88a.txt)"
-HYDROZOA = "Hydrozoa (papers/002_ac11226e9c721a68.txt)"
-SLSML = "slsML (papers/003_198845099208644a.txt)"
+# Where the numbers come from. Papers are cited by name and section (docs/papers.md lists them).
+FUNCPIPE = "FuncPipe"
+GILLIS = "Gillis"
+HYDROZOA = "Hydrozoa"
+SLSML = "slsML"
 AWS_PRICING = "AWS Lambda pricing, https://aws.amazon.com/lambda/pricing/ (us-east-1, x86, first duration tier)"
 AWS_MEMORY = "AWS Lambda developer guide, 'Configure Lambda function memory' (configuration-memory)"
 AWS_QUOTAS = "AWS Lambda developer guide, 'Lambda quotas' (gettingstarted-limits)"

@@ -1,4 +1,4 @@
-"""Gillis's channel split of a layer group (001_af86584f8598a88a.txt §II-C Fig. 2b, §III-C):
+"""Gillis's channel split of a layer group (Gillis §II-C Fig. 2b, §III-C):
 which parts of a group's fx graph can be cut by output channels, and what each partition
 keeps.
 

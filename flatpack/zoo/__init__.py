@@ -21,9 +21,9 @@ from flatpack.errors import InputError
 from flatpack.zoo import amoebanet, rnn, transformers_models, vision
 
 SIZES = ("tiny", "full")
-FUNCPIPE = "000_2f8f665d06f7d6de.txt (FuncPipe)"
-GILLIS = "001_af86584f8598a88a.txt (Gillis)"
-HYDROZOA = "002_ac11226e9c721a68.txt (Hydrozoa)"
+FUNCPIPE = "FuncPipe"
+GILLIS = "Gillis"
+HYDROZOA = "Hydrozoa"
 
 Builder = Callable[[str, int], "tuple[nn.Module, tuple]"]
 

@@ -78,7 +78,7 @@ TWO_STAGES = plan((0, 1, 1024, 2), (2, 2, 2048, 2))
 
 
 def test_funcpipe_section_3_3_figures():
-    """000_2f8f665d06f7d6de.txt §3.3: at 70 MB/s, synchronizing a 280 MB model among 8
+    """FuncPipe §3.3: at 70 MB/s, synchronizing a 280 MB model among 8
     workers takes 11 s with LambdaML's scatter-reduce (eq. 1) and 8 s pipelined (eq. 2),
     a 27% cut ("data transfer time": latency excluded)."""
     lambdaml = scatter_reduce_seconds(280e6, 8, 70e6, 0.0, "lambdaml")

@@ -1,12 +1,12 @@
 """Cost models: pure functions of (profiled chain, plan, platform, workload) that return a
 breakdown, not only a total, and a ``to_json()`` for ``Plan.predictions``.
 
-* :mod:`.funcpipe` — FuncPipe's storage-based training pipeline (000_2f8f665d06f7d6de.txt
+* :mod:`.funcpipe` — FuncPipe's storage-based training pipeline (FuncPipe
   §3.4, App. B), and :func:`check_layers_fit`, the "a layer is larger than any tier" check;
-* :mod:`.gillis` — Gillis's fork-join inference (001_af86584f8598a88a.txt §IV);
-* :mod:`.hydrozoa` — Hydrozoa's A×B hybrid parallelism (002_ac11226e9c721a68.txt §3.3–3.4, App. A);
+* :mod:`.gillis` — Gillis's fork-join inference (Gillis §IV);
+* :mod:`.hydrozoa` — Hydrozoa's A×B hybrid parallelism (Hydrozoa §3.3–3.4, App. A);
 * :mod:`.pipedream` — PipeDream's slowest-stage model with replicated stages
-  (004_623b02f6b92126b0.txt §5.3.1);
+  (the PipeDream dissertation §5.3.1);
 * :mod:`.collectives` — the synchronization formulas they share.
 
 Every model reads compute time through ``Problem.layer_seconds``, so a calibration measured

@@ -29,7 +29,7 @@ def _check(nbytes: float, workers: int, bandwidth_bytes_s: float) -> None:
 
 
 def scatter_reduce_coefficients(method: str, workers: int) -> tuple[float, float]:
-    """FuncPipe's (γ, δ) for t_s = γ·s/w + δ·t_lat (000_2f8f665d06f7d6de.txt, App. B eq. 12).
+    """FuncPipe's (γ, δ) for t_s = γ·s/w + δ·t_lat (FuncPipe, App. B eq. 12).
 
     ``"pipelined"``: FuncPipe's pipelined scatter-reduce, γ = 2, δ = 2 + n (§3.3 eq. 2).
     ``"lambdaml"``: LambdaML's three-phase scatter-reduce, γ = 3 − 2/n, δ = 4 (§3.3 eq. 1,
@@ -49,7 +49,7 @@ def scatter_reduce_seconds(nbytes: float, workers: int, bandwidth_bytes_s: float
     """Seconds for ``workers`` replicas to scatter-reduce ``nbytes`` of gradients through
     storage, each at ``bandwidth_bytes_s`` with ``latency_s`` per storage access (t_lat).
 
-    000_2f8f665d06f7d6de.txt §3.3: eq. 1 (LambdaML) = 3·s/w − 2·s/(n·w) + 4·t_lat; eq. 2
+    FuncPipe §3.3: eq. 1 (LambdaML) = 3·s/w − 2·s/(n·w) + 4·t_lat; eq. 2
     (pipelined) = 2·s/w + (2 + n)·t_lat. One worker has nothing to synchronize: 0 s (App. B
     eq. 12's factor (1 − y₁)).
     """
@@ -67,11 +67,11 @@ def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_s: float
     2(N − 1)·(|p|/(N·D) + α·|p|/N + β): 2(N − 1) rounds, each moving a 1/N chunk at
     bandwidth D plus α per byte and β per round of (de)serialization overhead.
 
-    Reading chosen (002_ac11226e9c721a68.txt §3.4, "Hybrid-Parallelism Runtime Model"): the
+    Reading chosen (Hydrozoa §3.4, "Hybrid-Parallelism Runtime Model"): the
     text says |p|/(B·D) "models the data transfer time for each of the 2(B − 1) rounds",
     while the printed equation multiplies by (B − 1); we follow the text and the standard
     ring algorithm (reduce-scatter then all-gather, N − 1 rounds each), which is also what
-    PipeDream's volume gives: 004_623b02f6b92126b0.txt §5.3.1 counts 2(m − 1)·|w| bytes in
+    PipeDream's volume gives: the PipeDream dissertation §5.3.1 counts 2(m − 1)·|w| bytes in
     all and divides the stage time by m, i.e. 2(m − 1)·|w|/(m·B) per replica — this
     function with α = β = 0. The ring runs among the data-parallel replicas of one shard
     (N = A in Hydrozoa's A×B notation; see hydrozoa.py).

@@ -198,7 +198,7 @@ def stage_memory(problem: Problem, start: int, end: int, tier: Tier, *, micro_ba
                  weight_versions: int = 1, sync_buffer_copies: int = 0, recompute: bool = False) -> MemoryNeed:
     """Memory of a worker holding layers start..end.
 
-    The training form is FuncPipe's eq. 3b (000_2f8f665d06f7d6de.txt §3.4.1),
+    The training form is FuncPipe's eq. 3b (FuncPipe §3.4.1),
     µ·â + ŝ·(4 − 2y₁) + s₀ ≤ m: ``micro_batches_in_flight`` = µ times the saved activations
     per micro-batch â, ŝ for weights, ŝ for gradients, 2(1 − y₁)·ŝ for serialized data while
     synchronizing (``sync_buffer_copies`` = 2 when d > 1), and s₀. Two additions the paper's

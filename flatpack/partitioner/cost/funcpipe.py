@@ -1,4 +1,4 @@
-"""FuncPipe's training-pipeline cost model (000_2f8f665d06f7d6de.txt §3.4.2 and App. B).
+"""FuncPipe's training-pipeline cost model (FuncPipe §3.4.2 and App. B).
 
 A plan's stages are FuncPipe's partitions; every stage has the same data-parallel degree d
 (FuncPipe enforces one d for all stages, §3.4.1), workers talk only through storage, and
@@ -103,7 +103,7 @@ class PipelineCost:
 
 # A replica's scatter-reduce through storage moves its bytes in four transfers, each after its
 # link waited for the other replicas: upload the shards the others reduce, download the
-# shards of its own, upload its reduced shard, download the others' (000_2f8f665d06f7d6de.txt
+# shards of its own, upload its reduced shard, download the others' (FuncPipe
 # §3.3, pipelined). A 2 x 2 resnet50 plan's replica uploaded its 257 KB shards in 8-11 ms after
 # idling, where 257 KB at the 512 MB tier's 11.2 MB/s is 23 ms (BENCHMARKS.md, issue 19's
 # eighth pass).
@@ -292,7 +292,7 @@ def predicted(problem: Problem, plan: Plan, *, reads_target: bool = True) -> Pip
 def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) -> PipelineCost:
     """Time, cost and memory of one training iteration of ``plan`` under FuncPipe's model.
 
-    000_2f8f665d06f7d6de.txt, App. B and §3.4.2:
+    FuncPipe, App. B and §3.4.2:
     t_f = t_f^0 + (µ − 1)·Δ_f with t_f^0 = Σ t_fc + Σ (t_fu + t_fd) and
     Δ_f = max{t̂_fc, t_fu, t_fd} over all stages and boundaries (eq. 9);
     t_fc = β·T_fc; t_fu = o/W_lower + t_lat, t_fd = o/W_upper + t_lat (eq. 8);
@@ -488,7 +488,7 @@ def with_tiers(problem: Problem, plan: Plan) -> Plan:
 
 def check_layers_fit(problem: Problem, replicas: int | None = None) -> None:
     """Raise PlanError, before any solving, when some layer cannot fit even alone on the
-    platform's largest tier — FuncPipe's stated limitation (000_2f8f665d06f7d6de.txt §4,
+    platform's largest tier — FuncPipe's stated limitation (FuncPipe §4,
     "Limitation Discussion": no support for a layer larger than a function's memory).
 
     Uses eq. 3b on a one-layer stage with d = ``replicas`` (default 1, the least memory:

@@ -1,4 +1,4 @@
-"""Gillis's fork-join inference model (001_af86584f8598a88a.txt §III-B, §IV-A, §IV-B, §IV-C).
+"""Gillis's fork-join inference model (Gillis §III-B, §IV-A, §IV-B, §IV-C).
 
 A master function receives the request and walks the chain group by group. For each
 group (consecutive layers fused so that partitions compute independently, §III-C) it
@@ -77,7 +77,7 @@ _GRID_POINTS = 20001
 @dataclass(frozen=True)
 class CommDelay:
     """One master↔worker communication delay, exponentially modified Gaussian
-    (001_af86584f8598a88a.txt §IV-A): Normal(``mu_s``, ``sigma_s``²) plus an exponential
+    (Gillis §IV-A): Normal(``mu_s``, ``sigma_s``²) plus an exponential
     tail of mean ``tail_s`` (= 1/λ)."""
 
     mu_s: float
@@ -126,7 +126,7 @@ class CommDelay:
 
 
 def billed_seconds(platform: Platform, durations: Sequence[float]) -> float:
-    """C = (⌈T/D⌉ + Σ_w ⌈T_w/D⌉)·D (001_af86584f8598a88a.txt §IV-C, "billed function
+    """C = (⌈T/D⌉ + Σ_w ⌈T_w/D⌉)·D (Gillis §IV-C, "billed function
     duration"; D = 1 ms on Lambda, 100 ms on Google Cloud Functions at the time): the sum of
     each function's duration rounded up by ``Platform.billed_seconds``."""
     return sum(platform.billed_seconds(duration) for duration in durations)
@@ -394,7 +394,7 @@ def with_splits(problem: Problem, plan: Plan) -> Plan:
 
 def latency(problem: Problem, plan: Plan | ForkJoinPlan, delay: CommDelay | None = None) -> ForkJoinCost:
     """Latency, billed duration and memory of one inference request under Gillis's model
-    (001_af86584f8598a88a.txt §IV-A performance model, §IV-B eq. 1–2, §IV-C billed
+    (Gillis §IV-A performance model, §IV-B eq. 1–2, §IV-C billed
     duration). See the module docstring for the readings chosen."""
     if problem.workload.mode != "infer":
         raise PlanError("the Gillis model is an inference model; use FuncPipe, Hydrozoa or PipeDream for training")

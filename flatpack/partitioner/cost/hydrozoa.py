@@ -1,4 +1,4 @@
-"""Hydrozoa's hybrid-parallel training model (002_ac11226e9c721a68.txt §3.3, §3.4, App. A.1).
+"""Hydrozoa's hybrid-parallel training model (Hydrozoa §3.3, §3.4, App. A.1).
 
 A strategy A×B is a plan of B shards (the stages) whose every stage has A replicas: A worker
 groups each pipeline a share of the global batch through the B shards, then the A replicas
@@ -74,7 +74,7 @@ class HybridCost:
 
 def model_parallel_seconds(forward: list[float], backward: list[float], comm: list[float],
                            micro_batches: int) -> tuple[float, float, float]:
-    """(T^(M), t_k, r_1) of one worker group (002_ac11226e9c721a68.txt App. A.1):
+    """(T^(M), t_k, r_1) of one worker group (Hydrozoa App. A.1):
     t_k = max(max_j f_pj, max_{j≥2} c_pj) (the forward lag at the last shard k),
     r_1 = max(max_j b_pj, max_{j≥2} c_pj) (the backward lag at the first shard), and
     T^(M) = Σ(f_p + b_p) + 2·Σ_{i≥2} c_pi + (M − 1)(t_k + r_1) (§3.3).
@@ -107,7 +107,7 @@ def sync_overheads(problem: Problem, alpha: float | None = None, beta: float | N
 
 def iteration(problem: Problem, plan: Plan, sync: AllReduceTerms = EQUATION_ONLY) -> HybridCost:
     """Time, cost and memory of one iteration of the A×B strategy ``plan`` (B = its stages,
-    A = their common replicas), 002_ac11226e9c721a68.txt §3.4: T_ij = T^(M)_ij + T^(D)_ij,
+    A = their common replicas), Hydrozoa §3.4: T_ij = T^(M)_ij + T^(D)_ij,
     T = max_ij T_ij. ``sync`` prices T^(D): the paper's α and β, fitted by regression on a
     few runs (§3.4), and the measured additions (``collectives.AllReduceTerms``;
     :func:`sync_overheads` gives the problem's); the default is the equation with α = β = 0."""

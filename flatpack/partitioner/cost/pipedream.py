@@ -1,4 +1,4 @@
-"""PipeDream's pipeline model (004_623b02f6b92126b0.txt Ch. 5, §5.3.1–§5.3.3).
+"""PipeDream's pipeline model (the PipeDream dissertation Ch. 5, §5.3.1–§5.3.3).
 
 In steady state a 1F1B pipeline advances at the pace of its slowest stage; a stage may be
 replicated over m workers (data parallelism within the stage, each replica taking every
@@ -83,7 +83,7 @@ class PipeDreamCost:
 
 
 def stage_seconds(compute_s: float, sync_bytes: float, replicas: int, bandwidth_bytes_s: float) -> float:
-    """T(i→j, m) = (1/m)·max(compute, 2(m − 1)·|w|/B) (004_623b02f6b92126b0.txt §5.3.1)."""
+    """T(i→j, m) = (1/m)·max(compute, 2(m − 1)·|w|/B) (the PipeDream dissertation §5.3.1)."""
     return max(compute_s / replicas, ring_allreduce_seconds(sync_bytes, replicas, bandwidth_bytes_s))
 
 
@@ -97,7 +97,7 @@ def versions_in_flight(plan: Plan, stage: int) -> int:
 def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
     """Steady-state time per micro-batch (the slowest stage or cut), time and dollars per
     iteration of M micro-batches, and per-stage memory of ``plan`` under PipeDream's model
-    (004_623b02f6b92126b0.txt §5.3.1; see the module docstring for the readings)."""
+    (the PipeDream dissertation §5.3.1; see the module docstring for the readings)."""
     check_training_plan(problem, plan, "PipeDream")
     micro = problem.workload.micro_batch_size
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]

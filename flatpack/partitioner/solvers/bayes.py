@@ -1,9 +1,9 @@
 """bayes: Bayesian optimization over a plan's joint configuration — CherryPick's method
 (Alipourfard et al., NSDI '17: a Gaussian-process surrogate of a configuration's cost, and
 expected improvement to pick the next configuration to try). It is the black-box baseline of
-both papers the cost models come from: Gillis's "BO" (001_af86584f8598a88a.txt §V-C, "the
+both papers the cost models come from: Gillis's "BO" (Gillis §V-C, "the
 same design as Cherrypick ... expected improvement"), and FuncPipe's "Bayes"
-(000_2f8f665d06f7d6de.txt §5.1 and App. D: partition and resources optimized jointly, each
+(FuncPipe §5.1 and App. D: partition and resources optimized jointly, each
 configuration priced by the performance model, 100 iterations — this solver's default
 budget; FuncPipe notes it "fails to find a feasible configuration for over half of our
 training tasks with 20 iterations"). It sees the cost model only through

@@ -1,4 +1,4 @@
-"""Exact optimum of FuncPipe's co-optimization (000_2f8f665d06f7d6de.txt §3.4, eq. 3–7) by
+"""Exact optimum of FuncPipe's co-optimization (FuncPipe §3.4, eq. 3–7) by
 dynamic programming over the chain with dominance labels and bounds.
 
 What makes the problem hard for a plain DP: t_iter (``cost.funcpipe.iteration``) has

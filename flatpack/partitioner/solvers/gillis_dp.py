@@ -1,6 +1,6 @@
 """Exact fork-join inference plans under Gillis's model (``cost/gillis.py``).
 
-Gillis (../shared/papers/001_af86584f8598a88a.txt §IV-B) finds the latency-optimal plan with
+Gillis (§IV-B) finds the latency-optimal plan with
 a DP L(i, j, m) over layers, groups and memory, and turns to reinforcement learning for the
 cheapest plan within an SLO (§IV-C) because billed cost "resists" that DP. On this cost
 model the SLO problem is still exactly solvable, with a label-setting DP:

@@ -7,7 +7,7 @@ M, a uniform data-parallel degree A, any cut into B stages and a tier per stage.
 
     T = Σ(f + b) + 2·Σc + (µ − 1)(t_k + r_1) + max_j T^(D)_j
 
-(../shared/papers/002_ac11226e9c721a68.txt §3.3, §3.4, App. A.1)
+(Hydrozoa §3.3, §3.4, App. A.1)
 with t_k = max(f, c), r_1 = max(b, c) over stages and cuts, and costs T·A·P dollars, P the
 sum of the stages' prices. Hydrozoa's own DP (App. A.2) fixes bounds on t_k and r_1 from a
 grid of V values and is exact only as V grows (its Theorem 1). Here a label-setting DP over
@@ -434,7 +434,7 @@ def unfit_message(problem: Problem, space: SearchSpace) -> str:
 
 # -- Hydrozoa's own planner, as a heuristic solver --------------------------------------------
 #
-# Hydrozoa (002_ac11226e9c721a68.txt) plans in three nested steps, reproduced here:
+# Hydrozoa plans in three nested steps, reproduced here:
 #
 # * §3.3 "Selecting Size and Number of Microbatches": micro-batch sizes in increasing powers
 #   of two until they no longer fit GPU memory, then a binary search on the count. Our
@@ -564,7 +564,7 @@ def _model_parallel(ranges: list[tuple[int, int]], prefix_f: list[float], prefix
 
 @dataclass(frozen=True)
 class Hydrozoa(CostSolver):
-    """Hydrozoa's planner (../shared/papers/002_ac11226e9c721a68.txt §3.3, §3.4 Alg. 1, App. A.2): a
+    """Hydrozoa's planner (Hydrozoa §3.3, §3.4 Alg. 1, App. A.2): a
     heuristic, not exact — one tier for all stages, V×V lag bounds, and the micro-batch
     search of §3.3 (see the comment above for each step and how it is adapted). ``solve``
     returns the best strategy it considered under the goal, with the search in

@@ -1,5 +1,5 @@
 """miqp: FuncPipe's co-optimization of partition and resources as one mixed-integer program
-(../shared/papers/000_2f8f665d06f7d6de.txt §3.4.1 eq. 3–7, App. B cost terms, App. C
+(FuncPipe §3.4.1 eq. 3–7, App. B cost terms, App. C
 linearization), solved with OR-Tools' CP-SAT.
 
 What is modelled

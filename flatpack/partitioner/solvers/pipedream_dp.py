@@ -1,6 +1,6 @@
 """Exact plans under PipeDream's model (``cost/pipedream.py``): per-stage tiers and replicas.
 
-PipeDream's partitioner (../shared/papers/004_623b02f6b92126b0.txt §5.3.2) computes A(j, m),
+PipeDream's partitioner (the PipeDream dissertation §5.3.2) computes A(j, m),
 the least time per micro-batch of the slowest stage for the first j layers on m workers. Our
 objective also prices the workers: an iteration of M micro-batches takes M·A and costs
 M·A·P dollars, P = Σ_s replicas_s·price_s, so the weighted objective is

@@ -1,4 +1,4 @@
-"""rl: Gillis's reinforcement-learning partitioner (001_af86584f8598a88a.txt §IV-C), for
+"""rl: Gillis's reinforcement-learning partitioner (Gillis §IV-C), for
 fork-join inference and for the training pipeline, with the cost model as simulator.
 
 Two agents, each a two-layer network (Gillis Fig. 8), trained jointly:
