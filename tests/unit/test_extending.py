@@ -17,7 +17,7 @@ import torch
 
 import flatpack
 from flatpack.backends import BACKENDS, get_backend
-from flatpack.backends.protocol import Backend, Deployment
+from flatpack.backends.protocol import Backend, Capability, Deployment
 from flatpack.ir.graph import LayerGraph
 from flatpack.ir.passes import PASSES, register_pass
 from flatpack.partitioner.cost.registry import COST_MODEL_REGISTRY, CostModel, Priced
@@ -117,7 +117,7 @@ def toy_cost_model():
 
 def test_a_registered_cost_model_is_chosen_by_name_and_prices_the_plans(toy_cost_model):
     model, x = MLP(depth=4), torch.randn(4, 8)
-    compiled = flatpack.compile(model, (x,), target="aws-lambda", solver="brute", profile=True,
+    compiled = flatpack.compile(model, (x,), target="aws-lambda", solver="brute",
                                 workload=Workload("train", batch=4, micro_batches=1), cost_model=toy_cost_model,
                                 weights=(0.0, 1.0), memory_mb=(1024,), replicas=(1,))
     layers = compiled.plan.num_layers
@@ -146,6 +146,7 @@ def test_a_registered_backend_trains_a_compiled_model_to_the_local_backend_s_wei
     from tests.integration.test_local_training import BATCH, batches, make_model
 
     assert isinstance(marked_backend, Backend) and marked_backend.NAME == toy_backend.NAME
+    assert marked_backend.CAPABILITIES | set(marked_backend.LIMITS) == set(Capability)
     model = make_model()
     base = flatpack.compile(model, (torch.randn(BATCH, 8),), target=toy_backend.NAME, stages=2)
     plan = Plan(tuple(StagePlan(stage.start, stage.end, None, replicas)
