@@ -44,7 +44,9 @@ class FirstLayerAlone:
 
 @pytest.fixture
 def toy_solver():
-    register_solver(FirstLayerAlone.name, FirstLayerAlone)
+    # pyright's protocol check refuses a ClassVar ``name`` against ``Solver.name``, which is
+    # how every built-in solver names itself (docs/extending.md, "What every registry shares")
+    register_solver(FirstLayerAlone.name, FirstLayerAlone)  # pyright: ignore[reportArgumentType]
     yield FirstLayerAlone.name
     del SOLVERS.factories[FirstLayerAlone.name]
 
@@ -73,7 +75,7 @@ class PairLayers:
 
 @pytest.fixture
 def toy_pass():
-    register_pass(PairLayers.name, PairLayers)
+    register_pass(PairLayers.name, PairLayers)  # pyright: ignore[reportArgumentType]: as for the solver
     yield PairLayers.name
     del PASSES.factories[PairLayers.name]
 
@@ -154,7 +156,8 @@ def test_a_registered_backend_trains_a_compiled_model_to_the_local_backend_s_wei
     compiled = flatpack.compile(model, (torch.randn(BATCH, 8),), target=toy_backend.NAME, plan=plan)
     data, optimizer = batches(2), {"name": "adam", "lr": 0.01}
     with marked_backend.deploy(compiled) as deployment:
-        assert isinstance(deployment, Deployment) and deployment.platform == toy_backend.NAME
+        assert isinstance(deployment, Deployment)
+        assert isinstance(deployment, toy_backend.MarkedDeployment) and deployment.platform == toy_backend.NAME
         marked = deployment.train(data, iterations=2, optimizer=optimizer)
         launched = list(deployment.launched)
     with local.deploy(compiled) as deployment:
@@ -165,4 +168,4 @@ def test_a_registered_backend_trains_a_compiled_model_to_the_local_backend_s_wei
     assert set(marked.parameters) == set(plain.parameters) == set(model.state_dict())
     for name, expected in plain.parameters.items():
         torch.testing.assert_close(marked.parameters[name], expected, msg=name)
-    assert marked.losses == plain.losses
+    assert marked.losses == pytest.approx(plain.losses, rel=1e-6)
