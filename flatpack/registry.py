@@ -27,6 +27,13 @@ class Registry(Generic[T]):
             raise self.error(f"a {self.kind} named {name!r} is already registered; pick another name")
         self.factories[name] = factory
 
+    def unregister(self, name: str) -> None:
+        """Removes a name :meth:`register` added (a plug-in's, a test's); the built-ins stay."""
+        if name in self.builtins:
+            raise self.error(f"{name!r} is a built-in {self.kind}; only registered ones can be removed")
+        if self.factories.pop(name, None) is None:
+            raise self.error(f"no {self.kind} named {name!r} is registered")
+
     def names(self) -> list[str]:
         return sorted({*self.builtins, *self.factories})
 

@@ -143,7 +143,8 @@ def test_register_platform_refuses_duplicates(lam):
         with pytest.raises(InputError, match="already registered"):
             register_platform(mine)
     finally:
-        PLATFORMS.factories.pop("test-catalog-custom", None)
+        if "test-catalog-custom" in PLATFORMS.names():
+            PLATFORMS.unregister("test-catalog-custom")
     with pytest.raises(InputError, match="already registered"):
         register_platform(Platform.from_json(lam.to_json()))
     with pytest.raises(InputError, match="expects a Platform"):

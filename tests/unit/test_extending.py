@@ -48,7 +48,7 @@ def toy_solver():
     # how every built-in solver names itself (docs/extending.md, "What every registry shares")
     register_solver(FirstLayerAlone.name, FirstLayerAlone)  # pyright: ignore[reportArgumentType]
     yield FirstLayerAlone.name
-    del SOLVERS.factories[FirstLayerAlone.name]
+    SOLVERS.unregister(FirstLayerAlone.name)
 
 
 def test_a_registered_solver_plans_a_compile_that_names_it(toy_solver):
@@ -77,7 +77,7 @@ class PairLayers:
 def toy_pass():
     register_pass(PairLayers.name, PairLayers)  # pyright: ignore[reportArgumentType]: as for the solver
     yield PairLayers.name
-    del PASSES.factories[PairLayers.name]
+    PASSES.unregister(PairLayers.name)
 
 
 def test_a_registered_pass_runs_in_a_compile_s_pipeline_with_its_options(toy_pass):
@@ -114,7 +114,7 @@ def toy_cost_model():
     COST_MODEL_REGISTRY.register(MoreStagesFaster.name, MoreStagesFaster)
     MoreStagesFaster.priced.clear()
     yield MoreStagesFaster.name
-    del COST_MODEL_REGISTRY.factories[MoreStagesFaster.name]
+    COST_MODEL_REGISTRY.unregister(MoreStagesFaster.name)
 
 
 def test_a_registered_cost_model_is_chosen_by_name_and_prices_the_plans(toy_cost_model):
@@ -138,8 +138,8 @@ def marked_backend():
     register_platform(Platform.from_json({**get_platform("local").to_json(), "name": toy_backend.NAME}))
     BACKENDS.register(toy_backend.NAME, toy_backend.backend)
     yield get_backend(toy_backend.NAME)
-    del BACKENDS.factories[toy_backend.NAME]
-    del PLATFORMS.factories[toy_backend.NAME]
+    BACKENDS.unregister(toy_backend.NAME)
+    PLATFORMS.unregister(toy_backend.NAME)
 
 
 @pytest.mark.slow

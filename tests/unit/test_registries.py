@@ -49,3 +49,18 @@ def test_a_taken_name_is_refused(kind):
     taken = registry.names()[0]
     with pytest.raises(registry.error, match=f"a {kind} named {taken!r} is already registered; pick another name"):
         registry.register(taken, lambda: None)
+
+
+def test_unregister_removes_a_registered_name_and_refuses_built_ins_and_unknown_names():
+    from flatpack.errors import InputError
+    from flatpack.registry import Registry
+
+    registry: Registry[object] = Registry("widget", InputError, {"builtin": "flatpack.errors:InputError"})
+    registry.register("mine", object)
+    registry.unregister("mine")
+    assert registry.names() == ["builtin"]
+    with pytest.raises(InputError, match="built-in widget"):
+        registry.unregister("builtin")
+    with pytest.raises(InputError, match="no widget named 'mine'"):
+        registry.unregister("mine")
+    registry.register("mine", object)      # the name is free again

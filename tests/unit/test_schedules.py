@@ -37,7 +37,7 @@ def gpipe(monkeypatch):
     monkeypatch.setenv(PLUGINS_ENV, "tests.unit.gpipe_schedule:GPipe")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     yield get(GPipe.name)
-    del SCHEDULE_REGISTRY.factories[GPipe.name]
+    SCHEDULE_REGISTRY.unregister(GPipe.name)
 
 
 # -- the order of actions ---------------------------------------------------------------------
@@ -124,7 +124,8 @@ def test_a_schedule_named_in_the_environment_is_registered_once(monkeypatch):
         assert register_plugins({PLUGINS_ENV: "tests.unit.gpipe_schedule:GPipe"}) == ["gpipe"]   # no second entry
         assert type(get("gpipe")) is GPipe and "gpipe" in names()
     finally:
-        SCHEDULE_REGISTRY.factories.pop("gpipe", None)
+        if "gpipe" in SCHEDULE_REGISTRY.names():
+            SCHEDULE_REGISTRY.unregister("gpipe")
     assert register_plugins({}) == []
     with pytest.raises(InputError, match="name each schedule class as module:Class"):
         register_plugins({PLUGINS_ENV: "tests.unit.gpipe_schedule"})
