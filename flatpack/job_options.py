@@ -397,9 +397,10 @@ class JobOptions:
 
     def train_settings(self, *, loss: str, checkpoint_every: int, micro_batches: int | None = None) -> TrainSettings:
         """The settings of the run's training call, with what the run resolved: the ``loss``
-        the data and model train with, the checkpoint interval, and the plan's micro-batches
-        (None: --micro-batches)."""
+        the data and model train with, the checkpoint interval, and the micro-batches
+        ``Plan.micro_batches_for`` resolved (None: the backend resolves them from the plan,
+        whose workload holds --micro-batches)."""
         return TrainSettings(optimizer=self.optimizer_spec(), loss=loss,
-                             micro_batches=micro_batches or self.train.micro_batches, schedule=self.train.schedule,
+                             micro_batches=micro_batches, schedule=self.train.schedule,
                              sync=self.train.sync, threads=1, checkpoint_every=checkpoint_every,
                              precision=self.train.precision, vertical_sync=self.train.vertical_sync)
