@@ -160,36 +160,96 @@ class Verdict:
         return "\n".join([head, *(check.line() for check in self.checks), f"  {dropout}"])
 
 
-def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
-                     reference_state: dict[str, dict[str, torch.Tensor]],
-                     pipelined_state: dict[str, dict[str, torch.Tensor]], optimizer: Any,
-                     iterations: int, precision: str = "fp32",
-                     initial: dict[str, torch.Tensor] | None = None) -> tuple[list[Check], str]:
-    """The checks above of a run's final ``parameters`` and optimizer state against the
-    reference's; returns them and a note naming what is missing, if anything. A bf16 run
-    under SGD needs the ``initial`` state: its weights are held to the gradient tolerance of how
-    far training moved each tensor."""
-    spec = OptimizerSpec.of(optimizer)
-    trainable = {id(p) for p in reference.parameters() if p.requires_grad}
-    weights = {"worst": 0.0, "where": "", "ok": True}
-    buffers = {"worst": 0.0, "where": "", "ok": True}
-    missing = []
-    steps = iterations // spec.accumulate
-    adam_bound = adam_weight_bound(spec.learning_rates(steps), spec.betas, steps) if spec.is_adam_like else None
-    state_rtol = STATE_RTOL_FIRST if steps <= 1 else STATE_RTOL
-    sixteen_bits = precision != "fp32"
-    if sixteen_bits and adam_bound is None and initial is None:
-        raise ValueError(f"a {precision} run under SGD is compared through its updates: pass the initial state")
+@dataclass
+class _Worst:
+    """One check's running result over its tensors: the largest difference, whether every
+    tensor passed, and where: the worst tensor that failed, else the worst one."""
 
-    def sgd_bound(name: str, expected: torch.Tensor) -> torch.Tensor:
+    worst: float = 0.0
+    where: str = ""
+    passed: bool = True
+    count: int = 0
+
+    def add(self, where: str, worst: float, passed: bool) -> None:
+        if (self.passed and not passed) or (passed == self.passed and worst > self.worst):
+            self.where = where
+        self.worst = max(self.worst, worst)
+        self.passed = self.passed and passed
+        self.count += 1
+
+    def check(self, what: str, bound: str) -> Check:
+        return Check(what, self.worst, bound, self.passed, self.where)
+
+
+@dataclass(frozen=True)
+class _Tolerances:
+    """The bounds one comparison holds the run to (see the tolerances above), and their words."""
+
+    steps: int                  # the optimizer's steps
+    adam_bound: float | None    # Adam-like: the bound on each weight element; SGD: None
+    state_rtol: float
+    precision: str
+    initial: dict[str, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, spec: OptimizerSpec, iterations: int, precision: str,
+           initial: dict[str, torch.Tensor] | None) -> _Tolerances:
+        steps = iterations // spec.accumulate
+        adam_bound = adam_weight_bound(spec.learning_rates(steps), spec.betas, steps) if spec.is_adam_like else None
+        if precision != "fp32" and adam_bound is None and initial is None:
+            raise ValueError(f"a {precision} run under SGD is compared through its updates: pass the initial state")
+        return cls(steps, adam_bound, STATE_RTOL_FIRST if steps <= 1 else STATE_RTOL, precision, initial)
+
+    @property
+    def sixteen_bits(self) -> bool:
+        return self.precision != "fp32"
+
+    def sgd_bound(self, name: str, expected: torch.Tensor) -> torch.Tensor:
         """SGD moves weights linearly in the gradients, so a 16-bit run's gradient tolerance
         carries over to its weights relative to the size of the update, not of the weight
         (a bias that starts at zero would otherwise have no room at all)."""
         bound = SGD_ATOL + SGD_RTOL * expected.abs()
-        if sixteen_bits:
-            assert initial is not None  # refused above: a 16-bit run under SGD needs it
-            bound = bound + state_rtol * float((expected - initial[name].double()).abs().max())
+        if self.sixteen_bits:
+            assert self.initial is not None  # refused in of(): a 16-bit run under SGD needs it
+            bound = bound + self.state_rtol * float((expected - self.initial[name].double()).abs().max())
         return bound
+
+    def weight_passed(self, name: str, diff: torch.Tensor, expected: torch.Tensor) -> bool:
+        if self.adam_bound is not None:
+            return bool((diff <= self.adam_bound).all())
+        return bool((diff <= self.sgd_bound(name, expected.double())).all())
+
+    def buffer_passed(self, name: str, diff: torch.Tensor, expected: torch.Tensor) -> bool:
+        if not expected.is_floating_point():
+            return bool((diff == 0).all())
+        if self.adam_bound is not None:
+            return bool((diff <= self.state_rtol * float(expected.double().abs().max()) + SGD_ATOL).all())
+        return bool((diff <= self.sgd_bound(name, expected.double())).all())
+
+    def weight_bound(self) -> str:
+        if self.adam_bound is not None:
+            return f"2·lr·Σc_t = {self.adam_bound:.3g}, Adam's step bound over {self.steps} steps"
+        return f"{SGD_ATOL:g} + {SGD_RTOL:g}·|w|" + (f" + {self.state_rtol:g}·max|w - w0|" if self.sixteen_bits else "")
+
+    def gradient_bound(self) -> str:
+        return (f"{self.state_rtol:g}" + (" (one step: summation order only)" if self.steps <= 1 else
+                                          f" (after {self.steps} steps at drifting weights)")
+                + (f"; {self.precision} against the reference computed as the stages compute"
+                   if self.sixteen_bits else ""))
+
+    def buffer_bound(self) -> str:
+        if self.adam_bound is not None:
+            return f"{self.state_rtol:g}·max|ref| + {SGD_ATOL:g}; integers exact"
+        return (f"{SGD_ATOL:g} + {SGD_RTOL:g}·|b|" + (f" + {self.state_rtol:g}·max|b - b0|" if self.sixteen_bits
+                                                      else "") + "; integers exact")
+
+
+def _compare_tensors(reference: nn.Module, parameters: dict[str, torch.Tensor], tolerances: _Tolerances,
+                     missing: list[str]) -> tuple[_Worst, _Worst | None]:
+    """The run's weights and buffers against the reference's (buffers None: it has none);
+    appends to ``missing`` what the run lacks or holds in another shape."""
+    trainable = {id(p) for p in reference.parameters() if p.requires_grad}
+    weights, buffers = _Worst(), _Worst()
     state = reference.state_dict(keep_vars=True)
     for name, expected in state.items():
         got = parameters.get(name)
@@ -204,35 +264,32 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
             continue
         diff = (got.double() - expected.double()).abs()
         if id(state[name]) in trainable:
-            record = weights
-            ok = (bool((diff <= adam_bound).all()) if adam_bound is not None
-                  else bool((diff <= sgd_bound(name, expected.double())).all()))
+            weights.add(name, float(diff.max()), tolerances.weight_passed(name, diff, expected))
         else:
-            record = buffers
-            if not expected.is_floating_point():
-                ok = bool((diff == 0).all())
-            elif adam_bound is not None:
-                ok = bool((diff <= state_rtol * float(expected.double().abs().max()) + SGD_ATOL).all())
-            else:
-                ok = bool((diff <= sgd_bound(name, expected.double())).all())
-        worst = float(diff.max())
-        if (record["ok"] and not ok) or (ok == record["ok"] and worst > record["worst"]):
-            record["where"] = name
-        record["worst"] = max(record["worst"], worst)
-        record["ok"] = record["ok"] and ok
-    weight_bound = (f"2·lr·Σc_t = {adam_bound:.3g}, Adam's step bound over {steps} steps" if adam_bound
-                    is not None else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|w|"
-                    + (f" + {state_rtol:g}·max|w - w0|" if sixteen_bits else ""))
-    checks = [Check("weights", weights["worst"], weight_bound, weights["ok"], weights["where"])]
-    gradients = {"worst": 0.0, "where": "", "ok": True, "count": 0}
-    # a tensor whose gradient is zero in exact arithmetic (attention's key bias: softmax
-    # ignores a shift) holds only rounding noise; its scale is floored at ZERO_FLOOR of the
-    # largest tensor's of the same kind, the size that noise is relative to
-    largest = {}
+            buffers.add(name, float(diff.max()), tolerances.buffer_passed(name, diff, expected))
+    return weights, buffers if any(id(t) not in trainable for t in state.values()) else None
+
+
+def _largest_by_key(reference_state: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The largest element of each kind of optimizer tensor (``exp_avg``, ...) over all parameters."""
+    largest: dict[str, float] = {}
     for entries in reference_state.values():
         for key, expected in entries.items():
             if expected.numel():
                 largest[key] = max(largest.get(key, 0.0), float(expected.double().abs().max()))
+    return largest
+
+
+def _compare_state(reference_state: dict[str, dict[str, torch.Tensor]],
+                   pipelined_state: dict[str, dict[str, torch.Tensor]], state_rtol: float,
+                   missing: list[str]) -> _Worst:
+    """The run's optimizer tensors against the reference's, |Δ|/max|ref| per tensor; appends
+    to ``missing`` those the run lacks."""
+    # a tensor whose gradient is zero in exact arithmetic (attention's key bias: softmax
+    # ignores a shift) holds only rounding noise; its scale is floored at ZERO_FLOOR of the
+    # largest tensor's of the same kind, the size that noise is relative to
+    largest = _largest_by_key(reference_state)
+    gradients = _Worst()
     for name, entries in reference_state.items():
         for key, expected in entries.items():
             if key not in STATE_KEYS:
@@ -245,24 +302,29 @@ def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
                         ZERO_FLOOR * largest.get(key, 0.0))
             worst = float((got.double() - expected.double()).abs().max()) / scale if scale else (
                 float(got.double().abs().max()) if got.numel() else 0.0)
-            ok = worst <= state_rtol
-            if (gradients["ok"] and not ok) or (ok == gradients["ok"] and worst > gradients["worst"]):
-                gradients["where"] = f"{key} of {name}"
-            gradients["worst"] = max(gradients["worst"], worst)
-            gradients["ok"] = gradients["ok"] and ok
-            gradients["count"] += 1
-    if gradients["count"]:
-        checks.append(Check("gradients (optimizer state, |Δ|/max|ref| per tensor)", gradients["worst"],
-                            f"{state_rtol:g}" + (" (one step: summation order only)" if steps <= 1 else
-                                                 f" (after {steps} steps at drifting weights)")
-                            + (f"; {precision} against the reference computed as the stages compute"
-                               if sixteen_bits else ""),
-                            gradients["ok"], gradients["where"]))
-    buffer_bound = (f"{state_rtol:g}·max|ref| + {SGD_ATOL:g}; integers exact" if adam_bound is not None
-                    else f"{SGD_ATOL:g} + {SGD_RTOL:g}·|b|" + (f" + {state_rtol:g}·max|b - b0|" if sixteen_bits
-                                                                 else "") + "; integers exact")
-    if any(id(t) not in trainable for t in state.values()):
-        checks.append(Check("buffers", buffers["worst"], buffer_bound, buffers["ok"], buffers["where"]))
+            gradients.add(f"{key} of {name}", worst, worst <= state_rtol)
+    return gradients
+
+
+def compare_training(reference: nn.Module, parameters: dict[str, torch.Tensor],
+                     reference_state: dict[str, dict[str, torch.Tensor]],
+                     pipelined_state: dict[str, dict[str, torch.Tensor]], optimizer: Any,
+                     iterations: int, precision: str = "fp32",
+                     initial: dict[str, torch.Tensor] | None = None) -> tuple[list[Check], str]:
+    """The checks above of a run's final ``parameters`` and optimizer state against the
+    reference's; returns them and a note naming what is missing, if anything. A bf16 run
+    under SGD needs the ``initial`` state: its weights are held to the gradient tolerance of how
+    far training moved each tensor."""
+    tolerances = _Tolerances.of(OptimizerSpec.of(optimizer), iterations, precision, initial)
+    missing: list[str] = []
+    weights, buffers = _compare_tensors(reference, parameters, tolerances, missing)
+    gradients = _compare_state(reference_state, pipelined_state, tolerances.state_rtol, missing)
+    checks = [weights.check("weights", tolerances.weight_bound())]
+    if gradients.count:
+        checks.append(gradients.check("gradients (optimizer state, |Δ|/max|ref| per tensor)",
+                                      tolerances.gradient_bound()))
+    if buffers is not None:
+        checks.append(buffers.check("buffers", tolerances.buffer_bound()))
     note = f"missing from the run: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
     return checks, note
 

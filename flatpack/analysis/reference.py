@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
@@ -114,6 +115,92 @@ def through_stages(trained: nn.Module, pipeline: Any, precision: str) -> tuple[n
     return staged.train(), paths
 
 
+def _batch_rows(inputs: Any) -> int | None:
+    """The rows of a batch: the first dimension of its first tensor that has one (None: it
+    has none, and the pipeline does not cut it)."""
+    return next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
+                 if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+
+
+def _backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Back-propagates ``loss``, scaled first under fp16's loss scaler."""
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+@dataclass(frozen=True, eq=False)
+class _Accumulation:
+    """One global batch's forward and backward in :func:`train_single_process`: the gradients
+    accumulate into the parameters', and :meth:`batch` returns the batch's mean loss."""
+
+    forward: nn.Module        # the model, or its stages chained (``through_stages``)
+    loss: str
+    precision: str
+    micro_batches: int
+    weight: float             # 1/K under ``accumulate`` K: this iteration's share of the step
+    scaler: torch.amp.GradScaler | None
+    buffers: dict[str, torch.Tensor]
+    fixed_buffers: Callable[[int], Collection[str]] | None
+
+    def batch(self, inputs: Any, target: Any) -> float:
+        """The batch whole (M = 1, or nothing to cut), else its micro-batches in order."""
+        rows = _batch_rows(inputs)
+        if self.micro_batches == 1 or rows is None:
+            return self._whole(inputs, target)
+        total = 0.0
+        for m in range(self.micro_batches):
+            total += self._micro_batch(inputs, target, rows, m)
+        return total
+
+    def _whole(self, inputs: Any, target: Any) -> float:
+        with autocast(self.precision):
+            value = loss_value(self.loss, first_output(call(self.forward, inputs)), target)
+        _backward(value * self.weight, self.scaler)
+        return float(value.detach())
+
+    def _micro_batch(self, inputs: Any, target: Any, rows: int, m: int) -> float:
+        """Micro-batch m as the pipeline cuts it, its loss scaled by its share b/B of the rows."""
+        piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, self.micro_batches)[m], inputs)
+        piece_target = split_value(target, rows, self.micro_batches)[m] if target is not None else None
+        # the buffers the run's reported replica never saw micro-batch m update (``fixed_buffers``),
+        # copied before the forward updates them (BatchNorm's running statistics) and put back after
+        kept = {name: self.buffers[name].detach().clone()
+                for name in (self.fixed_buffers(m) if self.fixed_buffers else ()) if name in self.buffers}
+        with autocast(self.precision):
+            output = first_output(call(self.forward, piece))
+            share = micro_batch_size(rows, self.micro_batches, m) / rows
+            value = loss_value(self.loss, output, piece_target) * share
+        _backward(value * self.weight, self.scaler)
+        loss = float(value.detach())
+        with torch.no_grad():
+            for name, saved in kept.items():
+                self.buffers[name].copy_(saved)
+        return loss
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, scheduler: Any, scaler: torch.amp.GradScaler | None,
+                    clip_grad_norm: float | None, parameters: list[nn.Parameter]) -> None:
+    """The step that ends an accumulation, in torch's order: fp16's gradients unscaled (so the
+    clipping sees the true norm), clipped, the step (GradScaler's: skipped after an overflow)
+    and the scale updated, then the schedule."""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    if scheduler is not None:
+        scheduler.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, float]:
+    """What ``scaler_state`` reports: the final loss scale and growth tracker."""
+    return {"scale": float(scaler.get_scale()), "growth_tracker": int(scaler.state_dict()["_growth_tracker"])}
+
+
 def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
                          optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
                          copy_model: bool = True, micro_batches: int = 1,
@@ -164,62 +251,22 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
         forward, _ = through_stages(trained, pipeline, precision)
         scaler = LossScaling.of(loss_scaling).grad_scaler() if precision in SCALED else None
-
-        def backward(loss: torch.Tensor) -> None:
-            (loss if scaler is None else scaler.scale(loss)).backward()
-
         opt = spec.build(p for _, p in named)
         scheduler = spec.build_schedule(opt)
-        weight = 1 / spec.accumulate
-        buffers = dict(trained.named_buffers(remove_duplicate=False))
+        accumulation = _Accumulation(forward, loss, precision, micro_batches, weight=1 / spec.accumulate,
+                                     scaler=scaler, buffers=dict(trained.named_buffers(remove_duplicate=False)),
+                                     fixed_buffers=fixed_buffers)
         batch_for = batches if callable(batches) else batches.__getitem__
         losses = []
         for iteration in range(iterations):
             inputs, target = batch_for(iteration)
-            rows = next((int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
-                         if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
-            if micro_batches == 1 or rows is None:
-                with autocast(precision):
-                    value = loss_value(loss, first_output(call(forward, inputs)), target)
-                backward(value * weight)
-                total = float(value.detach())
-            else:
-                total = 0.0
-                for m in range(micro_batches):
-                    piece = pytree.tree_map(lambda leaf, rows=rows: split_value(leaf, rows, micro_batches)[m],
-                                            inputs)
-                    piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-                    kept = {name: buffers[name].detach().clone() for name in (fixed_buffers(m) if fixed_buffers else ())
-                            if name in buffers}
-                    with autocast(precision):
-                        output = first_output(call(forward, piece))
-                        share = micro_batch_size(rows, micro_batches, m) / rows
-                        value = loss_value(loss, output, piece_target) * share
-                    backward(value * weight)
-                    total += float(value.detach())
-                    with torch.no_grad():
-                        for name, saved in kept.items():
-                            buffers[name].copy_(saved)
-            losses.append(total)
-            if (iteration + 1) % spec.accumulate:
-                continue
-            if scaler is not None:
-                scaler.unscale_(opt)
-            if spec.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for _, p in named], spec.clip_grad_norm)
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            if scheduler is not None:
-                scheduler.step()
-            opt.zero_grad(set_to_none=True)
+            losses.append(accumulation.batch(inputs, target))
+            if (iteration + 1) % spec.accumulate == 0:
+                _optimizer_step(opt, scheduler, scaler, spec.clip_grad_norm, [p for _, p in named])
         if optimizer_state is not None:
             optimizer_state.update(optimizer_tensors(opt, named))
         if scaler_state is not None and scaler is not None:
-            scaler_state.update(scale=float(scaler.get_scale()),
-                                growth_tracker=int(scaler.state_dict()["_growth_tracker"]))
+            scaler_state.update(_scaler_state(scaler))
         return trained, losses
 
 
