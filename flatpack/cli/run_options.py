@@ -139,8 +139,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
                 '--data takes (without --data: two synthetic batches of another seed)'),
     Option('--eval-fraction', 'evaluation', type=float, metavar='F', help="hold out the last F of --data's shards "
                 '(whole shards) for --eval-every'),
-    Option('--target', 'plan', choices=RUN_TARGETS, help='where the functions run: local (processes of this '
-                'machine, the default) or ray (Ray tasks on the cluster at --address); the cloud targets deploy '
+    # no argparse choices: a cloud target gets JobOptions.check's pointer to flatpack deploy
+    Option('--target', 'plan', help=f"where the functions run: {' or '.join(RUN_TARGETS)} (local: processes of "
+                'this machine, the default; ray: Ray tasks on the cluster at --address); the cloud targets deploy '
                 'with flatpack deploy'),
     Option('--address', 'plan', metavar='ADDRESS', help=RAY_ADDRESS_HELP),
     Option('--solver', 'plan', help=_SOLVER_HELP),
