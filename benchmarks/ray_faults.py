@@ -25,6 +25,7 @@ had finished, completed, bit-identical, the largest |difference| and the median 
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import os
 import random
@@ -37,6 +38,8 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from typing import Any
 
 import torch
 
@@ -53,7 +56,7 @@ GIB = 1 << 30
 CONFIGS = (Config("sync", 2, 1), Config("1f1b", 2, 3))
 
 
-def start_cluster() -> object:
+def start_cluster() -> Any:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "memory": 2 * GIB,
@@ -195,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     cluster = start_cluster()
-    ray.init(address=cluster.address, logging_level="WARNING")
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
     references: dict[Config, tuple[dict[str, torch.Tensor], float]] = {}
     rows = []
     try:

@@ -23,6 +23,7 @@ calibrated prediction, the measured median iteration and the error, then the MAP
 from __future__ import annotations
 
 import argparse
+import logging
 import io
 import os
 import statistics
@@ -87,6 +88,7 @@ def measure(deployment, iterations: int) -> tuple[float, float, dict[str, torch.
     result = deployment.train(batches(iterations), iterations=iterations, optimizer="adam", schedule="1f1b")
     summary = timeline.summarize(result.events, skip_first=SKIP)
     first_end = min(it.end for it in summary.iterations)
+    assert summary.iteration_s is not None, "the run measured no steady-state iteration"
     return summary.iteration_s, first_end - started, result.parameters
 
 
@@ -148,7 +150,7 @@ def main() -> None:
     for _ in range(2):
         cluster.add_node(num_cpus=2, memory=4 * GIB)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
     rows, medians = [], {"local": [], "ray": []}
     try:
         with LocalS3Server() as server:
@@ -172,7 +174,7 @@ def main() -> None:
               f"{ray_s / local_s:.3f}", flush=True)
         if args.fidelity:
             print()
-            fidelity(cluster.address, args.fidelity_iterations)
+            fidelity(str(cluster.address), args.fidelity_iterations)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -83,6 +83,7 @@ def start(command: list[str], pattern: str, log: Path) -> tuple[subprocess.Popen
     """Starts a server whose first line of output names its URL; its log goes to ``log``."""
     with open(log, "wb") as stream:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stream, text=True, cwd=ROOT)
+    assert process.stdout is not None
     line = process.stdout.readline()
     match = re.search(pattern, line)
     if not match:
@@ -152,7 +153,9 @@ def summary(name: str, rate: float, results: list[tuple], slo_s: float) -> dict:
 
 def dollars(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
-    return float(re.search(r"^flatpack_serve_dollars_total (\S+)$", text, re.M).group(1))
+    found = re.search(r"^flatpack_serve_dollars_total (\S+)$", text, re.M)
+    assert found is not None, "the server's /metrics has no flatpack_serve_dollars_total"
+    return float(found.group(1))
 
 
 
@@ -169,7 +172,7 @@ def compile_artifact(directory: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rates", default="2,5,10,20", help="requests per second, comma-separated")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
     parser.add_argument("--slo-ms", type=float, default=1000.0)

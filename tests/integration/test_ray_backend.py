@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ def test_ray_training_is_bit_identical_to_local(ray_cluster, s3_server, local_re
     assert len(nodes) >= 2
 
 
-def deployment_nodes(deployment: ray_backend.RayDeployment) -> list[str]:
+def deployment_nodes(deployment: Any) -> list[str]:
     """The nodes the run's functions ran on, as their logs record them."""
     return [path.read_text().splitlines()[0].removeprefix(ray_backend.NODE_LINE)
             for path in deployment.workdir.glob("train-*.log")]

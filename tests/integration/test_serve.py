@@ -121,8 +121,8 @@ def test_concurrent_requests_of_mixed_batch_sizes_equal_the_model(server, model,
             torch.testing.assert_close(_output(response), model(x))
     assert responses[1].json()["digest"] == digest
     metrics = httpx.get(f"{server.url}/metrics").text
-    batches = float(re.search(r"^flatpack_serve_batch_requests_count (\S+)$", metrics, re.M).group(1))
-    served = float(re.search(r"^flatpack_serve_batch_requests_sum (\S+)$", metrics, re.M).group(1))
+    batches = float(_metric(r"^flatpack_serve_batch_requests_count (\S+)$", metrics))
+    served = float(_metric(r"^flatpack_serve_batch_requests_sum (\S+)$", metrics))
     assert served >= 120 and batches < served       # several requests per batch
     assert 'flatpack_serve_requests_total{status="200"}' in metrics
     assert re.search(r"^flatpack_serve_cold_starts_total 3\.0$", metrics, re.M)   # the master and 2 workers
@@ -241,6 +241,7 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
                                 "--target", "local", "--slo-ms", "60000", "--port", "0"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        assert process.stdout is not None
         line = process.stdout.readline()
         match = re.match(r"serving ([0-9a-f]{64}) on (http://\S+)", line)
         assert match, line
@@ -250,7 +251,7 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
         children = _descendants(process.pid)
         assert len(children) >= 4          # the store server, the master, two workers
         outcomes = asyncio.run(_load_then_sigterm(url, process))
-        assert process.wait(timeout=120) == 0, process.stdout.read()
+        assert process.wait(timeout=120) == 0, process.stdout.read()  # pyright: ignore[reportOptionalMemberAccess]
     finally:
         if process.poll() is None:
             process.kill()
@@ -321,3 +322,10 @@ def test_a_model_given_by_name_is_compiled_for_inference_and_served_by_position(
     with torch.no_grad():
         torch.testing.assert_close(outputs["output"], model(x))
     assert version.latency is not None and version.latency.source == "measured at warm-up"
+
+
+def _metric(pattern: str, metrics: str) -> str:
+    """The value a /metrics line matching ``pattern`` holds (the test fails naming the pattern)."""
+    found = re.search(pattern, metrics, re.M)
+    assert found is not None, f"no metric matches {pattern!r} in /metrics"
+    return found.group(1)

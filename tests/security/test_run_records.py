@@ -482,9 +482,10 @@ def test_a_call_record_in_the_store_cannot_inject_faults_into_a_resume():
     and resume passes the recorded settings whole, with no control but its own."""
     from flatpack.backends.functions import CallRecord, FunctionDeployment
     from flatpack.errors import StoreError
+    from flatpack.runtime.optim import OptimizerSpec
     from flatpack.runtime.settings import RunControls, TrainSettings
 
-    settings = TrainSettings(optimizer="sgd", loss="mse", micro_batches=2)
+    settings = TrainSettings(optimizer=OptimizerSpec.of("sgd"), loss="mse", micro_batches=2)
     record = CallRecord(0, 4, None, 0, settings)
     asked: list[tuple[TrainSettings, RunControls]] = []
     fake = SimpleNamespace(calls=lambda: [CallRecord.loads(record.dumps())], consistent_checkpoint=lambda: 1,

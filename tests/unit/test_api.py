@@ -28,8 +28,10 @@ def test_flatpack_compile_passes_every_parameter_on(monkeypatch):
         return "compiled"
 
     monkeypatch.setattr(compiler, "compile", fake)
-    assert flatpack.compile("m", (1,), solver="dp", stages=3, passes="p", out_dir="o", example_kwargs={"k": 1},
-                            plan="plan", profile=True, calibration="c", force=True, measured="r",
+    # sentinels of the wrong types on purpose: the test checks each is passed on unchanged
+    assert flatpack.compile("m", (1,), solver="dp", stages=3, passes="p", out_dir="o",  # pyright: ignore[reportArgumentType]
+                            example_kwargs={"k": 1}, plan="plan",  # pyright: ignore[reportArgumentType]
+                            profile=True, calibration="c", force=True, measured="r",
                             memory_mb=1024) == "compiled"
     assert seen == {"model": "m", "example_inputs": (1,), "target": "local", "solver": "dp", "stages": 3,
                     "passes": "p", "out_dir": "o", "example_kwargs": {"k": 1}, "plan": "plan", "profile": True,

@@ -112,7 +112,7 @@ def test_models_pricing_container_training_are_the_command_line_s_choices():
 
     plan_parser = verb_parsers(build_parser())["plan"]
     choices = next(action.choices for action in declared(plan_parser) if action.dest == "cost_model")
-    assert sorted(choices) == sorted(models_pricing("train", "container"))
+    assert choices is not None and sorted(choices) == sorted(models_pricing("train", "container"))
     assert models_pricing("train", "serverless") == ["funcpipe"] == models_pricing("train", "local")
     assert models_pricing("infer", "container") == ["gillis"]
 

@@ -21,13 +21,14 @@ from flatpack.runtime.settings import (RunControls, TrainOptions, TrainSettings,
                                        split_options)
 from flatpack.runtime.spec import RunSpec, StageSpec
 
-SETTINGS = TrainSettings(optimizer={"name": "adam", "lr": 0.003, "clip_grad_norm": 1.0}, loss="mse",
+SETTINGS = TrainSettings(optimizer=OptimizerSpec.of({"name": "adam", "lr": 0.003, "clip_grad_norm": 1.0}), loss="mse",
                          micro_batches=4, schedule="1f1b", sync="lambdaml", threads=2, checkpoint_every=3,
-                         precision="fp16", loss_scaling={"init_scale": 1024.0, "growth_interval": 7})
+                         precision="fp16",
+                         loss_scaling=LossScaling.of({"init_scale": 1024.0, "growth_interval": 7}))
 
 
 def plan(micro_batches: int | None) -> Plan:
-    return Plan(stages=[StagePlan(0, 1, replicas=2), StagePlan(2, 3)], num_layers=4, solver="test",
+    return Plan(stages=(StagePlan(0, 1, replicas=2), StagePlan(2, 3)), num_layers=4, solver="test",
                 micro_batches=micro_batches)
 
 
@@ -125,5 +126,5 @@ def test_a_setting_a_backend_does_not_act_on_is_refused_not_ignored():
                       ("optimizer", "loss", "micro_batches", "schedule", "threads", "precision", "loss_scaling",
                        "timeout_s"), what="a test run", why="it is a test")
     with pytest.raises(InputError, match="a test run does not take checkpoint_every, faults \\(it is a test\\)"):
-        refuse_unhonoured(TrainSettings(checkpoint_every=2), RunControls(faults=[{}]), ("loss",),
+        refuse_unhonoured(TrainSettings(checkpoint_every=2), RunControls(faults=({},)), ("loss",),
                           what="a test run", why="it is a test")
