@@ -27,7 +27,7 @@ from flatpack.analysis.reference import call, first_output, torch_threads
 from flatpack.analysis.refit import EVENTS_FILE
 from flatpack.backends import RUN_TARGETS, local
 from flatpack.backends import ray as ray_backend
-from flatpack.backends.functions import merge_results
+from flatpack.backends.functions import merge_results, workload_of
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            parse_source, split_shards)
@@ -432,7 +432,7 @@ def _record(run: _Run, every: int) -> None:
     # no workload to default them from), so `flatpack resume` retrains the same way
     run.settings = options.train_settings(loss=run.loss, checkpoint_every=every,
                                           micro_batches=run.compiled.plan.micro_batches_for(
-                                              run.compiled.problem.workload))
+                                              workload_of(run.compiled)))
     record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=run.loss, iterations=run.iterations,
                        data=data_record, train_options=recorded_options(run.settings, options.train.non_finite),
                        fingerprint=fingerprint)
