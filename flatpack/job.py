@@ -98,16 +98,22 @@ class ResumeResult:
                 "trained_path": str(self.trained_path) if self.trained_path is not None else None}
 
 
+def dropout_modules(model: nn.Module) -> int:
+    """How many ``nn.Dropout*`` modules of ``model`` have p > 0. ``flatpack run`` trains with
+    them on: each stage draws its masks from a seed per iteration, stage and micro-batch
+    (``training.micro_batch_seed``), and the verdict's reference draws the same ones
+    (``reference.StageSeeds``)."""
+    return sum(1 for module in model.modules()
+               if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+
+
 def without_dropout(model: nn.Module) -> int:
-    """Dropout draws a fresh mask in every stage and micro-batch (seeded per iteration, stage
-    and micro-batch: ``training.micro_batch_seed``), which single-process training of the
-    original module cannot reproduce, so ``flatpack run`` trains with p = 0 in every
-    ``nn.Dropout*`` module, the run and the reference alike, and its verdict says so. Returns
-    how many modules had p > 0."""
-    count = 0
+    """Sets p = 0 in every ``nn.Dropout*`` module of ``model``, for a caller that compares a
+    run with the original module's own outputs (a test, a benchmark); returns how many had
+    p > 0. ``flatpack run`` does not: it trains with dropout on."""
+    count = dropout_modules(model)
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
-            count += module.p > 0
             module.p = 0.0
     return count
 
@@ -292,7 +298,7 @@ def _run_training(model: nn.Module, example: Any, options: JobOptions, *, stream
     options.check()
     _check_trainable(model)
     torch.manual_seed(options.batches.seed)
-    dropouts = without_dropout(model)
+    dropouts = dropout_modules(model)
     RunDirectory(options.output.out).create()    # 0700 when flatpack makes it: the run's model and data are private
     run = _Run(options, say)
     # one thread: the profile is then what a one-vCPU function computes, and the workers use one too
@@ -359,7 +365,7 @@ def _compile(run: _Run, model: nn.Module) -> None:
     sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
     if plan.split_points:
         check_split_points(model, plan.split_points)
-    solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points)
+    solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points, plan.replicas)
     if plan.target == "ray":    # the plan is made for the cluster's nodes (platform.catalog.ray)
         ray_backend.connect(plan.address)
     compiled = flatpack.compile(model, run.batches[0][0], target=plan.target, solver=solver, passes=plan.passes,
@@ -584,7 +590,8 @@ def _verdict(run: _Run, initial: nn.Module, dropouts: int) -> tuple[float | None
     if not run.options.output.verify:
         return None, None
     found = verdict(initial, run.compiled, run.batches, run.options, run.loss, run.result.parameters,
-                    run.pipelined_state, dropouts=dropouts, example=run.batches[0][0])
+                    run.pipelined_state, dropouts=dropouts, example=run.batches[0][0],
+                    replanned=bool(run.result.switches))
     run.say(found.describe())
     return found.max_weight_diff, found.equivalent
 

@@ -83,8 +83,11 @@ from flatpack.weights import with_aliases
 #   from the autocast reference after one step, a dropped micro-batch O(1/M)
 #   (tests/integration/test_precision_knobs.py holds a dropped one to FAILED).
 #
-# Dropout: ``without_dropout``; a model that draws random numbers some other way in train
-# mode cannot be checked and the verdict says so instead of guessing.
+# Dropout (and any random draw in train mode): the run keeps it on, and the reference runs the
+# compiled stages with each stage's forward seeded as the workers seed it (per iteration, stage
+# and micro-batch: ``reference.StageSeeds``), so it draws the run's masks and is held to the same
+# bounds (tests/integration/test_dropout_verdict.py). A run that re-planned changed its stages'
+# seeds mid-run and is not checked.
 
 STATE_RTOL_FIRST, STATE_RTOL = 1e-4, 1e-2
 ZERO_FLOOR = 1e-3
@@ -130,7 +133,8 @@ class Verdict:
     iterations: int
     optimizer: str
     checks: list[Check] = field(default_factory=list)
-    dropouts: int = 0
+    dropouts: int = 0             # nn.Dropout modules with p > 0 (the run trains with them on)
+    seeded: bool = False          # the reference drew the run's random numbers (``StageSeeds``)
     note: str = ""
 
     @property
@@ -146,9 +150,19 @@ class Verdict:
                 f"iteration{'s' * (self.iterations != 1)}, {self.optimizer}{cut}")
 
     def describe(self) -> str:
-        dropout = (f"dropout: p = 0 in {self.dropouts} module{'s' * (self.dropouts != 1)} for the run and the "
-                   "reference (per-stage masks cannot be reproduced), so dropout itself was not checked"
-                   if self.dropouts else "no dropout modules")
+        return "\n".join([self._head(), *(check.line() for check in self.checks), f"  {self._draws()}"])
+
+    def _draws(self) -> str:
+        """What the check says of the model's random draws (dropout)."""
+        if not self.seeded:
+            return (f"dropout on (p > 0 in {self.dropouts} module{'s' * (self.dropouts != 1)})" if self.dropouts
+                    else "no random draws in train mode (no dropout)")
+        what = (f"dropout on (p > 0 in {self.dropouts} module{'s' * (self.dropouts != 1)})" if self.dropouts
+                else "random draws in train mode")
+        return (f"{what}: the reference ran the compiled stages seeded as the workers seed them (per iteration, "
+                "stage and micro-batch), so it drew the run's masks")
+
+    def _head(self) -> str:
         if self.equivalent is None:
             head = f"equivalence with single-process training: NOT CHECKED ({self.coverage()}): {self.note}"
         elif self.equivalent:
@@ -157,7 +171,7 @@ class Verdict:
         else:
             head = (f"equivalence with single-process training: FAILED: not equivalent ({self.coverage()})"
                     + (f": {self.note}" if self.note else ""))
-        return "\n".join([head, *(check.line() for check in self.checks), f"  {dropout}"])
+        return head
 
 
 @dataclass
@@ -381,9 +395,12 @@ def pipeline_optimizer_state(deployment: Any, compiled: Any) -> dict[str, dict[s
 
 def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOptions, loss: str,
             parameters: dict[str, torch.Tensor], pipelined_state: dict[str, dict[str, torch.Tensor]], *,
-            dropouts: int, example: Any) -> Verdict:
+            dropouts: int, example: Any, replanned: bool = False) -> Verdict:
     """Trains the reference from the run's initial weights with the run's micro-batches and
-    checks the run against it (see the tolerances above)."""
+    checks the run against it (see the tolerances above). A model that draws random numbers
+    in train mode (dropout) is compared with the compiled stages seeded as the workers seed
+    them (``reference.StageSeeds``); ``replanned``: the run switched plans, so its stages and
+    their seeds changed mid-run, and such a model cannot be checked."""
     run_iterations = options.batches.iterations
     if run_iterations is None:
         raise ValueError("the verdict needs the run's iterations: pass the JobOptions training_data resolved")
@@ -392,11 +409,12 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
     micro_batches = compiled.plan.micro_batches_for(workload_of(compiled))
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
-                    run_iterations, optimizer.describe(), dropouts=dropouts)
-    if draws_random(initial, example):
-        found.note = ("the model draws random numbers in train mode beyond nn.Dropout (which flatpack run "
-                      "switches off), so no run can be compared with single-process training; train it without "
-                      "them to check equivalence")
+                    run_iterations, optimizer.describe(), dropouts=dropouts, seeded=draws_random(initial, example))
+    if found.seeded and replanned:
+        found.seeded = False
+        found.note = ("the model draws random numbers in train mode (dropout) and the run re-planned: the stages, "
+                      "and the seeds each draws with, changed mid-run, which the reference does not follow; run "
+                      "without --replan, or with dropout p = 0, to check equivalence")
         return found
 
     # a tied weight is checkpointed under one name; the reference's state_dict has each
@@ -404,7 +422,10 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
     reference_state: dict[str, dict[str, torch.Tensor]] = {}
     # under bf16/fp16 the reference computes as the stages do (see the tolerances above): it
     # rounds what crosses the plan's cuts, with the workers' one intra-op thread
-    pipeline, threads = (compiled, 1) if options.train.precision != "fp32" else (None, None)
+    # with random draws it runs the stages, seeded as the workers seed them, to draw the run's masks
+    sixteen_bits = options.train.precision != "fp32"
+    pipeline = compiled if sixteen_bits or found.seeded else None
+    threads = 1 if sixteen_bits else None
     schedule = schedules.get(options.train.schedule)
     if not schedule.flush:
         # the simulation of the asynchronous schedule: `flatpack run --eval-every N` trains in
@@ -413,12 +434,13 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
             initial, batches, run_iterations, schedule=schedule, stage_of=parameter_stages(compiled),
             stages=len(stages), micro_batches=micro_batches, optimizer=optimizer, loss=loss,
             vertical_sync=options.train.vertical_sync, call_iterations=options.evaluation.eval_every or None,
-            optimizer_state=reference_state, precision=options.train.precision, pipeline=pipeline, threads=threads)
+            optimizer_state=reference_state, precision=options.train.precision, pipeline=pipeline, threads=threads,
+            seeded=found.seeded)
     else:
         reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
                                             optimizer_state=reference_state, precision=options.train.precision,
-                                            pipeline=pipeline, threads=threads)
+                                            pipeline=pipeline, threads=threads, seeded=found.seeded)
     # the bounds grow with the optimizer's steps: one per micro-batch under an asynchronous schedule
     iterations = run_iterations * schedule.optimizer_steps(micro_batches)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,

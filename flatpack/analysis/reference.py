@@ -23,6 +23,7 @@ from flatpack.runtime.optim import OptimizerSpec, loss_value
 from flatpack.runtime.precision import SCALED, LossScaling, autocast
 from flatpack.runtime.spec import (check_precision, micro_batch_size,
                                    split_value)
+from flatpack.runtime.training import micro_batch_seed
 from flatpack.schedules import Schedule, Setup
 from flatpack.schedules import get as schedule_named
 from flatpack.stage.artifact import stage_manifest
@@ -115,6 +116,50 @@ def through_stages(trained: nn.Module, pipeline: Any, precision: str) -> tuple[n
     return staged.train(), paths
 
 
+class StageSeeds:
+    """Seeds each stage's forward as a pipelined run's workers seed it: torch's generator set
+    to ``training.micro_batch_seed(iteration, stage, micro_batch)`` right before the stage
+    runs, so that the reference draws the run's dropout masks (and any other random numbers
+    a stage draws) and a run with dropout on is compared exactly
+    (``tests/integration/test_dropout_verdict.py``). It hooks the stages chained in this
+    process (``through_stages``), a module only the reference uses; run each micro-batch's
+    forward inside :meth:`at`."""
+
+    def __init__(self, staged: nn.Module) -> None:
+        self.iteration = 0
+        self.micro_batch = 0
+        for index, stage in enumerate(staged.stages):
+            stage.register_forward_pre_hook(self._seeder(index))
+
+    def _seeder(self, index: int) -> Callable[..., None]:
+        def seed(module: nn.Module, args: Any) -> None:
+            torch.manual_seed(micro_batch_seed(self.iteration, index, self.micro_batch))
+        return seed
+
+    @contextlib.contextmanager
+    def at(self, iteration: int, micro_batch: int) -> Iterator[None]:
+        """The forwards inside draw as micro-batch ``micro_batch`` of ``iteration`` does in
+        the run; the caller's generator state is left as it was."""
+        self.iteration, self.micro_batch = iteration, micro_batch
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+
+def stage_seeds(forward: nn.Module, pipeline: Any, seeded: bool) -> StageSeeds | None:
+    """The workers' seeds on the chained stages ``forward`` (``seeded``), else None."""
+    if not seeded:
+        return None
+    if pipeline is None:
+        raise InputError("seeded=True seeds the compiled stages as the workers do: pass the compiled model as "
+                         "pipeline")
+    return StageSeeds(forward)
+
+
+def _drawing(seeds: StageSeeds | None, iteration: int, micro_batch: int) -> contextlib.AbstractContextManager:
+    """What a micro-batch's forward runs inside: its seeds, or nothing when unseeded."""
+    return contextlib.nullcontext() if seeds is None else seeds.at(iteration, micro_batch)
+
+
 def _batch_rows(inputs: Any) -> int | None:
     """The rows of a batch: the first dimension of its first tensor that has one (None: it
     has none, and the pipeline does not cut it)."""
@@ -140,24 +185,25 @@ class _Accumulation:
     scaler: torch.amp.GradScaler | None
     buffers: dict[str, torch.Tensor]
     fixed_buffers: Callable[[int], Collection[str]] | None
+    seeds: StageSeeds | None = None     # the stages seeded as the workers seed them
 
-    def batch(self, inputs: Any, target: Any) -> float:
+    def batch(self, inputs: Any, target: Any, iteration: int) -> float:
         """The batch whole (M = 1, or nothing to cut), else its micro-batches in order."""
         rows = _batch_rows(inputs)
         if self.micro_batches == 1 or rows is None:
-            return self._whole(inputs, target)
+            return self._whole(inputs, target, iteration)
         total = 0.0
         for m in range(self.micro_batches):
-            total += self._micro_batch(inputs, target, rows, m)
+            total += self._micro_batch(inputs, target, rows, iteration, m)
         return total
 
-    def _whole(self, inputs: Any, target: Any) -> float:
-        with autocast(self.precision):
+    def _whole(self, inputs: Any, target: Any, iteration: int) -> float:
+        with _drawing(self.seeds, iteration, 0), autocast(self.precision):
             value = loss_value(self.loss, first_output(call(self.forward, inputs)), target)
         _backward(value * self.weight, self.scaler)
         return float(value.detach())
 
-    def _micro_batch(self, inputs: Any, target: Any, rows: int, m: int) -> float:
+    def _micro_batch(self, inputs: Any, target: Any, rows: int, iteration: int, m: int) -> float:
         """Micro-batch m as the pipeline cuts it, its loss scaled by its share b/B of the rows."""
         piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, self.micro_batches)[m], inputs)
         piece_target = split_value(target, rows, self.micro_batches)[m] if target is not None else None
@@ -165,7 +211,7 @@ class _Accumulation:
         # copied before the forward updates them (BatchNorm's running statistics) and put back after
         kept = {name: self.buffers[name].detach().clone()
                 for name in (self.fixed_buffers(m) if self.fixed_buffers else ()) if name in self.buffers}
-        with autocast(self.precision):
+        with _drawing(self.seeds, iteration, m), autocast(self.precision):
             output = first_output(call(self.forward, piece))
             share = micro_batch_size(rows, self.micro_batches, m) / rows
             value = loss_value(self.loss, output, piece_target) * share
@@ -208,7 +254,7 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
                          optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
                          precision: str = "fp32", pipeline: Any = None, loss_scaling: Any = None,
                          scaler_state: dict[str, float] | None = None,
-                         threads: int | None = None) -> tuple[nn.Module, list[float]]:
+                         threads: int | None = None, seeded: bool = False) -> tuple[nn.Module, list[float]]:
     """Trains (a copy of) ``model`` for ``iterations`` global batches; returns it and the losses.
 
     ``micro_batches`` = M: each global batch is cut as the pipeline cuts it
@@ -246,6 +292,10 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
     and how a CPU kernel splits a sum across threads moves some of them across a rounding
     boundary (one thread against two: 5.6e-3 of the update apart after one step, 5 % after
     eight, on the transformer of tests/integration/test_precision_knobs.py).
+
+    ``seeded``: each stage's forward draws its random numbers from the seed a pipelined run's
+    worker gives it (:class:`StageSeeds`; needs ``pipeline``): dropout's masks are then the
+    run's, and a run with dropout on is compared exactly.
     """
     with torch_threads(threads):
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
@@ -255,12 +305,12 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
         scheduler = spec.build_schedule(opt)
         accumulation = _Accumulation(forward, loss, precision, micro_batches, weight=1 / spec.accumulate,
                                      scaler=scaler, buffers=dict(trained.named_buffers(remove_duplicate=False)),
-                                     fixed_buffers=fixed_buffers)
+                                     fixed_buffers=fixed_buffers, seeds=stage_seeds(forward, pipeline, seeded))
         batch_for = batches if callable(batches) else batches.__getitem__
         losses = []
         for iteration in range(iterations):
             inputs, target = batch_for(iteration)
-            losses.append(accumulation.batch(inputs, target))
+            losses.append(accumulation.batch(inputs, target, iteration))
             if (iteration + 1) % spec.accumulate == 0:
                 _optimizer_step(opt, scheduler, scaler, spec.clip_grad_norm, [p for _, p in named])
         if optimizer_state is not None:
@@ -276,7 +326,8 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
                                vertical_sync: bool = False, call_iterations: int | None = None,
                                optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
                                copy_model: bool = True, precision: str = "fp32",
-                               pipeline: Any = None, threads: int | None = None) -> tuple[nn.Module, list[float]]:
+                               pipeline: Any = None, threads: int | None = None,
+                               seeded: bool = False) -> tuple[nn.Module, list[float]]:
     """Single-process simulation of an asynchronous ``schedule`` with weight stashing
     (``runtime.stashing``; PipeDream's 1F1B without a flush, ``1f1b-async``): what such a
     pipelined run must equal.
@@ -291,7 +342,7 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
     ``call_iterations`` N simulates calls of N iterations each (None: one call). Every
     version is kept here; a stage keeps only those its in-flight micro-batches hold. The
     losses are each global batch's mean (micro-batch means weighted by their share);
-    ``optimizer_state``, ``precision``, ``pipeline`` and ``threads`` as
+    ``optimizer_state``, ``precision``, ``pipeline``, ``threads`` and ``seeded`` as
     :func:`train_single_process` takes them."""
     with torch_threads(threads):
         trained, spec, named = _training_copy(model, micro_batches, optimizer, precision, copy_model)
@@ -302,6 +353,7 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
         schedule.check(Setup(replicas=(1,) * stages, vertical_sync=vertical_sync,
                              clip_grad_norm=spec.clip_grad_norm, accumulate=spec.accumulate, precision=precision))
         forward, paths = through_stages(trained, pipeline, precision)
+        seeds = stage_seeds(forward, pipeline, seeded)
         missing = [name for name, _ in named if name not in stage_of]
         if missing:
             raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's "
@@ -331,7 +383,7 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
                 args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
                                                                              else tuple(piece), {})
                 replaced = {path: weights[name] for name, _ in named for path in paths[name]}
-                with autocast(precision):
+                with _drawing(seeds, iteration, m), autocast(precision):
                     output = first_output(torch.func.functional_call(forward, replaced, args, kwargs))
                     value = loss_value(loss, output, piece_target)
                 value.backward()

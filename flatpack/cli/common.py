@@ -107,14 +107,15 @@ def trust_args(parser: Any) -> None:
 
 def fixed_cut_args(parser: Any, verb: str) -> None:
     """``--stages`` and ``--split-points``: one plan with fixed cuts instead of the solver's,
-    which ``plan`` prices and ``run`` trains (one replica each, the smallest tier that fits)."""
+    which ``plan`` prices and ``run`` trains (one replica each, or the one degree --replicas names; the
+    smallest tier that fits)."""
     parser.add_argument("--stages", type=int, default=None, metavar="N", help=stages_help(verb))
     parser.add_argument("--split-points", default=None, metavar="MODULE[,MODULE...]", help=split_points_help(verb))
 
 
 def stages_help(verb: str) -> str:
     return (f"{verb} one plan cut into N stages of balanced parameter bytes instead of the solver's (one replica "
-            "each, the smallest memory tier that fits), e.g. --stages 4")
+            "each, or D with --replicas D; the smallest memory tier that fits), e.g. --stages 4")
 
 
 def split_points_help(verb: str) -> str:

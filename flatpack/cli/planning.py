@@ -220,7 +220,7 @@ def _select(args: argparse.Namespace, solver: Any, problem: Any, split_points: t
         from flatpack.partitioner.objective import annotate, evaluate
         from flatpack.partitioner.solvers.wrappers import FixedCuts
 
-        cuts = FixedCuts(split_points, args.stages)
+        cuts = FixedCuts.of(split_points, args.stages, problem.options.replicas)
         fixed = with_tiers(problem, cuts(problem))
         return plan_report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
     if workload.slo_s is not None:

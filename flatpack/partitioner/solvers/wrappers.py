@@ -56,17 +56,33 @@ class WithTiers:
 class FixedCuts:
     """A solver that cuts where the user says: before each module in ``split_points`` (as
     torch.distributed.pipelining's ``SplitPoint.BEGINNING`` does), or into ``stages`` stages
-    of balanced parameter bytes. Every stage one replica; :class:`WithTiers` gives each the
-    smallest memory tier that fits."""
+    of balanced parameter bytes. Every stage ``replicas`` replicas (``--stages 2 --replicas 2``:
+    2 × 2); :class:`WithTiers` gives each the smallest memory tier that fits."""
 
     split_points: tuple[str, ...] = ()
     stages: int | None = None
+    replicas: int = 1
+
+    @classmethod
+    def of(cls, split_points: Sequence[str], stages: int | None, degrees: Sequence[int] | int | None) -> FixedCuts:
+        """The user's cuts, every stage the one degree ``--replicas`` names (else one replica:
+        a list of degrees is the solver's choice, and no solver runs)."""
+        if isinstance(degrees, int):
+            degrees = (degrees,)
+        return cls(tuple(split_points), stages, degrees[0] if degrees is not None and len(degrees) == 1 else 1)
 
     @property
     def name(self) -> str:
         return f"split-points {','.join(self.split_points)}" if self.split_points else plural(self.stages or 0, "stage")
 
     def __call__(self, problem: Any) -> Any:
+        plan = self._cut(problem)
+        if self.replicas == 1:
+            return plan
+        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, replicas=self.replicas)
+                                                      for stage in plan.stages))
+
+    def _cut(self, problem: Any) -> Plan:
         if not self.split_points:
             return get_solver("balanced")(dataclasses.replace(problem, stages=self.stages))
         starts = [split_layer(problem.chain, point) for point in self.split_points]
@@ -120,9 +136,11 @@ class FastestOnFront:
         return dp().front(problem).plans[0]
 
 
-def run_solver(pick: str, solver: Any, stages: int | None, split_points: tuple[str, ...]) -> Any:
-    """The solver a training run compiles with: fixed cuts (``stages`` or ``split_points``),
-    else the fastest plan on dp's front (``pick`` "fastest"), else ``solver`` with tiers."""
+def run_solver(pick: str, solver: Any, stages: int | None, split_points: tuple[str, ...],
+               replicas: Sequence[int] = (1,)) -> Any:
+    """The solver a training run compiles with: fixed cuts (``stages`` or ``split_points``;
+    every stage the one degree of ``replicas`` when it names one, else one replica), else the
+    fastest plan on dp's front (``pick`` "fastest"), else ``solver`` with tiers."""
     if stages or split_points:
-        return WithTiers(FixedCuts(split_points, stages))
+        return WithTiers(FixedCuts.of(split_points, stages, replicas))
     return FastestOnFront() if pick == "fastest" else solver_for(solver)
