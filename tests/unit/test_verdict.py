@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
+import flatpack
 from flatpack.analysis.reference import train_single_process
+from flatpack.errors import InputError
 from flatpack.verdict import Verdict, adam_step_bound, adam_weight_bound, compare_training
 from tests.unit.narrowing import problem_of
 
@@ -100,10 +103,11 @@ def test_adam_bound_is_one_step_of_lr_at_the_first_step_and_grows_with_the_steps
 def test_the_verdict_names_what_it_covered():
     one = Verdict(True, 1, (2,), 4, 3, "adam")
     assert "no pipeline cut was exercised" in one.describe()
-    two = Verdict(True, 2, (1, 2), 4, 3, "adam", dropouts=3)
+    two = Verdict(True, 2, (1, 2), 4, 3, "adam", dropouts=3, seeded=True)
     text = two.describe()
     assert "equivalent (2 stages, replicas 1,2, 4 micro-batches, 3 iterations, adam)" in text
-    assert "p = 0 in 3 modules" in text
+    assert "dropout on (p > 0 in 3 modules): the reference ran the compiled stages seeded" in text
+    assert "no random draws in train mode" in one.describe()
     assert "equivalent" not in Verdict(None, 2, (1, 1), 4, 3, "sgd", note="random").describe().replace(
         "equivalence", "")
     assert "FAILED: not equivalent" in Verdict(False, 2, (1, 1), 4, 3, "sgd").describe()
@@ -123,3 +127,24 @@ def test_balanced_plans_get_memory_tiers_before_costing():
                                 profile=ProfileOptions(batch_sizes=(2, 4), repeats=1))
     assert all(stage.memory_mb for stage in compiled.plan.stages)
     assert funcpipe.iteration(problem_of(compiled), compiled.plan).iteration_s > 0
+
+
+def test_the_seeded_reference_draws_the_same_masks_every_time_and_others_than_the_unseeded_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+    compiled = flatpack.compile(model, (torch.randn(8, 8),), stages=2)
+    data = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(2)]
+    state_before = torch.random.get_rng_state()
+    first, losses = train_single_process(model, data, 2, micro_batches=2, pipeline=compiled, seeded=True)
+    again, losses_again = train_single_process(model, data, 2, micro_batches=2, pipeline=compiled, seeded=True)
+    assert torch.equal(torch.random.get_rng_state(), state_before)     # the caller's generator untouched
+    assert losses == losses_again
+    for (name, value), other in zip(first.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(value, other), name
+    _, unseeded = train_single_process(model, data, 2, micro_batches=2, pipeline=compiled)
+    assert unseeded != losses        # the seeds decide the masks: a reference without them draws others
+
+
+def test_seeding_needs_the_compiled_stages():
+    with pytest.raises(InputError, match="pass the compiled model as pipeline"):
+        train_single_process(nn.Linear(2, 2), [(torch.randn(2, 2), torch.randn(2, 2))], 1, loss="mse", seeded=True)
