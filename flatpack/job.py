@@ -441,7 +441,7 @@ def _record(run: _Run, every: int) -> None:
                                               workload_of(run.compiled)))
     record = RunRecord(run=f"run-{uuid.uuid4().hex[:10]}", loss=run.loss, iterations=run.iterations,
                        data=data_record, train_options=recorded_options(run.settings, options.train.non_finite),
-                       fingerprint=fingerprint)
+                       fingerprint=fingerprint, target=options.plan.target)
     directory.write(record)
     run.directory = directory
 
@@ -712,7 +712,7 @@ def deploy_for(target: str, address: str | None, compiled: Any, **options: Any) 
 def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: str | None = None,
                     verify_key: str | None = None, data: str | None = None, name: str | None = None,
                     min_version: int | None = None, trust_file: str | None = None,
-                    accept_changed_data: bool = False, target: str = "local",
+                    accept_changed_data: bool = False, target: str | None = None,
                     address: str | None = None) -> ResumeResult:
     """``flatpack resume RUN_DIR``: continues a run ``flatpack run`` started, after any crash,
     from the last checkpoint every stage took, on the run's own batches, to the weights the
@@ -722,8 +722,9 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
     whose data came from a dataset factory names it again (``run.json`` is data and never
     names code to import). The data is checked against the fingerprint the run recorded at its
     start; ``accept_changed_data`` resumes on changed data anyway (with a warning naming what
-    changed). ``target``/``address``: where the functions run, as the run was started
-    (``flatpack run --target ray --address ...``)."""
+    changed). ``target``: where the functions run (None: where the run's record says they ran,
+    ``run.json``'s ``target``); ``address``: the Ray cluster's (None: Ray's "auto"; run.json
+    names none, being data)."""
     def say(text: str = "") -> None:
         print(text, file=stream, flush=True)
 
@@ -758,7 +759,7 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
                     accept_changed_data)
         batches = directory.load_batches()
     with torch_threads(1):   # as run_training trains
-        with _resumable(directory), deploy_for(target, address, compiled, workdir=directory.logs,
+        with _resumable(directory), deploy_for(target or record.target, address, compiled, workdir=directory.logs,
                                                data_dir=directory.store, run=record.run) as deployment:
             done = deployment.consistent_checkpoint()
             resumed_after = done if deployment.calls() else None

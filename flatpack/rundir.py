@@ -59,6 +59,9 @@ MAX_SEED = (1 << 63) - 1
 MAX_TEXT = 4_096
 MAX_FILES = 1_000_000
 RUN_STATES = ("running", "done", "abandoned")
+# where flatpack run and resume train: the local backend's processes, or the same functions as
+# Ray tasks on a cluster (``backends.RUN_TARGETS``); the other targets deploy and train from Python
+RUN_TARGETS = ("local", "ray")
 # the run id prefixes every store key of the run: one plain name, never a path
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # the artifact directory run.json names: one plain name inside the run directory
@@ -260,6 +263,10 @@ class RunRecord:
     # file's file_fingerprint): resume refuses changed data. None: a record from before
     # fingerprints, whose data cannot be checked
     fingerprint: dict | None = field(default=None)
+    # where its functions ran (``flatpack run --target``): resume runs them there again unless
+    # told otherwise. A cluster's address is not recorded: resume never connects to a machine
+    # that run.json names (it is data); it takes --address, else Ray's "auto"
+    target: str = "local"
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -277,7 +284,7 @@ class RunRecord:
             raise InputError(f"{where} has run-record version {data.get('version')!r:.40}; this flatpack reads "
                              f"version {RUN_VERSION}. Resume it with the flatpack version that started it")
         _only(data, str(where), ("run", "loss", "iterations", "state", "data", "train_options", "version",
-                                 "compiled", "fingerprint"))
+                                 "compiled", "fingerprint", "target"))
         for name in ("run", "loss", "iterations"):
             if name not in data:
                 raise InputError(f"{where} has no {name}; it is written by `flatpack run`")
@@ -294,7 +301,8 @@ class RunRecord:
                    data=check_data(data.get("data"), str(where)),
                    train_options=check_train_options(data.get("train_options"), str(where)),
                    compiled=compiled,
-                   fingerprint=check_fingerprint(data.get("fingerprint"), f"{where}: fingerprint"))
+                   fingerprint=check_fingerprint(data.get("fingerprint"), f"{where}: fingerprint"),
+                   target=_choice(data.get("target", "local"), f"{where}: target", RUN_TARGETS))
 
 
 def file_fingerprint(path: Path, *, what: str) -> dict[str, Any]:

@@ -98,8 +98,9 @@ def _add_resume(subparsers: Any) -> None:
     parser = subparsers.add_parser("resume", help="continue a `flatpack run` that stopped (a crash, Ctrl-C, a lost "
                                                   "server) from its last checkpoint, to the same weights")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of the run")
-    parser.add_argument("--target", default="local", choices=RUN_TARGETS,
-                        help="where the run's functions run: local or ray, as the run was started")
+    parser.add_argument("--target", default=None, choices=RUN_TARGETS,
+                        help="where the run's functions run: local or ray (default: where the run started them, "
+                             "as run.json records it)")
     parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     parser.add_argument("--data", default=None, metavar="MODULE:FACTORY",
                         help="a run whose --data was a dataset factory names it again (run.json records it, "

@@ -312,6 +312,7 @@ def test_every_hostile_value_in_run_json_is_a_clean_error(compiled, tmp_path):
     ('{"run": "r", "loss": "mse", "iterations": true, "version": 1}', "iterations"),
     ('{"run": "r", "loss": "mse", "iterations": -3, "version": 1}', "iterations"),
     ('{"run": "../../etc", "loss": "mse", "iterations": 2, "version": 1}', "run"),
+    ('{"run": "r", "loss": "mse", "iterations": 2, "version": 1, "target": "ray://elsewhere:10001"}', "target"),
     ('{"run": "r", "loss": "mse", "iterations": 2, "version": 1, "state": "hacked"}', "state"),
     ('{"run": "r", "loss": "mse", "iterations": 2, "version": 1, "train_options": {"threads": 1e9}}', "threads"),
     ('{"run": "r", "loss": "mse", "iterations": 2, "version": 1, "train_options": {"micro_batches": 2.5}}',
@@ -524,3 +525,27 @@ def test_s3_shards_are_fingerprinted_by_size_and_etag_from_the_listing(s3_server
         root.delete_prefix(prefix)
     (change,) = fingerprint_changes(before, after)
     assert change.startswith(f"'{prefix}shard_001.safetensors' changed content (etag "), change
+
+
+def test_resume_runs_the_functions_where_run_json_says_and_takes_no_address_from_it(compiled, tmp_path, no_deploy,
+                                                                                     monkeypatch):
+    """A run started with --target ray resumes on Ray without --target; the cluster is the
+    one --address names, else Ray's "auto": never an address read from the record."""
+    from flatpack.backends import ray as ray_backend
+
+    asked: list[Any] = []
+
+    def on_ray(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("address"))
+        raise Reached
+    monkeypatch.setattr(ray_backend, "deploy", on_ray)
+    directory = hand_made_run(tmp_path / "run", compiled, target="ray")
+    assert directory.read().target == "ray"
+    with pytest.raises(Reached):
+        resume(directory)
+    with pytest.raises(Reached):
+        resume(directory, address="ray://head:10001")
+    assert asked == [None, "ray://head:10001"]
+    with pytest.raises(Reached):             # --target local finishes it here: local.deploy (no_deploy)
+        resume(directory, target="local")
+    assert len(asked) == 2
