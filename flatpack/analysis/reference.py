@@ -128,7 +128,9 @@ class StageSeeds:
     def __init__(self, staged: nn.Module) -> None:
         self.iteration = 0
         self.micro_batch = 0
-        for index, stage in enumerate(staged.stages):
+        stages = staged.stages
+        assert isinstance(stages, nn.ModuleList)    # Compiled.as_module's chain (through_stages)
+        for index, stage in enumerate(stages):
             stage.register_forward_pre_hook(self._seeder(index))
 
     def _seeder(self, index: int) -> Callable[..., None]:
