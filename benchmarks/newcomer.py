@@ -183,9 +183,9 @@ COMMANDS: tuple[Case, ...] = (
 )
 
 MISTAKES: tuple[Case, ...] = (
-    _mistake("misspelt option", ("run", "mlp", "--iteration", "3"), "--iterations", leaves_no=("flatpack-run",)),
+    _mistake("misspelt option", ("run", "mlp", "--iteratoins", "3"), "--iterations", leaves_no=("flatpack-run",)),
     _mistake("misspelt verb", ("rn", "mlp"), "did you mean", "run"),
-    _mistake("unknown model", ("run", "resnet999"), "resnet999", "built-in", leaves_no=("flatpack-run",)),
+    _mistake("unknown model", ("run", "resnet999"), "resnet999", "did you mean", leaves_no=("flatpack-run",)),
     _mistake("demo unknown model", ("demo", "--model", "resnet999"), "resnet999"),
     _mistake("missing model file", ("run", "nowhere.py:build"), "no such file"),
     _mistake("file without the factory", ("run", "my_model.py:nothing"), "nothing"),

@@ -181,3 +181,10 @@ def test_a_refused_run_leaves_no_run_directory_behind(tmp_path, capsys, monkeypa
     assert main(["run", f"{factory}:build", "--stages", "9", "--out", str(out), "--batch", "8",
                  "--micro-batches", "2", "--iterations", "2"]) == 2
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_teardown_of_a_dry_run_says_nothing_was_created(tmp_path, capsys):
+    (tmp_path / "commands.sh").write_text("#!/usr/bin/env bash\n")
+    assert main(["teardown", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "dry run" in out and "nothing to remove" in out
