@@ -30,7 +30,7 @@ from flatpack.backends import ray as ray_backend
 from flatpack.backends.functions import merge_results, workload_of
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
-                           parse_source, split_shards)
+                           ShardSource, parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
 from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions
@@ -153,13 +153,35 @@ def own_loss(output: Any) -> bool:
     return isinstance(output, dict) and next(iter(output), None) == "loss" and output["loss"] is not None
 
 
-def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str) -> str:
+def _shapes(inputs: Any) -> str:
+    """The tensors of a batch's inputs as ``name (rows, ...)``, for an error message."""
+    named = inputs.items() if isinstance(inputs, dict) else (
+        (f"input {position}", value)
+        for position, value in enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    return ", ".join(f"{name} {tuple(value.shape)}" for name, value in named if isinstance(value, torch.Tensor))
+
+
+def forward_on_the_data(model: nn.Module, inputs: Any, where: str) -> Any:
+    """The model's output on a batch of the data, in eval mode, without gradients. Data the
+    model cannot take (4-channel images for a 3-channel convolution, another width) is bad
+    input found here, before any process starts, not a traceback from inside the model."""
+    try:
+        with torch.no_grad():
+            return call(model.eval(), inputs)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        cause = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise InputError(f"{where}: the model cannot run on the data's inputs ({_shapes(inputs)}): {cause}. Reshape "
+                         "or convert the data to what the model takes, or give a MODEL built for this data") from None
+    finally:
+        model.train()
+
+
+def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str, where: str = "the data") -> str:
     """The loss a run trains with (``--loss``): the model output's ``loss`` when it has one,
     else the one asked for, else cross-entropy for (batch, classes) outputs and integer
-    targets and mean squared error otherwise. Refuses what cannot work, before any process starts."""
-    with torch.no_grad():
-        output = call(model.eval(), inputs)
-    model.train()
+    targets and mean squared error otherwise. Refuses what cannot work, before any process
+    starts; ``where`` names the data in its errors."""
+    output = forward_on_the_data(model, inputs, where)
     if own_loss(output):
         if asked not in ("auto", "output"):
             raise InputError(f"the model returns its own loss (its output's 'loss', from the labels input), so "
@@ -208,11 +230,25 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
                            drop_last=data.drop_last)
     inputs, target = batches(0)
 
-    check_against_example(example, inputs, f"--data {batches.description}")
+    where = f"--data {batches.description}"
+    check_against_example(example, inputs, where)
     if batches.batch != data.batch:
         raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {data.batch}; "
                          "give the run the loader's batch size")
-    return batches, choose_loss(model, inputs, target, asked), len(batches)
+    return batches, choose_loss(model, inputs, target, asked, _naming_shards(source, where)), len(batches)
+
+
+def _naming_shards(source: Any, where: str) -> str:
+    """``where``, with the shards named when the source has them: every shard has the first
+    one's tensors, shapes and dtypes (``ShardSource.scan`` checked), so what one batch shows
+    holds for each of them."""
+    if not isinstance(source, ShardSource):
+        return where
+    shards, schema = source.scan()
+    names = [name for name, _ in shards]
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    columns = ", ".join(f"{column} (rows, {', '.join(map(str, shape.shape))})" for column, shape in schema.items())
+    return f"{where}, shards {listed}, each holding {columns}"
 
 
 def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
@@ -233,7 +269,7 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
     batches = make_batches(source, model, example, batch=data.batch, shuffle=False, drop_last=True)
     inputs, target = batches[0]
     check_against_example(example, inputs, f"--eval-data {batches.description}")
-    scored = choose_loss(model, inputs, target, options.train.loss)
+    scored = choose_loss(model, inputs, target, options.train.loss, f"--eval-data {batches.description}")
     if scored != loss:
         raise InputError(f"the held-out data ({batches.description}) would be scored with {scored} but the run trains "
                          f"with {loss}; give it the same tensors as --data (targets or labels alike)")

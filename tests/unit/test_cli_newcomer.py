@@ -188,3 +188,19 @@ def test_teardown_of_a_dry_run_says_nothing_was_created(tmp_path, capsys):
     assert main(["teardown", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "dry run" in out and "nothing to remove" in out
+
+
+def test_a_shard_the_model_cannot_take_is_refused_naming_the_shard_before_anything_starts(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({"x": torch.randn(16, 4, 16, 16), "target": torch.randint(0, 10, (16,))},
+              str(shards / "part-0.safetensors"))
+    out = tmp_path / "run"
+    assert main(["run", "tiny-resnet", "--data", str(shards), "--batch", "8", "--micro-batches", "2",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "part-0.safetensors" in err and "channels" in err and "x (rows, 4, 16, 16)" in err
+    assert "Traceback" not in err and not out.exists()
