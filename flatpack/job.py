@@ -36,6 +36,7 @@ from flatpack.evaluation import evaluate
 from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.objective import evaluate as price_plan
 from flatpack.partitioner.solvers.wrappers import check_split_points, dp, run_solver
 from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
@@ -309,6 +310,7 @@ class _Run:
     result: Any = None
     evaluations: list[Any] = field(default_factory=list)
     pipelined_state: dict[str, Any] = field(default_factory=dict)
+    plan_label: str = ""           # how the plan that runs was chosen (fixed cuts, recommended, fastest)
 
     @property
     def reads_target(self) -> bool:
@@ -406,7 +408,8 @@ def _compile(run: _Run, model: nn.Module) -> None:
              f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
     if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
         raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
-    _print_front(compiled, say)
+    run.plan_label = _plan_label(options, solver)
+    _print_plans(compiled, run.plan_label, say)
     compiled.save(run.out / "compiled")    # private (0600/0700), as Compiled.save writes by default
     say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
     run.compiled = compiled
@@ -417,8 +420,11 @@ def _predict(run: _Run) -> Any:
     compiled, say = run.compiled, run.say
     cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=run.reads_target,
                                       schedule=run.options.train.schedule)
-    say(f"\nchosen plan ({run.options.plan.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
-        f"${cost.dollars_per_iteration:.3g} per iteration")
+    front_s = price_plan(compiled.problem, compiled.plan).time_s
+    say(f"\nthe plan that runs ({run.plan_label}), schedule {run.options.train.schedule}: predicted "
+        f"{cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per iteration (the front's "
+        f"{front_s * 1000:.0f} ms plus what deploying measured: the store's round trip, the schedule's order and, "
+        "where the functions share this host, its CPU)")
     recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
     if recomputing:
         say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -863,10 +869,36 @@ def _check_data(directory: RunDirectory, record: RunRecord, current: dict[str, A
                      "the run began with; restore the data, or pass --accept-changed-data to resume on it anyway")
 
 
-def _print_front(compiled: Any, say: Any) -> None:
+def _plan_label(options: JobOptions, solver: Any) -> str:
+    """How the plan that runs was chosen, in the words the report labels it with."""
+    plan = options.plan
+    if plan.stages or plan.split_points:
+        return f"fixed cuts: {getattr(solver, 'name', solver)}"
+    return plan.pick if plan.pick == "fastest" else f"{getattr(solver, 'name', solver)}'s {plan.pick}"
+
+
+def _same_plan(one: Any, other: Any) -> bool:
+    def key(plan: Any) -> tuple:
+        return tuple(plan.ranges), tuple((stage.memory_mb, stage.replicas) for stage in plan.stages)
+    return key(one) == key(other)
+
+
+def _print_plans(compiled: Any, label: str, say: Any) -> None:
+    """dp's front for context, the plan that runs marked on it when it is one of its plans,
+    then the plan that runs stage by stage, labelled by how it was chosen (fixed cuts, the
+    solver's recommendation, the fastest)."""
+    problem, running = compiled.problem, compiled.plan
     try:
-        front = dp().front(compiled.problem)
+        front = dp().front(problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs
         LOG.warning(f"no front: {err}")
-        return
-    say(plan_report.text_report(compiled.problem, plan_report.Selection.of_front(front), "plan front (dp)"))
+        front = None
+    if front is not None:
+        on_front = next((index for index, plan in enumerate(front.plans) if _same_plan(plan, running)), None)
+        selection = (plan_report.Selection(tuple(front.plans), on_front, "front", label) if on_front is not None
+                     else plan_report.Selection.of_front(front))
+        where = ("★ marks the plan that runs" if on_front is not None
+                 else "the plan that runs is not on it; ★ marks the recommended plan")
+        say("\n".join([f"Pareto front (dp): {plural(len(front.plans), 'plan')}, fastest first; {where}", "",
+                        plan_report.front_table(problem, selection), "", plan_report.explain(problem, selection)]))
+    say(f"\nthe plan that runs ({label}) by stage — " + plan_report.stage_breakdown(problem, running))

@@ -879,9 +879,9 @@ class _Run:
                 self._non_finite_loss(iteration, loss)
             if self.line is not None and self.line.origin is not None:
                 # a line spanning calls: the run's iterations and time since it began
-                self.line.update(iteration + 1 - self.line.origin, loss, time.time() - self.line.started)
+                self.line.update(iteration + 1 - self.line.origin, loss)
             elif self.line is not None:
-                self.line.update(iteration + 1 - self.first, loss, time.time() - self.segment_started)
+                self.line.update(iteration + 1 - self.first, loss)
             self._release(end)
 
     def _non_finite_loss(self, iteration: int, loss: float) -> None:
