@@ -423,8 +423,8 @@ def _predict(run: _Run) -> Any:
     front_s = price_plan(compiled.problem, compiled.plan).time_s
     say(f"\nthe plan that runs ({run.plan_label}), schedule {run.options.train.schedule}: predicted "
         f"{cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per iteration (the front's "
-        f"{front_s * 1000:.0f} ms plus what deploying measured: the store's round trip, the schedule's order and, "
-        "where the functions share this host, its CPU)")
+        f"{front_s * 1000:.0f} ms plus the schedule's order and, where the functions share this host, its CPU; after "
+        "training, the comparison re-prices it with the store's round trip measured at deploy)")
     recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
     if recomputing:
         say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -584,7 +584,9 @@ def _compare(run: _Run) -> tuple[Any, Any]:
     measured = _measured_events(run)
     comparison = report.compare(run.problem, run.final.plan, measured, skip_first=skip,
                                 reads_target=run.reads_target, schedule=schedule)
-    say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
+    latency_ms = run.problem.platform.storage_latency_s * 1000
+    say(f"\npredicted (FuncPipe model, the plan that ran with the store round trip at {latency_ms:.1f} ms) vs "
+        "measured, per micro-batch and per iteration:")
     say(comparison.table())
     calibrated = in_run_calibration = None
     try:

@@ -204,3 +204,22 @@ def test_a_shard_the_model_cannot_take_is_refused_naming_the_shard_before_anythi
     err = capsys.readouterr().err
     assert "part-0.safetensors" in err and "channels" in err and "x (rows, 4, 16, 16)" in err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_a_profile_warning_is_one_logger_line_in_the_command_lines_words(caplog, capsys):
+    """Issue 41: the same ProfileWarning on nearly every command, as a Python source line and
+    in Python terms (ProfileOptions(batch_sizes=...)) that run and demo users cannot act on."""
+    from types import SimpleNamespace
+
+    from flatpack.cli import warnings_through_the_logger
+    from flatpack.profiler import _warn_flat_slopes
+
+    flat = SimpleNamespace(slopes_trusted=False, layers=[], flat_slopes=("layer 1 (2:linear): backward",),
+                           batch_sizes=(2, 4, 8))
+    with caplog.at_level(logging.WARNING, logger="flatpack"), warnings_through_the_logger():
+        for _ in range(3):
+            _warn_flat_slopes(flat)   # type: ignore[arg-type]
+    said = [record.getMessage() for record in caplog.records if "did not grow" in record.getMessage()]
+    assert len(said) == 1
+    assert "--batch" in said[0] and "ProfileOptions" not in said[0] and "flat_slopes" not in said[0]
+    assert "warnings.warn" not in capsys.readouterr().err
