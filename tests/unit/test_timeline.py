@@ -429,3 +429,18 @@ def test_the_chrome_trace_holds_every_task_as_a_complete_event_of_its_process(tm
     assert threads[(1, upload["tid"])] == "s0 r0 upload"
     second = next(e for e in tasks if e["pid"] == 2 and e["ts"] > 0)
     assert second["ts"] == 600000.0 and threads[(2, second["tid"])] == "s1 r0 compute"
+
+
+def test_a_resumed_calls_progress_goes_on_from_where_the_run_stopped():
+    """Issue 41: `resume` said "after iteration 9 ... trained 30 more" and restarted its
+    progress at 1/30; a call after the run's first 10 iterations of 40 counts 11/40."""
+    from flatpack.backends.functions import call_progress_line
+
+    stream = io.StringIO()
+    now = [0.0]
+    line = call_progress_line(30, 10, 8, 0.0, stream)
+    line.clock, line.started = (lambda: now[0]), 0.0
+    now[0] = 2.0
+    line.update(line.start_iteration + 1, 1.5)   # the call's first iteration, as the invoker counts it
+    line.close()
+    assert stream.getvalue().startswith("iter 11/40  loss 1.5000  4.0 samples/s")
