@@ -328,6 +328,13 @@ def test_gantt_writes_png_with_and_without_prediction(tmp_path):
     for path in (alone, both):
         data = path.read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+    # issue 41: each panel on its own time axis (the prediction is one iteration, the run two),
+    # titles that say how many iterations, and room for the labels of two workers
+    drawn = gantt.figure(measured, predicted=predicted)
+    top, bottom = drawn.axes[0], drawn.axes[1]
+    assert top.get_xlim()[1] < bottom.get_xlim()[1] / 2
+    assert "1 iteration;" in top.get_title(loc="left") and "2 iterations;" in bottom.get_title(loc="left")
+    assert drawn.get_figheight() >= 2 * gantt.MIN_PANEL_INCHES
     with pytest.raises(InputError, match="no events"):
         gantt.plot([], tmp_path / "empty.png")
     with pytest.raises(InputError, match="does not exist"):
