@@ -88,7 +88,8 @@ def _json_has(key: str) -> Callable[[Result], str | None]:
             document = json.loads(result.stdout)
         except ValueError as error:
             return f"stdout is not one JSON document ({error})"
-        return None if key in document else f"the JSON document has no {key!r}"
+        found = key in document if isinstance(document, dict) else any(key in item for item in document)
+        return None if found else f"the JSON document has no {key!r}"
     return check
 
 
@@ -121,7 +122,7 @@ COMMANDS: tuple[Case, ...] = (
     Case("profile", ("profile", "resnet50", "--batch-sizes", "1,2", "--repeats", "2", "--max-seconds", "60"),
          quick=("profile", "mlp", "--batch-sizes", "1,2", "--repeats", "2", "--max-seconds", "20")),
     Case("platforms", ("platforms",), says=("aws-lambda",)),
-    Case("platforms aws-lambda --json", ("platforms", "aws-lambda", "--json"), check=_json_has("platforms")),
+    Case("platforms aws-lambda --json", ("platforms", "aws-lambda", "--json"), check=_json_has("tiers")),
     Case("plan resnet101 full", ("plan", "resnet101", "--size", "full", "--target", "aws-lambda", "--batch", "64",
                                  "--micro-batches", "16", "--solver", "dp", "--passes",
                                  "fuse-elementwise,merge-branches,coarsen{max-layers=32,by=time}",
