@@ -321,6 +321,8 @@ class Session:
         expected = f"exit {case.exit_code}" + (f", says {', '.join(case.says)}" if case.says else "")
         got = f"exit {result.exit_code} in {result.seconds:.1f} s" + (f": {'; '.join(wrong)}" if wrong else "")
         self.rows.append((case.name, expected, got, "ok" if not wrong else "FAIL"))
+        # each case as it ends, on stderr: a long run interrupted still says how far it got
+        print(f"{'ok  ' if not wrong else 'FAIL'} {case.name}: {got}", file=sys.stderr, flush=True)
         if wrong:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
             print(f"--- {case.name}: {' '.join(case.argv)}\n{tail}", file=sys.stderr, flush=True)
