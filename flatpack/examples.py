@@ -62,7 +62,8 @@ def _transformers() -> Any:
     try:   # optional dependency: HuggingFace transformers (pip install 'flatpack[hf]')
         import transformers
     except ImportError:
-        raise InputError("this example needs HuggingFace transformers: pip install 'flatpack[hf]'") from None
+        raise InputError("this example needs HuggingFace transformers, the [hf] extra: pip install -e '.[hf]' "
+                         "in a clone of flatpack (pip install 'flatpack[hf]' from a package index)") from None
     transformers.logging.set_verbosity_error()
     return transformers
 

@@ -30,12 +30,13 @@ from flatpack.backends import ray as ray_backend
 from flatpack.backends.functions import merge_results, workload_of
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
-                           parse_source, split_shards)
+                           ShardSource, parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
 from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
+from flatpack.partitioner.objective import evaluate as price_plan
 from flatpack.partitioner.solvers.wrappers import check_split_points, dp, run_solver
 from flatpack.partitioner.workload import Workload
 from flatpack.profiler import ProfileOptions
@@ -159,13 +160,35 @@ def own_loss(output: Any) -> bool:
     return isinstance(output, dict) and next(iter(output), None) == "loss" and output["loss"] is not None
 
 
-def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str) -> str:
+def _shapes(inputs: Any) -> str:
+    """The tensors of a batch's inputs as ``name (rows, ...)``, for an error message."""
+    named = inputs.items() if isinstance(inputs, dict) else (
+        (f"input {position}", value)
+        for position, value in enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    return ", ".join(f"{name} {tuple(value.shape)}" for name, value in named if isinstance(value, torch.Tensor))
+
+
+def forward_on_the_data(model: nn.Module, inputs: Any, where: str) -> Any:
+    """The model's output on a batch of the data, in eval mode, without gradients. Data the
+    model cannot take (4-channel images for a 3-channel convolution, another width) is bad
+    input found here, before any process starts, not a traceback from inside the model."""
+    try:
+        with torch.no_grad():
+            return call(model.eval(), inputs)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        cause = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise InputError(f"{where}: the model cannot run on the data's inputs ({_shapes(inputs)}): {cause}. Reshape "
+                         "or convert the data to what the model takes, or give a MODEL built for this data") from None
+    finally:
+        model.train()
+
+
+def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str, where: str = "the data") -> str:
     """The loss a run trains with (``--loss``): the model output's ``loss`` when it has one,
     else the one asked for, else cross-entropy for (batch, classes) outputs and integer
-    targets and mean squared error otherwise. Refuses what cannot work, before any process starts."""
-    with torch.no_grad():
-        output = call(model.eval(), inputs)
-    model.train()
+    targets and mean squared error otherwise. Refuses what cannot work, before any process
+    starts; ``where`` names the data in its errors."""
+    output = forward_on_the_data(model, inputs, where)
     if own_loss(output):
         if asked not in ("auto", "output"):
             raise InputError(f"the model returns its own loss (its output's 'loss', from the labels input), so "
@@ -214,11 +237,25 @@ def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[
                            drop_last=data.drop_last)
     inputs, target = batches(0)
 
-    check_against_example(example, inputs, f"--data {batches.description}")
+    where = f"--data {batches.description}"
+    check_against_example(example, inputs, where)
     if batches.batch != data.batch:
         raise InputError(f"the DataLoader yields batches of {batches.batch} samples but --batch is {data.batch}; "
                          "give the run the loader's batch size")
-    return batches, choose_loss(model, inputs, target, asked), len(batches)
+    return batches, choose_loss(model, inputs, target, asked, _naming_shards(source, where)), len(batches)
+
+
+def _naming_shards(source: Any, where: str) -> str:
+    """``where``, with the shards named when the source has them: every shard has the first
+    one's tensors, shapes and dtypes (``ShardSource.scan`` checked), so what one batch shows
+    holds for each of them."""
+    if not isinstance(source, ShardSource):
+        return where
+    shards, schema = source.scan()
+    names = [name for name, _ in shards]
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    columns = ", ".join(f"{column} (rows, {', '.join(map(str, shape.shape))})" for column, shape in schema.items())
+    return f"{where}, shards {listed}, each holding {columns}"
 
 
 def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
@@ -239,7 +276,7 @@ def evaluation_batches(model: nn.Module, example: Any, options: JobOptions,
     batches = make_batches(source, model, example, batch=data.batch, shuffle=False, drop_last=True)
     inputs, target = batches[0]
     check_against_example(example, inputs, f"--eval-data {batches.description}")
-    scored = choose_loss(model, inputs, target, options.train.loss)
+    scored = choose_loss(model, inputs, target, options.train.loss, f"--eval-data {batches.description}")
     if scored != loss:
         raise InputError(f"the held-out data ({batches.description}) would be scored with {scored} but the run trains "
                          f"with {loss}; give it the same tensors as --data (targets or labels alike)")
@@ -279,6 +316,7 @@ class _Run:
     result: Any = None
     evaluations: list[Any] = field(default_factory=list)
     pipelined_state: dict[str, Any] = field(default_factory=dict)
+    plan_label: str = ""           # how the plan that runs was chosen (fixed cuts, recommended, fastest)
 
     @property
     def reads_target(self) -> bool:
@@ -376,7 +414,8 @@ def _compile(run: _Run, model: nn.Module) -> None:
              f"{plural(compiled.plan.num_layers, 'layer')}, solver {getattr(solver, 'name', solver)}")
     if compiled.problem is None:  # flatpack.compile keeps the problem it solved; a loaded artifact may not
         raise FlatpackError("the compiled artifact carries no partitioning problem, which training predicts from")
-    _print_front(compiled, say)
+    run.plan_label = _plan_label(options, solver)
+    _print_plans(compiled, run.plan_label, say)
     compiled.save(run.out / "compiled")    # private (0600/0700), as Compiled.save writes by default
     say(f"artifact digest {compiled.digest} (flatpack resume --digest checks the saved artifact against it)")
     run.compiled = compiled
@@ -387,8 +426,11 @@ def _predict(run: _Run) -> Any:
     compiled, say = run.compiled, run.say
     cost = report.predicted_iteration(compiled.problem, compiled.plan, reads_target=run.reads_target,
                                       schedule=run.options.train.schedule)
-    say(f"\nchosen plan ({run.options.plan.pick}): predicted {cost.iteration_s * 1000:.0f} ms and "
-        f"${cost.dollars_per_iteration:.3g} per iteration")
+    front_s = price_plan(compiled.problem, compiled.plan).time_s
+    say(f"\nthe plan that runs ({run.plan_label}), schedule {run.options.train.schedule}: predicted "
+        f"{cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per iteration (the front's "
+        f"{front_s * 1000:.0f} ms plus the schedule's order and, where the functions share this host, its CPU; after "
+        "training, the comparison re-prices it with the store's round trip measured at deploy)")
     recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
     if recomputing:
         say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -548,7 +590,9 @@ def _compare(run: _Run) -> tuple[Any, Any]:
     measured = _measured_events(run)
     comparison = report.compare(run.problem, run.final.plan, measured, skip_first=skip,
                                 reads_target=run.reads_target, schedule=schedule)
-    say("\npredicted (FuncPipe model) vs measured, per micro-batch and per iteration:")
+    latency_ms = run.problem.platform.storage_latency_s * 1000
+    say(f"\npredicted (FuncPipe model, the plan that ran with the store round trip at {latency_ms:.1f} ms) vs "
+        "measured, per micro-batch and per iteration:")
     say(comparison.table())
     calibrated = in_run_calibration = None
     try:
@@ -835,10 +879,36 @@ def _check_data(directory: RunDirectory, record: RunRecord, current: dict[str, A
                      "the run began with; restore the data, or pass --accept-changed-data to resume on it anyway")
 
 
-def _print_front(compiled: Any, say: Any) -> None:
+def _plan_label(options: JobOptions, solver: Any) -> str:
+    """How the plan that runs was chosen, in the words the report labels it with."""
+    plan = options.plan
+    if plan.stages or plan.split_points:
+        return f"fixed cuts: {getattr(solver, 'name', solver)}"
+    return plan.pick if plan.pick == "fastest" else f"{getattr(solver, 'name', solver)}'s {plan.pick}"
+
+
+def _same_plan(one: Any, other: Any) -> bool:
+    def key(plan: Any) -> tuple:
+        return tuple(plan.ranges), tuple((stage.memory_mb, stage.replicas) for stage in plan.stages)
+    return key(one) == key(other)
+
+
+def _print_plans(compiled: Any, label: str, say: Any) -> None:
+    """dp's front for context, the plan that runs marked on it when it is one of its plans,
+    then the plan that runs stage by stage, labelled by how it was chosen (fixed cuts, the
+    solver's recommendation, the fastest)."""
+    problem, running = compiled.problem, compiled.plan
     try:
-        front = dp().front(compiled.problem)
+        front = dp().front(problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs
         LOG.warning(f"no front: {err}")
-        return
-    say(plan_report.text_report(compiled.problem, plan_report.Selection.of_front(front), "plan front (dp)"))
+        front = None
+    if front is not None:
+        on_front = next((index for index, plan in enumerate(front.plans) if _same_plan(plan, running)), None)
+        selection = (plan_report.Selection(tuple(front.plans), on_front, "front", label) if on_front is not None
+                     else plan_report.Selection.of_front(front))
+        where = ("★ marks the plan that runs" if on_front is not None
+                 else "the plan that runs is not on it; ★ marks the recommended plan")
+        say("\n".join([f"Pareto front (dp): {plural(len(front.plans), 'plan')}, fastest first; {where}", "",
+                        plan_report.front_table(problem, selection), "", plan_report.explain(problem, selection)]))
+    say(f"\nthe plan that runs ({label}) by stage — " + plan_report.stage_breakdown(problem, running))

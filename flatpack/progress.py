@@ -85,11 +85,13 @@ class Progress:
 
 
 class ProgressLine:
-    """``update(iteration, loss, elapsed_s)`` after each iteration: ``iteration`` counts the
-    iterations finished so far (1 after the first; pass index + 1 for a 0-based index),
-    ``elapsed_s`` the seconds since the run (or this ProgressLine's share of it) began.
-    Throughput is (iteration − start_iteration) × samples_per_iteration / elapsed_s, so a
-    resumed run passes the iteration it resumed from as ``start_iteration``. Off a terminal,
+    """``update(iteration, loss)`` after each iteration: ``iteration`` counts the iterations
+    finished so far (1 after the first; pass index + 1 for a 0-based index). Time is the
+    line's own, from its creation on ``clock``, so the dollars so far never decrease, whatever
+    segments or calls the iterations come in (a checkpoint segment restarting the caller's
+    clock made them drop). Throughput is (iteration − start_iteration) ×
+    samples_per_iteration / elapsed, so a resumed run passes the iteration it resumed from as
+    ``start_iteration``. Off a terminal,
     every iteration gets its line by default (``interval_s`` 0): an iteration is coarse, and a
     log is read for where a run stopped (tests/integration/test_recovery.py waits on one).
 
@@ -110,7 +112,8 @@ class ProgressLine:
                                  tty=tty, clock=clock)
         self.tty = self.progress.tty
         self.origin: int | None = None
-        self.started = time.time()
+        self.clock = clock
+        self.started = clock()
         self.note = ""
 
     def format(self, iteration: int, loss: float | None, elapsed_s: float) -> str:
@@ -121,7 +124,8 @@ class ProgressLine:
         return (f"iter {iteration}/{self.total_iterations}  loss {loss_text}  {rate:.1f} samples/s  "
                 f"${self.dollars_per_second * max(elapsed_s, 0.0):.6f} so far{note}")
 
-    def update(self, iteration: int, loss: float | None, elapsed_s: float) -> None:
+    def update(self, iteration: int, loss: float | None) -> None:
+        elapsed_s = self.clock() - self.started
         self.dollars = self.dollars_per_second * max(elapsed_s, 0.0)
         self.progress.update(iteration, self.format(iteration, loss, elapsed_s))
 

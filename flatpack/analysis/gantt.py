@@ -25,6 +25,8 @@ LANE_BANDS = {"compute": (0.42, 0.40), "upload": (0.18, 0.18), "download": (0.0,
 ROW_HEIGHT = 1.0
 # a bar gets its micro-batch number when it is at least this share of the axis wide
 LABEL_MIN_SHARE = 0.018
+# the least height of one panel: with one or two workers, the title, tick labels and axis label fit
+MIN_PANEL_INCHES = 2.2
 
 
 def _workers(*timelines: Sequence[Event]) -> list[tuple[int, int]]:
@@ -57,26 +59,17 @@ def _draw(axes: Any, events: Sequence[Event], workers: list[tuple[int, int]], or
         axes.axvline(starts[iteration] - origin, color="0.5", alpha=0.35, linewidth=0.8, linestyle="--")
     axes.set_yticks([rows[w] * ROW_HEIGHT + 0.5 for w in workers], [f"s{s}r{r}" for s, r in workers], fontsize=8)
     axes.set_ylim(-0.1, len(workers) * ROW_HEIGHT)
-    axes.set_ylabel("worker (compute / upload / download)", fontsize=8)
-    axes.set_title(heading, fontsize=9, loc="left")
+    axes.set_ylabel("worker", fontsize=8)
+    iterations = len({e.iteration for e in events if e.kind not in OUTSIDE_ITERATION})
+    axes.set_title(f"{heading}: {iterations} iteration{'s' * (iterations != 1)}; each worker's row: compute, then "
+                   "upload and download lanes", fontsize=9, loc="left")
     axes.grid(True, axis="x", alpha=0.25)
     return {e.kind for e in events}
 
 
 def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequence[Event] | None = None,
          title: str = "") -> Path:
-    """Draws ``events`` as a PNG Gantt chart at ``path`` and returns the path.
-
-    x is seconds from the run's first event (the predicted panel, when given, from its own
-    first event, in the same units on a shared axis); faint dashed lines mark where each
-    iteration after the first begins; micro-batch numbers sit inside bars wide enough.
-    """
-    require_matplotlib()
-    # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
+    """Draws ``events`` as a PNG Gantt chart at ``path`` (:func:`figure`) and returns the path."""
     events = list(events)
     if not events:
         raise InputError("no events to draw: the timeline is empty (did the workers record and upload it?)")
@@ -87,27 +80,41 @@ def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequenc
         path = path.with_suffix(".png")
     elif path.suffix.lower() != ".png":
         raise InputError(f"a timeline is drawn as PNG: end the file name {path.name} with .png")
+    figure(events, predicted=predicted, title=title).savefig(path, dpi=110)
+    return path
+
+
+def figure(events: Sequence[Event], *, predicted: Sequence[Event] | None = None, title: str = "") -> Any:
+    """The chart as a matplotlib ``Figure``: the predicted panel (when given) above the
+    measured one. Each panel has its own time axis, x in seconds from its own first event: the
+    prediction is one iteration and the run several, and on a shared axis the prediction was
+    squeezed into the left edge. Faint dashed lines mark where each iteration after the first
+    begins; micro-batch numbers sit inside bars wide enough. A panel is at least
+    ``MIN_PANEL_INCHES`` tall, so a chart of one or two workers keeps its labels apart."""
+    require_matplotlib()
+    # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     panels: list[tuple[str, list[Event]]] = []
     if predicted:
         panels.append(("predicted (FuncPipe model)", list(predicted)))
-    panels.append(("measured" if predicted else "timeline", events))
+    panels.append(("measured" if predicted else "timeline", list(events)))
     workers = _workers(*(p for _, p in panels))
-    origins = [min(e.start for e in p) for _, p in panels]
-    span = max(max(e.end for e in p) - origin for (_, p), origin in zip(panels, origins)) or 1.0
-
-    height = sum(0.9 + 0.42 * len(workers) for _ in panels) + 0.9
-    figure = Figure(figsize=(11.0, max(3.0, height)), layout="constrained")
-    FigureCanvasAgg(figure)
-    grid = figure.subplots(len(panels), 1, sharex=True, squeeze=False)
+    panel_inches = max(MIN_PANEL_INCHES, 0.9 + 0.42 * len(workers))
+    drawn = Figure(figsize=(11.0, max(3.0, panel_inches * len(panels) + 0.9)), layout="constrained")
+    FigureCanvasAgg(drawn)
+    grid = drawn.subplots(len(panels), 1, squeeze=False)
     kinds: set[str] = set()
-    for axes, (heading, panel), origin in zip(grid[:, 0], panels, origins):
+    for axes, (heading, panel) in zip(grid[:, 0], panels):
+        origin = min(e.start for e in panel)
+        span = (max(e.end for e in panel) - origin) or 1.0
         kinds |= _draw(axes, panel, workers, origin, span, heading)
-    grid[-1, 0].set_xlabel("seconds from the first event")
-    grid[-1, 0].set_xlim(0, span * 1.01)
+        axes.set_xlim(0, span * 1.01)
+        axes.set_xlabel("seconds from the panel's first event", fontsize=8)
     handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in KINDS if kind in kinds]
-    figure.legend(handles=handles, loc="outside right upper", fontsize=7, title="task", title_fontsize=7)
+    drawn.legend(handles=handles, loc="outside right upper", fontsize=7, title="task", title_fontsize=7)
     if title:
-        figure.suptitle(title, fontsize=10)
-    figure.savefig(path, dpi=110)
-    return path
+        drawn.suptitle(title, fontsize=10)
+    return drawn

@@ -184,7 +184,8 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
     for body in bodies:
         lines.append(f"aliyun fc POST /{API_VERSION}/functions --region {region} --header "
                      f"\"Content-Type=application/json\" --body '{json.dumps(body)}'")
-    lines += ["", "# to remove everything: flatpack teardown <this directory>", ""]
+    lines += ["", "# flatpack records nothing of what these commands create: remove it by hand, or deploy "
+              "without --dry-run so that flatpack teardown removes it", ""]
     return "\n".join(lines)
 
 

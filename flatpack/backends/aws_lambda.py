@@ -157,7 +157,8 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
                      f"--package-type Image --code ImageUri={uri} --role {res['role_arn']} "
                      f"--memory-size {function['memory_mb']} --timeout {function['timeout_s']} "
                      f"--environment 'Variables={{{STORE_ENV}={res['store_url']}}}'")
-    lines += ["", "# to remove everything: flatpack teardown <this directory>", ""]
+    lines += ["", "# flatpack records nothing of what these commands create: remove it by hand, or deploy "
+              "without --dry-run so that flatpack teardown removes it", ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, Unpack
+from typing import Any, Callable, Protocol, Sequence, TextIO, Unpack
 
 import torch
 from torch.utils.data import DataLoader
@@ -647,6 +647,15 @@ def loss_output(compiled: Compiled) -> str:
     return first
 
 
+def call_progress_line(iterations: int, batch_offset: int, samples_per_iteration: int, dollars_per_second: float,
+                       stream: TextIO | None = None) -> ProgressLine:
+    """The progress line of one ``train()`` call of ``iterations`` after the run's first
+    ``batch_offset``: it counts the run's iterations, so a call that resumes a run after its
+    10th of 40 shows 11/40 next, not 1/30 (issue 41)."""
+    return ProgressLine(batch_offset + iterations, samples_per_iteration, dollars_per_second, stream,
+                        start_iteration=batch_offset)
+
+
 class _Run:
     """The invoker's side of one training run: launches the functions of each segment,
     watches them, restarts lost ones and relaunches stragglers, feeds data ahead of them,
@@ -666,6 +675,7 @@ class _Run:
         self.epoch_iterations = controls.epoch_iterations or end - first
         self.straggler_ratio = controls.straggler_ratio
         self.progress = controls.progress
+        self.batch_offset = controls.batch_offset   # the run's iterations before this call (a resumed call's)
         self.timeout_s = controls.timeout_s
         self.non_finite = controls.non_finite
         self.warned_non_finite = False
@@ -703,9 +713,9 @@ class _Run:
             if self.line.origin is None:
                 self.line.origin = self.first
         elif self.progress:
-            self.line = ProgressLine(self.end - self.first, self.spec.batch,
-                                     self.deployment.dollars_per_second([s.replicas for s in self.spec.stages]),
-                                     stream=None if self.progress is True else self.progress)
+            self.line = call_progress_line(self.end - self.first, self.batch_offset, self.spec.batch,
+                                           self.deployment.dollars_per_second([s.replicas for s in self.spec.stages]),
+                                           stream=None if self.progress is True else self.progress)
         try:
             while begin < self.end:
                 end = min(begin + self.epoch_iterations, self.end)
@@ -879,9 +889,10 @@ class _Run:
                 self._non_finite_loss(iteration, loss)
             if self.line is not None and self.line.origin is not None:
                 # a line spanning calls: the run's iterations and time since it began
-                self.line.update(iteration + 1 - self.line.origin, loss, time.time() - self.line.started)
+                self.line.update(iteration + 1 - self.line.origin, loss)
             elif self.line is not None:
-                self.line.update(iteration + 1 - self.first, loss, time.time() - self.segment_started)
+                # the call's own line counts the run's iterations: a resumed call goes on from where it stopped
+                self.line.update(self.line.start_iteration + iteration + 1 - self.first, loss)
             self._release(end)
 
     def _non_finite_loss(self, iteration: int, loss: float) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from flatpack import logs
 from flatpack.cli import artifacts, cloud, measuring, planning, training
@@ -42,6 +44,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what a library warning tells a Python user to do, in the command line's words
+CLI_TERMS = {
+    "Profile larger batch sizes (ProfileOptions(batch_sizes=...)) or more repeats; profile.flat_slopes lists them.":
+        "Give a larger --batch (run, plan and demo profile at the micro-batch size and its halves), or larger "
+        "--batch-sizes and --repeats to flatpack profile; the prediction is otherwise unaffected.",
+}
+
+
+@contextlib.contextmanager
+def warnings_through_the_logger() -> Iterator[None]:
+    """While a verb runs, a library warning is one ``flatpack: warning:`` line through the
+    logger (so ``-q`` keeps it and nothing prints a Python source line), in the command line's
+    words (:data:`CLI_TERMS`), once per command however often it is raised."""
+    said: set[str] = set()
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        text = str(message)
+        for python, cli in CLI_TERMS.items():
+            text = text.replace(python, cli)
+        if text not in said:
+            said.add(text)
+            LOG.warning("%s", text)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(0)
     try:
@@ -53,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # SIGINT, SIGTERM and SIGHUP take the KeyboardInterrupt path: the commands' own
         # with/finally blocks stop the functions and the S3 server; see flatpack/interrupts.py
-        with clean_shutdown():
+        with clean_shutdown(), warnings_through_the_logger():
             return args.run(args)
     except RunFailure as err:          # it started and failed: exit 1 (EXIT_CODES)
         LOG.error("run failed: %s", err)

@@ -158,6 +158,13 @@ def cmd_teardown(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
     from flatpack.backends import cloud, get_backend
 
+    written = Path(args.record)
+    if (written / "commands.sh").is_file() and not (written / cloud.RECORD_FILE).exists():
+        report(args, f"{written} holds the files of a dry run (or a gpu-container deployment): flatpack created "
+                     "nothing there, so there is nothing to remove. What you created by running its commands.sh "
+                     "is not recorded: remove it the same way, or deploy without --dry-run so that flatpack "
+                     "teardown can remove it", {"dir": str(written), "dry_run": True, "removed": []})
+        return 0
     ledger = cloud.Ledger.load(args.record)
     document = {"name": ledger.name, "target": ledger.target, "region": ledger.region}
     if not ledger.created:

@@ -201,7 +201,10 @@ def check_tiers(target: str, memory_mb: Sequence[int]) -> None:
         raise InputError(f"unknown target {target!r}; flatpack targets: {', '.join(platform_names())}")
     platform = get_platform(target)
     for size in memory_mb:
-        platform.tier(size)
+        try:
+            platform.tier(size)
+        except InputError as err:   # the catalog speaks of the platform; the user typed --memory
+            raise InputError(f"--memory {size}: {err}") from None
 
 
 

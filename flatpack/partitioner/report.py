@@ -140,6 +140,8 @@ def explain(problem: Problem, selection: Selection) -> str:
     if selection.kind == "weights":
         return (f"{MARK} plan {selection.chosen}: the {selection.reason}, minimizing α₁·MB·s + α₂·seconds "
                 "(FuncPipe eq. 3a)")
+    if selection.reason == "fastest":
+        return f"{MARK} plan {selection.chosen}: the fastest plan on the front"
     cheapest = min(range(len(selection.plans)),
                    key=lambda i: (dollars_of(selection.plans[i]), time_of(selection.plans[i])))
     if len(selection.plans) == 1:

@@ -17,9 +17,10 @@ def test_demo_trains_on_local_functions_and_checks_equivalence(tmp_path, capsys)
     assert main(["demo", "--out", str(out), "--iterations", "3"]) == 0
     captured = capsys.readouterr()
     printed = captured.out
-    assert "Pareto front" in printed and "recommended" in printed
+    assert "Pareto front" in printed and "the plan that runs (fixed cuts: 2 stages)" in printed
+    assert "no pipeline cut was exercised" not in printed
     assert "iter 3/3" in captured.err and "\r" not in captured.err     # progress: plain lines on stderr
-    assert "predicted (FuncPipe model) vs measured" in printed
+    assert "predicted (FuncPipe model, the plan that ran" in printed
     assert "equivalence with single-process training: passed" in printed
     assert (out / "timeline.png").stat().st_size > 10_000
     trace = json.loads((out / "timeline.json").read_text())      # the Chrome trace beside it

@@ -100,7 +100,8 @@ def test_verbosity_sets_what_reaches_stderr_wherever_it_is_given(factory, tmp_pa
     verbose = capsys.readouterr().err
     assert "[flatpack.profiler] profile of 3 layers loaded from cache" in verbose
     assert main(["-q", *profile]) == 0                                   # before it
-    assert capsys.readouterr().err == ""
+    # nothing but a warning, which -q keeps (a flat-slope profile warning, when the host's noise makes one)
+    assert all(line.startswith("flatpack: warning:") for line in capsys.readouterr().err.splitlines())
     # warnings stay with -q
     out = tmp_path / "out"
     assert main(["compile", factory, "--out", str(out)]) == 0

@@ -181,3 +181,45 @@ def test_a_refused_run_leaves_no_run_directory_behind(tmp_path, capsys, monkeypa
     assert main(["run", f"{factory}:build", "--stages", "9", "--out", str(out), "--batch", "8",
                  "--micro-batches", "2", "--iterations", "2"]) == 2
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_teardown_of_a_dry_run_says_nothing_was_created(tmp_path, capsys):
+    (tmp_path / "commands.sh").write_text("#!/usr/bin/env bash\n")
+    assert main(["teardown", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "dry run" in out and "nothing to remove" in out
+
+
+def test_a_shard_the_model_cannot_take_is_refused_naming_the_shard_before_anything_starts(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({"x": torch.randn(16, 4, 16, 16), "target": torch.randint(0, 10, (16,))},
+              str(shards / "part-0.safetensors"))
+    out = tmp_path / "run"
+    assert main(["run", "tiny-resnet", "--data", str(shards), "--batch", "8", "--micro-batches", "2",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "part-0.safetensors" in err and "channels" in err and "x (rows, 4, 16, 16)" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_profile_warning_is_one_logger_line_in_the_command_lines_words(caplog, capsys):
+    """Issue 41: the same ProfileWarning on nearly every command, as a Python source line and
+    in Python terms (ProfileOptions(batch_sizes=...)) that run and demo users cannot act on."""
+    from types import SimpleNamespace
+
+    from flatpack.cli import warnings_through_the_logger
+    from flatpack.profiler import _warn_flat_slopes
+
+    flat = SimpleNamespace(slopes_trusted=False, layers=[], flat_slopes=("layer 1 (2:linear): backward",),
+                           batch_sizes=(2, 4, 8))
+    with caplog.at_level(logging.WARNING, logger="flatpack"), warnings_through_the_logger():
+        for _ in range(3):
+            _warn_flat_slopes(flat)   # type: ignore[arg-type]
+    said = [record.getMessage() for record in caplog.records if "did not grow" in record.getMessage()]
+    assert len(said) == 1
+    assert "--batch" in said[0] and "ProfileOptions" not in said[0] and "flat_slopes" not in said[0]
+    assert "warnings.warn" not in capsys.readouterr().err

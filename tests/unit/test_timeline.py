@@ -328,6 +328,13 @@ def test_gantt_writes_png_with_and_without_prediction(tmp_path):
     for path in (alone, both):
         data = path.read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+    # issue 41: each panel on its own time axis (the prediction is one iteration, the run two),
+    # titles that say how many iterations, and room for the labels of two workers
+    drawn = gantt.figure(measured, predicted=predicted)
+    top, bottom = drawn.axes[0], drawn.axes[1]
+    assert top.get_xlim()[1] < bottom.get_xlim()[1] / 2
+    assert "1 iteration;" in top.get_title(loc="left") and "2 iterations;" in bottom.get_title(loc="left")
+    assert drawn.get_figheight() >= 2 * gantt.MIN_PANEL_INCHES
     with pytest.raises(InputError, match="no events"):
         gantt.plot([], tmp_path / "empty.png")
     with pytest.raises(InputError, match="does not exist"):
@@ -338,16 +345,34 @@ def test_gantt_writes_png_with_and_without_prediction(tmp_path):
 
 
 def test_progress_line_writes_plain_lines_off_a_terminal():
+    now = [0.0]
     stream = io.StringIO()
-    progress = ProgressLine(10, 32, 0.0001, stream, interval_s=0)
-    progress.update(1, 0.9123456, 2.0)
-    progress.update(3, 0.4213, 0.6)     # rate: 3 · 32 / 0.6 s
+    progress = ProgressLine(10, 32, 0.0001, stream, interval_s=0, clock=lambda: now[0])
+    now[0] = 2.0
+    progress.update(1, 0.9123456)
+    now[0] = 3.0
+    progress.update(3, 0.4213)     # rate: 3 · 32 / 3 s
     progress.close()
     assert stream.getvalue().splitlines() == [
         "iter 1/10  loss 0.9123  16.0 samples/s  $0.000200 so far",
-        "iter 3/10  loss 0.4213  160.0 samples/s  $0.000060 so far",
+        "iter 3/10  loss 0.4213  32.0 samples/s  $0.000300 so far",
     ]
-    assert "\r" not in stream.getvalue() and progress.dollars == pytest.approx(0.00006)
+    assert "\r" not in stream.getvalue() and progress.dollars == pytest.approx(0.0003)
+
+
+def test_the_cost_so_far_never_decreases_across_segments():
+    """Issue 41: the dollars so far fell at a checkpoint segment (0.000195 at iteration 4,
+    0.000113 at 5), since the caller passed the segment's own elapsed time. The line keeps
+    its own clock now."""
+    now = [0.0]
+    stream = io.StringIO()
+    progress = ProgressLine(8, 16, 0.001, stream, interval_s=0, clock=lambda: now[0])
+    for iteration in range(1, 9):
+        now[0] += 0.5
+        progress.update(iteration, 1.0)
+    progress.close()
+    dollars = [float(line.split("$")[1].split()[0]) for line in stream.getvalue().splitlines()]
+    assert dollars == sorted(dollars) and len(set(dollars)) == 8
 
 
 def test_plain_progress_lines_are_periodic_and_the_last_is_always_written():
@@ -369,10 +394,13 @@ def test_progress_is_a_bar_rewritten_in_place_on_a_terminal():
             return True
 
     stream = Terminal()
-    with ProgressLine(5, 10, 0.0, stream, start_iteration=2) as progress:
+    now = [0.0]
+    with ProgressLine(5, 10, 0.0, stream, start_iteration=2, clock=lambda: now[0]) as progress:
         assert progress.tty
-        progress.update(3, 12.5, 1.0)
-        progress.update(4, None, 4.0)
+        now[0] = 1.0
+        progress.update(3, 12.5)
+        now[0] = 4.0
+        progress.update(4, None)
     text = stream.getvalue()
     assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1   # one line, rewritten
     assert text.rstrip().endswith("iter 4/5  loss -  5.0 samples/s  $0.000000 so far")
@@ -408,3 +436,18 @@ def test_the_chrome_trace_holds_every_task_as_a_complete_event_of_its_process(tm
     assert threads[(1, upload["tid"])] == "s0 r0 upload"
     second = next(e for e in tasks if e["pid"] == 2 and e["ts"] > 0)
     assert second["ts"] == 600000.0 and threads[(2, second["tid"])] == "s1 r0 compute"
+
+
+def test_a_resumed_calls_progress_goes_on_from_where_the_run_stopped():
+    """Issue 41: `resume` said "after iteration 9 ... trained 30 more" and restarted its
+    progress at 1/30; a call after the run's first 10 iterations of 40 counts 11/40."""
+    from flatpack.backends.functions import call_progress_line
+
+    stream = io.StringIO()
+    now = [0.0]
+    line = call_progress_line(30, 10, 8, 0.0, stream)
+    line.clock, line.started = (lambda: now[0]), 0.0
+    now[0] = 2.0
+    line.update(line.start_iteration + 1, 1.5)   # the call's first iteration, as the invoker counts it
+    line.close()
+    assert stream.getvalue().startswith("iter 11/40  loss 1.5000  4.0 samples/s")
