@@ -2,10 +2,13 @@
 model measured at warm-up, and the one thread that talks to it.
 
 Every call into a deployment (deploy, infer, teardown) runs on the version's own thread: the
-fork-join master serves one request at a time, and a function the local backend starts dies
-with the thread that started it (``flatpack.interrupts.die_with_parent``), so that thread lives
-exactly as long as the version. The functions stay resident between requests
-(``FunctionDeployment.infer`` keeps its master and workers warm until ``stop_inference``).
+fork-join master serves one request at a time, so that thread lives exactly as long as the
+version. The functions stay resident between requests (``FunctionDeployment.infer`` keeps
+its master and workers warm until ``stop_inference``). None of them outlives the server, even
+a SIGKILLed one, although they are started from this thread and not the main one: each
+function watches its invoker (``runtime.invoker_watch``) and the store is forked on a thread
+that lasts as long as the process (``interrupts.on_lasting_thread``);
+``tests/integration/test_serve.py`` kills a server with SIGKILL.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.serve.server import Server
 from flatpack.serve.settings import ServeSettings
 from tests.models import ConvBlocks
+from tests.proctree import cmdline, descendants, kill_all, wait_gone
 
 pytestmark = pytest.mark.timeout(600)
 SAMPLE = (3, 6, 6)
@@ -212,29 +213,8 @@ def test_a_version_switch_under_load_fails_no_request(server, model, artifacts):
     assert httpx.get(f"{server.url}/readyz").json()["digest"] == green
 
 
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        for child in map(int, children):
-            found |= {child} | _descendants(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from Linux's /proc")
-def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(artifacts, model):
-    """The CLI server in a subprocess: SIGTERM while requests stream in. Every request it
-    accepted is answered correctly; later ones get 503 or find the port closed; the server
-    exits 0 and every function and store process it started is gone."""
-    directory, digest, _, _ = artifacts
+def _serve_cli(directory: Path, digest: str) -> tuple[subprocess.Popen, str]:
+    """``flatpack serve DIRECTORY`` in a subprocess on a free port, ready; (process, url)."""
     root = str(Path(__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "flatpack", "serve", str(directory), "--digest", digest,
@@ -246,9 +226,27 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
         match = re.match(r"serving ([0-9a-f]{64}) on (http://\S+)", line)
         assert match, line
         assert match.group(1) == digest
-        url = match.group(2)
-        _wait_ready(url)
-        children = _descendants(process.pid)
+        _wait_ready(match.group(2))
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, match.group(2)
+
+
+linux_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+
+
+@linux_proc
+def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(artifacts, model):
+    """The CLI server in a subprocess: SIGTERM while requests stream in. Every request it
+    accepted is answered correctly; later ones get 503 or find the port closed; the server
+    exits 0 and every function and store process it started is gone."""
+    directory, digest, _, _ = artifacts
+    process, url = _serve_cli(directory, digest)
+    children: dict[int, int] = {}
+    try:
+        children = descendants(process.pid)
         assert len(children) >= 4          # the store server, the master, two workers
         outcomes = asyncio.run(_load_then_sigterm(url, process))
         assert process.wait(timeout=120) == 0, process.stdout.read()  # pyright: ignore[reportOptionalMemberAccess]
@@ -264,10 +262,31 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
     assert len(accepted) >= 8
     for _, response, after in outcomes:
         assert response is not None or after, "a request sent before SIGTERM got no answer"
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in children if _alive(pid)]
+    leftover = wait_gone(children, 30)
+    kill_all(children)
+    assert leftover == {}
+
+
+@linux_proc
+def test_sigkill_of_the_server_takes_every_function_and_the_store_with_it(artifacts):
+    """No handler runs on SIGKILL: the functions (started from the version's thread, not the
+    main one) end by their own watch of the server, the store by PR_SET_PDEATHSIG on the
+    thread that lasts as long as the server (both used to survive it)."""
+    directory, digest, _, _ = artifacts
+    process, _ = _serve_cli(directory, digest)
+    children: dict[int, int] = {}
+    try:
+        children = descendants(process.pid)
+        commands = [cmdline(pid) for pid in children]
+        assert sum("flatpack.runtime.worker" in command for command in commands) == 3, commands  # master + 2
+        assert any("weed" in command for command in commands), commands
+        process.kill()
+        process.wait()
+        assert wait_gone(children, 30) == {}
+    finally:
+        process.kill()
+        process.wait()
+        kill_all(children)
 
 
 async def _load_then_sigterm(url: str, process: subprocess.Popen) -> list:
