@@ -34,6 +34,7 @@ from flatpack.serve.metrics import CONTENT_TYPE, ServeMetrics
 from flatpack.serve.openapi import schema
 from flatpack.serve.pool import Version
 from flatpack.serve.settings import ServeSettings
+from flatpack.serve.targets import Target
 from flatpack.serve.tensors import JSON, RequestError, content_type, encode_outputs, parse_request
 
 LOG = logs.get("serve")
@@ -43,11 +44,12 @@ DIGEST_HEADER = "x-flatpack-digest"
 class Service:
     """The state behind the routes: the current version, the batcher, the metrics."""
 
-    def __init__(self, compiled: Compiled, settings: ServeSettings) -> None:
+    def __init__(self, compiled: Compiled, settings: ServeSettings, target: Target) -> None:
         self.settings = settings
+        self.target = target
         self.metrics = ServeMetrics()
         self.metrics.slo.set(settings.slo_s)
-        self.version = Version(compiled, settings.target, settings.max_batch)
+        self.version = Version(compiled, target, settings.max_batch)
         self.contract = self.version.contract
         self.batcher: Batcher | None = None
         self.draining = False
@@ -130,7 +132,7 @@ class Service:
         batches and tears the old version down after its last batch; no request is dropped."""
         async with self._switching:
             compiled = await asyncio.get_running_loop().run_in_executor(None, lambda: load(directory, digest=digest))
-            candidate = Version(compiled, self.settings.target, self.settings.max_batch)
+            candidate = Version(compiled, self.target, self.settings.max_batch)
             if candidate.contract != self.contract:
                 raise RequestError(409, f"the new artifact takes other inputs ({candidate.contract.to_json()}) than "
                                         f"the one served ({self.contract.to_json()}); serve it on its own")

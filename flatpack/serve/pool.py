@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from flatpack import logs
-from flatpack.backends import get_backend
 from flatpack.compiler import Compiled
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost import gillis
@@ -32,6 +31,7 @@ from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.partitioner.workload import Workload
 from flatpack.platform.catalog import get_platform
 from flatpack.serve.batcher import LatencyModel
+from flatpack.serve.targets import Target
 from flatpack.serve.tensors import InputContract, flat_outputs
 
 LOG = logs.get("serve")
@@ -68,9 +68,10 @@ def gillis_model(compiled: Compiled, sizes: tuple[int, int]) -> LatencyModel | N
 
 
 class Version:
-    """A deployment of ``compiled`` on ``target``; :meth:`start` deploys and warms it."""
+    """A deployment of ``compiled`` on ``target`` (local processes or Ray tasks); :meth:`start`
+    deploys and warms it."""
 
-    def __init__(self, compiled: Compiled, target: str, max_batch: int) -> None:
+    def __init__(self, compiled: Compiled, target: Target, max_batch: int) -> None:
         self.compiled = compiled
         self.digest = compiled.digest
         self.contract = contract_of(compiled)
@@ -92,7 +93,7 @@ class Version:
 
     def _start(self) -> None:
         started = time.perf_counter()
-        self.deployment = get_backend(self.target).deploy(self.compiled, digest=self.digest)
+        self.deployment = self.target.deploy(self.compiled)
         points = []
         for size in self._probe_sizes:
             example = self._example(size)

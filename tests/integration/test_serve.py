@@ -323,10 +323,11 @@ def test_a_model_given_by_name_is_compiled_for_inference_and_served_by_position(
     from flatpack.serve.command import _build_model
     from flatpack.serve.pool import Version
     from flatpack.serve.server import resolve
+    from flatpack.serve.targets import Target
 
     model, example = _build_model("mlp", "tiny")
     compiled = resolve(model, example, settings=ServeSettings(slo_s=0.5))
-    version = Version(compiled, "local", 16)
+    version = Version(compiled, Target("local"), 16)
     assert version.contract.names == ("input_1",)
     x = torch.randn(3, 64)
 

@@ -158,8 +158,10 @@ def test_settings_refuse_bad_values_and_never_show_the_token(tmp_path, monkeypat
     from flatpack.errors import InputError
     from flatpack.serve.settings import ServeSettings, read_admin_token
 
-    with pytest.raises(InputError, match="runs on local so far, not 'aws-lambda'"):
+    with pytest.raises(InputError, match="runs on local or ray so far, not 'aws-lambda'"):
         ServeSettings(slo_s=0.2, target="aws-lambda")
+    with pytest.raises(InputError, match="--address names the Ray cluster"):
+        ServeSettings(slo_s=0.2, address="auto")
     with pytest.raises(InputError, match="positive number of seconds"):
         ServeSettings(slo_s=0.0)
     token_file = tmp_path / "token"
