@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -82,6 +83,8 @@ class Service:
         policy = BatchPolicy.choose(version.latency, self.settings.slo_s, self.settings.max_batch)
         self.metrics.max_batch.set(policy.max_batch)
         self.metrics.max_delay.set(policy.max_delay_s)
+        self.metrics.capacity.set(policy.capacity_samples_s)
+        self.metrics.sized.set(policy.sized_samples_s)
         if not announce:
             return policy
         if not policy.meets_slo:
@@ -153,6 +156,21 @@ def _error(status: int, message: str, digest: str | None = None) -> JSONResponse
     return JSONResponse({"error": message, "status": status}, status_code=status, headers=headers)
 
 
+SHED_MESSAGES = {
+    "admission": "overloaded: this request would not finish within the SLO behind the queue",
+    "deadline": "overloaded: this request queued too long to finish within the SLO",
+}
+
+
+def _shed(shed: Overloaded) -> JSONResponse:
+    """429 with ``Retry-After`` (whole seconds, at least 1: the predicted time the work ahead
+    needs): a refusal by admission control, not a failure of the server (docs/serve.md)."""
+    retry_after = max(1, math.ceil(shed.retry_after_s))
+    return JSONResponse({"error": f"{SHED_MESSAGES[shed.reason]}; retry after {retry_after} s", "status": 429,
+                         "shed": shed.reason}, status_code=429,
+                        headers={"retry-after": str(retry_after), "x-flatpack-shed": shed.reason})
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it passes ``limit`` bytes: by its Content-Length
     before reading, or while it streams in."""
@@ -196,13 +214,15 @@ async def _predict(service: Service, request: Request) -> Response:
         answer = await service.batcher.submit(parsed)
     except Closed:
         return _error(503, "the server is draining (shutting down or switching); retry on another replica")
-    except Overloaded:
-        return JSONResponse({"error": "overloaded: this request would not finish within the SLO behind the queue; "
-                                      "retry later", "status": 503}, status_code=503, headers={"retry-after": "1"})
+    except Overloaded as shed:
+        service.metrics.shed.labels(shed.reason).inc()
+        return _shed(shed)
     except Exception as err:  # noqa: BLE001 - a function failure is the server's 5xx, never a crash
         LOG.error("a batch failed: %s: %s", type(err).__name__, err)
-        status = 422 if isinstance(err, InputError) else 500
-        return _error(status, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
+        if isinstance(err, InputError):
+            return _error(422, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
+        service.metrics.errors.inc()
+        return _error(500, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
     finally:
         service.metrics.queue_depth.dec()
     body = encode_outputs(answer.outputs, parsed.form, answer.digest)

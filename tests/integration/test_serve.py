@@ -213,6 +213,48 @@ def test_a_version_switch_under_load_fails_no_request(server, model, artifacts):
     assert httpx.get(f"{server.url}/readyz").json()["digest"] == green
 
 
+def test_a_shed_request_gets_429_with_retry_after_and_is_no_error(server):
+    """A policy whose latency model says every batch takes 100 s against the 60 s SLO, with a
+    2 s batching delay: the first request is admitted (the queue was empty) and waits for its
+    batch; every other one, arriving behind it, is shed with 429, a Retry-After of the
+    predicted backlog, and counted as shed, not as an error."""
+    from flatpack.serve.batcher import BatchPolicy, LatencyModel
+
+    batcher = server.service.batcher
+    real = batcher.policy
+    before = httpx.get(f"{server.url}/metrics").text
+    # meets_slo=False: the admitted request is not shed on its deadline either (it runs for throughput)
+    batcher.policy = BatchPolicy(64, 2.0, 60.0, LatencyModel(100.0, 0.0, "test"), False)
+    try:
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = asyncio.create_task(_predict(client, server.url, torch.randn(1, *SAMPLE), False))
+                await asyncio.sleep(0.3)        # queued, waiting out the 2 s delay
+                others = await asyncio.gather(*(_predict(client, server.url, torch.randn(2, *SAMPLE), False)
+                                                for _ in range(6)))
+                return [await first, *others]
+
+        first, *others = asyncio.run(run())
+    finally:
+        batcher.policy = real
+    assert first.status_code == 200, first.text
+    for response in others:
+        assert response.status_code == 429, response.text
+        assert int(response.headers["retry-after"]) >= 100       # the backlog the model predicts
+        assert response.headers["x-flatpack-shed"] == "admission"
+        assert response.json()["shed"] == "admission"
+    after = httpx.get(f"{server.url}/metrics").text
+
+    def count(pattern: str, text: str) -> float:
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    shed = r'^flatpack_serve_shed_total\{reason="admission"\} (\S+)$'
+    assert count(shed, after) - count(shed, before) == 6
+    assert count(r"^flatpack_serve_errors_total (\S+)$", after) == 0
+    assert count(r"^flatpack_serve_sized_samples_per_second (\S+)$", after) > 0
+
+
 def _serve_cli(directory: Path, digest: str) -> tuple[subprocess.Popen, str]:
     """``flatpack serve DIRECTORY`` in a subprocess on a free port, ready; (process, url)."""
     root = str(Path(__file__).parents[2])
