@@ -211,6 +211,7 @@ def run_phases(name: str, url: str, rates: list[tuple[float, float | None]], arg
         if name == "flatpack":
             row["dollars"] = (dollars(url) - spent) / max(row["answered"], 1) * 1000
         rows.append(row)
+        print(table([row], args).splitlines()[-1], file=sys.stderr, flush=True)   # progress, on a busy host
     return rows
 
 
@@ -239,6 +240,8 @@ def main() -> None:
     if args.baseline_server:
         run_baseline_server()
         return
+    # a SIGTERM (a timeout) unwinds like Ctrl-C: the finally below stops both servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     logs = Path(tempfile.mkdtemp(prefix="serve-load-logs-"))       # kept: the servers' logs, if one fails
     with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
         digest = compile_artifact(Path(scratch) / "artifact")
