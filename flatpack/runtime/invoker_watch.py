@@ -13,10 +13,13 @@ or the given pid is gone.
 Which pid: ``$FLATPACK_INVOKER_PID`` (:data:`INVOKER_PID_ENV`) when the invoker put it in the
 function's environment (a fork server between them: the function's parent is then not the
 invoker), else the parent at the moment of the call, which is why ``runtime.worker`` calls it
-before it loads torch (seconds on a busy host: an invoker killed meanwhile is seen too). A
-process whose parent is already init (pid 1) when the watch starts was orphaned on the way:
-it ends at once (a function is never started by init: the Lambda and container handlers run
-``worker.run_role`` in their own process, without this watch).
+before it loads torch (seconds on a busy host: an invoker killed meanwhile is seen too). An
+invoker that is pid 1 is watched like any other (``flatpack serve`` as a container's entry
+point is pid 1 of its namespace), so a function orphaned in the instant between its start
+and the watch, and re-parented to init, is not told apart from one init started; the window
+is the interpreter's start-up, before any of flatpack's heavy imports. A process with no
+parent at all (pid 1 itself) has no invoker to watch. The Lambda and container handlers run
+``worker.run_role`` in their own process, without this watch.
 
 Stdlib only: it runs before anything heavy is imported.
 """
@@ -53,9 +56,8 @@ def watch_invoker(pid: int | None = None, on_gone: Callable[[], None] = _die) ->
     ``on_gone`` ran already (the invoker was gone before the watch began)."""
     is_parent = pid is None and not os.environ.get(INVOKER_PID_ENV, "").strip().isdigit()
     pid = invoker_pid() if pid is None else pid
-    if pid <= 1:
-        on_gone()           # re-parented to init: orphaned before the watch began
-        return None
+    if pid <= 0:
+        return None         # pid 1 of a namespace: nobody invoked it
     handle = _pidfd(pid)
     if (is_parent and os.getppid() != pid) or (handle is None and not _exists(pid)):
         if handle is not None:
