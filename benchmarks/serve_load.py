@@ -13,12 +13,22 @@ The load is open-loop: arrivals are a Poisson process at each rate (exponential 
 up front, so a slow server does not slow the arrivals), each request 1–4 samples, sent by
 asyncio + httpx with at most ``--concurrency`` requests outstanding (an arrival that finds
 them all busy waits, and its wait counts in its latency). Per server and rate: throughput
-(answers/s), p50/p95/p99 latency, SLO attainment (share of all requests answered 200 within
-the SLO), errors (non-200 or no answer; 503s are shed requests), and for flatpack the latency
-model's predicted batch time beside the measured one (means over the answered requests), and
-the dollars its /metrics counted per 1,000 answers.
+(answers/s), p50/p95/p99 latency of the answers, SLO attainment (of all requests, and of
+those answered: 200 within the SLO), shed requests (429 with Retry-After: flatpack's
+admission control refusing what would miss the SLO, never counted as errors), errors (a 5xx,
+no answer or a client timeout, or a 200 whose outputs differ from the original model's: every
+answer is checked after the run), and for flatpack the latency model's predicted batch time
+beside the measured one (means over the answered requests) and the dollars its /metrics
+counted per 1,000 answers.
+
+Rates are absolute (``--rates``) or multiples of the load flatpack's batching policy is sized
+for (``--multiples 1,2,1``: the server's ``flatpack_serve_sized_samples_per_second`` over the
+mean request size, read after warm-up), run back to back on the same flatpack server in that
+order (1, 2, 1: the sized load, twice it, and whether it recovers when the load drops), then
+the baseline at the same absolute rates.
 
     python benchmarks/serve_load.py --rates 2,5,10,20 --duration 10 --slo-ms 1000
+    python benchmarks/serve_load.py --multiples 1,2,1 --duration 20 --slo-ms 1000
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import httpx
 import torch
 
 SAMPLE = (3, 6, 6)
+SAMPLES_PER_REQUEST = (1, 4)        # each request's sample count is drawn uniformly from this range
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,61 +115,104 @@ def wait_ready(url: str) -> None:
 
 
 async def drive(url: str, rate: float, duration_s: float, concurrency: int, seed: int) -> list[tuple]:
-    """(status or the client's error, seconds, (predicted, measured batch ms) or None, run seconds) per request
-    of one open-loop run."""
+    """(status or the client's error, seconds, (predicted, measured batch ms) or None, input, output or None,
+    run seconds) per request of one open-loop run."""
     rng = random.Random(seed)
     arrivals, clock = [], 0.0
     while True:
         clock += rng.expovariate(rate)
         if clock > duration_s:
             break
-        arrivals.append((clock, torch.randn(rng.randint(1, 4), *SAMPLE).tolist()))
+        arrivals.append((clock, torch.randn(rng.randint(*SAMPLES_PER_REQUEST), *SAMPLE)))
     slots = asyncio.Semaphore(concurrency)
     results: list[tuple] = []
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
         start = time.perf_counter()
 
-        async def one(at: float, x: list) -> None:
+        async def one(at: float, x: torch.Tensor) -> None:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             sent = time.perf_counter()
             async with slots:
                 try:
-                    response = await client.post(f"{url}/v1/predict", json={"inputs": {"x": x}})
+                    response = await client.post(f"{url}/v1/predict", json={"inputs": {"x": x.tolist()}})
                     predicted = response.headers.get("x-flatpack-predicted-ms")
                     measured = response.headers.get("x-flatpack-batch-ms")
+                    output = response.json()["outputs"]["output"] if response.status_code == 200 else None
                     results.append((response.status_code, time.perf_counter() - sent,
-                                    (float(predicted), float(measured)) if predicted and measured else None))
+                                    (float(predicted), float(measured)) if predicted and measured else None,
+                                    x, output))
                 except httpx.HTTPError as err:       # no answer: counted as an error, by kind
-                    results.append((type(err).__name__, time.perf_counter() - sent, None))
+                    results.append((type(err).__name__, time.perf_counter() - sent, None, x, None))
 
         await asyncio.gather(*(one(at, x) for at, x in arrivals))
         elapsed = time.perf_counter() - start
     return [(*result, elapsed) for result in results]
 
 
-def summary(name: str, rate: float, results: list[tuple], slo_s: float) -> dict:
-    ok = sorted(seconds for status, seconds, _, _ in results if status == 200)
-    elapsed = results[0][3] if results else 1.0
+def wrong_outputs(results: list[tuple]) -> int:
+    """The answers (200) whose outputs are not the original model's (assert_close's float32
+    tolerances), computed here after the run so the check takes no CPU from the servers."""
+    model, wrong = the_model(), 0
+    with torch.no_grad():
+        for status, _, _, x, output, _ in results:
+            if status == 200:
+                try:
+                    torch.testing.assert_close(torch.tensor(output, dtype=torch.float32), model(x))
+                except AssertionError:
+                    wrong += 1
+    return wrong
+
+
+def summary(name: str, rate: float, results: list[tuple], slo_s: float, multiple: float | None = None) -> dict:
+    wrong = wrong_outputs(results)
+    ok = sorted(seconds for status, seconds, *_ in results if status == 200)
+    elapsed = results[0][-1] if results else 1.0
     quantile = (lambda q: ok[min(len(ok) - 1, int(q * len(ok)))] * 1e3) if ok else (lambda q: float("nan"))
-    batches = [value for status, _, value, _ in results if status == 200 and value is not None]
-    return {"server": name, "rate": rate, "requests": len(results), "throughput": len(ok) / elapsed,
-            "p50": quantile(0.5), "p95": quantile(0.95), "p99": quantile(0.99),
-            "slo": sum(seconds <= slo_s for seconds in ok) / max(len(results), 1),
-            "errors": sum(status != 200 for status, _, _, _ in results),
-            "shed": sum(status == 503 for status, _, _, _ in results), "answered": len(ok),
-            "kinds": sorted({str(status) for status, _, _, _ in results if status not in (200, 503)}),
+    batches = [value for status, _, value, *_ in results if status == 200 and value is not None]
+    shed = sum(status == 429 for status, *_ in results)
+    failed = [status for status, *_ in results if status not in (200, 429)]
+    within = sum(seconds <= slo_s for seconds in ok)
+    return {"server": name, "rate": rate, "multiple": multiple, "requests": len(results),
+            "throughput": len(ok) / elapsed, "p50": quantile(0.5), "p95": quantile(0.95), "p99": quantile(0.99),
+            "slo": within / max(len(results), 1), "slo_answered": within / max(len(ok), 1),
+            "shed": shed, "errors": len(failed) + wrong, "wrong": wrong, "answered": len(ok),
+            "kinds": sorted({str(status) for status in failed}),
             "predicted": statistics.mean(value[0] for value in batches) if batches else None,
             "measured": statistics.mean(value[1] for value in batches) if batches else None}
 
 
-def dollars(url: str) -> float:
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on the server's /metrics."""
     text = httpx.get(f"{url}/metrics").text
-    found = re.search(r"^flatpack_serve_dollars_total (\S+)$", text, re.M)
-    assert found is not None, "the server's /metrics has no flatpack_serve_dollars_total"
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found is not None, f"the server's /metrics has no {name}"
     return float(found.group(1))
 
 
+def dollars(url: str) -> float:
+    return metric(url, "flatpack_serve_dollars_total")
 
+
+def request_rates(args: argparse.Namespace, served_url: str) -> list[tuple[float, float | None]]:
+    """(requests per second, multiple of the sized load or None) per phase."""
+    if args.multiples is None:
+        return [(float(rate), None) for rate in args.rates.split(",")]
+    sized = metric(served_url, "flatpack_serve_sized_samples_per_second")
+    per_request = sum(SAMPLES_PER_REQUEST) / 2
+    return [(float(multiple) * sized / per_request, float(multiple)) for multiple in args.multiples.split(",")]
+
+
+def run_phases(name: str, url: str, rates: list[tuple[float, float | None]], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for index, (rate, multiple) in enumerate(rates):
+        spent = dollars(url) if name == "flatpack" else 0.0
+        results = asyncio.run(drive(url, rate, args.duration, args.concurrency, seed=index))
+        row = summary(name, rate, results, args.slo_ms / 1e3, multiple)
+        if name == "flatpack":
+            row["dollars"] = (dollars(url) - spent) / max(row["answered"], 1) * 1000
+        rows.append(row)
+        print(table([row], args).splitlines()[-1], file=sys.stderr, flush=True)   # progress, on a busy host
+    return rows
 
 
 def compile_artifact(directory: Path) -> str:
@@ -174,6 +228,10 @@ def compile_artifact(directory: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rates", default="2,5,10,20", help="requests per second, comma-separated")
+    parser.add_argument("--multiples", default=None,
+                        help="instead of --rates: multiples of the load the server's batching is sized for, run in "
+                             "this order (1,2,1: sized, twice it, and back)")
+    parser.add_argument("--max-batch", type=int, default=None, help="flatpack serve's --max-batch")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -182,26 +240,22 @@ def main() -> None:
     if args.baseline_server:
         run_baseline_server()
         return
-    rates = [float(rate) for rate in args.rates.split(",")]
+    # a SIGTERM (a timeout) unwinds like Ctrl-C: the finally below stops both servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     logs = Path(tempfile.mkdtemp(prefix="serve-load-logs-"))       # kept: the servers' logs, if one fails
     with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
         digest = compile_artifact(Path(scratch) / "artifact")
         served, served_url = start([sys.executable, "-m", "flatpack", "serve", str(Path(scratch) / "artifact"),
                                     "--digest", digest, "--target", "local", "--slo-ms", str(args.slo_ms),
-                                    "--port", "0"], r"serving [0-9a-f]+ on (http://\S+)", logs / "flatpack.log")
+                                    "--port", "0", *(["--max-batch", str(args.max_batch)] if args.max_batch else [])],
+                                   r"serving [0-9a-f]+ on (http://\S+)", logs / "flatpack.log")
         baseline, baseline_url = start([sys.executable, __file__, "--baseline-server"], r"listening on (http://\S+)",
                                   logs / "baseline.log")
         try:
             wait_ready(served_url)
-            rows = []
-            for rate in rates:
-                for name, url in (("flatpack", served_url), ("baseline", baseline_url)):
-                    spent = dollars(url) if name == "flatpack" else 0.0
-                    results = asyncio.run(drive(url, rate, args.duration, args.concurrency, seed=int(rate)))
-                    row = summary(name, rate, results, args.slo_ms / 1e3)
-                    if name == "flatpack":
-                        row["dollars"] = (dollars(url) - spent) / max(row["answered"], 1) * 1000
-                    rows.append(row)
+            rates = request_rates(args, served_url)
+            # flatpack's phases back to back (recovery after an overload is what they show), then the baseline's
+            rows = run_phases("flatpack", served_url, rates, args) + run_phases("baseline", baseline_url, rates, args)
         finally:
             for process in (served, baseline):
                 process.send_signal(signal.SIGTERM)
@@ -215,17 +269,19 @@ def main() -> None:
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"SLO {args.slo_ms:.0f} ms, {args.duration:.0f} s per rate, 1-4 samples per request, "
-             f"at most {args.concurrency} outstanding", "",
-             "| server | rate (req/s) | requests | answered/s | p50 ms | p95 ms | p99 ms | SLO attained | errors "
-             "(503 shed) | predicted / measured batch ms | $ per 1,000 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"SLO {args.slo_ms:.0f} ms, {args.duration:.0f} s per rate, {SAMPLES_PER_REQUEST[0]}-"
+             f"{SAMPLES_PER_REQUEST[1]} samples per request, at most {args.concurrency} outstanding", "",
+             "| server | load | rate (req/s) | requests | answered/s | p50 ms | p95 ms | p99 ms | SLO attained (all / "
+             "answered) | shed (429) | errors (5xx, no answer, wrong) | predicted / measured batch ms | $ per 1,000 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         batch = (f"{row['predicted']:.1f} / {row['measured']:.1f}" if row["predicted"] is not None else "-")
         cost = f"{row['dollars']:.2e}" if "dollars" in row else "-"
-        lines.append(f"| {row['server']} | {row['rate']:.0f} | {row['requests']} | {row['throughput']:.1f} | "
-                     f"{row['p50']:.1f} | {row['p95']:.1f} | {row['p99']:.1f} | {row['slo']:.1%} | "
-                     f"{row['errors']} ({row['shed']}{', ' if row['kinds'] else ''}{' '.join(row['kinds'])}) | "
+        load = f"{row['multiple']:g}x sized" if row["multiple"] is not None else "-"
+        kinds = ", ".join([*row["kinds"], *([f"{row['wrong']} wrong"] if row["wrong"] else [])])
+        lines.append(f"| {row['server']} | {load} | {row['rate']:.1f} | {row['requests']} | {row['throughput']:.1f} | "
+                     f"{row['p50']:.1f} | {row['p95']:.1f} | {row['p99']:.1f} | {row['slo']:.1%} / "
+                     f"{row['slo_answered']:.1%} | {row['shed']} | {row['errors']}{f' ({kinds})' if kinds else ''} | "
                      f"{batch} | {cost} |")
     return "\n".join(lines)
 

@@ -15,11 +15,15 @@ Three layers, each covering what the one before cannot:
    On Linux every child (the SeaweedFS server, each worker) is started with
    ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` set between fork and exec, so the kernel kills it
    when its parent goes. The kernel's "parent" is the *thread* that started the child, so
-   only a child started from the main thread gets it (one started from a short-lived thread
-   would die with that thread: a warm inference function, say); the CLI starts everything
-   from the main thread. A watchdog pipe the child polls would cover threads and other OSes,
-   but needs the child's cooperation (weed is not ours). Elsewhere (macOS, Windows) there is
-   no such call: only layers 1 and 3 apply there.
+   only a child started from a thread that lives as long as the process gets it (one started
+   from a short-lived thread would die with that thread: a warm inference function, say):
+   the main thread, or the one thread :func:`on_lasting_thread` keeps for the rest of the
+   process, which starts a child for a caller on any other thread (``flatpack serve``
+   deploys from a version's own thread; ``runtime.s3server`` starts the store through it).
+   A function process watches its invoker itself as well (``runtime.invoker_watch``: a
+   pidfd it polls), which covers every thread and a fork server between them; weed, a Go
+   binary, cannot watch, hence the lasting thread. Elsewhere (macOS, Windows) there is no
+   such call: only layers 1 and 3, and the functions' own watch, apply there.
 3. **Interpreter exit**: ``runtime.s3server`` stops every server still running at exit.
 
 Stdlib only: ``runtime`` and ``backends`` both import it.
@@ -30,15 +34,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import weakref
-from typing import IO, Callable, Iterator
+from concurrent.futures import Future
+from typing import IO, Callable, Iterator, TypeVar
 
-__all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "track", "kill_children", "stopping",
-           "FORCE_AFTER_S"]
+__all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "on_lasting_thread", "track", "kill_children",
+           "stopping", "FORCE_AFTER_S"]
 
 FORCE_AFTER_S = 20.0        # a teardown that takes longer than this after the first signal is cut short
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
@@ -46,6 +52,7 @@ PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 _workers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
 _servers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
 _stopping = threading.Event()
+T = TypeVar("T")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -84,14 +91,15 @@ def _load_prctl() -> Callable[..., int] | None:
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child receive ``sig`` when this
     process exits, however it exits (SIGKILL included); ``None`` where the OS has no such
-    call (anything but Linux) and outside the main thread (see the module's note).
+    call (anything but Linux) and on a thread that may end before the process (any but the
+    main thread and :func:`on_lasting_thread`'s; see the module's note).
 
     Everything the child runs is resolved here, in the parent: between fork and exec the
     child imports nothing and allocates almost nothing. If the parent died before the call
     took effect, the child kills itself instead of running as an orphan.
     """
     prctl = _load_prctl()
-    if prctl is None or threading.current_thread() is not threading.main_thread():
+    if prctl is None or not _lasting():
         return None
     parent = os.getpid()
     getppid, kill, getpid = os.getppid, os.kill, os.getpid
@@ -102,6 +110,51 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
             kill(getpid(), signal.SIGKILL)
 
     return preexec
+
+
+class _LastingThread:
+    """One daemon thread that runs what it is given and never returns: a child forked on it
+    has a "parent" (for PR_SET_PDEATHSIG) that lives until the process does. Not a
+    ThreadPoolExecutor: the interpreter joins those at exit, before the atexit handlers
+    stop the servers in order."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="flatpack-lasting", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            call, result = self.calls.get()
+            if result.set_running_or_notify_cancel():
+                try:
+                    result.set_result(call())
+                except BaseException as err:  # noqa: BLE001 - handed to the caller, raised on its thread
+                    result.set_exception(err)
+
+
+_lasting_thread: _LastingThread | None = None
+_lasting_lock = threading.Lock()
+
+
+def _lasting() -> bool:
+    current = threading.current_thread()
+    return current is threading.main_thread() or (_lasting_thread is not None and current is _lasting_thread.thread)
+
+
+def on_lasting_thread(start: Callable[[], T]) -> T:
+    """``start()`` on a thread that lives as long as this process (this one, if it is the main
+    thread), so that a child it starts with :func:`die_with_parent` dies with the process,
+    not with the caller's thread; its result or its exception comes back to the caller."""
+    global _lasting_thread
+    if _lasting():
+        return start()
+    with _lasting_lock:
+        if _lasting_thread is None:
+            _lasting_thread = _LastingThread()
+    result: Future[T] = Future()
+    _lasting_thread.calls.put((start, result))
+    return result.result()
 
 
 # ---- registry of children ---------------------------------------------------------------------

@@ -14,7 +14,8 @@ glog's files out of the temp directory), ``s3.json`` (the identity, removed at s
 weed's local unix sockets. weed also opens one gRPC unix socket per service at a
 hard-coded ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` (no flag moves it): ``stop`` removes
 those of its own ports, and ``start`` removes dead ones of this user that a killed server
-left behind. The server dies with the process that started it (``interrupts.die_with_parent``).
+left behind. The server dies with the process that started it, from whichever thread
+(``interrupts.die_with_parent`` on ``interrupts.on_lasting_thread``).
 
 Only the S3 endpoint, with this server's keys, lets anyone in; every other listener is closed
 to a co-tenant (another user of the machine, who can reach any 127.0.0.1 port):
@@ -67,7 +68,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from flatpack.errors import StoreError
-from flatpack.interrupts import die_with_parent, stopping, track
+from flatpack.interrupts import die_with_parent, on_lasting_thread, stopping, track
 from flatpack.runtime.store import S3Store, _s3_url
 
 READY_TIMEOUT_S = 30.0
@@ -240,13 +241,15 @@ class LocalS3Server:
         self._log = os.fdopen(os.open(self._dir / "weed.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
         # own session: stop() signals the whole group, whatever helpers weed spawns, and a
-        # terminal's Ctrl-C reaches only flatpack, which stops it in order. It dies with its
-        # parent (Linux), and any temporary file it makes goes to its own directory.
-        self._proc = track(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                            stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
-                                            preexec_fn=_private_child(die_with_parent()),
-                                            env={**os.environ, **security, "TMPDIR": str(self._dir)}),
-                           server=True)
+        # terminal's Ctrl-C reaches only flatpack, which stops it in order. It dies with this
+        # process (Linux), whichever thread starts the server: forked on a thread that lives as
+        # long as the process (interrupts.on_lasting_thread), as PR_SET_PDEATHSIG needs. Any
+        # temporary file it makes goes to its own directory.
+        log, directory = self._log, self._dir
+        self._proc = track(on_lasting_thread(lambda: subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=directory,
+            start_new_session=True, preexec_fn=_private_child(die_with_parent()),
+            env={**os.environ, **security, "TMPDIR": str(directory)})), server=True)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -16,6 +16,9 @@ serverless function it is held to its tier:
 * time: near ``time_limit_s`` it checkpoints and asks to be invoked again (LambdaML's
   answer to Lambda's 15-minute limit).
 
+A function ends with its invoker, also one started from a thread that is not the invoker's
+main thread (``runtime.invoker_watch``, started before anything heavy loads).
+
 Exit codes: 0 done, ``REINVOKE`` (75) checkpointed and wants to continue, ``OUT_OF_MEMORY``
 (86) over its tier, 1 any other failure (the status record has the traceback).
 """
@@ -30,6 +33,13 @@ import sys
 import time
 import traceback
 from typing import TYPE_CHECKING
+
+from flatpack.runtime.invoker_watch import watch_invoker
+
+if __name__ == "__main__":
+    # first, before torch loads (seconds on a busy host): this function ends with its invoker,
+    # whichever thread of the invoker started it (runtime/invoker_watch.py)
+    watch_invoker()
 
 import torch
 

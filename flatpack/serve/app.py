@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -34,6 +35,7 @@ from flatpack.serve.metrics import CONTENT_TYPE, ServeMetrics
 from flatpack.serve.openapi import schema
 from flatpack.serve.pool import Version
 from flatpack.serve.settings import ServeSettings
+from flatpack.serve.targets import Target
 from flatpack.serve.tensors import JSON, RequestError, content_type, encode_outputs, parse_request
 
 LOG = logs.get("serve")
@@ -43,11 +45,12 @@ DIGEST_HEADER = "x-flatpack-digest"
 class Service:
     """The state behind the routes: the current version, the batcher, the metrics."""
 
-    def __init__(self, compiled: Compiled, settings: ServeSettings) -> None:
+    def __init__(self, compiled: Compiled, settings: ServeSettings, target: Target) -> None:
         self.settings = settings
+        self.target = target
         self.metrics = ServeMetrics()
         self.metrics.slo.set(settings.slo_s)
-        self.version = Version(compiled, settings.target, settings.max_batch)
+        self.version = Version(compiled, target, settings.max_batch)
         self.contract = self.version.contract
         self.batcher: Batcher | None = None
         self.draining = False
@@ -80,6 +83,8 @@ class Service:
         policy = BatchPolicy.choose(version.latency, self.settings.slo_s, self.settings.max_batch)
         self.metrics.max_batch.set(policy.max_batch)
         self.metrics.max_delay.set(policy.max_delay_s)
+        self.metrics.capacity.set(policy.capacity_samples_s)
+        self.metrics.sized.set(policy.sized_samples_s)
         if not announce:
             return policy
         if not policy.meets_slo:
@@ -130,7 +135,7 @@ class Service:
         batches and tears the old version down after its last batch; no request is dropped."""
         async with self._switching:
             compiled = await asyncio.get_running_loop().run_in_executor(None, lambda: load(directory, digest=digest))
-            candidate = Version(compiled, self.settings.target, self.settings.max_batch)
+            candidate = Version(compiled, self.target, self.settings.max_batch)
             if candidate.contract != self.contract:
                 raise RequestError(409, f"the new artifact takes other inputs ({candidate.contract.to_json()}) than "
                                         f"the one served ({self.contract.to_json()}); serve it on its own")
@@ -149,6 +154,21 @@ class Service:
 def _error(status: int, message: str, digest: str | None = None) -> JSONResponse:
     headers = {DIGEST_HEADER: digest} if digest else None
     return JSONResponse({"error": message, "status": status}, status_code=status, headers=headers)
+
+
+SHED_MESSAGES = {
+    "admission": "overloaded: this request would not finish within the SLO behind the queue",
+    "deadline": "overloaded: this request queued too long to finish within the SLO",
+}
+
+
+def _shed(shed: Overloaded) -> JSONResponse:
+    """429 with ``Retry-After`` (whole seconds, at least 1: the predicted time the work ahead
+    needs): a refusal by admission control, not a failure of the server (docs/serve.md)."""
+    retry_after = max(1, math.ceil(shed.retry_after_s))
+    return JSONResponse({"error": f"{SHED_MESSAGES[shed.reason]}; retry after {retry_after} s", "status": 429,
+                         "shed": shed.reason}, status_code=429,
+                        headers={"retry-after": str(retry_after), "x-flatpack-shed": shed.reason})
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -194,13 +214,15 @@ async def _predict(service: Service, request: Request) -> Response:
         answer = await service.batcher.submit(parsed)
     except Closed:
         return _error(503, "the server is draining (shutting down or switching); retry on another replica")
-    except Overloaded:
-        return JSONResponse({"error": "overloaded: this request would not finish within the SLO behind the queue; "
-                                      "retry later", "status": 503}, status_code=503, headers={"retry-after": "1"})
+    except Overloaded as shed:
+        service.metrics.shed.labels(shed.reason).inc()
+        return _shed(shed)
     except Exception as err:  # noqa: BLE001 - a function failure is the server's 5xx, never a crash
         LOG.error("a batch failed: %s: %s", type(err).__name__, err)
-        status = 422 if isinstance(err, InputError) else 500
-        return _error(status, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
+        if isinstance(err, InputError):
+            return _error(422, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
+        service.metrics.errors.inc()
+        return _error(500, f"inference failed: {type(err).__name__}: {err}", service.version.digest)
     finally:
         service.metrics.queue_depth.dec()
     body = encode_outputs(answer.outputs, parsed.form, answer.digest)

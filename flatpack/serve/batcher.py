@@ -20,14 +20,21 @@ cap, D = 0: a batch takes whatever queued while the previous one ran) and says s
 Admission is bounded by the same model: a request that finds Q samples queued (s its own) is
 predicted to finish after the batches those Q + s samples form (⌊(Q + s)/B⌋ full ones and the
 rest, each priced by t) plus the batch in service, if any (t of its size); when that exceeds S
-it is shed with a 503 at once instead of answering late (the server stays within
-the SLO for those it accepts). A request that finds the queue empty is always admitted. Requests are concatenated along
-dimension 0 and the outputs split back by each request's sample count.
+it is shed at once instead of answering late (the server stays within the SLO for those it
+accepts). A request that finds the queue empty is always admitted. Queueing is bounded by the
+SLO as well: when a batch forms, a request that has waited so long that its wait plus t(its
+samples) already exceeds S (the model was optimistic, the host slowed down) is shed then
+rather than run late. Both sheds are :class:`Overloaded` (``reason`` "admission" or
+"deadline"), answered 429 with a ``Retry-After`` of the predicted time the work ahead of it
+needs (``serve.app``; docs/serve.md says why 429 and not a 5xx). A server that serves for
+throughput (no batch meets the SLO) sheds nothing on deadline. Requests are concatenated
+along dimension 0 and the outputs split back by each request's sample count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,7 +112,31 @@ class BatchPolicy:
         (see the module docstring); a request that finds nothing queued is always admitted."""
         if queued_samples == 0:
             return True
-        return self.queue_seconds(queued_samples + samples) + self.running_seconds(running_samples) <= self.slo_s
+        return self.backlog_seconds(queued_samples + samples, running_samples) <= self.slo_s
+
+    def backlog_seconds(self, queued_samples: int, running_samples: int = 0) -> float:
+        """The predicted time to run ``queued_samples`` after the batch of ``running_samples``
+        in service: what a shed request is told to wait (``Retry-After``)."""
+        return self.queue_seconds(queued_samples) + self.running_seconds(running_samples)
+
+    def expired(self, waited_s: float, samples: int) -> bool:
+        """Whether a request of ``samples`` that has queued ``waited_s`` can no longer finish
+        within the SLO (its wait plus its own samples' time exceeds it); never when serving
+        for throughput."""
+        return self.meets_slo and waited_s + self.model.seconds(samples) > self.slo_s
+
+    @property
+    def capacity_samples_s(self) -> float:
+        """The most samples per second the deployment serves under this policy: full batches
+        back to back, ``max_batch / t(max_batch)``."""
+        seconds = self.model.seconds(self.max_batch)
+        return self.max_batch / seconds if seconds > 0 else math.inf
+
+    @property
+    def sized_samples_s(self) -> float:
+        """The load this policy is sized for: ``HEADROOM`` of :attr:`capacity_samples_s` (the
+        same share of the SLO the batch bound keeps for noise)."""
+        return HEADROOM * self.capacity_samples_s
 
     def queue_seconds(self, samples: int) -> float:
         """The time to run ``samples`` queued samples: full batches of ``max_batch``, then the rest."""
@@ -120,7 +151,14 @@ class BatchPolicy:
 
 
 class Overloaded(Exception):
-    """The request would not finish within the SLO behind the queue: shed (503)."""
+    """A shed request (429 with ``Retry-After``): ``reason`` is "admission" (predicted to miss
+    the SLO behind the queue, refused on arrival) or "deadline" (queued too long to meet it);
+    ``retry_after_s``: the predicted time the work ahead of it needs."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"shed on {reason}: retry in {retry_after_s:.3f} s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class Closed(Exception):
@@ -178,8 +216,9 @@ class Batcher:
     async def submit(self, request: Request) -> Answer:
         if self.closed:
             raise Closed()
-        if not self.policy.admits(self.queued_samples, request.samples, self._running):
-            raise Overloaded()
+        queued = self.queued_samples
+        if not self.policy.admits(queued, request.samples, self._running):
+            raise Overloaded("admission", self.policy.backlog_seconds(queued, self._running))
         item = _Item(request, asyncio.get_running_loop().create_future())
         self._pending.append(item)
         self._busy += 1
@@ -212,6 +251,9 @@ class Batcher:
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            self._shed_expired()
+            if not self._pending:
+                continue
             head = self._pending[0]
             deadline = head.arrived + self.policy.max_delay_s
             while self._fill(head.request.shape_key) < self.policy.max_batch:
@@ -223,7 +265,24 @@ class Batcher:
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            await self._execute(self._take(head.request.shape_key))
+            self._shed_expired()
+            taken = self._take(head.request.shape_key)
+            if taken:
+                await self._execute(taken)
+
+    def _shed_expired(self) -> None:
+        """Sheds the queued requests that can no longer finish within the SLO (``deadline``)."""
+        now = time.monotonic()
+        kept: deque[_Item] = deque()
+        for item in self._pending:
+            if item.future.done():
+                continue
+            if self.policy.expired(now - item.arrived, item.request.samples):
+                ahead = self.policy.backlog_seconds(sum(other.request.samples for other in kept), self._running)
+                item.future.set_exception(Overloaded("deadline", ahead))
+            else:
+                kept.append(item)
+        self._pending = kept
 
     def _fill(self, key: tuple) -> int:
         return sum(item.request.samples for item in self._pending if item.request.shape_key == key)

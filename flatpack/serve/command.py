@@ -1,4 +1,4 @@
-"""``flatpack serve MODEL|ARTIFACT_DIR [--digest D] --target local --slo-ms S [--port P]``: the
+"""``flatpack serve MODEL|ARTIFACT_DIR [--digest D] --target local|ray [--address A] --slo-ms S [--port P]``: the
 verb's parser and its run. Imports nothing heavy at import time (the CLI's start-up)."""
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="a directory written by flatpack compile, or a model (path/to/file.py:factory, "
                              "package.module:factory, a built-in example or a zoo model), compiled for inference")
     parser.add_argument("--digest", default=None, help="serve the artifact only if its index has this sha256")
-    parser.add_argument("--target", default="local", choices=TARGETS)
+    parser.add_argument("--target", default="local", choices=TARGETS,
+                        help="where the functions run: processes on this machine, or tasks on a Ray cluster")
+    parser.add_argument("--address", default=None,
+                        help="the Ray cluster of --target ray: auto (default: the one `ray start` runs here, or "
+                             "$RAY_ADDRESS), HOST:PORT, ray://HOST:10001, or local (a one-node cluster started here)")
     parser.add_argument("--slo-ms", type=float, required=True, help="the latency bound per request, milliseconds")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log says which)")
@@ -38,20 +42,21 @@ VERBS = {"serve": add_parser}
 
 def run(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
-    from flatpack.serve.server import Server, resolve
+    from flatpack.serve.server import resolve, serve_with
     from flatpack.serve.settings import ServeSettings, read_admin_token
 
-    settings = ServeSettings(slo_s=args.slo_ms / 1e3, target=args.target, host=args.host, port=args.port,
-                             max_body_bytes=args.max_body_bytes, max_request_samples=args.max_request_samples,
-                             max_batch=args.max_batch, admin_token=read_admin_token(args.token_file))
-    if Path(args.model).is_dir():
-        compiled = resolve(args.model, digest=args.digest, settings=settings)
-    else:
+    settings = ServeSettings(slo_s=args.slo_ms / 1e3, target=args.target, address=args.address, host=args.host,
+                             port=args.port, max_body_bytes=args.max_body_bytes,
+                             max_request_samples=args.max_request_samples, max_batch=args.max_batch,
+                             admin_token=read_admin_token(args.token_file))
+
+    def compiled() -> Any:
+        if Path(args.model).is_dir():
+            return resolve(args.model, digest=args.digest, settings=settings)
         model, inputs = _build_model(args.model, args.size)
-        compiled = resolve(model, inputs, digest=args.digest, settings=settings)
-    server = Server(compiled, settings)
-    print(f"serving {compiled.digest} on {server.url}", flush=True)
-    server.run()
+        return resolve(model, inputs, digest=args.digest, settings=settings)
+
+    serve_with(settings, compiled)
     return 0
 
 

@@ -18,6 +18,12 @@ class ServeMetrics:
         registry = self.registry
         self.requests = Counter("flatpack_serve_requests", "predict requests answered, by HTTP status",
                                 ["status"], registry=registry)
+        # a shed is the admission control's refusal (429), never an error; an error is the server's
+        # failure (5xx). A client or load balancer tells them apart by status, /metrics by name.
+        self.shed = Counter("flatpack_serve_shed", "requests shed (429) because they would miss the SLO, by reason: "
+                            "admission (on arrival) or deadline (queued too long)", ["reason"], registry=registry)
+        self.errors = Counter("flatpack_serve_errors", "requests that failed in the server (5xx): a batch failed",
+                              registry=registry)
         self.latency = Histogram("flatpack_serve_request_seconds", "predict latency from arrival to answer",
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.batch_samples = Histogram("flatpack_serve_batch_samples", "samples per batch run",
@@ -36,6 +42,10 @@ class ServeMetrics:
         self.max_batch = Gauge("flatpack_serve_max_batch", "the batcher's maximum batch (samples)", registry=registry)
         self.max_delay = Gauge("flatpack_serve_max_delay_seconds", "the batcher's maximum queueing delay",
                                registry=registry)
+        self.capacity = Gauge("flatpack_serve_capacity_samples_per_second", "the most samples per second the "
+                              "latency model says the deployment serves (full batches back to back)", registry=registry)
+        self.sized = Gauge("flatpack_serve_sized_samples_per_second", "the load the batching policy is sized for "
+                           "(the headroom's share of the capacity)", registry=registry)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,8 +44,11 @@ def schema(contract: InputContract) -> dict[str, Any]:
             "400": _error_response("malformed body"), "413": _error_response("body or batch over the limit"),
             "415": _error_response("unsupported Content-Type"),
             "422": _error_response("an input of the wrong name, shape or dtype"),
+            "429": {**_error_response("shed: the request would miss the SLO (on arrival, or after queueing)"),
+                    "headers": {"Retry-After": {"schema": {"type": "integer"},
+                                                "description": "seconds the work ahead is predicted to need"}}},
             "500": _error_response("a function failed"),
-            "503": _error_response("warming up, draining, or overloaded (would miss the SLO)")}}
+            "503": _error_response("warming up or draining")}}
     plain = {"200": {"description": "ok"}, "503": {"description": "not ready"}}
     return {
         "openapi": "3.1.0",

@@ -2,10 +2,13 @@
 model measured at warm-up, and the one thread that talks to it.
 
 Every call into a deployment (deploy, infer, teardown) runs on the version's own thread: the
-fork-join master serves one request at a time, and a function the local backend starts dies
-with the thread that started it (``flatpack.interrupts.die_with_parent``), so that thread lives
-exactly as long as the version. The functions stay resident between requests
-(``FunctionDeployment.infer`` keeps its master and workers warm until ``stop_inference``).
+fork-join master serves one request at a time, so that thread lives exactly as long as the
+version. The functions stay resident between requests (``FunctionDeployment.infer`` keeps
+its master and workers warm until ``stop_inference``). None of them outlives the server, even
+a SIGKILLed one, although they are started from this thread and not the main one: each
+function watches its invoker (``runtime.invoker_watch``) and the store is forked on a thread
+that lasts as long as the process (``interrupts.on_lasting_thread``);
+``tests/integration/test_serve.py`` kills a server with SIGKILL.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any
 import torch
 
 from flatpack import logs
-from flatpack.backends import get_backend
 from flatpack.compiler import Compiled
 from flatpack.errors import PlanError
 from flatpack.partitioner.cost import gillis
@@ -29,6 +31,7 @@ from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.partitioner.workload import Workload
 from flatpack.platform.catalog import get_platform
 from flatpack.serve.batcher import LatencyModel
+from flatpack.serve.targets import Target
 from flatpack.serve.tensors import InputContract, flat_outputs
 
 LOG = logs.get("serve")
@@ -65,9 +68,10 @@ def gillis_model(compiled: Compiled, sizes: tuple[int, int]) -> LatencyModel | N
 
 
 class Version:
-    """A deployment of ``compiled`` on ``target``; :meth:`start` deploys and warms it."""
+    """A deployment of ``compiled`` on ``target`` (local processes or Ray tasks); :meth:`start`
+    deploys and warms it."""
 
-    def __init__(self, compiled: Compiled, target: str, max_batch: int) -> None:
+    def __init__(self, compiled: Compiled, target: Target, max_batch: int) -> None:
         self.compiled = compiled
         self.digest = compiled.digest
         self.contract = contract_of(compiled)
@@ -89,7 +93,7 @@ class Version:
 
     def _start(self) -> None:
         started = time.perf_counter()
-        self.deployment = get_backend(self.target).deploy(self.compiled, digest=self.digest)
+        self.deployment = self.target.deploy(self.compiled)
         points = []
         for size in self._probe_sizes:
             example = self._example(size)

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -29,6 +29,7 @@ from flatpack.errors import InputError
 from flatpack.partitioner.workload import Workload
 from flatpack.serve.app import Service, build_app
 from flatpack.serve.settings import ServeSettings
+from flatpack.serve.targets import Target
 from flatpack.stage.integrity import check_digest
 
 LOG = logs.get("serve")
@@ -99,17 +100,21 @@ class _Uvicorn(uvicorn.Server):
 
 
 class Server:
-    """The service on ``settings.host:settings.port`` (port 0: a free one, see :attr:`url`)."""
+    """The service on ``settings.host:settings.port`` (port 0: a free one, see :attr:`url`),
+    deploying on ``target`` (opened here from ``settings`` when not given; the server closes
+    it when it stops)."""
 
-    def __init__(self, compiled: Compiled, settings: ServeSettings) -> None:
+    def __init__(self, compiled: Compiled, settings: ServeSettings, target: Target | None = None) -> None:
         self.settings = settings
-        self.service = Service(compiled, settings)
+        self.target = target if target is not None else Target.open(settings)
+        self.service = Service(compiled, settings, self.target)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.socket.bind((settings.host, settings.port))
         except OSError as err:
             self.socket.close()
+            self.target.close()
             raise InputError(f"cannot listen on {settings.host}:{settings.port} ({err.strerror}); choose another "
                              "--port") from None
         config = uvicorn.Config(build_app(self.service), log_level="warning", lifespan="on",
@@ -129,6 +134,7 @@ class Server:
             self._uvicorn.run(sockets=[self.socket])
         finally:
             self.socket.close()
+            self.target.close()
 
     def start(self) -> Server:
         """Serves on a thread; :meth:`stop` drains and stops it."""
@@ -156,7 +162,20 @@ def serve(model: Any, example_inputs: Any = None, *, slo_ms: float, digest: str 
           host: str = "127.0.0.1", port: int = 8000, admin_token: str | None = None, **options: Any) -> None:
     """Serves ``model`` (a Compiled, an artifact directory or an ``nn.Module`` with its
     ``example_inputs``) over HTTP until SIGTERM: ``flatpack serve`` in Python. ``options``:
-    the other :class:`ServeSettings` fields (``max_body_bytes``, ``max_batch``, ...)."""
+    the other :class:`ServeSettings` fields (``address``, ``max_body_bytes``, ``max_batch``, ...)."""
     settings = ServeSettings(slo_s=slo_ms / 1e3, target=target, host=host, port=port, admin_token=admin_token,
                              **options)
-    Server(resolve(model, example_inputs, digest=digest, settings=settings), settings).run()
+    serve_with(settings, lambda: resolve(model, example_inputs, digest=digest, settings=settings))
+
+
+def serve_with(settings: ServeSettings, compiled: Callable[[], Compiled]) -> None:
+    """Opens the target (a Ray cluster's connection: before compiling, so that the plan sees
+    its nodes), gets what to serve from ``compiled`` and serves it until SIGTERM."""
+    target = Target.open(settings)
+    try:
+        server = Server(compiled(), settings, target)
+    except BaseException:
+        target.close()
+        raise
+    print(f"serving {server.service.version.digest} on {server.url}", flush=True)
+    server.run()

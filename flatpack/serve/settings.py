@@ -14,7 +14,7 @@ from pathlib import Path
 from flatpack import safeio
 from flatpack.errors import InputError
 
-TARGETS = ("local",)            # the backends whose functions stay resident between requests
+TARGETS = ("local", "ray")     # the backends whose functions stay resident between requests
 DEFAULT_MAX_BODY_BYTES = 16 * safeio.MiB
 DEFAULT_MAX_REQUEST_SAMPLES = 256
 DEFAULT_MAX_BATCH = 64          # the batcher's cap, whatever the latency model would allow
@@ -30,10 +30,13 @@ class ServeSettings:
     the most samples one batch may hold; ``admin_token``: the bearer token ``POST
     /admin/version`` requires (None: the endpoint is off); ``drain_timeout_s``: how long a
     SIGTERM waits for the requests in flight; ``drain_grace_s``: how long it then keeps
-    answering new requests with 503 before it stops listening."""
+    answering new requests with 503 before it stops listening; ``address``: the Ray cluster
+    of the ``ray`` target (``backends.ray.connect``: ``auto``, ``HOST:PORT``, ``ray://HOST:10001``
+    or ``local``; None: the connection this process has, else ``auto``)."""
 
     slo_s: float
     target: str = "local"
+    address: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -48,8 +51,10 @@ class ServeSettings:
             raise InputError(f"the SLO must be a positive number of seconds, got {self.slo_s!r} "
                              "(--slo-ms 200 is 0.2 s)")
         if self.target not in TARGETS:
-            raise InputError(f"flatpack serve runs on {', '.join(TARGETS)} so far, not {self.target!r}; "
-                             "use --target local")
+            raise InputError(f"flatpack serve runs on {' or '.join(TARGETS)} so far, not {self.target!r}; "
+                             "use --target local or --target ray")
+        if self.address is not None and self.target != "ray":
+            raise InputError("--address names the Ray cluster to serve on; give --target ray with it, or leave it out")
         if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
             raise InputError(f"port must be 0..65535 (0: any free port), got {self.port!r}")
         for name in ("max_body_bytes", "max_request_samples", "max_batch"):

@@ -202,3 +202,59 @@ def test_address_without_target_ray_is_refused_before_anything_runs(tmp_path):
 
     assert cli.main(["run", "mlp", "--address", "auto", "--out", str(tmp_path / "run")]) != 0
     assert not (tmp_path / "run" / "store").exists()
+
+
+def test_flatpack_serve_target_ray_answers_as_the_model_from_warm_ray_tasks(ray_cluster, tmp_path):
+    """``flatpack serve DIR --target ray --address ADDRESS`` as a user runs it, a driver of its
+    own on this cluster: its fork-join functions run as Ray tasks (under the raylets, none under
+    the server), stay warm across concurrent requests of mixed sizes, and every answer equals
+    the original model's; SIGTERM then stops it cleanly."""
+    import asyncio
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.integration.test_serve import SAMPLE, _output, _predict, _wait_ready
+    from tests.models import ConvBlocks
+    from tests.proctree import cmdline, descendants
+
+    torch.manual_seed(0)
+    model = ConvBlocks().eval()
+    plan = Plan((StagePlan(0, 1, None, 2, split="channel"), StagePlan(2, 4)), 5)
+    compiled = flatpack.compile(model, (torch.randn(2, *SAMPLE),), plan=plan, target="ray")
+    compiled.save(tmp_path / "art")
+    server = subprocess.Popen([sys.executable, "-m", "flatpack", "serve", str(tmp_path / "art"), "--digest",
+                               compiled.digest, "--target", "ray", "--address", ray_cluster.address,
+                               "--slo-ms", "60000", "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        found = re.match(r"serving [0-9a-f]{64} on (http://\S+)", line)
+        assert found, line + server.stdout.read()
+        url = found.group(1)
+        _wait_ready(url)
+        inputs = [torch.randn(1 + index % 4, *SAMPLE) for index in range(12)]
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_predict(client, url, x, index % 2 == 0)
+                                              for index, x in enumerate(inputs)))
+
+        responses = asyncio.run(run())
+        with torch.no_grad():
+            for x, response in zip(inputs, responses):
+                assert response.status_code == 200, response.text
+                torch.testing.assert_close(_output(response), model(x))
+        served_here = [pid for pid in descendants(server.pid) if "flatpack.runtime.worker" in cmdline(pid)]
+        on_ray = [pid for pid in descendants(os.getpid()) if "flatpack.runtime.worker" in cmdline(pid)]
+        assert served_here == [] and len(on_ray) >= 3       # the master and two workers, under the raylets
+        assert re.search(r"^flatpack_serve_cold_starts_total 3\.0$", httpx.get(f"{url}/metrics").text, re.M)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -26,6 +26,7 @@ from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.serve.server import Server
 from flatpack.serve.settings import ServeSettings
 from tests.models import ConvBlocks
+from tests.proctree import cmdline, descendants, kill_all, wait_gone
 
 pytestmark = pytest.mark.timeout(600)
 SAMPLE = (3, 6, 6)
@@ -212,29 +213,50 @@ def test_a_version_switch_under_load_fails_no_request(server, model, artifacts):
     assert httpx.get(f"{server.url}/readyz").json()["digest"] == green
 
 
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        for child in map(int, children):
-            found |= {child} | _descendants(child)
-    return found
+def test_a_shed_request_gets_429_with_retry_after_and_is_no_error(server):
+    """A policy whose latency model says every batch takes 100 s against the 60 s SLO, with a
+    2 s batching delay: the first request is admitted (the queue was empty) and waits for its
+    batch; every other one, arriving behind it, is shed with 429, a Retry-After of the
+    predicted backlog, and counted as shed, not as an error."""
+    from flatpack.serve.batcher import BatchPolicy, LatencyModel
 
-
-def _alive(pid: int) -> bool:
+    batcher = server.service.batcher
+    real = batcher.policy
+    before = httpx.get(f"{server.url}/metrics").text
+    # meets_slo=False: the admitted request is not shed on its deadline either (it runs for throughput)
+    batcher.policy = BatchPolicy(64, 2.0, 60.0, LatencyModel(100.0, 0.0, "test"), False)
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = asyncio.create_task(_predict(client, server.url, torch.randn(1, *SAMPLE), False))
+                await asyncio.sleep(0.3)        # queued, waiting out the 2 s delay
+                others = await asyncio.gather(*(_predict(client, server.url, torch.randn(2, *SAMPLE), False)
+                                                for _ in range(6)))
+                return [await first, *others]
+
+        first, *others = asyncio.run(run())
+    finally:
+        batcher.policy = real
+    assert first.status_code == 200, first.text
+    for response in others:
+        assert response.status_code == 429, response.text
+        assert int(response.headers["retry-after"]) >= 100       # the backlog the model predicts
+        assert response.headers["x-flatpack-shed"] == "admission"
+        assert response.json()["shed"] == "admission"
+    after = httpx.get(f"{server.url}/metrics").text
+
+    def count(pattern: str, text: str) -> float:
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    shed = r'^flatpack_serve_shed_total\{reason="admission"\} (\S+)$'
+    assert count(shed, after) - count(shed, before) == 6
+    assert count(r"^flatpack_serve_errors_total (\S+)$", after) == 0
+    assert count(r"^flatpack_serve_sized_samples_per_second (\S+)$", after) > 0
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from Linux's /proc")
-def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(artifacts, model):
-    """The CLI server in a subprocess: SIGTERM while requests stream in. Every request it
-    accepted is answered correctly; later ones get 503 or find the port closed; the server
-    exits 0 and every function and store process it started is gone."""
-    directory, digest, _, _ = artifacts
+def _serve_cli(directory: Path, digest: str) -> tuple[subprocess.Popen, str]:
+    """``flatpack serve DIRECTORY`` in a subprocess on a free port, ready; (process, url)."""
     root = str(Path(__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "flatpack", "serve", str(directory), "--digest", digest,
@@ -246,9 +268,27 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
         match = re.match(r"serving ([0-9a-f]{64}) on (http://\S+)", line)
         assert match, line
         assert match.group(1) == digest
-        url = match.group(2)
-        _wait_ready(url)
-        children = _descendants(process.pid)
+        _wait_ready(match.group(2))
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, match.group(2)
+
+
+linux_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+
+
+@linux_proc
+def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(artifacts, model):
+    """The CLI server in a subprocess: SIGTERM while requests stream in. Every request it
+    accepted is answered correctly; later ones get 503 or find the port closed; the server
+    exits 0 and every function and store process it started is gone."""
+    directory, digest, _, _ = artifacts
+    process, url = _serve_cli(directory, digest)
+    children: dict[int, int] = {}
+    try:
+        children = descendants(process.pid)
         assert len(children) >= 4          # the store server, the master, two workers
         outcomes = asyncio.run(_load_then_sigterm(url, process))
         assert process.wait(timeout=120) == 0, process.stdout.read()  # pyright: ignore[reportOptionalMemberAccess]
@@ -264,10 +304,31 @@ def test_sigterm_under_load_fails_no_accepted_request_and_leaves_no_process(arti
     assert len(accepted) >= 8
     for _, response, after in outcomes:
         assert response is not None or after, "a request sent before SIGTERM got no answer"
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in children if _alive(pid)]
+    leftover = wait_gone(children, 30)
+    kill_all(children)
+    assert leftover == {}
+
+
+@linux_proc
+def test_sigkill_of_the_server_takes_every_function_and_the_store_with_it(artifacts):
+    """No handler runs on SIGKILL: the functions (started from the version's thread, not the
+    main one) end by their own watch of the server, the store by PR_SET_PDEATHSIG on the
+    thread that lasts as long as the server (both used to survive it)."""
+    directory, digest, _, _ = artifacts
+    process, _ = _serve_cli(directory, digest)
+    children: dict[int, int] = {}
+    try:
+        children = descendants(process.pid)
+        commands = [cmdline(pid) for pid in children]
+        assert sum("flatpack.runtime.worker" in command for command in commands) == 3, commands  # master + 2
+        assert any("weed" in command for command in commands), commands
+        process.kill()
+        process.wait()
+        assert wait_gone(children, 30) == {}
+    finally:
+        process.kill()
+        process.wait()
+        kill_all(children)
 
 
 async def _load_then_sigterm(url: str, process: subprocess.Popen) -> list:
@@ -304,10 +365,11 @@ def test_a_model_given_by_name_is_compiled_for_inference_and_served_by_position(
     from flatpack.serve.command import _build_model
     from flatpack.serve.pool import Version
     from flatpack.serve.server import resolve
+    from flatpack.serve.targets import Target
 
     model, example = _build_model("mlp", "tiny")
     compiled = resolve(model, example, settings=ServeSettings(slo_s=0.5))
-    version = Version(compiled, "local", 16)
+    version = Version(compiled, Target("local"), 16)
     assert version.contract.names == ("input_1",)
     x = torch.randn(3, 64)
 

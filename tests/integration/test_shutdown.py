@@ -18,61 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.proctree import cmdline, descendants, kill_all, wait_gone
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux's")]
 
 STARTUP_TIMEOUT_S = 300.0     # compile + profile + deploy on two busy cores
 EXIT_BOUND_S = 5.0            # the issue's promise for SIGINT/SIGTERM
-
-
-# ---- the process tree, from /proc -------------------------------------------------------------
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start time) of a process, or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[19])
-
-
-def _descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``: pid -> start time (to tell a reused pid apart)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _stat(int(entry))
-            if info is not None and info[0] != "Z":
-                children.setdefault(info[1], []).append(int(entry))
-                starts[int(entry)] = info[2]
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = starts[child]
-            todo.append(child)
-    return found
-
-
-def _alive(processes: dict[int, int]) -> dict[int, str]:
-    """Those of ``processes`` still running (a zombie has finished), with their command lines."""
-    alive = {}
-    for pid, start in processes.items():
-        info = _stat(pid)
-        if info is not None and info[2] == start and info[0] != "Z":
-            try:
-                alive[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-            except OSError:
-                alive[pid] = "?"
-    return alive
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 # ---- a run to stop ------------------------------------------------------------------------------
@@ -99,12 +51,12 @@ class Run:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"the run ended before training:\n{self.output()[-3000:]}"
-            tree = _descendants(self.process.pid)
-            commands = [_cmdline(pid) for pid in tree]
+            tree = descendants(self.process.pid)
+            commands = [cmdline(pid) for pid in tree]
             workers = [c for c in commands if "flatpack.runtime.worker" in c]
             if workers and any("weed" in c for c in commands):
                 time.sleep(1.0)      # into the iterations
-                self.started = _descendants(self.process.pid)
+                self.started = descendants(self.process.pid)
                 assert self.started, "the run's processes vanished"
                 return self.started
             time.sleep(0.2)
@@ -120,23 +72,14 @@ class Run:
         return time.monotonic() - started
 
     def wait_children_gone(self, timeout_s: float = 15.0) -> dict[int, str]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            alive = _alive(self.started)
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.1)
+        return wait_gone(self.started, timeout_s)
 
     def close(self) -> None:
         """Whatever the test found, leave nothing running."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        for pid in _alive(self.started):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(self.started)
         self.log.close()
 
 
@@ -189,7 +132,7 @@ def test_a_second_ctrl_c_during_the_shutdown_still_leaves_nothing_running(run):
 
 def test_sigkill_of_the_runner_takes_its_functions_and_server_with_it(run):
     started = run.wait_for_training()
-    assert any("weed" in _cmdline(pid) for pid in started)
+    assert any("weed" in cmdline(pid) for pid in started)
     run.process.send_signal(signal.SIGKILL)
     run.wait_exit(timeout_s=30)
     assert run.wait_children_gone(timeout_s=15.0) == {}

@@ -110,14 +110,54 @@ def test_a_full_queue_sheds_and_a_closed_batcher_refuses():
         await asyncio.sleep(0)
         second = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(2, 3))))
         await asyncio.sleep(0)
-        with pytest.raises(Overloaded):     # behind 2 or 4 queued samples (and a batch): ≥ 120 ms
+        with pytest.raises(Overloaded) as shed:     # behind 2 or 4 queued samples (and a batch): ≥ 120 ms
             await batcher.submit(_request(CONTRACT, torch.ones(2, 3)))
+        assert shed.value.reason == "admission"
+        assert shed.value.retry_after_s == pytest.approx(policy.backlog_seconds(2, 2)) or \
+            shed.value.retry_after_s == pytest.approx(policy.backlog_seconds(4, 0))
         await asyncio.gather(first, second)
         await batcher.stop()
         with pytest.raises(Closed):
             await batcher.submit(_request(CONTRACT, torch.ones(2, 3)))
 
     asyncio.run(scenario())
+
+
+def test_a_request_queued_past_what_the_slo_allows_is_shed_on_deadline_and_the_rest_run():
+    """The model says 10 ms + 1 ms/sample, the batches really take 150 ms: a request queued
+    behind one has waited longer than the 100 ms SLO allows by the time its batch forms."""
+    ran = []
+
+    async def slower_than_predicted(tensors):
+        ran.append(tensors["x"].shape[0])
+        await asyncio.sleep(0.15)
+        return {"output": tensors["x"]}, "digest"
+
+    async def scenario():
+        policy = BatchPolicy(1, 0.0, 0.100, LINE, True)       # one sample per batch
+        batcher = Batcher(policy, slower_than_predicted)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(1, 3))))
+        await asyncio.sleep(0.01)                              # the first batch is running
+        second = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(1, 3))))
+        answered = await first
+        with pytest.raises(Overloaded) as shed:
+            await second
+        later = await batcher.submit(_request(CONTRACT, torch.ones(1, 3)))   # an empty queue: admitted, run
+        await batcher.stop()
+        return answered, shed.value, later
+
+    answered, shed, later = asyncio.run(scenario())
+    assert answered.batch_samples == 1 and later.batch_samples == 1
+    assert shed.reason == "deadline" and ran == [1, 1]        # the shed request never ran
+
+
+def test_capacity_and_the_sized_load_follow_the_policy():
+    policy = BatchPolicy.choose(LINE, 0.100, cap=64)          # B = 30, t(30) = 40 ms
+    assert policy.capacity_samples_s == pytest.approx(30 / 0.040)
+    assert policy.sized_samples_s == pytest.approx(0.8 * 30 / 0.040)
+    assert policy.backlog_seconds(40, 30) == pytest.approx(0.040 + 0.020 + 0.040)
+    assert not BatchPolicy.choose(LatencyModel(0.3, 0.0, "test"), 0.5, cap=16).expired(10.0, 1)  # for throughput
 
 
 def test_requests_with_other_free_sizes_are_batched_apart():
@@ -158,8 +198,10 @@ def test_settings_refuse_bad_values_and_never_show_the_token(tmp_path, monkeypat
     from flatpack.errors import InputError
     from flatpack.serve.settings import ServeSettings, read_admin_token
 
-    with pytest.raises(InputError, match="runs on local so far, not 'aws-lambda'"):
+    with pytest.raises(InputError, match="runs on local or ray so far, not 'aws-lambda'"):
         ServeSettings(slo_s=0.2, target="aws-lambda")
+    with pytest.raises(InputError, match="--address names the Ray cluster"):
+        ServeSettings(slo_s=0.2, address="auto")
     with pytest.raises(InputError, match="positive number of seconds"):
         ServeSettings(slo_s=0.0)
     token_file = tmp_path / "token"
