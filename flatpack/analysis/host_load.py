@@ -78,6 +78,12 @@ class HostLoad:
     def cpu_s(self) -> float:
         return self.compute_s + self.request_s + self.miss_s + self.list_s
 
+    def terms(self) -> dict[str, float]:
+        """The count's CPU seconds by term (``benchmarks/cpu_accounting.py`` prints them)."""
+        return {"compute (layers, optimizer step)": self.compute_s,
+                f"requests that find their key ({self.requests})": self.request_s,
+                f"polls' misses ({self.misses})": self.miss_s, f"invoker's lists ({self.lists:.1f})": self.list_s}
+
     @property
     def bound_s(self) -> float:
         """t_host: the iteration's CPU seconds over the host's cores."""
