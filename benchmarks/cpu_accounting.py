@@ -5,7 +5,7 @@
 host's busy CPU from ``/proc/stat``: on a host other work shares, that figure is everyone's.
 This benchmark reads each process of the run instead, from ``/proc/PID/stat`` (user and
 system CPU) and ``/proc/PID/status`` (voluntary and involuntary context switches), sampled
-every ``PERIOD_S`` while the plan trains, and reads them over the kept iterations' window,
+every 50 ms (``cpus.ProcessCpuSampler``) while the plan trains, and reads them over the kept iterations' window,
 so that other work on the host does not enter the figures (it enters only as the time a
 process waits for a core, which is no CPU of its own). The processes, by kind:
 
@@ -29,167 +29,17 @@ adds (``HostLoad.worker_s``). Printed per plan: both tables, measured − predic
 from __future__ import annotations
 
 import argparse
-import bisect
 import io
 import os
 import sys
 import tempfile
-import threading
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from flatpack import zoo
 from flatpack.analysis.report import predicted_host_load
+from flatpack.cpus import ProcessCpuSampler
 from flatpack.job import JobOptions, run_training
-
-PERIOD_S = 0.05
-KINDS = ("worker", "invoker", "store")
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One process's counters at one moment: CPU seconds (user, system), context switches
-    (voluntary, involuntary), its main thread's CPU seconds, and the sampler thread's (the
-    invoker's only)."""
-
-    user_s: float
-    system_s: float
-    voluntary: int
-    involuntary: int
-    main_thread_s: float
-    sampler_s: float = 0.0
-
-
-def _stat_cpu_s(path: str) -> float | None:
-    try:
-        with open(path) as stat:
-            text = stat.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _read(pid: int, sampler_tid: int | None) -> Reading | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            text = stat.read()
-        with open(f"/proc/{pid}/status") as status:
-            lines = dict(line.split(":", 1) for line in status.read().splitlines() if ":" in line)
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    main = _stat_cpu_s(f"/proc/{pid}/task/{pid}/stat") or 0.0
-    sampler = _stat_cpu_s(f"/proc/{pid}/task/{sampler_tid}/stat") if sampler_tid is not None else None
-    return Reading(int(fields[11]) / TICK, int(fields[12]) / TICK, int(lines["voluntary_ctxt_switches"]),
-                   int(lines["nonvoluntary_ctxt_switches"]), main, sampler or 0.0)
-
-
-def _descendants(root: int) -> Iterator[int]:
-    """Every live process below ``root`` (by each process's parent in ``/proc/PID/stat``)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                text = stat.read()
-        except OSError:
-            continue
-        children[int(text[text.rindex(")") + 2:].split()[1])].append(int(name))
-    stack = list(children[root])
-    while stack:
-        pid = stack.pop()
-        yield pid
-        stack += children[pid]
-
-
-def _kind(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-    except OSError:
-        return "store"
-    return "worker" if b"flatpack.runtime.worker" in argv else "store"
-
-
-@dataclass
-class ProcessCpuSampler:
-    """Every process of this run (this one, the invoker, and all below it), read every
-    ``period_s`` on a thread while the ``with`` block runs."""
-
-    period_s: float = PERIOD_S
-    samples: list[tuple[float, dict[int, Reading]]] = field(default_factory=list)
-    kinds: dict[int, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="cpu-accounting", daemon=True)
-        self._tid: int | None = None
-
-    def _sample(self) -> None:
-        self._tid = threading.get_native_id()
-        me = os.getpid()
-        self.kinds[me] = "invoker"
-        while not self._stop.is_set():
-            readings: dict[int, Reading] = {}
-            for pid in (me, *_descendants(me)):
-                if pid not in self.kinds:
-                    self.kinds[pid] = _kind(pid)
-                reading = _read(pid, self._tid if pid == me else None)
-                if reading is not None:
-                    readings[pid] = reading
-            self.samples.append((time.time(), readings))
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> ProcessCpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def window(self, start: float, end: float) -> dict[str, dict[str, float]]:
-        """Per process kind, from ``start`` to ``end`` (``time.time()``): CPU seconds (user,
-        system, main thread, other threads) and context switches, summed over its processes;
-        each process's counters as the last sample at or before each end read them (one
-        started later counts from 0; one that exited, to its last sample)."""
-        times = [when for when, _ in self.samples]
-        first, last = bisect.bisect_right(times, start), bisect.bisect_right(times, end)
-        totals: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in KINDS}
-        for pid in {pid for _, readings in self.samples[:last] for pid in readings}:
-            before = _latest(self.samples[:first], pid) or Reading(0.0, 0.0, 0, 0, 0.0)
-            after = _latest(self.samples[:last], pid) or before
-            into = totals[self.kinds.get(pid, "store")]
-            sampler = after.sampler_s - before.sampler_s
-            cpu = after.user_s + after.system_s - before.user_s - before.system_s
-            main = after.main_thread_s - before.main_thread_s
-            if cpu <= 0 and after is before:
-                continue
-            into["processes"] += 1
-            into["user_s"] += after.user_s - before.user_s
-            into["system_s"] += after.system_s - before.system_s
-            into["cpu_s"] += cpu - sampler
-            into["main_thread_s"] += main
-            into["other_threads_s"] += cpu - main - sampler
-            into["voluntary"] += after.voluntary - before.voluntary
-            into["involuntary"] += after.involuntary - before.involuntary
-            into["sampler_s"] += sampler
-        return {kind: dict(values) for kind, values in totals.items()}
-
-
-def _latest(samples: list[tuple[float, dict[int, Reading]]], pid: int) -> Reading | None:
-    """``pid``'s counters in the last of ``samples`` that read it."""
-    for _, readings in reversed(samples):
-        if pid in readings:
-            return readings[pid]
-    return None
-
 
 @dataclass(frozen=True)
 class PlanShape:
@@ -221,7 +71,7 @@ def run_plan(model_name: str, shape: PlanShape, *, batch: int, micro_batches: in
     if not kept:
         raise RuntimeError(f"{model_name} {shape.label}: no kept iteration to account (give more --iterations)")
     start, end = min(it.start for it in kept), max(it.end for it in kept)
-    measured = {kind: {key: value / len(kept) for key, value in figures.items()}
+    measured = {kind: {key: value if key == "processes" else value / len(kept) for key, value in figures.items()}
                 for kind, figures in sampler.window(start, end).items()}
     problem, plan = result.compiled.problem, result.compiled.plan
     load = predicted_host_load(problem, plan, schedule=schedule)

@@ -78,11 +78,10 @@ from typing import Any
 import torch
 from scipy.stats import spearmanr
 
-from benchmarks.cpu_accounting import ProcessCpuSampler
 from flatpack import zoo
 from flatpack.analysis import report
 from flatpack.analysis.refit import replan
-from flatpack.cpus import HostCpuSampler
+from flatpack.cpus import HostCpuSampler, ProcessCpuSampler
 from flatpack.ir.profile import CACHE_ENV
 from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe

@@ -11,6 +11,12 @@ pass). Hence
 
     t_iter ≥ t_host = (compute + Σ requests' CPU + misses · c_miss + lists · c_get) / C
 
+where C is the host's cores the run's processes get: all of them on a quiet host, and on one
+other work shares, what as many busy processes got when ``flatpack calibrate`` measured it
+(``RequestCpu.cores_obtained``, issue 44: at a load average of 17-25 from other work the
+2-core VM gave a 2 x 2 plan's six processes 0.38 cores, and its iteration took its 570
+core-ms over those, 1.5 s, where C = 2 predicted 0.56 s; ``benchmarks/cpu_accounting.py``),
+
 with each store request's CPU, client and server together, measured by ``flatpack
 calibrate`` (``platform.request_cpu``, :class:`~flatpack.platform.catalog.RequestCpu`), and
 the requests counted from the plan and the runtime's protocol:
@@ -65,7 +71,7 @@ INVOKER_POLL_S = 0.05
 class HostLoad:
     """What one iteration asks of a shared host's CPU, and the least time that takes."""
 
-    cores: int
+    cores: float           # the host's cores the run's processes get (RequestCpu.cores_for)
     compute_s: float       # layers' forward and backward and the optimizer step, CPU seconds
     request_s: float       # every put and get that finds its key (workers and invoker), the lists' aside
     requests: int          # how many those are
@@ -105,8 +111,9 @@ def host_load(problem: Problem, plan: Plan, cost: funcpipe.PipelineCost, events:
     platform = problem.platform
     if not shares_host(platform):
         return None
-    cpu, cores = platform.request_cpu, platform.host_cores
-    assert cpu is not None and cores is not None     # shares_host checked both
+    cpu, host_cores = platform.request_cpu, platform.host_cores
+    assert cpu is not None and host_cores is not None     # shares_host checked both
+    cores = funcpipe.run_cores(platform, plan)
     events = list(events)
     found_s, found = _request_cpu_s(problem, plan, cost, events, cpu, reads_target)
     # a poll's get takes a request's time, t_lat stretched by κ as the model's requests are.

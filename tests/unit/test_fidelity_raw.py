@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.cpu_accounting import ProcessCpuSampler, Reading
 from benchmarks.fidelity import RAW_SCHEMA, calibration_digest, compare_runs, raw_table
+from flatpack.cpus import ProcessCpuSampler, Reading
 
 
 def _row(model: str, stages: int, replicas: int, measured: float, predicted: float, own: float) -> dict:
