@@ -51,10 +51,11 @@ def test_a_different_calibration_file_has_a_different_digest(tmp_path: Path) -> 
 def test_compare_sets_each_shared_plan_first_then_second_and_names_the_missing(tmp_path: Path) -> None:
     calibration = tmp_path / "calibration.json"
     calibration.write_text("{}")
-    common = dict(calibration=calibration, started="t", loads=(1.0, 1.0), iterations=7, rounds=1)
-    first = raw_table([_row("vgg16", 2, 2, 0.300, 0.200, 0.500), _row("rnn-3", 1, 1, 0.05, 0.05, 0.08)], **common)
-    second = raw_table([_row("vgg16", 2, 2, 0.360, 0.330, 0.600), _row("bert-large", 1, 1, 0.06, 0.05, 0.09)],
-                       **common)
+    def table(rows: list[dict]) -> dict:
+        return raw_table(rows, calibration=calibration, started="t", loads=(1.0, 1.0), iterations=7, rounds=1)
+
+    first = table([_row("vgg16", 2, 2, 0.300, 0.200, 0.500), _row("rnn-3", 1, 1, 0.05, 0.05, 0.08)])
+    second = table([_row("vgg16", 2, 2, 0.360, 0.330, 0.600), _row("bert-large", 1, 1, 0.06, 0.05, 0.09)])
     text = compare_runs(first, second)
     vgg = next(line for line in text.splitlines() if line.startswith("| vgg16"))
     assert "300.0 → 360.0 | +20.0%" in vgg
