@@ -107,3 +107,21 @@ def test_the_sampler_sees_a_busy_child_process_as_a_store_kind_and_this_process_
     assert sampler.kinds[os.getpid()] == "invoker"
     window = sampler.window(sampler.samples[0][0], sampler.samples[-1][0])
     assert window["store"]["cpu_s"] > 0.1
+
+
+def test_the_accounting_table_sets_each_kind_s_cpu_beside_the_count_s_terms() -> None:
+    from benchmarks.cpu_accounting import report
+    from flatpack.analysis.host_load import HostLoad
+
+    measured = {"worker": {"processes": 4, "cpu_s": 0.246, "user_s": 0.232, "system_s": 0.014, "main_thread_s": 0.004,
+                           "other_threads_s": 0.242, "voluntary": 53, "involuntary": 11},
+                "invoker": {"processes": 1, "cpu_s": 0.048, "user_s": 0.03, "system_s": 0.018, "main_thread_s": 0.03,
+                            "other_threads_s": 0.018, "voluntary": 38, "involuntary": 20},
+                "store": {}}
+    load = HostLoad(cores=0.5, compute_s=0.06, request_s=0.1, requests=66, misses=66, miss_s=0.1, lists=22.0,
+                    list_s=0.04)
+    text = report({"label": "2x2", "measured": measured, "load": load, "iteration_s": 1.5, "predicted_s": 0.6,
+                   "measured_s": 1.4})
+    assert "| worker | 4 | 246.0 |" in text and "| all | | 294.0 |" in text
+    assert "| requests that find their key (66) | 100.0 |" in text
+    assert "measured − predicted: -6.0 core-ms (-2%)" in text
