@@ -330,6 +330,12 @@ def cores_obtained(processes: int, seconds: float) -> float | None:
         for _ in range(processes):
             pid = os.fork()
             if pid == 0:     # the child: spin, then leave without running the parent's exit handlers
+                # its own session, as the local backend starts each worker and the store
+                # (start_new_session): where the kernel groups scheduling by session
+                # (autogroup), each session gets a share, not each process, and forked
+                # children left in this one read a sixth of what a run's processes got
+                # (0.19 cores at a load average of 28, where a 1 x 1 plan's ran at full speed)
+                os.setsid()
                 deadline = time.monotonic() + seconds
                 while time.monotonic() < deadline:
                     pass
