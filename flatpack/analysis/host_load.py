@@ -11,11 +11,14 @@ pass). Hence
 
     t_iter ≥ t_host = (compute + Σ requests' CPU + misses · c_miss + lists · c_get) / C
 
-where C is the host's cores the run's processes get: all of them on a quiet host, and on one
-other work shares, what as many busy processes got when ``flatpack calibrate`` measured it
-(``RequestCpu.cores_obtained``, issue 44: at a load average of 17-25 from other work the
-2-core VM gave a 2 x 2 plan's six processes 0.38 cores, and its iteration took its 570
-core-ms over those, 1.5 s, where C = 2 predicted 0.56 s; ``benchmarks/cpu_accounting.py``),
+where C is the host's cores: every one of them the run's. Issue 44 measured what a run gets
+of them where other work shares the host (``benchmarks/cpu_accounting.py``: each of the run's
+processes from ``/proc``) and tried dividing by the share calibrate measured
+(``RequestCpu.cores_obtained``): on the 2-core VM at a load average of 15-41 from other agents
+the run's processes got 0.30-0.76 cores from one plan to the next, minutes apart, and the
+calibration's reading (0.19-0.29) put the ten plans of the fidelity benchmark 38-414 % over
+(MAPE 186 %, where C = 2 left the critical path 47 % under): a share read minutes before a
+run does not predict it, so C stays the host's cores and the share is only reported.
 
 with each store request's CPU, client and server together, measured by ``flatpack
 calibrate`` (``platform.request_cpu``, :class:`~flatpack.platform.catalog.RequestCpu`), and
@@ -71,7 +74,7 @@ INVOKER_POLL_S = 0.05
 class HostLoad:
     """What one iteration asks of a shared host's CPU, and the least time that takes."""
 
-    cores: float           # the host's cores the run's processes get (RequestCpu.cores_for)
+    cores: int
     compute_s: float       # layers' forward and backward and the optimizer step, CPU seconds
     request_s: float       # every put and get that finds its key (workers and invoker), the lists' aside
     requests: int          # how many those are
@@ -111,9 +114,8 @@ def host_load(problem: Problem, plan: Plan, cost: funcpipe.PipelineCost, events:
     platform = problem.platform
     if not shares_host(platform):
         return None
-    cpu, host_cores = platform.request_cpu, platform.host_cores
-    assert cpu is not None and host_cores is not None     # shares_host checked both
-    cores = funcpipe.run_cores(platform, plan)
+    cpu, cores = platform.request_cpu, platform.host_cores
+    assert cpu is not None and cores is not None     # shares_host checked both
     events = list(events)
     found_s, found = _request_cpu_s(problem, plan, cost, events, cpu, reads_target)
     # a poll's get takes a request's time, t_lat stretched by κ as the model's requests are.

@@ -17,13 +17,12 @@ rounds of the small figures is each request's fixed part; the large ones' excess
 byte, its part per byte moved.
 
 Then the host's cores a run gets (issue 44): ``CORE_PROBE_PROCESSES`` busy processes at a
-time, as many as a one-worker plan and a 2 x 2 one run (workers, invoker, store), each for
-``CORE_PROBE_S`` (``cpus.cores_obtained``). On a quiet host they read its cores; on one that
-other work shares, the share the scheduler gives a run beside it, which the host bound
-divides the iteration's CPU by (``RequestCpu.cores_for``): at a load average of 17-25 from
-other agents on the 2-core VM a 2 x 2 vgg16 plan's own processes used 570 core-ms an
-iteration (``benchmarks/cpu_accounting.py``), the bound's count 563, and its iteration took
-1.51 s, not the 0.28 s the count over 2 cores says: its processes got 0.38 cores.
+time, as many as a one-worker plan and a 2 x 2 one run (workers, invoker, store), each in its
+own session and for ``CORE_PROBE_S`` (``cpus.cores_obtained``). On a quiet host they read its
+cores; on one that other work shares, less, and ``flatpack calibrate`` says so. The host bound
+does not divide by it: on the 2-core VM at a load average of 15-41 the calibration read
+0.19-0.29 cores while the fidelity benchmark's runs, minutes later, got 0.30-0.76
+(``analysis.host_load``).
 """
 
 from __future__ import annotations

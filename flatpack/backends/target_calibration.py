@@ -75,7 +75,7 @@ HOST_REPEATS = 15
 # bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
 # 8: the store requests' host CPU (request_cpu_s, backends.request_cpu), which the host bound
 # counts by (analysis.host_load): a cached calibration without it bounds nothing. 9: the host's
-# cores a run's processes get (RequestCpu.cores_obtained), which the host bound divides by.
+# cores a run's processes get (RequestCpu.cores_obtained), reported beside the figures.
 METHOD_REVISION = 9
 
 
@@ -438,6 +438,10 @@ def calibration_summary(calibration: Calibration) -> str:
         if cpu.cores_obtained:
             lines.append("host cores a run's busy processes got: " + ", ".join(
                 f"{cores:.2f} of {calibration.host_cores} for {processes}" for processes, cores in cpu.cores_obtained))
+            if calibration.host_cores and min(cores for _, cores in cpu.cores_obtained) < 0.8 * min(
+                    calibration.host_cores, cpu.cores_obtained[0][0]):
+                lines.append("  other work shares this host: the predictions assume its cores are the run's, and its "
+                             "figures drift with that work; measure on a quiet host")
     lines.append(f"{'tier MB':>8}  {'compute x host (conv/matmul/elementwise)':>42}  {'up MB/s':>8}  {'down MB/s':>9}  "
                  f"{'cold s':>7}  {'warm s':>7}  {'adam ns/B':>9}")
     for memory_mb in calibration.tiers_mb:

@@ -172,12 +172,12 @@ class RequestCpu:
     there, a get of one that is not yet (a poll's miss), each a fixed part plus seconds per
     byte moved. ``analysis.host_load`` sums them over an iteration's requests.
 
-    ``cores_obtained``: (processes, cores) pairs, what that many always-busy processes got
-    of the host's cores together when calibrate measured it (``cpus.cores_obtained``): on a
-    host other work shares, fewer than its cores (issue 44: at a load average of 17-25 on the
-    2-core VM, a 2 x 2 plan's processes got 0.38 cores). Empty: not measured (every core is
-    taken as the run's). The host bound divides the iteration's CPU by it
-    (:meth:`cores_for`)."""
+    ``cores_obtained``: (processes, cores) pairs, what that many busy processes, each in its
+    own session as the local backend starts its workers, got of the host's cores together
+    when calibrate measured it (``cpus.cores_obtained``; issue 44). Fewer than the host's
+    cores says other work shares the host: ``flatpack calibrate`` prints it, and
+    ``benchmarks/fidelity.py`` records it beside each run. The host bound does not divide by
+    it (``analysis.host_load`` says why). Empty: not measured."""
 
     put_s: float
     get_s: float
@@ -197,23 +197,6 @@ class RequestCpu:
                                                 for processes, cores in self.cores_obtained):
             raise InputError(f"cores_obtained must pair distinct, increasing process counts (at least 1) with a "
                              f"positive number of cores, got {self.cores_obtained!r:.200}")
-
-    def cores_for(self, processes: int, host_cores: int) -> float:
-        """The cores ``processes`` busy processes get of a host of ``host_cores``: measured
-        (:attr:`cores_obtained`) on the line through the nearest two counts, the nearest one's
-        beyond them, at most ``host_cores``; ``host_cores`` where none was measured."""
-        if not self.cores_obtained:
-            return float(host_cores)
-        points = self.cores_obtained
-        if processes <= points[0][0]:
-            cores = points[0][1]
-        elif processes >= points[-1][0]:
-            cores = points[-1][1]
-        else:
-            index = bisect.bisect_left([count for count, _ in points], processes)
-            (low, low_cores), (high, high_cores) = points[index - 1], points[index]
-            cores = low_cores + (high_cores - low_cores) * (processes - low) / (high - low)
-        return min(float(host_cores), cores)
 
     def put(self, nbytes: float) -> float:
         return self.put_s + self.put_s_per_byte * nbytes

@@ -42,7 +42,7 @@ from flatpack.partitioner.space import SearchSpace
 from flatpack.units import mb
 
 if TYPE_CHECKING:
-    from flatpack.platform.catalog import Platform, Tier
+    from flatpack.platform.catalog import Tier
 
 MODEL = "funcpipe"
 
@@ -261,31 +261,13 @@ def compute_stretch(contention: float, tier: Tier) -> float:
     return max(1.0, contention * min(tier.vcpus, 1.0))
 
 
-def run_processes(plan: Plan) -> int:
-    """The processes of a local run of ``plan``: a worker per stage replica, the invoker and
-    the store's server."""
-    return sum(stage.replicas for stage in plan.stages) + 2
-
-
-def run_cores(platform: Platform, plan: Plan) -> float:
-    """The cores of the host a local run of ``plan`` gets (``platform.host_cores`` of them
-    at most): what as many busy processes got when ``flatpack calibrate`` measured the host
-    (``RequestCpu.cores_for``; issue 44), every core where it was not measured."""
-    cores = platform.host_cores
-    if cores is None:
-        raise ValueError(f"platform {platform.name!r} states no host cores: it shares no host")
-    if platform.request_cpu is None:
-        return float(cores)
-    return platform.request_cpu.cores_for(run_processes(plan), cores)
-
-
 def host_contention(problem: Problem, plan: Plan) -> float:
-    """κ of :class:`Overheads`: the CPU the plan's workers and the store ask of the host's
-    cores the run gets (:func:`run_cores`), over those cores, at least 1 (1 where the
-    platform does not share a host: a cloud function's CPU is its own)."""
-    if problem.platform.host_cores is None or problem.platform.kind != "local":
+    """κ of :class:`Overheads`: the CPU the plan's workers and the store ask of a host with
+    ``platform.host_cores`` cores, over those cores, at least 1 (1 where the platform does
+    not share a host: a cloud function's CPU is its own)."""
+    cores = problem.platform.host_cores
+    if cores is None or problem.platform.kind != "local":
         return 1.0
-    cores = run_cores(problem.platform, plan)
     threads = problem.options.threads
     demand = sum(stage.replicas * min(stage_tier(problem, stage, index).vcpus, threads)
                  for index, stage in enumerate(plan.stages)) + 1.0
