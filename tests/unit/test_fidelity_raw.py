@@ -118,7 +118,7 @@ def test_the_accounting_table_sets_each_kind_s_cpu_beside_the_count_s_terms() ->
                 "invoker": {"processes": 1, "cpu_s": 0.048, "user_s": 0.03, "system_s": 0.018, "main_thread_s": 0.03,
                             "other_threads_s": 0.018, "voluntary": 38, "involuntary": 20},
                 "store": {}}
-    load = HostLoad(cores=0.5, compute_s=0.06, request_s=0.1, requests=66, misses=66, miss_s=0.1, lists=22.0,
+    load = HostLoad(cores=2, compute_s=0.06, request_s=0.1, requests=66, misses=66, miss_s=0.1, lists=22.0,
                     list_s=0.04)
     text = report({"label": "2x2", "measured": measured, "load": load, "iteration_s": 1.5, "predicted_s": 0.6,
                    "measured_s": 1.4})
