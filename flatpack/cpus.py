@@ -223,13 +223,18 @@ def _descendants(root: int) -> Iterator[int]:
         stack += children[pid]
 
 
-def _kind(pid: int) -> str:
+def _kind(pid: int, own_cmdline: bytes) -> str | None:
+    """"worker" for a stage worker, "store" for any other child; None while ``pid`` still
+    runs this process's command line (forked, not yet exec'd: a worker read then would count
+    as the store for the rest of the run)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
+            raw = cmdline.read()
     except OSError:
         return "store"
-    return "worker" if b"flatpack.runtime.worker" in argv else "store"
+    if raw == own_cmdline:
+        return None
+    return "worker" if b"flatpack.runtime.worker" in raw.split(b"\0") else "store"
 
 
 @dataclass
@@ -251,6 +256,8 @@ class ProcessCpuSampler:
         me = os.getpid()
         self.kinds[me] = "invoker"
         known: list[int] = [me]
+        with open(f"/proc/{me}/cmdline", "rb") as cmdline:
+            own_cmdline = cmdline.read()
         while not self._stop.is_set():
             # the whole of /proc is walked for new processes every RESCAN-th sample only: a
             # walk reads every process's stat, and at every sample it cost the invoker 4 % of
@@ -260,7 +267,9 @@ class ProcessCpuSampler:
             readings: dict[int, Reading] = {}
             for pid in known:
                 if pid not in self.kinds:
-                    self.kinds[pid] = _kind(pid)
+                    kind = _kind(pid, own_cmdline)
+                    if kind is not None:
+                        self.kinds[pid] = kind
                 reading = _read(pid, self._tid if pid == me else None)
                 if reading is not None:
                     readings[pid] = reading

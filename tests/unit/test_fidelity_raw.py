@@ -125,3 +125,14 @@ def test_the_accounting_table_sets_each_kind_s_cpu_beside_the_count_s_terms() ->
     assert "| worker | 4 | 246.0 |" in text and "| all | | 294.0 |" in text
     assert "| requests that find their key (66) | 100.0 |" in text
     assert "measured − predicted: -6.0 core-ms (-2%)" in text
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_a_child_not_yet_exec_d_is_left_unclassified_until_it_runs_its_own_command() -> None:
+    from flatpack.cpus import _kind
+
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as cmdline:
+        own = cmdline.read()
+    # a forked child reads as this process's command line until its exec: not a store yet
+    assert _kind(os.getpid(), own) is None
+    assert _kind(os.getpid(), b"another command") == "store"
