@@ -43,16 +43,29 @@ run it on a quiet machine.
 ``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
 ``analysis.refit.replan``), runs the new plan and measures it.
 
+``--json PATH`` writes the raw table (per plan: model, plan, measured, predicted, error, the
+host CPU the bound counts and the CPU the run's own processes used, from
+``benchmarks/cpu_accounting.py``'s per-process sampler, beside the host's busy CPU) with the
+host's name, the run's start and end, the load averages and the calibration file's digest;
+``--compare PATH`` prints this run's difference from the run that wrote PATH (issue 44: runs
+on other machines, or hours apart, set side by side). ``--compare PATH`` with ``--against
+PATH2`` compares two such files without running anything.
+
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
         [--models vgg16,rnn-3] [--iterations 7] [--rounds 3] [--calibrate-each-round]
+        [--json PATH] [--compare PATH [--against PATH2]]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import hashlib
 import io
+import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +81,7 @@ from scipy.stats import spearmanr
 from flatpack import zoo
 from flatpack.analysis import report
 from flatpack.analysis.refit import replan
-from flatpack.cpus import HostCpuSampler
+from flatpack.cpus import HostCpuSampler, ProcessCpuSampler
 from flatpack.ir.profile import CACHE_ENV
 from flatpack.job import JobOptions, run_training
 from flatpack.partitioner.cost import funcpipe
@@ -168,7 +181,8 @@ def billed_dollars(problem: Problem, plan: Plan, measured_s: float) -> float:
                for stage in plan.stages if stage.memory_mb is not None)
 
 
-def train(case: Case, iterations: int, calibration: Path, solver: Any = None) -> tuple[Any, float, HostCpuSampler]:
+def train(case: Case, iterations: int, calibration: Path,
+          solver: Any = None) -> tuple[Any, float, HostCpuSampler, ProcessCpuSampler]:
     model, example = zoo.build(case.model, "tiny")
     with tempfile.TemporaryDirectory(prefix="flatpack-fidelity-") as out:
         options = JobOptions.of(batch=case.batch, micro_batches=case.micro_batches, iterations=iterations,
@@ -181,9 +195,9 @@ def train(case: Case, iterations: int, calibration: Path, solver: Any = None) ->
                              passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}",
                              calibration=calibration)
         started = time.perf_counter()
-        with HostCpuSampler() as host:
+        with HostCpuSampler() as host, ProcessCpuSampler() as processes:
             result = run_training(model, example, options, stream=io.StringIO())
-        return result, time.perf_counter() - started, host
+        return result, time.perf_counter() - started, host, processes
 
 
 def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -> dict:
@@ -191,14 +205,14 @@ def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -
     found = replan(first.compiled.problem, first.compiled.plan, first.train.events)
     if found.new == found.old:
         return {"case": case, "same": True, "old": first.comparison.measured_iteration_s}
-    again, _, _ = train(case, iterations, calibration, FixedPlan(found.new))
+    again, _, _, _ = train(case, iterations, calibration, FixedPlan(found.new))
     return {"case": case, "same": False, "old": first.comparison.measured_iteration_s,
             "new": again.comparison.measured_iteration_s, "saving": found.saving_s,
             "plan": " | ".join(f"{s.start}-{s.end} × {s.replicas}" for s in found.new.stages)}
 
 
 def measure(case: Case, iterations: int, calibration: Path) -> dict:
-    result, wall, host = train(case, iterations, calibration)
+    result, wall, host, processes = train(case, iterations, calibration)
     comparison = result.comparison
     plan, problem = result.compiled.plan, result.compiled.problem
     # the catalog alone: no calibration, the local platform's assumptions, the paper's equations
@@ -209,6 +223,10 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
     kept = [it for it in comparison.measured.iterations if it.kept]
     host_cpu = (host.busy_s(min(it.start for it in kept), max(it.end for it in kept)) or 0.0) / len(kept) \
         if kept else None
+    # the run's own processes (workers, invoker, store): what other work on the host adds to
+    # /proc/stat's busy CPU is not in it
+    own = processes.window(min(it.start for it in kept), max(it.end for it in kept)) if kept else {}
+    own_cpu = {kind: figures.get("cpu_s", 0.0) / len(kept) for kind, figures in own.items()}
     # the same prediction without the host bound: the critical path alone
     unbounded = report.predicted_iteration(
         dataclasses.replace(problem, platform=dataclasses.replace(problem.platform, request_cpu=None)), plan,
@@ -220,13 +238,15 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "uncalibrated_error": uncalibrated / measured - 1, "dollars": cost.dollars_per_iteration,
             "host_bound": cost.host_bound_s or 0.0, "critical_path": unbounded,
             "host_cpu": host_cpu or 0.0, "cores": problem.platform.host_cores or 1,
+            "own_cpu": sum(own_cpu.values()), "own_cpu_by_kind": own_cpu, "load": os.getloadavg()[0],
             "critical_path_error": unbounded / measured - 1,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
             "result": result}
 
 
-MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed", "host_bound", "critical_path", "host_cpu")
+MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed", "host_bound", "critical_path", "host_cpu",
+               "own_cpu")
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -246,6 +266,85 @@ def mape(errors: list[float], over: str = "") -> str:
     absolute = [abs(error) for error in errors]
     return (f"{statistics.mean(absolute) * 100:.1f}%{over} (median {statistics.median(absolute) * 100:.1f}%, "
             f"max {max(absolute) * 100:.1f}%)")
+
+
+RAW_SCHEMA = 1
+
+
+def calibration_digest(path: Path) -> str:
+    """The calibration file's sha256 (the first 16 hex digits): two runs with the same digest
+    were predicted from the same figures."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple[float, float],
+              iterations: int, rounds: int) -> dict[str, Any]:
+    """The run's figures as plain data (``--json``): the host, the time, the load, the
+    calibration's digest, and per plan its measured and predicted iteration, the error, the
+    host CPU the bound counts (bound × cores) and the CPU measured, both the run's own
+    processes (by kind) and the host's busy CPU, each per iteration."""
+    return {
+        "schema": RAW_SCHEMA, "host": socket.gethostname(), "cores": os.cpu_count(), "started": started,
+        "ended": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        "load_average": {"start": loads[0], "end": loads[1]},
+        "calibration": {"path": str(calibration), "digest": calibration_digest(calibration)},
+        "torch": torch.__version__, "iterations": iterations, "rounds": rounds,
+        "plans": [{"model": row["case"].model, "plan": row["case"].label, "batch": row["case"].batch,
+                   "micro_batches": row["case"].micro_batches, "measured_s": row["measured"],
+                   "predicted_s": row["predicted"], "error": row["error"], "host_bound_s": row["host_bound"],
+                   "critical_path_s": row["critical_path"],
+                   "host_cpu_predicted_s": row["host_bound"] * row["cores"],
+                   "host_cpu_measured_s": row["own_cpu"], "host_cpu_by_kind_s": row["own_cpu_by_kind"],
+                   "host_busy_s": row["host_cpu"], "load_average": row["load"]} for row in rows]}
+
+
+def _change(first: float, second: float) -> str:
+    return f"{(second / first - 1) * 100:+.1f}%" if first else "-"
+
+
+def compare_runs(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """The second run's figures beside the first's (two ``--json`` files): per plan the
+    measured and predicted iteration, the error and the host CPU, each first → second; then
+    both runs' calibrated MAPE over the plans both ran, and the plans one run lacks."""
+    if first.get("schema") != RAW_SCHEMA or second.get("schema") != RAW_SCHEMA:
+        raise ValueError(f"--compare reads the raw tables of schema {RAW_SCHEMA} that --json writes; got "
+                         f"{first.get('schema')} and {second.get('schema')}")
+    same = first["calibration"]["digest"] == second["calibration"]["digest"]
+    lines = [f"{name}: {run['host']}, {run['started']} to {run['ended']}, load average "
+             f"{run['load_average']['start']:.1f} then {run['load_average']['end']:.1f}, calibration "
+             f"{run['calibration']['digest']}" for name, run in (("first", first), ("second", second))]
+    lines[-1] += " (the same file)" if same else ""
+    lines += ["", "| model | plan | measured ms | change | predicted ms | change | error | host CPU core-ms: "
+              "predicted | measured | change |", "|---|---|---|---|---|---|---|---|---|---|"]
+    before = {(plan["model"], plan["plan"]): plan for plan in first["plans"]}
+    after = {(plan["model"], plan["plan"]): plan for plan in second["plans"]}
+    shared = [key for key in after if key in before]
+    for key in shared:
+        a, b = before[key], after[key]
+        lines.append(f"| {key[0]} | {key[1]} | {a['measured_s'] * 1000:.1f} → {b['measured_s'] * 1000:.1f} | "
+                     f"{_change(a['measured_s'], b['measured_s'])} | {a['predicted_s'] * 1000:.1f} → "
+                     f"{b['predicted_s'] * 1000:.1f} | {_change(a['predicted_s'], b['predicted_s'])} | "
+                     f"{a['error'] * 100:+.1f}% → {b['error'] * 100:+.1f}% | "
+                     f"{a['host_cpu_predicted_s'] * 1000:.0f} → {b['host_cpu_predicted_s'] * 1000:.0f} | "
+                     f"{a['host_cpu_measured_s'] * 1000:.0f} → {b['host_cpu_measured_s'] * 1000:.0f} | "
+                     f"{_change(a['host_cpu_measured_s'], b['host_cpu_measured_s'])} |")
+    if shared:
+        lines += ["", f"calibrated MAPE over the {len(shared)} plans both ran: first "
+                      f"{mape([before[key]['error'] for key in shared])}, second "
+                      f"{mape([after[key]['error'] for key in shared])}"]
+    for name, missing in (("first", [key for key in after if key not in before]),
+                          ("second", [key for key in before if key not in after])):
+        if missing:
+            lines.append(f"not in the {name} run: {', '.join(f'{model} {plan}' for model, plan in missing)}")
+    return "\n".join(lines)
+
+
+def read_raw(path: Path) -> dict[str, Any]:
+    """A raw table ``--json`` wrote; exits naming the file where it is not one."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{path}: not a raw table from fidelity.py --json ({err})") from err
 
 
 def main() -> None:
@@ -273,7 +372,21 @@ def main() -> None:
                              "(default: one calibration for all rounds). On a shared host the figures drift over "
                              "minutes (store latency 2.1 then 4.6 ms in calibrations 7 minutes apart): a calibration "
                              "next to the runs it predicts leaves that drift out of the model's error")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the raw table (per plan, with the host, time, load and calibration digest) here")
+    parser.add_argument("--compare", type=Path, default=None,
+                        help="a first run's --json file: print this run's difference from it")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="with --compare: a second run's --json file, compared without running anything")
     args = parser.parse_args()
+    if args.against is not None:
+        if args.compare is None:
+            parser.error("--against compares a second run's file with --compare's first: give --compare too")
+        print(compare_runs(read_raw(args.compare), read_raw(args.against)))
+        return
+    first_run = read_raw(args.compare) if args.compare is not None else None
+    started = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    load_at_start = os.getloadavg()[0]
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
     if args.calibrate_each_round and args.calibration:
@@ -306,6 +419,10 @@ def main() -> None:
                 if args.verbose:
                     print(row["table"], file=sys.stderr)
         rows = [median_row(case_runs) for case_runs in runs]
+        raw = raw_table(rows, calibration=calibration, started=started, loads=(load_at_start, os.getloadavg()[0]),
+                        iterations=args.iterations, rounds=args.rounds)
+        if args.json is not None:
+            args.json.write_text(json.dumps(raw, indent=1) + "\n")
         forkjoin_rows = []
         if args.forkjoin:
             # the fork-join benchmark imports this module's calibrate: imported here, not at the top
@@ -323,15 +440,16 @@ def main() -> None:
           f"plan's figures the median of its rounds; "
           f"{'a calibration measured before each round' if args.calibrate_each_round else 'one calibration'}\n")
     print("| model | batch | M | plan (stages × d, tier MB, schedule) | measured ms | calibrated ms | error | "
-          "host bound ms | critical path ms | error | host CPU core-ms: predicted | measured | uncalibrated ms | "
-          "error | predicted $/iter | billed $/iter | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "host bound ms | critical path ms | error | host CPU core-ms: predicted | run's processes | host busy | "
+          "uncalibrated ms | error | predicted $/iter | billed $/iter | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         case = row["case"]
         print(f"| {case.model} | {case.batch} | {case.micro_batches} | {case.label} | {row['measured'] * 1000:.1f} | "
               f"{row['predicted'] * 1000:.1f} | {row['error'] * 100:+.1f}% | {row['host_bound'] * 1000:.1f} | "
               f"{row['critical_path'] * 1000:.1f} | {row['critical_path_error'] * 100:+.1f}% | "
-              f"{row['host_bound'] * row['cores'] * 1000:.0f} | {row['host_cpu'] * 1000:.0f} | "
+              f"{row['host_bound'] * row['cores'] * 1000:.0f} | {row['own_cpu'] * 1000:.0f} | "
+              f"{row['host_cpu'] * 1000:.0f} | "
               f"{row['uncalibrated'] * 1000:.1f} | "
               f"{row['uncalibrated_error'] * 100:+.1f}% | {row['dollars']:.3g} | {row['billed']:.3g} | "
               f"{row['dollar_error'] * 100:+.1f}% |")
@@ -355,6 +473,9 @@ def main() -> None:
         # (statistic, pvalue): scipy's stubs type the result as a bare tuple, so it is read by position
         rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine])[0]
         print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
+    if first_run is not None:
+        print(f"\nThis run against {args.compare}:\n")
+        print(compare_runs(first_run, raw))
     if forkjoin_rows:
         print("\nFork-join inference (Gillis), the same calibration:\n")
         forkjoin_split.report(forkjoin_rows, 7)

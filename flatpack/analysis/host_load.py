@@ -11,6 +11,15 @@ pass). Hence
 
     t_iter ≥ t_host = (compute + Σ requests' CPU + misses · c_miss + lists · c_get) / C
 
+where C is the host's cores: every one of them the run's. Issue 44 measured what a run gets
+of them where other work shares the host (``benchmarks/cpu_accounting.py``: each of the run's
+processes from ``/proc``) and tried dividing by the share calibrate measured
+(``RequestCpu.cores_obtained``): on the 2-core VM at a load average of 15-41 from other agents
+the run's processes got 0.30-0.76 cores from one plan to the next, minutes apart, and the
+calibration's reading (0.19-0.29) put the ten plans of the fidelity benchmark 38-414 % over
+(MAPE 186 %, where C = 2 left the critical path 47 % under): a share read minutes before a
+run does not predict it, so C stays the host's cores and the share is only reported.
+
 with each store request's CPU, client and server together, measured by ``flatpack
 calibrate`` (``platform.request_cpu``, :class:`~flatpack.platform.catalog.RequestCpu`), and
 the requests counted from the plan and the runtime's protocol:
@@ -77,6 +86,12 @@ class HostLoad:
     @property
     def cpu_s(self) -> float:
         return self.compute_s + self.request_s + self.miss_s + self.list_s
+
+    def terms(self) -> dict[str, float]:
+        """The count's CPU seconds by term (``benchmarks/cpu_accounting.py`` prints them)."""
+        return {"compute (layers, optimizer step)": self.compute_s,
+                f"requests that find their key ({self.requests})": self.request_s,
+                f"polls' misses ({self.misses})": self.miss_s, f"invoker's lists ({self.lists:.1f})": self.list_s}
 
     @property
     def bound_s(self) -> float:

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from flatpack.analysis.host_load import host_load, shares_host
+from flatpack.analysis.host_load import HostLoad, host_load, shares_host
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.problem import Problem
@@ -173,6 +173,25 @@ def predicted_iteration(problem: Problem, plan: Plan, *, reads_target: bool = Tr
         return dataclasses.replace(cost, host_bound_s=bound)
     return dataclasses.replace(cost, iteration_s=iteration_s, host_bound_s=bound,
                                dollars_per_iteration=cost.dollars_per_iteration * iteration_s / cost.iteration_s)
+
+
+def predicted_host_load(problem: Problem, plan: Plan, *, reads_target: bool = True,
+                        schedule: str | Schedule = DEFAULT_SCHEDULE) -> HostLoad | None:
+    """The host load (:mod:`flatpack.analysis.host_load`) :func:`predicted_iteration` bounds
+    ``plan``'s iteration by, term by term; None where the platform shares no host (or its
+    request CPU was not measured). ``benchmarks/cpu_accounting.py`` sets it beside each
+    process's measured CPU."""
+    if not shares_host(problem.platform):
+        return None
+    schedule = schedule_named(schedule)
+    cost = funcpipe.predicted(problem, plan, reads_target=reads_target)
+    overheads = cost.overheads or funcpipe.Overheads()
+    events = _simulate(problem, cost, schedule)
+    iteration_s = schedule.iteration_s(cost.iteration_s, lambda: max(
+        max(event.end for event in events) + overheads.iteration_s,
+        funcpipe.prefetch_bound(cost.micro_batches_per_replica, overheads)))
+    return host_load(problem, plan, dataclasses.replace(cost, iteration_s=iteration_s), events,
+                     reads_target=reads_target)
 
 
 def calibrate(problem: Problem, plan: Plan, events: Iterable[Event], iteration: int) -> tuple[Problem, float, float]:

@@ -15,6 +15,14 @@ and as many gets of absent keys (a poll's miss), then ``LARGE_REQUESTS`` puts an
 plus the server process's (``cpus.process_cpu_seconds``), per request. The median over
 rounds of the small figures is each request's fixed part; the large ones' excess over it, per
 byte, its part per byte moved.
+
+Then the host's cores a run gets (issue 44): ``CORE_PROBE_PROCESSES`` busy processes at a
+time, as many as a one-worker plan and a 2 x 2 one run (workers, invoker, store), each in its
+own session and for ``CORE_PROBE_S`` (``cpus.cores_obtained``). On a quiet host they read its
+cores; on one that other work shares, less, and ``flatpack calibrate`` says so. The host bound
+does not divide by it: on the 2-core VM at a load average of 15-41 the calibration read
+0.19-0.29 cores while the fidelity benchmark's runs, minutes later, got 0.30-0.76
+(``analysis.host_load``).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import statistics
 import time
 from typing import Callable
 
-from flatpack.cpus import process_cpu_seconds
+from flatpack.cpus import cores_obtained, process_cpu_seconds
 from flatpack.errors import StoreKeyError
 from flatpack.platform.catalog import RequestCpu
 from flatpack.runtime.store import Store
@@ -34,6 +42,8 @@ SMALL_REQUESTS = 40
 SMALL_BYTES = 1024
 LARGE_REQUESTS = 6
 LARGE_BYTES = 1 << 20
+CORE_PROBE_PROCESSES = (3, 6)
+CORE_PROBE_S = 1.0
 
 
 def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCpu | None:
@@ -80,4 +90,18 @@ def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCp
     moved = LARGE_BYTES - SMALL_BYTES
     return RequestCpu(put_s=median["put"], get_s=median["get"], miss_s=median["miss"],
                       put_s_per_byte=max(0.0, median["put_large"] - median["put"]) / moved,
-                      get_s_per_byte=max(0.0, median["get_large"] - median["get"]) / moved)
+                      get_s_per_byte=max(0.0, median["get_large"] - median["get"]) / moved,
+                      cores_obtained=measure_cores_obtained())
+
+
+def measure_cores_obtained(counts: tuple[int, ...] = CORE_PROBE_PROCESSES,
+                           seconds: float = CORE_PROBE_S) -> tuple[tuple[int, float], ...]:
+    """(processes, cores they got) for each of ``counts`` (``cpus.cores_obtained``); empty
+    where this host cannot fork."""
+    pairs = []
+    for processes in counts:
+        cores = cores_obtained(processes, seconds)
+        if cores is None:
+            return ()
+        pairs.append((processes, max(cores, 1e-3)))
+    return tuple(pairs)

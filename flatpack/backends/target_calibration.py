@@ -74,8 +74,9 @@ HOST_REPEATS = 15
 # readings (WARM_READINGS). 7: a second, small transfer probe after the link idled; the
 # bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
 # 8: the store requests' host CPU (request_cpu_s, backends.request_cpu), which the host bound
-# counts by (analysis.host_load): a cached calibration without it bounds nothing.
-METHOD_REVISION = 8
+# counts by (analysis.host_load): a cached calibration without it bounds nothing. 9: the host's
+# cores a run's processes get (RequestCpu.cores_obtained), reported beside the figures.
+METHOD_REVISION = 9
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -434,6 +435,13 @@ def calibration_summary(calibration: Calibration) -> str:
         lines.append(f"host CPU of a store request (client + server): put {cpu.put_s * 1000:.2f} ms "
                      f"+ {cpu.put_s_per_byte * 1e9:.2f} ns/B, get {cpu.get_s * 1000:.2f} ms "
                      f"+ {cpu.get_s_per_byte * 1e9:.2f} ns/B, a poll's miss {cpu.miss_s * 1000:.2f} ms")
+        if cpu.cores_obtained:
+            lines.append("host cores a run's busy processes got: " + ", ".join(
+                f"{cores:.2f} of {calibration.host_cores} for {processes}" for processes, cores in cpu.cores_obtained))
+            if calibration.host_cores and min(cores for _, cores in cpu.cores_obtained) < 0.8 * min(
+                    calibration.host_cores, cpu.cores_obtained[0][0]):
+                lines.append("  other work shares this host: the predictions assume its cores are the run's, and its "
+                             "figures drift with that work; measure on a quiet host")
     lines.append(f"{'tier MB':>8}  {'compute x host (conv/matmul/elementwise)':>42}  {'up MB/s':>8}  {'down MB/s':>9}  "
                  f"{'cold s':>7}  {'warm s':>7}  {'adam ns/B':>9}")
     for memory_mb in calibration.tiers_mb:

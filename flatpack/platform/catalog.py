@@ -170,13 +170,21 @@ class RequestCpu:
     invoker and the S3 server share its cores). ``flatpack calibrate --target local`` times
     it (``backends.request_cpu.measure_request_cpu``): a put, a get of a key that is
     there, a get of one that is not yet (a poll's miss), each a fixed part plus seconds per
-    byte moved. ``analysis.host_load`` sums them over an iteration's requests."""
+    byte moved. ``analysis.host_load`` sums them over an iteration's requests.
+
+    ``cores_obtained``: (processes, cores) pairs, what that many busy processes, each in its
+    own session as the local backend starts its workers, got of the host's cores together
+    when calibrate measured it (``cpus.cores_obtained``; issue 44). Fewer than the host's
+    cores says other work shares the host: ``flatpack calibrate`` prints it, and
+    ``benchmarks/fidelity.py`` records it beside each run. The host bound does not divide by
+    it (``analysis.host_load`` says why). Empty: not measured."""
 
     put_s: float
     get_s: float
     miss_s: float
     put_s_per_byte: float = 0.0
     get_s_per_byte: float = 0.0
+    cores_obtained: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in ("put_s", "get_s", "miss_s", "put_s_per_byte",
@@ -184,6 +192,11 @@ class RequestCpu:
         bad = {name: value for name, value in values.items() if not (math.isfinite(value) and value >= 0)}
         if bad:
             raise InputError(f"request CPU seconds must be finite and non-negative, got {bad}")
+        counts = [processes for processes, _ in self.cores_obtained]
+        if counts != sorted(set(counts)) or any(processes < 1 or not (math.isfinite(cores) and cores > 0)
+                                                for processes, cores in self.cores_obtained):
+            raise InputError(f"cores_obtained must pair distinct, increasing process counts (at least 1) with a "
+                             f"positive number of cores, got {self.cores_obtained!r:.200}")
 
     def put(self, nbytes: float) -> float:
         return self.put_s + self.put_s_per_byte * nbytes
@@ -191,9 +204,12 @@ class RequestCpu:
     def get(self, nbytes: float) -> float:
         return self.get_s + self.get_s_per_byte * nbytes
 
-    def to_json(self) -> dict[str, float]:
-        return {"put": self.put_s, "get": self.get_s, "miss": self.miss_s, "put_per_byte": self.put_s_per_byte,
-                "get_per_byte": self.get_s_per_byte}
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"put": self.put_s, "get": self.get_s, "miss": self.miss_s,
+                                "put_per_byte": self.put_s_per_byte, "get_per_byte": self.get_s_per_byte}
+        if self.cores_obtained:
+            data["cores_obtained"] = {str(processes): cores for processes, cores in self.cores_obtained}
+        return data
 
     @classmethod
     def from_json(cls, data: Any, where: str = "request_cpu") -> RequestCpu:
@@ -202,17 +218,35 @@ class RequestCpu:
         if not isinstance(data, Mapping) or not {"put", "get", "miss"} <= set(data):
             raise InputError(f"{where} must be an object with put, get and miss seconds (and optionally "
                              f"put_per_byte, get_per_byte), got {data!r:.200}")
-        unknown = sorted(set(data) - set(names))
+        unknown = sorted(set(data) - set(names) - {"cores_obtained"})
         if unknown:
-            raise InputError(f"{where} has unknown keys {unknown}; it takes {', '.join(names)}")
-        values = {}
+            raise InputError(f"{where} has unknown keys {unknown}; it takes {', '.join(names)}, cores_obtained")
+        values: dict[str, Any] = {}
+        if "cores_obtained" in data:
+            values["cores_obtained"] = _cores_obtained(data["cores_obtained"], f"{where}.cores_obtained")
         for key, value in data.items():
+            if key == "cores_obtained":
+                continue
             # finite, not negative and at most an hour: a request's CPU cost, not an overflow
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
                 raise InputError(f"{where}.{key} must be a non-negative number of seconds (at most 3600), got "
                                  f"{value!r:.60}")
             values[names[key]] = float(value)
         return cls(**values)
+
+
+def _cores_obtained(data: Any, where: str) -> tuple[tuple[int, float], ...]:
+    """A calibration file's ``{"processes": cores}`` as sorted pairs."""
+    if not isinstance(data, Mapping):
+        raise InputError(f"{where} must map process counts to the cores they got, got {data!r:.100}")
+    pairs = []
+    for key, value in data.items():
+        if not str(key).isdigit() or not 1 <= int(key) <= 4096:
+            raise InputError(f"{where}: {key!r:.40} is not a count of processes (1 to 4096)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 65_536:
+            raise InputError(f"{where}[{key}] must be a positive number of cores, got {value!r:.60}")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 _NUMERIC_FIELDS = ("min_memory_mb", "max_memory_mb", "storage_latency_s", "price_per_request",

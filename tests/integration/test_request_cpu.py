@@ -4,9 +4,11 @@ verb's fixed part and its part per byte, and nothing left in the store."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from flatpack.backends.request_cpu import measure_request_cpu
+from flatpack.backends.request_cpu import CORE_PROBE_PROCESSES, measure_request_cpu
 from flatpack.cpus import process_cpu_seconds
 
 
@@ -24,6 +26,10 @@ def test_a_request_s_host_cpu_is_measured_on_both_sides_and_its_keys_are_deleted
     # a megabyte put costs more than a kilobyte one (the server writes it to its volume)
     assert cpu.put_s_per_byte > 0 and cpu.put(1 << 20) > cpu.put_s
     assert s3_store.list("request-cpu/") == []
+    cpu_count = os.cpu_count() or 1
+    # and the cores as many busy processes as a run has got, at most the host's (issue 44)
+    assert [processes for processes, _ in cpu.cores_obtained] == list(CORE_PROBE_PROCESSES)
+    assert all(0 < cores <= cpu_count + 0.05 for _, cores in cpu.cores_obtained)
 
 
 def test_a_process_that_is_gone_has_no_cpu_to_read():

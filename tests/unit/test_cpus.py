@@ -180,3 +180,12 @@ def test_a_cpu_that_cannot_be_pinned_is_measured_where_the_thread_runs(caplog):
         assert cpus.on_each_cpu(lambda: os.sched_getaffinity(0), cpus=(missing,)) == [before]
     assert os.sched_getaffinity(0) == before
     assert f"could not pin the measurement to CPU {missing}" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "wait4"), reason="forks its probes")
+def test_busy_processes_get_some_cores_and_never_more_than_the_host_has():
+    # issue 44: the cores a run's processes get beside other work (RequestCpu.cores_obtained)
+    cores = cpus.cores_obtained(2, 0.2)
+    assert cores is not None and 0 < cores <= (os.cpu_count() or 1) + 0.05
+    with pytest.raises(ValueError):
+        cpus.cores_obtained(0, 0.2)

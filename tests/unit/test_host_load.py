@@ -223,3 +223,33 @@ def test_the_host_cpu_sampler_sees_this_process_spin():
         ended = time.time()
     busy = sampler.busy_s(started, ended)
     assert busy is not None and busy >= 0.15     # at least most of the spin, whatever else ran
+
+
+def test_the_load_s_terms_add_up_to_its_cpu():
+    shared = shared_host(RequestCpu(put_s=0.002, get_s=0.002, miss_s=0.001))
+    load = report.predicted_host_load(shared, TWO_STAGES)
+    assert load is not None
+    assert sum(load.terms().values()) == pytest.approx(load.cpu_s)
+    assert report.predicted_host_load(problem(), TWO_STAGES) is None
+
+
+def test_a_shared_host_s_share_is_recorded_but_the_bound_divides_by_its_cores():
+    # issue 44: a share read by calibrate minutes before a run did not predict the run's
+    each = RequestCpu(put_s=0.01, get_s=0.01, miss_s=0.0)
+    busy = dataclasses.replace(each, cores_obtained=((3, 0.3), (6, 0.5)))
+    quiet_load = report.predicted_host_load(shared_host(each), ONE_STAGE)
+    busy_load = report.predicted_host_load(shared_host(busy), ONE_STAGE)
+    assert quiet_load is not None and busy_load is not None
+    assert busy_load.cores == quiet_load.cores == 2
+    assert busy_load.bound_s == pytest.approx(quiet_load.bound_s)
+
+
+def test_the_cores_obtained_round_trip_through_the_calibration_file_and_bad_ones_are_refused():
+    cpu = RequestCpu(put_s=0.001, get_s=0.002, miss_s=0.003, cores_obtained=((3, 1.9), (6, 1.8)))
+    assert RequestCpu.from_json(cpu.to_json()) == cpu
+    assert "cores_obtained" not in RequestCpu(put_s=0.0, get_s=0.0, miss_s=0.0).to_json()
+    for bad in ({"x": 1.0}, {"3": -1.0}, {"3": True}, [1, 2]):
+        with pytest.raises(InputError, match="cores_obtained"):
+            RequestCpu.from_json({**cpu.to_json(), "cores_obtained": bad})
+    with pytest.raises(InputError, match="cores_obtained"):
+        RequestCpu(put_s=0.0, get_s=0.0, miss_s=0.0, cores_obtained=((6, 1.0), (3, 1.0)))

@@ -1,0 +1,138 @@
+"""The fidelity benchmark's raw table and its comparison of two runs (issue 44), and the
+per-process CPU accounting it reads the run's own CPU by."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.fidelity import RAW_SCHEMA, calibration_digest, compare_runs, raw_table
+from flatpack.cpus import ProcessCpuSampler, Reading
+
+
+def _row(model: str, stages: int, replicas: int, measured: float, predicted: float, own: float) -> dict:
+    case = SimpleNamespace(model=model, batch=64, micro_batches=4,
+                           label=f"{stages} × {replicas}, 512, sync")
+    return {"case": case, "measured": measured, "predicted": predicted, "error": predicted / measured - 1,
+            "host_bound": 0.1, "critical_path": 0.09, "cores": 2, "own_cpu": own,
+            "own_cpu_by_kind": {"worker": own * 0.6, "invoker": own * 0.1, "store": own * 0.3},
+            "host_cpu": own * 1.2, "load": 1.5}
+
+
+def test_raw_table_round_trips_through_json_with_host_time_load_and_calibration(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text('{"platform": "local"}')
+    raw = raw_table([_row("vgg16", 2, 2, 0.3, 0.25, 0.6)], calibration=calibration, started="2026-11-28T15:20:00+00:00",
+                    loads=(2.0, 3.0), iterations=7, rounds=1)
+    again = json.loads(json.dumps(raw))
+    assert again["schema"] == RAW_SCHEMA
+    assert again["host"] and again["started"] == "2026-11-28T15:20:00+00:00"
+    assert again["load_average"] == {"start": 2.0, "end": 3.0}
+    assert again["calibration"]["digest"] == calibration_digest(calibration)
+    plan = again["plans"][0]
+    assert (plan["model"], plan["plan"]) == ("vgg16", "2 × 2, 512, sync")
+    assert plan["error"] == pytest.approx(0.25 / 0.3 - 1)
+    assert plan["host_cpu_predicted_s"] == pytest.approx(0.2)     # bound × cores
+    assert plan["host_cpu_measured_s"] == pytest.approx(0.6)
+
+
+def test_a_different_calibration_file_has_a_different_digest(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text("{}")
+    second.write_text('{"x": 1}')
+    assert calibration_digest(first) != calibration_digest(second)
+
+
+def test_compare_sets_each_shared_plan_first_then_second_and_names_the_missing(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text("{}")
+    def table(rows: list[dict]) -> dict:
+        return raw_table(rows, calibration=calibration, started="t", loads=(1.0, 1.0), iterations=7, rounds=1)
+
+    first = table([_row("vgg16", 2, 2, 0.300, 0.200, 0.500), _row("rnn-3", 1, 1, 0.05, 0.05, 0.08)])
+    second = table([_row("vgg16", 2, 2, 0.360, 0.330, 0.600), _row("bert-large", 1, 1, 0.06, 0.05, 0.09)])
+    text = compare_runs(first, second)
+    vgg = next(line for line in text.splitlines() if line.startswith("| vgg16"))
+    assert "300.0 → 360.0 | +20.0%" in vgg
+    assert "200.0 → 330.0 | +65.0%" in vgg
+    assert "-33.3% → -8.3%" in vgg
+    assert "500 → 600 | +20.0%" in vgg
+    assert "(the same file)" in text
+    assert "not in the first run: bert-large 1 × 1, 512, sync" in text
+    assert "not in the second run: rnn-3 1 × 1, 512, sync" in text
+    assert "MAPE over the 1 plans both ran: first 33.3%" in text
+
+
+def test_compare_refuses_a_file_of_another_schema() -> None:
+    with pytest.raises(ValueError, match="schema"):
+        compare_runs({"schema": 0}, {"schema": RAW_SCHEMA})
+
+
+def test_window_reads_each_process_between_the_samples_nearest_its_ends() -> None:
+    sampler = ProcessCpuSampler()
+    sampler.kinds.update({1: "invoker", 2: "worker", 3: "store", 4: "worker"})
+    sampler.samples[:] = [
+        (10.0, {1: Reading(1.0, 0.5, 10, 1, 1.0, 0.2), 2: Reading(2.0, 1.0, 5, 5, 1.5),
+                3: Reading(1.0, 1.0, 0, 0, 0.5)}),
+        (11.0, {1: Reading(1.4, 0.6, 20, 2, 1.2, 0.3), 2: Reading(2.5, 1.1, 15, 6, 1.7),
+                3: Reading(1.5, 1.2, 9, 1, 0.6), 4: Reading(0.2, 0.1, 3, 0, 0.1)}),
+    ]
+    window = sampler.window(10.01, 11.0)
+    # the invoker's CPU less the sampler thread's own (0.1 s of the 0.5)
+    assert window["invoker"]["cpu_s"] == pytest.approx(0.4)
+    assert window["invoker"]["other_threads_s"] == pytest.approx(0.5 - 0.2 - 0.1)
+    # a worker started inside the window counts from 0
+    assert window["worker"]["processes"] == 2
+    assert window["worker"]["cpu_s"] == pytest.approx(0.6 + 0.3)
+    assert window["worker"]["voluntary"] == 10 + 3
+    assert window["store"]["cpu_s"] == pytest.approx(0.7)
+    assert window["store"]["system_s"] == pytest.approx(0.2)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_the_sampler_sees_a_busy_child_process_as_a_store_kind_and_this_process_as_the_invoker() -> None:
+    import subprocess
+    import sys
+
+    with ProcessCpuSampler(period_s=0.02) as sampler:
+        child = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"])
+        child.wait()
+        time.sleep(0.05)
+    assert sampler.kinds[child.pid] == "store"      # neither this process nor a runtime.worker
+    assert sampler.kinds[os.getpid()] == "invoker"
+    window = sampler.window(sampler.samples[0][0], sampler.samples[-1][0])
+    assert window["store"]["cpu_s"] > 0.1
+
+
+def test_the_accounting_table_sets_each_kind_s_cpu_beside_the_count_s_terms() -> None:
+    from benchmarks.cpu_accounting import report
+    from flatpack.analysis.host_load import HostLoad
+
+    measured = {"worker": {"processes": 4, "cpu_s": 0.246, "user_s": 0.232, "system_s": 0.014, "main_thread_s": 0.004,
+                           "other_threads_s": 0.242, "voluntary": 53, "involuntary": 11},
+                "invoker": {"processes": 1, "cpu_s": 0.048, "user_s": 0.03, "system_s": 0.018, "main_thread_s": 0.03,
+                            "other_threads_s": 0.018, "voluntary": 38, "involuntary": 20},
+                "store": {}}
+    load = HostLoad(cores=2, compute_s=0.06, request_s=0.1, requests=66, misses=66, miss_s=0.1, lists=22.0,
+                    list_s=0.04)
+    text = report({"label": "2x2", "measured": measured, "load": load, "iteration_s": 1.5, "predicted_s": 0.6,
+                   "measured_s": 1.4})
+    assert "| worker | 4 | 246.0 |" in text and "| all | | 294.0 |" in text
+    assert "| requests that find their key (66) | 100.0 |" in text
+    assert "measured − predicted: -6.0 core-ms (-2%)" in text
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_a_child_not_yet_exec_d_is_left_unclassified_until_it_runs_its_own_command() -> None:
+    from flatpack.cpus import _kind
+
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as cmdline:
+        own = cmdline.read()
+    # a forked child reads as this process's command line until its exec: not a store yet
+    assert _kind(os.getpid(), own) is None
+    assert _kind(os.getpid(), b"another command") == "store"
