@@ -19,7 +19,11 @@ Three layers, each covering what the one before cannot:
    would die with that thread: a warm inference function, say); the CLI starts everything
    from the main thread. A watchdog pipe the child polls would cover threads and other OSes,
    but needs the child's cooperation (weed is not ours). Elsewhere (macOS, Windows) there is
-   no such call: only layers 1 and 3 apply there.
+   no such call: only layers 1 and 3 apply there. Local functions forked by the fork server
+   (``backends.forked``) are the server's children, not the invoker's: the server has
+   PDEATHSIG towards the invoker and also reads end of file on its control socket when the
+   invoker goes (from any thread), and SIGKILLs them; each of them has PDEATHSIG towards the
+   server. :func:`kill_children` signals them through their pidfds.
 3. **Interpreter exit**: ``runtime.s3server`` stops every server still running at exit.
 
 Stdlib only: ``runtime`` and ``backends`` both import it.
@@ -35,7 +39,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import IO, Callable, Iterator
+from typing import IO, Callable, Iterator, Protocol, TypeVar
 
 __all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "track", "kill_children", "stopping",
            "FORCE_AFTER_S"]
@@ -43,8 +47,21 @@ __all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "track", "kill_ch
 FORCE_AFTER_S = 20.0        # a teardown that takes longer than this after the first signal is cut short
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 
-_workers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
-_servers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+
+
+class Child(Protocol):
+    """A started process as this module signals it: ``subprocess.Popen``, or a function forked
+    by the fork server (``backends.forked.ForkedProcess``, signalled through its pidfd)."""
+
+    pid: int
+    returncode: int | None
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+C = TypeVar("C", bound=Child)
+_workers: weakref.WeakSet[Child] = weakref.WeakSet()
+_servers: weakref.WeakSet[Child] = weakref.WeakSet()
 _stopping = threading.Event()
 
 
@@ -106,7 +123,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
 
 # ---- registry of children ---------------------------------------------------------------------
 
-def track(process: subprocess.Popen, *, server: bool = False) -> subprocess.Popen:
+def track(process: C, *, server: bool = False) -> C:
     """Registers a child: a worker is SIGKILLed on the first stop signal; a ``server`` (a
     process group) is left to its owner's orderly stop and killed only on a forced exit."""
     (_servers if server else _workers).add(process)
@@ -128,15 +145,19 @@ def kill_children(*, servers: bool = False) -> None:
             _kill(process, group=True)
 
 
-def _kill(process: subprocess.Popen, *, group: bool) -> None:
+def _kill(process: Child, *, group: bool) -> None:
     # a process whose returncode is still None has not been reaped, so its pid is still ours
     if process.returncode is not None:
         return
     try:
         if group:
             os.killpg(process.pid, signal.SIGKILL)
-        else:
+        elif isinstance(process, subprocess.Popen):
             os.kill(process.pid, signal.SIGKILL)
+        else:
+            # not this process's child: its pid is signalled through the handle (a pidfd), which
+            # stays right after another process reaped it
+            process.send_signal(signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
