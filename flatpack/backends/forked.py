@@ -89,19 +89,22 @@ class ForkedProcess:
     """A function the fork server forked, as the invoker sees it: the ``subprocess.Popen``
     surface flatpack uses. Its exit code arrives from the server; signals go through its pidfd."""
 
-    def __init__(self, server: ForkServer, pid: int, pidfd: int) -> None:
+    def __init__(self, server: ForkServer, pid: int, number: int, pidfd: int) -> None:
         self.server = server
         self.pid = pid
+        self.number = number                   # the server's count of its functions: unlike a pid, never reused
         self.args = [sys.executable, "-m", WORKER_MODULE]
         self.returncode: int | None = None
         self._pidfd: int | None = pidfd
         self._reported: int | None = None      # the exit code the server sent, not yet observed
+        self.cpu_seconds: float | None = None  # its user + system CPU seconds, once it ended
         # taken around the pidfd's use and its close; reentrant, since a signal handler on the
         # main thread (interrupts.kill_children) may run while that thread holds it
         self._fd_lock = threading.RLock()
 
-    def _exited(self, code: int) -> None:
+    def _exited(self, code: int, cpu_seconds: float | None) -> None:
         """The server reaped this process (called on the server's reader thread)."""
+        self.cpu_seconds = cpu_seconds
         self._reported = code
 
     def _settle(self, code: int) -> int:
@@ -180,8 +183,10 @@ class ForkServer:
         self.ready = False
         self._request_lock = threading.Lock()
         self._events_changed = threading.Condition()
+        # by the server's number of the function (a pid may be reused once the server reaped it)
         self._handles: weakref.WeakValueDictionary[int, ForkedProcess] = weakref.WeakValueDictionary()
-        self._early: dict[int, int] = {}     # exit codes that arrived before their handle was made
+        # exit codes (and CPU seconds) that arrived before their handle was made
+        self._early: dict[int, tuple[int, float | None]] = {}
         self.control, control_there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.events, events_there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # an anonymous file (no name in TMPDIR): the server's traceback, should it fail
@@ -224,11 +229,11 @@ class ForkServer:
                 for fd in fds:
                     os.close(fd)
                 raise OSError(f"the fork server could not start the function: {reply.get('error', reply)}")
-            handle = ForkedProcess(self, int(reply["pid"]), fds[0])
+            handle = ForkedProcess(self, int(reply["pid"]), int(reply["id"]), fds[0])
             with self._events_changed:
-                self._handles[handle.pid] = handle
-                if handle.pid in self._early:
-                    handle._exited(self._early.pop(handle.pid))
+                self._handles[handle.number] = handle
+                if handle.number in self._early:
+                    handle._exited(*self._early.pop(handle.number))
             return handle
 
     def _await_ready(self) -> None:
@@ -256,13 +261,13 @@ class ForkServer:
                 self._lose()
                 return
             message = decode(raw)
-            pid, code = int(message["pid"]), int(message["returncode"])
+            number, code, cpu_seconds = int(message["id"]), int(message["returncode"]), message.get("cpu_s")
             with self._events_changed:
-                handle = self._handles.get(pid)
+                handle = self._handles.get(number)
                 if handle is not None:
-                    handle._exited(code)
+                    handle._exited(code, cpu_seconds)
                 else:
-                    self._early[pid] = code
+                    self._early[number] = (code, cpu_seconds)
                 self._events_changed.notify_all()
 
     def wait_for_event(self, timeout: float) -> None:

@@ -21,12 +21,14 @@ The protocol, over two Unix SOCK_SEQPACKET sockets the invoker made (one JSON ob
 message, no pickle):
 
 * ``CONTROL_FD``: the server says ``{"ready": pid}`` once imported; then each request
-  (:class:`SpawnRequest`) is answered by ``{"pid": pid}`` with a pidfd of the function
+  (:class:`SpawnRequest`) is answered by ``{"pid": pid, "id": n}`` (``n`` counts the server's
+  functions, never reused as a pid may be) with a pidfd of the function
   attached (``SCM_RIGHTS``), through which the invoker signals it without a pid-reuse race,
   or by ``{"error": text}``. End of file: the invoker is gone, and the server SIGKILLs every
   function still running and exits.
-* ``EVENTS_FD``: ``{"pid": pid, "returncode": code}`` when a function ended and was reaped
-  (``code`` as ``subprocess.Popen.returncode``: negative for a signal).
+* ``EVENTS_FD``: ``{"id": n, "returncode": code, "cpu_s": seconds}`` when a function
+  ended and was reaped (``code`` as ``subprocess.Popen.returncode``: negative for a signal;
+  ``cpu_s`` its user and system CPU seconds).
 
 Linux only (pidfds, ``PR_SET_PDEATHSIG``); elsewhere the local backend starts fresh
 interpreters (docs/local-functions.md).
@@ -196,7 +198,8 @@ class Server:
         self.control, self.events = control, events
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ)
-        self.children: dict[int, int] = {}       # pidfd -> pid
+        self.children: dict[int, tuple[int, int]] = {}       # pidfd -> (pid, the spawn's number)
+        self.spawned = 0
         self.die_with_server = die_with_parent()   # resolved here, run in each child
 
     def close_in_child(self) -> None:
@@ -234,17 +237,19 @@ class Server:
             return
         if pid == 0:
             become_function(request, self.close_in_child, self.die_with_server, worker_main)
+        self.spawned += 1
         pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = pid
+        self.children[pidfd] = (pid, self.spawned)
         self.selector.register(pidfd, selectors.EVENT_READ)
-        socket.send_fds(self.control, [encode({"pid": pid})], [pidfd])
+        socket.send_fds(self.control, [encode({"pid": pid, "id": self.spawned})], [pidfd])
 
     def reap(self, pidfd: int) -> None:
-        pid = self.children.pop(pidfd)
+        pid, number = self.children.pop(pidfd)
         self.selector.unregister(pidfd)
         os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        self.events.send(encode({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}))
+        _, status, usage = os.wait4(pid, 0)
+        self.events.send(encode({"id": number, "returncode": os.waitstatus_to_exitcode(status),
+                                 "cpu_s": usage.ru_utime + usage.ru_stime}))
 
     def stop_all(self) -> None:
         """The invoker is gone: every function goes with it, as a fresh one would (PDEATHSIG)."""
@@ -253,7 +258,7 @@ class Server:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pidfd, pid in list(self.children.items()):
+        for pidfd, (pid, _) in list(self.children.items()):
             os.waitpid(pid, 0)
             os.close(pidfd)
         self.children.clear()
