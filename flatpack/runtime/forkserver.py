@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import io
 import json
 import os
@@ -49,7 +50,10 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, NoReturn
 
+import torch  # noqa: F401 - loaded once here for every function: the second a fork saves each
+
 from flatpack.interrupts import die_with_parent
+from flatpack.runtime.store import preload_s3_model
 
 WORKER_MODULE = "flatpack.runtime.worker"
 MESSAGE_LIMIT = 1 << 20          # bytes one message may hold: an environment and a role fit many times over
@@ -101,14 +105,9 @@ def preload() -> None:
     """Imports what a function runs, and nothing runs: torch, the worker, every role's
     modules, and S3's service model parsed into the store's shared loader (a function's store
     client is then made in milliseconds). Raises RuntimeError if an import started a thread."""
-    import importlib
-
-    import torch  # noqa: F401 - imported for the functions: the one second a fork saves
-
-    baseline = thread_count()
+    baseline = thread_count()      # torch's own, loaded with this module
     for name in (WORKER_MODULE, *ROLE_MODULES):
         importlib.import_module(name)
-    from flatpack.runtime.store import preload_s3_model
     preload_s3_model()
     if thread_count() > baseline:
         raise RuntimeError(f"the fork server's imports started {thread_count() - baseline} thread(s) beyond "
