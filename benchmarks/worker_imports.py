@@ -48,6 +48,7 @@ from torch import nn
 import flatpack
 from benchmarks.import_layers import importtime_lines
 from flatpack.backends import gpu_container, local
+from flatpack.backends.forked import FORK_SERVER_ENV
 from flatpack.backends.profiling import profile_in_target
 from flatpack.backends.target_calibration import calibrate_target
 from flatpack.sources import PACKAGE
@@ -79,12 +80,15 @@ def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @contextlib.contextmanager
 def profiled_imports() -> Iterator[None]:
     """Every process started inside writes its import times to its stderr (the workers': their
-    logs); this process started before and is not affected."""
+    logs); this process started before and is not affected. The local functions start as fresh
+    interpreters (``FLATPACK_FORK_SERVER=0``): a forked one imports nothing, its server did."""
     os.environ[PROFILE_ENV] = "1"
+    os.environ[FORK_SERVER_ENV] = "0"
     try:
         yield
     finally:
         del os.environ[PROFILE_ENV]
+        del os.environ[FORK_SERVER_ENV]
 
 
 def logs_under(directory: Path, pattern: str) -> list[str]:

@@ -22,8 +22,12 @@ Three layers, each covering what the one before cannot:
    deploys from a version's own thread; ``runtime.s3server`` starts the store through it).
    A function process watches its invoker itself as well (``runtime.invoker_watch``: a
    pidfd it polls), which covers every thread and a fork server between them; weed, a Go
-   binary, cannot watch, hence the lasting thread. Elsewhere (macOS, Windows) there is no
-   such call: only layers 1 and 3, and the functions' own watch, apply there.
+   binary, cannot watch, hence the lasting thread. Local functions forked by the fork server
+   (``backends.forked``) are the server's children, not the invoker's: the server has
+   PDEATHSIG towards the invoker and also reads end of file on its control socket when the
+   invoker goes (from any thread), and SIGKILLs them; each of them has PDEATHSIG towards the
+   server. :func:`kill_children` signals them through their pidfds. Elsewhere (macOS,
+   Windows) there is no such call: only layers 1 and 3, and the functions' own watch, apply.
 3. **Interpreter exit**: ``runtime.s3server`` stops every server still running at exit.
 
 Stdlib only: ``runtime`` and ``backends`` both import it.
@@ -41,7 +45,7 @@ import sys
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import IO, Callable, Iterator, TypeVar
+from typing import IO, Callable, Iterator, Protocol, TypeVar
 
 __all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "on_lasting_thread", "track", "kill_children",
            "stopping", "FORCE_AFTER_S"]
@@ -49,8 +53,21 @@ __all__ = ["Interrupted", "clean_shutdown", "die_with_parent", "on_lasting_threa
 FORCE_AFTER_S = 20.0        # a teardown that takes longer than this after the first signal is cut short
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 
-_workers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
-_servers: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+
+
+class Child(Protocol):
+    """A started process as this module signals it: ``subprocess.Popen``, or a function forked
+    by the fork server (``backends.forked.ForkedProcess``, signalled through its pidfd)."""
+
+    pid: int
+    returncode: int | None
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+C = TypeVar("C", bound=Child)
+_workers: weakref.WeakSet[Child] = weakref.WeakSet()
+_servers: weakref.WeakSet[Child] = weakref.WeakSet()
 _stopping = threading.Event()
 T = TypeVar("T")
 
@@ -159,7 +176,7 @@ def on_lasting_thread(start: Callable[[], T]) -> T:
 
 # ---- registry of children ---------------------------------------------------------------------
 
-def track(process: subprocess.Popen, *, server: bool = False) -> subprocess.Popen:
+def track(process: C, *, server: bool = False) -> C:
     """Registers a child: a worker is SIGKILLed on the first stop signal; a ``server`` (a
     process group) is left to its owner's orderly stop and killed only on a forced exit."""
     (_servers if server else _workers).add(process)
@@ -181,15 +198,19 @@ def kill_children(*, servers: bool = False) -> None:
             _kill(process, group=True)
 
 
-def _kill(process: subprocess.Popen, *, group: bool) -> None:
+def _kill(process: Child, *, group: bool) -> None:
     # a process whose returncode is still None has not been reaped, so its pid is still ours
     if process.returncode is not None:
         return
     try:
         if group:
             os.killpg(process.pid, signal.SIGKILL)
-        else:
+        elif isinstance(process, subprocess.Popen):
             os.kill(process.pid, signal.SIGKILL)
+        else:
+            # not this process's child: its pid is signalled through the handle (a pidfd), which
+            # stays right after another process reaped it
+            process.send_signal(signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 

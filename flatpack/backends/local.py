@@ -25,7 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flatpack.backends.functions import FUNCTION_CAPABILITIES, FunctionDeployment, oom_error, read_status
+from flatpack.backends import forked
+from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Invocation, oom_error,
+                                         read_status)
 from flatpack.backends.results import Restart, TrainResult
 from flatpack.backends.protocol import Capability
 from flatpack.backends.store_files import package
@@ -60,6 +62,8 @@ def deploy(compiled: Compiled, *, store_url: str | None = None, env: dict[str, s
     which it receives in its invocation (``tests/security/test_worker.py``).
     """
     check_deploy_request(compiled, store_url=store_url, data_dir=data_dir, digest=digest)
+    # the fork server's imports overlap the store's start and the upload
+    forked.prestart({**os.environ, **(env or {})})
     return open_deployment(LocalDeployment, compiled, store_url=store_url, env=env, workdir=workdir, run=run,
                            data_dir=data_dir)
 
@@ -112,14 +116,30 @@ def open_deployment(kind: type[D], compiled: Compiled, *, store_url: str | None,
     return deployment
 
 
-def invoke(deployment: LocalDeployment, role: Role) -> subprocess.Popen:
-    """Starts one function: a fresh interpreter given only its role and the store's address."""
+def invoke(deployment: LocalDeployment, role: Role) -> Invocation:
+    """Starts one function, given only its role and the store's address: forked from this
+    process's fork server (torch already imported: ``backends.forked``), or a fresh
+    interpreter where there is none (``FLATPACK_FORK_SERVER=0``, not Linux; docs/local-functions.md)."""
     if stopping():
         raise KeyboardInterrupt("flatpack is stopping: no new function starts")
-    env = {**os.environ, **deployment.env, ROLE_ENV: role.dumps(), STORE_ENV: deployment.store_url,
-           "PYTHONUNBUFFERED": "1"}
+    env = {**function_env(deployment), ROLE_ENV: role.dumps()}
+    log_path = deployment.log_path(role)
+    forked_function = forked.spawn(env, log_path)
+    if forked_function is not None:
+        return track(forked_function)
+    return start_interpreter(env, log_path)
+
+
+def function_env(deployment: LocalDeployment) -> dict[str, str]:
+    """What every function of ``deployment`` finds in its environment, but its role."""
+    return {**os.environ, **deployment.env, STORE_ENV: deployment.store_url, "PYTHONUNBUFFERED": "1"}
+
+
+def start_interpreter(env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """A function as a fresh ``python -m flatpack.runtime.worker``: what a platform's cold
+    start runs, and the local backend's way where no fork server forks."""
     # the child holds its own copy of the log's descriptor
-    with open(deployment.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log", "wb") as log:
+    with open(log_path, "wb") as log:
         # own session: a terminal's Ctrl-C reaches the invoker only, which kills its functions;
         # and a function dies with the invoker even when that is SIGKILLed (Linux)
         return track(subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=env, stdout=log,
@@ -139,8 +159,21 @@ class LocalDeployment(FunctionDeployment):
     server: Any = None      # the S3 server deploy started, stopped at teardown
     temporary_workdir: Path | None = None   # a log directory deploy made, removed at teardown
 
-    def launch(self, role: Role) -> subprocess.Popen:
+    def launch(self, role: Role) -> Invocation:
         return invoke(self, role)
+
+    def launch_cold(self, role: Role) -> Invocation:
+        """Starts ``role`` as a platform's cold start does, in a fresh interpreter that imports
+        torch, never forked: what ``flatpack calibrate`` times as a tier's cold start. A
+        subclass that starts its functions elsewhere (``ray``) starts them its own way."""
+        if type(self).launch is not LocalDeployment.launch:
+            return self.launch(role)
+        if stopping():
+            raise KeyboardInterrupt("flatpack is stopping: no new function starts")
+        return start_interpreter({**function_env(self), ROLE_ENV: role.dumps()}, self.log_path(role))
+
+    def log_path(self, role: Role) -> Path:
+        return self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"
 
     def teardown(self, clean: bool | None = None) -> None:
         """Stops every function and the server deploy started; safe to call twice.

@@ -125,8 +125,12 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
                                  bandwidth_bytes_s=tier.bandwidth_bytes_s if emulated else None, threads=threads,
                                  round_trips=round_trips, probe_bytes=probe_bytes)
             deployment.store.put(deployment.keys.calibrate("spec", memory_mb), spec.dumps())
-        readings = _invoke_tiers(deployment, compiled.digest, memory_sizes, launch or deployment.launch, threads,
-                                 timeout_s, say, failed)
+        # the cold invocation starts as a platform's cold start does (a fresh interpreter that
+        # imports torch), never from the local fork server, whose start is a warm container's
+        # (docs/local-functions.md); a caller's own launch starts both
+        launch_cold = launch or getattr(deployment, "launch_cold", deployment.launch)
+        readings = _invoke_tiers(deployment, compiled.digest, memory_sizes, launch or deployment.launch, launch_cold,
+                                 threads, timeout_s, say, failed)
         if failed:
             reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(deployment.keys, mb, COLD))}"
                                 for mb in sorted(set(failed)))
@@ -175,16 +179,16 @@ class _Readings:
 
 
 def _invoke_tiers(deployment: FunctionDeployment, digest: str, memory_sizes: Sequence[int],
-                  launch: Callable[[Role], Invocation], threads: int, timeout_s: float, say: Callable[[str], None],
-                  failed: list[int]) -> _Readings:
-    """Invokes each tier's calibration function once cold and ``WARM_READINGS`` times warm, one
-    at a time, with the host's probes between them; a tier whose function failed goes to
-    ``failed``."""
+                  launch: Callable[[Role], Invocation], launch_cold: Callable[[Role], Invocation], threads: int,
+                  timeout_s: float, say: Callable[[str], None], failed: list[int]) -> _Readings:
+    """Invokes each tier's calibration function once cold (by ``launch_cold``) and
+    ``WARM_READINGS`` times warm, one at a time, with the host's probes between them; a tier
+    whose function failed goes to ``failed``."""
     readings = _Readings()
 
     def timed(role: Role) -> Invocation:
         readings.launched[(role.stage, role.start_iteration)] = time.time()
-        return launch(role)
+        return (launch_cold if role.start_iteration == COLD else launch)(role)
 
     # the host's probes just before and just after each function: the host's speed moves
     # by up to 45 % for seconds to minutes (BENCHMARKS.md, issue 19's sixth pass), so a

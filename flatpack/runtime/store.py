@@ -806,6 +806,13 @@ def _botocore_session() -> Any:
     return session
 
 
+def preload_s3_model() -> None:
+    """Parses S3's service model, endpoints and rules into the shared loader by making a
+    client that never connects (``runtime.forkserver``: each function forked after this
+    makes its own client in milliseconds). Its placeholder credentials go nowhere."""
+    _s3_client("http://127.0.0.1:9", "us-east-1", "preload", "preload", None, 1.0, 1.0, 1, "preload")
+
+
 def _aws_credentials_error(where: str, exc: BaseException | None) -> StoreError:
     detail = f" ({exc})" if exc else ""
     return StoreError(

@@ -285,3 +285,60 @@ def test_a_link_s_rate_and_burst_come_from_transfers_of_two_sizes():
     flat = [latency + 4_000_000 / rate] * 3
     no_burst = link_fit(4_000_000, flat, 1_000_000, [latency + 0.1] * 3, latency)
     assert no_burst == (pytest.approx(rate), pytest.approx(0.0))
+
+
+class _StubDeployment:
+    """What calibrate_target uses of a deployment, the functions only recorded: ``launch``
+    (a local deployment forks them) and ``launch_cold`` (a fresh interpreter)."""
+
+    emulate_tiers = True
+
+    def __init__(self, store_dir) -> None:
+        self.store = open_store(store_dir.as_uri())
+        self.keys = RunKeys("run-stub")
+        self.workdir = store_dir
+        self.started: list[tuple[int, int, str]] = []    # (MB, invocation, how)
+
+    def _started(self, role, how: str) -> Any:
+        self.started.append((role.stage, role.start_iteration, how))
+        return _Ended()
+
+    def launch(self, role) -> Any:
+        return self._started(role, "launch")
+
+    def launch_cold(self, role) -> Any:
+        return self._started(role, "launch_cold")
+
+    def teardown(self) -> None:
+        pass
+
+
+class _Ended:
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+
+def test_the_cold_invocation_starts_a_fresh_interpreter_the_warm_ones_the_usual_way(tmp_path, monkeypatch):
+    """The cold start calibrate records (``invoke_cold_s``) is a fresh interpreter's on the local
+    backend, never the fork server's (docs/local-functions.md); the warm ones start as every
+    local function does."""
+    from flatpack.backends import target_calibration as calibration_module
+    from flatpack.errors import RunFailure
+
+    monkeypatch.setattr(calibration_module, "_on_host", lambda threads: {"matmul": 1.0})
+    monkeypatch.setattr(profiling, "POLL_S", 0.0)
+    deployment = _StubDeployment(tmp_path)
+    with pytest.raises(RunFailure, match="wrote no result"):    # the stubs measure nothing
+        calibrate_target("local", tiers=[512, 1024], deploy=lambda compiled: deployment, task_iterations=0)
+    warm = calibration_module.WARM_READINGS
+    assert sorted(deployment.started) == sorted(
+        [(mb, 0, "launch_cold") for mb in (512, 1024)]
+        + [(mb, invocation, "launch") for mb in (512, 1024) for invocation in range(1, 1 + warm)])
