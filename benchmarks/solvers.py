@@ -14,13 +14,19 @@ four weight pairs (α₁, α₂) ∈ {(1, 0), (1, 2¹⁶), (1, 2¹⁹), (1, 2²�
         # amoebanet-d36 at L = 64 and 128, dp against dp-reference, all four weight pairs and
         # the one-call front (about 10 minutes on 2 quiet cores, most of it the reference)
 
-How each model becomes a chain of L layers: full-size zoo model (``flatpack.zoo.build``,
-batch 4 = one micro-batch), traced once; a base pass pipeline that leaves at least 128
-layers where the model has them (``BASE_PASSES``); profiled once (``--profile-batches``,
-``--profile-repeats``, cached on disk by the profiler); then ``coarsen{max-layers=L,by=time}``
-(FuncPipe §4's merge by computation time) per L. Where the base chain is shorter than L, the
-whole base chain is solved instead and its L is marked with ``*``. Trace and profile seconds
-are printed apart from solve seconds.
+How each model becomes a chain of L layers (issue 42: the benchmark is the user's path): the
+problem ``flatpack plan MODEL --size full --target aws-lambda --batch 64 --micro-batches 16
+--solver dp --passes "<base passes>,coarsen{max-layers=L,by=time}"`` builds, through the CLI's
+own parser and ``cli.planning.plan_problem`` (trace, passes, the profile with the CLI's
+options, read from the disk cache when there; :func:`cli_problem`). Where coarsening leaves
+fewer than L layers, the row's L is marked with ``*``. The 48-block GPT chain, which no zoo
+entry has, is built by :func:`synthetic_gpt` with the CLI's profile options. Build seconds are
+printed apart from solve seconds.
+
+    python benchmarks/solvers.py --issue-42 --models bert-large,amoebanet-d36,gpt2-medium-48 \
+        --layers 64,128 --repeats 3 --robustness 20 --timeout 300
+        # the CLI's front, timed with and without --replicas, and the perturbed-profile
+        # property: the slowest of 20 perturbed solves over their median (target <= 3)
 
 What is measured, per (model, L, weight pair, solver), each solve in a forked child process
 killed after ``--timeout`` seconds (dp, brute) or ``--miqp-timeout`` (miqp):
@@ -229,6 +235,49 @@ def problem_at(base: Base, layers: int, profile_options, workload=None, **option
     if workload is None:
         workload, options = Workload("train", batch=BATCH, micro_batches=MICRO_BATCHES), {"replicas": REPLICAS}
     return Problem.from_graph(graph, target=TARGET, workload=workload, profile=profile, **options)
+
+
+def plan_argv(model: str, layers: int, replicas: str | None = None) -> list[str]:
+    """The ``flatpack plan`` command line of issue 42 for ``model`` coarsened to ``layers``."""
+    passes = f"{BASE_PASSES.get(model, BASE_PASSES['bert-large'])},coarsen{{max-layers={layers},by=time}}"
+    argv = ["plan", model, "--size", "full", "--target", TARGET, "--batch", str(BATCH), "--micro-batches",
+            str(MICRO_BATCHES), "--solver", "dp", "--passes", passes]
+    return argv + (["--replicas", replicas] if replicas else [])
+
+
+def cli_problem(model: str, layers: int, replicas: str | None = None) -> tuple[Any, float]:
+    """The Problem ``flatpack plan`` builds for :func:`plan_argv` — its parser and its
+    ``plan_problem`` (trace, passes, the profile with the CLI's options, from the disk cache
+    when there) — and the seconds that took."""
+    from flatpack.cli import build_parser, parse_arguments
+    from flatpack.cli.planning import plan_problem
+
+    args = parse_arguments(build_parser(), plan_argv(model, layers, replicas))
+    started = time.perf_counter()
+    problem = plan_problem(args)
+    return problem, time.perf_counter() - started
+
+
+def cli_profile_options():
+    """The ProfileOptions ``flatpack plan`` uses by default (``--batch-sizes``, ``--repeats``),
+    for the chain no zoo entry has (:func:`synthetic_gpt`)."""
+    from flatpack.cli import build_parser, parse_arguments
+    from flatpack.profiler import ProfileOptions
+
+    args = parse_arguments(build_parser(), ["plan", "gpt2"])
+    return ProfileOptions(batch_sizes=tuple(int(size) for size in args.batch_sizes.split(",")),
+                          repeats=args.repeats, progress=False)
+
+
+def instance(model: str, layers: int) -> tuple[Any, float]:
+    """The problem solved for ``model`` at ``layers``, and the seconds building it took: the
+    zoo models through :func:`cli_problem`; the 48-block GPT chain (no zoo entry, no
+    coarsening) from :func:`synthetic_gpt` with the CLI's profile options."""
+    if model != SYNTHETIC_GPT:
+        return cli_problem(model, layers)
+    started = time.perf_counter()
+    base = synthetic_gpt(BATCH // MICRO_BATCHES, cli_profile_options())
+    return problem_at(base, layers, None), time.perf_counter() - started
 
 
 # --- solving in a child process, with a time limit -----------------------------------------------
@@ -524,6 +573,72 @@ def run_problem(problem, model: str, label: str, args, rows: list[Row], summary:
             summary[model, label]["profile"].append((goal.weights.label(), result))
 
 
+def timed_front(problem) -> dict:
+    """``flatpack plan``'s selection without --weights or --slo: dp's front over FuncPipe's
+    four weight pairs; its wall and CPU seconds and the labels dp built."""
+    from flatpack.partitioner.solvers.dp import Dp
+
+    started, started_cpu = time.perf_counter(), time.process_time()
+    front = Dp().front(problem)
+    return {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - started_cpu,
+            "labels": sum(plan.predictions.get("labels_built", 0) for plan in front.plans),
+            "points": [(plan.predictions["time_s"], plan.predictions["dollars"]) for plan in front.plans]}
+
+
+def spread(values: list[float]) -> str:
+    return (f"median {statistics.median(values):.2f}, min {min(values):.2f}, max {max(values):.2f} "
+            f"(n = {len(values)})")
+
+
+def robustness(problem, count: int, timeout_s: float) -> list[dict]:
+    """dp's front on ``count`` perturbed copies of ``problem`` (``partitioner.perturb``: each
+    layer's times and bytes scaled by factors in [0.5, 2], seeds 0..count−1), each in a child
+    killed after ``timeout_s``; a timed-out copy counts as ``timeout_s``."""
+    from flatpack.partitioner.perturb import perturbed
+
+    results = []
+    for seed in range(count):
+        copy = perturbed(problem, seed)
+        result = in_child(lambda copy=copy: timed_front(copy), timeout_s)
+        if not isinstance(result, dict):
+            result = {"seconds": timeout_s, "cpu_seconds": timeout_s, "labels": 0, "status": str(result)[:80]}
+        results.append(result)
+    return results
+
+
+def issue_42(models: list[str], layer_counts: list[int], args) -> None:
+    """Issue 42's table: per model and L, the CLI's instance, dp's front (the solve ``flatpack
+    plan`` prints) ``--repeats`` times, with and without ``--replicas 1,2,4,8,16``, then the
+    perturbed-profile property: the slowest of ``--robustness`` perturbed solves over their
+    median (target ≤ 3), in CPU seconds (what the solve costs on a loaded host) and wall."""
+    print("| model | L | replicas flag | build s | front wall s | front cpu s | labels |")
+    print("|---|---|---|---|---|---|---|")
+    for model in models:
+        for layers in layer_counts if model != SYNTHETIC_GPT else [GPT_BLOCKS * GPT_LAYERS_PER_BLOCK]:
+            for replicas in (None, "1,2,4,8,16") if model != SYNTHETIC_GPT else (None,):
+                if model == SYNTHETIC_GPT:
+                    problem, build_s = instance(model, layers)
+                else:
+                    problem, build_s = cli_problem(model, layers, replicas)
+                runs = [in_child(lambda: timed_front(problem), args.timeout) for _ in range(args.repeats)]
+                done = [run for run in runs if isinstance(run, dict)]
+                if not done:
+                    print(f"| {model} | {len(problem.chain)} | {replicas or '-'} | {build_s:.1f} | {runs[0]} | | |")
+                    continue
+                print(f"| {model} | {len(problem.chain)} | {replicas or '-'} | {build_s:.1f} "
+                      f"| {spread([run['seconds'] for run in done])} | {spread([run['cpu_seconds'] for run in done])} "
+                      f"| {done[0]['labels']:,} |", flush=True)
+            if args.robustness:
+                results = robustness(problem, args.robustness, args.timeout)
+                for key in ("cpu_seconds", "seconds"):
+                    values = [result[key] for result in results]
+                    ratio = max(values) / statistics.median(values)
+                    print(f"  perturbed x{len(values)} {model} L={len(problem.chain)} {key}: {spread(values)}; "
+                          f"slowest / median = {ratio:.2f} (target <= 3)", flush=True)
+                labels = [result["labels"] for result in results]
+                print(f"  labels built: median {statistics.median(labels):,.0f}, max {max(labels):,}", flush=True)
+
+
 def summary_line(key: tuple[str, str], summary_row: dict, build_s: float | None) -> str:
     model, label = key
     front = (fmt(summary_row["front"], ".2f") if summary_row["front"] is not None
@@ -577,9 +692,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-weights", default="1,2",
                         help="indices into FuncPipe's four weight pairs for the cProfile runs (default 1,2: "
                              "(1, 2^16) and (1, 2^19))")
-    parser.add_argument("--profile-batches", default="2,4", help="micro-batch sizes the profiler measures")
-    parser.add_argument("--profile-repeats", type=int, default=1)
-    parser.add_argument("--cache-dir", default=None, help="profile cache (default: the profiler's)")
+    parser.add_argument("--issue-42", action="store_true",
+                        help="issue 42's table: the CLI's instance, dp's front, with and without --replicas, "
+                             "and the perturbed-profile property (--robustness)")
+    parser.add_argument("--robustness", type=int, default=20,
+                        help="with --issue-42: perturbed copies solved per (model, L) (0: none)")
     argv = sys.argv[1:] if argv is None else argv
     if "--done-when" in argv:
         argv = DONE_WHEN + argv
@@ -596,11 +713,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.miqp_timeout is None:
         args.miqp_timeout = 2 * args.miqp_time_limit + 60
 
-    from flatpack.profiler import ProfileOptions
     import torch
 
-    profile_options = ProfileOptions(batch_sizes=tuple(int(b) for b in args.profile_batches.split(",")),
-                                     repeats=args.profile_repeats, cache_dir=args.cache_dir, progress=False)
     print(f"host: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"space: {TARGET}, train batch {BATCH} in M={MICRO_BATCHES} micro-batches, d ∈ {set(REPLICAS)}, "
@@ -618,37 +732,28 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as err:  # noqa: BLE001 - reported on each miqp row
             print(f"miqp not importable: {type(err).__name__}: {err}")
 
+    if args.issue_42:
+        issue_42(models, layer_counts, args)
+        return
     rows: list[Row] = []
     summary: dict = {}
-    bases = []
-    for name in models:
-        base = base_chain(name, BATCH // MICRO_BATCHES, profile_options)
-        bases.append(base)
-        print(f"{name}: passes '{base.passes}' → {base.layers} layers; trace {base.trace_s:.1f} s, "
-              f"profile {base.profile_s:.1f} s ({'cache hit' if base.cache_hit else 'measured'}, batches "
-              f"{profile_options.batch_sizes}, repeats {profile_options.repeats})", flush=True)
-    print()
     print_table_header()
-    for base in bases:
+    for name in models:
         for layers in layer_counts:
-            count = min(layers, base.layers)
-            label = f"{count}" if count == layers else f"{count}*"
-            started = time.perf_counter()
-            problem = problem_at(base, count, profile_options)
-            build_s = time.perf_counter() - started
-            summary.setdefault("build", {})[base.name, label] = build_s
-            run_problem(problem, base.name, label, args, rows, summary)
+            problem, build_s = instance(name, layers)
+            label = f"{layers}" if len(problem.chain) == layers else f"{len(problem.chain)}*"
+            summary.setdefault("build", {})[name, label] = build_s
+            run_problem(problem, name, label, args, rows, summary)
             # as it comes, on stderr (the tables on stdout stay whole): a cut-short run keeps it
-            summary_row = summary[base.name, label]
-            print("summary: " + summary_line((base.name, label), summary_row, build_s), file=sys.stderr, flush=True)
+            summary_row = summary[name, label]
+            print("summary: " + summary_line((name, label), summary_row, build_s), file=sys.stderr, flush=True)
             for weights, result in summary_row.get("profile", []):
-                print_profile(base.name, label, weights, result, file=sys.stderr)
+                print_profile(name, label, weights, result, file=sys.stderr)
                 sys.stderr.flush()
-    if args.check_layers and bases:
-        base = bases[0]
-        problem = problem_at(base, args.check_layers, profile_options)
+    if args.check_layers and models:
+        problem, _ = instance(models[0], args.check_layers)
         check_args = argparse.Namespace(**{**vars(args), "solvers": list(SOLVERS), "profile": False})
-        run_problem(problem, base.name, f"{args.check_layers} (check)", check_args, rows, summary)
+        run_problem(problem, models[0], f"{args.check_layers} (check)", check_args, rows, summary)
 
     print("\n* the base chain is shorter than the L asked for; the whole base chain is solved.")
     print("\nper (model, L): dp's four-point front (sum of the four solves), the slowest single dp solve, "

@@ -132,36 +132,22 @@ def _plan_workload(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     # start-up time: a verb imports what it runs
-    from flatpack.compiler import build_problem
     from flatpack.partitioner import report as plan_report
     from flatpack.partitioner.objective import cost_model_for
-    from flatpack.profiler import ProfileOptions
 
     if args.from_run is not None:
         return _plan_from_run(args)
     if args.model is None:
         raise InputError("flatpack plan needs MODEL (or --from-run RUN_DIR to re-plan a finished run)")
     solver = _checked_solver(args)
-    workload, options = _plan_workload(args)
-    check_tiers(args.target, options.memory_mb or ())
     if args.plot:
         # start-up time: a verb imports what it runs
         from flatpack.partitioner import plot
 
         plot.require_matplotlib()
         plot.check_destination(args.plot)
-    profile = ProfileOptions(batch_sizes=tuple(positive_ints(args.batch_sizes)), repeats=args.repeats,
-                             max_seconds=args.max_seconds, use_cache=not args.no_cache,
-                             progress=None if logs.progress_enabled() else False)   # None: on a terminal
     split_points = _checked_cuts(args)
-    model, inputs = load_factory(args.model, args.size)
-    if split_points:
-        # start-up time: a verb imports what it runs
-        from flatpack.partitioner.solvers.wrappers import check_split_points
-
-        check_split_points(model, split_points)
-    problem = build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
-                            workload=workload, calibration=args.calibration, **options.given())
+    problem = plan_problem(args, split_points)
     started = time.perf_counter()
     selection = _select(args, solver, problem, split_points)
     solve_s = time.perf_counter() - started
@@ -174,10 +160,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         # one pick alone says little on a plot: draw it against the front
         context = _front_for_context(solver, problem) if selection.kind != "front" else ()
-        plot.plot_selection(selection, args.plot, title=_plot_title(args, problem), inference=workload.mode == "infer",
-                            context=context)
+        plot.plot_selection(selection, args.plot, title=_plot_title(args, problem),
+                            inference=problem.workload.mode == "infer", context=context)
         LOG.info("wrote %s", args.plot)
     return 0
+
+
+def plan_problem(args: argparse.Namespace, split_points: tuple[str, ...] = ()) -> Any:
+    """The Problem ``flatpack plan`` solves for its parsed ``args``: the workload and
+    search-space flags, the profile options, the model, then ``build_problem`` (trace,
+    passes, profile from the disk cache when there). ``benchmarks/solvers.py`` builds its
+    instances through it, so that the solver is measured on the user's instance."""
+    # start-up time: a verb imports what it runs
+    from flatpack.compiler import build_problem
+    from flatpack.profiler import ProfileOptions
+
+    workload, options = _plan_workload(args)
+    check_tiers(args.target, options.memory_mb or ())
+    profile = ProfileOptions(batch_sizes=tuple(positive_ints(args.batch_sizes)), repeats=args.repeats,
+                             max_seconds=args.max_seconds, use_cache=not args.no_cache,
+                             progress=None if logs.progress_enabled() else False)   # None: on a terminal
+    model, inputs = load_factory(args.model, args.size)
+    if split_points:
+        # start-up time: a verb imports what it runs
+        from flatpack.partitioner.solvers.wrappers import check_split_points
+
+        check_split_points(model, split_points)
+    return build_problem(model, inputs, target=args.target, passes=pipeline_for(args), profile=profile,
+                         workload=workload, calibration=args.calibration, **options.given())
 
 
 def _checked_solver(args: argparse.Namespace) -> Any:
