@@ -36,7 +36,10 @@ class Run:
         self.out = tmp_path / "out"
         self.log_path = tmp_path / "run.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - open for the run's life, closed in close()
-        env = {**os.environ, "TMPDIR": str(self.temp), "PYTHONUNBUFFERED": "1"}
+        # torch keeps its compile cache in $TMPDIR/torchinductor_$USER unless told otherwise: a
+        # cache that outlives every run by design, not an entry a run leaves behind
+        env = {**os.environ, "TMPDIR": str(self.temp), "PYTHONUNBUFFERED": "1",
+               "TORCHINDUCTOR_CACHE_DIR": str(self.temp.parent / "torchinductor")}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flatpack", "run", "vgg16", "--batch", "16", "--micro-batches", "2",
              "--iterations", "30", "--no-verify", "--out", str(self.out)],
