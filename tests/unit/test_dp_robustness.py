@@ -59,8 +59,9 @@ def test_dp_equals_its_reference_on_perturbed_profiles(seed):
     plans, references = Dp().solve_all(problem, goals), Dp(reference=True).solve_all(problem, goals)
     for goal, plan, reference in zip(goals, plans, references):
         assert plan is not None and reference is not None
-        assert math.isclose(goal.score(*_priced(problem, plan))[0], goal.score(*_priced(problem, reference))[0],
-                            rel_tol=1e-9), (goal, plan, reference)
+        score, expected = goal.score(*_priced(problem, plan)), goal.score(*_priced(problem, reference))
+        assert score is not None and expected is not None
+        assert math.isclose(score[0], expected[0], rel_tol=1e-9), (goal, plan, reference)
 
 
 def _priced(problem, plan) -> tuple[float, float, float]:
