@@ -69,14 +69,15 @@ def summary(name: str, seconds: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--count", type=int, default=20, help="functions of each kind (default 20)")
     args = parser.parse_args()
     if forked.unavailable_reason() is not None:
         raise SystemExit(f"no fork server here: {forked.unavailable_reason()}")
     compiled = flatpack.compile(nn.Sequential(nn.Linear(8, 8)), (torch.zeros(2, 8),), stages=1)
     began = time.perf_counter()
-    with local.deploy(compiled) as deployment:
+    deployment = local.deploy(compiled)
+    with deployment:
         spec_key = f"{deployment.keys.run}/bench/spec"
         deployment.store.put(spec_key, b"not a run spec")
         # the first forked function waits for the server's imports: timed apart

@@ -356,7 +356,7 @@ def spawn(env: dict[str, str], log: Path, cwd: str | None = None) -> ForkedProce
     failed: said once, as a warning)."""
     if unavailable_reason(env) is not None:
         return None
-    request = SpawnRequest(env=dict(env), log=str(log), cwd=cwd or os.getcwd(),
+    request = SpawnRequest(env=dict(env), log=str(log), cwd=cwd or _working_directory(),
                            cpus=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None)
     for attempt in range(2):     # a server lost since the last function is started again, once
         server = _server_for(env)
@@ -370,6 +370,15 @@ def spawn(env: dict[str, str], log: Path, cwd: str | None = None) -> ForkedProce
             _refuse(env, str(err))
             return None
     return None
+
+
+def _working_directory() -> str | None:
+    """This process's working directory; None when it was removed (a child then stays in the
+    server's, as a ``Popen`` child would inherit the removed one)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _refuse(env: dict[str, str], reason: str) -> None:

@@ -11,7 +11,11 @@ the server's data lives in ``data_dir`` (kept at teardown, for a resumed run) or
 temporary directory removed at teardown, and the functions' logs in ``workdir`` (default: the
 server's directory's ``logs/``, or a temporary directory when the store is someone else's).
 Each function runs in its own session (a terminal's Ctrl-C reaches only the invoker, which
-stops them) and dies with the invoker (``flatpack.interrupts``).
+stops them) and dies with the invoker (``flatpack.interrupts``). It is forked from this
+process's fork server, which has torch imported (``backends.forked``), or started as a fresh
+interpreter where there is none (``FLATPACK_FORK_SERVER=0``, not Linux); a calibration's
+cold invocation always starts fresh (:meth:`LocalDeployment.launch_cold`;
+docs/local-functions.md).
 """
 
 from __future__ import annotations

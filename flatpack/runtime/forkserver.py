@@ -72,7 +72,7 @@ class SpawnRequest:
 
     env: dict[str, str]
     log: str
-    cwd: str
+    cwd: str | None
     cpus: tuple[int, ...] | None = None
 
     def dumps(self) -> bytes:
@@ -164,7 +164,8 @@ def become_function(request: SpawnRequest, close_inherited: Callable[[], None],
         _redirect(request.log)
         os.environ.clear()
         os.environ.update(request.env)
-        os.chdir(request.cwd)
+        if request.cwd is not None:
+            os.chdir(request.cwd)
         if request.cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, request.cpus)
         numpy_random = sys.modules.get("numpy.random")

@@ -139,8 +139,9 @@ def test_a_handle_reports_exit_codes_timeouts_and_kills_as_popen_does(tmp_path):
     waiting.terminate()
     assert waiting.wait(timeout=30) == -signal.SIGTERM
 
-    killed = track(forked.spawn(waiting_env(tmp_path), tmp_path / "killed.log"))
+    killed = forked.spawn(waiting_env(tmp_path), tmp_path / "killed.log")
     assert killed is not None
+    track(killed)
     kill_children()          # what the first stop signal does (flatpack.interrupts)
     assert killed.wait(timeout=30) == -signal.SIGKILL
 

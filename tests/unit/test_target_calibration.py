@@ -8,7 +8,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -337,7 +337,8 @@ def test_the_cold_invocation_starts_a_fresh_interpreter_the_warm_ones_the_usual_
     monkeypatch.setattr(profiling, "POLL_S", 0.0)
     deployment = _StubDeployment(tmp_path)
     with pytest.raises(RunFailure, match="wrote no result"):    # the stubs measure nothing
-        calibrate_target("local", tiers=[512, 1024], deploy=lambda compiled: deployment, task_iterations=0)
+        calibrate_target("local", tiers=[512, 1024], deploy=lambda compiled: cast(Any, deployment),
+                         task_iterations=0)
     warm = calibration_module.WARM_READINGS
     assert sorted(deployment.started) == sorted(
         [(mb, 0, "launch_cold") for mb in (512, 1024)]
