@@ -65,6 +65,9 @@ class RunSpec:
     # starts from; None: the artifacts' weights (keys.py: numbers are never reused in a run)
     first_iteration: int = 0
     initial_checkpoint: int | None = None
+    # the call's first iteration's place in the run's data: a resumed call trains batches from
+    # the one it had not trained, under new iteration numbers (``data_iteration``)
+    batch_offset: int = 0
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied parameter -> holder stages
     faults: tuple[dict, ...] = ()      # injected failures (tests, chaos runs): see worker.apply_fault
     # transient store errors and stalls injected into every worker's store (chaos runs, the
@@ -116,9 +119,17 @@ class RunSpec:
                    schedule=settings.schedule, sync=settings.sync or "pipelined", threads=settings.threads or 1,
                    wait_timeout_s=controls.wait_timeout_s if controls.wait_timeout_s is not None else WAIT_TIMEOUT_S,
                    checkpoint_every=settings.checkpoint_every, time_limit_s=controls.time_limit_s,
-                   first_iteration=first_iteration, initial_checkpoint=initial_checkpoint, shared=shared,
+                   first_iteration=first_iteration, initial_checkpoint=initial_checkpoint,
+                   batch_offset=controls.batch_offset, shared=shared,
                    faults=controls.faults, store_faults=controls.store_faults, precision=settings.precision,
                    vertical_sync=settings.vertical_sync, loss_scaling=settings.loss_scaling)
+
+    def data_iteration(self, iteration: int) -> int:
+        """Iteration ``iteration``'s place in the run's data: the global batch it trains. Its
+        iteration number is the store's (never reused: a resumed call numbers on from the
+        last call); this is the same however the run was interrupted, so what is drawn per
+        batch (dropout's seed, ``training.micro_batch_seed``) is too."""
+        return self.batch_offset + iteration - self.first_iteration
 
     def checkpoints_after(self, iteration: int, segment_end: int) -> bool:
         """Whether replica 0 of every stage checkpoints after ``iteration``: every

@@ -95,8 +95,9 @@ def assign_flat_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> Non
 
 
 def micro_batch_seed(iteration: int, stage: int, micro_batch: int) -> int:
-    """The seed of a stage's random draws (dropout) for one micro-batch of one iteration. A
-    replayed forward (a restarted function, a relaunched straggler) so draws the same masks
+    """The seed of a stage's random draws (dropout) for one micro-batch of one iteration,
+    ``iteration`` counted in the run's data (``RunSpec.data_iteration``). A replayed forward
+    (a restarted function, a relaunched straggler, a resumed run) so draws the same masks
     and produces the same activations its consumers may already have read."""
     return (iteration * 1_000_003 + stage * 10_007 + micro_batch) % (1 << 63)
 
@@ -125,7 +126,7 @@ def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration:
     mode says: a recomputing stage's first forward runs without."""
     args = [state.inputs[name] for name in stage.inputs]
     with torch.random.fork_rng(devices=[]), autocast(spec.precision, device_type):
-        torch.manual_seed(micro_batch_seed(iteration, stage.index, micro_batch))
+        torch.manual_seed(micro_batch_seed(spec.data_iteration(iteration), stage.index, micro_batch))
         if state.weights is None:
             outputs = module(*args)
         else:
