@@ -215,7 +215,8 @@ MISTAKES: tuple[Case, ...] = (
              "does not divide"),
     _mistake("data directory missing", ("run", "mlp", "--data", "no-shards/"), "no-shards", "no such directory"),
     _mistake("data directory empty", ("run", "mlp", "--data", "empty-shards/"), "empty-shards", "*.safetensors"),
-    _mistake("shard with 4 channels", ("run", "tiny-resnet", "--data", "four-channel-shards/"),
+    _mistake("shard with 4 channels", ("run", "tiny-resnet", "--data", "four-channel-shards/", "--batch", "8",
+                                                "--micro-batches", "2"),
              "part-0.safetensors", "channel", leaves_no=("flatpack-run",)),
     _mistake("shard without a target", ("run", "mlp", "--data", "no-target-shards/"), "target"),
     _mistake("data the batch does not divide", ("run", "mlp", "--data", "mlp-shards/", "--batch", "7",
@@ -228,7 +229,7 @@ MISTAKES: tuple[Case, ...] = (
              "nokey.pem"),
     _mistake("resume a directory that is no run", ("resume", "shards/"), "run.json"),
     _mistake("teardown with no deployment", ("teardown", "shards/"), "--out"),
-    _mistake("plan --from-run without a run", ("plan", "--from-run", "shards/"), "run.json"),
+    _mistake("plan --from-run without a run", ("plan", "--from-run", "shards/"), "events.json", "flatpack run"),
     _mistake("calibration file missing", ("run", "mlp", "--calibration", "nocal.json"), "nocal.json"),
 )
 
