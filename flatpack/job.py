@@ -788,6 +788,9 @@ def resume_training(root: Path, *, stream: TextIO, clean: bool = False, digest: 
         raise InputError(f"{directory.store} is missing: the run's checkpoints are gone, so it cannot be resumed. "
                          "Start it again with flatpack run")
     _check_optimizer(record, directory)
+    if target is None and record.target not in RUN_TARGETS:
+        raise InputError(f"{directory.record_path}: target is {record.target!r}, where flatpack run never trains; "
+                         f"resume it with --target {' or --target '.join(RUN_TARGETS)}")
     # a run that switched plans names the artifact of its current plan (``_recording_switches``),
     # always a directory inside the run directory
     compiled = flatpack.load(directory.compiled_path(record), digest=digest, verify_key=verify_key, name=name,

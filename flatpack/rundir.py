@@ -59,9 +59,9 @@ MAX_SEED = (1 << 63) - 1
 MAX_TEXT = 4_096
 MAX_FILES = 1_000_000
 RUN_STATES = ("running", "done", "abandoned")
-# where flatpack run and resume train: the local backend's processes, or the same functions as
-# Ray tasks on a cluster (``backends.RUN_TARGETS``); the other targets deploy and train from Python
-RUN_TARGETS = ("local", "ray")
+# a target's name as run.json records it (``backends.RUN_TARGETS`` says which ones resume runs:
+# checked there, so that this module and the command line's import stay free of the backends)
+TARGET_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
 # the run id prefixes every store key of the run: one plain name, never a path
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # the artifact directory run.json names: one plain name inside the run directory
@@ -101,6 +101,14 @@ def _whole(value: Any, what: str, low: int, high: int, *, optional: bool = False
 def _choice(value: Any, what: str, choices: Sequence[str]) -> str:
     if value not in choices or not isinstance(value, str):
         raise InputError(f"{what} is {value!r:.60}; it must be one of {', '.join(choices)}")
+    return value
+
+
+def _target(value: Any, what: str) -> str:
+    """A target's name: lower-case letters, digits and '-' (a platform name, never an address)."""
+    if not isinstance(value, str) or not TARGET_NAME.fullmatch(value):
+        raise InputError(f"{what} is {value!r:.60}; it must name a target such as local or ray (letters, digits and "
+                         "'-', at most 32), never an address")
     return value
 
 
@@ -302,7 +310,7 @@ class RunRecord:
                    train_options=check_train_options(data.get("train_options"), str(where)),
                    compiled=compiled,
                    fingerprint=check_fingerprint(data.get("fingerprint"), f"{where}: fingerprint"),
-                   target=_choice(data.get("target", "local"), f"{where}: target", RUN_TARGETS))
+                   target=_target(data.get("target", "local"), f"{where}: target"))
 
 
 def file_fingerprint(path: Path, *, what: str) -> dict[str, Any]:

@@ -17,12 +17,13 @@ from flatpack.backends.protocol import Backend, Capability
 from flatpack.errors import InputError
 from flatpack.platform.catalog import BUILTIN_PLATFORMS
 from flatpack.registry import Registry
-from flatpack import rundir
 
 # The built-in platform names, in the catalog's order: local, aws-lambda, alibaba-fc, gpu-container, ray.
 TARGETS = tuple(BUILTIN_PLATFORMS)
-# where flatpack run and resume train (a run directory records it: rundir.RUN_TARGETS)
-RUN_TARGETS = rundir.RUN_TARGETS
+# where flatpack run and resume train the local backend's processes, or the same functions as
+# Ray tasks on a cluster (a run directory records it: rundir.RunRecord.target); the other
+# targets deploy (flatpack deploy) and train from Python
+RUN_TARGETS = ("local", "ray")
 BACKEND_FUNCTIONS = ("package", "deploy", "invoke", "teardown")
 
 BACKENDS: Registry[Backend] = Registry("backend", InputError, {
