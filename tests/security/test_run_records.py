@@ -549,3 +549,11 @@ def test_resume_runs_the_functions_where_run_json_says_and_takes_no_address_from
     with pytest.raises(Reached):             # --target local finishes it here: local.deploy (no_deploy)
         resume(directory, target="local")
     assert len(asked) == 2
+
+
+def test_a_record_naming_a_target_run_never_trains_on_is_refused_naming_run_json(compiled, tmp_path, no_deploy):
+    directory = hand_made_run(tmp_path / "run", compiled, target="aws-lambda")
+    with pytest.raises(InputError, match=r"run\.json: target is 'aws-lambda'.*--target local or --target ray"):
+        resume(directory)
+    with pytest.raises(Reached):        # the user's --target decides
+        resume(directory, target="local")
