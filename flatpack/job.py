@@ -101,8 +101,8 @@ class ResumeResult:
 
 def dropout_modules(model: nn.Module) -> int:
     """How many ``nn.Dropout*`` modules of ``model`` have p > 0. ``flatpack run`` trains with
-    them on: each stage draws its masks from a seed per iteration, stage and micro-batch
-    (``training.micro_batch_seed``), and the verdict's reference draws the same ones
+    them on: each stage draws its masks from a seed per batch of the run's data, stage and
+    micro-batch (``training.micro_batch_seed``), and the verdict's reference draws the same ones
     (``reference.StageSeeds``)."""
     return sum(1 for module in model.modules()
                if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)

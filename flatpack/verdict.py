@@ -84,8 +84,8 @@ from flatpack.weights import with_aliases
 #   (tests/integration/test_precision_knobs.py holds a dropped one to FAILED).
 #
 # Dropout (and any random draw in train mode): the run keeps it on, and the reference runs the
-# compiled stages with each stage's forward seeded as the workers seed it (per iteration, stage
-# and micro-batch: ``reference.StageSeeds``), so it draws the run's masks and is held to the same
+# compiled stages with each stage's forward seeded as the workers seed it (per batch of the run's
+# data, stage and micro-batch: ``reference.StageSeeds``), so it draws the run's masks and is held to the same
 # bounds (tests/integration/test_dropout_verdict.py). A run that re-planned changed its stages'
 # seeds mid-run and is not checked.
 
@@ -154,13 +154,12 @@ class Verdict:
 
     def _draws(self) -> str:
         """What the check says of the model's random draws (dropout)."""
-        if not self.seeded:
-            return (f"dropout on (p > 0 in {self.dropouts} module{'s' * (self.dropouts != 1)})" if self.dropouts
-                    else "no random draws in train mode (no dropout)")
         what = (f"dropout on (p > 0 in {self.dropouts} module{'s' * (self.dropouts != 1)})" if self.dropouts
-                else "random draws in train mode")
-        return (f"{what}: the reference ran the compiled stages seeded as the workers seed them (per iteration, "
-                "stage and micro-batch), so it drew the run's masks")
+                else "random draws in train mode" if self.seeded else "no random draws in train mode (no dropout)")
+        if not self.seeded:
+            return what
+        return (f"{what}: the reference ran the compiled stages seeded as the workers seed them (per batch of "
+                "the run's data, stage and micro-batch), so it drew the run's masks")
 
     def _head(self) -> str:
         if self.equivalent is None:
@@ -409,13 +408,14 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
     micro_batches = compiled.plan.micro_batches_for(workload_of(compiled))
     optimizer = options.optimizer_spec()
     found = Verdict(None, len(stages), tuple(stage.replicas for stage in stages), micro_batches,
-                    run_iterations, optimizer.describe(), dropouts=dropouts, seeded=draws_random(initial, example))
-    if found.seeded and replanned:
-        found.seeded = False
+                    run_iterations, optimizer.describe(), dropouts=dropouts)
+    draws = draws_random(initial, example)
+    if draws and replanned:
         found.note = ("the model draws random numbers in train mode (dropout) and the run re-planned: the stages, "
                       "and the seeds each draws with, changed mid-run, which the reference does not follow; run "
                       "without --replan, or with dropout p = 0, to check equivalence")
         return found
+    found.seeded = draws
 
     # a tied weight is checkpointed under one name; the reference's state_dict has each
     parameters = with_aliases(compiled, parameters)
