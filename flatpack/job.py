@@ -28,12 +28,13 @@ from flatpack.analysis.refit import EVENTS_FILE
 from flatpack.backends import RUN_TARGETS, local
 from flatpack.backends import ray as ray_backend
 from flatpack.backends.functions import merge_results, workload_of
+from flatpack.backends.elastic_policy import ElasticPolicy
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
 from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
                            ShardSource, parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
-from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions
+from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions, PlanOptions
 from flatpack.partitioner import report as plan_report
 from flatpack.partitioner.cost import funcpipe
 from flatpack.partitioner.objective import evaluate as price_plan
@@ -72,6 +73,7 @@ class JobResult:
                 "samples_per_s": train.samples_per_s, "dollars": train.dollars,
                 "restarts": [restart.describe() for restart in train.restarts],
                 "switches": [switch.to_json() for switch in train.switches],
+                "decisions": [decision.to_json() for decision in train.decisions],
                 "comparison": self.comparison.to_json(),
                 "calibrated": self.calibrated.to_json() if self.calibrated is not None else None,
                 "equivalent": self.equivalent, "max_param_diff": self.max_param_diff,
@@ -517,17 +519,28 @@ def _deploy_and_train(run: _Run) -> None:
         LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} ({where}) "
                  f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
         run.problem = _measured_problem(compiled, deployment)
-        plan = options.plan
         controls = RunControls(iterations=run.iterations, progress=logs.progress_enabled(),
-                               non_finite=options.train.non_finite,
-                               replan=(ReplanPolicy(plan.replan_threshold, on_switch=_recording_switches(directory))
-                                       if plan.replan else False),
-                               epoch_iterations=plan.epoch_iterations if plan.replan else None)
+                               non_finite=options.train.non_finite, **epoch_policies(options.plan, directory))
         run.result, run.evaluations = train_and_evaluate(deployment, run.batches, run.settings, controls,
                                                          options.evaluation.eval_every, run.held_out, run.say)
         # after a switch the deployment runs the last plan
         run.final = deployment.compiled
         run.pipelined_state = pipeline_optimizer_state(deployment, run.final) if options.output.verify else {}
+
+
+def epoch_policies(plan: PlanOptions, directory: RunDirectory) -> dict[str, Any]:
+    """The RunControls of ``--replan`` or ``--elastic auto``: the policy asked at every
+    ``--epoch-iterations`` boundary, recording each plan switch in the run directory."""
+    on_switch = _recording_switches(directory)
+    if plan.elastic is not None:
+        degrees = plan.elastic_replicas or (1,)
+        return {"elastic": ElasticPolicy(plan.elastic_objective, min(degrees),
+                                         max(degrees) if plan.elastic_replicas else None, on_switch=on_switch),
+                "epoch_iterations": plan.epoch_iterations}
+    if plan.replan:
+        return {"replan": ReplanPolicy(plan.replan_threshold, on_switch=on_switch),
+                "epoch_iterations": plan.epoch_iterations}
+    return {}
 
 
 def _measured_problem(compiled: Any, deployment: Any) -> Any:
@@ -562,7 +575,9 @@ def _finish_run(run: _Run) -> None:
         f"samples/s), ${result.dollars:.6f} at the platform's prices")
     for restart in result.restarts:
         say(f"  {restart.describe()}")
-    for switch in result.switches:
+    for decision in result.decisions:
+        say(f"  elastic {decision.describe()}")
+    for switch in result.switches if not result.decisions else ():
         say(f"  re-planned {switch.describe()}")
     if options.plan.replan and not result.switches:
         say(f"  re-planned every {plural(options.plan.epoch_iterations or 0, 'iteration')}: no other plan was "
@@ -609,7 +624,9 @@ def _compare(run: _Run) -> tuple[Any, Any]:
             f"slowdown, t_lat = {latency * 1000:.1f} ms per transfer): predicted "
             f"{calibrated.predicted_iteration_s * 1000:.1f} ms, error {_percent(calibrated.iteration_error)} "
             "on the later iterations")
-    (run.out / EVENTS_FILE).write_bytes(timeline.dumps(measured))
+    # an elastic run's decisions beside the timeline, predicted and measured effect each
+    decisions = {"decisions": [decision.to_json() for decision in result.decisions]} if result.decisions else {}
+    (run.out / EVENTS_FILE).write_bytes(timeline.dumps(measured, **decisions))
     return comparison, calibrated
 
 
@@ -620,10 +637,12 @@ def _plots(run: _Run, model_name: str) -> list[Path]:
     running = [event for event in run.result.events if event.kind != "load"]
     schedule = report.predicted_schedule(run.problem, run.final.plan, reads_target=run.reads_target,
                                          schedule=run.options.train.schedule)
-    files = [out / "compiled", gantt.plot(running, out / "timeline.png", predicted=schedule,
+    # the epoch boundaries' decisions, across every worker's row
+    marks = [found.mark() for found in (run.result.decisions or run.result.switches)]
+    files = [out / "compiled", gantt.plot(running, out / "timeline.png", predicted=schedule, marks=marks,
                                           title=f"{model_name}: {len(run.final.plan.stages)} stages on local "
                                                 "functions"),
-             chrome_trace.write(run.result.events, out / "timeline.json", predicted=schedule)]
+             chrome_trace.write(run.result.events, out / "timeline.json", predicted=schedule, marks=marks)]
     run.say(f"\nwrote {files[1]} (the Gantt chart, predicted above measured), {files[2]} (the same as a Chrome "
             f"trace: open it in ui.perfetto.dev or chrome://tracing) and the stage artifacts in {files[0]}")
     return files

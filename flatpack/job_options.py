@@ -27,6 +27,7 @@ from flatpack.partitioner.solvers.wrappers import PICKS, solver_for
 from flatpack.partitioner.workload import RECOMPUTE
 from flatpack.platform.calibration import Calibration
 from flatpack.platform.catalog import get_platform
+from flatpack.runtime.elastic import OBJECTIVES
 from flatpack.runtime.optim import OptimizerSpec, ScheduleSpec, check_loss
 from flatpack.runtime.settings import TrainSettings
 from flatpack.schedules import DEFAULT_SCHEDULE, Setup
@@ -246,6 +247,13 @@ class PlanOptions:
     replan: bool = False
     epoch_iterations: int | None = None
     replan_threshold: float = DEFAULT_THRESHOLD
+    # "auto": at each --epoch-iterations boundary re-fit the cost model and change the replica
+    # degrees (and cuts) when the predicted saving of elastic_objective exceeds the model's own
+    # error on the run (backends.elastic_policy); elastic_replicas: the degrees' floor and
+    # ceiling (their least and greatest; None: 1 and the micro-batches)
+    elastic: str | None = None
+    elastic_objective: str = "time"
+    elastic_replicas: tuple[int, ...] | None = None
 
     def check(self, micro_batches: int) -> None:
         need(bool(self.replicas) and all(isinstance(d, int) and d >= 1 for d in self.replicas),
@@ -276,8 +284,31 @@ class PlanOptions:
              "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
         if self.pick != "fastest":
             solver_for(self.solver)
-        need(self.replan or (self.epoch_iterations is None and self.replan_threshold == DEFAULT_THRESHOLD),
-             "--epoch-iterations and --replan-threshold apply to --replan; give it, or leave them out")
+        need(self.replan or self.replan_threshold == DEFAULT_THRESHOLD,
+             "--replan-threshold applies to --replan; give it, or leave it out")
+        need(self.replan or self.elastic is not None or self.epoch_iterations is None,
+             "--epoch-iterations applies to --replan and --elastic auto; give one, or leave it out")
+        self._check_elastic(micro_batches)
+
+    def _check_elastic(self, micro_batches: int) -> None:
+        need(self.elastic in (None, "auto"), f"--elastic takes auto (the policy re-fits the cost model at every "
+             f"epoch boundary), got {self.elastic!r}; a policy of your own: train(elastic=...) from Python")
+        need(self.elastic is not None or (self.elastic_objective == "time" and self.elastic_replicas is None),
+             "--elastic-objective and --elastic-replicas apply to --elastic auto; give it, or leave them out")
+        need(not (self.elastic and self.replan), "--elastic auto changes replica degrees and re-plans the cuts at "
+             "the --epoch-iterations boundaries, and --replan replaces the plan there; give one of them")
+        need(self.elastic_objective in OBJECTIVES, f"--elastic-objective is one of {', '.join(OBJECTIVES)}, got "
+             f"{self.elastic_objective!r}")
+        degrees = self.elastic_replicas or (1,)
+        need(all(isinstance(d, int) and d >= 1 for d in degrees) and min(degrees) <= micro_batches,
+             f"--elastic-replicas gives the least and greatest replicas of a stage, each at least 1 and the least at "
+             f"most the {micro_batches} micro-batches, got {','.join(map(str, degrees))}; use e.g. "
+             f"--elastic-replicas 1,{micro_batches}")
+
+    @property
+    def switches_plans(self) -> bool:
+        """--replan or --elastic auto: the run may move onto another plan at epoch boundaries."""
+        return self.replan or self.elastic is not None
 
     def _check_cuts(self) -> None:
         need(self.stages is None or (isinstance(self.stages, int) and self.stages >= 1),
@@ -288,10 +319,12 @@ class PlanOptions:
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
 
     def check_replan(self, iterations: int | None) -> None:
-        """--replan's own options (what it cannot combine with is :meth:`JobOptions.check`'s)."""
+        """--replan's or --elastic auto's own options (what they cannot combine with is
+        :meth:`JobOptions.check`'s)."""
+        flag = "--replan" if self.replan else "--elastic auto"
         need(isinstance(self.epoch_iterations, int) and self.epoch_iterations > SKIP_FIRST,
-             f"--replan re-plans every --epoch-iterations N iterations from the iterations after each epoch's first "
-             f"{SKIP_FIRST} (cold starts, warm-up); give --epoch-iterations {SKIP_FIRST + 1} or more")
+             f"{flag} re-fits the cost model every --epoch-iterations N iterations from the iterations after each "
+             f"epoch's first {SKIP_FIRST} (cold starts, warm-up); give --epoch-iterations {SKIP_FIRST + 1} or more")
         need(iterations is None or iterations > (self.epoch_iterations or 0),
              f"--epoch-iterations {self.epoch_iterations} is not shorter than the run's {iterations} "
              "iterations, so there is no epoch boundary to re-plan at; use fewer or more --iterations")
@@ -372,19 +405,20 @@ class JobOptions:
         schedules.get(self.train.schedule).check(Setup(
             replicas=tuple(self.plan.replicas), vertical_sync=self.train.vertical_sync,
             clip_grad_norm=spec.clip_grad_norm, accumulate=spec.accumulate, precision=self.train.precision,
-            replan=bool(self.plan.replan)))
-        if self.plan.replan:
+            replan=bool(self.plan.replan), elastic=self.plan.elastic is not None))
+        if self.plan.switches_plans:
             self._check_replan()
 
     def _check_replan(self) -> None:
-        """What --replan cannot combine with, from the other groups."""
+        """What --replan and --elastic auto cannot combine with, from the other groups."""
         self.plan.check_replan(self.batches.iterations)
+        flag = "--replan" if self.plan.replan else "--elastic auto"
         need(self.train.precision == "fp32",
-             f"--replan with --precision {self.train.precision}: tensors are rounded to {self.train.precision} at "
+             f"{flag} with --precision {self.train.precision}: tensors are rounded to {self.train.precision} at "
              "the stage boundaries, which move with the plan, so the single-process check cannot reproduce the run; "
-             "use --precision fp32 with --replan")
+             f"use --precision fp32 with {flag}")
         need(not self.evaluation.eval_every,
-             "--replan switches plans at --epoch-iterations boundaries inside one training call, and --eval-every "
+             f"{flag} switches plans at --epoch-iterations boundaries inside one training call, and --eval-every "
              "trains as calls of N iterations; give one of them")
 
     def optimizer_steps(self, iterations: int) -> int:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from flatpack.runtime.timeline import Event
+from flatpack.runtime.timeline import Event, Mark
 
 MEASURED_PID, PREDICTED_PID = 1, 2
 
@@ -49,10 +49,23 @@ def trace_events(events: Sequence[Event], pid: int, process: str) -> list[dict[s
     return out
 
 
-def write(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequence[Event] | None = None) -> Path:
+def mark_events(marks: Sequence[Mark], events: Sequence[Event], pid: int) -> list[dict[str, Any]]:
+    """Each mark as a process-wide instant event (``"ph": "i"``, ``"s": "p"``) on ``events``'
+    time axis, its label as the name."""
+    if not events:
+        return []
+    origin = min(event.start for event in events)
+    return [{"ph": "i", "s": "p", "name": mark.label, "cat": "decision", "pid": pid, "tid": 0,
+             "ts": round((mark.at - origin) * 1e6, 3)} for mark in marks]
+
+
+def write(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequence[Event] | None = None,
+          marks: Sequence[Mark] = ()) -> Path:
     """Writes the measured ``events`` (and the ``predicted`` schedule, when given) as a
-    Chrome trace at ``path``; returns the path."""
+    Chrome trace at ``path``, with ``marks`` (a run's decisions) on the measured process;
+    returns the path."""
     document = {"traceEvents": [*trace_events(events, MEASURED_PID, "measured"),
+                                *mark_events(marks, events, MEASURED_PID),
                                 *trace_events(predicted or (), PREDICTED_PID, "predicted (cost model)")],
                 "displayTimeUnit": "ms"}
     path = Path(path)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from flatpack.errors import InputError
 from flatpack.partitioner.plot import require_matplotlib
-from flatpack.runtime.timeline import KINDS, OUTSIDE_ITERATION, Event
+from flatpack.runtime.timeline import KINDS, OUTSIDE_ITERATION, Event, Mark
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "upload": "tab:green", "download": "tab:olive",
           "sync": "tab:red", "update": "tab:purple", "checkpoint": "tab:gray", "load": "tab:brown",
@@ -67,8 +67,16 @@ def _draw(axes: Any, events: Sequence[Event], workers: list[tuple[int, int]], or
     return {e.kind for e in events}
 
 
+def _draw_marks(axes: Any, marks: Sequence[Mark], origin: float, top: float) -> None:
+    """Each mark as a solid line across every worker's row, its label written along it."""
+    for mark in marks:
+        axes.axvline(mark.at - origin, color="black", linewidth=1.2)
+        axes.text(mark.at - origin, top, f" {mark.label}", rotation=90, va="top", ha="left", fontsize=6,
+                  color="black", clip_on=True)
+
+
 def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequence[Event] | None = None,
-         title: str = "") -> Path:
+         title: str = "", marks: Sequence[Mark] = ()) -> Path:
     """Draws ``events`` as a PNG Gantt chart at ``path`` (:func:`figure`) and returns the path."""
     events = list(events)
     if not events:
@@ -80,16 +88,18 @@ def plot(events: Sequence[Event], path: str | os.PathLike, *, predicted: Sequenc
         path = path.with_suffix(".png")
     elif path.suffix.lower() != ".png":
         raise InputError(f"a timeline is drawn as PNG: end the file name {path.name} with .png")
-    figure(events, predicted=predicted, title=title).savefig(path, dpi=110)
+    figure(events, predicted=predicted, title=title, marks=marks).savefig(path, dpi=110)
     return path
 
 
-def figure(events: Sequence[Event], *, predicted: Sequence[Event] | None = None, title: str = "") -> Any:
+def figure(events: Sequence[Event], *, predicted: Sequence[Event] | None = None, title: str = "",
+           marks: Sequence[Mark] = ()) -> Any:
     """The chart as a matplotlib ``Figure``: the predicted panel (when given) above the
     measured one. Each panel has its own time axis, x in seconds from its own first event: the
     prediction is one iteration and the run several, and on a shared axis the prediction was
     squeezed into the left edge. Faint dashed lines mark where each iteration after the first
-    begins; micro-batch numbers sit inside bars wide enough. A panel is at least
+    begins; ``marks`` (an elastic or re-planning run's decisions) are solid labelled lines on
+    the measured panel; micro-batch numbers sit inside bars wide enough. A panel is at least
     ``MIN_PANEL_INCHES`` tall, so a chart of one or two workers keeps its labels apart."""
     require_matplotlib()
     # optional dependency: matplotlib, for plots only (pip install 'flatpack[plot]'; ~0.5 s to load)
@@ -111,6 +121,8 @@ def figure(events: Sequence[Event], *, predicted: Sequence[Event] | None = None,
         origin = min(e.start for e in panel)
         span = (max(e.end for e in panel) - origin) or 1.0
         kinds |= _draw(axes, panel, workers, origin, span, heading)
+        if panel is panels[-1][1]:
+            _draw_marks(axes, marks, origin, len(workers) * ROW_HEIGHT)
         axes.set_xlim(0, span * 1.01)
         axes.set_xlabel("seconds from the panel's first event", fontsize=8)
     handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in KINDS if kind in kinds]

@@ -53,6 +53,9 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
     measured = summarize(events, skip_first=skip_first)
     if measured.iteration_s is None or not measured.stages:
         raise InputError(f"{source} recorded no iteration to fit; train at least {skip_first + 1} iterations")
+    # the iterations the figures keep, by position: an epoch of a re-planned or elastic run
+    # starts at its own number, and its first iterations are cold starts as a run's are
+    kept = set(measured.kept)
     cost = funcpipe.predicted(problem, plan)
     terms = cost.overheads or funcpipe.Overheads()
     micro = problem.workload.micro_batch_size
@@ -104,7 +107,7 @@ def refit(problem: Problem, plan: Plan, events: Iterable[Any], *, skip_first: in
     overheads = [event.seconds - event.nbytes / cost.stages[event.stage].bandwidth_bytes_s
                  - terms.task("upload", event.stage)
                  for event in events if event.kind == "upload" and event.micro_batch is not None
-                 and event.iteration >= skip_first and event.stage < len(cost.stages)]
+                 and event.iteration in kept and event.stage < len(cost.stages)]
     platform = problem.platform
     return Calibration(
         platform=platform.name, layer_names=tuple(layer.name for layer in problem.chain), tiers=tiers,
@@ -125,6 +128,19 @@ def _scaled(host: Linear, micro: float, seconds: float) -> Linear:
         return Linear(0.0, seconds)
     factor = seconds / at
     return Linear(host.per_sample * factor, host.fixed * factor)
+
+
+def fitted_problem(problem: Problem, calibration: Calibration) -> Problem:
+    """``problem`` under the re-fitted ``calibration`` (:func:`refit`), its search limited
+    to the tiers the run measured (the run says nothing of other tiers)."""
+    options = problem.options.with_changes(memory_mb=tuple(sorted(calibration.tiers)))
+    return dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
+                               options=options)
+
+
+def prediction_error(predicted_s: float, measured_s: float) -> float:
+    """|predicted − measured| / measured: how far a prediction of an iteration was off."""
+    return abs(predicted_s / measured_s - 1)
 
 
 @dataclass(frozen=True)
@@ -182,9 +198,7 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
 
     events = list(events)
     calibration = refit(problem, plan, events, skip_first=skip_first, source=source)
-    options = problem.options.with_changes(memory_mb=tuple(sorted(calibration.tiers)))
-    fitted = dataclasses.replace(problem, calibration=calibration, platform=calibration.apply(problem.platform),
-                                 options=options)
+    fitted = fitted_problem(problem, calibration)
     solving = get_solver(solver)
     front = getattr(solving, "front", None)  # duck-typed: a cost-model solver's front, else its one plan
     candidates = list(front(fitted).plans) if front is not None else [solving(fitted)]
@@ -199,7 +213,7 @@ def replan(problem: Problem, plan: Plan, events: Iterable[Any], *, solver: str =
             best, best_s = candidate, seconds
     measured_s = summarize(events, skip_first=skip_first).iteration_s
     assert measured_s is not None  # refit above refused events without a measured iteration
-    model_error = abs(funcpipe.predicted(problem, plan).iteration_s / measured_s - 1)
+    model_error = prediction_error(funcpipe.predicted(problem, plan).iteration_s, measured_s)
     if best != plan and (old_s - best_s) / old_s <= model_error:
         return Replan(plan, plan, old_s, old_s, measured_s, calibration, model_error, (best, best_s))
     return Replan(plan, best, old_s, best_s, measured_s, calibration, model_error)

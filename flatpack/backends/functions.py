@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 from flatpack.analysis.host_load import INVOKER_POLL_S
 from flatpack.backends.batch_checks import batch_values, check_training_call
 from flatpack.backends.protocol import Capability
-from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan
+from flatpack.backends.elastic_policy import ElasticPolicy, ElasticScaler, check_elastic
+from flatpack.backends.replan import Replanner, ReplanPolicy, check_replan, check_switchable
 from flatpack.backends.results import Restart, TrainResult
 from flatpack.backends.results import merge_results as merge_results   # job.py's name for it
 from flatpack.compiler import Compiled
@@ -279,7 +280,9 @@ class FunctionDeployment:
         record = CallRecord(first, iterations, spec.initial_checkpoint, controls.batch_offset, settings)
         self.store.put(self.keys.call(first), record.dumps())
         batch_for = batches if callable(batches) else batches.__getitem__
-        run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, controls,
+        # a policy object decides through the scaler; a callback is asked by the run itself
+        callback = controls if not isinstance(controls.elastic, ElasticPolicy) else controls.replace(elastic=None)
+        run = _Run(self, spec, lambda iteration: batch_for(iteration - first), first, first + iterations, callback,
                    replanner)
         return run.execute()
 
@@ -290,15 +293,31 @@ class FunctionDeployment:
             time_limit_s=controls.time_limit_s if controls.time_limit_s is not None else self.time_limit_s,
             wait_timeout_s=controls.wait_timeout_s if controls.wait_timeout_s is not None else WAIT_TIMEOUT_S)
 
-    def _replanner(self, spec: RunSpec, controls: RunControls, iterations: int) -> Replanner | None:
-        """The re-planner ``controls.replan`` asks for, checked against the call (None: none)."""
+    def _replanner(self, spec: RunSpec, controls: RunControls, iterations: int) -> Replanner | ElasticScaler | None:
+        """The re-planner ``controls.replan`` or the elastic policy ``controls.elastic`` asks
+        for, checked against the call (None: none)."""
         spec.check_schedule(replan=bool(controls.replan), elastic=controls.elastic is not None)
+        if isinstance(controls.elastic, ElasticPolicy):
+            return self._elastic_scaler(controls.elastic, spec, controls, iterations)
         if not controls.replan:
             return None
         policy = ReplanPolicy.of(controls.replan)
         check_replan(self, policy, elastic=controls.elastic is not None,
                      epoch_iterations=controls.epoch_iterations, iterations=iterations)
         return Replanner(policy)
+
+    def _elastic_scaler(self, policy: ElasticPolicy, spec: RunSpec, controls: RunControls,
+                        iterations: int) -> ElasticScaler:
+        """The scaler an :class:`~flatpack.backends.elastic_policy.ElasticPolicy` asks for,
+        checked against the call before any function starts."""
+        if controls.replan:
+            raise InputError("an elastic policy re-plans the cuts with the degrees (ElasticPolicy(cuts=True), "
+                             "--elastic auto) and replan replaces the plan at the same boundaries; give one of them")
+        check_switchable(self, "elastic", epoch_iterations=controls.epoch_iterations, iterations=iterations,
+                         refits=True)
+        check_elastic(self, policy, spec.micro_batches)
+        assert controls.epoch_iterations is not None   # check_switchable refused a call without epochs
+        return ElasticScaler(policy, controls.epoch_iterations)
 
     # calls and checkpoints ------------------------------------------------------------------
     def calls(self) -> list[CallRecord]:
@@ -662,7 +681,7 @@ class _Run:
     deletes finished iterations' tensors and prints the progress line."""
 
     def __init__(self, deployment: FunctionDeployment, spec: RunSpec, batch_for: Callable[[int], Any], first: int,
-                 end: int, controls: RunControls, replanner: Replanner | None = None) -> None:
+                 end: int, controls: RunControls, replanner: Replanner | ElasticScaler | None = None) -> None:
         self.deployment = deployment
         # a chaos run's faults reach the invoker's own requests too (data, progress, garbage)
         self.store = chaos.wrap(deployment.store, spec.store_faults, salt="invoker")
@@ -699,7 +718,8 @@ class _Run:
         self.watching: dict[tuple[int, int, str], float] = {}      # a stage's phase -> its peers' pace
         self.late_since: dict[tuple[int, int, int, str], float] = {}
         self.relaunched: set[tuple[int, int, int]] = set()
-        self.replanner = replanner     # backends.replan.Replanner: may switch plans at epoch boundaries
+        # backends.replan.Replanner or elastic_policy.ElasticScaler: may switch plans at epoch boundaries
+        self.replanner = replanner
         self.earlier_events: list[timeline.Event] = []    # the timelines of the plans switched from
 
     def execute(self) -> TrainResult:
@@ -745,9 +765,10 @@ class _Run:
         return TrainResult(parameters=self._final_parameters(), losses=[self.losses[i] for i in sorted(self.losses)],
                            events=events, restarts=self.restarts, degrees=degrees_seen, wall_s=wall,
                            samples=self.samples, dollars=self.dollars, peak_bytes=self.peaks,
-                           switches=self.replanner.switches if self.replanner is not None else [])
+                           switches=self.replanner.switches if self.replanner is not None else [],
+                           decisions=self.replanner.decisions if isinstance(self.replanner, ElasticScaler) else [])
 
-    def _replan(self, replanner: Replanner, last: int) -> None:
+    def _replan(self, replanner: Replanner | ElasticScaler, last: int) -> None:
         """At the epoch boundary after ``last``, every function of the epoch ended: the
         replanner may move the run onto a new plan (new stages under a new run prefix, the
         checkpoints moved onto them); the next epoch then launches the new plan's functions."""

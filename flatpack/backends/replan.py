@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from flatpack import logs
@@ -107,6 +108,7 @@ class PlanSwitch:
     measured_before_s: float | None
     run: str
     measured_after_s: float | None = None
+    at: float = field(default_factory=time.time)   # when the run decided it (the timeline marks it)
 
     @property
     def saving(self) -> float:
@@ -129,7 +131,12 @@ class PlanSwitch:
         return {"iteration": self.iteration, "old_plan": self.old.to_json(), "new_plan": self.new.to_json(),
                 "old_predicted_s": self.old_predicted_s, "new_predicted_s": self.new_predicted_s,
                 "saving": self.saving, "measured_before_s": self.measured_before_s,
-                "measured_after_s": self.measured_after_s, "run": self.run}
+                "measured_after_s": self.measured_after_s, "run": self.run, "at": self.at}
+
+    def mark(self) -> timeline.Mark:
+        """The switch on the run's timeline."""
+        return timeline.Mark(self.at, f"re-planned after iteration {self.iteration}: "
+                                      f"{' | '.join(f'×{s.replicas}' for s in self.new.stages)}")
 
 
 @dataclass(frozen=True)
@@ -160,33 +167,42 @@ class ReplanPolicy:
 def check_replan(deployment: SwitchableDeployment, policy: ReplanPolicy, *, elastic: bool,
                  epoch_iterations: int | None, iterations: int) -> None:
     """Refuses, before any function starts, a run that cannot re-plan, naming the cause and the fix."""
-    if deployment.platform != "local":
-        raise InputError(f"replan switches plans on the local backend, whose invoker uploads each plan's stages to "
-                         f"the store; a {deployment.platform} function runs the stage code of the image it was "
-                         "deployed with. Re-plan after the run (flatpack plan --from-run RUN_DIR) and deploy the "
-                         "new plan")
     if elastic:
         raise InputError("elastic re-scales the plan's replica degrees at epoch boundaries and replan replaces the "
-                         "plan there (degrees included); give one of them")
+                         "plan there (degrees included); give one of them (an ElasticPolicy, --elastic auto, "
+                         "re-plans the cuts as well)")
     if not 0 <= policy.threshold < 1:
         raise InputError(f"the replan threshold is a share of the iteration time in [0, 1), got {policy.threshold}; "
                          f"use e.g. {DEFAULT_THRESHOLD}")
+    check_switchable(deployment, "replan", epoch_iterations=epoch_iterations, iterations=iterations,
+                     refits=policy.choose is None)
+
+
+def check_switchable(deployment: SwitchableDeployment, what: str, *, epoch_iterations: int | None, iterations: int,
+                     refits: bool) -> None:
+    """Refuses, before any function starts, a run that cannot switch plans at its epoch
+    boundaries (``what``: the option asking for it), or with ``refits``, cannot re-fit the
+    cost model to an epoch; each refusal names the cause and the fix."""
+    if deployment.platform != "local":
+        raise InputError(f"{what} switches plans on the local backend, whose invoker uploads each plan's stages to "
+                         f"the store; a {deployment.platform} function runs the stage code of the image it was "
+                         "deployed with. Re-plan after the run (flatpack plan --from-run RUN_DIR) and deploy the "
+                         "new plan")
     if epoch_iterations is None or epoch_iterations >= iterations:
-        raise InputError(f"replan acts at epoch boundaries, and this call's {plural(iterations, 'iteration')} "
+        raise InputError(f"{what} acts at epoch boundaries, and this call's {plural(iterations, 'iteration')} "
                          f"{'has' if iterations == 1 else 'have'} none: give "
                          f"epoch_iterations (--epoch-iterations) shorter than the run, e.g. {max(iterations // 2, 1)}")
-    if policy.choose is None and epoch_iterations <= SKIP_FIRST:
-        raise InputError(f"replan re-fits the cost model to each epoch's iterations after its first {SKIP_FIRST} "
+    if refits and epoch_iterations <= SKIP_FIRST:
+        raise InputError(f"{what} re-fits the cost model to each epoch's iterations after its first {SKIP_FIRST} "
                          f"(cold starts, warm-up), so an epoch needs at least {SKIP_FIRST + 1}; got "
                          f"--epoch-iterations {epoch_iterations}")
     compiled = deployment.compiled
     if compiled.graph is None or compiled.problem is None:
-        raise InputError("replan emits the stages of each new plan from the layer chain flatpack.compile made in "
-                         "this process; this deployment's artifact was read back with flatpack.load. Compile the "
-                         "model in this process to train it with replan")
-    if policy.choose is None and (compiled.profile is None
-                                  or any(stage.memory_mb is None for stage in compiled.plan.stages)):
-        raise InputError("replan re-fits the cost model, which prices a plan from its per-layer profile and each "
+        raise InputError(f"{what} emits the stages of each new plan from the layer chain flatpack.compile made in "
+                         f"this process; this deployment's artifact was read back with flatpack.load. Compile the "
+                         f"model in this process to train it with {what}")
+    if refits and (compiled.profile is None or any(stage.memory_mb is None for stage in compiled.plan.stages)):
+        raise InputError(f"{what} re-fits the cost model, which prices a plan from its per-layer profile and each "
                          "stage's memory tier; compile with profile=True and a plan whose every stage has a "
                          "memory_mb (a cost-model solver such as dp chooses them)")
 

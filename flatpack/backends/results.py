@@ -47,6 +47,8 @@ class TrainResult:
     dollars: float                        # functions' memory x seconds at the platform's price
     peak_bytes: dict[str, int] = field(default_factory=dict)
     switches: list[Any] = field(default_factory=list)   # backends.replan.PlanSwitch, each plan switch in order
+    # backends.elastic_policy.ElasticDecision, each epoch boundary of an elastic policy's run
+    decisions: list[Any] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -67,4 +69,5 @@ def merge_results(results: Sequence[TrainResult]) -> TrainResult:
                        degrees=[degrees for r in results for degrees in r.degrees],
                        wall_s=sum(r.wall_s for r in results), samples=sum(r.samples for r in results),
                        dollars=sum(r.dollars for r in results), peak_bytes=peaks,
-                       switches=[switch for r in results for switch in r.switches])
+                       switches=[switch for r in results for switch in r.switches],
+                       decisions=[decision for r in results for decision in r.decisions])

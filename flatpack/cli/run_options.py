@@ -20,6 +20,7 @@ from flatpack.backends import RUN_TARGETS
 from flatpack.cli.common import RAY_ADDRESS_HELP, ints, names, split_points_help, stages_help
 from flatpack.partitioner.solvers import PICKS
 from flatpack.partitioner.workload import RECOMPUTE
+from flatpack.runtime.elastic import OBJECTIVES
 from flatpack.stage.settings import NON_FINITE, PRECISIONS, SYNC_METHODS
 
 # JobOptions's groups (flatpack.job_options.GROUPS) as `flatpack run --help` titles them
@@ -163,11 +164,20 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
                 'model to what the run measured, solve again, and switch the run onto a plan predicted at least '
                 '--replan-threshold faster (the checkpoints move onto the new cuts: the run ends with the weights '
                 'one plan reaches)'),
-    Option('--epoch-iterations', 'plan', type=int, metavar='N', help='with --replan: the iterations between '
-                "re-plans (at least 3: each re-fit leaves out an epoch's first 2)"),
+    Option('--epoch-iterations', 'plan', type=int, metavar='N', help='with --replan or --elastic auto: the '
+                "iterations between re-plans (at least 3: each re-fit leaves out an epoch's first 2)"),
     Option('--replan-threshold', 'plan', type=float, metavar='F', help='with --replan: the least predicted saving, '
                 "a share of an iteration, that switches plans (default 0.05: below the re-fitted model's own error "
                 "a switch's cold starts would not pay)"),
+    Option('--elastic', 'plan', choices=('auto',), help='auto: every --epoch-iterations N iterations, re-fit the '
+                'cost model to what the run measured and change the replica degrees (and the cuts) when the '
+                "predicted saving exceeds the model's own error on this run (|predicted - measured| / measured of "
+                'the epochs so far); every decision, kept or changed, is logged with its predicted and measured '
+                'effect (Hydrozoa §3.5; the checkpoints move as with --replan)'),
+    Option('--elastic-objective', 'plan', choices=OBJECTIVES, help='with --elastic auto: what a change must save '
+                'per iteration, time (the default) or dollars at the platform\'s prices'),
+    Option('--elastic-replicas', 'plan', value=_ints('--elastic-replicas'), metavar='MIN,MAX', help='with '
+                '--elastic auto: the least and greatest replicas of a stage (default 1 and the micro-batches)'),
     Option('--save', 'output', value=Path, metavar='PATH.safetensors', help='also write the trained weights here, '
                 "by the original model's state_dict names (tied weights once); load with "
                 'model.load_state_dict(flatpack.load_state_dict(PATH)). e.g. --save trained.safetensors'),

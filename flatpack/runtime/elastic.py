@@ -2,6 +2,10 @@
 stages' replica degrees) that return new degrees, or None to keep them. The local backend
 asks its policy at every epoch boundary (``train(elastic=..., epoch_iterations=...)``),
 retires or starts functions, re-deals the micro-batches and continues from the checkpoints.
+
+A policy that decides from what the run measured, re-fitting the cost model at every
+boundary, is ``backends.elastic_policy.ElasticPolicy`` (``flatpack run --elastic auto``): it
+prices plans with the cost model, which a worker never imports, so it lives in the backends.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 Policy = Callable[[int, tuple[int, ...]], Sequence[int] | None]
+# what `--elastic auto` may minimize per iteration (backends.elastic_policy.ElasticPolicy.objective)
+OBJECTIVES = ("time", "dollars")
 
 
 def doubling(max_replicas: int, *, every: int = 1, stages: Sequence[int] | None = None) -> Policy:

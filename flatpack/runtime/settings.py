@@ -91,13 +91,16 @@ class RunControls:
 
     ``iterations``: None trains every batch given. ``time_limit_s``: a function re-invokes
     itself before this (None: the platform's). ``elastic(epoch, degrees) -> degrees | None``
-    is asked every ``epoch_iterations``. ``faults`` and ``store_faults`` are injected failures
+    is asked every ``epoch_iterations``, or ``elastic`` is a
+    ``backends.elastic_policy.ElasticPolicy`` that decides from what each epoch measured.
+    ``faults`` and ``store_faults`` are injected failures
     (tests, chaos runs). ``non_finite``: "warn", "error" or "ignore". ``replan``: True or a
     ``backends.replan.ReplanPolicy``. ``wait_timeout_s``: None takes the backend's default."""
 
     iterations: int | None = None
     time_limit_s: float | None = None
-    elastic: Callable[[int, tuple[int, ...]], Sequence[int] | None] | None = None
+    # a callback, or a backends.elastic_policy.ElasticPolicy (runtime names no backend type)
+    elastic: Callable[[int, tuple[int, ...]], Sequence[int] | None] | Any = None
     epoch_iterations: int | None = None
     straggler_ratio: float | None = None
     faults: tuple[dict, ...] = ()
@@ -133,7 +136,7 @@ class TrainOptions(TypedDict, total=False):
     loss_scaling: LossScaling | dict | None
     iterations: int | None
     time_limit_s: float | None
-    elastic: Callable[[int, tuple[int, ...]], Sequence[int] | None] | None
+    elastic: Callable[[int, tuple[int, ...]], Sequence[int] | None] | Any
     epoch_iterations: int | None
     straggler_ratio: float | None
     faults: Iterable[dict]

@@ -77,6 +77,19 @@ class Event:
         return cls(**{key: value for key, value in data.items() if key in known})
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A moment of the run that is no worker's task, drawn across every worker's row: a
+    decision at an epoch boundary (``backends.elastic_policy``, ``backends.replan``) with what
+    it decided, at ``at`` (``time.time()`` seconds, the events' clock)."""
+
+    at: float
+    label: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class Recorder:
     """Collects one worker's events; safe to use from the worker's compute and transfer
     threads at once."""
@@ -125,8 +138,10 @@ class Recorder:
             return len(self._events)
 
 
-def dumps(events: Iterable[Event]) -> bytes:
-    return json.dumps({"version": FORMAT_VERSION, "events": [e.to_json() for e in events]},
+def dumps(events: Iterable[Event], **extra: Any) -> bytes:
+    """The events as JSON; ``extra``: further top-level entries (a run's decisions), which
+    :func:`loads` leaves alone."""
+    return json.dumps({"version": FORMAT_VERSION, "events": [e.to_json() for e in events], **extra},
                       separators=(",", ":")).encode()
 
 

@@ -23,7 +23,7 @@ from flatpack.runtime.optim import OptimizerSpec
     (["--lr", "-1"], "--lr must be a positive"),
     (["--solver", "balancd"], "did you mean 'balanced'"),
     (["--replicas", "0"], "--replicas lists"),
-    (["--epoch-iterations", "3"], "apply to --replan"),
+    (["--epoch-iterations", "3"], "applies to --replan"),
     (["--replan", "--epoch-iterations", "2", "--iterations", "8"], "--epoch-iterations 3 or more"),
     (["--replan", "--epoch-iterations", "4", "--iterations", "4"], "no epoch boundary"),
     (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--replan-threshold", "1.5"], "share in [0, 1)"),
