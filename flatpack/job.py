@@ -530,12 +530,15 @@ def _deploy_and_train(run: _Run) -> None:
 
 def epoch_policies(plan: PlanOptions, directory: RunDirectory) -> dict[str, Any]:
     """The RunControls of ``--replan`` or ``--elastic auto``: the policy asked at every
-    ``--epoch-iterations`` boundary, recording each plan switch in the run directory."""
+    ``--epoch-iterations`` boundary, recording each plan switch in the run directory. Cuts the
+    user fixed (``--stages``, ``--split-points``) stay: ``--elastic auto`` then changes the
+    replica degrees only."""
     on_switch = _recording_switches(directory)
     if plan.elastic is not None:
         degrees = plan.elastic_replicas or (1,)
         return {"elastic": ElasticPolicy(plan.elastic_objective, min(degrees),
-                                         max(degrees) if plan.elastic_replicas else None, on_switch=on_switch),
+                                         max(degrees) if plan.elastic_replicas else None,
+                                         cuts=plan.stages is None and not plan.split_points, on_switch=on_switch),
                 "epoch_iterations": plan.epoch_iterations}
     if plan.replan:
         return {"replan": ReplanPolicy(plan.replan_threshold, on_switch=on_switch),

@@ -252,24 +252,27 @@ class ElasticDecision:
                                       f"vs error {self.model_error * 100:.0f}%)")
 
 
-def price(problem: Problem, plan: Plan) -> Priced | None:
-    """``plan`` under ``problem``'s model (None: the model cannot run or price it)."""
+def price(problem: Problem, plan: Plan, anchor: float = 1.0) -> Priced | None:
+    """``plan`` under ``problem``'s model, its iteration (and so its dollars) times ``anchor``
+    (None: the model cannot run or price it)."""
     try:
         cost = funcpipe.predicted(problem, plan)
     except PlanError:
         return None    # e.g. per-stage degrees, or more replicas than micro-batches
-    return Priced(plan, cost.iteration_s, cost.dollars_per_iteration) if cost.fits else None
+    return Priced(plan, cost.iteration_s * anchor, cost.dollars_per_iteration * anchor) if cost.fits else None
 
 
-def candidates(fitted: Problem, plan: Plan, policy: ElasticPolicy, micro_batches: int) -> list[Priced]:
+def candidates(fitted: Problem, plan: Plan, policy: ElasticPolicy, micro_batches: int,
+               anchor: float = 1.0) -> list[Priced]:
     """What the policy weighs against ``plan``: its cuts at every allowed degree and, with
-    ``policy.cuts``, the solver's front on the re-fitted problem; each priced by ``fitted``."""
+    ``policy.cuts``, the solver's front on the re-fitted problem; each priced by ``fitted``
+    times ``anchor``."""
     plans = [with_degree(plan, degree) for degree in policy.degrees(micro_batches)]
     if policy.cuts:
         solving = get_solver(policy.solver)
         front = getattr(solving, "front", None)   # duck-typed: a cost-model solver's front, else its one plan
         plans += list(front(fitted).plans) if front is not None else [solving(fitted)]
-    priced = (price(fitted, candidate) for candidate in plans)
+    priced = (price(fitted, candidate, anchor) for candidate in plans)
     return [found for found in priced if found is not None]
 
 
@@ -311,10 +314,15 @@ class ElasticScaler:
         measured_s = self._measure(compiled.problem, compiled.plan, epoch)
         fitted = fitted_problem(compiled.problem, refit(compiled.problem, compiled.plan, epoch,
                                                         skip_first=SKIP_FIRST, source="the run's last epoch"))
+        # the re-fit alone does not reproduce the epoch it was fitted to (a 2 × 2 epoch measured
+        # at 630 ms was re-fitted to 886 ms: its sync follows the upload latency, not the sync
+        # measured), so every plan's price is anchored there: the re-fit's ratios between plans,
+        # times the measured over the re-fitted iteration of the plan that ran
         cost = funcpipe.predicted(fitted, compiled.plan)    # check_elastic and candidates priced it before
-        current = Priced(compiled.plan, cost.iteration_s, cost.dollars_per_iteration)
-        choice = self.policy.decide(current, candidates(fitted, compiled.plan, self.policy, spec.micro_batches),
-                                    error=run_error(self.epochs), micro_batches=spec.micro_batches)
+        anchor = measured_s / cost.iteration_s
+        current = Priced(compiled.plan, measured_s, cost.dollars_per_iteration * anchor)
+        weighed = candidates(fitted, compiled.plan, self.policy, spec.micro_batches, anchor)
+        choice = self.policy.decide(current, weighed, error=run_error(self.epochs), micro_batches=spec.micro_batches)
         self.predicted_s, self.boundary = choice.chosen.seconds, last
         run = next_run(deployment.keys.run) if choice.changed else deployment.keys.run
         decision = ElasticDecision(last, self.policy.objective, current.plan, choice.chosen.plan, current.seconds,
