@@ -30,6 +30,13 @@ from flatpack.runtime.optim import OptimizerSpec
     (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--schedule", "1f1b-async", "--replicas", "1"],
      "1f1b-async"),
     (["--replan", "--epoch-iterations", "3", "--iterations", "8", "--precision", "bf16"], "--precision fp32"),
+    (["--elastic-objective", "dollars"], "apply to --elastic auto"),
+    (["--elastic", "auto", "--replan", "--epoch-iterations", "3", "--iterations", "8"], "give one of them"),
+    (["--elastic", "auto", "--epoch-iterations", "2", "--iterations", "8"], "--elastic auto re-fits"),
+    (["--elastic", "auto", "--epoch-iterations", "3", "--iterations", "8", "--elastic-replicas", "0,2"],
+     "--elastic-replicas gives the least"),
+    (["--elastic", "auto", "--epoch-iterations", "3", "--iterations", "8", "--schedule", "1f1b-async",
+      "--replicas", "1"], "elastic re-scaling changes replica degrees"),
 ])
 def test_bad_run_options_exit_2_before_the_model_is_built(args, words, capsys, monkeypatch, tmp_path):
     def never(*_a, **_k):
