@@ -67,11 +67,12 @@ def _draw(axes: Any, events: Sequence[Event], workers: list[tuple[int, int]], or
     return {e.kind for e in events}
 
 
-def _draw_marks(axes: Any, marks: Sequence[Mark], origin: float, top: float) -> None:
-    """Each mark as a solid line across every worker's row, its label written along it."""
+def _draw_marks(axes: Any, marks: Sequence[Mark], origin: float) -> None:
+    """Each mark as a solid line across every worker's row, its label written up along it
+    from the bottom (a label taller than the rows loses its end, never its start)."""
     for mark in marks:
         axes.axvline(mark.at - origin, color="black", linewidth=1.2)
-        axes.text(mark.at - origin, top, f" {mark.label}", rotation=90, va="top", ha="left", fontsize=6,
+        axes.text(mark.at - origin, 0.0, f" {mark.label}", rotation=90, va="bottom", ha="left", fontsize=6,
                   color="black", clip_on=True)
 
 
@@ -122,7 +123,7 @@ def figure(events: Sequence[Event], *, predicted: Sequence[Event] | None = None,
         span = (max(e.end for e in panel) - origin) or 1.0
         kinds |= _draw(axes, panel, workers, origin, span, heading)
         if panel is panels[-1][1]:
-            _draw_marks(axes, marks, origin, len(workers) * ROW_HEIGHT)
+            _draw_marks(axes, marks, origin)
         axes.set_xlim(0, span * 1.01)
         axes.set_xlabel("seconds from the panel's first event", fontsize=8)
     handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in KINDS if kind in kinds]

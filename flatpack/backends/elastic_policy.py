@@ -248,8 +248,9 @@ class ElasticDecision:
         """The decision on the run's timeline."""
         before, after = self.degrees
         what = f"×{before} -> ×{after}" if self.changed else f"kept ×{before}"
-        return timeline.Mark(self.at, f"elastic after {self.iteration}: {what} (saving {self.saving * 100:.0f}% "
-                                      f"vs error {self.model_error * 100:.0f}%)")
+        weighed = ">" if self.changed else "≤"
+        return timeline.Mark(self.at, f"elastic after {self.iteration}: {what}, {self.saving * 100:.0f}% {weighed} "
+                                      f"{self.model_error * 100:.0f}% error")
 
 
 def price(problem: Problem, plan: Plan, anchor: float = 1.0) -> Priced | None:

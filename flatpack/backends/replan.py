@@ -135,7 +135,7 @@ class PlanSwitch:
 
     def mark(self) -> timeline.Mark:
         """The switch on the run's timeline."""
-        return timeline.Mark(self.at, f"re-planned after iteration {self.iteration}: "
+        return timeline.Mark(self.at, f"re-planned after {self.iteration}: "
                                       f"{' | '.join(f'×{s.replicas}' for s in self.new.stages)}")
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 MICRO_BATCHES, EPOCH, ITERATIONS = 4, 4, 20
 # 2 fixed stages × 2 replicas of a model whose sync costs more than its compute: the policy
 # may go down to 1 replica and up to 4; in dollars (2 workers instead of 4) the model prices
-# 1 replica some 60-75 % cheaper, where its error on this run, once re-fitted, is a few tens
+# 1 replica some 50-75 % cheaper, where its error on this run, once re-fitted, is a few tens
 # of percent on a loaded host (the first boundary weighs the compile-time model's, 80-90 % off)
 RUN = ["run", "mlp", "--stages", "2", "--replicas", "2", "--micro-batches", str(MICRO_BATCHES), "--iterations",
        str(ITERATIONS), "--epoch-iterations", str(EPOCH)]

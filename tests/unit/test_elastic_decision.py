@@ -100,7 +100,8 @@ def test_with_degree_keeps_the_cuts_and_tiers():
 
 def decision(changed: bool, measured_after: float | None = 0.3) -> ElasticDecision:
     new = plan(1) if changed else plan(2)
-    return ElasticDecision(7, "dollars", plan(2), new, 0.4, 0.25, 4e-5, 1.2e-5, 0.7, 0.1, "the reason", 0.4,
+    return ElasticDecision(7, "dollars", plan(2), new, 0.4, 0.25, 4e-5, 1.2e-5, 0.7 if changed else 0.05, 0.1,
+                           "the reason", 0.4,
                            "run-x-plan1", measured_after, at=100.5)
 
 
@@ -113,7 +114,7 @@ def test_a_decision_says_what_it_predicted_and_then_measured():
     assert document["degrees_before"] == [2, 2] and document["degrees_after"] == [1, 1] and document["changed"]
     assert document["measured_after_dollars"] == pytest.approx(0.3 * 1.2e-5 / 0.25)
     assert "not measured yet" in decision(False, None).describe() and not decision(False).changed
-    assert decision(False).mark().label.startswith("elastic after 7: kept ×(2, 2)")
+    assert decision(False).mark().label == "elastic after 7: kept ×(2, 2), 5% ≤ 10% error"
 
 
 def test_decisions_are_marked_on_the_gantt_chart_and_the_chrome_trace(tmp_path):
@@ -121,7 +122,8 @@ def test_decisions_are_marked_on_the_gantt_chart_and_the_chrome_trace(tmp_path):
 
     events = [Event(0, 0, 0, "forward", 100.0, 100.5, micro_batch=0), Event(0, 0, 1, "forward", 101.0, 101.5,
                                                                             micro_batch=0)]
-    marks = [decision(True).mark(), Mark(101.2, "re-planned after iteration 0")]
+    assert decision(True).mark().label == "elastic after 7: ×(2, 2) -> ×(1, 1), 70% > 10% error"
+    marks = [decision(True).mark(), Mark(101.2, "re-planned after 0: ×1 | ×1")]
     document = json.loads(chrome_trace.write(events, tmp_path / "timeline.json", marks=marks).read_text())
     instants = [e for e in document["traceEvents"] if e["ph"] == "i"]
     assert [(e["ts"], e["name"]) for e in instants] == [(500000.0, marks[0].label), (1200000.0, marks[1].label)]
