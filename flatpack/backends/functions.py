@@ -236,7 +236,10 @@ class FunctionDeployment:
         iteration, or a ``torch.utils.data.DataLoader`` (one epoch unless ``iterations`` says
         more; dict samples go to the model's inputs by name, ``target`` to the loss:
         :func:`flatpack.data.loader_batches`). ``elastic(epoch, degrees) -> new degrees | None``
-        is asked at every epoch boundary (``epoch_iterations``). ``straggler_ratio``: relaunch a
+        is asked at every epoch boundary (``epoch_iterations``); ``elastic`` may instead be a
+        :class:`~flatpack.backends.elastic_policy.ElasticPolicy`, which re-fits the cost model to
+        each epoch and changes degrees (and cuts) when the predicted saving exceeds the model's
+        error on the run (its decisions are in the result's ``decisions``). ``straggler_ratio``: relaunch a
         replica that has not finished its micro-batches ``ratio`` × the peers' compute time
         after they did.
 
