@@ -15,7 +15,7 @@ from torch import nn
 
 import flatpack
 from flatpack.analysis import report
-from flatpack.analysis.refit import refit, replan
+from flatpack.analysis.refit import fitted_problem, refit, replan
 from flatpack.compiler import load_run
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost import funcpipe
@@ -192,6 +192,19 @@ def _events(case, plan_, forward_factor, backward_factor, upload_overhead):
                     events.append(Event(s, 0, iteration, "upload", clock, clock + seconds, micro_batch=m,
                                         nbytes=int(boundary.bytes), lane="upload"))
     return events
+
+
+def test_refit_of_a_later_epoch_leaves_out_its_first_iterations_by_position():
+    """An epoch of an elastic or re-planned run starts at its own iteration number, and its
+    first iterations are cold starts: the latency is fitted to the kept ones only."""
+    case, ran = problem(), plan((0, 1, 1024, 1), (2, 2, 1024, 1))
+    warm = _events(case, ran, 1.0, 1.0, 0.03)
+    cold = _events(case, ran, 1.0, 1.0, 0.5)
+    # iterations 10 and 11 slow (cold starts), 12 warm: the epoch after iteration 9
+    epoch = [dataclasses.replace(event, iteration=event.iteration + 10)
+             for event in [e for e in cold if e.iteration < 2] + [e for e in warm if e.iteration == 2]]
+    assert refit(case, ran, epoch).storage_latency_s == pytest.approx(0.03)
+    assert fitted_problem(case, refit(case, ran, epoch)).platform.storage_latency_s == pytest.approx(0.03)
 
 
 def test_refit_reproduces_the_measured_stage_times_and_latency():
