@@ -366,6 +366,12 @@ class ElasticScaler:
     def _measured_after(self, measured_s: float | None) -> None:
         if not self.decisions or self.decisions[-1].measured_after_s is not None:
             return
-        self.decisions[-1].measured_after_s = measured_s
+        decision = self.decisions[-1]
+        decision.measured_after_s = measured_s
+        if measured_s is not None:
+            LOG.info(f"the decision after iteration {decision.iteration} ({'changed' if decision.changed else 'kept'}) "
+                     f"predicted {decision.new_predicted_s * 1000:.1f} ms per iteration and measured "
+                     f"{measured_s * 1000:.1f} ms "
+                     f"({prediction_error(decision.new_predicted_s, measured_s) * 100:.1f}% off)")
         if self.switches and self.switches[-1].iteration == self.decisions[-1].iteration:
             self.switches[-1].measured_after_s = measured_s
