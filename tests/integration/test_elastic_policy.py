@@ -20,7 +20,7 @@ from flatpack.backends.replan import ReplanPolicy
 from flatpack.errors import InputError
 from flatpack.partitioner.plan import Plan
 from flatpack.partitioner.workload import Workload
-from tests.integration.test_local_training import BATCH, batches, compiled_with, make_model
+from tests.integration.test_local_training import BATCH, batches, compiled_with, make_model, run_and_compare
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,21 @@ def test_elastic_auto_changes_replicas_and_ends_as_the_same_plans_fixed_in_advan
     assert elastic.keys() == replanned.keys()
     for name, value in elastic.items():
         assert torch.equal(value, replanned[name]), name
+
+
+def test_a_policy_that_may_change_the_cuts_ends_where_single_process_training_ends(s3_server):
+    """Python's ElasticPolicy with the cuts free: whatever it decides on this host, each
+    decision is its rule's (changed exactly when the saving beat the run's error) and the run
+    ends with the single-process reference's weights and losses."""
+    decided = []
+    policy = ElasticPolicy(objective="dollars", on_decision=decided.append)
+    result = run_and_compare(s3_server, _profiled([2, 2]), batches(12), 12, "adam", micro_batches=MICRO_BATCHES,
+                             epoch_iterations=EPOCH, elastic=policy)
+    assert decided == result.decisions and len(result.decisions) == 2
+    for decision in result.decisions:
+        assert decision.changed == (decision.saving > decision.model_error)
+        assert decision.measured_after_s is not None
+    assert [s.iteration for s in result.switches] == [d.iteration for d in result.decisions if d.changed]
 
 
 def _profiled(replicas: list[int]) -> flatpack.Compiled:
