@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
-                                              memory_limit, micro_batches_per_replica, recompute_seconds, stage_memory,
-                                              stage_tensors, stage_tier, to_json, uniform_replicas)
+                                              memory_limit, micro_batches_per_replica, pacing_replicas,
+                                              recompute_seconds, stage_memory, stage_tensors, stage_tier, to_json)
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.space import SearchSpace
@@ -211,7 +211,7 @@ class Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
         calibration; each term that nothing measured is 0. ``reads_target``: the last stage
         downloads a target per micro-batch (every loss but ``"output"``)."""
-        replicas = uniform_replicas(plan, "FuncPipe")
+        replicas = pacing_replicas(plan)
         platform = problem.platform
         tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
         bandwidth = _bandwidths(problem, tiers, replicas)
@@ -311,7 +311,7 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     None (the solvers' form): the paper's equations alone.
     """
     check_training_plan(problem, plan, "FuncPipe")
-    replicas = uniform_replicas(plan, "FuncPipe")
+    replicas = pacing_replicas(plan)
     mu = micro_batches_per_replica(problem, replicas)
     micro = problem.workload.micro_batch_size
     platform = problem.platform
@@ -345,15 +345,15 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     forward_total = first_forward + (mu - 1) * forward_lag
 
     stages = [_stage_cost(problem, s, stage, tier, forward[s], backward[s:], boundaries[s:], credits[s:],
-                          bandwidth[s], mu=mu, replicas=replicas, latency=latency, poll=poll, extra=extra)
+                          bandwidth[s], mu=mu, replicas=stage.replicas, latency=latency, poll=poll, extra=extra)
               for s, (stage, tier) in enumerate(zip(plan.stages, tiers))]
 
     optimizer = [extra.step(s) for s in range(count)]
     pipeline_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
                                      for stage, step in zip(stages, optimizer)) + extra.iteration_s
     iteration_s = max(pipeline_s, prefetch_bound(mu, extra))
-    memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
-    dollars = iteration_s * replicas * sum(tier.price_per_s for tier in tiers)
+    memory_mb_total = sum(stage.replicas * tier.memory_mb for stage, tier in zip(plan.stages, tiers))
+    dollars = iteration_s * sum(stage.replicas * tier.price_per_s for stage, tier in zip(plan.stages, tiers))
     unfit = next((stage.index for stage in stages if not stage.fits), None)
     return PipelineCost(
         replicas=replicas, micro_batches_per_replica=mu, micro_batch_size=micro, sync_method=problem.workload.sync,
@@ -442,7 +442,7 @@ class CheckpointCost:
 
 def checkpoint_cost(problem: Problem, plan: Plan) -> CheckpointCost:
     """:class:`CheckpointCost` of ``plan`` (tiers and bandwidths as :func:`iteration` uses)."""
-    replicas = uniform_replicas(plan, "FuncPipe")
+    replicas = pacing_replicas(plan)
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
     bandwidth = _bandwidths(problem, tiers, replicas)
     sizes, seconds = [], []

@@ -1,0 +1,63 @@
+"""``flatpack run`` trains under PipeDream's asynchronous schedules with replicated stages
+(1F1B-RR, ``--schedule 1f1b-async``; PipeDream-2BW, ``--schedule 2bw``) on plans whose
+stages have their own replica degrees (``--stage-replicas``), with dropout on, and its
+verdict compares the run exactly with the single-process simulation of the same version
+rule (``reference.train_async_single_process``); a simulation whose rule is one step off
+on one stage fails it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from flatpack import verdict
+from flatpack.cli import main
+from flatpack.schedules import AsynchronousOneForwardOneBackward, Layout
+
+MODEL = f"{Path(__file__).with_name('dropout_model.py')}:mlp_with_dropout"
+
+
+def run(tmp_path: Path, capsys, stages: int, degrees: str, schedule: str, *extra: str, status: int = 0) -> str:
+    assert main(["run", MODEL, "--stages", str(stages), "--stage-replicas", degrees, "--batch", "16",
+                 "--micro-batches", "4", "--iterations", "3", "--optimizer", "adam", "--schedule", schedule,
+                 "--out", str(tmp_path / "run"), *extra]) == status
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-async", "2bw"])
+@pytest.mark.parametrize(("stages", "degrees"), [(2, "1,2"), (3, "2,1,2")])
+def test_replicated_stages_train_equivalent_to_the_simulation_of_their_schedule(tmp_path, capsys, schedule, stages,
+                                                                                 degrees):
+    printed = run(tmp_path, capsys, stages, degrees, schedule)
+    assert (f"passed: equivalent ({stages} stages, replicas {degrees}, 4 micro-batches, 3 iterations"
+            in printed), printed[-3000:]
+    assert "dropout on (p > 0 in 2 modules)" in printed
+
+
+def test_2bw_clips_to_the_global_norm_over_the_stages_and_stays_equivalent(tmp_path, capsys):
+    printed = run(tmp_path, capsys, 3, "2,1,2", "2bw", "--clip-grad-norm", "0.05")
+    assert "passed: equivalent (3 stages, replicas 2,1,2, 4 micro-batches, 3 iterations" in printed, printed[-3000:]
+    assert "gradients clipped to norm 0.05" in printed
+
+
+@dataclass(frozen=True)
+class OneStepStaleOnStage1(AsynchronousOneForwardOneBackward):
+    """1F1B-RR's rule with stage 1 one version behind the run's (a wrong reference)."""
+
+    def weight_version(self, sequence: int, stage: int, layout: Layout) -> int:
+        version = super().weight_version(sequence, stage, layout)
+        return max(0, version - 1) if stage == 1 else version
+
+
+def test_a_reference_whose_version_rule_is_off_by_one_on_one_stage_fails_the_verdict(tmp_path, capsys, monkeypatch):
+    simulate = verdict.train_async_single_process
+
+    def off_by_one(*args, **kwargs):
+        return simulate(*args, **{**kwargs, "schedule": OneStepStaleOnStage1()})
+
+    # the verdict runs in this process; the workers, processes of their own, keep the true rule
+    monkeypatch.setattr(verdict, "train_async_single_process", off_by_one)
+    printed = run(tmp_path, capsys, 2, "1,2", "1f1b-async", status=1)
+    assert "FAILED: not equivalent (2 stages, replicas 1,2, 4 micro-batches, 3 iterations" in printed, printed[-3000:]
