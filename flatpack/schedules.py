@@ -171,9 +171,10 @@ class Schedule(ABC):
             return 1
         return max(1, micro_batches // self.round_size(0, Layout((replicas,), micro_batches)))
 
-    def weight_versions(self, stage: int, stages: int) -> int:
-        """Copies of its weights a stage keeps (what the ``pipedream`` cost model prices): one
-        for a flush schedule, whose every micro-batch computes on the same weights."""
+    def weight_versions(self, in_flight: int) -> int:
+        """Copies of its weights a stage keeps with ``in_flight`` micro-batches in flight on
+        it (what the ``pipedream`` cost model prices, ``cost.pipedream.iteration``): one for a
+        flush schedule, whose every micro-batch of an iteration computes on the same weights."""
         return 1
 
     # -- the version rule of an asynchronous schedule: the one place it is computed -------------
@@ -355,8 +356,8 @@ class AsynchronousOneForwardOneBackward(AsynchronousSchedule):
     def version_lag(self, stage: int, layout: Layout) -> int:
         return self.warmup(0 if layout.vertical_sync else stage, layout)
 
-    def weight_versions(self, stage: int, stages: int) -> int:
-        return stages - stage       # PipeDream's NOAM: the micro-batches in flight on stage s
+    def weight_versions(self, in_flight: int) -> int:
+        return in_flight       # weight stashing: a version per micro-batch in flight (S - s on stage s)
 
     def check(self, setup: Setup) -> None:
         """Refuses what stepping each stage on its own rounds does not combine with:
@@ -431,8 +432,8 @@ class DoubleBufferedWeights(AsynchronousSchedule):
         # deeper than a round, a forward would wait for an update whose backwards come after it
         return min(warmup_forwards(stage, layout.stages), self.round_size(stage, layout))
 
-    def weight_versions(self, stage: int, stages: int) -> int:
-        return 2
+    def weight_versions(self, in_flight: int) -> int:
+        return min(2, in_flight)    # the version the in-flight micro-batches compute on and the one being updated
 
     def check(self, setup: Setup) -> None:
         """Refuses what 2BW is not built for here: fp16's skipped steps, vertical sync (its

@@ -7,6 +7,7 @@ on one stage fails it."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,3 +62,32 @@ def test_a_reference_whose_version_rule_is_off_by_one_on_one_stage_fails_the_ver
     monkeypatch.setattr(verdict, "train_async_single_process", off_by_one)
     printed = run(tmp_path, capsys, 2, "1,2", "1f1b-async", status=1)
     assert "FAILED: not equivalent (2 stages, replicas 1,2, 4 micro-batches, 3 iterations" in printed, printed[-3000:]
+
+
+def test_2bw_steps_a_weight_tied_across_stages_on_the_holders_summed_gradient(s3_server):
+    """The tied weight lives on both stages; 2BW steps every stage at the same round, so
+    each holder adds the other's gradient of the round (and the clipping counts it once), as
+    the single process's one parameter does."""
+    import torch
+
+    from flatpack.analysis.reference import train_async_single_process
+    from flatpack.backends import local
+    from flatpack.runtime.optim import OptimizerSpec
+    from flatpack.verdict import parameter_stages
+    from flatpack.weights import with_aliases
+    from tests.integration.test_training_knobs import BATCH, TiedNet, assert_same_parameters, compiled_with
+
+    torch.manual_seed(0)
+    model = TiedNet()
+    generator = torch.Generator().manual_seed(6)
+    data = [(torch.randint(0, 32, (BATCH, 5), generator=generator), torch.randint(0, 32, (BATCH,), generator=generator))
+            for _ in range(4)]
+    compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=2)
+    assert any(entry.shared_with for artifact in compiled.artifacts for entry in artifact.manifest.parameters)
+    spec = OptimizerSpec("sgd", lr=0.5, clip_grad_norm=0.05, accumulate=2)
+    reference, _ = train_async_single_process(model, data, 4, schedule="2bw", stage_of=parameter_stages(compiled),
+                                              stages=2, micro_batches=2, optimizer=spec)
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        result = deployment.train(data, iterations=4, optimizer=spec, schedule="2bw")
+    assert_same_parameters(dataclasses.replace(result, parameters=with_aliases(compiled, result.parameters)),
+                           reference)

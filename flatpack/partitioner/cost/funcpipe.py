@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
+from flatpack.partitioner.cost.pipedream import versions_in_flight
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
                                               memory_limit, micro_batches_per_replica, pacing_replicas,
                                               recompute_seconds, stage_memory, stage_tensors, stage_tier, to_json)
@@ -345,7 +346,8 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     forward_total = first_forward + (mu - 1) * forward_lag
 
     stages = [_stage_cost(problem, s, stage, tier, forward[s], backward[s:], boundaries[s:], credits[s:],
-                          bandwidth[s], mu=mu, replicas=stage.replicas, latency=latency, poll=poll, extra=extra)
+                          bandwidth[s], mu=mu, replicas=stage.replicas, latency=latency, poll=poll, extra=extra,
+                          weight_versions=weight_versions(problem, plan, s))
               for s, (stage, tier) in enumerate(zip(plan.stages, tiers))]
 
     optimizer = [extra.step(s) for s in range(count)]
@@ -361,6 +363,13 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
         dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit, overheads=overheads,
     )
+
+
+def weight_versions(problem: Problem, plan: Plan, stage: int) -> int:
+    """Copies of its weights stage ``stage`` keeps under the workload's schedule, as the
+    schedule says (``Schedule.weight_versions``: one under a flush; 1F1B's stash one per
+    micro-batch in flight, PipeDream's count ``pipedream.versions_in_flight``; 2BW two)."""
+    return problem.workload.schedule_object.weight_versions(versions_in_flight(plan, stage))
 
 
 def _boundary_costs(problem: Problem, plan: Plan, micro: float, bandwidth: list[float], latency: float,
@@ -385,10 +394,12 @@ def _boundary_costs(problem: Problem, plan: Plan, micro: float, bandwidth: list[
 
 def _stage_cost(problem: Problem, index: int, stage: StagePlan, tier: Tier, forward_s: float,
                 backward_from: list[float], above: list[BoundaryCost], credits_from: list[float], bandwidth: float,
-                *, mu: int, replicas: int, latency: float, poll: float, extra: Overheads) -> StageCost:
+                *, mu: int, replicas: int, latency: float, poll: float, extra: Overheads,
+                weight_versions: int = 1) -> StageCost:
     """Stage ``index``'s backward (eq. 11: its own and every later stage's backward and the
     transfers above it, ``backward_from``, ``above`` and ``credits_from`` being those from
-    this stage up), its gradients' sync (eq. 12) and its memory (eq. 3b)."""
+    this stage up), its gradients' sync (eq. 12) and its memory (eq. 3b, with the
+    ``weight_versions`` copies of its weights an asynchronous schedule keeps)."""
     lag = max([*backward_from, *(bc.backward_upload_s for bc in above), *(bc.backward_download_s for bc in above)])
     done = (sum(backward_from) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above)
             - sum(credits_from) + (mu - 1) * lag)
@@ -398,7 +409,8 @@ def _stage_cost(problem: Problem, index: int, stage: StagePlan, tier: Tier, forw
         moved = scatter_reduce_seconds(grads, replicas, bandwidth, 0.0, problem.workload.sync)
         sync += extra.marker_s + extra.task("sync", index) - extra.sync_burst_saving(moved, index)
     memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
-                          sync_buffer_copies=2 if replicas > 1 else 0, recompute=stage.recompute)
+                          sync_buffer_copies=2 if replicas > 1 else 0, recompute=stage.recompute,
+                          weight_versions=weight_versions)
     return StageCost(
         index=index, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth,
         forward_s=forward_s, backward_s=backward_from[0], recompute=stage.recompute, backward_lag_s=lag,
