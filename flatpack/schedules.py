@@ -366,6 +366,11 @@ class AsynchronousOneForwardOneBackward(AsynchronousSchedule):
         serialising the pipeline; ``2bw`` steps every stage together and runs them), and
         anything that stops between iterations, where micro-batches are in flight."""
         fix = f"use --schedule 2bw or 1f1b (flushed) for it, or run {self.name} without it"
+        # the global knobs need every stage's gradient of micro-batch g before any stage steps
+        # on it: under vertical sync no stage's forward wants that step before the first
+        # stage's backward of g has run, otherwise the last stage's next forward would wait for
+        # it, which waits for that forward (docs/training.md)
+        vertical = "use --vertical-sync (every stage then steps on g only after the first stage's backward of g), or"
         degrees = list(setup.replicas)
         uneven = [d for d in degrees if setup.micro_batches and setup.micro_batches % d]
         self._refuse([
@@ -378,9 +383,10 @@ class AsynchronousOneForwardOneBackward(AsynchronousSchedule):
              f"vertical sync makes every stage compute on the first stage's version, counted in micro-batches, but "
              f"stages of replica degrees {degrees} step once per round of d; use --stage-replicas 1 for every "
              "stage, or leave --vertical-sync out"),
-            (setup.clip_grad_norm is not None,
+            (setup.clip_grad_norm is not None and not setup.vertical_sync,
              f"--clip-grad-norm {setup.clip_grad_norm} needs every stage's gradient of one step, but {self.name} "
-             f"steps each stage on its own micro-batches; {fix}"),
+             f"steps the later stages on a micro-batch before the first stage's backward of it has run; {vertical} "
+             f"{fix}"),
             (setup.precision in SCALED_PRECISIONS,
              f"--precision {setup.precision} skips a step wherever any stage's gradient overflowed, which needs every "
              f"stage's gradient of one step, but {self.name} steps each stage on its own micro-batch; use "
@@ -388,9 +394,9 @@ class AsynchronousOneForwardOneBackward(AsynchronousSchedule):
             (setup.accumulate != 1,
              f"--accumulate {setup.accumulate}: {self.name} steps after every micro-batch (PipeDream's minibatch), so "
              f"there is nothing to accumulate; use larger micro-batches, or {fix}"),
-            (bool(setup.shared),
-             f"tied weights {list(setup.shared)} are held by several stages, which must step together, but "
-             f"{self.name} steps each stage alone; untie them, or {fix}"),
+            (bool(setup.shared) and not setup.vertical_sync,
+             f"tied weights {list(setup.shared)} are held by several stages, which must step together on one "
+             f"version, but {self.name} steps each stage on its own versions; {vertical} untie them, or {fix}"),
             *self._refusals(setup, fix),
         ])
 

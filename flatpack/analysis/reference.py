@@ -3,8 +3,9 @@
 The same optimizer spec and loss on the same global batches, the loss a mean over the
 global batch, optionally cut into the pipeline's micro-batches (gradient accumulation).
 ``flatpack run``/``demo`` (``job.py``) and the equivalence tests compare a run's final
-parameters with these. :func:`train_async_single_process` simulates the asynchronous 1F1B
-(weight stashing) in one process, what a ``1f1b-async`` run must equal.
+parameters with these. :func:`train_async_single_process` simulates the asynchronous
+schedules (weight stashing: 1F1B and 1F1B-RR, 2BW) in one process, what a ``1f1b-async`` or
+``2bw`` run must equal.
 """
 
 from __future__ import annotations

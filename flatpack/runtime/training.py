@@ -6,11 +6,14 @@ and one loop runs every schedule (:meth:`StageTrainer.run_iteration`). A flush s
 each iteration with the gradient synchronization among the stage's replicas
 (``collectives.scatter_reduce``) and one optimizer step: FuncPipe's synchronous schedule
 (§3.2: the forwards of every micro-batch the replica owns, then their backwards in reverse
-order), or PipeDream's 1F1B with a flush. An asynchronous schedule (``1f1b-async``,
-PipeDream's 1F1B without a flush) steps after every backward on the weights its forward used
-(weight stashing: ``stashing``), and its iterations are slices of one sequence over the
-call. Within an iteration the work is a task DAG over three lanes (``lanes``): downloads of
-inputs and gradients, computation, and uploads run at the same time.
+order), or PipeDream's 1F1B with a flush. Under an asynchronous schedule (``1f1b-async``,
+PipeDream's 1F1B without a flush, 1F1B-RR with replicated stages; ``2bw``) each backward
+computes on the weights its forward used (weight stashing: ``stashing``), its gradient joins
+its round's, a complete round is reduced over the stage's replicas on the store on lanes of
+its own, and the step is applied when a forward first asks for its version
+(``Schedule.weight_version``); its iterations are slices of one sequence over the call.
+Within an iteration the work is a task DAG over three lanes (``lanes``): downloads of inputs
+and gradients, computation, and uploads run at the same time.
 
 Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
 micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and

@@ -64,10 +64,13 @@ def test_a_reference_whose_version_rule_is_off_by_one_on_one_stage_fails_the_ver
     assert "FAILED: not equivalent (2 stages, replicas 1,2, 4 micro-batches, 3 iterations" in printed, printed[-3000:]
 
 
-def test_2bw_steps_a_weight_tied_across_stages_on_the_holders_summed_gradient(s3_server):
-    """The tied weight lives on both stages; 2BW steps every stage at the same round, so
-    each holder adds the other's gradient of the round (and the clipping counts it once), as
-    the single process's one parameter does."""
+@pytest.mark.parametrize(("schedule", "vertical_sync", "accumulate"), [("2bw", False, 2), ("1f1b-async", True, 1)])
+def test_a_weight_tied_across_stages_steps_on_the_holders_summed_gradient(s3_server, schedule, vertical_sync,
+                                                                          accumulate):
+    """The tied weight lives on both stages; 2BW steps every stage at the same round, and
+    1F1B under vertical sync steps every stage on micro-batch g on one version, so each holder
+    adds the other's gradient of the round (and the clipping counts it once), as the single
+    process's one parameter does."""
     import torch
 
     from flatpack.analysis.reference import train_async_single_process
@@ -84,10 +87,22 @@ def test_2bw_steps_a_weight_tied_across_stages_on_the_holders_summed_gradient(s3
             for _ in range(4)]
     compiled = compiled_with(model, data[0][0], [1, 1], micro_batches=2)
     assert any(entry.shared_with for artifact in compiled.artifacts for entry in artifact.manifest.parameters)
-    spec = OptimizerSpec("sgd", lr=0.5, clip_grad_norm=0.05, accumulate=2)
-    reference, _ = train_async_single_process(model, data, 4, schedule="2bw", stage_of=parameter_stages(compiled),
-                                              stages=2, micro_batches=2, optimizer=spec)
+    spec = OptimizerSpec("sgd", lr=0.5, clip_grad_norm=0.05, accumulate=accumulate)
+    reference, _ = train_async_single_process(model, data, 4, schedule=schedule, stage_of=parameter_stages(compiled),
+                                              stages=2, micro_batches=2, optimizer=spec, vertical_sync=vertical_sync)
     with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
-        result = deployment.train(data, iterations=4, optimizer=spec, schedule="2bw")
+        result = deployment.train(data, iterations=4, optimizer=spec, schedule=schedule, vertical_sync=vertical_sync)
     assert_same_parameters(dataclasses.replace(result, parameters=with_aliases(compiled, result.parameters)),
                            reference)
+
+
+def test_1f1b_async_clips_to_the_global_norm_under_vertical_sync(tmp_path, capsys):
+    """Under vertical sync no stage steps on micro-batch g before the first stage's backward
+    of g has run, so every stage can wait for the global norm of g's gradient without a wait
+    cycle (docs/training.md); the run equals the simulation that clips each step."""
+    assert main(["run", MODEL, "--stages", "3", "--batch", "16", "--micro-batches", "4", "--iterations", "3",
+                 "--optimizer", "adam", "--schedule", "1f1b-async", "--vertical-sync", "--clip-grad-norm", "0.05",
+                 "--replicas", "1", "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert "passed: equivalent (3 stages, replicas 1,1,1, 4 micro-batches, 3 iterations" in printed, printed[-3000:]
+    assert "gradients clipped to norm 0.05" in printed

@@ -157,6 +157,9 @@ def test_the_asynchronous_schedule_refuses_what_needs_every_stage_at_one_step(se
     with pytest.raises(InputError, match=words):
         get("1f1b-async").check(setup)
     get("1f1b-async").check(Setup(replicas=(1, 1), vertical_sync=True, precision="bf16"))
+    # under vertical sync every stage steps on g after the first stage's backward of g: the global knobs run
+    get("1f1b-async").check(Setup(replicas=(1, 1), vertical_sync=True, clip_grad_norm=1.0, shared=("w",)))
+    get("2bw").check(Setup(replicas=(2, 1, 2), clip_grad_norm=1.0, accumulate=2, shared=("w",), micro_batches=3))
 
 
 def test_each_schedule_predicts_its_iteration_from_the_bound_or_its_simulated_span():
