@@ -405,7 +405,7 @@ def _compile(run: _Run, model: nn.Module) -> None:
     sizes = tuple(sorted({max(1, micro // 4), max(1, micro // 2), micro}))
     if plan.split_points:
         check_split_points(model, plan.split_points)
-    solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points, plan.replicas)
+    solver = run_solver(plan.pick, plan.solver, plan.stages, plan.split_points, plan.replicas, plan.stage_replicas)
     if plan.target == "ray":    # the plan is made for the cluster's nodes (platform.catalog.ray)
         ray_backend.connect(plan.address)
     compiled = flatpack.compile(model, run.batches[0][0], target=plan.target, solver=solver, passes=plan.passes,

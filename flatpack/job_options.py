@@ -46,6 +46,9 @@ def need(ok: bool, message: str) -> None:
         raise InputError(message)
 
 
+# the replica degrees the solver may give a stage unless --replicas says otherwise
+DEFAULT_REPLICAS: tuple[int, ...] = (1, 2)
+
 @dataclass(frozen=True)
 class BatchOptions:
     """The batches a run trains on: their size, how many, and where they come from."""
@@ -225,7 +228,7 @@ class PlanOptions:
     address: str | None = None
     solver: str = "dp"
     passes: str | None = None
-    replicas: tuple[int, ...] = (1, 2)
+    replicas: tuple[int, ...] = DEFAULT_REPLICAS
     memory_mb: tuple[int, ...] | None = None
     # "recommended": the solver's choice (FuncPipe's recommendation for dp); "fastest": the
     # fastest plan on dp's Pareto front
@@ -234,6 +237,9 @@ class PlanOptions:
     # beginning at each named module (torch.distributed.pipelining's split points)
     stages: int | None = None
     split_points: tuple[str, ...] = ()
+    # with fixed cuts: each stage's replica degree, in stage order (PipeDream's 1F1B-RR plans
+    # replicate stages unevenly); not the solver's candidate degrees, which ``replicas`` lists
+    stage_replicas: tuple[int, ...] = ()
     # "auto": the solver may let a stage recompute its activations in the backward instead of
     # keeping them (a smaller tier for one more forward); "never": every stage keeps them
     recompute: str = "never"
@@ -279,6 +285,9 @@ class PlanOptions:
                  f"--calibration {self.calibration} was measured on another target; flatpack run trains on "
                  f"{self.target} functions: use `flatpack calibrate --target {self.target}`")
         self._check_cuts()
+        need(max(self.stage_replicas, default=1) <= micro_batches,
+             f"--stage-replicas {','.join(map(str, self.stage_replicas))} gives a stage more replicas than the "
+             f"{micro_batches} micro-batches of an iteration, so replicas would idle; use at most {micro_batches}")
         need(self.recompute in RECOMPUTE,
              f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}; use never (the default: every "
              "stage keeps its activations) or auto (the solver may recompute them per stage to fit a smaller tier)")
@@ -317,6 +326,24 @@ class PlanOptions:
              "--stages and --split-points both fix the cuts; give one (N split points make N + 1 stages)")
         need((self.stages is None and not self.split_points) or self.pick == "recommended",
              "--pick chooses from the solver's front; with --stages or --split-points the cuts are fixed")
+        self._check_stage_replicas()
+
+    def _check_stage_replicas(self) -> None:
+        if not self.stage_replicas:
+            return
+        degrees = ",".join(map(str, self.stage_replicas))
+        need(all(isinstance(d, int) and d >= 1 for d in self.stage_replicas),
+             f"--stage-replicas gives each stage's replica degree, each at least 1, got {degrees}")
+        need(self.stages is not None or bool(self.split_points),
+             f"--stage-replicas {degrees} gives the degree of each stage of fixed cuts; give --stages "
+             f"{len(self.stage_replicas)} (or --split-points) with it, or let the solver choose from --replicas")
+        count = self.stages if self.stages is not None else len(self.split_points) + 1
+        need(len(self.stage_replicas) == count,
+             f"--stage-replicas {degrees} names {len(self.stage_replicas)} degrees for {count} stages; give one per "
+             "stage, in stage order")
+        need(self.replicas == DEFAULT_REPLICAS,
+             f"--stage-replicas {degrees} fixes each stage's degree and --replicas {','.join(map(str, self.replicas))} "
+             "gives the solver's candidates (or one degree for every stage): give one or the other")
 
     def check_replan(self, iterations: int | None) -> None:
         """--replan's or --elastic auto's own options (what they cannot combine with is
@@ -402,10 +429,13 @@ class JobOptions:
         self.plan.check(self.train.micro_batches)
         self.output.check()
         # what the schedule does not run with, each with its cause and fix
+        # the degrees are known here only where the user fixed them (the solver picks the others,
+        # and the run's spec checks them before any function starts)
         schedules.get(self.train.schedule).check(Setup(
-            replicas=tuple(self.plan.replicas), vertical_sync=self.train.vertical_sync,
+            replicas=self.plan.stage_replicas, vertical_sync=self.train.vertical_sync,
             clip_grad_norm=spec.clip_grad_norm, accumulate=spec.accumulate, precision=self.train.precision,
-            replan=bool(self.plan.replan), elastic=self.plan.elastic is not None))
+            replan=bool(self.plan.replan), elastic=self.plan.elastic is not None,
+            micro_batches=self.train.micro_batches))
         if self.plan.switches_plans:
             self._check_replan()
 

@@ -435,14 +435,15 @@ def verdict(initial: nn.Module, compiled: Any, batches: list, options: JobOption
             stages=len(stages), micro_batches=micro_batches, optimizer=optimizer, loss=loss,
             vertical_sync=options.train.vertical_sync, call_iterations=options.evaluation.eval_every or None,
             optimizer_state=reference_state, precision=options.train.precision, pipeline=pipeline, threads=threads,
-            seeded=found.seeded)
+            seeded=found.seeded, replicas=tuple(stage.replicas for stage in stages),
+            fixed_buffers=fixed_buffers_of(compiled))
     else:
         reference, _ = train_single_process(initial, batches, run_iterations, loss=loss, optimizer=optimizer,
                                             micro_batches=micro_batches, fixed_buffers=fixed_buffers_of(compiled),
                                             optimizer_state=reference_state, precision=options.train.precision,
                                             pipeline=pipeline, threads=threads, seeded=found.seeded)
-    # the bounds grow with the optimizer's steps: one per micro-batch under an asynchronous schedule
-    iterations = run_iterations * schedule.optimizer_steps(micro_batches)
+    # the bounds grow with the optimizer's steps: one per round under an asynchronous schedule
+    iterations = run_iterations * max(schedule.optimizer_steps(micro_batches, stage.replicas) for stage in stages)
     found.checks, found.note = compare_training(reference, parameters, reference_state, pipelined_state,
                                                 optimizer, iterations, options.train.precision,
                                                 initial.state_dict())

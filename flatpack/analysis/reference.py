@@ -3,14 +3,16 @@
 The same optimizer spec and loss on the same global batches, the loss a mean over the
 global batch, optionally cut into the pipeline's micro-batches (gradient accumulation).
 ``flatpack run``/``demo`` (``job.py``) and the equivalence tests compare a run's final
-parameters with these. :func:`train_async_single_process` simulates the asynchronous 1F1B
-(weight stashing) in one process, what a ``1f1b-async`` run must equal.
+parameters with these. :func:`train_async_single_process` simulates the asynchronous
+schedules (weight stashing: 1F1B and 1F1B-RR, 2BW) in one process, what a ``1f1b-async`` or
+``2bw`` run must equal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
@@ -23,8 +25,9 @@ from flatpack.runtime.optim import OptimizerSpec, loss_value
 from flatpack.runtime.precision import SCALED, LossScaling, autocast
 from flatpack.runtime.spec import (check_precision, micro_batch_size,
                                    split_value)
+from flatpack.runtime import clipping
 from flatpack.runtime.training import micro_batch_seed
-from flatpack.schedules import Schedule, Setup
+from flatpack.schedules import Layout, Schedule, Setup
 from flatpack.schedules import get as schedule_named
 from flatpack.stage.artifact import stage_manifest
 
@@ -322,6 +325,64 @@ def train_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[in
         return trained, losses
 
 
+@dataclass(eq=False)
+class _StageSteps:
+    """One stage's side of :func:`train_async_single_process`: its optimizer (and schedule),
+    the weights after each of its steps, and the gradients of its current round, by replica."""
+
+    names: list[str]
+    opt: torch.optim.Optimizer
+    scheduler: Any
+    history: dict[int, dict[str, torch.Tensor]]
+    replicas: int
+    round_grads: dict[int, dict[str, torch.Tensor]]
+    steps: int = 0
+
+    def add(self, replica: int, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """One micro-batch's gradients into its replica's sum of the round (in sequence order)."""
+        held = self.round_grads.setdefault(replica, {})
+        for name in self.names:
+            grad = grads.get(name)
+            if grad is not None:
+                held[name] = grad.detach().clone() if name not in held else held[name] + grad
+        self.round_grads[replica] = held
+
+    def reduced(self, mean: bool) -> dict[str, torch.Tensor]:
+        """The round's gradient: the replicas' sums added in replica order (as
+        ``collectives.scatter_reduce`` adds them), over the replicas if ``mean``."""
+        total: dict[str, torch.Tensor] = {}
+        for replica in sorted(self.round_grads):
+            for name, grad in self.round_grads[replica].items():
+                total[name] = grad.clone() if name not in total else total[name] + grad
+        self.round_grads = {}
+        if mean and self.replicas > 1:
+            total = {name: grad / self.replicas for name, grad in total.items()}
+        return total
+
+
+def _step_stages(steppers: Sequence[_StageSteps], due: Sequence[int], params: Mapping[str, nn.Parameter],
+                 clip_grad_norm: float | None, mean: bool) -> None:
+    """Steps the stages ``due`` (their rounds complete), all together: the global norm (if
+    clipped) is over theirs (a tied weight is one parameter here, counted once)."""
+    grads = {index: steppers[index].reduced(mean) for index in due}
+    if clip_grad_norm is not None:
+        counted = [grad for index in due for grad in grads[index].values()]
+        coefficient = clipping.clip_coefficient(math.sqrt(clipping.squared_norm(counted)), clip_grad_norm)
+        if coefficient < 1.0:
+            grads = {index: {name: grad * torch.tensor(coefficient, dtype=torch.float32).to(grad.dtype)
+                             for name, grad in found.items()} for index, found in grads.items()}
+    for index in due:
+        stepper = steppers[index]
+        for name in stepper.names:
+            params[name].grad = grads[index].get(name)
+        stepper.opt.step()
+        if stepper.scheduler is not None:
+            stepper.scheduler.step()
+        stepper.opt.zero_grad(set_to_none=True)
+        stepper.steps += 1
+        stepper.history[stepper.steps] = {name: params[name].detach().clone() for name in stepper.names}
+
+
 def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callable[[int], Any], iterations: int, *,
                                schedule: Schedule | str, stage_of: Mapping[str, int], stages: int, micro_batches: int,
                                optimizer: OptimizerSpec | str | dict = "sgd", loss: str = "cross_entropy",
@@ -329,21 +390,27 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
                                optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
                                copy_model: bool = True, precision: str = "fp32",
                                pipeline: Any = None, threads: int | None = None,
-                               seeded: bool = False) -> tuple[nn.Module, list[float]]:
+                               seeded: bool = False, replicas: Sequence[int] | None = None,
+                               fixed_buffers: Callable[[int], Collection[str]] | None = None,
+                               ) -> tuple[nn.Module, list[float]]:
     """Single-process simulation of an asynchronous ``schedule`` with weight stashing
-    (``runtime.stashing``; PipeDream's 1F1B without a flush, ``1f1b-async``): what such a
-    pipelined run must equal.
+    (``runtime.stashing``: PipeDream's 1F1B without a flush, ``1f1b-async``, with replicated
+    stages 1F1B-RR; PipeDream-2BW, ``2bw``): what such a pipelined run must equal.
 
     The call's micro-batches g = 0, 1, ... (each global batch cut as the pipeline cuts it)
     run in order; micro-batch g computes its forward and backward with, for each parameter,
-    the version its stage (``stage_of[name]`` of ``stages``) had stashed for it
-    (``Schedule.weight_version``: the stage's own steps before its forward of g, or under
-    ``vertical_sync`` the first stage's), its loss is its own mean, and its gradient steps
-    the latest weights: one optimizer step per micro-batch, on every stage alike. g counts
-    from the start of a ``train()`` call, where the pipeline starts empty:
-    ``call_iterations`` N simulates calls of N iterations each (None: one call). Every
-    version is kept here; a stage keeps only those its in-flight micro-batches hold. The
-    losses are each global batch's mean (micro-batch means weighted by their share);
+    the version its stage (``stage_of[name]`` of ``stages``, with ``replicas[s]`` replicas,
+    one each if None) steps to by then by the schedule's rule (``Schedule.weight_version``,
+    the one place it is computed), its loss its own mean (``1f1b-async``) or scaled by its
+    share of the batch (``2bw``). Its gradient joins its stage's round (``round_size``
+    micro-batches), summed per replica (micro-batch m runs on replica m mod d) and then over
+    the replicas in replica order, as the run reduces them on the store; a complete round
+    steps the stage (its mean over the replicas under ``1f1b-async``), clipped to the global
+    norm over the stages stepping together (``2bw``; ``optimizer``'s ``clip_grad_norm``).
+    g counts from the start of a ``train()`` call, where the pipeline starts empty and at whose
+    end every due round steps: ``call_iterations`` N simulates calls of N iterations each
+    (None: one call). Every version is kept here; a stage keeps only those its in-flight
+    micro-batches hold. The losses are each global batch's mean; ``fixed_buffers``,
     ``optimizer_state``, ``precision``, ``pipeline``, ``threads`` and ``seeded`` as
     :func:`train_single_process` takes them."""
     with torch_threads(threads):
@@ -352,52 +419,103 @@ def train_async_single_process(model: nn.Module, batches: Sequence[Any] | Callab
         if schedule.flush:
             raise InputError(f"the {schedule.name} schedule flushes every iteration; train_single_process is its "
                              "reference, not this simulation of an asynchronous one")
-        schedule.check(Setup(replicas=(1,) * stages, vertical_sync=vertical_sync,
-                             clip_grad_norm=spec.clip_grad_norm, accumulate=spec.accumulate, precision=precision))
+        layout = Layout(tuple(replicas) if replicas is not None else (1,) * stages, micro_batches,
+                        accumulate=spec.accumulate, vertical_sync=vertical_sync)
+        schedule.check(Setup(replicas=layout.replicas, vertical_sync=vertical_sync, clip_grad_norm=spec.clip_grad_norm,
+                             accumulate=spec.accumulate, precision=precision, micro_batches=micro_batches))
+        if call_iterations is not None and call_iterations < 1:
+            raise InputError(f"call_iterations must be at least 1 (iterations per train() call), got {call_iterations}")
         forward, paths = through_stages(trained, pipeline, precision)
-        seeds = stage_seeds(forward, pipeline, seeded)
         missing = [name for name, _ in named if name not in stage_of]
         if missing:
             raise InputError(f"stage_of names no stage for parameters {missing}; give every trainable parameter's "
                              "stage")
-        opt = spec.build(p for _, p in named)
-        scheduler = spec.build_schedule(opt)
-        if call_iterations is not None and call_iterations < 1:
-            raise InputError(f"call_iterations must be at least 1 (iterations per train() call), got {call_iterations}")
-        history = {0: {name: p.detach().clone() for name, p in named}}     # steps taken -> weights
+        simulation = _AsyncSimulation(schedule, layout, dict(named), stage_of, paths, forward, loss, precision,
+                                      spec, stage_seeds(forward, pipeline, seeded), fixed_buffers,
+                                      dict(trained.named_buffers(remove_duplicate=False)))
         batch_for = batches if callable(batches) else batches.__getitem__
         losses = []
-        for iteration in range(iterations):
-            inputs, target = batch_for(iteration)
-            rows = next(int(leaf.shape[0]) for leaf in pytree.tree_leaves(inputs)
-                        if isinstance(leaf, torch.Tensor) and leaf.dim())
-            total = 0.0
-            for m in range(micro_batches):
-                steps = iteration * micro_batches + m
-                # the micro-batch's place in its call's 1F1B sequence, and the steps before the call
-                call_start = (iteration - iteration % call_iterations if call_iterations else 0) * micro_batches
-                sequence = steps - call_start
-                piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, micro_batches)[m], inputs)
-                piece_target = split_value(target, rows, micro_batches)[m] if target is not None else None
-                versions = {name: call_start + schedule.weight_version(sequence, stage_of[name], stages, vertical_sync)
-                            for name, _ in named}
-                weights = {name: history[versions[name]][name].detach().requires_grad_() for name, _ in named}
-                args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
-                                                                             else tuple(piece), {})
-                replaced = {path: weights[name] for name, _ in named for path in paths[name]}
-                with _drawing(seeds, iteration, m), autocast(precision):
-                    output = first_output(torch.func.functional_call(forward, replaced, args, kwargs))
-                    value = loss_value(loss, output, piece_target)
-                value.backward()
-                total += float(value.detach()) * micro_batch_size(rows, micro_batches, m) / rows
-                for name, param in named:
-                    param.grad = weights[name].grad
-                opt.step()
-                if scheduler is not None:
-                    scheduler.step()
-                opt.zero_grad(set_to_none=True)
-                history[steps + 1] = {name: p.detach().clone() for name, p in named}
-            losses.append(total)
+        per_call = call_iterations or iterations
+        for first in range(0, iterations, per_call):
+            calls = range(first, min(first + per_call, iterations))
+            losses += simulation.call([(iteration, *batch_for(iteration)) for iteration in calls])
         if optimizer_state is not None:
-            optimizer_state.update(optimizer_tensors(opt, named))
+            for stepper in simulation.steppers:
+                named_here = [(name, simulation.params[name]) for name in stepper.names]
+                optimizer_state.update(optimizer_tensors(stepper.opt, named_here))
         return trained, losses
+
+
+@dataclass(eq=False)
+class _AsyncSimulation:
+    """:func:`train_async_single_process`'s state across calls: each stage's steps."""
+
+    schedule: Schedule
+    layout: Layout
+    params: dict[str, nn.Parameter]
+    stage_of: Mapping[str, int]
+    paths: dict[str, list[str]]
+    forward: nn.Module
+    loss: str
+    precision: str
+    spec: OptimizerSpec
+    seeds: StageSeeds | None
+    fixed_buffers: Callable[[int], Collection[str]] | None
+    buffers: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        self.steppers: list[_StageSteps] = []
+        for index in range(self.layout.stages):
+            names = [name for name in self.params if self.stage_of[name] == index]
+            opt = self.spec.build(self.params[name] for name in names) if names else None
+            self.steppers.append(_StageSteps(
+                names, opt if opt is not None else torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
+                self.spec.build_schedule(opt) if opt is not None else None,
+                {0: {name: self.params[name].detach().clone() for name in names}}, self.layout.replicas[index], {}))
+
+    def call(self, batches: list[tuple[int, Any, Any]]) -> list[float]:
+        """One ``train()`` call over ``batches`` (iteration, inputs, target): an empty pipeline
+        at its start, every due round stepped at its end."""
+        schedule, layout = self.schedule, self.layout
+        start_steps = [stepper.steps for stepper in self.steppers]
+        total = len(batches) * layout.micro_batches
+        losses = []
+        for index, (iteration, inputs, target) in enumerate(batches):
+            rows = _batch_rows(inputs) or 1
+            mean = 0.0
+            for m in range(layout.micro_batches):
+                g = index * layout.micro_batches + m
+                mean += self._micro_batch(iteration, m, g, inputs, target, rows, start_steps)
+                due = [s for s in range(layout.stages)
+                       if (g + 1) % schedule.round_size(s, layout) == 0 or g + 1 == total]
+                if due:
+                    _step_stages(self.steppers, due, self.params, self.spec.clip_grad_norm, schedule.own_minibatch)
+            losses.append(mean)
+        return losses
+
+    def _micro_batch(self, iteration: int, m: int, g: int, inputs: Any, target: Any, rows: int,
+                     start_steps: list[int]) -> float:
+        """Micro-batch ``m`` of ``iteration``, the call's ``g``-th, on each stage's version;
+        its gradients into each stage's round; its share of the batch's mean loss."""
+        schedule, layout = self.schedule, self.layout
+        piece = pytree.tree_map(lambda leaf: split_value(leaf, rows, layout.micro_batches)[m], inputs)
+        piece_target = split_value(target, rows, layout.micro_batches)[m] if target is not None else None
+        versions = [start_steps[s] + schedule.weight_version(g, s, layout) for s in range(layout.stages)]
+        weights = {name: self.steppers[self.stage_of[name]].history[versions[self.stage_of[name]]][name]
+                   .detach().requires_grad_() for name in self.params}
+        args, kwargs = ((), piece) if isinstance(piece, dict) else ((piece,) if isinstance(piece, torch.Tensor)
+                                                                     else tuple(piece), {})
+        replaced = {path: weights[name] for name in self.params for path in self.paths[name]}
+        kept = {name: self.buffers[name].detach().clone()
+                for name in (self.fixed_buffers(m) if self.fixed_buffers else ()) if name in self.buffers}
+        share = micro_batch_size(rows, layout.micro_batches, m) / rows
+        with _drawing(self.seeds, iteration, m), autocast(self.precision):
+            output = first_output(torch.func.functional_call(self.forward, replaced, args, kwargs))
+            value = loss_value(self.loss, output, piece_target)
+        (value if schedule.own_minibatch else value * (share / self.spec.accumulate)).backward()
+        with torch.no_grad():
+            for name, saved in kept.items():
+                self.buffers[name].copy_(saved)
+        for s, stepper in enumerate(self.steppers):
+            stepper.add(layout.replica_of(s, g), {name: weights[name].grad for name in stepper.names})
+        return float(value.detach()) * share

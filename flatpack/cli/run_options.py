@@ -152,6 +152,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     Option('--split-points', 'plan', value=names, metavar='MODULE[,MODULE...]', help=split_points_help('train')),
     Option('--replicas', 'plan', value=_ints('--replicas'), metavar='D[,D...]', help='data-parallel degrees the '
                 'solver may give a stage (default 1,2)'),
+    Option('--stage-replicas', 'plan', value=_ints('--stage-replicas'), metavar='D,D[,D...]', help='with --stages or '
+                '--split-points: each stage\'s replica degree, in stage order (PipeDream\'s 1F1B-RR plans, e.g. '
+                '--stages 2 --stage-replicas 1,2); not candidates for a solver, which --replicas lists'),
     Option('--memory', 'plan', field='memory_mb', value=_ints('--memory'), metavar='MB[,MB...]', help='memory '
                 "tiers the solver may pick (default: the local platform's)"),
     Option('--pick', 'plan', choices=PICKS, help="FuncPipe's recommended plan from the front, or its fastest"),

@@ -135,8 +135,9 @@ def explain(problem: Problem, selection: Selection) -> str:
         return (f"{MARK} plan {selection.chosen}: the cheapest plan whose {unit_of(problem)} time meets the SLO of "
                 f"{selection.slo_s:g} s ({time_of(chosen):.4g} s, {_percent(time_of(chosen), selection.slo_s)} of it)")
     if selection.kind == "fixed":
-        return (f"{MARK} plan {selection.chosen}: the cuts asked for ({selection.reason}), one replica per stage on "
-                "the smallest memory tier that fits, priced by the cost model")
+        return (f"{MARK} plan {selection.chosen}: the cuts asked for ({selection.reason}), each stage the replicas "
+                "asked for (one unless --replicas or --stage-replicas says) on the smallest memory tier that fits, "
+                "priced by the cost model")
     if selection.kind == "weights":
         return (f"{MARK} plan {selection.chosen}: the {selection.reason}, minimizing α₁·MB·s + α₂·seconds "
                 "(FuncPipe eq. 3a)")

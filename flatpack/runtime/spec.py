@@ -105,7 +105,7 @@ class RunSpec:
             replicas=tuple(stage.replicas for stage in self.stages), vertical_sync=self.vertical_sync,
             clip_grad_norm=self.optimizer.clip_grad_norm, accumulate=self.optimizer.accumulate,
             precision=self.precision, shared=tuple(sorted(self.shared)), time_limit_s=self.time_limit_s,
-            replan=replan, elastic=elastic, ranks=ranks))
+            replan=replan, elastic=elastic, ranks=ranks, micro_batches=self.micro_batches))
 
     @classmethod
     def of(cls, settings: TrainSettings, controls: RunControls, *, run: str, stages: tuple[StageSpec, ...],

@@ -5,11 +5,14 @@ in-flight micro-batches under an asynchronous schedule (``flatpack.schedules``, 
 Under an asynchronous schedule every micro-batch is one of PipeDream's minibatches: each
 stage steps its optimizer after every backward, and the pipeline never flushes between
 iterations (only at the end of a call). The schedule says which version the forward of the
-call's g-th micro-batch uses (``Schedule.weight_version``: under 1F1B, stage s of S has taken
-``g - (S - s - 1)`` steps by then); weight stashing keeps that version until the
-micro-batch's backward, which computes its gradient on the same weights. Vertical sync makes
-every stage use the version the first stage used, so a micro-batch sees one consistent model
-across stages.
+call's g-th micro-batch uses (``Schedule.weight_version``: under 1F1B, stage s of S with d
+replicas has taken ``floor((g - (S - s - 1)) / d)`` steps by then, one per round of d
+micro-batches); weight stashing keeps that version until the micro-batch's backward, which
+computes its gradient on the same weights. The gradients of a round wait in
+:class:`RoundGradients` until the round is complete on the replica and reduced over the
+stage's replicas; the step is applied when a forward first asks for its version. Vertical
+sync makes every stage use the version the first stage used, so a micro-batch sees one
+consistent model across stages.
 """
 
 from __future__ import annotations
@@ -62,11 +65,13 @@ class WeightStash:
         return {name: tensor.detach().requires_grad_(self.parameters[name].requires_grad)
                 for name, tensor in self.versions[version].items()}
 
-    def release(self, version: int, keep_from: int) -> None:
-        """A micro-batch's backward is done with ``version``: drops every version no
-        in-flight micro-batch holds that is older than ``keep_from`` (the oldest a later
-        forward may still ask for)."""
+    def release(self, version: int) -> None:
+        """A micro-batch's backward is done with ``version``."""
         self.users[version] -= 1
+
+    def prune(self, keep_from: int) -> None:
+        """Drops every version no in-flight micro-batch holds that is older than ``keep_from``
+        (the oldest a later forward may still ask for: the live one)."""
         for held in list(self.versions):
             if self.users.get(held, 0) == 0 and held < keep_from:
                 self.versions.pop(held)
@@ -75,3 +80,32 @@ class WeightStash:
     def held(self) -> int:
         """Versions kept now (weight stashing's memory is this many copies of the stage's weights)."""
         return len(self.versions)
+
+
+class RoundGradients:
+    """A replica's gradients of each round not yet reduced: round -> the sum of its
+    micro-batches' gradients on this replica, added in the order their backwards ran (the
+    call's sequence order), and how many it holds."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, dict[str, torch.Tensor | None]] = {}
+        self.counts: dict[int, int] = {}
+
+    def add(self, round_index: int, grads: Mapping[str, torch.Tensor | None]) -> int:
+        """Adds one micro-batch's gradients to its round; returns how many the round holds."""
+        held = self.sums.get(round_index)
+        if held is None:
+            self.sums[round_index] = {name: None if grad is None else grad.detach().clone()
+                                      for name, grad in grads.items()}
+        else:
+            for name, grad in grads.items():
+                if grad is not None:
+                    total = held.get(name)
+                    held[name] = grad.detach().clone() if total is None else total + grad
+        self.counts[round_index] = self.counts.get(round_index, 0) + 1
+        return self.counts[round_index]
+
+    def pop(self, round_index: int) -> dict[str, torch.Tensor]:
+        """The round's summed gradients (none: no micro-batch of it ran here), forgotten here."""
+        self.counts.pop(round_index, None)
+        return {name: grad for name, grad in self.sums.pop(round_index, {}).items() if grad is not None}

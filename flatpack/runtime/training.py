@@ -6,11 +6,14 @@ and one loop runs every schedule (:meth:`StageTrainer.run_iteration`). A flush s
 each iteration with the gradient synchronization among the stage's replicas
 (``collectives.scatter_reduce``) and one optimizer step: FuncPipe's synchronous schedule
 (§3.2: the forwards of every micro-batch the replica owns, then their backwards in reverse
-order), or PipeDream's 1F1B with a flush. An asynchronous schedule (``1f1b-async``,
-PipeDream's 1F1B without a flush) steps after every backward on the weights its forward used
-(weight stashing: ``stashing``), and its iterations are slices of one sequence over the
-call. Within an iteration the work is a task DAG over three lanes (``lanes``): downloads of
-inputs and gradients, computation, and uploads run at the same time.
+order), or PipeDream's 1F1B with a flush. Under an asynchronous schedule (``1f1b-async``,
+PipeDream's 1F1B without a flush, 1F1B-RR with replicated stages; ``2bw``) each backward
+computes on the weights its forward used (weight stashing: ``stashing``), its gradient joins
+its round's, a complete round is reduced over the stage's replicas on the store on lanes of
+its own, and the step is applied when a forward first asks for its version
+(``Schedule.weight_version``); its iterations are slices of one sequence over the call.
+Within an iteration the work is a task DAG over three lanes (``lanes``): downloads of inputs
+and gradients, computation, and uploads run at the same time.
 
 Micro-batch m of an iteration runs on replica m mod d of each stage. The loss of a
 micro-batch of b samples is scaled by b/B, so the gradients summed over micro-batches and
@@ -21,6 +24,7 @@ iterations equal single-process training on the same batches.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,10 +40,10 @@ from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec, micro_batch_size, received_specs
-from flatpack.runtime.stashing import WeightStash
+from flatpack.runtime.stashing import RoundGradients, WeightStash
 from flatpack.runtime.store import Store
 from flatpack.runtime.timeline import Event, Recorder
-from flatpack.schedules import Action
+from flatpack.schedules import Action, Layout
 from flatpack.stage import wire
 from flatpack.stage.artifact import install_weights, stage_manifest, stage_tensors
 from flatpack.stage.tensor_check import check_stage_inputs, stage_input_specs
@@ -137,7 +141,7 @@ def stage_forward(module: nn.Module, spec: RunSpec, stage: StageSpec, iteration:
             outputs = torch.func.functional_call(
                 module, {attrs[name]: tensor for name, tensor in state.weights.items()}, tuple(args))
         state.outputs = dict(zip(stage.outputs, outputs))
-        if stage.index == len(spec.stages) - 1 and not spec.schedule_object.flush:
+        if stage.index == len(spec.stages) - 1 and spec.schedule_object.own_minibatch:
             # each micro-batch is a step of its own (PipeDream's minibatch): its mean loss
             state.loss = loss_value(spec.loss, state.outputs[spec.loss_output], state.target)
         elif stage.index == len(spec.stages) - 1:
@@ -215,6 +219,12 @@ def checkpoint_bytes(iteration: int, state_tensors: dict[str, torch.Tensor], tra
 WeightObserver = Callable[[str, int, int, int, dict[str, torch.Tensor]], None]
 
 
+def run_layout(spec: RunSpec) -> Layout:
+    """What the schedule's version rule reads about the run (``schedules.Layout``)."""
+    return Layout(tuple(stage.replicas for stage in spec.stages), spec.micro_batches,
+                  accumulate=spec.optimizer.accumulate, vertical_sync=spec.vertical_sync)
+
+
 class StageTrainer:
     """One replica of one stage. ``hooks`` lets the worker process wrap tasks (memory
     guard, CPU throttle, injected faults) without this class knowing about processes."""
@@ -253,10 +263,16 @@ class StageTrainer:
         self.observe_weights = observe_weights
         self.attrs = stage_manifest(module).attributes()
         self.stash = None if self.schedule.flush else WeightStash(self.trainable)
+        self.layout = run_layout(spec)
         self._actions: list[list[Action]] | None = None
         self._in_flight: dict[int, dict[int, MicroBatchState]] = {}
-        self.call_steps = 0
-        self._forwards_run = 0
+        self.call_steps = 0       # rounds applied since the call began: the live weights' version
+        # an asynchronous schedule's rounds: the replica's gradients of each, and each one's
+        # reduction over the replicas (and the stages' global knobs) on lanes of their own, so
+        # that waiting for the other replicas never holds up this one's compute or transfers
+        self.rounds = RoundGradients()
+        self._reduced: dict[int, Future] = {}
+        self._round_lanes: Lanes | None = None
         # what each tensor input must be (the manifest's example shape, dtype and free
         # dimensions): a wrong value is refused naming it, not failed on inside generated code
         self.input_specs = received_specs(stage_input_specs(stage_manifest(module)),
@@ -378,12 +394,12 @@ class StageTrainer:
         if self.is_last and state.loss is not None:
             # the report's loss is the batch's mean, whatever the accumulation's 1/K weight
             # (asynchronous: each micro-batch's mean, weighted by its share of the batch)
-            weight = (self.spec.optimizer.accumulate if self.schedule.flush
+            weight = (self.spec.optimizer.accumulate if not self.schedule.own_minibatch
                       else micro_batch_size(self.spec.batch, self.spec.micro_batches, micro_batch) / self.spec.batch)
             self._loss_total += float(state.loss.detach()) * weight
         if self.stash is not None:
             self._stashed_weights("B", iteration, micro_batch, state)
-            self._step_on(state)
+            self._add_to_round(iteration, micro_batch, state)
         states.pop(micro_batch)
         self._record("backward", iteration, micro_batch, start, 0, "compute")
         self.after_task("backward", iteration, micro_batch)
@@ -435,7 +451,9 @@ class StageTrainer:
             future.result()
         self._in_flight = {number: states for number, states in self._in_flight.items() if states}
         lanes.submit("upload", self._mark, iteration, "computed")
-        if not self.schedule.flush:     # each backward stepped already
+        if not self.schedule.flush:     # the rounds step as the version rule asks for them
+            if iteration == self.role.end_iteration - 1:
+                lanes.submit("compute", self._finish_call).result()
             if self.is_last:
                 self.losses[iteration] = self._loss_total
             return
@@ -446,7 +464,7 @@ class StageTrainer:
         """This replica's actions of ``iteration``, from the schedule's actions of the call."""
         if self._actions is None:
             owned = self.stage.owned(self.spec.micro_batches, self.role.replica)
-            self._actions = self.schedule.call_actions(self.role.stage, len(self.spec.stages), owned,
+            self._actions = self.schedule.call_actions(self.role.stage, self.layout, owned,
                                                        self.role.end_iteration - self.role.start_iteration)
         return self._actions[iteration - self.role.start_iteration]
 
@@ -461,46 +479,129 @@ class StageTrainer:
                 self._prefetched[(number, action.micro_batch)] = lanes.submit(
                     "prefetch", self._fetch_inputs, number, action.micro_batch, "prefetch")
 
+    def _sequence(self, iteration: int, micro_batch: int) -> int:
+        """A micro-batch's number g in the call's sequence (the version rule's argument)."""
+        return (iteration - self.role.start_iteration) * self.spec.micro_batches + micro_batch
+
     def _stashed_weights(self, kind: str, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
-        """A forward takes its weight version from the stash (the live weights, kept as that
-        version, unless vertical sync asks for an older one); its backward hands the same
-        leaves to the observer, if any."""
+        """A forward takes the weight version the schedule's rule names
+        (``Schedule.weight_version``), first applying the rounds due before it; its backward
+        hands the same leaves to the observer, if any."""
         stash = self._weight_stash()
         if kind == "F":
-            sequence = self._forwards_run
-            self._forwards_run += 1
-            state.version = self.schedule.weight_version(sequence, self.role.stage, len(self.spec.stages),
-                                                         self.spec.vertical_sync)
-            if state.version == self.call_steps:
-                stash.snapshot(state.version)
+            state.version = self.schedule.weight_version(self._sequence(iteration, micro_batch), self.role.stage,
+                                                         self.layout)
+            self._apply_rounds(state.version)
+            stash.snapshot(state.version)
             state.weights = stash.acquire(state.version)
         if self.observe_weights is not None:
             version, weights = self._held_version(state)
             self.observe_weights(kind, iteration, micro_batch, version, weights)
 
-    def _step_on(self, state: MicroBatchState) -> None:
-        """After a micro-batch's backward: its gradient (on its version's leaves) steps the
-        live parameters, and the stash lets go of the versions nothing needs any more."""
+    def _add_to_round(self, iteration: int, micro_batch: int, state: MicroBatchState) -> None:
+        """After a micro-batch's backward: its gradient (on its version's leaves) joins its
+        round's, the stash lets go of the versions nothing needs any more, and a round whose
+        micro-batches on this replica are all in goes to the reduction."""
         stash = self._weight_stash()
         version, weights = self._held_version(state)
-        for name, param in self.trainable.items():
-            param.grad = weights[name].grad
-        # release first, so that a version nobody holds any more is not copied for the step;
-        # without vertical sync no later forward asks for the current version once it is stepped
-        oldest_wanted = (self.schedule.weight_version(self._forwards_run, self.role.stage, len(self.spec.stages), True)
-                         if self.spec.vertical_sync else self.call_steps + 1)
-        stash.release(version, oldest_wanted)
+        stash.release(version)
+        stash.prune(self.call_steps)
         state.weights = None
-        stash.before_step(self.call_steps)
-        self.throttle_compute(self.optimizer.step)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        self.call_steps += 1
-        if self.spec.vertical_sync:
-            # a later forward asks for the first stage's version, older than this stage's
-            stash.snapshot(self.call_steps)
+        size = self.schedule.round_size(self.role.stage, self.layout)
+        round_index = self._sequence(iteration, micro_batch) // size
+        held = self.rounds.add(round_index, {name: weights[name].grad for name in self.trainable})
+        if held == self._round_share(round_index):
+            self._submit_reduction(round_index)
+
+    def _call_length(self) -> int:
+        return (self.role.end_iteration - self.role.start_iteration) * self.spec.micro_batches
+
+    def _round_share(self, round_index: int) -> int:
+        """The micro-batches of round ``round_index`` this replica runs (the call's last round
+        may be cut short by the call's end)."""
+        size = self.schedule.round_size(self.role.stage, self.layout)
+        return sum(1 for g in range(round_index * size, min((round_index + 1) * size, self._call_length()))
+                   if self.layout.replica_of(self.role.stage, g) == self.role.replica)
+
+    def _submit_reduction(self, round_index: int) -> None:
+        if self._round_lanes is None:
+            self._round_lanes = Lanes(("reduce", "upload", "download"))
+        local = self.rounds.pop(round_index)
+        self._reduced[round_index] = self._round_lanes.submit("reduce", self._reduce_round, round_index, local)
+
+    def _reduce_round(self, round_index: int, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A round's gradient: this replica's summed over the stage's replicas on the store
+        (``collectives.scatter_reduce``, added in replica order, so every replica gets the
+        same), its mean under PipeDream's 1F1B (each micro-batch a minibatch of its own),
+        then tied weights' summed over their holders and the global norm clipped, as a
+        flushed step does. Keyed by the round's first micro-batch in the run's sequence."""
+        start = time.time()
+        key = self.role.start_iteration * self.spec.micro_batches + round_index * self.schedule.round_size(
+            self.role.stage, self.layout)
+        params = list(self.trainable.values())
+        grads = dict(local)
+        if self.stage.replicas > 1 and params:
+            def record(lane: str, kind: str, nbytes: int):
+                return self.recorder.task(kind, key, nbytes=nbytes, lane=lane)
+
+            flat = torch.cat([(grads[name] if grads.get(name) is not None else torch.zeros_like(param))
+                              .reshape(-1).float() for name, param in self.trainable.items()])
+            total = scatter_reduce(flat, store=self.store, keys=self.keys, iteration=key, stage=self.role.stage,
+                                   replica=self.role.replica, replicas=self.stage.replicas, method=self.spec.sync,
+                                   lanes=self._round_lanes, timeout_s=self.spec.wait_timeout_s, record=record)
+            offset = 0
+            for name, param in self.trainable.items():
+                grads[name] = total[offset:offset + param.numel()].view_as(param).to(param.dtype)
+                offset += param.numel()
+        if self.schedule.own_minibatch and self.stage.replicas > 1:
+            grads = {name: grad / self.stage.replicas for name, grad in grads.items() if grad is not None}
+        self._sum_shared(key, grads)
+        clip = self.spec.optimizer.clip_grad_norm
+        if clip is not None:
+            counted = [grad for name, grad in grads.items()
+                       if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
+            squared = clipping.global_sums(self.store, self.keys, key, self.role.stage, len(self.spec.stages),
+                                           self.role.replica, [clipping.squared_norm(counted)],
+                                           self.spec.wait_timeout_s)[0]
+            coefficient = clipping.clip_coefficient(math.sqrt(squared), clip)
+            if coefficient < 1.0:
+                grads = {name: grad * torch.tensor(coefficient, dtype=torch.float32).to(grad.dtype)
+                         for name, grad in grads.items()}
+        self._record("sync", key // self.spec.micro_batches, None, start, 0, "compute")
+        return grads
+
+    def _apply_rounds(self, version: int) -> None:
+        """Steps the live weights up to ``version``: each round due, once its reduction is in,
+        in round order (a replica never waits here for a round whose backwards come after
+        this task in the stage's 1F1B order: the version rule's lag sees to it)."""
+        stash = self._weight_stash()
+        while self.call_steps < version:
+            if self.call_steps not in self._reduced:
+                if self._round_share(self.call_steps):
+                    raise RuntimeError(f"stage {self.role.stage}: round {self.call_steps} is due before this replica "
+                                       "ran its backwards; this is a bug in the asynchronous schedule")
+                self._submit_reduction(self.call_steps)
+            grads = self._reduced.pop(self.call_steps).result()
+            # a version nobody holds any more is not copied for the step
+            stash.prune(self.call_steps + 1)
+            stash.before_step(self.call_steps)
+            for name, param in self.trainable.items():
+                param.grad = grads.get(name)
+            self.throttle_compute(self.optimizer.step)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+            self.call_steps += 1
+
+    def _finish_call(self) -> None:
+        """The call's end: the pipeline has drained, so every round's update is applied (the
+        final weights hold every micro-batch's gradient) and the round lanes close."""
+        size = self.schedule.round_size(self.role.stage, self.layout)
+        self._apply_rounds(-(-self._call_length() // size))
+        if self._round_lanes is not None:
+            self._round_lanes.close()
+            self._round_lanes = None
 
     def _weight_stash(self) -> WeightStash:
         """The stash of weight versions, which only a stage under an asynchronous schedule keeps."""
@@ -559,25 +660,34 @@ class StageTrainer:
     def _exchange_shared(self, iteration: int) -> None:
         """Tied weights held by several stages: every holder adds the others' gradients, so
         all copies take the same step (README, "Tied weights")."""
+        grads = {name: param.grad for name, param in self.trainable.items()}
+        self._sum_shared(iteration, grads)
+        for name in self.spec.shared:
+            if name in self.trainable and name in grads:
+                self.trainable[name].grad = grads[name]
+
+    def _sum_shared(self, iteration: int, grads: dict[str, torch.Tensor | None]) -> None:
+        """Adds the other holders' gradients of each tied weight into ``grads`` (replica 0 of
+        each holder publishes its own under ``iteration``)."""
         mine = {name: holders for name, holders in self.spec.shared.items()
                 if self.role.stage in holders and name in self.trainable}
         if not mine:
             return
         if self.role.replica == 0:
             for name in mine:
-                grad = self.trainable[name].grad
+                grad = grads.get(name)
                 self.store.put(self.keys.shared_gradient(iteration, self.role.stage, name),
                                wire.dumps({"grad": grad if grad is not None
                                            else torch.zeros_like(self.trainable[name])}))
         for name, holders in mine.items():
-            param = self.trainable[name]
-            total = param.grad if param.grad is not None else torch.zeros_like(param)
+            own = grads.get(name)
+            total = own if own is not None else torch.zeros_like(self.trainable[name])
             for holder in holders:
                 if holder == self.role.stage:
                     continue
                 data = self.store.wait(self.keys.shared_gradient(iteration, holder, name), self.spec.wait_timeout_s)
                 total = total + wire.loads(data)[0]["grad"]
-            param.grad = total
+            grads[name] = total
 
     def _update(self, iteration: int) -> None:
         start = time.time()

@@ -14,7 +14,7 @@ from flatpack.job import JobOptions
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.spec import DATA_SOURCE, RunSpec, StageSpec
 from flatpack.runtime.stashing import WeightStash
-from flatpack.schedules import get
+from flatpack.schedules import Layout, get
 
 ASYNC = get("1f1b-async")
 
@@ -24,7 +24,8 @@ def async_chunks(first: int, end: int, micro_batches: int, stage: int, stages: i
     micro-batch's number in the call, its iteration, its micro-batch) tuples."""
     return [[(action.kind.value, action.iteration * micro_batches + action.micro_batch, first + action.iteration,
               action.micro_batch) for action in chunk]
-            for chunk in ASYNC.call_actions(stage, stages, list(range(micro_batches)), end - first)]
+            for chunk in ASYNC.call_actions(stage, Layout.single(stages, micro_batches), list(range(micro_batches)),
+                                             end - first)]
 
 
 def test_the_order_is_one_1f1b_sequence_over_the_call_sliced_by_iteration():
@@ -45,9 +46,10 @@ def test_the_order_is_one_1f1b_sequence_over_the_call_sliced_by_iteration():
 
 def test_versions_lag_by_the_stages_in_flight_and_vertical_sync_takes_the_first_stages():
     # stage s has taken g - (S - s - 1) steps before the forward of micro-batch g
-    assert [ASYNC.weight_version(5, stage, 3, False) for stage in range(3)] == [3, 4, 5]
-    assert [ASYNC.weight_version(5, stage, 3, True) for stage in range(3)] == [3, 3, 3]
-    assert ASYNC.weight_version(1, 0, 3, False) == 0     # the pipeline filling: no step yet
+    layout = Layout.single(3, 2)
+    assert [ASYNC.weight_version(5, stage, layout) for stage in range(3)] == [3, 4, 5]
+    assert [ASYNC.weight_version(5, stage, Layout.single(3, 2, True)) for stage in range(3)] == [3, 3, 3]
+    assert ASYNC.weight_version(1, 0, layout) == 0     # the pipeline filling: no step yet
 
 
 def test_the_stash_gives_each_micro_batch_its_own_leaves_and_copies_only_a_held_version_before_a_step():
@@ -63,9 +65,13 @@ def test_the_stash_gives_each_micro_batch_its_own_leaves_and_copies_only_a_held_
         weight.add_(1.0)                       # the optimizer's in-place step
     assert stash.versions[0]["w"].data_ptr() != weight.data_ptr()
     assert first["w"].tolist() == second["w"].tolist() == [1.0, 1.0]    # what they computed with
-    stash.release(0, keep_from=2)
+    stash.release(0)
+    stash.prune(keep_from=2)
     assert stash.held() == 1                   # version 0 is still held by the second micro-batch
-    stash.release(0, keep_from=2)
+    stash.release(0)
+    stash.prune(keep_from=0)
+    assert stash.held() == 1                   # nobody holds it, but a later forward may still ask for it
+    stash.prune(keep_from=2)
     assert stash.held() == 0
     pointer = weight.data_ptr()
     stash.before_step(1)                       # version 1 is not stashed: the step needs no copy
@@ -81,13 +87,13 @@ def spec(replicas: int = 1, **changes) -> RunSpec:
 
 
 @pytest.mark.parametrize(("make", "words"), [
-    (lambda: spec(replicas=2), r"one replica per stage .*degrees are \[2\]; use --replicas 1"),
+    (lambda: spec(replicas=3), r"1F1B-RR gives micro-batch g .* degrees \[3\] do not all divide the 4 micro-batches"),
     (lambda: spec(optimizer=OptimizerSpec("adam", lr=0.1, clip_grad_norm=1.0)), "--clip-grad-norm 1.0 needs every"),
     (lambda: spec(optimizer=OptimizerSpec("adam", lr=0.1, accumulate=2)), "--accumulate 2: 1f1b-async steps after"),
-    (lambda: spec(shared={"w": (0, 1)}), r"tied weights \['w'\] .* untie them, or use --schedule 1f1b"),
+    (lambda: spec(shared={"w": (0, 1)}), r"tied weights \['w'\] .* untie them, or use --schedule 2bw or 1f1b"),
     (lambda: spec(time_limit_s=880.0), r"a function time limit \(880.0 s\) .* time_limit_s=None"),
     (lambda: spec(schedule="1f1b", vertical_sync=True), "vertical sync applies to the 1f1b-async schedule, not '1f1b'"),
-    (lambda: spec(schedule="2f2b"), "unknown schedule '2f2b'; known schedules: 1f1b, 1f1b-async, sync"),
+    (lambda: spec(schedule="2f2b"), "unknown schedule '2f2b'; known schedules: 1f1b, 1f1b-async, 2bw, sync"),
 ])
 def test_combinations_the_asynchronous_schedule_does_not_run_are_refused(make, words):
     with pytest.raises(InputError, match=words):
@@ -108,12 +114,17 @@ def test_job_options_count_a_step_per_micro_batch_and_refuse_replicas_before_com
     assert options.optimizer_steps(3) == 12
     schedule = options.optimizer_spec().schedule
     assert schedule is not None and schedule.options["T_max"] == 12
-    with pytest.raises(InputError, match="one replica per stage"):
-        options.with_changes(replicas=(1, 2)).check()
+    # 1F1B-RR: a stage of d replicas steps once per round of d micro-batches
+    replicated = JobOptions.of(schedule="1f1b-async", stages=2, stage_replicas=(1, 2), micro_batches=4, iterations=3)
+    replicated.check()
+    assert get("1f1b-async").optimizer_steps(4, 2) == 2
+    with pytest.raises(InputError, match=r"degrees \[1, 3\] do not all divide the 4 micro-batches"):
+        replicated.with_changes(stage_replicas=(1, 3)).check()
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--schedule", "1f1b-async"], "use --replicas 1"),         # the default --replicas 1,2
+    (["--schedule", "2bw", "--vertical-sync"], "2bw's version is the iteration's on every stage already"),
+    (["--schedule", "1f1b-async", "--stage-replicas", "1,2"], "give --stages 2 (or --split-points) with it"),
     (["--schedule", "1f1b-async", "--replicas", "1", "--clip-grad-norm", "1"], "--clip-grad-norm 1.0 needs every"),
     (["--vertical-sync"], "vertical sync applies to the 1f1b-async schedule, not 'sync'"),
 ])

@@ -196,12 +196,33 @@ def test_funcpipe_reports_the_stage_that_does_not_fit():
 def test_funcpipe_rejects_plans_it_cannot_price():
     with pytest.raises(PlanError, match="no memory tier"):
         funcpipe.iteration(problem(), plan((0, 1, None, 1), (2, 2, 1024, 1)))
-    with pytest.raises(PlanError, match="same replicas"):
-        funcpipe.iteration(problem(), plan((0, 1, 1024, 1), (2, 2, 1024, 2)))
     with pytest.raises(PlanError, match="at most 4 replicas"):
         funcpipe.iteration(problem(), plan((0, 2, 1024, 8)))
     with pytest.raises(PlanError, match="chain of 4 layers, this chain has 3"):
         funcpipe.iteration(problem(), Plan.from_cuts([1], 4))
+
+
+def test_funcpipe_prices_stages_of_their_own_degrees_at_the_busiest_stage_s_pace():
+    """A 1F1B-RR plan (``--stage-replicas 1,2``): µ is the single replica's, each stage
+    syncs at its own degree, and the bill counts every stage's replicas."""
+    uneven = funcpipe.iteration(problem(), plan((0, 1, 1024, 1), (2, 2, 1024, 2)))
+    single = funcpipe.iteration(problem(), plan((0, 1, 1024, 1), (2, 2, 1024, 1)))
+    assert uneven.micro_batches_per_replica == single.micro_batches_per_replica
+    assert uneven.stages[0].sync_s == single.stages[0].sync_s == 0.0
+    assert uneven.stages[1].sync_s > 0.0 == single.stages[1].sync_s
+    assert uneven.memory_mb_total == 1024 + 2 * 1024
+
+
+def test_the_schedule_says_how_many_weight_copies_funcpipe_prices():
+    """1F1B's stash keeps a version per micro-batch in flight (S - s), 2BW two, a flush one."""
+    two = plan((0, 0, 1024, 1), (1, 1, 1024, 1), (2, 2, 1024, 1))
+    weights = {}
+    for schedule in ("sync", "1f1b-async", "2bw"):
+        workload = dataclasses.replace(problem().workload, schedule=schedule)
+        cost = funcpipe.iteration(dataclasses.replace(problem(), workload=workload), two)
+        weights[schedule] = [stage.memory.weights for stage in cost.stages]
+    assert [a // b for a, b in zip(weights["1f1b-async"], weights["sync"])] == [3, 2, 1]
+    assert [a // b for a, b in zip(weights["2bw"], weights["sync"])] == [2, 2, 1]
 
 
 def test_every_model_reads_seconds_through_the_calibration():

@@ -72,7 +72,7 @@ def test_a_model_that_cannot_predict_the_workload_s_schedule_is_refused_naming_o
             cost_model_for(problem_on("container", asynchronous, **given))
     assert cost_model_for(problem_on("container", asynchronous, cost_model="funcpipe")).name == "funcpipe"
     assert cost_model_for(problem_on("container", dataclasses.replace(TRAIN, schedule="1f1b"))).name == "hydrozoa"
-    with pytest.raises(InputError, match="unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, sync"):
+    with pytest.raises(InputError, match="unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, 2bw, sync"):
         dataclasses.replace(TRAIN, schedule="gpipe")
 
 
@@ -97,7 +97,7 @@ def test_each_model_names_the_schedules_and_plan_shape_it_prices():
     # every model prices a flush schedule; only FuncPipe's an asynchronous one (its t_iter bounds it)
     predicting = {name: [schedule for schedule in SCHEDULES if entry(name).predicts(get(schedule))]
                   for name in COST_MODELS}
-    assert predicting == {"funcpipe": ["sync", "1f1b", "1f1b-async"], "hydrozoa": ["sync", "1f1b"],
+    assert predicting == {"funcpipe": ["sync", "1f1b", "1f1b-async", "2bw"], "hydrozoa": ["sync", "1f1b"],
                           "pipedream": ["sync", "1f1b"], "gillis": ["sync", "1f1b"]}
     # the shapes brute force and the sampling solvers enumerate, as they did by name
     shapes = {name: (entry(name).tier_per_stage, entry(name).degree_per_stage) for name in COST_MODELS}

@@ -200,7 +200,7 @@ def _tiny_compiled():
 @pytest.mark.parametrize(("options", "message"), [
     ({"iterations": 5}, "asked for 5 iterations but given 2 batches"),
     ({"loss": "hinge"}, "loss 'hinge' is not one of"),
-    ({"schedule": "gpipe"}, "unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, sync"),
+    ({"schedule": "gpipe"}, "unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, 2bw, sync"),
     ({"micro_batches": 1}, "2 replicas but an iteration has only 1 micro-batch;"),
     ({"optimizer": "lamb"}, "optimizer 'lamb' is not known"),
 ])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flatpack.errors import InputError
-from flatpack.schedules import (PLUGINS_ENV, SCHEDULE_REGISTRY, SCHEDULES, Action, Computation, Schedule, Setup,
+from flatpack.schedules import (PLUGINS_ENV, SCHEDULE_REGISTRY, SCHEDULES, Action, Computation, Layout, Schedule, Setup,
                                 get, names, register_plugins)
 from tests.unit.gpipe_schedule import GPipe
 
@@ -78,7 +78,7 @@ def test_1f1b_warms_up_stages_minus_stage_minus_one_deep_then_alternates(name, s
 def test_a_flush_schedule_s_call_repeats_its_iteration_and_steps_once_per_iteration(name):
     schedule = get(name)
     one = schedule.actions(1, 3, [0, 1, 2])
-    call = schedule.call_actions(1, 3, [0, 1, 2], 3)
+    call = schedule.call_actions(1, Layout.single(3, 3), [0, 1, 2], 3)
     assert [[(a.kind, a.micro_batch) for a in chunk] for chunk in call] == [[(a.kind, a.micro_batch) for a in one]] * 3
     assert [{a.iteration for a in chunk} for chunk in call] == [{0}, {1}, {2}]
     assert schedule.flush and schedule.optimizer_steps(4) == 1
@@ -88,7 +88,7 @@ def test_the_asynchronous_call_is_one_1f1b_sequence_sliced_where_each_iteration_
     schedule = get("1f1b-async")
     assert not schedule.flush and schedule.optimizer_steps(4) == 4
     for stage in range(3):
-        call = schedule.call_actions(stage, 3, [0, 1], 3)
+        call = schedule.call_actions(stage, Layout.single(3, 2), [0, 1], 3)
         flat = [action for chunk in call for action in chunk]
         sequence = [(a.kind.value, a.iteration * 2 + a.micro_batch) for a in flat]
         assert sequence == pairs(get("1f1b").actions(stage, 3, list(range(6))))
@@ -96,18 +96,18 @@ def test_the_asynchronous_call_is_one_1f1b_sequence_sliced_where_each_iteration_
             assert (chunk[0].kind, chunk[0].iteration) == (F, index), "a slice starts with its iteration's forward"
             assert all(a.iteration == index for a in chunk if a.kind is F)
     with pytest.raises(NotImplementedError, match="flushes every iteration"):
-        get("sync").weight_version(3, 0, 2, False)
+        get("sync").weight_version(3, 0, Layout.single(2, 2))
 
 
 # -- the registry -----------------------------------------------------------------------------
 
 def test_the_registry_holds_the_built_ins_first_and_refuses_an_unknown_name():
     # key == entry name and a taken name refused: tests/unit/test_registries.py, as for every registry
-    assert SCHEDULES == ("sync", "1f1b", "1f1b-async") and names()[:3] == list(SCHEDULES)
+    assert SCHEDULES == ("sync", "1f1b", "1f1b-async", "2bw") and names()[:4] == list(SCHEDULES)
     assert all(isinstance(get(name), Schedule) and get(name).description for name in SCHEDULES)
     schedule = get("1f1b")
     assert get(schedule) is schedule
-    with pytest.raises(InputError, match="unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, sync"):
+    with pytest.raises(InputError, match="unknown schedule 'gpipe'; known schedules: 1f1b, 1f1b-async, 2bw, sync"):
         get("gpipe")
 
 
@@ -145,7 +145,9 @@ def test_a_flush_schedule_refuses_only_vertical_sync():
 
 
 @pytest.mark.parametrize(("setup", "words"), [
-    (Setup(replicas=(1, 2)), r"one replica per stage .*degrees are \[1, 2\]; use --replicas 1"),
+    (Setup(replicas=(1, 2), micro_batches=3), r"replica degrees \[1, 2\] do not all divide the 3 micro-batches"),
+    (Setup(replicas=(1, 2), vertical_sync=True), r"stages of replica degrees \[1, 2\] step once per round of d"),
+    (Setup(clip_grad_norm=1.0), r"--clip-grad-norm 1.0 needs every stage's gradient .* use --schedule 2bw"),
     (Setup(replan=True), "replan switches plans between epochs, and 1f1b-async has micro-batches in flight"),
     (Setup(elastic=True), "elastic re-scaling changes replica degrees between epochs"),
     (Setup(ranks=True), "GPU-container ranks run sync or 1f1b: use --schedule 1f1b for this target"),
@@ -155,6 +157,9 @@ def test_the_asynchronous_schedule_refuses_what_needs_every_stage_at_one_step(se
     with pytest.raises(InputError, match=words):
         get("1f1b-async").check(setup)
     get("1f1b-async").check(Setup(replicas=(1, 1), vertical_sync=True, precision="bf16"))
+    # under vertical sync every stage steps on g after the first stage's backward of g: the global knobs run
+    get("1f1b-async").check(Setup(replicas=(1, 1), vertical_sync=True, clip_grad_norm=1.0, shared=("w",)))
+    get("2bw").check(Setup(replicas=(2, 1, 2), clip_grad_norm=1.0, accumulate=2, shared=("w",), micro_batches=3))
 
 
 def test_each_schedule_predicts_its_iteration_from_the_bound_or_its_simulated_span():

@@ -53,6 +53,16 @@ def uniform_replicas(plan: Plan, model: str) -> int:
     return degrees[0]
 
 
+def pacing_replicas(plan: Plan) -> int:
+    """The degree whose replicas pace a pipeline: the smallest, whose replicas each run the
+    most micro-batches (µ = ⌈M/d⌉). A plan whose stages have their own degrees (PipeDream's
+    1F1B-RR, ``flatpack run --stage-replicas``) is so priced by FuncPipe's model, which
+    replicates whole pipelines: the pace at the busiest stage, each stage's sync at its own
+    degree and the bill over every stage's replicas (``funcpipe.iteration``); the storage
+    links' share and the memory are the busiest stage's (an approximation the model states)."""
+    return min(stage.replicas for stage in plan.stages)
+
+
 def micro_batches_per_replica(problem: Problem, replicas: int) -> int:
     """µ for the busiest replica: ⌈M/d⌉ (FuncPipe §3.4.1 writes µ = M/d, which assumes d | M;
     when it does not, the replica with the extra micro-batch sets the pace)."""

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 
 from flatpack.errors import InputError, PlanError
 from flatpack.partitioner.cost.collectives import scatter_reduce_seconds
+from flatpack.partitioner.cost.pipedream import versions_in_flight
 from flatpack.partitioner.cost.common import (MemoryNeed, check_training_plan, gradient_bytes, layer_times,
-                                              memory_limit, micro_batches_per_replica, recompute_seconds, stage_memory,
-                                              stage_tensors, stage_tier, to_json, uniform_replicas)
+                                              memory_limit, micro_batches_per_replica, pacing_replicas,
+                                              recompute_seconds, stage_memory, stage_tensors, stage_tier, to_json)
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.partitioner.problem import Problem
 from flatpack.partitioner.space import SearchSpace
@@ -211,7 +212,7 @@ class Overheads:
         """The terms for ``plan`` from the problem's platform (a calibration applied) and
         calibration; each term that nothing measured is 0. ``reads_target``: the last stage
         downloads a target per micro-batch (every loss but ``"output"``)."""
-        replicas = uniform_replicas(plan, "FuncPipe")
+        replicas = pacing_replicas(plan)
         platform = problem.platform
         tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
         bandwidth = _bandwidths(problem, tiers, replicas)
@@ -311,7 +312,7 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     None (the solvers' form): the paper's equations alone.
     """
     check_training_plan(problem, plan, "FuncPipe")
-    replicas = uniform_replicas(plan, "FuncPipe")
+    replicas = pacing_replicas(plan)
     mu = micro_batches_per_replica(problem, replicas)
     micro = problem.workload.micro_batch_size
     platform = problem.platform
@@ -345,15 +346,16 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
     forward_total = first_forward + (mu - 1) * forward_lag
 
     stages = [_stage_cost(problem, s, stage, tier, forward[s], backward[s:], boundaries[s:], credits[s:],
-                          bandwidth[s], mu=mu, replicas=replicas, latency=latency, poll=poll, extra=extra)
+                          bandwidth[s], mu=mu, replicas=stage.replicas, latency=latency, poll=poll, extra=extra,
+                          weight_versions=weight_versions(problem, plan, s))
               for s, (stage, tier) in enumerate(zip(plan.stages, tiers))]
 
     optimizer = [extra.step(s) for s in range(count)]
     pipeline_s = forward_total + max(stage.backward_done_s + stage.sync_s + step
                                      for stage, step in zip(stages, optimizer)) + extra.iteration_s
     iteration_s = max(pipeline_s, prefetch_bound(mu, extra))
-    memory_mb_total = replicas * sum(tier.memory_mb for tier in tiers)
-    dollars = iteration_s * replicas * sum(tier.price_per_s for tier in tiers)
+    memory_mb_total = sum(stage.replicas * tier.memory_mb for stage, tier in zip(plan.stages, tiers))
+    dollars = iteration_s * sum(stage.replicas * tier.price_per_s for stage, tier in zip(plan.stages, tiers))
     unfit = next((stage.index for stage in stages if not stage.fits), None)
     return PipelineCost(
         replicas=replicas, micro_batches_per_replica=mu, micro_batch_size=micro, sync_method=problem.workload.sync,
@@ -361,6 +363,13 @@ def iteration(problem: Problem, plan: Plan, overheads: Overheads | None = None) 
         forward_s=forward_total, iteration_s=iteration_s, memory_mb_total=memory_mb_total,
         dollars_per_iteration=dollars, fits=unfit is None, unfit_stage=unfit, overheads=overheads,
     )
+
+
+def weight_versions(problem: Problem, plan: Plan, stage: int) -> int:
+    """Copies of its weights stage ``stage`` keeps under the workload's schedule, as the
+    schedule says (``Schedule.weight_versions``: one under a flush; 1F1B's stash one per
+    micro-batch in flight, PipeDream's count ``pipedream.versions_in_flight``; 2BW two)."""
+    return problem.workload.schedule_object.weight_versions(versions_in_flight(plan, stage))
 
 
 def _boundary_costs(problem: Problem, plan: Plan, micro: float, bandwidth: list[float], latency: float,
@@ -385,10 +394,12 @@ def _boundary_costs(problem: Problem, plan: Plan, micro: float, bandwidth: list[
 
 def _stage_cost(problem: Problem, index: int, stage: StagePlan, tier: Tier, forward_s: float,
                 backward_from: list[float], above: list[BoundaryCost], credits_from: list[float], bandwidth: float,
-                *, mu: int, replicas: int, latency: float, poll: float, extra: Overheads) -> StageCost:
+                *, mu: int, replicas: int, latency: float, poll: float, extra: Overheads,
+                weight_versions: int = 1) -> StageCost:
     """Stage ``index``'s backward (eq. 11: its own and every later stage's backward and the
     transfers above it, ``backward_from``, ``above`` and ``credits_from`` being those from
-    this stage up), its gradients' sync (eq. 12) and its memory (eq. 3b)."""
+    this stage up), its gradients' sync (eq. 12) and its memory (eq. 3b, with the
+    ``weight_versions`` copies of its weights an asynchronous schedule keeps)."""
     lag = max([*backward_from, *(bc.backward_upload_s for bc in above), *(bc.backward_download_s for bc in above)])
     done = (sum(backward_from) + sum(bc.backward_upload_s + bc.backward_download_s for bc in above)
             - sum(credits_from) + (mu - 1) * lag)
@@ -398,7 +409,8 @@ def _stage_cost(problem: Problem, index: int, stage: StagePlan, tier: Tier, forw
         moved = scatter_reduce_seconds(grads, replicas, bandwidth, 0.0, problem.workload.sync)
         sync += extra.marker_s + extra.task("sync", index) - extra.sync_burst_saving(moved, index)
     memory = stage_memory(problem, stage.start, stage.end, tier, micro_batches_in_flight=mu,
-                          sync_buffer_copies=2 if replicas > 1 else 0, recompute=stage.recompute)
+                          sync_buffer_copies=2 if replicas > 1 else 0, recompute=stage.recompute,
+                          weight_versions=weight_versions)
     return StageCost(
         index=index, start=stage.start, end=stage.end, memory_mb=tier.memory_mb, bandwidth_bytes_s=bandwidth,
         forward_s=forward_s, backward_s=backward_from[0], recompute=stage.recompute, backward_lag_s=lag,
@@ -442,7 +454,7 @@ class CheckpointCost:
 
 def checkpoint_cost(problem: Problem, plan: Plan) -> CheckpointCost:
     """:class:`CheckpointCost` of ``plan`` (tiers and bandwidths as :func:`iteration` uses)."""
-    replicas = uniform_replicas(plan, "FuncPipe")
+    replicas = pacing_replicas(plan)
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
     bandwidth = _bandwidths(problem, tiers, replicas)
     sizes, seconds = [], []

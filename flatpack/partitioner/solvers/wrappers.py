@@ -62,14 +62,18 @@ class FixedCuts:
     split_points: tuple[str, ...] = ()
     stages: int | None = None
     replicas: int = 1
+    stage_replicas: tuple[int, ...] = ()      # each stage's own degree, in stage order (``--stage-replicas``)
 
     @classmethod
-    def of(cls, split_points: Sequence[str], stages: int | None, degrees: Sequence[int] | int | None) -> FixedCuts:
+    def of(cls, split_points: Sequence[str], stages: int | None, degrees: Sequence[int] | int | None,
+           stage_replicas: Sequence[int] = ()) -> FixedCuts:
         """The user's cuts, every stage the one degree ``--replicas`` names (else one replica:
-        a list of degrees is the solver's choice, and no solver runs)."""
+        a list of degrees is the solver's choice, and no solver runs), or each its own degree
+        of ``stage_replicas``."""
         if isinstance(degrees, int):
             degrees = (degrees,)
-        return cls(tuple(split_points), stages, degrees[0] if degrees is not None and len(degrees) == 1 else 1)
+        return cls(tuple(split_points), stages, degrees[0] if degrees is not None and len(degrees) == 1 else 1,
+                   tuple(stage_replicas))
 
     @property
     def name(self) -> str:
@@ -77,10 +81,15 @@ class FixedCuts:
 
     def __call__(self, problem: Any) -> Any:
         plan = self._cut(problem)
-        if self.replicas == 1:
+        degrees = self.stage_replicas or (self.replicas,) * len(plan.stages)
+        if len(degrees) != len(plan.stages):
+            raise InputError(f"--stage-replicas {','.join(map(str, degrees))} names {len(degrees)} degrees, but the "
+                             f"cuts make {len(plan.stages)} stages (the model has too few layers for more); give one "
+                             "degree per stage")
+        if all(degree == 1 for degree in degrees):
             return plan
-        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, replicas=self.replicas)
-                                                      for stage in plan.stages))
+        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, replicas=degree)
+                                                      for stage, degree in zip(plan.stages, degrees)))
 
     def _cut(self, problem: Any) -> Plan:
         if not self.split_points:
@@ -137,10 +146,10 @@ class FastestOnFront:
 
 
 def run_solver(pick: str, solver: Any, stages: int | None, split_points: tuple[str, ...],
-               replicas: Sequence[int] = (1,)) -> Any:
+               replicas: Sequence[int] = (1,), stage_replicas: Sequence[int] = ()) -> Any:
     """The solver a training run compiles with: fixed cuts (``stages`` or ``split_points``;
     every stage the one degree of ``replicas`` when it names one, else one replica), else the
     fastest plan on dp's front (``pick`` "fastest"), else ``solver`` with tiers."""
     if stages or split_points:
-        return WithTiers(FixedCuts.of(split_points, stages, replicas))
+        return WithTiers(FixedCuts.of(split_points, stages, replicas, stage_replicas))
     return FastestOnFront() if pick == "fastest" else solver_for(solver)
