@@ -27,8 +27,9 @@ from flatpack.api import compile as compile_model
 from flatpack.compiler import Compiled, load
 from flatpack.errors import InputError
 from flatpack.partitioner.workload import Workload
-from flatpack.serve.app import Service, build_app
+from flatpack.serve.app import build_app
 from flatpack.serve.batcher import HEADROOM
+from flatpack.serve.service import Service
 from flatpack.serve.settings import ServeSettings
 from flatpack.serve.targets import Target
 from flatpack.stage.integrity import check_digest
