@@ -88,7 +88,10 @@ class Autoscaler:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception as err:  # noqa: BLE001 - a replica that fails to start leaves the pool as it was
+                LOG.error("scaling failed: %s: %s; the pool keeps %d replicas", type(err).__name__, err, self._size())
 
     async def tick(self) -> None:
         """One sizing: at most one replica added or removed."""
