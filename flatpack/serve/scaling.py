@@ -12,8 +12,12 @@ headroom share (full batches back to back, ``serve.batcher``), so
 Scaling **up** starts one replica at a time (a start is a cold start of the group's functions,
 seconds; one at a time keeps a burst from starting a pool the next tick no longer wants) and
 the batcher uses it as soon as it is warm. Scaling **down** removes one idle replica once the
-pool has wanted fewer than it has for ``idle_s`` without a break, down to ``min_replicas``:
-the floor stays warm, so no request after a quiet spell pays a cold start. Each event is
+pool has been **quiet** for ``idle_s`` without a break, down to ``min_replicas``: quiet is
+no shed and at most ``DOWN_SHARE`` of what one replica fewer would serve in flight. The gap
+between the two thresholds is the hysteresis that keeps a steady load from flapping: with
+more replicas each batch waits less, the samples in flight fall under what one replica fewer
+serves, and without it the pool would shrink, queue again and cold-start the same replica.
+The floor stays warm, so no request after a quiet spell pays a cold start. Each event is
 logged and counted (``flatpack_serve_scale_events_total{direction}``), and the pool's size is
 ``flatpack_serve_replicas``.
 """
@@ -31,6 +35,7 @@ from flatpack.serve.batcher import HEADROOM, BatchPolicy
 
 LOG = logs.get("serve")
 TICK_S = 0.2            # how often the pool is sized: well under a batch's time at any SLO worth serving
+DOWN_SHARE = 0.5        # quiet: at most this share of what one replica fewer serves is in flight
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Decision:
 
     wanted: int
     reason: str
+    per_replica: int = 1        # the samples one replica serves within the SLO's headroom share
 
 
 def wanted_replicas(policy: BatchPolicy, in_flight_samples: int, shed: int, replicas: int, floor: int,
@@ -51,7 +57,13 @@ def wanted_replicas(policy: BatchPolicy, in_flight_samples: int, shed: int, repl
     if shed and wanted <= replicas:
         wanted = replicas + 1
         reason = f"{shed} request(s) shed on admission with {replicas} replica(s)"
-    return Decision(min(max(wanted, floor), ceiling), reason)
+    return Decision(min(max(wanted, floor), ceiling), reason, per_replica)
+
+
+def quiet(decision: Decision, in_flight_samples: int, shed: int, replicas: int) -> bool:
+    """Whether a tick counts towards scaling down: nothing shed, and at most ``DOWN_SHARE``
+    of what ``replicas - 1`` serve within the SLO in flight."""
+    return not shed and in_flight_samples <= DOWN_SHARE * decision.per_replica * (replicas - 1)
 
 
 class Autoscaler:
@@ -67,7 +79,7 @@ class Autoscaler:
         self._demand, self._policy, self._size = demand, policy, size
         self._grow, self._shrink, self._on_event = grow, shrink, on_event
         self._clock = clock
-        self._wanted_all_since = clock()        # when the pool last wanted every replica it has
+        self._wanted_all_since = clock()        # when the pool was last not quiet (see quiet())
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -99,7 +111,7 @@ class Autoscaler:
         replicas = self._size()
         decision = wanted_replicas(self._policy(), in_flight, shed, replicas, self.floor, self.ceiling)
         now = self._clock()
-        if decision.wanted >= replicas:
+        if not quiet(decision, in_flight, shed, replicas):
             self._wanted_all_since = now
         if decision.wanted > replicas:
             LOG.info("scaling up to %d replicas: %s", replicas + 1, decision.reason)
@@ -108,7 +120,8 @@ class Autoscaler:
             self._wanted_all_since = self._clock()
         elif replicas > self.floor and now - self._wanted_all_since >= self.idle_s:
             if await self._shrink():
-                reason = f"fewer replicas wanted for {self.idle_s:g} s"
+                reason = (f"at most {DOWN_SHARE:g} of what {replicas - 1} replica(s) serve in flight for "
+                          f"{self.idle_s:g} s")
                 LOG.info("scaling down to %d replicas: %s", self._size(), reason)
                 self._on_event("down", self._size(), reason)
                 self._wanted_all_since = self._clock()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flatpack.serve.batcher import Batcher, BatchPolicy, LatencyModel
-from flatpack.serve.scaling import Autoscaler, wanted_replicas
+from flatpack.serve.scaling import Autoscaler, quiet, wanted_replicas
 from flatpack.serve.tensors import InputContract, parse_request
 from flatpack.stage.tensor_check import TensorSpec
 
@@ -38,6 +38,14 @@ def test_the_pool_wants_what_the_latency_model_says_the_in_flight_samples_need()
     assert wanted_replicas(policy, 500, 0, 1, 1, 4).wanted == 4          # the ceiling
     shed = wanted_replicas(policy, 10, 3, 2, 1, 4)
     assert shed.wanted == 3 and "3 request(s) shed" in shed.reason       # a shed asks for one more
+
+
+def test_only_a_quiet_pool_counts_towards_scaling_down():
+    policy = BatchPolicy.choose(LINE, 0.100, cap=64)        # one replica serves 60 samples within 80 ms
+    decision = wanted_replicas(policy, 50, 0, 2, 1, 4)
+    assert decision.wanted == 1                              # one replica would do...
+    assert not quiet(decision, 50, 0, 2)                     # ...but 50 > half of 60: no step towards shrinking
+    assert quiet(decision, 30, 0, 2) and not quiet(decision, 30, 1, 2)
 
 
 def test_autoscaler_grows_one_at_a_time_and_shrinks_to_the_floor_after_the_idle_window():
