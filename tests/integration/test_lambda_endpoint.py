@@ -102,9 +102,6 @@ def test_the_endpoint_is_least_privilege_iam_behind_a_url_and_answers_as_the_mod
     model = make_model().eval()
     x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
     client = session.client("lambda", endpoint_url=invoke.url)
-    health = json.loads(client.invoke(FunctionName=endpoint["function"],
-                                      Payload=json.dumps(url_event("GET", "/healthz")))["Payload"].read())
-    assert health["statusCode"] == 200
     answer = client.invoke(FunctionName=endpoint["function"],
                            Payload=json.dumps(url_event("POST", "/v1/predict", {"inputs": {"x": x.tolist()}})))
     response = json.loads(answer["Payload"].read())
@@ -113,15 +110,27 @@ def test_the_endpoint_is_least_privilege_iam_behind_a_url_and_answers_as_the_mod
     with torch.no_grad():
         torch.testing.assert_close(torch.tensor(json.loads(response["body"])["outputs"]["output"]), model(x))
     invoke.wait_for_events(120)
-    # the serving master (twice), and for the request one session: the master and each of group 0's
+    # the serving master, and for the request one session: the master and each of group 0's
     # workers, all invocations of stage 0's function, all ended by the session's stop message
     workers = sum(group.workers for group in ForkJoinPlan.from_plan(deployment.compiled.plan).groups)
     functions = sorted(record.function for record in invoke.invocations)
-    assert functions == sorted([endpoint["function"]] * 2 + [res["functions"][0]["name"]] * (1 + workers))
+    assert functions == sorted([endpoint["function"]] + [res["functions"][0]["name"]] * (1 + workers))
     assert all(record.result is not None and not record.result.failed for record in invoke.invocations)
-    bad = json.loads(client.invoke(FunctionName=endpoint["function"], Payload=json.dumps(
-        url_event("POST", "/v1/predict", {"inputs": {"y": [[1.0]]}})))["Payload"].read())
-    assert bad["statusCode"] == 422 and "takes the inputs ['x']" in json.loads(bad["body"])["error"]
+
+
+def test_the_serving_master_answers_health_and_refuses_bad_requests_before_any_function(monkeypatch):
+    """In process, with no store and no function to reach: what it answers without them."""
+    from flatpack.runtime import url_handler
+
+    monkeypatch.setenv(url_handler.SERVE_ENV, json.dumps({"spec": "run/spec/serve", "digest": "d" * 64,
+                                                          "functions": {}, "dtypes": {"x": "float32"}}))
+    assert url_handler.handle(url_event("GET", "/healthz"))["statusCode"] == 200
+    assert url_handler.handle(url_event("GET", "/v1/predict"))["statusCode"] == 404
+    cases = [({"inputs": {"y": [[1.0]]}}, 422, "takes the inputs ['x']"), ([1, 2], 400, '{"inputs"'),
+             ({"inputs": {"x": [[1.0], [1.0, 2.0]]}}, 422, "not a rectangular list")]
+    for body, status, message in cases:
+        answer = url_handler.handle(url_event("POST", "/v1/predict", body))   # type: ignore[arg-type]
+        assert answer["statusCode"] == status and message in json.loads(answer["body"])["error"]
 
 
 def test_a_public_endpoint_warns_and_the_bundle_prices_its_provisioned_concurrency(compiled):
