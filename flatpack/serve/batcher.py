@@ -220,7 +220,7 @@ class Batcher:
         self._running: dict[asyncio.Task, int] = {}   # the batches in service and their samples
         self._slot_free = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.shed_since_read = 0         # admission sheds since serve.scaling last read them
+        self.shed_since_read = 0         # sheds (admission and deadline) since serve.scaling last read them
 
     @property
     def concurrency(self) -> int:
@@ -330,6 +330,7 @@ class Batcher:
                 ahead = self.policy.backlog_seconds(sum(other.request.samples for other in kept),
                                                     self.blocking_samples)
                 item.future.set_exception(Overloaded("deadline", ahead))
+                self.shed_since_read += 1
             else:
                 kept.append(item)
         self._pending = kept

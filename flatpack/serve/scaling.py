@@ -5,8 +5,8 @@ in service, ``Batcher.queued_samples + running_samples``), and sizes the pool by
 model: one replica finishes ``policy.samples_within(h·S)`` queued samples within the SLO's
 headroom share (full batches back to back, ``serve.batcher``), so
 
-    wanted = ⌈in flight / samples_within(h·S)⌉, one more when a request was shed on admission
-             since the last tick (the pool refused work it could have served with another group),
+    wanted = ⌈in flight / samples_within(h·S)⌉, one more when a request was shed (on admission
+             or on its deadline) since the last tick (the pool refused work another group could serve),
     bounded by [min_replicas, max_replicas].
 
 Scaling **up** starts one replica at a time (a start is a cold start of the group's functions,
@@ -56,7 +56,7 @@ def wanted_replicas(policy: BatchPolicy, in_flight_samples: int, shed: int, repl
               f"{HEADROOM:g} of the {policy.slo_s * 1e3:.0f} ms SLO")
     if shed and wanted <= replicas:
         wanted = replicas + 1
-        reason = f"{shed} request(s) shed on admission with {replicas} replica(s)"
+        reason = f"{shed} request(s) shed with {replicas} replica(s)"
     return Decision(min(max(wanted, floor), ceiling), reason, per_replica)
 
 

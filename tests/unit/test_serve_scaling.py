@@ -37,7 +37,7 @@ def test_the_pool_wants_what_the_latency_model_says_the_in_flight_samples_need()
     assert wanted_replicas(policy, 61, 0, 1, 1, 4).wanted == 2
     assert wanted_replicas(policy, 500, 0, 1, 1, 4).wanted == 4          # the ceiling
     shed = wanted_replicas(policy, 10, 3, 2, 1, 4)
-    assert shed.wanted == 3 and "3 request(s) shed" in shed.reason       # a shed asks for one more
+    assert shed.wanted == 3 and "3 request(s) shed with 2" in shed.reason       # a shed asks for one more
 
 
 def test_only_a_quiet_pool_counts_towards_scaling_down():
