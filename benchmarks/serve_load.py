@@ -210,6 +210,7 @@ def run_phases(name: str, url: str, rates: list[tuple[float, float | None]], arg
         row = summary(name, rate, results, args.slo_ms / 1e3, multiple)
         if name == "flatpack":
             row["dollars"] = (dollars(url) - spent) / max(row["answered"], 1) * 1000
+            row["replicas"] = metric(url, "flatpack_serve_replicas")
         rows.append(row)
         print(table([row], args).splitlines()[-1], file=sys.stderr, flush=True)   # progress, on a busy host
     return rows
@@ -235,6 +236,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--min-replicas", type=int, default=None, help="flatpack serve's --min-replicas")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="flatpack serve's --max-replicas (above --min-replicas: the pool scales with the load)")
+    parser.add_argument("--idle-s", type=float, default=None, help="flatpack serve's --idle-s")
     parser.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_server:
@@ -247,7 +252,7 @@ def main() -> None:
         digest = compile_artifact(Path(scratch) / "artifact")
         served, served_url = start([sys.executable, "-m", "flatpack", "serve", str(Path(scratch) / "artifact"),
                                     "--digest", digest, "--target", "local", "--slo-ms", str(args.slo_ms),
-                                    "--port", "0", *(["--max-batch", str(args.max_batch)] if args.max_batch else [])],
+                                    "--port", "0", *serve_flags(args)],
                                    r"serving [0-9a-f]+ on (http://\S+)", logs / "flatpack.log")
         baseline, baseline_url = start([sys.executable, __file__, "--baseline-server"], r"listening on (http://\S+)",
                                   logs / "baseline.log")
@@ -265,7 +270,18 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     process.kill()
     print(table(rows, args))
+    replicas = [f"{row['replicas']:.0f}" for row in rows if "replicas" in row]
+    if replicas:
+        print(f"\nflatpack's warm replicas at the end of each phase: {', '.join(replicas)}; scale events in "
+              f"{logs / 'flatpack.log'} ('scaling up', 'scaling down')")
     print(f"\nthe servers' logs: {logs}")
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ``flatpack serve`` this run sets (the server's defaults otherwise)."""
+    flags = {"--max-batch": args.max_batch, "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas,
+             "--idle-s": args.idle_s}
+    return [item for flag, value in flags.items() if value is not None for item in (flag, str(value))]
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:

@@ -12,7 +12,9 @@ by hand); ``deploy`` creates it with boto3 and the standard credential chain:
 4. an IAM role whose policy allows only the run's prefix in that bucket, invoking only the
    deployment's own functions, and writing their logs;
 5. one function per stage with the stage's memory tier, 900 s timeout and environment
-   (replicas are concurrent invocations of it).
+   (replicas are concurrent invocations of it);
+6. with ``endpoint=Endpoint(...)``: the serving master behind a function URL, its own
+   least-privilege role, and provisioned concurrency when asked (``backends.lambda_endpoint``).
 
 Each created resource goes into a ledger; a failure part-way rolls back what was created,
 and ``teardown`` (or ``flatpack teardown DIR``) removes it all. ``LambdaDeployment.train``
@@ -34,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from flatpack.backends import cloud
+from flatpack import logs
+from flatpack.backends import cloud, lambda_endpoint
+from flatpack.backends.lambda_endpoint import Endpoint
 from flatpack.backends.functions import FUNCTION_CAPABILITIES
 from flatpack.backends.results import TrainResult
 from flatpack.backends.images import ImageContext, docker_build_and_push, function_images, image_of
@@ -42,11 +46,13 @@ from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.function import STORE_ENV, Role
+from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.runtime.store import s3_addressing_style
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "LambdaDeployment",
-           "TrainResult"]
+           "TrainResult", "Endpoint"]
 
+LOG = logs.get("deploy")
 NAME = "aws-lambda"
 CAPABILITIES = FUNCTION_CAPABILITIES
 LIMITS: dict[Capability, str] = {}   # a function backend offers every operation
@@ -61,18 +67,41 @@ Push = Callable[[ImageContext, Path, str], None]
 
 # the resources a deployment consists of: pure data, computed before any API call -----------
 def resources(compiled: Compiled, name: str, region: str, account: str, bucket: str | None = None,
-              store_endpoint: str | None = None, profile_tiers: Sequence[int] | None = None) -> dict[str, Any]:
-    """Names, ARNs and settings of everything ``deploy`` creates."""
+              store_endpoint: str | None = None, profile_tiers: Sequence[int] | None = None,
+              endpoint: Endpoint | None = None) -> dict[str, Any]:
+    """Names, ARNs and settings of everything ``deploy`` creates (``endpoint``: the serving
+    endpoint's too, under ``"endpoint"``)."""
     bucket = bucket or cloud.default_bucket(name, account)
     repository_uri = f"{account}.dkr.ecr.{region}.amazonaws.com/{name}"
     store_url = f"s3://{bucket}/?region={region}" + (f"&endpoint_url={store_endpoint}" if store_endpoint else "")
     functions = [{**function, "timeout_s": TIMEOUT_S,
                   "arn": f"arn:aws:lambda:{region}:{account}:function:{function['name']}"}
                  for function in cloud.functions(compiled, name, NAME, profile_tiers)]
-    return {"name": name, "region": region, "account": account, "bucket": bucket, "run": name,
-            "repository": name, "repository_uri": repository_uri, "role": f"{name}-role",
-            "role_arn": f"arn:aws:iam::{account}:role/{name}-role", "policy": f"{name}-policy",
-            "store_url": store_url, "functions": functions}
+    res = {"name": name, "region": region, "account": account, "bucket": bucket, "run": name,
+           "repository": name, "repository_uri": repository_uri, "role": f"{name}-role",
+           "role_arn": f"arn:aws:iam::{account}:role/{name}-role", "policy": f"{name}-policy",
+           "store_url": store_url, "functions": functions}
+    if endpoint is not None:
+        res["endpoint"] = lambda_endpoint.resources(res, endpoint, fork_join_stages(compiled))
+    return res
+
+
+def fork_join_stages(compiled: Compiled) -> tuple[int, ...]:
+    """The stages whose functions serve fork-join inference: the master's (0) and those of the
+    groups with workers (a group's workers run its stage's function)."""
+    groups = ForkJoinPlan.from_plan(compiled.plan).groups
+    return tuple(sorted({0, *(index for index, group in enumerate(groups) if group.workers)}))
+
+
+def lifecycle(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bucket's rules: the run's intermediate tensors expire, and so do the serving
+    master's sessions (requests and responses) when there is an endpoint."""
+    rules = cloud.lifecycle_rules(res["run"])
+    if "endpoint" in res:
+        rules.append({"ID": "flatpack-expire-serve-sessions", "Status": "Enabled",
+                      "Filter": {"Prefix": res["endpoint"]["sessions"]},
+                      "Expiration": {"Days": cloud.INTERMEDIATE_EXPIRY_DAYS}})
+    return rules
 
 
 def trust_policy() -> dict[str, Any]:
@@ -86,11 +115,17 @@ def role_policy(res: dict[str, Any]) -> dict[str, Any]:
     and the functions' own log groups."""
     bucket, run, region, account = res["bucket"], res["run"], res["region"], res["account"]
     log_groups = [f"arn:aws:logs:{region}:{account}:log-group:/aws/lambda/{f['name']}" for f in res["functions"]]
+    objects: str | list[str] = f"arn:aws:s3:::{bucket}/{run}/*"
+    prefixes = [f"{run}/*"]
+    if "endpoint" in res:       # the serving master's sessions run under prefixes of their own
+        sessions = res["endpoint"]["sessions"]
+        objects, prefixes = [f"arn:aws:s3:::{bucket}/{run}/*", f"arn:aws:s3:::{bucket}/{sessions}*"], \
+            [f"{run}/*", f"{sessions}*"]
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": "RunObjects", "Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-         "Resource": f"arn:aws:s3:::{bucket}/{run}/*"},
+         "Resource": objects},
         {"Sid": "ListRunPrefix", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}",
-         "Condition": {"StringLike": {"s3:prefix": [f"{run}/*"]}}},
+         "Condition": {"StringLike": {"s3:prefix": prefixes}}},
         {"Sid": "InvokeOwnFunctions", "Effect": "Allow", "Action": "lambda:InvokeFunction",
          "Resource": [f["arn"] for f in res["functions"]]},
         {"Sid": "OwnLogs", "Effect": "Allow",
@@ -101,22 +136,29 @@ def role_policy(res: dict[str, Any]) -> dict[str, Any]:
 
 def package(compiled: Compiled, *, name: str | None = None, region: str = "us-east-1",
             account: str = cloud.ACCOUNT_PLACEHOLDER, bucket: str | None = None, base_image: str | None = None,
-            lock: str | None = None) -> dict[str, bytes]:
+            lock: str | None = None, endpoint: Endpoint | None = None) -> dict[str, bytes]:
     """Every file a deployment needs, by path: ``images/<image>/`` build contexts, ``iam/``,
     ``s3/lifecycle.json``, ``s3/bucket-policy.json``, ``functions.json`` and ``commands.sh``
     (the same deployment by hand). ``base_image`` (``name:tag@sha256:...``) and ``lock`` (a
-    hash-locked requirements text) replace the catalog's base and the committed lock."""
+    hash-locked requirements text) replace the catalog's base and the committed lock.
+    ``endpoint``: also the serving endpoint's files under ``endpoint/`` (its role policy, the
+    callers' policy, its environment, and ``endpoint.json`` with the provisioned concurrency's
+    price)."""
     name = name or cloud.deployment_name(compiled)
     cloud.check_name(name)
-    res = resources(compiled, name, region, account, bucket)
+    if endpoint is not None:
+        endpoint.warn_if_public()
+    res = resources(compiled, name, region, account, bucket, endpoint=endpoint)
     images = function_images(compiled, NAME, base=base_image, lock=lock)
     files: dict[str, bytes] = {}
     for image in images:
         files.update({f"images/{image.name}/{path}": data for path, data in image.files.items()})
     files["iam/trust-policy.json"] = cloud.json_bytes(trust_policy())
     files["iam/role-policy.json"] = cloud.json_bytes(role_policy(res))
-    files["s3/lifecycle.json"] = cloud.json_bytes({"Rules": cloud.lifecycle_rules(res["run"])})
+    files["s3/lifecycle.json"] = cloud.json_bytes({"Rules": lifecycle(res)})
     files["s3/bucket-policy.json"] = cloud.json_bytes(cloud.tls_only_policy(res["bucket"]))
+    if endpoint is not None:
+        files.update(endpoint_files(compiled, res, endpoint))
     files["functions.json"] = cloud.json_bytes({"resources": res, "images": [
         {"name": image.name, "tag": image.tag, "stages": list(image.stages), "estimated_bytes": image.estimated_bytes}
         for image in images]})
@@ -157,9 +199,35 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
                      f"--package-type Image --code ImageUri={uri} --role {res['role_arn']} "
                      f"--memory-size {function['memory_mb']} --timeout {function['timeout_s']} "
                      f"--environment 'Variables={{{STORE_ENV}={res['store_url']}}}'")
+    if "endpoint" in res:
+        lines += lambda_endpoint.commands(res, res["endpoint"], f"{res['repository_uri']}:{image_of(images, 0).tag}")
     lines += ["", "# flatpack records nothing of what these commands create: remove it by hand, or deploy "
               "without --dry-run so that flatpack teardown removes it", ""]
     return "\n".join(lines)
+
+
+def serve_config(compiled: Compiled, res: dict[str, Any], invoke_endpoint: str | None = None) -> str:
+    """The serving master's configuration (``runtime.url_handler.SERVE_ENV``): where the
+    fork-join spec is, the digest, the function of each fork-join stage and each input's dtype."""
+    specs = compiled.info.input_specs or ()
+    functions = {str(f["stage"]): f["name"] for f in res["functions"] if f["arn"] in res["endpoint"]["invoked_arns"]}
+    config = {"spec": res["endpoint"]["spec_key"], "digest": compiled.digest, "functions": functions,
+              "dtypes": {name: spec.dtype for name, spec in zip(compiled.info.input_names, specs)},
+              "outputs": lambda_endpoint.response_names(compiled)}
+    if invoke_endpoint:
+        config["invoke_endpoint"] = invoke_endpoint     # a stand-in's Invoke API (tests)
+    return json.dumps(config, separators=(",", ":"))
+
+
+def endpoint_files(compiled: Compiled, res: dict[str, Any], endpoint: Endpoint) -> dict[str, bytes]:
+    endpoint_res = res["endpoint"]
+    environment = lambda_endpoint.function_environment(res, endpoint_res, serve_config(compiled, res))
+    return {"endpoint/role-policy.json": cloud.json_bytes(lambda_endpoint.serving_policy(res, endpoint_res)),
+            "endpoint/caller-policy.json": cloud.json_bytes(lambda_endpoint.caller_policy(endpoint_res)),
+            "endpoint/environment.json": cloud.json_bytes({"Variables": environment}),
+            "endpoint/endpoint.json": cloud.json_bytes({"resources": endpoint_res,
+                                                        "price": lambda_endpoint.price(endpoint),
+                                                        "price_note": lambda_endpoint.describe_price(endpoint)})}
 
 
 # checks before any API call ------------------------------------------------------------------
@@ -252,7 +320,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
            session: Any = None, endpoint_urls: dict[str, str] | None = None, push: Push | None = None,
            out: str | os.PathLike | None = None, workdir: str | os.PathLike | None = None,
            profile_tiers: Sequence[int] | None = None, base_image: str | None = None,
-           lock: str | None = None, tls_only: bool = True, digest: str | None = None) -> LambdaDeployment:
+           lock: str | None = None, tls_only: bool = True, digest: str | None = None,
+           endpoint: Endpoint | None = None) -> LambdaDeployment:
     """Creates the deployment (see the module's docstring) and returns it. ``endpoint_urls``
     points services at other endpoints (``{"s3": ..., "lambda": ..., "lambda-invoke": ...}``;
     the tests' local stand-ins). ``out``: where the build contexts and the deployment record
@@ -263,10 +332,14 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
     stand-in S3 reached over ``http://`` in ``endpoint_urls`` (moto enforces the policy there);
     the record keeps which it was. ``digest``: refuse, before any API call, unless
     ``compiled.digest`` is this; the functions check their stages against ``compiled.digest``
-    either way (it travels in each invocation)."""
+    either way (it travels in each invocation). ``endpoint``: also the serving endpoint
+    (``backends.lambda_endpoint``); its URL is ``deployment.resources["endpoint"]["url"]`` and
+    the provisioned concurrency's price is logged and recorded."""
     # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     import boto3
 
+    if endpoint is not None:
+        endpoint.warn_if_public()
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
     name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
@@ -277,7 +350,7 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
                          "or run `flatpack deploy --dry-run --out DIR` and build and push the images with "
                          "DIR/commands.sh. Nothing was deployed")
     account = caller_account(session, region, endpoint_urls)
-    res = resources(compiled, name, region, account, bucket, endpoint_urls.get("s3"), profile_tiers)
+    res = resources(compiled, name, region, account, bucket, endpoint_urls.get("s3"), profile_tiers, endpoint)
     cloud.check_bucket_name(res["bucket"])
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"flatpack-{name}-"))
     ledger = cloud.Ledger(NAME, name, region, details={"resources": res, "endpoint_urls": endpoint_urls,
@@ -288,8 +361,14 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
                                           push or docker_push(clients.ecr), tls_only),
                           out_dir, f"deploying {name} to aws-lambda ({region})")
     credentials = session.get_credentials().get_frozen_credentials()
-    return LambdaDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
-                            (credentials.access_key, credentials.secret_key, credentials.token))
+    deployment = LambdaDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
+                                  (credentials.access_key, credentials.secret_key, credentials.token))
+    if endpoint is not None:
+        # the fork-join spec each of the serving master's sessions starts from
+        deployment.store.put(res["endpoint"]["spec_key"], deployment.inference_spec().dumps())
+        LOG.info("serving endpoint %s (auth %s); %s", res["endpoint"]["url"], endpoint.auth,
+                 lambda_endpoint.describe_price(endpoint))
+    return deployment
 
 
 class _Clients:
@@ -300,6 +379,7 @@ class _Clients:
         self.iam = _client(session, "iam", region, endpoint_urls)
         self.control = _client(session, "lambda", region, endpoint_urls)
         invoke_urls = {"lambda": endpoint_urls.get(INVOKE_SERVICE, endpoint_urls.get("lambda"))}
+        self.invoke_endpoint = invoke_urls["lambda"]    # None: Lambda's own
         # a synchronous invocation lasts up to the function's timeout; botocore must not retry it on its own
         self.invoke = _client(session, "lambda", region, {k: v for k, v in invoke_urls.items() if v},
                               read_timeout=TIMEOUT_S + 60, retries={"mode": "standard", "max_attempts": 1},
@@ -330,9 +410,18 @@ def _create(compiled: Compiled, res: dict[str, Any], images: list[ImageContext],
     waiter = clients.control.get_waiter("function_active_v2")
     for function in res["functions"]:
         waiter.wait(FunctionName=function["name"], WaiterConfig={"Delay": 2, "MaxAttempts": 150})
+    if "endpoint" in res:
+        clients.s3.put_bucket_lifecycle_configuration(Bucket=res["bucket"],
+                                                      LifecycleConfiguration={"Rules": lifecycle(res)})
+        environment = lambda_endpoint.function_environment(res, res["endpoint"], serve_config(
+            compiled, res, clients.invoke_endpoint))
+        res["endpoint"]["url"] = lambda_endpoint.create(
+            clients.control, clients.iam, res, res["endpoint"], uris[image_of(images, 0).name], environment,
+            trust_policy(), ledger, _create_function)
 
 
-def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict[str, Any]) -> None:
+def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict[str, Any],
+                     environment: dict[str, str] | None = None) -> None:
     # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
     from botocore.exceptions import ClientError
 
@@ -342,8 +431,9 @@ def _create_function(control: Any, function: dict[str, Any], uri: str, res: dict
             control.create_function(
                 FunctionName=function["name"], PackageType="Image", Code={"ImageUri": uri}, Role=res["role_arn"],
                 MemorySize=function["memory_mb"], Timeout=function["timeout_s"],
-                Environment={"Variables": {STORE_ENV: res["store_url"]}},
-                Description=cloud.describe_function(res["name"], function), Architectures=["x86_64"])
+                Environment={"Variables": environment or {STORE_ENV: res["store_url"]}},
+                Description=function.get("description") or cloud.describe_function(res["name"], function),
+                Architectures=["x86_64"])
             return
         except ClientError as err:
             message = err.response.get("Error", {}).get("Message", "")

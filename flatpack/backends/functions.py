@@ -458,6 +458,16 @@ class FunctionDeployment:
                                  "fewer replicas)")
 
     def _start_inference(self, threads: int, wait_timeout_s: float) -> str:
+        spec = self.inference_spec(threads, wait_timeout_s)
+        spec_key = self.keys.inference_spec()
+        self.store.put(spec_key, spec.dumps())
+        for role in forkjoin.roles(spec, spec_key, self.digest):
+            self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, self.launch(role))
+        return spec_key
+
+    def inference_spec(self, threads: int = 1, wait_timeout_s: float = WAIT_TIMEOUT_S) -> ForkJoinSpec:
+        """What the fork-join functions of this deployment serve: the plan's groups, each
+        channel split checked here, before any function starts."""
         plan = ForkJoinPlan.from_plan(self.compiled.plan)
         tier = get_platform(self.platform).tier(plan.memory_mb) if plan.memory_mb and self.emulate_tiers else None
         groups = []
@@ -471,19 +481,10 @@ class FunctionDeployment:
                 joins = channel_split.joins(analysis)
             groups.append(GroupSpec(index, group.workers, group.on_master,
                                     manifest.input_names, manifest.output_names, group.split, joins))
-        groups = tuple(groups)
-        spec = ForkJoinSpec(self.keys.run, groups, plan.memory_mb, tier.vcpus if tier else None,
+        return ForkJoinSpec(self.keys.run, tuple(groups), plan.memory_mb, tier.vcpus if tier else None,
                             tier.bandwidth_bytes_s if tier else None, self.compiled.info.input_names,
                             self.compiled.info.output_names, threads, wait_timeout_s,
                             checkpoint=self.consistent_checkpoint())
-        spec_key = self.keys.inference_spec()
-        self.store.put(spec_key, spec.dumps())
-        roles = [Role(spec_key, 0, 0, 0, 0, kind="infer-master", digest=self.digest)]
-        roles += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker", digest=self.digest)
-                  for group in groups for partition in range(group.workers)]
-        for role in roles:
-            self.workers[(role.kind, role.stage, role.replica)] = _Worker(role, self.launch(role))
-        return spec_key
 
     def stop_inference(self) -> None:
         """Tells the warm inference functions to end (they exit after their current request)."""

@@ -72,9 +72,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     packages_only = args.dry_run or args.target == "gpu-container"
     options = {key: getattr(args, key) for key in cloud_options(backend, args.target == "gpu-container")
                if getattr(args, key, None) is not None}
+    endpoint = _endpoint(args)
+    if endpoint is not None:
+        options["endpoint"] = endpoint
     compiled = _compile_for(args)
     document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
                 "plan": compiled.plan.to_json()}
+    if endpoint is not None:
+        # start-up time: a verb imports what it runs
+        from flatpack.backends.lambda_endpoint import describe_price, price
+
+        LOG.info(f"serving endpoint: {describe_price(endpoint)}")
+        document["endpoint_price"] = price(endpoint)
     if packages_only:
         return _write_deployment(args, backend, compiled, options, document)
     deployment = backend.deploy(compiled, out=out, **options)
@@ -87,6 +96,21 @@ def cmd_deploy(args: argparse.Namespace) -> int:
            {**document, "name": ledger.name, "region": ledger.region, "created": ledger.created,
             "record": str(out / "deployment.json")})
     return 0
+
+
+def _endpoint(args: argparse.Namespace) -> Any:
+    """The serving endpoint ``--endpoint`` asks for (aws-lambda only), or None."""
+    if args.endpoint is None:
+        if args.provisioned:
+            raise InputError("--provisioned-concurrency keeps the serving master warm; give --endpoint AWS_IAM with it")
+        return None
+    if args.target != "aws-lambda":
+        raise InputError(f"--endpoint exposes a serving master through a Lambda function URL; {args.target} has none. "
+                         "Use --target aws-lambda, or serve with flatpack serve")
+    # start-up time: a verb imports what it runs
+    from flatpack.backends.lambda_endpoint import Endpoint
+
+    return Endpoint(auth=args.endpoint, provisioned=args.provisioned)
 
 
 def _compile_for(args: argparse.Namespace) -> Any:
@@ -103,7 +127,9 @@ def _compile_for(args: argparse.Namespace) -> Any:
         extra["replicas"] = ints(args.replicas, "--replicas")
     check_tiers(args.target, extra.get("memory_mb", ()))
     model, inputs = load_factory(args.model, args.size)
-    workload = Workload("train", batch=args.batch, micro_batches=args.micro_batches)
+    # an endpoint serves fork-join inference: the plan is made for it
+    workload = (Workload("infer", batch=args.batch) if getattr(args, "endpoint", None) else
+                Workload("train", batch=args.batch, micro_batches=args.micro_batches))
     started = time.perf_counter()
     solver = FastestOnFront() if args.pick == "fastest" else args.solver
     compiled = flatpack.compile(model, inputs, target=args.target, solver=solver, passes=pipeline_for(args),
@@ -212,6 +238,12 @@ def _add_deploy(subparsers: Any) -> None:
                                     "digest; a tag alone is refused)")
     parser.add_argument("--lock", default=None, help="a hash-locked requirements file for the images (default: "
                                                             "flatpack's committed lock; every pin needs --hash)")
+    parser.add_argument("--endpoint", default=None, choices=["AWS_IAM", "NONE"],
+                        help="aws-lambda: compile for inference and expose the serving master through a function URL "
+                             "of this auth type (AWS_IAM: signed callers only; NONE: public, with a warning)")
+    parser.add_argument("--provisioned-concurrency", dest="provisioned", type=int, default=0,
+                        help="aws-lambda with --endpoint: serving-master environments kept warm (billed while "
+                             "configured; the price is printed)")
     json_flag(parser, "deploy")
     parser.set_defaults(run=cmd_deploy)
 

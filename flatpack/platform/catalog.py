@@ -502,6 +502,10 @@ FUNCPIPE_TIERS_MB = (512, 1024, 2048, 3072, 4096, 6144, 8192, 10240)
 
 LAMBDA_PRICE_PER_GB_S = 0.0000166667
 LAMBDA_PRICE_PER_REQUEST = 0.20 / 1_000_000
+# provisioned concurrency: each execution environment kept initialized is billed per GB-second
+# for as long as it is configured, used or not (AWS_PRICING, "Provisioned Concurrency": $0.0000041667
+# per GB-second, us-east-1, x86; AS_OF); requests it serves pay their duration on top
+LAMBDA_PROVISIONED_PRICE_PER_GB_S = 0.0000041667
 LAMBDA_MB_PER_VCPU = 1769
 LAMBDA_TOP_BANDWIDTH = 70 * MB_S
 # Bandwidth rises in proportion to memory up to 3008 MB, then stays at ~70 MB/s. See the

@@ -83,6 +83,24 @@ class ForkJoinSpec:
                    output_names=tuple(data.pop("output_names")), **data)
 
 
+def roles(spec: ForkJoinSpec, spec_key: str, digest: str) -> list[Role]:
+    """The functions that serve ``spec`` (stored at ``spec_key``): the master, then each
+    group's workers (stage = group, replica = partition), each carrying ``digest``."""
+    found = [Role(spec_key, 0, 0, 0, 0, kind="infer-master", digest=digest)]
+    found += [Role(spec_key, group.index, partition, 0, 0, kind="infer-worker", digest=digest)
+              for group in spec.groups for partition in range(group.workers)]
+    return found
+
+
+def stop_messages(spec: ForkJoinSpec, keys: RunKeys, request: int) -> dict[str, bytes]:
+    """What ends the functions serving ``spec`` when their next request is ``request``: a
+    stop message under the key each of them waits on."""
+    messages = {keys.infer(str(request), group.index, partition, "in"): stop_message()
+                for group in spec.groups for partition in range(group.workers)}
+    messages[keys.infer(str(request), 0, 0, "request")] = stop_message()
+    return messages
+
+
 def split_batch(values: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """Cuts every tensor that has the request's batch dimension into ``parts`` slices;
     values without it (sizes, shared tables) go whole to every partition."""

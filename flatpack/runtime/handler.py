@@ -1,7 +1,8 @@
 """A function's entry point on a cloud platform: AWS Lambda calls ``handle(event, context)``,
 and so does Function Compute through the container's small HTTP server (``fc_server``).
 
-The event carries only the role (``{"role": "<Role JSON>"}``); the store's address is in the
+The event carries only the role (``{"role": "<Role JSON>"}``), or is a function URL's HTTP
+request to the serving master (``runtime.url_handler``); the store's address is in the
 function's environment (``FLATPACK_STORE``), set when the function was created, and the
 credentials are the execution role's, which the platform puts in the environment. The
 stage artifacts are baked into the image (``FLATPACK_ARTIFACTS``, by default
@@ -16,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from flatpack.runtime import url_handler
 from flatpack.runtime.function import ARTIFACTS_ENV, STORE_ENV, Role, peak_rss_bytes
 from flatpack.runtime.store import open_plain_store
 from flatpack.runtime.worker import run_role
@@ -27,6 +29,9 @@ def handle(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Runs the role in ``event`` and returns ``{"exit": code, "worker": ..., "peak_bytes": ...}``;
     the exit codes are the local function's (0 done, 75 invoke me again, 86 out of memory)."""
     started = time.time()
+    if url_handler.is_url_event(event):     # the serving master behind a function URL (backends.lambda_endpoint)
+        os.environ.setdefault(ARTIFACTS_ENV, os.path.join(os.environ.get(TASK_ROOT_ENV, os.getcwd()), "artifacts"))
+        return url_handler.handle(event, context)
     if not isinstance(event, dict) or "role" not in event:
         raise ValueError(f"a flatpack function's event is {{\"role\": <Role JSON>}}, got {str(event)[:200]!r}")
     store_url = os.environ.get(STORE_ENV)

@@ -1,9 +1,11 @@
 """``flatpack serve``: a compiled model behind an HTTP endpoint (docs/architecture.md, issue 40).
 
-``app`` (the Starlette routes and the service state), ``batcher`` (dynamic batching inside the
-SLO), ``pool`` (a warm, digest-pinned version), ``tensors`` (request bodies checked against the
-model's inputs), ``metrics``, ``openapi``, ``settings``, ``server`` (uvicorn, signals) and
-``command`` (the CLI verb).
+``app`` (the Starlette routes), ``service`` (the state behind them and the blue/green switch),
+``batcher`` (dynamic batching inside the SLO), ``pool`` (a warm, digest-pinned version and its
+replicas), ``scaling`` (the replicas following the requests in flight), ``replan`` (the plan
+re-chosen when the batch sizes move), ``tensors`` (request bodies checked against the model's
+inputs), ``metrics``, ``openapi``, ``settings``, ``server`` (uvicorn, signals) and ``command``
+(the CLI verb).
 
 This package is callable: ``flatpack.serve(model, ...)`` runs :func:`serve`. A package and a
 function cannot both be ``flatpack.serve``, so the package's module object answers the call

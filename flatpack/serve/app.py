@@ -14,7 +14,6 @@ predict answer names the digest of the artifact that computed it (``x-flatpack-d
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import math
@@ -28,127 +27,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from flatpack import logs
-from flatpack.compiler import Compiled, load
 from flatpack.errors import FlatpackError, InputError
-from flatpack.serve.batcher import Batcher, BatchPolicy, Closed, Overloaded
-from flatpack.serve.metrics import CONTENT_TYPE, ServeMetrics
+from flatpack.serve.batcher import Closed, Overloaded
+from flatpack.serve.metrics import CONTENT_TYPE
 from flatpack.serve.openapi import schema
-from flatpack.serve.pool import Version
-from flatpack.serve.settings import ServeSettings
-from flatpack.serve.targets import Target
+from flatpack.serve.service import Service
 from flatpack.serve.tensors import JSON, RequestError, content_type, encode_outputs, parse_request
 
 LOG = logs.get("serve")
 DIGEST_HEADER = "x-flatpack-digest"
-
-
-class Service:
-    """The state behind the routes: the current version, the batcher, the metrics."""
-
-    def __init__(self, compiled: Compiled, settings: ServeSettings, target: Target) -> None:
-        self.settings = settings
-        self.target = target
-        self.metrics = ServeMetrics()
-        self.metrics.slo.set(settings.slo_s)
-        self.version = Version(compiled, target, settings.max_batch)
-        self.contract = self.version.contract
-        self.batcher: Batcher | None = None
-        self.draining = False
-        self.failed: str | None = None          # why the first version could not start
-        self._switching = asyncio.Lock()
-        self._warming: asyncio.Task | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.batcher is not None and not self.draining
-
-    # lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Deploys and warms the first version in the background: /healthz answers meanwhile."""
-        self._warming = asyncio.get_running_loop().create_task(self._warm_first())
-
-    async def _warm_first(self) -> None:
-        try:
-            await self.version.start()
-        except Exception as err:  # noqa: BLE001 - reported by /readyz and the log, the server stays up
-            self.failed = f"{type(err).__name__}: {err}"
-            LOG.error("the model could not be deployed: %s", self.failed)
-            return
-        self.batcher = Batcher(self._policy(self.version), self._run_batch, self._record_batch)
-        self.batcher.start()
-        self.metrics.cold_starts.inc(self.version.cold_starts)
-
-    def _policy(self, version: Version, announce: bool = True) -> BatchPolicy:
-        assert version.latency is not None      # set by Version.start
-        policy = BatchPolicy.choose(version.latency, self.settings.slo_s, self.settings.max_batch)
-        self.metrics.max_batch.set(policy.max_batch)
-        self.metrics.max_delay.set(policy.max_delay_s)
-        self.metrics.capacity.set(policy.capacity_samples_s)
-        self.metrics.sized.set(policy.sized_samples_s)
-        if not announce:
-            return policy
-        if not policy.meets_slo:
-            LOG.warning("one sample takes %.0f ms through this deployment, too long for an SLO of %.0f ms: serving "
-                        "for throughput (no batching delay)", version.latency.seconds(1) * 1e3,
-                        self.settings.slo_s * 1e3)
-        LOG.info("batches of at most %d samples, at most %.1f ms of queueing, for an SLO of %.0f ms",
-                 policy.max_batch, policy.max_delay_s * 1e3, self.settings.slo_s * 1e3)
-        return policy
-
-    async def drain(self) -> None:
-        """New requests get 503 from now on; returns when the accepted ones are answered (or
-        after ``drain_timeout_s``)."""
-        self.draining = True
-        if self.batcher is not None:
-            try:
-                await asyncio.wait_for(self.batcher.drained(), self.settings.drain_timeout_s)
-            except asyncio.TimeoutError:
-                LOG.error("%d request(s) still running after %.0f s of draining", self.batcher.in_flight,
-                          self.settings.drain_timeout_s)
-
-    async def stop(self) -> None:
-        """Drains, then stops every function of every version."""
-        await self.drain()
-        if self._warming is not None and not self._warming.done():
-            await self._warming            # a deployment half started is torn down whole
-        if self.batcher is not None:
-            await self.batcher.stop()
-        await self.version.close()
-
-    # batches ---------------------------------------------------------------------------------
-    async def _run_batch(self, tensors: dict) -> tuple[dict, str]:
-        version = self.version              # read once: a switch between batches takes the next one
-        outputs = await version.infer(tensors)
-        self.metrics.invocations.inc(version.invocations_per_request)
-        return outputs, version.digest
-
-    def _record_batch(self, requests: int, samples: int, seconds: float) -> None:
-        self.metrics.batch_requests.observe(requests)
-        self.metrics.batch_samples.observe(samples)
-        self.metrics.dollars.inc(self.version.dollars(seconds))
-        if self.version.observe(samples, seconds) and self.batcher is not None:
-            self.batcher.policy = self._policy(self.version, announce=False)
-
-    # blue/green ------------------------------------------------------------------------------
-    async def switch(self, directory: Path, digest: str) -> Version:
-        """Starts ``directory`` (pinned to ``digest``), warms it, swaps it in between two
-        batches and tears the old version down after its last batch; no request is dropped."""
-        async with self._switching:
-            compiled = await asyncio.get_running_loop().run_in_executor(None, lambda: load(directory, digest=digest))
-            candidate = Version(compiled, self.target, self.settings.max_batch)
-            if candidate.contract != self.contract:
-                raise RequestError(409, f"the new artifact takes other inputs ({candidate.contract.to_json()}) than "
-                                        f"the one served ({self.contract.to_json()}); serve it on its own")
-            await candidate.start()
-            if self.batcher is None or self.draining:
-                await candidate.close()
-                raise RequestError(503, "the server is not ready or is draining; no switch")
-            self.metrics.cold_starts.inc(candidate.cold_starts)
-            old, self.version = self.version, candidate
-            self.batcher.policy = self._policy(candidate)
-            await old.close()               # after the batch it may be running: its thread runs one call at a time
-            LOG.info("switched from %s to %s", old.digest[:12], candidate.digest[:12])
-            return candidate
 
 
 def _error(status: int, message: str, digest: str | None = None) -> JSONResponse:

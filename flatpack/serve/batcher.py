@@ -29,6 +29,11 @@ rather than run late. Both sheds are :class:`Overloaded` (``reason`` "admission"
 needs (``serve.app``; docs/serve.md says why 429 and not a 5xx). A server that serves for
 throughput (no batch meets the SLO) sheds nothing on deadline. Requests are concatenated
 along dimension 0 and the outputs split back by each request's sample count.
+
+With R replicas of the fork-join group (``serve.scaling``) up to R batches run at once, one
+per replica: the queue drains R batches per round (:meth:`BatchPolicy.queue_seconds`), a
+request waits for a batch in service only when every replica is busy, and the capacity is R
+times one replica's. B and D stay the one-replica figures (each batch still runs on one group).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class BatchPolicy:
     slo_s: float
     model: LatencyModel
     meets_slo: bool
+    replicas: int = 1               # fork-join groups serving batches side by side
 
     @classmethod
     def choose(cls, model: LatencyModel, slo_s: float, cap: int, headroom: float = HEADROOM) -> BatchPolicy:
@@ -130,7 +136,7 @@ class BatchPolicy:
         """The most samples per second the deployment serves under this policy: full batches
         back to back, ``max_batch / t(max_batch)``."""
         seconds = self.model.seconds(self.max_batch)
-        return self.max_batch / seconds if seconds > 0 else math.inf
+        return self.replicas * self.max_batch / seconds if seconds > 0 else math.inf
 
     @property
     def sized_samples_s(self) -> float:
@@ -139,9 +145,21 @@ class BatchPolicy:
         return HEADROOM * self.capacity_samples_s
 
     def queue_seconds(self, samples: int) -> float:
-        """The time to run ``samples`` queued samples: full batches of ``max_batch``, then the rest."""
+        """The time to run ``samples`` queued samples: full batches of ``max_batch``, then the
+        rest, ``replicas`` batches side by side per round."""
         full, rest = divmod(samples, self.max_batch)
-        return full * self.model.seconds(self.max_batch) + (self.model.seconds(rest) if rest else 0.0)
+        rounds, leftover = divmod(full, self.replicas)
+        if leftover:        # the last round runs the leftover full batches and the rest together
+            return (rounds + 1) * self.model.seconds(self.max_batch)
+        return rounds * self.model.seconds(self.max_batch) + (self.model.seconds(rest) if rest else 0.0)
+
+    def samples_within(self, seconds: float) -> int:
+        """The most queued samples one replica finishes within ``seconds`` under this policy
+        (full batches back to back; at least one batch): what ``serve.scaling`` sizes the
+        replicas by."""
+        batch_s = self.model.seconds(self.max_batch)
+        batches = int(seconds // batch_s) if batch_s > 0 else 1
+        return self.max_batch * max(batches, 1)
 
     def running_seconds(self, samples: int) -> float:
         return self.model.seconds(samples) if samples else 0.0
@@ -199,12 +217,31 @@ class Batcher:
         self._idle.set()
         self._busy = 0                   # requests submitted and not yet answered
         self.closed = False
-        self._running = 0                # the samples of the batch in service (0: none)
+        self._running: dict[asyncio.Task, int] = {}   # the batches in service and their samples
+        self._slot_free = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.shed_since_read = 0         # sheds (admission and deadline) since serve.scaling last read them
+
+    @property
+    def concurrency(self) -> int:
+        """How many batches may run at once: one per replica (``policy.replicas``)."""
+        return self.policy.replicas
 
     @property
     def queued_samples(self) -> int:
         return sum(item.request.samples for item in self._pending)
+
+    @property
+    def running_samples(self) -> int:
+        return sum(self._running.values())
+
+    @property
+    def blocking_samples(self) -> int:
+        """The samples of the batch a new request waits for: the smallest in service when
+        every replica is busy, else 0 (a replica is free)."""
+        if len(self._running) < self.concurrency or not self._running:
+            return 0
+        return min(self._running.values())
 
     @property
     def in_flight(self) -> int:
@@ -216,9 +253,10 @@ class Batcher:
     async def submit(self, request: Request) -> Answer:
         if self.closed:
             raise Closed()
-        queued = self.queued_samples
-        if not self.policy.admits(queued, request.samples, self._running):
-            raise Overloaded("admission", self.policy.backlog_seconds(queued, self._running))
+        queued, blocking = self.queued_samples, self.blocking_samples
+        if not self.policy.admits(queued, request.samples, blocking):
+            self.shed_since_read += 1
+            raise Overloaded("admission", self.policy.backlog_seconds(queued, blocking))
         item = _Item(request, asyncio.get_running_loop().create_future())
         self._pending.append(item)
         self._busy += 1
@@ -239,6 +277,8 @@ class Batcher:
         """Closes the batcher to new requests, waits for the accepted ones, ends the loop."""
         self.closed = True
         await self.drained()
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -248,6 +288,9 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
+            while len(self._running) >= self.concurrency:   # every replica busy: requests keep queueing
+                self._slot_free.clear()
+                await self._slot_free.wait()
             while not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -268,7 +311,13 @@ class Batcher:
             self._shed_expired()
             taken = self._take(head.request.shape_key)
             if taken:
-                await self._execute(taken)
+                task = asyncio.get_running_loop().create_task(self._execute(taken), name="flatpack-batch")
+                self._running[task] = sum(item.request.samples for item in taken)
+                task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.pop(task, None)
+        self._slot_free.set()
 
     def _shed_expired(self) -> None:
         """Sheds the queued requests that can no longer finish within the SLO (``deadline``)."""
@@ -278,8 +327,10 @@ class Batcher:
             if item.future.done():
                 continue
             if self.policy.expired(now - item.arrived, item.request.samples):
-                ahead = self.policy.backlog_seconds(sum(other.request.samples for other in kept), self._running)
+                ahead = self.policy.backlog_seconds(sum(other.request.samples for other in kept),
+                                                    self.blocking_samples)
                 item.future.set_exception(Overloaded("deadline", ahead))
+                self.shed_since_read += 1
             else:
                 kept.append(item)
         self._pending = kept
@@ -306,7 +357,6 @@ class Batcher:
         batch = {name: torch.cat([item.request.tensors[name] for item in items]) for name in names}
         samples = sum(item.request.samples for item in items)
         started = time.perf_counter()
-        self._running = samples
         try:
             outputs, digest = await self._run_batch(batch)
             sizes = [item.request.samples for item in items]
@@ -317,7 +367,6 @@ class Batcher:
                     item.future.set_exception(err)
             return
         finally:
-            self._running = 0
             if self._on_batch is not None:
                 self._on_batch(len(items), samples, time.perf_counter() - started)
         predicted, measured = self.policy.predicted_s(samples), time.perf_counter() - started

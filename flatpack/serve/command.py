@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flatpack.serve.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SAMPLES, TARGETS
+from flatpack.serve.settings import (DEFAULT_IDLE_S, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES,
+                                     DEFAULT_MAX_REQUEST_SAMPLES, DEFAULT_MIN_REPLICAS, DEFAULT_REPLAN_SOLVER, TARGETS)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,6 +31,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--max-request-samples", type=int, default=DEFAULT_MAX_REQUEST_SAMPLES)
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
+    parser.add_argument("--min-replicas", type=int, default=DEFAULT_MIN_REPLICAS,
+                        help="fork-join groups kept warm however idle the server is (default 1: no request pays a "
+                             "cold start after a quiet spell)")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="the most fork-join groups the pool scales up to with the requests in flight (default: "
+                             "as many as the target's CPUs hold, CPUs // functions per group: more only contend)")
+    parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S,
+                        help="seconds the pool must want fewer groups before one is removed (default 60: Knative's "
+                             "stable window; a load's pauses do not tear a group down to cold-start it again)")
+    parser.add_argument("--replan-solver", default=DEFAULT_REPLAN_SOLVER,
+                        help="the solver that plans a model compiled here for the batches served and re-chooses the "
+                             "plan when their sizes move (default dp: exact, Gillis's fork-join model)")
+    parser.add_argument("--no-replan", dest="replan", action="store_false",
+                        help="keep the plan the model was compiled with (an artifact directory always does)")
     parser.add_argument("--token-file", default=None,
                         help="the admin bearer token for POST /admin/version (default: $FLATPACK_ADMIN_TOKEN; "
                              "neither: the endpoint is off)")
@@ -48,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     settings = ServeSettings(slo_s=args.slo_ms / 1e3, target=args.target, address=args.address, host=args.host,
                              port=args.port, max_body_bytes=args.max_body_bytes,
                              max_request_samples=args.max_request_samples, max_batch=args.max_batch,
-                             admin_token=read_admin_token(args.token_file))
+                             admin_token=read_admin_token(args.token_file), min_replicas=args.min_replicas,
+                             max_replicas=args.max_replicas, idle_s=args.idle_s, replan=args.replan,
+                             replan_solver=args.replan_solver)
 
     def compiled() -> Any:
         if Path(args.model).is_dir():

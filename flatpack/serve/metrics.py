@@ -44,6 +44,12 @@ class ServeMetrics:
                                registry=registry)
         self.capacity = Gauge("flatpack_serve_capacity_samples_per_second", "the most samples per second the "
                               "latency model says the deployment serves (full batches back to back)", registry=registry)
+        self.replicas = Gauge("flatpack_serve_replicas", "warm replicas of the fork-join group serving batches "
+                              "side by side", registry=registry)
+        self.scale_events = Counter("flatpack_serve_scale_events", "replicas added (up) or removed (down) by the "
+                                    "autoscaler", ["direction"], registry=registry)
+        self.replans = Counter("flatpack_serve_replans", "plans re-chosen for the batch sizes served and switched "
+                               "to blue/green", registry=registry)
         self.sized = Gauge("flatpack_serve_sized_samples_per_second", "the load the batching policy is sized for "
                            "(the headroom's share of the capacity)", registry=registry)
 

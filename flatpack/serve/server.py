@@ -27,7 +27,9 @@ from flatpack.api import compile as compile_model
 from flatpack.compiler import Compiled, load
 from flatpack.errors import InputError
 from flatpack.partitioner.workload import Workload
-from flatpack.serve.app import Service, build_app
+from flatpack.serve.app import build_app
+from flatpack.serve.batcher import HEADROOM
+from flatpack.serve.service import Service
 from flatpack.serve.settings import ServeSettings
 from flatpack.serve.targets import Target
 from flatpack.stage.integrity import check_digest
@@ -39,7 +41,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def resolve(model: Any, example_inputs: Any = None, *, digest: str | None = None, settings: ServeSettings) -> Compiled:
     """What to serve: a :class:`Compiled`, an artifact directory (loaded pinned to
     ``digest`` when given), or an ``nn.Module`` with ``example_inputs`` (compiled here for
-    inference under the SLO)."""
+    inference: with ``settings.replan``, profiled and planned by ``replan_solver`` as the
+    cheapest plan whose batch of the example's size fits a batch's share of the SLO, the plan
+    ``serve.replan`` re-chooses as the batch sizes move; else with the default solver)."""
     if isinstance(model, Compiled):
         if digest is not None:
             check_digest(model.index.raw, digest, "the compiled model to serve")
@@ -53,8 +57,12 @@ def resolve(model: Any, example_inputs: Any = None, *, digest: str | None = None
                          "compiled artifact directory")
     first = example_inputs if not isinstance(example_inputs, (tuple, list)) else example_inputs[0]
     batch = int(first.shape[0]) if hasattr(first, "shape") and len(first.shape) else 1
-    workload = Workload(mode="infer", batch=batch, slo_s=settings.slo_s)
-    return compile_model(model, example_inputs, target=settings.target, workload=workload)
+    if not settings.replan:
+        workload = Workload(mode="infer", batch=batch, slo_s=settings.slo_s)
+        return compile_model(model, example_inputs, target=settings.target, workload=workload)
+    workload = Workload(mode="infer", batch=batch, slo_s=HEADROOM * settings.slo_s / 2)
+    return compile_model(model, example_inputs, target=settings.target, workload=workload,
+                         solver=settings.replan_solver, profile=True)
 
 
 class _Uvicorn(uvicorn.Server):

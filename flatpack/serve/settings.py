@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flatpack import safeio
 from flatpack.errors import InputError
@@ -19,6 +20,16 @@ DEFAULT_MAX_BODY_BYTES = 16 * safeio.MiB
 DEFAULT_MAX_REQUEST_SAMPLES = 256
 DEFAULT_MAX_BATCH = 64          # the batcher's cap, whatever the latency model would allow
 TOKEN_ENV = "FLATPACK_ADMIN_TOKEN"
+# the warm floor: one fork-join group always warm, so that no request after a quiet spell pays
+# the functions' cold start (seconds, beyond any SLO worth serving); 0 would be scale-to-zero
+DEFAULT_MIN_REPLICAS = 1
+# how long the pool must want fewer replicas before one is removed: Knative's default stable
+# window (60 s), long enough that the pauses between a load's bursts do not tear a group down
+# only to cold-start it again seconds later
+DEFAULT_IDLE_S = 60.0
+# the solver that re-chooses the plan when the batch sizes move (serve.replan): the exact one
+# that prices fork-join groups with Gillis's model (solvers.dp)
+DEFAULT_REPLAN_SOLVER = "dp"
 MAX_TOKEN_FILE_BYTES = 4096
 
 
@@ -32,7 +43,11 @@ class ServeSettings:
     SIGTERM waits for the requests in flight; ``drain_grace_s``: how long it then keeps
     answering new requests with 503 before it stops listening; ``address``: the Ray cluster
     of the ``ray`` target (``backends.ray.connect``: ``auto``, ``HOST:PORT``, ``ray://HOST:10001``
-    or ``local``; None: the connection this process has, else ``auto``)."""
+    or ``local``; None: the connection this process has, else ``auto``); ``min_replicas``,
+    ``max_replicas`` (None: as many as the target's CPUs hold, :meth:`replica_ceiling`) and
+    ``idle_s``: the warm pool's bounds and how long it must want fewer replicas before one
+    goes (``serve.scaling``); ``replan``: re-choose the plan when the batch sizes move, with
+    ``replan_solver`` (a solver name or a ``Problem -> Plan`` callable; ``serve.replan``)."""
 
     slo_s: float
     target: str = "local"
@@ -45,6 +60,11 @@ class ServeSettings:
     drain_timeout_s: float = 60.0
     drain_grace_s: float = 1.0
     admin_token: str | None = field(default=None, repr=False)
+    min_replicas: int = DEFAULT_MIN_REPLICAS
+    max_replicas: int | None = None
+    idle_s: float = DEFAULT_IDLE_S
+    replan: bool = True
+    replan_solver: Any = DEFAULT_REPLAN_SOLVER
 
     def __post_init__(self) -> None:
         if not (isinstance(self.slo_s, (int, float)) and math.isfinite(self.slo_s) and self.slo_s > 0):
@@ -61,9 +81,29 @@ class ServeSettings:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
+        self._check_scaling()
         if not self.drain_timeout_s > 0 or not self.drain_grace_s >= 0:
             raise InputError(f"drain_timeout_s must be positive and drain_grace_s at least 0, got "
                              f"{self.drain_timeout_s!r} and {self.drain_grace_s!r}")
+
+
+    def _check_scaling(self) -> None:
+        if not (isinstance(self.min_replicas, int) and self.min_replicas >= 1):
+            raise InputError(f"--min-replicas must be an integer of at least 1 (the warm floor), got "
+                             f"{self.min_replicas!r}")
+        if self.max_replicas is not None and not (isinstance(self.max_replicas, int)
+                                                  and self.max_replicas >= self.min_replicas):
+            raise InputError(f"--max-replicas must be an integer of at least --min-replicas ({self.min_replicas}), "
+                             f"got {self.max_replicas!r}")
+        if not (isinstance(self.idle_s, (int, float)) and math.isfinite(self.idle_s) and self.idle_s >= 0):
+            raise InputError(f"--idle-s must be a number of seconds of at least 0, got {self.idle_s!r}")
+
+    def replica_ceiling(self, cpus: float, functions_per_replica: int) -> int:
+        """``max_replicas``, or by default as many groups as the target's CPUs hold (a group
+        beyond them only contends for the same cores), never under ``min_replicas``."""
+        if self.max_replicas is not None:
+            return self.max_replicas
+        return max(self.min_replicas, int(cpus // max(functions_per_replica, 1)))
 
 
 def read_admin_token(token_file: str | os.PathLike | None = None, env_name: str = TOKEN_ENV) -> str | None:

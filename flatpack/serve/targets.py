@@ -15,6 +15,7 @@ had (``ray.init`` in a notebook, a test's cluster) stays.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,22 @@ class Target:
 
         return cls("ray", settings.address, ray_backend.connect(settings.address))
 
-    def deploy(self, compiled: Compiled) -> Any:
+    def deploy(self, compiled: Compiled, alongside: Any = None) -> Any:
         """``compiled`` deployed as functions on this target (pinned to its digest); they start
-        warm at the first request (``FunctionDeployment.infer``)."""
+        warm at the first request (``FunctionDeployment.infer``). ``alongside``: a deployment
+        whose store this one shares, under a run prefix of its own (another replica of a
+        served version: no second store server)."""
         # on ray, through the connection opened above: deploy neither reconnects nor closes it
-        return get_backend(self.name).deploy(compiled, digest=compiled.digest)
+        if alongside is None:
+            return get_backend(self.name).deploy(compiled, digest=compiled.digest)
+        return get_backend(self.name).deploy(compiled, digest=compiled.digest, store_url=alongside.store_url,
+                                             env=dict(alongside.env))
+
+    def cpus(self) -> float:
+        """The CPUs functions of this target run on: this machine's (local), the cluster's (ray)."""
+        if self.connection is not None:
+            return sum(node.cpus for node in self.connection.cluster.nodes)
+        return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
     def close(self) -> None:
         connection, self.connection = self.connection, None

@@ -190,3 +190,26 @@ def test_a_dry_run_prints_json_with_the_plan_the_files_and_the_commands(tmp_path
     assert document["dry_run"] is True and document["created"] == [] and document["plan"]["stages"]
     assert all((out / path).is_file() for path in document["files"])
     assert "docker build" in document["commands"] and document["commands"] == (out / "commands.sh").read_text()
+
+
+def test_a_dry_run_with_an_endpoint_writes_its_iam_and_prints_its_price(tmp_path, capsys):
+    """``--endpoint AWS_IAM --provisioned-concurrency 1``: planned for inference, the serving
+    master's role policy, callers' policy and URL in the bundle, the provisioned price in the
+    JSON; --endpoint elsewhere than aws-lambda is refused."""
+    from flatpack.backends.lambda_endpoint import DEFAULT_MEMORY_MB, price, Endpoint
+
+    out = tmp_path / "out"
+    assert cli.main(["deploy", "mlp", "--target", "aws-lambda", "--dry-run", "--out", str(out), "--name",
+                     "fp-mlp-test", "--endpoint", "AWS_IAM", "--provisioned-concurrency", "1", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["endpoint_price"] == price(Endpoint(provisioned=1))
+    assert document["endpoint_price"]["memory_mb"] == DEFAULT_MEMORY_MB
+    for path in ("endpoint/role-policy.json", "endpoint/caller-policy.json", "endpoint/environment.json",
+                 "endpoint/endpoint.json"):
+        assert (out / path).is_file(), path
+    assert "create-function-url-config --region us-east-1 --function-name fp-mlp-test-serve --qualifier live " \
+           "--auth-type AWS_IAM" in document["commands"]
+    assert "add-permission" not in document["commands"]
+    assert cli.main(["deploy", "mlp", "--target", "alibaba-fc", "--dry-run", "--out", str(tmp_path / "fc"),
+                     "--endpoint", "AWS_IAM"]) != 0
+    assert "--endpoint exposes a serving master through a Lambda function URL" in capsys.readouterr().err

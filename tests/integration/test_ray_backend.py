@@ -258,3 +258,45 @@ def test_flatpack_serve_target_ray_answers_as_the_model_from_warm_ray_tasks(ray_
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_flatpack_serve_on_ray_keeps_a_warm_pool_of_replicas_on_one_store(ray_cluster):
+    """A floor of two replicas on the ray target: the second fork-join group deploys beside
+    the first (its own run prefix on the first one's store, tasks of its own on the cluster),
+    both answer requests as the model, and stopping the server ends both."""
+    import asyncio
+
+    import httpx
+
+    from flatpack.serve.server import Server
+    from flatpack.serve.settings import ServeSettings
+    from tests.integration.test_serve import SAMPLE, _metric, _output, _predict, _wait_ready
+    from tests.models import ConvBlocks
+
+    torch.manual_seed(0)
+    model = ConvBlocks().eval()
+    compiled = flatpack.compile(model, (torch.randn(2, *SAMPLE),), plan=Plan((StagePlan(0, 4),), 5), target="ray")
+    settings = ServeSettings(slo_s=60.0, port=0, target="ray", min_replicas=2, max_replicas=2)
+    running = Server(compiled, settings).start()
+    try:
+        _wait_ready(running.url)
+        replicas = running.service.version.replicas
+        assert len(replicas) == 2 and replicas[1].deployment.store_url == replicas[0].deployment.store_url
+        assert replicas[1].deployment.keys.run != replicas[0].deployment.keys.run
+        inputs = [torch.randn(1 + index % 3, *SAMPLE) for index in range(16)]
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_predict(client, running.url, x, False) for x in inputs))
+
+        responses = asyncio.run(run())
+        metrics = httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.stop()
+    with torch.no_grad():
+        for x, response in zip(inputs, responses):
+            assert response.status_code == 200, response.text
+            torch.testing.assert_close(_output(response), model(x))
+    assert _metric(r"^flatpack_serve_replicas (\S+)$", metrics) == "2.0"
+    assert _metric(r"^flatpack_serve_cold_starts_total (\S+)$", metrics) == "2.0"     # one function per group
+    assert running.service.version.replicas == []
