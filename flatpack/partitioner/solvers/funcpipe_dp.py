@@ -75,6 +75,7 @@ V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
 _FRONT_BATCH = 32          # first batch of :func:`_front` (it doubles up to the max)
 _FRONT_BATCH_MAX = 256
+_PRICE_BAND = 1.01           # the ratio of prices one row of a priced prefix front spans
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
@@ -171,10 +172,16 @@ class _Chain:
 
     @cached_property
     def prefix_fronts(self) -> list[np.ndarray]:
-        """Per layer i, (n, 3) rows W_p, Δ_f, Δ_b of the prefixes of layers 0..i−1 that the
+        """Per layer i, (n, 4) rows W_p, Δ_f, Δ_b (and Σ price) of the prefixes of layers 0..i−1 that the
         bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
         least work, a many-stage one the least bottleneck, and no prefix has both."""
         return _prefix_fronts(self)
+
+    @cached_property
+    def priced_prefix_fronts(self) -> list[np.ndarray]:
+        """Per layer i, rows W_p, Δ_f, Δ_b, P_p bounding the prefixes of layers 0..i−1 one band
+        of prices at a time (:func:`_priced_prefix_fronts`), for goals that price the plan."""
+        return _priced_prefix_fronts(self)
 
 
 @dataclass(frozen=True)
@@ -391,47 +398,87 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
 
 def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
     """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
-    i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
-    a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
-    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V; and where d > 1,
-    the bound's synchronization term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f
-    without W_p (F_min is the same for every prefix), so (µ−1)·Δ_f alone is a key too: a
-    prefix with less work but a larger Δ_f must not stand for one with a smaller Δ_f there
-    (with d = 1, Q ≤ (µ−1)·Δ_b and that term never exceeds the other). A left-to-right
-    pass over the same stages and tiers as the search, without price, Q and synchronization
-    (the bound takes those at their least: with them the fronts grow tenfold and cost more
-    than they save)."""
-    count, lag = chain.layers, chain.mu - 1
-    kept = chain.kept_table
-    fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
-    for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
-        # every prefix front that a fitting stage start..end extends, all starts in one numpy pass
-        candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
-        usable = kept[candidates, end - candidates].any(axis=1)
-        fitting = cast("list[bool]", usable.tolist())   # a 1-d array's list (numpy's stubs allow a scalar)
-        starts = [start for start, fits in zip(candidates.tolist(), fitting) if fits and len(fronts[start])]
-        if not starts:
+    i−1 included) as rows W_p, Δ_f, Δ_b (and Σ price, unused here), reduced to those no other
+    beats for every suffix: a suffix with bottlenecks (x, y) meets
+    W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in t_iter, so the keys are
+    :func:`_dominance_keys`' sums with W_p for V; and where d > 1, the bound's synchronization
+    term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f without W_p (F_min is the same
+    for every prefix), so (µ−1)·Δ_f alone is a key too: a prefix with less work but a larger
+    Δ_f must not stand for one with a smaller Δ_f there (with d = 1, Q ≤ (µ−1)·Δ_b and that
+    term never exceeds the other). A left-to-right pass over the same stages and tiers as the
+    search, without Q and synchronization (the bound takes those at their least); the bound
+    of goals that price the plan reads :func:`_priced_prefix_fronts` instead."""
+    lag = chain.mu - 1
+    fronts = [np.zeros((1, 4))] + [np.empty((0, 4)) for _ in range(chain.layers)]
+    for end in range(chain.layers - 1):       # stage start..end, then boundary ``end`` into layer end + 1
+        rows = _prefix_extensions(chain, fronts, end)
+        if rows is None:
             continue
-        before = np.concatenate([fronts[start] for start in starts])
-        origin = np.repeat(starts, [len(fronts[start]) for start in starts])
-        row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
-        first, before = origin[row], before[row]
-        fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
-        bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
-        upload = chain.transfer(end, option)
-        # the download into the stage is at its own option's bandwidth (none into the first stage)
-        download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
-        rows = np.empty((len(row), 3))
-        rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
-        rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
-        rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
         keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag]
         if chain.replicas > 1:     # the synchronization term's Δ_f alone (docstring)
             keys.append(forward_lag)
-        keys = np.stack(keys, axis=1)
-        fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
+        front = rows[_pareto(np.stack(keys, axis=1), np.zeros(len(rows), dtype=int))]
+        fronts[end + 1] = _merged(front, _PREFIX_FRONT_LIMIT)
     return fronts
+
+
+def _priced_prefix_fronts(chain: _Chain) -> list[np.ndarray]:
+    """For each i, rows W_p, Δ_f, Δ_b, P_p (Σ price) standing for every prefix of layers
+    0..i−1, one per band of prices ``_PRICE_BAND`` wide: the least of each column over the
+    prefixes whose price falls in the band. A cost-weighted score multiplies t_iter by the
+    price, and the prefixes with the least bottlenecks are the ones with many stages, the
+    dearest: bounding time and price of one band together (rather than each at its least
+    over every prefix, as :func:`_prefix_fronts` with :attr:`_PrefixBounds.price` does)
+    keeps that trade-off, and prunes most labels of the cost-weighted goals (issue 42).
+    Each row is no larger than any prefix of its band in any column, and every prefix is in
+    some band, so the bound over the rows (and over their extensions, which only add and
+    take maxima) is a lower bound."""
+    lag = chain.mu - 1
+    fronts = [np.zeros((1, 4))] + [np.empty((0, 4)) for _ in range(chain.layers)]
+    for end in range(chain.layers - 1):
+        rows = _prefix_extensions(chain, fronts, end)
+        if rows is None:
+            continue
+        bands = np.floor(np.log(rows[:, 3]) / math.log(_PRICE_BAND)).astype(int)   # every price > 0
+        order = np.argsort(bands, kind="stable")
+        firsts = np.flatnonzero(np.diff(bands[order], prepend=bands[order[0]] - 1))
+        least = np.minimum.reduceat(rows[order], firsts, axis=0)
+        work, forward_lag, backward_lag = least[:, 0], lag * least[:, 1], lag * least[:, 2]
+        keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag, least[:, 3]]
+        if chain.replicas > 1:
+            keys.append(forward_lag)
+        fronts[end + 1] = least[_pareto(np.stack(keys, axis=1), np.zeros(len(least), dtype=int))]
+    return fronts
+
+
+def _prefix_extensions(chain: _Chain, fronts: list[np.ndarray], end: int) -> np.ndarray | None:
+    """Rows W_p, Δ_f, Δ_b, P_p of every prefix of layers 0..end+1−1 whose last stage start..end
+    (on each option worth trying) extends a row of ``fronts[start]``, its upload across
+    boundary ``end`` included; None when no stage ending at ``end`` extends a prefix. All
+    starts in one numpy pass."""
+    kept = chain.kept_table
+    candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
+    usable = kept[candidates, end - candidates].any(axis=1)
+    fitting = cast("list[bool]", usable.tolist())   # a 1-d array's list (numpy's stubs allow a scalar)
+    starts = [start for start, fits in zip(candidates.tolist(), fitting) if fits and len(fronts[start])]
+    if not starts:
+        return None
+    before = np.concatenate([fronts[start] for start in starts])
+    origin = np.repeat(starts, [len(fronts[start]) for start in starts])
+    row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
+    first, before = origin[row], before[row]
+    fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
+    bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
+    upload = chain.transfer(end, option)
+    # the download into the stage is at its own option's bandwidth (none into the first stage)
+    download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
+    rows = np.empty((len(row), 4))
+    rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
+    rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
+    rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
+    rows[:, 3] = before[:, 3] + chain.price[option]
+    return rows
 
 
 def _merged(rows: np.ndarray, limit: int) -> np.ndarray:
@@ -691,7 +738,8 @@ class _Search:
             times = (values[:, V] + (chain.mu - 1) * df
                      + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
             return self.objective.score(times, values[:, P] + bounds.price[start]), times
-        front = chain.prefix_fronts[start]
+        priced = self.prices_matter
+        front = chain.priced_prefix_fronts[start] if priced else chain.prefix_fronts[start]
         times = np.full(len(values), np.inf)
         if len(front) == 0:   # no prefix fits
             return times.copy(), times
@@ -701,6 +749,7 @@ class _Search:
         row_forward, row_backward, row_work = lag * front[:, 1], lag * front[:, 2], front[:, 0] + bounds.first_sync
         label_forward, label_backward = lag * values[:, DF], lag * values[:, DB]
         label_sync = bounds.forward[start].min() + values[:, Q]
+        scores = np.full(len(values), np.inf)
         step = max(1, _BOUND_CELLS // len(front))
         for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
             part = slice(first, first + step)
@@ -708,8 +757,12 @@ class _Search:
             prefix_times += row_work[None, :]
             np.maximum(prefix_times, label_sync[part, None], out=prefix_times)
             prefix_times += np.maximum(label_forward[part, None], row_forward[None, :])
-            times[part] = values[part, V] + prefix_times.min(axis=1)
-        scores = self.objective.score(times, values[:, P] + bounds.price[start])
+            prefix_times += values[part, V, None]
+            times[part] = prefix_times.min(axis=1)
+            if priced:   # each prefix's time with its own price
+                scores[part] = self.objective.score(prefix_times, values[part, P, None] + front[None, :, 3]).min(axis=1)
+        if not priced:
+            scores = self.objective.score(times, values[:, P] + bounds.price[start])
         return scores, times
 
     def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
