@@ -234,6 +234,18 @@ class _Objective:
         scores[np.isnan(scores)] = np.inf
         return scores
 
+    def least_score(self, times: np.ndarray, label_prices: np.ndarray, row_prices: np.ndarray) -> np.ndarray:
+        """Per label (row of ``times``), the least of :meth:`score` over the prefixes (columns)
+        whose times are ``times`` and whose prices add ``row_prices`` to ``label_prices``. A
+        weighted goal's score is t·(c·P + α₂) with c = α₁·d/u: two operations per cell
+        instead of :meth:`score`'s eight (every number here is finite, so no nan arises)."""
+        if self.goal.slo_s is not None:
+            return self.score(times, label_prices[:, None] + row_prices[None, :]).min(axis=1)
+        weights = self.goal.weights
+        rate = weights.cost * self.replicas / self.dollars_per_unit
+        factors = (rate * label_prices + weights.time)[:, None] + (rate * row_prices)[None, :]
+        return (times * factors).min(axis=1)
+
     def _score(self, times: np.ndarray, prices: np.ndarray) -> np.ndarray:
         dollars = times * self.replicas * prices
         if self.goal.slo_s is not None:
@@ -664,16 +676,19 @@ class _Search:
         if start > 0:
             _enter(values, chain.transfer(start - 1, tier))
         self.stats.labels_built += len(values)
-        keep = self._within_bounds(start, values, count)
+        keep, bounded = self._within_bounds(start, values, count)
         values, tier, end, next_row, count = values[keep], tier[keep], end[keep], next_row[keep], count[keep]
         # labels with different stage counts compete only when S is free
         groups = count if chain.stage_count is not None else np.zeros(len(count), dtype=int)
         if self.beam is None:
             rows = _pareto(self._keys(values), groups)
         else:  # a heuristic pass: the best few by bound, then the non-dominated among them
-            rows = self._best_per_group(start, values, groups, np.arange(len(values)), 4 * self.beam)
+            # (ranked by the bounds the pruning computed, where it did)
+            scores, times = self._lower_scores(start, values) if bounded is None else (bounded[0][keep],
+                                                                                       bounded[1][keep])
+            rows = _best_per_group(scores, times, groups, np.arange(len(values)), 4 * self.beam)
             rows = rows[_pareto(self._keys(values[rows]), groups[rows])]
-            rows = self._best_per_group(start, values, groups, rows, self.beam)
+            rows = _best_per_group(scores, times, groups, rows, self.beam)
         self.stats.labels_kept += len(rows)
         return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
 
@@ -760,26 +775,34 @@ class _Search:
             prefix_times += values[part, V, None]
             times[part] = prefix_times.min(axis=1)
             if priced:   # each prefix's time with its own price
-                scores[part] = self.objective.score(prefix_times, values[part, P, None] + front[None, :, 3]).min(axis=1)
+                scores[part] = self.objective.least_score(prefix_times, values[part, P], front[:, 3])
         if not priced:
             scores = self.objective.score(times, values[:, P] + bounds.price[start])
         return scores, times
 
-    def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
+    def _within_bounds(self, start: int, values: np.ndarray,
+                       count: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """Which labels may still complete to a plan that beats the incumbent (or, for the
+        exact front, add a point to it); with the (score, t_iter) bounds of every label the
+        full bound was computed for (+inf for the others), or None where it was not run."""
         keep = np.ones(len(values), dtype=bool)
+        bounded = None
         if self.chain.stage_count is not None:
             keep &= count + (start > 0) <= self.chain.stage_count
         if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
             # the coarse bound first: the labels it already prunes skip the costlier one
             for coarse in (True, False) if not self.reference else (True,):
                 rows = np.flatnonzero(keep)
-                scores, _ = self._lower_scores(start, values[rows], coarse)
+                scores, times = self._lower_scores(start, values[rows], coarse)
                 keep[rows] = np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+                if not coarse or self.reference:
+                    bounded = (np.full(len(values), np.inf), np.full(len(values), np.inf))
+                    bounded[0][rows], bounded[1][rows] = scores, times
         if self.staircase is not None:
             _, times = self._lower_scores(start, values)
             prices = values[:, P] + self.bounds.price[start]
             keep &= np.isfinite(times) & ~self.staircase.dominates(times, times * self.chain.replicas * prices)
-        return keep
+        return keep, bounded
 
     def complete_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows, t_iter and dollars of the complete plans the pass kept (after :meth:`run`)."""
@@ -789,15 +812,6 @@ class _Search:
             rows = rows[first.count == self.chain.stage_count]
         times = self._times(first.values[rows])
         return rows, times, times * self.chain.replicas * first.values[rows, P]
-
-    def _best_per_group(self, start: int, values, groups, rows, width: int) -> np.ndarray:
-        scores, times = self._lower_scores(start, values[rows])
-        chosen = []
-        for group in np.unique(groups[rows]):
-            members = np.flatnonzero(groups[rows] == group)
-            ranked = members[np.lexsort((times[members], scores[members]))]
-            chosen.extend(rows[ranked[:width]])
-        return np.sort(np.array(chosen, dtype=int))
 
     def plan(self, row: int, num_layers: int) -> Plan:
         stages = []
@@ -814,6 +828,17 @@ class _Search:
             start = end + 1
             labels, row = self.labels[start], next_row
         return Plan(tuple(stages), num_layers, "dp", micro_batches=self.chain.micro_batches)
+
+
+def _best_per_group(scores: np.ndarray, times: np.ndarray, groups: np.ndarray, rows: np.ndarray,
+                    width: int) -> np.ndarray:
+    """Of ``rows``, the ``width`` with the least bound ``scores`` (then ``times``) in each group,
+    sorted."""
+    chosen = []
+    for group in np.unique(groups[rows]):
+        members = rows[groups[rows] == group]
+        chosen.extend(members[np.lexsort((times[members], scores[members]))][:width])
+    return np.sort(np.array(chosen, dtype=int))
 
 
 def _undominated_tiers(chain: _Chain, fits: np.ndarray, forward: np.ndarray, backward: np.ndarray,
