@@ -636,11 +636,18 @@ class _Search:
         it (whose bound is no larger: the bound is a completion of the label) or one pruned for
         a bound above the incumbent; or its last stage starts before, which the bound of that
         last stage alone covers."""
-        chain = self.chain
-        least = self.incumbent
-        for start in range(self.complete_from, chain.layers):
+        least = min(self.incumbent, self.unsearched_bound())
+        for start in range(self.complete_from, self.chain.layers):
             if len(self.labels[start].tier):
                 least = min(least, float(self._lower_scores(start, self.labels[start].values)[0].min()))
+        return least
+
+    def unsearched_bound(self) -> float:
+        """A lower bound on the score of every plan whose last stage starts before
+        ``complete_from`` (before :meth:`run`: every plan of the configuration), from the
+        bound of that last stage alone; +inf when there is none."""
+        chain = self.chain
+        least = math.inf
         last = chain.layers - 1
         for start in range(self.complete_from):
             if last - start >= len(chain.fits[start]):
@@ -1002,13 +1009,21 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
     stats = _Stats()
     # pass 1: a beam per configuration, for an incumbent; pass 2: exact, pruned by it, the
     # configurations in the order of their beam results (the best first prunes the most)
+    # Each configuration's bound comes first (cheap): the beam visits the most promising first,
+    # and a configuration whose bound is above the incumbent is not searched at all (its labels
+    # would all be pruned; the reference searches every one, as before issue 42).
     best = seed
     incumbent = seed.score[0] if seed else math.inf
     beam_scores: dict = {}
     open_bounds: list[float] = []     # configurations the deadline left unproven
+    screens = {} if reference else {config: _Search(chains[config], _Objective(goal, chains[config].replicas, unit),
+                                                    math.inf, None, stats).unsearched_bound()
+                                    for config in configurations}
     for beam in (BEAM_WIDTH, None):
-        order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
+        order = sorted(configurations, key=lambda config: (beam_scores.get(config, math.inf), screens.get(config, 0)))
         for config in order:
+            if screens.get(config, -math.inf) > incumbent * (1 + _RELATIVE_SLACK):
+                continue
             chain = chains[config]
             search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, reference,
                              deadline if beam is None else None)
