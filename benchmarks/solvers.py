@@ -57,7 +57,9 @@ killed after ``--timeout`` seconds (dp, brute) or ``--miqp-timeout`` (miqp):
   indicative), split into the label dominance filter (``_pareto``), building labels
   (``_extend``/``_last_stage``/``_enter``), bound pruning (``_within_bounds``), the beam pass's
   ranking (``_best_per_group``), per-configuration setup (``_chain``, ``_prefix_bounds``,
-  ``_prefix_fronts``, ``_stage_tensor_table``) and the rest;
+  ``_prefix_fronts``, ``_priced_prefix_fronts``, ``_stage_tensor_table``), the configuration
+  screens (``unsearched_bound``, which build the priced fronts on first use, so the two
+  overlap) and the rest;
 * a cross-check at ``--check-layers`` (default 4) where brute force can price every plan of the
   full space: the three solvers' objectives side by side.
 
@@ -335,8 +337,9 @@ PROFILE_GROUPS = {  # group → functions of funcpipe_dp (and objective.evaluate
     "  bound pruning (_within_bounds)": ["_within_bounds"],
     "  beam ranking (_best_per_group)": ["_best_per_group"],
     "  stage sync times (_Chain.sync)": ["sync"],
-    "setup per (M, d) (_chain, _prefix_bounds, _prefix_fronts, _stage_tensor_table)": [
-        "_chain", "_prefix_bounds", "_prefix_fronts", "_stage_tensor_table"],
+    "setup per (M, d) (_chain, _prefix_bounds, _prefix_fronts, _priced_prefix_fronts, _stage_tensor_table)": [
+        "_chain", "_prefix_bounds", "_prefix_fronts", "_priced_prefix_fronts", "_stage_tensor_table"],
+    "configuration screens (unsearched_bound)": ["unsearched_bound"],
     "final evaluate": ["evaluate"],
 }
 

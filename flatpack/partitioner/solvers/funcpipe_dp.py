@@ -32,9 +32,20 @@ platform caps bandwidth per account, since each worker's share then depends on S
   the best complete plan found (the incumbent). The bound completes the label with the
   prefixes of a left-to-right pass (:func:`_prefix_fronts`): the work and bottlenecks of
   one prefix together, the price, the forward part and the first stage's sync at their
-  least (:meth:`_Search._lower_scores`).
+  least (:meth:`_Search._lower_scores`). Goals that price the plan take the price with the
+  work and bottlenecks too, one band of prefix prices at a time
+  (:func:`_priced_prefix_fronts`): the prefixes with the least bottlenecks have the most
+  stages and cost the most, and a cost-weighted score is t_iter times the price, so bounding
+  each at its own least let millions of labels through (issue 42: 17M and 21.5M labels for
+  the two cost-weighted goals of BERT-Large at L = 128, against about 0.2M with the bands).
 * The incumbent comes from a first pass that keeps only the most promising labels per state
   (a beam), which yields a good complete plan quickly; the exact pass then prunes with it.
+  Before either pass, each configuration (M, d) is bounded by its last stage alone
+  (:meth:`_Search.unsearched_bound`): the beam visits them from the least bound up, and one
+  whose bound exceeds the incumbent is not searched (all its labels would be pruned).
+  ``tests/unit/test_dp_priced_bound.py`` checks that the bands stand for every fitting
+  prefix, that the screen never exceeds a configuration's optimum, and that dp's optima
+  equal brute force's and the reference's, on profiles as built and perturbed.
 
 Weighted goals minimize t_iter·(α₁·d·P/u + α₂) (u: dollars per MB·s); SLO goals minimize
 t_iter·d·P subject to t_iter ≤ SLO. Both are monotone in every label number, which is what
@@ -75,6 +86,7 @@ V, P, DF, DB, Q = range(5)
 BEAM_WIDTH = 16
 _FRONT_BATCH = 32          # first batch of :func:`_front` (it doubles up to the max)
 _FRONT_BATCH_MAX = 256
+_PRICE_BAND = 1.01           # the ratio of prices one row of a priced prefix front spans
 _BOUND_CELLS = 1 << 20      # labels × prefixes evaluated at once by the bound
 _PREFIX_FRONT_LIMIT = 32    # rows per prefix front (:func:`_merged`)
 _RELATIVE_SLACK = 1e-12   # bounds are compared with this much slack, so float noise never prunes an optimum
@@ -171,10 +183,16 @@ class _Chain:
 
     @cached_property
     def prefix_fronts(self) -> list[np.ndarray]:
-        """Per layer i, (n, 3) rows W_p, Δ_f, Δ_b of the prefixes of layers 0..i−1 that the
+        """Per layer i, (n, 4) rows W_p, Δ_f, Δ_b (and Σ price) of the prefixes of layers 0..i−1 that the
         bound takes together (:func:`_prefix_fronts`): a slow single-stage prefix has the
         least work, a many-stage one the least bottleneck, and no prefix has both."""
         return _prefix_fronts(self)
+
+    @cached_property
+    def priced_prefix_fronts(self) -> list[np.ndarray]:
+        """Per layer i, rows W_p, Δ_f, Δ_b, P_p bounding the prefixes of layers 0..i−1 one band
+        of prices at a time (:func:`_priced_prefix_fronts`), for goals that price the plan."""
+        return _priced_prefix_fronts(self)
 
 
 @dataclass(frozen=True)
@@ -226,6 +244,18 @@ class _Objective:
         # nan (inf · 0) is an uncompletable label; nan_to_num did the same at 3× the cost
         scores[np.isnan(scores)] = np.inf
         return scores
+
+    def least_score(self, times: np.ndarray, label_prices: np.ndarray, row_prices: np.ndarray) -> np.ndarray:
+        """Per label (row of ``times``), the least of :meth:`score` over the prefixes (columns)
+        whose times are ``times`` and whose prices add ``row_prices`` to ``label_prices``. A
+        weighted goal's score is t·(c·P + α₂) with c = α₁·d/u: two operations per cell
+        instead of :meth:`score`'s eight (every number here is finite, so no nan arises)."""
+        if self.goal.slo_s is not None:
+            return self.score(times, label_prices[:, None] + row_prices[None, :]).min(axis=1)
+        weights = self.goal.weights
+        rate = weights.cost * self.replicas / self.dollars_per_unit
+        factors = (rate * label_prices + weights.time)[:, None] + (rate * row_prices)[None, :]
+        return (times * factors).min(axis=1)
 
     def _score(self, times: np.ndarray, prices: np.ndarray) -> np.ndarray:
         dollars = times * self.replicas * prices
@@ -391,47 +421,87 @@ def _prefix_bounds(chain: _Chain) -> _PrefixBounds:
 
 def _prefix_fronts(chain: _Chain) -> list[np.ndarray]:
     """For each i, the prefixes of layers 0..i−1 (their last stage's upload across boundary
-    i−1 included) as rows W_p, Δ_f, Δ_b, reduced to those no other beats for every suffix:
-    a suffix with bottlenecks (x, y) meets W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in
-    t_iter, so the keys are :func:`_dominance_keys`' sums with W_p for V; and where d > 1,
-    the bound's synchronization term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f
-    without W_p (F_min is the same for every prefix), so (µ−1)·Δ_f alone is a key too: a
-    prefix with less work but a larger Δ_f must not stand for one with a smaller Δ_f there
-    (with d = 1, Q ≤ (µ−1)·Δ_b and that term never exceeds the other). A left-to-right
-    pass over the same stages and tiers as the search, without price, Q and synchronization
-    (the bound takes those at their least: with them the fronts grow tenfold and cost more
-    than they save)."""
-    count, lag = chain.layers, chain.mu - 1
-    kept = chain.kept_table
-    fronts = [np.zeros((1, 3))] + [np.empty((0, 3)) for _ in range(count)]
-    for end in range(count - 1):           # stage start..end, then boundary ``end`` into layer end + 1
-        # every prefix front that a fitting stage start..end extends, all starts in one numpy pass
-        candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
-        usable = kept[candidates, end - candidates].any(axis=1)
-        fitting = cast("list[bool]", usable.tolist())   # a 1-d array's list (numpy's stubs allow a scalar)
-        starts = [start for start, fits in zip(candidates.tolist(), fitting) if fits and len(fronts[start])]
-        if not starts:
+    i−1 included) as rows W_p, Δ_f, Δ_b (and Σ price, unused here), reduced to those no other
+    beats for every suffix: a suffix with bottlenecks (x, y) meets
+    W_p + (µ−1)·(max(Δ_f, x) + max(Δ_b, y)) in t_iter, so the keys are
+    :func:`_dominance_keys`' sums with W_p for V; and where d > 1, the bound's synchronization
+    term (µ−1)·max(Δ_f, x) + F_min + Q has the prefix's Δ_f without W_p (F_min is the same
+    for every prefix), so (µ−1)·Δ_f alone is a key too: a prefix with less work but a larger
+    Δ_f must not stand for one with a smaller Δ_f there (with d = 1, Q ≤ (µ−1)·Δ_b and that
+    term never exceeds the other). A left-to-right pass over the same stages and tiers as the
+    search, without Q and synchronization (the bound takes those at their least); the bound
+    of goals that price the plan reads :func:`_priced_prefix_fronts` instead."""
+    lag = chain.mu - 1
+    fronts = [np.zeros((1, 4))] + [np.empty((0, 4)) for _ in range(chain.layers)]
+    for end in range(chain.layers - 1):       # stage start..end, then boundary ``end`` into layer end + 1
+        rows = _prefix_extensions(chain, fronts, end)
+        if rows is None:
             continue
-        before = np.concatenate([fronts[start] for start in starts])
-        origin = np.repeat(starts, [len(fronts[start]) for start in starts])
-        row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
-        first, before = origin[row], before[row]
-        fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
-        bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
-        upload = chain.transfer(end, option)
-        # the download into the stage is at its own option's bandwidth (none into the first stage)
-        download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
-        rows = np.empty((len(row), 3))
-        rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
-        rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
-        rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
         work, forward_lag, backward_lag = rows[:, 0], lag * rows[:, 1], lag * rows[:, 2]
         keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag]
         if chain.replicas > 1:     # the synchronization term's Δ_f alone (docstring)
             keys.append(forward_lag)
-        keys = np.stack(keys, axis=1)
-        fronts[end + 1] = _merged(rows[_pareto(keys, np.zeros(len(rows), dtype=int))], _PREFIX_FRONT_LIMIT)
+        front = rows[_pareto(np.stack(keys, axis=1), np.zeros(len(rows), dtype=int))]
+        fronts[end + 1] = _merged(front, _PREFIX_FRONT_LIMIT)
     return fronts
+
+
+def _priced_prefix_fronts(chain: _Chain) -> list[np.ndarray]:
+    """For each i, rows W_p, Δ_f, Δ_b, P_p (Σ price) standing for every prefix of layers
+    0..i−1, one per band of prices ``_PRICE_BAND`` wide: the least of each column over the
+    prefixes whose price falls in the band. A cost-weighted score multiplies t_iter by the
+    price, and the prefixes with the least bottlenecks are the ones with many stages, the
+    dearest: bounding time and price of one band together (rather than each at its least
+    over every prefix, as :func:`_prefix_fronts` with :attr:`_PrefixBounds.price` does)
+    keeps that trade-off, and prunes most labels of the cost-weighted goals (issue 42).
+    Each row is no larger than any prefix of its band in any column, and every prefix is in
+    some band, so the bound over the rows (and over their extensions, which only add and
+    take maxima) is a lower bound."""
+    lag = chain.mu - 1
+    fronts = [np.zeros((1, 4))] + [np.empty((0, 4)) for _ in range(chain.layers)]
+    for end in range(chain.layers - 1):
+        rows = _prefix_extensions(chain, fronts, end)
+        if rows is None:
+            continue
+        bands = np.floor(np.log(rows[:, 3]) / math.log(_PRICE_BAND)).astype(int)   # every price > 0
+        order = np.argsort(bands, kind="stable")
+        firsts = np.flatnonzero(np.diff(bands[order], prepend=bands[order[0]] - 1))
+        least = np.minimum.reduceat(rows[order], firsts, axis=0)
+        work, forward_lag, backward_lag = least[:, 0], lag * least[:, 1], lag * least[:, 2]
+        keys = [work, work + forward_lag, work + backward_lag, work + forward_lag + backward_lag, least[:, 3]]
+        if chain.replicas > 1:
+            keys.append(forward_lag)
+        fronts[end + 1] = least[_pareto(np.stack(keys, axis=1), np.zeros(len(least), dtype=int))]
+    return fronts
+
+
+def _prefix_extensions(chain: _Chain, fronts: list[np.ndarray], end: int) -> np.ndarray | None:
+    """Rows W_p, Δ_f, Δ_b, P_p of every prefix of layers 0..end+1−1 whose last stage start..end
+    (on each option worth trying) extends a row of ``fronts[start]``, its upload across
+    boundary ``end`` included; None when no stage ending at ``end`` extends a prefix. All
+    starts in one numpy pass."""
+    kept = chain.kept_table
+    candidates = np.arange(max(0, end + 1 - kept.shape[1]), end + 1)
+    usable = kept[candidates, end - candidates].any(axis=1)
+    fitting = cast("list[bool]", usable.tolist())   # a 1-d array's list (numpy's stubs allow a scalar)
+    starts = [start for start, fits in zip(candidates.tolist(), fitting) if fits and len(fronts[start])]
+    if not starts:
+        return None
+    before = np.concatenate([fronts[start] for start in starts])
+    origin = np.repeat(starts, [len(fronts[start]) for start in starts])
+    row, option = np.nonzero(kept[origin, end - origin])                 # every (prefix, option) pair
+    first, before = origin[row], before[row]
+    fwd = chain.forward_prefix[option, end + 1] - chain.forward_prefix[option, first]
+    bwd = chain.backward_prefix[option, end + 1] - chain.backward_prefix[option, first]
+    upload = chain.transfer(end, option)
+    # the download into the stage is at its own option's bandwidth (none into the first stage)
+    download = np.where(first > 0, chain.transfer(first - 1, option), 0.0)
+    rows = np.empty((len(row), 4))
+    rows[:, 0] = before[:, 0] + fwd + bwd + 2 * (upload + download)
+    rows[:, 1] = np.maximum(before[:, 1], np.maximum(np.maximum(fwd, upload), download))
+    rows[:, 2] = np.maximum(before[:, 2], np.maximum(np.maximum(bwd, upload), download))
+    rows[:, 3] = before[:, 3] + chain.price[option]
+    return rows
 
 
 def _merged(rows: np.ndarray, limit: int) -> np.ndarray:
@@ -577,11 +647,18 @@ class _Search:
         it (whose bound is no larger: the bound is a completion of the label) or one pruned for
         a bound above the incumbent; or its last stage starts before, which the bound of that
         last stage alone covers."""
-        chain = self.chain
-        least = self.incumbent
-        for start in range(self.complete_from, chain.layers):
+        least = min(self.incumbent, self.unsearched_bound())
+        for start in range(self.complete_from, self.chain.layers):
             if len(self.labels[start].tier):
                 least = min(least, float(self._lower_scores(start, self.labels[start].values)[0].min()))
+        return least
+
+    def unsearched_bound(self) -> float:
+        """A lower bound on the score of every plan whose last stage starts before
+        ``complete_from`` (before :meth:`run`: every plan of the configuration), from the
+        bound of that last stage alone; +inf when there is none."""
+        chain = self.chain
+        least = math.inf
         last = chain.layers - 1
         for start in range(self.complete_from):
             if last - start >= len(chain.fits[start]):
@@ -617,16 +694,19 @@ class _Search:
         if start > 0:
             _enter(values, chain.transfer(start - 1, tier))
         self.stats.labels_built += len(values)
-        keep = self._within_bounds(start, values, count)
+        keep, bounded = self._within_bounds(start, values, count)
         values, tier, end, next_row, count = values[keep], tier[keep], end[keep], next_row[keep], count[keep]
         # labels with different stage counts compete only when S is free
         groups = count if chain.stage_count is not None else np.zeros(len(count), dtype=int)
         if self.beam is None:
             rows = _pareto(self._keys(values), groups)
         else:  # a heuristic pass: the best few by bound, then the non-dominated among them
-            rows = self._best_per_group(start, values, groups, np.arange(len(values)), 4 * self.beam)
+            # (ranked by the bounds the pruning computed, where it did)
+            scores, times = self._lower_scores(start, values) if bounded is None else (bounded[0][keep],
+                                                                                       bounded[1][keep])
+            rows = _best_per_group(scores, times, groups, np.arange(len(values)), 4 * self.beam)
             rows = rows[_pareto(self._keys(values[rows]), groups[rows])]
-            rows = self._best_per_group(start, values, groups, rows, self.beam)
+            rows = _best_per_group(scores, times, groups, rows, self.beam)
         self.stats.labels_kept += len(rows)
         return _Labels(values[rows], tier[rows], end[rows], next_row[rows], count[rows])
 
@@ -691,7 +771,8 @@ class _Search:
             times = (values[:, V] + (chain.mu - 1) * df
                      + np.maximum(bounds.work[start].min() + prefix_terms, bounds.forward[start].min() + values[:, Q]))
             return self.objective.score(times, values[:, P] + bounds.price[start]), times
-        front = chain.prefix_fronts[start]
+        priced = self.prices_matter
+        front = chain.priced_prefix_fronts[start] if priced else chain.prefix_fronts[start]
         times = np.full(len(values), np.inf)
         if len(front) == 0:   # no prefix fits
             return times.copy(), times
@@ -701,6 +782,7 @@ class _Search:
         row_forward, row_backward, row_work = lag * front[:, 1], lag * front[:, 2], front[:, 0] + bounds.first_sync
         label_forward, label_backward = lag * values[:, DF], lag * values[:, DB]
         label_sync = bounds.forward[start].min() + values[:, Q]
+        scores = np.full(len(values), np.inf)
         step = max(1, _BOUND_CELLS // len(front))
         for first in range(0, len(values), step):      # labels × prefixes, in slices that fit memory
             part = slice(first, first + step)
@@ -708,25 +790,37 @@ class _Search:
             prefix_times += row_work[None, :]
             np.maximum(prefix_times, label_sync[part, None], out=prefix_times)
             prefix_times += np.maximum(label_forward[part, None], row_forward[None, :])
-            times[part] = values[part, V] + prefix_times.min(axis=1)
-        scores = self.objective.score(times, values[:, P] + bounds.price[start])
+            prefix_times += values[part, V, None]
+            times[part] = prefix_times.min(axis=1)
+            if priced:   # each prefix's time with its own price
+                scores[part] = self.objective.least_score(prefix_times, values[part, P], front[:, 3])
+        if not priced:
+            scores = self.objective.score(times, values[:, P] + bounds.price[start])
         return scores, times
 
-    def _within_bounds(self, start: int, values: np.ndarray, count: np.ndarray) -> np.ndarray:
+    def _within_bounds(self, start: int, values: np.ndarray,
+                       count: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """Which labels may still complete to a plan that beats the incumbent (or, for the
+        exact front, add a point to it); with the (score, t_iter) bounds of every label the
+        full bound was computed for (+inf for the others), or None where it was not run."""
         keep = np.ones(len(values), dtype=bool)
+        bounded = None
         if self.chain.stage_count is not None:
             keep &= count + (start > 0) <= self.chain.stage_count
         if np.isfinite(self.incumbent) or self.objective.goal.slo_s is not None:
             # the coarse bound first: the labels it already prunes skip the costlier one
             for coarse in (True, False) if not self.reference else (True,):
                 rows = np.flatnonzero(keep)
-                scores, _ = self._lower_scores(start, values[rows], coarse)
+                scores, times = self._lower_scores(start, values[rows], coarse)
                 keep[rows] = np.isfinite(scores) & (scores <= self.incumbent * (1 + _RELATIVE_SLACK))
+                if not coarse or self.reference:
+                    bounded = (np.full(len(values), np.inf), np.full(len(values), np.inf))
+                    bounded[0][rows], bounded[1][rows] = scores, times
         if self.staircase is not None:
             _, times = self._lower_scores(start, values)
             prices = values[:, P] + self.bounds.price[start]
             keep &= np.isfinite(times) & ~self.staircase.dominates(times, times * self.chain.replicas * prices)
-        return keep
+        return keep, bounded
 
     def complete_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows, t_iter and dollars of the complete plans the pass kept (after :meth:`run`)."""
@@ -736,15 +830,6 @@ class _Search:
             rows = rows[first.count == self.chain.stage_count]
         times = self._times(first.values[rows])
         return rows, times, times * self.chain.replicas * first.values[rows, P]
-
-    def _best_per_group(self, start: int, values, groups, rows, width: int) -> np.ndarray:
-        scores, times = self._lower_scores(start, values[rows])
-        chosen = []
-        for group in np.unique(groups[rows]):
-            members = np.flatnonzero(groups[rows] == group)
-            ranked = members[np.lexsort((times[members], scores[members]))]
-            chosen.extend(rows[ranked[:width]])
-        return np.sort(np.array(chosen, dtype=int))
 
     def plan(self, row: int, num_layers: int) -> Plan:
         stages = []
@@ -761,6 +846,17 @@ class _Search:
             start = end + 1
             labels, row = self.labels[start], next_row
         return Plan(tuple(stages), num_layers, "dp", micro_batches=self.chain.micro_batches)
+
+
+def _best_per_group(scores: np.ndarray, times: np.ndarray, groups: np.ndarray, rows: np.ndarray,
+                    width: int) -> np.ndarray:
+    """Of ``rows``, the ``width`` with the least bound ``scores`` (then ``times``) in each group,
+    sorted."""
+    chosen = []
+    for group in np.unique(groups[rows]):
+        members = rows[groups[rows] == group]
+        chosen.extend(members[np.lexsort((times[members], scores[members]))][:width])
+    return np.sort(np.array(chosen, dtype=int))
 
 
 def _undominated_tiers(chain: _Chain, fits: np.ndarray, forward: np.ndarray, backward: np.ndarray,
@@ -924,13 +1020,21 @@ def _solve_goal(problem: Problem, goal: Goal, chains: dict, configurations: list
     stats = _Stats()
     # pass 1: a beam per configuration, for an incumbent; pass 2: exact, pruned by it, the
     # configurations in the order of their beam results (the best first prunes the most)
+    # Each configuration's bound comes first (cheap): the beam visits the most promising first,
+    # and a configuration whose bound is above the incumbent is not searched at all (its labels
+    # would all be pruned; the reference searches every one, as before issue 42).
     best = seed
     incumbent = seed.score[0] if seed else math.inf
     beam_scores: dict = {}
     open_bounds: list[float] = []     # configurations the deadline left unproven
+    screens = {} if reference else {config: _Search(chains[config], _Objective(goal, chains[config].replicas, unit),
+                                                    math.inf, None, stats).unsearched_bound()
+                                    for config in configurations}
     for beam in (BEAM_WIDTH, None):
-        order = sorted(configurations, key=lambda config: beam_scores.get(config, math.inf))
+        order = sorted(configurations, key=lambda config: (beam_scores.get(config, math.inf), screens.get(config, 0)))
         for config in order:
+            if screens.get(config, -math.inf) > incumbent * (1 + _RELATIVE_SLACK):
+                continue
             chain = chains[config]
             search = _Search(chain, _Objective(goal, chain.replicas, unit), incumbent, beam, stats, reference,
                              deadline if beam is None else None)
