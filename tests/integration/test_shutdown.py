@@ -2,8 +2,9 @@
 
 Each test starts ``python -m flatpack run`` with TMPDIR pointed at a fresh empty directory,
 waits until its functions are running, notes every process it started (its descendants, from
-/proc), signals it, and then checks: it exits (a run that hangs fails the test after 60 s; how long a stop takes is a
-figure for a benchmark, not a test, on a shared host), none of those processes is alive, and the temp directory is still empty. Linux only (/proc, and
+/proc), signals it, and then checks: it exits (a run that hangs fails the test after 60 s;
+how long a stop takes is a benchmark's figure, not a test's, on a shared host), none of those
+processes is alive, and the temp directory is still empty. Linux only (/proc, and
 PR_SET_PDEATHSIG for the SIGKILL case).
 """
 
