@@ -6,6 +6,7 @@ no directory behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -158,12 +159,65 @@ def test_demo_checks_the_model_before_the_host_calibration(tmp_path, capsys, mon
     def calibrate(*args, **kwargs):
         raise AssertionError("the host calibration ran before the model was checked")
 
-    monkeypatch.setattr(target_calibration, "cached_local_calibration", calibrate)
+    monkeypatch.setattr(target_calibration, "measure_local_calibration", calibrate)
+    monkeypatch.setattr(target_calibration, "find_local_calibration", calibrate)
     out = tmp_path / "demo"
-    assert main(["demo", "--model", "resnet999", "--out", str(out)]) == 2
+    assert main(["demo", "--model", "resnet999", "--calibration", "measure", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'resnet999'" in err and "did you mean" in err
     assert not out.exists()
+
+
+def test_the_first_demo_runs_uncalibrated_and_names_the_command_that_calibrates(tmp_path, monkeypatch, caplog):
+    """With no calibration of this host cached, `flatpack demo` (--calibration auto) measures
+    none (minutes, longer than the demo): it predicts uncalibrated and says how to calibrate;
+    with one cached it predicts with it; `--calibration measure` measures now."""
+    from flatpack.backends import target_calibration
+    from flatpack.cli.training import DEMO_TIERS, _demo_calibration
+
+    monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path))
+    measured: list[tuple[int, ...]] = []
+
+    def measure(tiers, report=None):
+        measured.append(tuple(tiers))
+        path = target_calibration.local_calibration_path(tiers)
+        path.write_text("{}")
+        return path
+
+    monkeypatch.setattr(target_calibration, "measure_local_calibration", measure)
+    with caplog.at_level(logging.INFO, logger="flatpack"):
+        assert _demo_calibration("auto") is None
+    assert not measured and "uncalibrated" in caplog.text and "flatpack demo --calibration measure" in caplog.text
+    cached = _demo_calibration("measure")
+    assert measured == [DEMO_TIERS] and cached == target_calibration.local_calibration_path(DEMO_TIERS)
+    monkeypatch.setattr(target_calibration, "find_local_calibration", lambda tiers, report=None: cached)
+    assert _demo_calibration("auto") == cached and len(measured) == 1
+
+
+def test_every_prediction_says_whether_it_is_calibrated():
+    """The report's first prediction says what the cost model rests on: the catalog's figures
+    (and the command that measures the target), or the calibration file and when it was measured."""
+    import dataclasses
+
+    from flatpack.job import prediction_basis
+    from flatpack.platform.calibration import Calibration, TargetInfo, TierCalibration
+    from flatpack.platform.catalog import get_platform
+
+    platform = get_platform("local")
+    uncalibrated = prediction_basis(_Problem(platform, None))
+    assert uncalibrated.startswith("uncalibrated") and "flatpack calibrate --target local" in uncalibrated
+    calibration = Calibration("local", (), {512: TierCalibration(compute_ratio={"conv": 3.0})},
+                              target=TargetInfo("local", "2026-11-29T00:00:00+00:00", "cpu", "0"))
+    calibrated = prediction_basis(dataclasses.replace(_Problem(platform, None), calibration=calibration))
+    assert calibrated.startswith("calibrated") and "2026-11-29" in calibrated
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """What prediction_basis reads of a partitioning problem."""
+
+    platform: object
+    calibration: object
 
 
 def test_a_refused_run_leaves_no_run_directory_behind(tmp_path, capsys, monkeypatch):
