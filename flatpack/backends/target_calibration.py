@@ -261,7 +261,7 @@ def find_local_calibration(tiers: Sequence[int], report: Callable[[str], None] |
     """The cached calibration of the local target's ``tiers`` on this host
     (:func:`local_calibration_path`), or None when none was measured (or it no longer loads).
     ``flatpack demo`` predicts with it when there is one, and otherwise calibrates in the
-    run (docs/calibration.md, "The first demo")."""
+    run (docs/training.md, "The first demo")."""
     path = local_calibration_path(tiers)
     if not path.is_file():
         return None
