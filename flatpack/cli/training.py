@@ -86,6 +86,7 @@ def _demo_calibration(choice: str) -> Path | None:
     """The calibration the demo predicts with: ``measure``, this host's measured now and
     cached; ``auto``, the cached one, or none. Why the first demo does not measure one
     (measuring takes longer than the demo): docs/training.md, "The first demo"."""
+    # start-up time: a verb imports what it runs
     from flatpack.backends.target_calibration import find_local_calibration, measure_local_calibration
 
     if choice == "measure":

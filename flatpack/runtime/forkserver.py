@@ -109,9 +109,10 @@ def preload() -> None:
     baseline = thread_count()      # torch's own, loaded with this module
     for name in (WORKER_MODULE, *ROLE_MODULES):
         importlib.import_module(name)
-    # a torch optimizer's first call imports torch._dynamo (its methods are wrapped to keep
-    # dynamo out): about 1.2 s of CPU that every training function would pay again, at its
-    # tier's CPU share (docs/training.md, "The first demo")
+    # start-up time (of every function forked from here): a torch optimizer's first call
+    # imports torch._dynamo (its methods are wrapped to keep dynamo out), about 1.2 s of CPU
+    # that each training function would pay again at its tier's CPU share (docs/training.md,
+    # "The first demo")
     import torch._dynamo  # noqa: F401
     preload_s3_model()
     if thread_count() > baseline:
