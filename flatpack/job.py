@@ -431,8 +431,9 @@ def _predict(run: _Run) -> Any:
     front_s = price_plan(compiled.problem, compiled.plan).time_s
     say(f"\nthe plan that runs ({run.plan_label}), schedule {run.options.train.schedule}: predicted "
         f"{cost.iteration_s * 1000:.0f} ms and ${cost.dollars_per_iteration:.3g} per iteration (the front's "
-        f"{front_s * 1000:.0f} ms plus the schedule's order and, where the functions share this host, its CPU; after "
-        "training, the comparison re-prices it with the store's round trip measured at deploy)")
+        f"{front_s * 1000:.0f} ms plus the schedule's order and, where the functions share this host, its CPU"
+        + ("; after training, the comparison re-prices it with the store's round trip measured at deploy)"
+           if compiled.problem.calibration is None else ")"))
     recomputing = [str(index) for index, stage in enumerate(compiled.plan.stages) if stage.recompute]
     if recomputing:
         say(f"stage{'s' * (len(recomputing) > 1)} {', '.join(recomputing)} recompute their activations in the "
@@ -609,8 +610,10 @@ def _compare(run: _Run) -> tuple[Any, Any]:
     comparison = report.compare(run.problem, run.final.plan, measured, skip_first=skip,
                                 reads_target=run.reads_target, schedule=schedule)
     latency_ms = run.problem.platform.storage_latency_s * 1000
-    say(f"\npredicted (FuncPipe model, the plan that ran with the store round trip at {latency_ms:.1f} ms) vs "
-        "measured, per micro-batch and per iteration:")
+    basis = ("uncalibrated, the store round trip measured at deploy" if run.problem.calibration is None
+             else "calibrated, the store round trip from the calibration file")
+    say(f"\npredicted (FuncPipe model, the plan that ran; {basis}: {latency_ms:.1f} ms) vs measured, per "
+        "micro-batch and per iteration:")
     say(comparison.table())
     calibrated = in_run_calibration = None
     try:
@@ -918,11 +921,24 @@ def _same_plan(one: Any, other: Any) -> bool:
     return key(one) == key(other)
 
 
+def prediction_basis(problem: Any) -> str:
+    """What the cost model's figures rest on, as the report says it before its first
+    prediction: a calibration file (flatpack calibrate), or the catalog's figures alone."""
+    calibration = problem.calibration
+    if calibration is None:
+        return (f"uncalibrated: the catalog's figures for the {problem.platform.name} tiers over this host's profile "
+                f"(`flatpack calibrate --target {problem.platform.name}` measures them; --calibration FILE predicts "
+                "with what it wrote)")
+    measured = f" on {calibration.target.date}" if calibration.target is not None else ""
+    return f"calibrated: {calibration.platform}'s tiers as measured{measured} (--calibration)"
+
+
 def _print_plans(compiled: Any, label: str, say: Any) -> None:
     """dp's front for context, the plan that runs marked on it when it is one of its plans,
     then the plan that runs stage by stage, labelled by how it was chosen (fixed cuts, the
     solver's recommendation, the fastest)."""
     problem, running = compiled.problem, compiled.plan
+    say(f"predictions (FuncPipe's cost model) {prediction_basis(problem)}")
     try:
         front = dp().front(problem)
     except Exception as err:  # noqa: BLE001 - the front is context; the chosen plan still runs

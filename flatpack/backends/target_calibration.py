@@ -246,25 +246,43 @@ def _calibration(target: str, memory_sizes: Sequence[int], readings: _Readings, 
         provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
 
 
-def cached_local_calibration(tiers: Sequence[int], report: Callable[[str], None] | None = None) -> Path:
-    """The path of a calibration of the local target's ``tiers`` made on this host with this
-    flatpack and torch, measured now (:func:`calibrate_target`) unless one is cached (next to
-    the profile cache: ``$FLATPACK_CACHE_DIR`` or the user's cache directory). ``flatpack
-    demo`` predicts with it, so that its prediction is calibrated on a fresh machine too."""
-
-    say = report or (lambda line: None)
+def local_calibration_path(tiers: Sequence[int]) -> Path:
+    """Where the calibration of the local target's ``tiers`` on this host, with this flatpack
+    and torch, is cached (next to the profile cache: ``$FLATPACK_CACHE_DIR`` or the user's
+    cache directory). The name changes with the host, its cores, torch, flatpack, the tiers
+    and calibrate's method (``METHOD_REVISION``), so that a file measured otherwise is not read."""
     identity = {"host": host_info().cpu, "cores": host_cores(), "torch": torch.__version__, "flatpack": __version__,
                 "tiers": sorted(tiers), "schema": SCHEMA_VERSION, "method": METHOD_REVISION}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    path = default_cache_dir() / f"calibration-local-{key}.json"
-    if path.is_file():
-        with contextlib.suppress(InputError):
-            found = Calibration.load(path)
-            say(f"predicting with the local calibration measured {found.target.date if found.target else ''} "
-                f"({path}; delete it to measure again)")
-            return path
-    say(f"calibrating the local target once for this host ({', '.join(map(str, tiers))} MB tiers; about 2 minutes on a "
-        f"quiet machine): the prediction then uses what it measures; cached at {path}")
+    return default_cache_dir() / f"calibration-local-{key}.json"
+
+
+def find_local_calibration(tiers: Sequence[int], report: Callable[[str], None] | None = None) -> Path | None:
+    """The cached calibration of the local target's ``tiers`` on this host
+    (:func:`local_calibration_path`), or None when none was measured (or it no longer loads).
+    ``flatpack demo`` predicts with it when there is one, and otherwise calibrates in the
+    run (docs/training.md, "The first demo")."""
+    path = local_calibration_path(tiers)
+    if not path.is_file():
+        return None
+    try:
+        found = Calibration.load(path)
+    except InputError:
+        return None
+    if report is not None:
+        report(f"predicting with the local calibration measured {found.target.date if found.target else ''} "
+               f"({path}; `flatpack demo --calibration measure` measures it again)")
+    return path
+
+
+def measure_local_calibration(tiers: Sequence[int], report: Callable[[str], None] | None = None) -> Path:
+    """Measures the local target's ``tiers`` now (:func:`calibrate_target`, about 2 minutes on
+    a quiet 2-core host) into the cache :func:`find_local_calibration` reads, replacing an
+    earlier file; returns its path."""
+    say = report or (lambda line: None)
+    path = local_calibration_path(tiers)
+    say(f"calibrating the local target for this host ({', '.join(map(str, tiers))} MB tiers; about 2 minutes on a "
+        f"quiet machine): later demos predict with what it measures; cached at {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     calibrate_target("local", tiers=tiers, out=path, report=say)
     return path

@@ -103,11 +103,17 @@ def thread_count() -> int:
 
 def preload() -> None:
     """Imports what a function runs, and nothing runs: torch, the worker, every role's
-    modules, and S3's service model parsed into the store's shared loader (a function's store
-    client is then made in milliseconds). Raises RuntimeError if an import started a thread."""
+    modules, torch's dynamo (which its optimizers import), and S3's service model parsed into
+    the store's shared loader (a function's store client is then made in milliseconds).
+    Raises RuntimeError if an import started a thread."""
     baseline = thread_count()      # torch's own, loaded with this module
     for name in (WORKER_MODULE, *ROLE_MODULES):
         importlib.import_module(name)
+    # start-up time (of every function forked from here): a torch optimizer's first call
+    # imports torch._dynamo (its methods are wrapped to keep dynamo out), about 1.2 s of CPU
+    # that each training function would pay again at its tier's CPU share (docs/training.md,
+    # "The first demo")
+    import torch._dynamo  # noqa: F401
     preload_s3_model()
     if thread_count() > baseline:
         raise RuntimeError(f"the fork server's imports started {thread_count() - baseline} thread(s) beyond "

@@ -6,6 +6,7 @@ no directory behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -134,6 +135,27 @@ def test_building_the_parser_does_not_import_torch():
     assert done.stderr.strip().splitlines()[-1] == "False"
 
 
+def test_version_answers_without_building_the_verbs_parsers(capsys):
+    """`flatpack --version` prints what argparse's --version action would, and imports no verb
+    module (start-up time: the done-when's 0.3 s)."""
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit) as fast:
+        main(["--version"])
+    printed = capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert fast.value.code == done.value.code == 0 and capsys.readouterr().out == printed
+    assert printed.startswith("flatpack ")
+    code = ("import sys\nfrom flatpack.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(name for name in sys.modules if name.startswith(('flatpack.cli.', 'flatpack.serve', "
+            "'torch'))), file=sys.stderr)")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert ran.stdout == printed
+    assert ran.stderr.strip().splitlines()[-1] == "['flatpack.cli.common', 'flatpack.cli.parser']"
+
+
 FACTORY = '''
 import torch
 from torch import nn
@@ -158,12 +180,64 @@ def test_demo_checks_the_model_before_the_host_calibration(tmp_path, capsys, mon
     def calibrate(*args, **kwargs):
         raise AssertionError("the host calibration ran before the model was checked")
 
-    monkeypatch.setattr(target_calibration, "cached_local_calibration", calibrate)
+    monkeypatch.setattr(target_calibration, "measure_local_calibration", calibrate)
+    monkeypatch.setattr(target_calibration, "find_local_calibration", calibrate)
     out = tmp_path / "demo"
-    assert main(["demo", "--model", "resnet999", "--out", str(out)]) == 2
+    assert main(["demo", "--model", "resnet999", "--calibration", "measure", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'resnet999'" in err and "did you mean" in err
     assert not out.exists()
+
+
+def test_the_first_demo_runs_uncalibrated_and_names_the_command_that_calibrates(tmp_path, monkeypatch):
+    """With no calibration of this host cached, `flatpack demo` (--calibration auto) measures
+    none (minutes, longer than the demo): it predicts uncalibrated and says how to calibrate;
+    with one cached it predicts with it; `--calibration measure` measures now."""
+    from flatpack.backends import target_calibration
+    from flatpack.cli.training import DEMO_TIERS, MEASURE_HINT, _demo_calibration
+
+    monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path))
+    measured: list[tuple[int, ...]] = []
+
+    def measure(tiers, report=None):
+        measured.append(tuple(tiers))
+        path = target_calibration.local_calibration_path(tiers)
+        path.write_text("{}")
+        return path
+
+    monkeypatch.setattr(target_calibration, "measure_local_calibration", measure)
+    assert _demo_calibration("auto") is None and not measured
+    assert "flatpack demo --calibration measure" in MEASURE_HINT
+    cached = _demo_calibration("measure")
+    assert measured == [DEMO_TIERS] and cached == target_calibration.local_calibration_path(DEMO_TIERS)
+    monkeypatch.setattr(target_calibration, "find_local_calibration", lambda tiers, report=None: cached)
+    assert _demo_calibration("auto") == cached and len(measured) == 1
+
+
+def test_every_prediction_says_whether_it_is_calibrated():
+    """The report's first prediction says what the cost model rests on: the catalog's figures
+    (and the command that measures the target), or the calibration file and when it was measured."""
+    import dataclasses
+
+    from flatpack.job import prediction_basis
+    from flatpack.platform.calibration import Calibration, TargetInfo, TierCalibration
+    from flatpack.platform.catalog import get_platform
+
+    platform = get_platform("local")
+    uncalibrated = prediction_basis(_Problem(platform, None))
+    assert uncalibrated.startswith("uncalibrated") and "flatpack calibrate --target local" in uncalibrated
+    calibration = Calibration("local", (), {512: TierCalibration(compute_ratio={"conv": 3.0})},
+                              target=TargetInfo("local", "2026-11-29T00:00:00+00:00", "cpu", "0"))
+    calibrated = prediction_basis(dataclasses.replace(_Problem(platform, None), calibration=calibration))
+    assert calibrated.startswith("calibrated") and "2026-11-29" in calibrated
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """What prediction_basis reads of a partitioning problem."""
+
+    platform: object
+    calibration: object
 
 
 def test_a_refused_run_leaves_no_run_directory_behind(tmp_path, capsys, monkeypatch):

@@ -209,9 +209,10 @@ def test_gillis_takes_the_calibrated_store_latency_as_its_delay_distribution():
     assert _default_delay(explicit) == CommDelay(0.01)
 
 
-def test_the_demos_cached_calibration_is_reused_until_the_method_changes(tmp_path, monkeypatch):
-    """`flatpack demo` measures this host once and reuses the file; a file measured by an
-    earlier revision of calibrate's method is measured again, though its schema still loads."""
+def test_the_demos_cached_calibration_is_found_until_the_method_changes(tmp_path, monkeypatch):
+    """`flatpack demo --calibration measure` measures this host into the cache and later demos
+    find the file (tiers in any order); none is found before it, and a file measured by an
+    earlier revision of calibrate's method is not found, though its schema still loads."""
     from flatpack.backends import target_calibration as module
 
     monkeypatch.setenv("FLATPACK_CACHE_DIR", str(tmp_path))
@@ -224,12 +225,17 @@ def test_the_demos_cached_calibration_is_reused_until_the_method_changes(tmp_pat
         return calibration
 
     monkeypatch.setattr(module, "calibrate_target", fake_calibrate)
-    first = module.cached_local_calibration((512, 1024))
-    again = module.cached_local_calibration((1024, 512))
-    assert first == again and first.is_file() and len(measured) == 1
+    assert module.find_local_calibration((512, 1024)) is None and not measured
+    first = module.measure_local_calibration((512, 1024))
+    said: list[str] = []
+    assert module.find_local_calibration((1024, 512), said.append) == first and first.is_file()
+    assert len(measured) == 1 and "--calibration measure" in said[0]
+    first.write_text("{not json")         # a damaged file is not a calibration: measured again when asked
+    assert module.find_local_calibration((512, 1024)) is None
+    module.measure_local_calibration((512, 1024))
     monkeypatch.setattr(module, "METHOD_REVISION", module.METHOD_REVISION + 1)
-    revised = module.cached_local_calibration((512, 1024))
-    assert revised != first and len(measured) == 2
+    assert module.find_local_calibration((512, 1024)) is None
+    assert module.measure_local_calibration((512, 1024)) != first and len(measured) == 3
 
 
 def test_a_tier_s_compute_ratio_is_the_median_of_its_invocations_each_beside_its_own_host_passes():
