@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flatpack import logs
+from flatpack.errors import InputError
 from flatpack.backends import RUN_TARGETS
 from flatpack.cli.common import RAY_ADDRESS_HELP, json_flag, load_factory, report, text_stream, trust_args
 from flatpack.cli.run_options import add_run_options, job_values
@@ -62,23 +63,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flatpack.job_options import JobOptions
 
     given = Path(args.calibration) if args.calibration not in CALIBRATION_CHOICES else None
+    if args.target != "local" and args.calibration == "measure":
+        raise InputError(f"--calibration measure calibrates this host's local functions, not the {args.target} "
+                         f"target; run `flatpack calibrate --target {args.target} --out FILE` and pass "
+                         "--calibration FILE, or leave --calibration out (the run calibrates on its iteration 1)")
     options = JobOptions.of(batch=64, micro_batches=8, iterations=args.iterations, optimizer="adam", lr=0.01,
                             passes="fuse-elementwise,merge-branches,coarsen{max-layers=8,by=time}", stages=DEMO_STAGES,
-                            memory_mb=DEMO_TIERS, out=Path(args.out), calibration=given)
+                            memory_mb=DEMO_TIERS, out=Path(args.out), calibration=given, target=args.target,
+                            address=args.address)
     options.check()
     # the model before any calibration (minutes when measured): a misspelt name is refused at once
     model, inputs = load_factory(args.model, "tiny")
-    if given is None and args.calibration != "none":
+    # the cached calibration is of this host's local functions: a Ray run predicts uncalibrated and
+    # calibrates on its iteration 1, as a first local demo does
+    if given is None and args.calibration != "none" and args.target == "local":
         options = options.with_changes(calibration=_demo_calibration(args.calibration))
-    LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of {DEMO_STAGES} local functions "
+    functions = "local functions" if args.target == "local" else f"Ray tasks on {args.address or 'auto'}"
+    LOG.info(f"flatpack demo: {args.model} (reduced size) trained as a pipeline of {DEMO_STAGES} {functions} "
              "(fixed cuts: stages of balanced parameter bytes; on a host this small the solver's fastest plan is "
              "often one stage, which would show no pipeline)")
     result = run_training(model, inputs, options, stream=text_stream(args))
     report(args, None, result.to_json)
     if args.calibration == "auto" and options.plan.calibration is None:
         in_run = " and the run calibrated them on its iteration 1" if result.calibrated is not None else ""
-        LOG.info(f"the predictions above were uncalibrated (no calibration of this host is cached){in_run}; "
-                 f"{MEASURE_HINT}")
+        hint = MEASURE_HINT if args.target == "local" else (
+            f"`flatpack calibrate --target {args.target} --out FILE` measures the cluster, and --calibration FILE "
+            "predicts with it")
+        LOG.info(f"the predictions above were uncalibrated (no calibration of this target is cached){in_run}; "
+                 f"{hint}")
     return 0 if result.equivalent else 1
 
 
@@ -162,6 +174,10 @@ def _add_demo(subparsers: Any) -> None:
                              "host now, about 2 minutes once, and cache it for later demos), a file written by "
                              "`flatpack calibrate --target local`, or none (the catalog's figures, even when a "
                              "calibration is cached)")
+    parser.add_argument("--target", default="local", choices=RUN_TARGETS,
+                        help="where the stage functions run: local (processes on this host, the default) or ray "
+                             "(Ray tasks; with --address local, a one-node Ray cluster the demo starts itself)")
+    parser.add_argument("--address", default=None, help=RAY_ADDRESS_HELP)
     json_flag(parser, "demo")
     parser.set_defaults(run=cmd_demo)
 

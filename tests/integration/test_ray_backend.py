@@ -300,3 +300,32 @@ def test_flatpack_serve_on_ray_keeps_a_warm_pool_of_replicas_on_one_store(ray_cl
     assert _metric(r"^flatpack_serve_replicas (\S+)$", metrics) == "2.0"
     assert _metric(r"^flatpack_serve_cold_starts_total (\S+)$", metrics) == "2.0"     # one function per group
     assert running.service.version.replicas == []
+
+
+def test_the_demo_on_a_ray_cluster_it_starts_itself(tmp_path):
+    """README's Ray command, as a user types it: `flatpack demo --target ray --address local`
+    starts a one-node Ray cluster in its own process (none of the session's), trains the
+    demo's two stages as Ray tasks and passes the verdict. A process of its own, so the
+    cluster it starts and stops is not this test process's connection."""
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "RAY_ADDRESS": ""}   # the session's cluster must not be the one it finds
+    done = subprocess.run([sys.executable, "-m", "flatpack", "demo", "--target", "ray", "--address", "local",
+                           "--iterations", "4", "--out", str(tmp_path / "demo")],
+                          cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "trained as a pipeline of 2 Ray tasks on local" in output
+    assert "equivalence with single-process training: passed" in output
+    assert "Traceback" not in output
+    assert (tmp_path / "demo" / "trained.safetensors").is_file()
+
+
+def test_the_demo_refuses_to_measure_a_ray_calibration_as_this_hosts(tmp_path, capsys):
+    from flatpack import cli
+
+    code = cli.main(["demo", "--target", "ray", "--calibration", "measure", "--out", str(tmp_path / "demo")])
+    assert code == 2
+    assert "flatpack calibrate --target ray --out FILE" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
