@@ -259,7 +259,7 @@ def price(problem: Problem, plan: Plan, anchor: float = 1.0) -> Priced | None:
     try:
         cost = funcpipe.predicted(problem, plan)
     except PlanError:
-        return None    # e.g. per-stage degrees, or more replicas than micro-batches
+        return None    # e.g. more replicas than micro-batches
     return Priced(plan, cost.iteration_s * anchor, cost.dollars_per_iteration * anchor) if cost.fits else None
 
 
@@ -287,9 +287,9 @@ def check_elastic(deployment: SwitchableDeployment, policy: ElasticPolicy, micro
     problem = deployment.compiled.problem
     assert problem is not None   # replan.check_switchable refused a read-back artifact
     if price(problem, plan) is None:
-        raise InputError("the elastic policy prices plans with the FuncPipe model, which replicates whole pipelines "
-                         "(every stage the same replicas) and needs every stage to fit its tier; start from such a "
-                         f"plan (this one: [{shape(plan)}])")
+        raise InputError("the elastic policy prices plans with the FuncPipe model, which cannot price this first "
+                         f"plan ([{shape(plan)}]: a stage does not fit its tier, or a degree exceeds the "
+                         f"{micro_batches} micro-batches); start from a plan that fits, e.g. larger --memory tiers")
 
 
 class ElasticScaler:

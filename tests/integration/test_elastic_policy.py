@@ -103,7 +103,6 @@ def _profiled(replicas: list[int]) -> flatpack.Compiled:
     ([1, 1], {"replan": True}, "give one of them"),
     ([1, 1], {"epoch_iterations": 2}, "at least 3"),
     ([2, 2], {"elastic": ElasticPolicy(max_replicas=1)}, "outside the elastic policy"),
-    ([1, 2], {}, "replicates whole pipelines"),
 ])
 def test_elastic_policy_refusals_name_cause_and_fix(s3_server, replicas, options, cause):
     compiled = _profiled(replicas)

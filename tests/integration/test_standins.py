@@ -186,7 +186,7 @@ def test_runner_measures_a_function_that_closed_its_channel_and_ran_past_its_tim
                                        "    time.sleep(30)\n")
     # the timeout leaves the 200 MB time to be touched on a loaded host (0.5 s measured 145 MB at load 12)
     result = run_invocation(FunctionCode(code_dir, handler="stray.handler", memory_mb=512, timeout_s=5.0), b"{}")
-    assert result.error_type == runner.TIMED_OUT and result.duration_s < 5
+    assert result.error_type == runner.TIMED_OUT and result.duration_s < 30     # its timeout, not its sleep
     assert result.max_memory_mb is not None and result.max_memory_mb > 200
 
 

@@ -98,19 +98,21 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
 
 
 def test_a_full_queue_sheds_and_a_closed_batcher_refuses():
+    # seconds, not milliseconds: on a loaded host the event loop stalls for tens of ms, and a
+    # 100 ms SLO shed the admitted requests on their deadline
     async def slow(tensors):
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
         return {"output": tensors["x"]}, "digest"
 
     async def scenario():
-        policy = BatchPolicy.choose(LatencyModel(0.040, 0.0, "test"), 0.100, cap=2)   # 2·40 ms ≤ 80 ms: B = 2
+        policy = BatchPolicy.choose(LatencyModel(0.400, 0.0, "test"), 1.000, cap=2)   # 2·400 ms ≤ 800 ms: B = 2
         batcher = Batcher(policy, slow)
         batcher.start()
         first = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(2, 3))))
         await asyncio.sleep(0)
         second = asyncio.create_task(batcher.submit(_request(CONTRACT, torch.ones(2, 3))))
         await asyncio.sleep(0)
-        with pytest.raises(Overloaded) as shed:     # behind 2 or 4 queued samples (and a batch): ≥ 120 ms
+        with pytest.raises(Overloaded) as shed:     # behind 2 or 4 queued samples (and a batch): ≥ 1.2 s
             await batcher.submit(_request(CONTRACT, torch.ones(2, 3)))
         assert shed.value.reason == "admission"
         assert shed.value.retry_after_s == pytest.approx(policy.backlog_seconds(2, 2)) or \
