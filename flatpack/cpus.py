@@ -324,17 +324,21 @@ def _latest(samples: list[tuple[float, dict[int, Reading]]], pid: int) -> Readin
 def cores_obtained(processes: int, seconds: float) -> float | None:
     """The host's cores ``processes`` always-busy processes get together: each forked child
     spins for ``seconds`` of wall time, and their CPU seconds (``os.wait4``'s usage, user and
-    system) are summed over that time. On a quiet host it reads the host's cores (fewer where
-    ``processes`` is fewer); where other work shares the host it reads the share the kernel's
-    scheduler gives these processes beside it, which is what a local run's workers, invoker
-    and store get too (``analysis.host_load``). None where there is no ``fork``/``wait4``
-    (Windows). The children run only the spin loop and ``os._exit``: no lock or thread of the
-    parent is touched after the fork."""
+    system) are summed over the window from the first fork to the last exit. On a quiet host
+    it reads the host's cores (fewer where ``processes`` is fewer); where other work shares
+    the host it reads the share the kernel's scheduler gives these processes beside it, which
+    is what a local run's workers, invoker and store get too (``analysis.host_load``). None
+    where there is no ``fork``/``wait4`` (Windows). The children run only the spin loop and
+    ``os._exit``: no lock or thread of the parent is touched after the fork."""
     if processes < 1 or seconds <= 0:
         raise ValueError(f"cores_obtained needs processes >= 1 and seconds > 0, got {processes} and {seconds}")
     if not hasattr(os, "fork") or not hasattr(os, "wait4"):
         return None
     children = []
+    # over the window from the first fork to the last child's end, not ``seconds``: each child
+    # spins ``seconds`` from its own start, and on a loaded host the forks are staggered, so
+    # CPU seconds over ``seconds`` read more cores than the host has (test_request_cpu caught it)
+    started = time.monotonic()
     try:
         for _ in range(processes):
             pid = os.fork()
@@ -355,4 +359,4 @@ def cores_obtained(processes: int, seconds: float) -> float | None:
         for pid in children:
             _, _, usage = os.wait4(pid, 0)
             used += usage.ru_utime + usage.ru_stime
-    return used / seconds
+    return used / max(seconds, time.monotonic() - started)
