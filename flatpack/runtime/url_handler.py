@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from flatpack import safeio
+from flatpack.errors import InputError
 from flatpack.runtime import forkjoin
 from flatpack.runtime.function import STORE_ENV
 from flatpack.runtime.keys import RunKeys
@@ -91,9 +93,11 @@ def _inputs(event: dict[str, Any], dtypes: dict[str, str]) -> dict[str, torch.Te
     body = event.get("body") or ""
     raw = base64.b64decode(body) if event.get("isBase64Encoded") else body.encode()
     try:
-        document = json.loads(raw)
-    except ValueError as err:
-        return _error(400, f"the request body is not valid JSON ({err})")
+        # the project's strict parser, as `flatpack serve` reads a body: json.loads would let a
+        # deeply nested body raise RecursionError out of the handler, and take NaN
+        document = safeio.parse_json(raw, what="the request body")
+    except InputError as err:
+        return _error(400, str(err))
     if not isinstance(document, dict) or not isinstance(document.get("inputs"), dict):
         return _error(400, 'the request body must be a JSON object {"inputs": {"NAME": [[...]], ...}}')
     given = document["inputs"]

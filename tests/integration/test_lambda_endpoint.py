@@ -127,10 +127,14 @@ def test_the_serving_master_answers_health_and_refuses_bad_requests_before_any_f
     assert url_handler.handle(url_event("GET", "/healthz"))["statusCode"] == 200
     assert url_handler.handle(url_event("GET", "/v1/predict"))["statusCode"] == 404
     cases = [({"inputs": {"y": [[1.0]]}}, 422, "takes the inputs ['x']"), ([1, 2], 400, '{"inputs"'),
-             ({"inputs": {"x": [[1.0], [1.0, 2.0]]}}, 422, "not a rectangular list")]
+             ({"inputs": {"x": [[1.0], [1.0, 2.0]]}}, 422, "not a rectangular list"),
+             ({"inputs": {"x": [[float("nan")]]}}, 400, "the request body")]
     for body, status, message in cases:
         answer = url_handler.handle(url_event("POST", "/v1/predict", body))   # type: ignore[arg-type]
         assert answer["statusCode"] == status and message in json.loads(answer["body"])["error"]
+    # nested past what Python's json recursion takes: refused as a bad body, not raised out of the handler
+    nested = url_handler.handle({**url_event("POST", "/v1/predict"), "body": "[" * 5000 + "]" * 5000})
+    assert nested["statusCode"] == 400 and "levels deep" in json.loads(nested["body"])["error"]
 
 
 def test_a_public_endpoint_warns_and_the_bundle_prices_its_provisioned_concurrency(compiled):
