@@ -317,18 +317,20 @@ def _weight_and_grad_bytes(manifest: Manifest) -> tuple[int, int]:
     return weights, gradients
 
 
-def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...],
-                    region: str | None = None) -> tuple[Callable[[Any], FunctionDeployment], Path | None]:
+def _default_deploy(target: str, emulate: bool, memory_sizes: tuple[int, ...], region: str | None = None,
+                    server: Any = None) -> tuple[Callable[[Any], FunctionDeployment], Path | None]:
     """The deploy function, and the scratch folder it keeps its functions' logs in (None:
     the backend keeps them where it keeps its deployment record). Emulating (and for
     ``local``): the local backend's deploy, into a new scratch folder. Otherwise the
     target's backend's, which must say it can start profiler functions: a function of each
     tier's memory with every layer's artifact (``PROFILE_FUNCTIONS = True``;
     ``deploy(compiled, profile_tiers=...)``, and ``launch`` sizing a ``"profile"`` role by
-    ``role.stage`` MB)."""
+    ``role.stage`` MB). ``server``: a running ``LocalS3Server`` the local deployments share
+    (each starts its own without one)."""
     if emulate or target == "local":
         scratch = Path(tempfile.mkdtemp(prefix="flatpack-profile-"))
-        return partial(get_backend("local").deploy, workdir=scratch), scratch
+        store = {} if server is None else {"store_url": server.url(""), "env": server.env()}
+        return partial(get_backend("local").deploy, workdir=scratch, **store), scratch
     backend = get_backend(target)
     if not getattr(backend, "PROFILE_FUNCTIONS", False):
         raise InputError(f"the {target} backend cannot start profiler functions yet (one function per memory tier); "

@@ -47,7 +47,8 @@ from flatpack.platform.catalog import Platform, RequestCpu, get_platform, host_c
 from flatpack.profiler import default_cache_dir, host_clock, host_info
 from flatpack.runtime.calibrate_function import (IDLE_S, SMALL_PROBE_PARTS, CalibrateResult, CalibrateSpec,
                                                  calibrate_role, time_op_classes)
-from flatpack.runtime.function import Role
+from flatpack.runtime.function import Role, cpu_share
+from flatpack.runtime.s3server import LocalS3Server
 from flatpack.version import __version__
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -109,16 +110,62 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
     say = report or (lambda line: None)
     failed: list[int] = []
     with contextlib.ExitStack() as cleanup:
+        server_pid = None
         if deploy is None:
-            deploy, scratch = profiling._default_deploy(target, emulate, memory_sizes, region)
+            deploy, scratch, server_pid = _shared_store_deploy(target, emulate, memory_sizes, region, cleanup)
             if scratch is not None:
                 cleanup.callback(profiling._remove_logs_unless_failed, scratch, failed)
+        calibration, alike = _calibrate_functions(target, platform, memory_sizes, deploy, launch, server_pid, failed,
+                                                  say, threads=threads, region=region, round_trips=round_trips,
+                                                  probe_bytes=probe_bytes, timeout_s=timeout_s)
+        if task_iterations:
+            try:
+                calibration = _with_task_overheads(calibration, target, alike, deploy, task_iterations, timeout_s,
+                                                   say)
+            except Exception:
+                failed.extend(memory_sizes)    # the functions' logs are the one full account of why
+                raise
+    if out is not None:
+        calibration.save(out)
+        say(f"wrote {out}")
+    return calibration
+
+
+def _shared_store_deploy(target: str, emulate: bool, memory_sizes: Sequence[int], region: str | None,
+                         cleanup: contextlib.ExitStack
+                         ) -> tuple[Callable[[Any], FunctionDeployment], Path | None, int | None]:
+    """The deploy function every step of the calibration uses, the scratch folder of its
+    functions' logs (None: the backend keeps them), and the pid of the S3 server its
+    deployments share (None: the target's own store). Emulated tiers (and ``local``) share
+    one server, started here for the whole calibration and stopped by ``cleanup``: the probe
+    pipelines and serving probes deploy 6 times a tier, and a server of their own each took
+    1-1.5 s to start, a third of the calibration of ``local``'s 8 tiers (issue 42)."""
+    if not (emulate or target == "local"):
+        deploy, scratch = profiling._default_deploy(target, emulate, tuple(memory_sizes), region)
+        return deploy, scratch, None
+    server = LocalS3Server().start()
+    cleanup.callback(server.stop)
+    deploy, scratch = profiling._default_deploy(target, emulate, tuple(memory_sizes), region, server=server)
+    return deploy, scratch, server.pid
+
+
+def _calibrate_functions(target: str, platform: Platform, memory_sizes: Sequence[int],
+                         deploy: Callable[[Any], FunctionDeployment], launch: Callable[[Role], Invocation] | None,
+                         server_pid: int | None, failed: list[int], say: Callable[[str], None], *, threads: int,
+                         region: str | None, round_trips: int, probe_bytes: int, timeout_s: float
+                         ) -> tuple[Calibration, dict[int, int]]:
+    """The calibration functions' part of the file: each tier's function cold, then warm
+    (:func:`_invoke_tiers`), and the store requests' host CPU; their deployment is torn down
+    on success or failure, leaving nothing in the store. With it, each tier's
+    representative (:func:`alike_tiers`)."""
+    with contextlib.ExitStack() as cleanup:
         model, example = _probe_model()
         compiled = compile_model(model, example, target=target, stages=1)
         say(f"deploying the calibration function to {target} ({', '.join(f'{mb} MB' for mb in memory_sizes)})")
         deployment = deploy(compiled)
         cleanup.callback(deployment.teardown)
         emulated = bool(getattr(deployment, "emulate_tiers", False))
+        alike = alike_tiers(platform, memory_sizes, threads, emulated)
         for memory_mb in memory_sizes:
             tier = platform.tier(memory_mb)
             spec = CalibrateSpec(run=deployment.keys.run, memory_mb=memory_mb, vcpus=tier.vcpus, emulate_cpu=emulated,
@@ -129,23 +176,34 @@ def calibrate_target(target: str, *, tiers: Sequence[int] | None = None, out: st
         # imports torch), never from the local fork server, whose start is a warm container's
         # (docs/local-functions.md); a caller's own launch starts both
         launch_cold = launch or getattr(deployment, "launch_cold", deployment.launch)
-        readings = _invoke_tiers(deployment, compiled.digest, memory_sizes, launch or deployment.launch, launch_cold,
+        readings = _invoke_tiers(deployment, compiled.digest, alike, launch or deployment.launch, launch_cold,
                                  threads, timeout_s, say, failed)
         if failed:
             reasons = "; ".join(f"{mb} MB: {_why(deployment, calibrate_role(deployment.keys, mb, COLD))}"
                                 for mb in sorted(set(failed)))
             raise RunFailure(f"the calibration function failed on {reasons}. "
                              + profiling._next_step(deployment, emulated))
-        request_cpu = _request_cpu(deployment, emulated, say)
-    calibration = _calibration(target, memory_sizes, readings, emulated=emulated, region=region, threads=threads,
+        request_cpu = _request_cpu(deployment, emulated, server_pid, say)
+    calibration = _calibration(target, alike, readings, emulated=emulated, region=region, threads=threads,
                                round_trips=round_trips, probe_bytes=probe_bytes, request_cpu=request_cpu)
-    if task_iterations:
-        calibration = _with_task_overheads(calibration, target, emulate, memory_sizes, region, deploy,
-                                           task_iterations, timeout_s, say)
-    if out is not None:
-        calibration.save(out)
-        say(f"wrote {out}")
-    return calibration
+    return calibration, alike
+
+
+def alike_tiers(platform: Platform, memory_sizes: Sequence[int], threads: int, emulated: bool) -> dict[int, int]:
+    """Each of ``memory_sizes`` mapped to the tier whose cold start and task terms stand for
+    it: on emulated tiers, the smallest tier held to the same CPU share at ``threads``
+    threads (``runtime.function.cpu_share``: at one thread every tier of 1 vCPU or more runs
+    its compute unthrottled, so ``local``'s six tiers from 2048 MB on differ only in their
+    link, which the model carries, and their memory limit); on a platform, itself. The
+    calibration measures those figures once per representative: each cold start (a fresh
+    interpreter importing torch, 4-8 s) and each tier's probe pipelines (10-20 s) had made
+    ``flatpack calibrate --target local`` take 150-230 s (issue 42). Every tier still gets its
+    own calibration function, cold and warm: its link, latency and compute probes are its own."""
+    if not emulated:
+        return {memory_mb: memory_mb for memory_mb in memory_sizes}
+    first: dict[float, int] = {}
+    return {memory_mb: first.setdefault(cpu_share(platform.tier(memory_mb).vcpus, threads), memory_mb)
+            for memory_mb in sorted(memory_sizes)}
 
 
 def _check_request(target: str, platform: Platform, *, emulate: bool, region: str | None, task_iterations: int,
@@ -178,26 +236,30 @@ class _Readings:
     host_passes: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
 
 
-def _invoke_tiers(deployment: FunctionDeployment, digest: str, memory_sizes: Sequence[int],
+def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, int],
                   launch: Callable[[Role], Invocation], launch_cold: Callable[[Role], Invocation], threads: int,
                   timeout_s: float, say: Callable[[str], None], failed: list[int]) -> _Readings:
-    """Invokes each tier's calibration function once cold (by ``launch_cold``) and
-    ``WARM_READINGS`` times warm, one at a time, with the host's probes between them; a tier
-    whose function failed goes to ``failed``."""
+    """Invokes each tier's calibration function once first (by ``launch_cold`` on a tier
+    that stands for others or itself, ``alike``; by ``launch`` on the others, whose cold
+    start is their representative's) and ``WARM_READINGS`` times warm, one at a time, with
+    the host's probes between them; a tier whose function failed goes to ``failed``."""
     readings = _Readings()
+    memory_sizes = tuple(alike)
 
     def timed(role: Role) -> Invocation:
         readings.launched[(role.stage, role.start_iteration)] = time.time()
-        return (launch_cold if role.start_iteration == COLD else launch)(role)
+        cold = role.start_iteration == COLD and alike[role.stage] == role.stage
+        return (launch_cold if cold else launch)(role)
 
     # the host's probes just before and just after each function: the host's speed moves
     # by up to 45 % for seconds to minutes (BENCHMARKS.md, issue 19's sixth pass), so a
     # function's reading is set beside the host's nearest in time, not the run's first
     before = _on_host(threads)
     for invocation in range(COLD, WARM + WARM_READINGS):
-        verb = ("calibrating (cold start)" if invocation == COLD
-                else f"starting again (warm, {invocation} of {WARM_READINGS})")
         for memory_mb in memory_sizes:
+            verb = ("calibrating (cold start)" if invocation == COLD and alike[memory_mb] == memory_mb
+                    else f"calibrating (its cold start the {alike[memory_mb]} MB tier's)" if invocation == COLD
+                    else f"starting again (warm, {invocation} of {WARM_READINGS})")
             role = calibrate_role(deployment.keys, memory_mb, invocation, digest)
             profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
             after = _on_host(threads)
@@ -212,24 +274,29 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, memory_sizes: Seq
     return readings
 
 
-def _request_cpu(deployment: FunctionDeployment, emulated: bool, say: Callable[[str], None]) -> RequestCpu | None:
+def _request_cpu(deployment: FunctionDeployment, emulated: bool, server_pid: int | None,
+                 say: Callable[[str], None]) -> RequestCpu | None:
     """The host CPU a store request costs (client and server), where the store's server runs
-    on this host beside emulated tiers; None elsewhere."""
+    on this host beside emulated tiers (the calibration's shared server, ``server_pid``, or
+    one the deployment started); None elsewhere."""
     server = getattr(deployment, "server", None)
-    if not emulated or server is None or server.pid is None:
+    if server_pid is None and server is not None:
+        server_pid = server.pid
+    if not emulated or server_pid is None:
         return None
     # the host's cores are shared: what a request costs them bounds a run (analysis.host_load)
     say("timing the host CPU of the store's requests (client and server)")
-    return measure_request_cpu(deployment.store, server.pid, f"{deployment.keys.run}/calibrate/request-cpu")
+    return measure_request_cpu(deployment.store, server_pid, f"{deployment.keys.run}/calibrate/request-cpu")
 
 
-def _calibration(target: str, memory_sizes: Sequence[int], readings: _Readings, *, emulated: bool,
+def _calibration(target: str, alike: dict[int, int], readings: _Readings, *, emulated: bool,
                  region: str | None, threads: int, round_trips: int, probe_bytes: int,
                  request_cpu: RequestCpu | None) -> Calibration:
     """The calibration the readings make: per tier, the store's latency and poll overhead from
     the cold invocations, the host's probe seconds averaged over every pass."""
     results, host_passes = readings.results, readings.host_passes
-    measured = _tiers(memory_sizes, results, readings.launched, host_passes)
+    memory_sizes = tuple(alike)
+    measured = _tiers(alike, results, readings.launched, host_passes)
     host_seconds = {name: statistics.mean(passes[name] for passes in host_passes.values())
                     for name in next(iter(host_passes.values()))}
     requests = [seconds for (_, invocation), result in results.items() if invocation == COLD
@@ -243,7 +310,7 @@ def _calibration(target: str, memory_sizes: Sequence[int], readings: _Readings, 
         target=TargetInfo(target, now, host_info().cpu, __version__, region, threads),
         store_latency=StoreLatency.fit(requests), poll_overhead_s=statistics.mean(polls),
         host_cores=host_cores() if emulated else None, collective=first.collective, request_cpu=request_cpu,
-        provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds))
+        provenance=_provenance(target, emulated, round_trips, probe_bytes, host_seconds, alike))
 
 
 def local_calibration_path(tiers: Sequence[int]) -> Path:
@@ -288,39 +355,29 @@ def measure_local_calibration(tiers: Sequence[int], report: Callable[[str], None
     return path
 
 
-def _with_task_overheads(calibration: Calibration, target: str, emulate: bool, memory_sizes: Sequence[int],
-                         region: str | None, deploy: Callable[[Any], FunctionDeployment] | None, iterations: int,
-                         timeout_s: float, say: Callable[[str], None]) -> Calibration:
+def _with_task_overheads(calibration: Calibration, target: str, alike: dict[int, int],
+                         deploy: Callable[[Any], FunctionDeployment], iterations: int, timeout_s: float,
+                         say: Callable[[str], None]) -> Calibration:
     """``calibration`` with each tier's task terms, measured by the probe pipeline on the tier
-    with the figures measured so far (``task_overheads.measure_tier``)."""
+    with the figures measured so far (``task_overheads.measure_tier``), deployed by ``deploy``:
+    once per representative tier (``alike``), the others taking their representative's."""
     tiers = dict(calibration.tiers)
-    for memory_mb in memory_sizes:
+    for memory_mb in dict.fromkeys(alike.values()):
         say(f"running the probe pipeline (1 stage, then 2; "
             f"{', '.join(map(str, task_overheads.probe_workers()))} workers, {iterations} iterations "
             f"each) on the {memory_mb} MB tier: each task's seconds beyond the model")
-        scratch = None
-        deploy_here = deploy
-        if deploy_here is None:
-            deploy_here, scratch = profiling._default_deploy(target, emulate, tuple(memory_sizes), region)
-        failed: list[int] = []
-        try:
-            measured = task_overheads.measure_tier(target, memory_mb, calibration, deploy_here, iterations=iterations,
-                                                   timeout_s=timeout_s)
-            say(f"serving the probe model on the {memory_mb} MB tier (the master alone, then split over "
-                f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers): each request's seconds "
-                "beyond Gillis's model")
-            # as many timed requests as the pipeline's iterations, and one (a median of an odd count)
-            for functions, terms in task_overheads.measure_serving(target, memory_mb, calibration, deploy_here,
-                                                                    requests=iterations + 1,
-                                                                    timeout_s=timeout_s).items():
-                measured.setdefault(functions, {}).update(terms)
-        except Exception:
-            failed.append(memory_mb)
-            raise
-        finally:
-            if scratch is not None:
-                profiling._remove_logs_unless_failed(scratch, failed)
-        tiers[memory_mb] = dataclasses.replace(tiers[memory_mb], task_overhead_s=measured)
+        measured = task_overheads.measure_tier(target, memory_mb, calibration, deploy, iterations=iterations,
+                                               timeout_s=timeout_s)
+        say(f"serving the probe model on the {memory_mb} MB tier (the master alone, then split over "
+            f"{' and '.join(map(str, task_overheads.SERVING_PARTITIONS))} workers): each request's seconds "
+            "beyond Gillis's model")
+        # as many timed requests as the pipeline's iterations, and one (a median of an odd count)
+        for functions, terms in task_overheads.measure_serving(target, memory_mb, calibration, deploy,
+                                                                requests=iterations + 1,
+                                                                timeout_s=timeout_s).items():
+            measured.setdefault(functions, {}).update(terms)
+        for same in (tier for tier, stands in alike.items() if stands == memory_mb):
+            tiers[same] = dataclasses.replace(tiers[same], task_overhead_s=measured)
     provenance = {**calibration.provenance, "tasks": (
         f"task terms: a probe pipeline of linear layers per tier, in 1 stage then 2, with "
         f"{', '.join(map(str, task_overheads.probe_workers()))} workers, {iterations} iterations of "
@@ -379,7 +436,7 @@ def link_fit(probe_bytes: int, seconds: Sequence[float], small_bytes: int, small
     return probe_bytes / max(large - request_s, 1e-9), 0.0
 
 
-def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], CalibrateResult],
+def _tiers(alike: dict[int, int], results: dict[tuple[int, int], CalibrateResult],
            launched: dict[tuple[int, int], float],
            host_passes: dict[tuple[int, int], dict[str, float]]) -> dict[int, TierCalibration]:
     """Per tier: compute ratios against the host, each direction's bandwidth and the link's
@@ -390,9 +447,9 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
     The cold and each warm invocation time the compute and optimizer probes; each reading is
     set beside the host's passes just before and after that invocation, and the tier's
     figure is the readings' median (with two, their mean). ``invoke_warm_s``: the first warm
-    start's."""
+    start's; ``invoke_cold_s``: the cold start of the tier that stands for it (``alike``)."""
     tiers = {}
-    for memory_mb in memory_sizes:
+    for memory_mb, cold_tier in alike.items():
         cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
         request = statistics.median(cold.request_s)
         upload = link_fit(cold.probe_bytes, cold.upload_s, cold.small_probe_bytes, cold.small_upload_s, request)
@@ -407,19 +464,26 @@ def _tiers(memory_sizes: Sequence[int], results: dict[tuple[int, int], Calibrate
         tiers[memory_mb] = TierCalibration(
             compute_ratio=compute_ratio,
             upload_bytes_s=upload[0], download_bytes_s=download[0], burst_s=(upload[1] + download[1]) / 2,
-            invoke_cold_s=max(0.0, cold.ready_at - launched[(memory_mb, COLD)]),
+            invoke_cold_s=max(0.0, results[(cold_tier, COLD)].ready_at - launched[(cold_tier, COLD)]),
             invoke_warm_s=max(0.0, warm.ready_at - launched[(memory_mb, WARM)]),
             optimizer_s_per_byte=optimizer_s_per_byte)
     return tiers
 
 
 def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
-                host_seconds: dict[str, float]) -> dict[str, str]:
+                host_seconds: dict[str, float], alike: dict[int, int]) -> dict[str, str]:
     where = (f"local processes on {host_info().cpu}, each held to the {target} tier's CPU share and link by the local "
              "backend: emulated, not measured on the platform" if emulated
              else f"one calibration function per memory tier on {target}, at the platform's own CPU share and link")
     host = ", ".join(f"{name} {seconds * 1000:.3f} ms" for name, seconds in host_seconds.items())
-    return {"where": where, "cpu_share": "emulated" if emulated else "platform",
+    shared = {memory_mb: stands for memory_mb, stands in alike.items() if stands != memory_mb}
+    provenance = {}
+    if shared:
+        standing = ", ".join(f"{mb} MB" for mb in sorted(set(shared.values())))
+        provenance["alike"] = (f"the cold start and task terms of {', '.join(f'{mb} MB' for mb in shared)} are "
+                               f"those of the tier of their CPU share, {standing} (emulated tiers of one share "
+                               "differ only in their link and memory limit)")
+    return {**provenance, "where": where, "cpu_share": "emulated" if emulated else "platform",
             "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by the tier's clock (emulated: CPU "
                        f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "
                        f"this host before and after the functions ran, averaged ({host}); {round_trips} small puts "

@@ -25,13 +25,13 @@ def flatpack(*args: str) -> subprocess.CompletedProcess:
 
 def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     out = tmp_path / "calibration.json"
-    done = flatpack("calibrate", "--target", "local", "--tiers", "512,2048", "--round-trips", "8", "--probe-mb",
+    done = flatpack("calibrate", "--target", "local", "--tiers", "512,2048,4096", "--round-trips", "8", "--probe-mb",
                     "0.25", "--probe-iterations", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
     calibration = Calibration.load(out)
     target, store_latency = calibration.target, calibration.store_latency
     assert target is not None and target.name == "local" and target.flatpack_version
-    assert calibration.tiers_mb == (512, 2048)
+    assert calibration.tiers_mb == (512, 2048, 4096)
     assert calibration.host_cores is not None and calibration.host_cores >= 1
     # the host CPU of a store request, client and server together (the host bound's figures):
     # a put or a get costs both processes something, and more bytes cost no less
@@ -39,7 +39,7 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
     assert request_cpu is not None
     assert min(request_cpu.put_s, request_cpu.get_s, request_cpu.miss_s) > 0
     assert min(request_cpu.put_s_per_byte, request_cpu.get_s_per_byte) >= 0
-    assert store_latency is not None and store_latency.samples == 2 * 2 * 8 and store_latency.mean_s > 0
+    assert store_latency is not None and store_latency.samples == 3 * 2 * 8 and store_latency.mean_s > 0
     small, large = calibration.tiers[512], calibration.tiers[2048]
     # 0.29 of a vCPU against a whole one: ~3.4x slower; a wide margin for a shared host
     small_ratio, large_ratio = small.speed_ratio, large.speed_ratio
@@ -63,6 +63,12 @@ def test_calibrate_local_then_compile_records_the_digest(tmp_path):
         assert min(min(terms.values()) for terms in tier.task_overhead_s.values()) >= 0
     assert small.task_overhead_s[2]["forward"] > 0 and small.task_overhead_s[1]["request"] > 0
     assert "probe pipeline" in calibration.provenance["tasks"]
+    # 4096 MB runs unthrottled at one thread as 2048 MB does: its cold start and task terms are
+    # 2048 MB's, measured once (target_calibration.alike_tiers); its link is its own (faster)
+    largest = calibration.tiers[4096]
+    assert largest.task_overhead_s == large.task_overhead_s and largest.invoke_cold_s == large.invoke_cold_s
+    assert largest.upload_bytes_s is not None and large.upload_bytes_s is not None
+    assert largest.invoke_warm_s is not None and "4096 MB" in calibration.provenance["alike"]
     assert f"digest {calibration.digest[:16]}" in done.stdout
 
     compiled_dir = tmp_path / "compiled"

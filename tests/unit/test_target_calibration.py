@@ -254,18 +254,18 @@ def test_a_tier_s_compute_ratio_is_the_median_of_its_invocations_each_beside_its
     results = {(512, 0): result(0, 0.0035, 2e-9), (512, 1): result(1, 0.0060, 4e-9), (512, 2): result(2, 0.0048, 9e-9)}
     host_passes = {(512, 0): {"conv": 0.001}, (512, 1): {"conv": 0.002}, (512, 2): {"conv": 0.001}}
     launched = {(512, 0): 0.5, (512, 1): 1.5, (512, 2): 2.0}
-    tier = calibration_module._tiers([512], results, launched, host_passes)[512]
+    tier = calibration_module._tiers({512: 512}, results, launched, host_passes)[512]
     assert tier.compute_ratio == {"conv": pytest.approx(3.5)}
     assert tier.optimizer_s_per_byte == {"adam": pytest.approx(4e-9)}
     assert tier.invoke_cold_s == pytest.approx(0.5) and tier.invoke_warm_s == pytest.approx(0.5)
     # two readings: their mean
     del results[(512, 2)]
-    two = calibration_module._tiers([512], results, launched, host_passes)[512]
+    two = calibration_module._tiers({512: 512}, results, launched, host_passes)[512]
     assert two.compute_ratio == {"conv": pytest.approx((3.5 + 3.0) / 2)} and two.optimizer_s_per_byte == {
         "adam": pytest.approx(3e-9)}
     # a warm function of an earlier flatpack reports no probes: the cold reading stands alone
     results[(512, 1)] = CalibrateResult(512, 1, 0.0, 2.0)
-    alone = calibration_module._tiers([512], results, launched, host_passes)[512]
+    alone = calibration_module._tiers({512: 512}, results, launched, host_passes)[512]
     assert alone.compute_ratio == {"conv": pytest.approx(3.5)} and alone.optimizer_s_per_byte == {"adam": 2e-9}
 
 
@@ -349,3 +349,77 @@ def test_the_cold_invocation_starts_a_fresh_interpreter_the_warm_ones_the_usual_
     assert sorted(deployment.started) == sorted(
         [(mb, 0, "launch_cold") for mb in (512, 1024)]
         + [(mb, invocation, "launch") for mb in (512, 1024) for invocation in range(1, 1 + warm)])
+
+
+def test_emulated_tiers_of_one_cpu_share_stand_for_each_other_and_platform_tiers_for_themselves():
+    """``alike_tiers``: at one thread every local tier from 2048 MB (1.16 vCPU) on runs its
+    compute unthrottled, so the smallest of them stands for the rest; at two threads a tier
+    needs 2 vCPUs for that; a platform's tiers are measured each on its own."""
+    from flatpack.backends.target_calibration import alike_tiers
+    from flatpack.platform.catalog import get_platform
+
+    local = get_platform("local")
+    sizes = tuple(local.memory_choices)
+    assert sizes[:3] == (512, 1024, 2048) and len(sizes) > 3
+    one_thread = alike_tiers(local, sizes, threads=1, emulated=True)
+    assert one_thread == {mb: (mb if mb < 2048 else 2048) for mb in sizes}
+    two_threads = alike_tiers(local, sizes, threads=2, emulated=True)
+    assert two_threads[2048] == 2048 and two_threads[3072] == 3072 and two_threads[max(sizes)] == 4096
+    assert alike_tiers(local, sizes, threads=1, emulated=False) == {mb: mb for mb in sizes}
+
+
+def test_a_tier_another_stands_for_starts_first_the_usual_way_and_takes_its_task_terms(tmp_path, monkeypatch):
+    """The cold start and the probe pipelines run on the representative tier only (2048 MB
+    for 4096 MB at one thread): 4096 MB's first invocation, which still measures its own link
+    and requests, starts as a warm one does, and its task terms are 2048 MB's, measured once."""
+    from flatpack.backends import target_calibration as calibration_module
+
+    deployment = _StubDeployment(tmp_path)
+    monkeypatch.setattr(calibration_module, "_on_host", lambda threads: {"matmul": 1.0})
+    monkeypatch.setattr(profiling, "POLL_S", 0.0)
+    with pytest.raises(Exception, match="wrote no result"):    # the stubs measure nothing
+        calibrate_target("local", tiers=[512, 2048, 4096], deploy=lambda compiled: cast(Any, deployment),
+                         task_iterations=0)
+    first = sorted((mb, how) for mb, invocation, how in deployment.started if invocation == 0)
+    assert first == [(512, "launch_cold"), (2048, "launch_cold"), (4096, "launch")]
+
+    probed: list[int] = []
+
+    def measure_tier(target, memory_mb, calibration, deploy, **options):
+        probed.append(memory_mb)
+        return {1: {"forward": memory_mb / 1e6}}
+
+    monkeypatch.setattr(calibration_module.task_overheads, "measure_tier", measure_tier)
+    monkeypatch.setattr(calibration_module.task_overheads, "measure_serving",
+                        lambda target, memory_mb, calibration, deploy, **options: {1: {"request": 0.01}})
+    base = target_calibration()
+    any_tier = next(iter(base.tiers.values()))
+    tiers = {mb: dataclasses.replace(any_tier) for mb in (512, 2048, 4096)}
+    calibration = calibration_module._with_task_overheads(
+        dataclasses.replace(base, tiers=tiers), "local", {512: 512, 2048: 2048, 4096: 2048},
+        lambda compiled: cast(Any, deployment), 4, 10.0, lambda line: None)
+    assert probed == [512, 2048]
+    assert calibration.tiers[4096].task_overhead_s == calibration.tiers[2048].task_overhead_s == {
+        1: {"forward": 2048 / 1e6, "request": 0.01}}
+    assert calibration.tiers[512].task_overhead_s[1]["forward"] == 512 / 1e6
+
+
+def test_the_calibration_s_deployments_share_one_store_server(monkeypatch):
+    """Emulated tiers deploy the probe pipelines and serving probes on the one S3 server the
+    calibration starts (a server of their own each cost 1-1.5 s); a cloud target's deploy is
+    the backend's own, with no server here."""
+    import contextlib
+
+    from flatpack.backends import target_calibration as calibration_module
+
+    with contextlib.ExitStack() as cleanup:
+        deploy, scratch, pid = calibration_module._shared_store_deploy("local", False, (512,), None, cleanup)
+        assert scratch is not None and pid is not None and os.path.exists(f"/proc/{pid}")
+        keywords = cast(Any, deploy).keywords
+        assert keywords["store_url"].startswith("s3://") and keywords["env"]
+    # the server stops with the calibration
+    assert not os.path.exists(f"/proc/{pid}")
+    with contextlib.ExitStack() as cleanup:
+        deploy, scratch, pid = calibration_module._shared_store_deploy("aws-lambda", False, (1024,), "eu-west-1",
+                                                                      cleanup)
+        assert scratch is None and pid is None and cast(Any, deploy).func is aws_lambda.deploy
