@@ -76,8 +76,10 @@ HOST_REPEATS = 15
 # bandwidth is the slope between the two sizes and the link's burst its intercept (link_fit).
 # 8: the store requests' host CPU (request_cpu_s, backends.request_cpu), which the host bound
 # counts by (analysis.host_load): a cached calibration without it bounds nothing. 9: the host's
-# cores a run's processes get (RequestCpu.cores_obtained), reported beside the figures.
-METHOD_REVISION = 9
+# cores a run's processes get (RequestCpu.cores_obtained), reported beside the figures. 10: one S3
+# server for the whole calibration, and emulated tiers of one CPU share take their cold start and
+# task terms from the smallest of them (alike_tiers).
+METHOD_REVISION = 10
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:
