@@ -67,6 +67,9 @@ class Endpoint:
     auth: str = "AWS_IAM"
     provisioned: int = 0
     memory_mb: int = DEFAULT_MEMORY_MB
+    # the cap on one request's samples (413 beyond it), flatpack serve's default
+    # (serve.settings.DEFAULT_MAX_REQUEST_SAMPLES, a layer above; test_lambda_endpoint holds them equal)
+    max_request_samples: int = 256
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_TYPES:
@@ -75,6 +78,9 @@ class Endpoint:
             raise InputError(f"provisioned concurrency must be a whole number of at least 0, got {self.provisioned!r}")
         if not (isinstance(self.memory_mb, int) and 128 <= self.memory_mb <= 10240):
             raise InputError(f"the serving master's memory must be 128 to 10240 MB, got {self.memory_mb!r}")
+        if not (isinstance(self.max_request_samples, int) and self.max_request_samples >= 1):
+            raise InputError(f"the endpoint's max_request_samples must be a whole number of at least 1, got "
+                             f"{self.max_request_samples!r}")
 
     def warn_if_public(self) -> None:
         if self.auth == "NONE":
@@ -113,7 +119,7 @@ def resources(res: dict[str, Any], endpoint: Endpoint, fork_join_stages: tuple[i
             "policy": f"{name}-serve-policy", "invoked_arns": invoked, "auth": endpoint.auth,
             "provisioned": endpoint.provisioned, "memory_mb": endpoint.memory_mb, "timeout_s": TIMEOUT_S,
             "qualifier": ALIAS if endpoint.provisioned else None, "spec_key": f"{res['run']}/spec/serve",
-            "sessions": f"{res['run']}-serve-"}
+            "sessions": f"{res['run']}-serve-", "max_request_samples": endpoint.max_request_samples}
 
 
 def serving_policy(res: dict[str, Any], endpoint_res: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +143,7 @@ def serving_policy(res: dict[str, Any], endpoint_res: dict[str, Any]) -> dict[st
 
 def response_names(compiled: Compiled) -> dict[str, str]:
     """Each output's name in a response, to the graph output it is: as ``flatpack serve`` names
-    them (``serve.tensors.flat_outputs``): ``output`` for one tensor, ``output_0``... for a
+    them (``runtime.request_tensors.flat_outputs``): ``output`` for one tensor, ``output_0``... for a
     tuple, the keys of a dict."""
     names = compiled.info.output_names
     built = structure.rebuild(compiled.info.output_structure, lambda index: names[index])

@@ -4,7 +4,12 @@ fork-join functions (``backends.lambda_endpoint`` deploys it).
 The event is Lambda's function-URL event (payload format 2.0: ``requestContext.http.method``,
 ``rawPath``, ``body``, ``isBase64Encoded``); the answer is the HTTP response Lambda sends
 back (``statusCode``, ``headers``, ``body``). Routes: ``GET /healthz``; ``POST /v1/predict``
-with ``{"inputs": {"NAME": [[...]], ...}}``, answered ``{"outputs": {...}, "digest": D}``.
+with ``{"inputs": {"NAME": [[...]], ...}}`` (``Content-Type: application/json``, the default)
+or a safetensors file (``application/safetensors``), answered in the request's form as
+``flatpack serve`` answers (``{"outputs": {...}, "dtypes": {...}, "digest": D}``). A request is
+read by the same parser and checked against the same input contract as ``flatpack serve``'s
+(:mod:`flatpack.runtime.request_tensors`: shapes, dtypes, the plan's fewest and the
+endpoint's most samples), so a bad request is a 4xx before any function starts.
 
 Each request is one fork-join **session**, as in Gillis (§III: a request invokes the master,
 which forks the workers): the fork-join spec the deploy wrote (``SERVE_ENV``'s ``spec``),
@@ -28,15 +33,16 @@ from typing import Any
 
 import torch
 
-from flatpack import safeio
-from flatpack.errors import InputError
 from flatpack.runtime import forkjoin
 from flatpack.runtime.function import STORE_ENV
 from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.request_tensors import (JSON, SAFETENSORS, InputContract, Request, RequestError, content_type,
+                                              encode_outputs, parse_request)
 from flatpack.runtime.store import Store, open_plain_store
 from flatpack.stage.wire import pack_values, unpack_values
 
-# JSON: spec, digest, functions (by stage), dtypes (by input), outputs (response name: graph output), invoke_endpoint
+# JSON: spec, digest, functions (by stage), contract (InputContract.dumps), max_samples, outputs (response
+# name: graph output), invoke_endpoint
 SERVE_ENV = "FLATPACK_SERVE"
 RESPONSE_TIMEOUT_S = 240.0      # under the serving master's own 300 s timeout
 
@@ -78,7 +84,7 @@ def _lambda_client(config: dict[str, Any]) -> Any:
 
 
 def _response(status: int, document: dict[str, Any], digest: str | None = None) -> dict[str, Any]:
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": JSON}
     if digest:
         headers["x-flatpack-digest"] = digest
     return {"statusCode": status, "headers": headers, "body": json.dumps(document)}
@@ -88,28 +94,32 @@ def _error(status: int, message: str) -> dict[str, Any]:
     return _response(status, {"error": message, "status": status})
 
 
-def _inputs(event: dict[str, Any], dtypes: dict[str, str]) -> dict[str, torch.Tensor] | dict[str, Any]:
-    """The request's tensors by input name, or an error response (a dict with ``statusCode``)."""
+def _request(event: dict[str, Any], config: dict[str, Any]) -> Request:
+    """The request's tensors, checked against the model's input contract; a RequestError
+    (4xx) otherwise. No ``Content-Type`` is JSON (``curl -d`` sends a form type: named)."""
+    headers = {str(name).lower(): value for name, value in (event.get("headers") or {}).items()}
+    media = content_type(headers["content-type"]) if "content-type" in headers else JSON
     body = event.get("body") or ""
-    raw = base64.b64decode(body) if event.get("isBase64Encoded") else body.encode()
     try:
-        # the project's strict parser, as `flatpack serve` reads a body: json.loads would let a
-        # deeply nested body raise RecursionError out of the handler, and take NaN
-        document = safeio.parse_json(raw, what="the request body")
-    except InputError as err:
-        return _error(400, str(err))
-    if not isinstance(document, dict) or not isinstance(document.get("inputs"), dict):
-        return _error(400, 'the request body must be a JSON object {"inputs": {"NAME": [[...]], ...}}')
-    given = document["inputs"]
-    if set(given) != set(dtypes):
-        return _error(422, f"the model takes the inputs {sorted(dtypes)}, got {sorted(given)}")
-    tensors = {}
-    for name, dtype in dtypes.items():
-        try:
-            tensors[name] = torch.tensor(given[name], dtype=getattr(torch, dtype))
-        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
-            return _error(422, f"input {name!r} is not a rectangular list of {dtype} numbers ({err})")
-    return tensors
+        raw = base64.b64decode(body, validate=True) if event.get("isBase64Encoded") else body.encode()
+    except (ValueError, TypeError) as err:
+        raise RequestError(400, f"the request body is marked base64 but is not ({err})") from None
+    contract = InputContract.loads(config["contract"])
+    return parse_request(raw, media, contract, int(config["max_samples"]),
+                         raise_limit="split it; the endpoint's cap is Endpoint.max_request_samples at deploy")
+
+
+def _answer(request: Request, outputs: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The outputs under their response names, in the request's form."""
+    digest = config["digest"]
+    named = config.get("outputs") or {name: name for name in outputs}
+    body = encode_outputs({name: outputs[graph] for name, graph in named.items()}, request.form, digest)
+    if request.form == JSON:
+        return {"statusCode": 200, "headers": {"content-type": JSON, "x-flatpack-digest": digest},
+                "body": body.decode()}
+    # a function URL carries binary bodies base64-encoded, and says so
+    return {"statusCode": 200, "headers": {"content-type": SAFETENSORS, "x-flatpack-digest": digest},
+            "body": base64.b64encode(body).decode(), "isBase64Encoded": True}
 
 
 def handle(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
@@ -121,14 +131,13 @@ def handle(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     if (method, path) != ("POST", "/v1/predict"):
         return _error(404, f"no route {method} {path}; POST /v1/predict or GET /healthz")
     config = json.loads(os.environ[SERVE_ENV])
-    inputs = _inputs(event, config["dtypes"])
-    if "statusCode" in inputs:
-        return inputs
+    try:
+        request = _request(event, config)
+    except RequestError as err:
+        return _error(err.status, err.message)
     store = open_plain_store(os.environ[STORE_ENV])
     try:
-        outputs = _Session(store, config).infer(store, inputs)
+        outputs = _Session(store, config).infer(store, request.tensors)
     except Exception as err:  # noqa: BLE001 - a failed request is the endpoint's 500, never a crashed handler
         return _error(500, f"inference failed: {type(err).__name__}: {err}")
-    named = config.get("outputs") or {name: name for name in outputs}
-    return _response(200, {"outputs": {name: outputs[graph].tolist() for name, graph in named.items()},
-                           "digest": config["digest"]}, config["digest"])
+    return _answer(request, outputs, config)

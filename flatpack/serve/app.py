@@ -32,7 +32,7 @@ from flatpack.serve.batcher import Closed, Overloaded
 from flatpack.serve.metrics import CONTENT_TYPE
 from flatpack.serve.openapi import schema
 from flatpack.serve.service import Service
-from flatpack.serve.tensors import JSON, RequestError, content_type, encode_outputs, parse_request
+from flatpack.runtime.request_tensors import JSON, RequestError, content_type, encode_outputs, parse_request
 
 LOG = logs.get("serve")
 DIGEST_HEADER = "x-flatpack-digest"

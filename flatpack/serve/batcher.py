@@ -47,7 +47,7 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
-from flatpack.serve.tensors import Request
+from flatpack.runtime.request_tensors import Request
 
 HEADROOM = 0.8
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flatpack.serve.tensors import JSON, SAFETENSORS, InputContract
+from flatpack.runtime.request_tensors import JSON, SAFETENSORS, InputContract
 from flatpack.version import __version__
 
 

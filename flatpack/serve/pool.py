@@ -39,7 +39,7 @@ from flatpack.partitioner.workload import Workload
 from flatpack.platform.catalog import get_platform
 from flatpack.serve.batcher import LatencyModel
 from flatpack.serve.targets import Target
-from flatpack.serve.tensors import InputContract, flat_outputs
+from flatpack.runtime.request_tensors import InputContract, flat_outputs
 
 LOG = logs.get("serve")
 WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
@@ -53,9 +53,8 @@ REFIT_EVERY = 16
 def contract_of(compiled: Compiled) -> InputContract:
     """The requests ``compiled`` accepts: its inputs' specs, and the most partitions a group
     split by batch has (each needs a sample)."""
-    groups = ForkJoinPlan.from_plan(compiled.plan).groups
-    needed = max([group.partitions for group in groups if group.workers and group.split == "batch"], default=1)
-    return InputContract.of(compiled.info.input_names, compiled.info.input_specs, needed)
+    return InputContract.of(compiled.info.input_names, compiled.info.input_specs,
+                            ForkJoinPlan.from_plan(compiled.plan).min_request_samples)
 
 
 def gillis_model(compiled: Compiled, sizes: tuple[int, int]) -> LatencyModel | None:

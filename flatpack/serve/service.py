@@ -19,7 +19,7 @@ from flatpack.serve.replan import PlanChooser, Replan, can_replan
 from flatpack.serve.scaling import Autoscaler
 from flatpack.serve.settings import ServeSettings
 from flatpack.serve.targets import Target
-from flatpack.serve.tensors import RequestError
+from flatpack.runtime.request_tensors import RequestError
 
 LOG = logs.get("serve")
 

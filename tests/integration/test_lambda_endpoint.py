@@ -6,11 +6,14 @@ the model. The public variant (auth NONE) warns and is written with its permissi
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from flatpack.backends import aws_lambda, lambda_endpoint
 from flatpack.backends.lambda_endpoint import Endpoint, PublicEndpointWarning
@@ -109,32 +112,71 @@ def test_the_endpoint_is_least_privilege_iam_behind_a_url_and_answers_as_the_mod
     assert response["headers"]["x-flatpack-digest"] == deployment.compiled.digest
     with torch.no_grad():
         torch.testing.assert_close(torch.tensor(json.loads(response["body"])["outputs"]["output"]), model(x))
+    # the same request as a safetensors file, base64 in the event as a function URL passes binary
+    # bodies, answered in kind
+    binary = {**url_event("POST", "/v1/predict"), "headers": {"content-type": "application/safetensors"},
+              "body": base64.b64encode(save_safetensors({"x": x})).decode(), "isBase64Encoded": True}
+    answer = client.invoke(FunctionName=endpoint["function"], Payload=json.dumps(binary))
+    response = json.loads(answer["Payload"].read())
+    assert response["statusCode"] == 200 and response["isBase64Encoded"], response
+    assert response["headers"]["content-type"] == "application/safetensors"
+    with torch.no_grad():
+        torch.testing.assert_close(load_safetensors(base64.b64decode(response["body"]))["output"], model(x))
     invoke.wait_for_events(120)
-    # the serving master, and for the request one session: the master and each of group 0's
-    # workers, all invocations of stage 0's function, all ended by the session's stop message
+    # the serving master, and for each of the two requests one session: the master and each of
+    # group 0's workers, all invocations of stage 0's function, all ended by the session's stop message
     workers = sum(group.workers for group in ForkJoinPlan.from_plan(deployment.compiled.plan).groups)
     functions = sorted(record.function for record in invoke.invocations)
-    assert functions == sorted([endpoint["function"]] + [res["functions"][0]["name"]] * (1 + workers))
+    assert functions == sorted([endpoint["function"]] * 2 + [res["functions"][0]["name"]] * (2 * (1 + workers)))
     assert all(record.result is not None and not record.result.failed for record in invoke.invocations)
 
 
-def test_the_serving_master_answers_health_and_refuses_bad_requests_before_any_function(monkeypatch):
-    """In process, with no store and no function to reach: what it answers without them."""
+def test_the_serving_master_answers_health_and_refuses_bad_requests_before_any_function(compiled, monkeypatch):
+    """In process, with no store and no function to reach: what it answers without them. It
+    checks a request as ``flatpack serve`` does (``runtime.request_tensors``, the contract the
+    deploy wrote): a wrong shape, too few samples for the plan's batch split or more than the
+    endpoint's cap is a 4xx here, not a 500 from a stage worker."""
     from flatpack.runtime import url_handler
 
+    contract = aws_lambda.serve_contract(compiled)
+    assert contract.min_samples == 2            # stage 0 is split by batch over two partitions
     monkeypatch.setenv(url_handler.SERVE_ENV, json.dumps({"spec": "run/spec/serve", "digest": "d" * 64,
-                                                          "functions": {}, "dtypes": {"x": "float32"}}))
+                                                          "functions": {}, "contract": contract.dumps(),
+                                                          "max_samples": 4}))
     assert url_handler.handle(url_event("GET", "/healthz"))["statusCode"] == 200
     assert url_handler.handle(url_event("GET", "/v1/predict"))["statusCode"] == 404
-    cases = [({"inputs": {"y": [[1.0]]}}, 422, "takes the inputs ['x']"), ([1, 2], 400, '{"inputs"'),
-             ({"inputs": {"x": [[1.0], [1.0, 2.0]]}}, 422, "not a rectangular list"),
-             ({"inputs": {"x": [[float("nan")]]}}, 400, "the request body")]
+    cases = [({"inputs": {"y": [[1.0] * 8] * 2}}, 422, "unknown input 'y'"), ([1, 2], 400, '{"inputs"'),
+             ({"inputs": {"x": [[1.0] * 8, [1.0] * 7]}}, 422, "not a rectangular list"),
+             ({"inputs": {"x": [[float("nan")] * 8] * 2}}, 400, "the request body"),
+             ({"inputs": {"x": [[1.0] * 7] * 2}}, 422, "input 'x'"),
+             ({"inputs": {"x": [[1.0] * 8]}}, 422, "at least 2"),
+             ({"inputs": {"x": [[1.0] * 8] * 5}}, 413, "the limit is 4"),
+             ({"inputs": {"x": [[True] * 8] * 2}}, 422, "booleans")]
     for body, status, message in cases:
         answer = url_handler.handle(url_event("POST", "/v1/predict", body))   # type: ignore[arg-type]
-        assert answer["statusCode"] == status and message in json.loads(answer["body"])["error"]
+        assert answer["statusCode"] == status and message in json.loads(answer["body"])["error"], (body, answer)
     # nested past what Python's json recursion takes: refused as a bad body, not raised out of the handler
     nested = url_handler.handle({**url_event("POST", "/v1/predict"), "body": "[" * 5000 + "]" * 5000})
     assert nested["statusCode"] == 400 and "levels deep" in json.loads(nested["body"])["error"]
+    # a form type (what curl -d sends) is named; no type at all is read as JSON
+    form = url_handler.handle({**url_event("POST", "/v1/predict", {"inputs": {}}),
+                               "headers": {"Content-Type": "application/x-www-form-urlencoded"}})
+    assert form["statusCode"] == 415 and "application/safetensors" in json.loads(form["body"])["error"]
+    untyped = url_handler.handle({**url_event("POST", "/v1/predict", {"inputs": {"x": [[1.0] * 7] * 2}}),
+                                  "headers": {}})
+    assert untyped["statusCode"] == 422
+    bad_base64 = url_handler.handle({**url_event("POST", "/v1/predict"), "body": "%%%", "isBase64Encoded": True})
+    assert bad_base64["statusCode"] == 400 and "base64" in json.loads(bad_base64["body"])["error"]
+
+
+def test_the_endpoint_caps_requests_as_flatpack_serve_does():
+    """The endpoint's default cap on a request's samples is ``flatpack serve``'s (the two
+    constants live in two layers); a cap below 1 is refused."""
+    from flatpack.serve.settings import DEFAULT_MAX_REQUEST_SAMPLES
+
+    assert Endpoint().max_request_samples == DEFAULT_MAX_REQUEST_SAMPLES
+    with pytest.raises(Exception, match="max_request_samples"):
+        Endpoint(max_request_samples=0)
 
 
 def test_a_public_endpoint_warns_and_the_bundle_prices_its_provisioned_concurrency(compiled):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flatpack.serve.batcher import Batcher, BatchPolicy, Closed, LatencyModel, Overloaded
-from flatpack.serve.tensors import InputContract, RequestError, parse_request
+from flatpack.runtime.request_tensors import InputContract, RequestError, parse_request
 from flatpack.stage.tensor_check import TensorSpec
 
 LINE = LatencyModel(0.010, 0.001, "test")       # 10 ms + 1 ms per sample

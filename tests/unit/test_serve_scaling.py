@@ -11,7 +11,7 @@ import torch
 
 from flatpack.serve.batcher import Batcher, BatchPolicy, LatencyModel
 from flatpack.serve.scaling import Autoscaler, quiet, wanted_replicas
-from flatpack.serve.tensors import InputContract, parse_request
+from flatpack.runtime.request_tensors import InputContract, parse_request
 from flatpack.stage.tensor_check import TensorSpec
 
 LINE = LatencyModel(0.010, 0.001, "test")       # 10 ms + 1 ms per sample

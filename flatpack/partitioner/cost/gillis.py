@@ -180,6 +180,12 @@ class ForkJoinPlan:
             groups.append(Group(stage.start, stage.end, stage.replicas, False, split))
         return cls(tuple(groups), memory_mb, plan.num_layers)
 
+    @property
+    def min_request_samples(self) -> int:
+        """The fewest samples a request may hold: a group split by batch gives each of its
+        partitions one at least (both serving masters refuse fewer, before any function runs)."""
+        return max([group.partitions for group in self.groups if group.workers and group.split == "batch"], default=1)
+
     def check_against(self, num_layers: int) -> None:
         if self.num_layers != num_layers:
             raise PlanError(f"the fork-join plan was made for a chain of {self.num_layers} layers, this chain has "

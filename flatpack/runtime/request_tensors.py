@@ -11,6 +11,10 @@ Serving reads dimension 0 of every input and output as the batch: requests are c
 along it and the outputs split back (``serve.batcher``). The other dimensions must be the
 compiled example's, except those the trace left free (``TensorSpec.free_dims``); requests
 whose free sizes differ are batched apart (:attr:`Request.shape_key`).
+
+It lives in the runtime because both serving masters read requests with it: ``flatpack serve``
+(:mod:`flatpack.serve.app`) and the Lambda function URL's (:mod:`flatpack.runtime.url_handler`),
+which finds its :class:`InputContract` in its configuration (:meth:`InputContract.dumps`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ JSON = "application/json"
 SAFETENSORS = "application/safetensors"
 CONTENT_TYPES = (JSON, SAFETENSORS)
 MAX_JSON_DEPTH = 34           # the deepest tensor a JSON body may nest (32 dimensions and the wrapping)
+RAISE_SAMPLES = "split it, or raise --max-request-samples"
 
 
 class RequestError(Exception):
@@ -61,6 +66,19 @@ class InputContract:
                 raise InputError(f"input {name!r} is a scalar; serving batches along dimension 0 of every input")
         return cls(tuple(names), tuple(specs), min_samples)
 
+    def dumps(self) -> str:
+        """The contract as JSON, for a serving master that has no compiled model to read it
+        from (the Lambda endpoint's configuration); :meth:`loads` reads it back."""
+        return json.dumps({"inputs": {name: spec.to_json() for name, spec in zip(self.names, self.specs)},
+                           "min_samples": self.min_samples}, separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> InputContract:
+        data = json.loads(text)
+        inputs = data["inputs"]
+        return cls.of(tuple(inputs), [TensorSpec.from_json(entry) for entry in inputs.values()],
+                      int(data["min_samples"]))
+
     def to_json(self) -> dict[str, Any]:
         return {name: {"dtype": spec.dtype, "shape": ["batch", *spec.shape[1:]],
                        "free_dims": None if spec.free_dims is None else list(spec.free_dims)}
@@ -86,8 +104,10 @@ def content_type(header: str | None) -> str:
     return media
 
 
-def parse_request(body: bytes, media: str, contract: InputContract, max_samples: int) -> Request:
-    """The body's tensors, each checked against ``contract``; a RequestError (4xx) otherwise."""
+def parse_request(body: bytes, media: str, contract: InputContract, max_samples: int,
+                  raise_limit: str = RAISE_SAMPLES) -> Request:
+    """The body's tensors, each checked against ``contract``; a RequestError (4xx) otherwise.
+    ``raise_limit``: what the 413 of a request over ``max_samples`` tells its sender to do."""
     tensors = _json_tensors(body, contract) if media == JSON else _safetensors_tensors(body)
     unknown = sorted(set(tensors) - set(contract.names))
     if unknown:
@@ -96,12 +116,13 @@ def parse_request(body: bytes, media: str, contract: InputContract, max_samples:
     if missing:
         raise RequestError(422, f"input {missing[0]!r} is missing; the model takes "
                                 f"{', '.join(map(repr, contract.names))}")
-    samples = _check_shapes(tensors, contract, max_samples)
+    samples = _check_shapes(tensors, contract, max_samples, raise_limit)
     key = tuple(tuple(tensors[name].shape[1:]) for name in contract.names)
     return Request({name: tensors[name] for name in contract.names}, samples, key, media)
 
 
-def _check_shapes(tensors: Mapping[str, torch.Tensor], contract: InputContract, max_samples: int) -> int:
+def _check_shapes(tensors: Mapping[str, torch.Tensor], contract: InputContract, max_samples: int,
+                  raise_limit: str) -> int:
     samples = None
     for name, spec in zip(contract.names, contract.specs):
         tensor = tensors[name]
@@ -123,7 +144,7 @@ def _check_shapes(tensors: Mapping[str, torch.Tensor], contract: InputContract, 
                                 f"{contract.min_samples}")
     if samples > max_samples:
         raise RequestError(413, f"the request has {samples} samples; the limit is {max_samples} per request "
-                                "(split it, or raise --max-request-samples)")
+                                f"({raise_limit})")
     return samples
 
 
