@@ -517,7 +517,7 @@ def _deploy_and_train(run: _Run) -> None:
                                            workdir=directory.logs, data_dir=directory.store,
                                            run=record.run) as deployment:
         where = "one process each" if options.plan.target == "local" else "one Ray task each"
-        LOG.info(f"deployed {plural(sum(s.replicas for s in compiled.plan.stages), 'function')} ({where}) "
+        LOG.info(f"deployed {plural(compiled.plan.workers, 'function')} ({where}) "
                  f"sharing a local S3 server at {deployment.store_url.split('?')[0]}")
         run.problem = _measured_problem(compiled, deployment)
         controls = RunControls(iterations=run.iterations, progress=logs.progress_enabled(),

@@ -43,10 +43,6 @@ from flatpack.runtime.spec import RunSpec
 LOG = logs.get("elastic")
 
 
-def workers(plan: Plan) -> int:
-    return sum(stage.replicas for stage in plan.stages)
-
-
 def with_degree(plan: Plan, degree: int) -> Plan:
     """``plan``'s cuts and tiers with every stage at ``degree`` replicas."""
     return dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, replicas=degree)
@@ -167,7 +163,7 @@ class ElasticPolicy:
             return Choice(current, current, None, 0.0, error,
                           f"no other plan has degrees within {self.min_replicas}..{self.ceiling(micro_batches)} "
                           f"and the {micro_batches} micro-batches")
-        best = min(others, key=lambda c: (c.cost(self.objective), workers(c.plan)))
+        best = min(others, key=lambda c: (c.cost(self.objective), c.plan.workers))
         now = current.cost(self.objective)
         saving = (now - best.cost(self.objective)) / now if now > 0 else 0.0
         weighed = (f"the best other plan [{shape(best.plan)}] is predicted {abs(saving) * 100:.1f}% "

@@ -215,6 +215,11 @@ class Plan:
     def replicas(self) -> tuple[int, ...]:
         return tuple(stage.replicas for stage in self.stages)
 
+    @property
+    def workers(self) -> int:
+        """The functions the plan runs at once: every stage's replicas."""
+        return sum(self.replicas)
+
     def micro_batches_for(self, workload: Workload | None, explicit: int | None = None) -> int:
         """M when this plan runs: ``explicit`` (a train() call's ``micro_batches``), else the
         plan's own (a solver that chose it), else the workload's, else 1 (a plan made without

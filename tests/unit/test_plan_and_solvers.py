@@ -22,6 +22,11 @@ def test_plan_json_round_trip():
     assert Plan.loads(plan.dumps()) == plan
 
 
+def test_a_plan_runs_every_stage_s_replicas_as_its_workers():
+    plan = Plan((StagePlan(0, 2, replicas=2), StagePlan(3, 6, replicas=3)), 7)
+    assert plan.replicas == (2, 3) and plan.workers == 5
+
+
 @pytest.mark.parametrize("stages, message", [
     ((StagePlan(0, 2), StagePlan(4, 6)), "must start at 3"),
     ((StagePlan(0, 2),), "the chain has 7 layers"),

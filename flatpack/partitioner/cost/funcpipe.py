@@ -226,7 +226,7 @@ class Overheads:
                 seconds = calibration.optimizer_seconds(tier.memory_mb, problem.workload.optimizer,
                                                         gradient_bytes(problem, stage.start, stage.end))
             optimizer.append((seconds or 0.0) * compute_stretch(contention, tier))
-        workers = sum(stage.replicas for stage in plan.stages)
+        workers = plan.workers
 
         def measured(kind: str, tier: Tier) -> float:
             return calibration.task_overhead(tier.memory_mb, kind, workers) if calibration is not None else 0.0

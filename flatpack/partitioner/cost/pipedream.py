@@ -101,7 +101,7 @@ def iteration(problem: Problem, plan: Plan) -> PipeDreamCost:
     check_training_plan(problem, plan, "PipeDream")
     micro = problem.workload.micro_batch_size
     tiers = [stage_tier(problem, stage, index) for index, stage in enumerate(plan.stages)]
-    workers = sum(stage.replicas for stage in plan.stages)
+    workers = plan.workers
 
     stages = []
     for s, (stage, tier) in enumerate(zip(plan.stages, tiers)):
