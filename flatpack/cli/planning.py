@@ -213,6 +213,15 @@ def _checked_cuts(args: argparse.Namespace) -> tuple[str, ...]:
                          "stages)")
     if args.stages is not None and args.stages < 1:
         raise InputError(f"--stages must be a positive number of stages, got {args.stages}")
+    if args.stage_replicas is not None:
+        degrees = args.stage_replicas
+        if args.stages is None and not split_points:
+            raise InputError(f"--stage-replicas {degrees} gives the degree of each stage of fixed cuts; give --stages "
+                             "(or --split-points) with it, or let the solver choose from --replicas")
+        if args.replicas is not None:
+            raise InputError(f"--stage-replicas {degrees} fixes each stage's degree and --replicas {args.replicas} "
+                             "gives one for every stage: give one or the other")
+        positive_ints(degrees, "--stage-replicas")
     return split_points
 
 
@@ -230,7 +239,8 @@ def _select(args: argparse.Namespace, solver: Any, problem: Any, split_points: t
         from flatpack.partitioner.objective import annotate, evaluate
         from flatpack.partitioner.solvers.wrappers import FixedCuts
 
-        cuts = FixedCuts.of(split_points, args.stages, problem.options.replicas)
+        stage_replicas = positive_ints(args.stage_replicas, "--stage-replicas") if args.stage_replicas else ()
+        cuts = FixedCuts.of(split_points, args.stages, problem.options.replicas, stage_replicas)
         fixed = with_tiers(problem, cuts(problem))
         return plan_report.Selection.of_cuts(annotate(fixed, evaluate(problem, fixed)), cuts.name)
     if workload.slo_s is not None:
@@ -327,6 +337,9 @@ def _add_plan(subparsers: Any) -> None:
                         help="memory tiers to consider (default: the platform's)")
     parser.add_argument("--replicas", default=None, metavar="D[,D...]",
                         help="data-parallel degrees to consider (default 1,2,4,8,16)")
+    parser.add_argument("--stage-replicas", default=None, metavar="D,D[,D...]",
+                        help="with --stages or --split-points: each stage's own data-parallel degree, in stage order "
+                             "(e.g. --stages 3 --stage-replicas 1,2,1, as flatpack run takes it)")
     parser.add_argument("--max-workers", type=int, default=None,
                         help="most workers one fork-join group forks (inference; default 8)")
     parser.add_argument("--cost-model", default=None, action=RegistryChoice, names=_container_cost_models,

@@ -4,6 +4,8 @@ write them, refused with the close matches when no layer begins there."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -70,3 +72,20 @@ def test_plan_prices_the_cuts_asked_for(capsys):
     assert "fixed cuts" in printed and "the cuts asked for (2 stages)" in printed
     assert main(["plan", "mlp", "--stages", "2", "--slo", "1"]) == 2
     assert "--slo and --weights choose them" in capsys.readouterr().err
+
+
+def test_plan_prices_each_stage_at_the_degree_stage_replicas_gives(capsys):
+    """``flatpack plan --stages 2 --stage-replicas 1,2`` prices the plan ``flatpack run`` would
+    run with the same flags: stage 0 alone, stage 1 on two replicas; refused without fixed
+    cuts, beside --replicas, or with a degree per stage missing."""
+    common = ["plan", "mlp", "--target", "aws-lambda", "--repeats", "1", "--batch-sizes", "1,2", "--json", "-"]
+    assert main([*common, "--stages", "2", "--stage-replicas", "1,2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chosen = report["plans"][report["chosen"]]
+    assert [stage["replicas"] for stage in chosen["stages"]] == [1, 2]
+    for extra, message in ((["--stage-replicas", "1,2"], "give --stages (or --split-points) with it"),
+                           (["--stages", "2", "--stage-replicas", "1,2", "--replicas", "2"], "give one or the other"),
+                           (["--stages", "2", "--stage-replicas", "1,0"], "must be positive integers"),
+                           (["--stages", "2", "--stage-replicas", "2"], "give one degree per stage")):
+        assert main([*common, *extra]) == 2
+        assert message in capsys.readouterr().err, extra
