@@ -78,8 +78,9 @@ HOST_REPEATS = 15
 # counts by (analysis.host_load): a cached calibration without it bounds nothing. 9: the host's
 # cores a run's processes get (RequestCpu.cores_obtained), reported beside the figures. 10: one S3
 # server for the whole calibration, and emulated tiers of one CPU share take their cold start and
-# task terms from the smallest of them (alike_tiers).
-METHOD_REVISION = 10
+# task terms from the smallest of them (alike_tiers). 11: the first stage's forward counts from its
+# prefetched input's arrival (task_overheads._ready_times), as a later stage's from its download.
+METHOD_REVISION = 11
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:

@@ -243,12 +243,17 @@ def _ready_times(events: list[Event], tasks: Mapping[tuple, Event]) -> dict[int,
             previous[id(after)] = before.end
     ready = {}
     for (stage, iteration, kind, micro_batch), event in tasks.items():
-        # a later stage's forward reads its downloaded input (the first stage's prefetched one
-        # is priced by t_in's bound and the iteration term, which counts from its arrival); a
-        # backward reads the gradient of its output (downloaded, but on the last stage); the
-        # first stage uploads activations, a later one the gradient of its input
-        read = {"forward": () if stage == 0 else ("download",), "backward": ("download",),
-                "upload": ("forward",) if stage == 0 else ("backward",)}.get(kind, ())
+        # a forward reads its input: a later stage's downloaded, the first stage's prefetched
+        # (the prefetch lane is priced by t_in's bound, µ·t_in ≤ t_iter: a wait for it counted
+        # here too would be paid twice, and on every forward of a model whose compute hides
+        # its prefetches; from the previous task alone the probe's 1-worker forward read 1-2 ms
+        # more, and 1 x 1 plans were predicted 17-33 % over, issue 44). An iteration's first
+        # forward counts from its start: the gap before it, from the update or that input, is
+        # the iteration term's. A backward reads the gradient of its output (downloaded, but on
+        # the last stage); the first stage uploads activations, a later one the gradient of its input
+        first_forward = kind == "forward" and stage == 0 and id(event) not in previous
+        read = {"forward": () if first_forward else ("prefetch",) if stage == 0 else ("download",),
+                "backward": ("download",), "upload": ("forward",) if stage == 0 else ("backward",)}.get(kind, ())
         ends = [tasks[(stage, iteration, name, micro_batch)].end for name in read
                 if (stage, iteration, name, micro_batch) in tasks]
         if id(event) in previous:
