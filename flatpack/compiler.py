@@ -47,6 +47,7 @@ from flatpack.platform.catalog import platform_names
 from flatpack.profiler import ProfileOptions, attach, graph_hash, profile_graph
 from flatpack.runtime import timeline
 from flatpack.runtime.precision import crossed
+from flatpack.runtime.request_tensors import InputContract
 from flatpack.runtime.timeline import Event
 from flatpack.stage.artifact import StageArtifact, build_module, parse_stage, serialize, stage_manifest
 from flatpack import safeio
@@ -122,6 +123,14 @@ class Compiled:
     def as_module(self) -> StagedModule:
         """The stages chained in-process: call it like the original model, forward and backward."""
         return StagedModule(self.stage_modules(), self.info)
+
+    def request_contract(self) -> InputContract:
+        """The predict requests a serving master accepts for this artifact: its inputs' specs,
+        and the fewest samples its plan's batch splits need (each partition one). Both serving
+        masters check requests against it: ``flatpack serve`` (``serve.pool``) and the Lambda
+        endpoint's (``aws_lambda.serve_config`` writes it into its configuration)."""
+        return InputContract.of(self.info.input_names, self.info.input_specs,
+                                gillis.ForkJoinPlan.from_plan(self.plan).min_request_samples)
 
     # storing ----------------------------------------------------------------------------
     def files(self) -> dict[str, bytes]:

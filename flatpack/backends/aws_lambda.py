@@ -46,7 +46,6 @@ from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.runtime.function import STORE_ENV, Role
-from flatpack.runtime.request_tensors import InputContract
 from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.runtime.store import s3_addressing_style
 
@@ -207,22 +206,14 @@ def commands(compiled: Compiled, res: dict[str, Any], images: list[ImageContext]
     return "\n".join(lines)
 
 
-def serve_contract(compiled: Compiled) -> InputContract:
-    """The requests the serving master accepts: ``compiled``'s inputs, and the fewest samples
-    its plan's batch splits need (``flatpack serve`` checks the same: ``serve.pool.contract_of``)."""
-    return InputContract.of(compiled.info.input_names, compiled.info.input_specs,
-                            ForkJoinPlan.from_plan(compiled.plan).min_request_samples)
-
-
 def serve_config(compiled: Compiled, res: dict[str, Any], invoke_endpoint: str | None = None) -> str:
     """The serving master's configuration (``runtime.url_handler.SERVE_ENV``): where the
     fork-join spec is, the digest, the function of each fork-join stage, the requests it
     accepts (the input contract ``flatpack serve`` checks: each input's shape, dtype and free
     dimensions, the fewest samples the plan's batch splits need) and the most samples."""
-    contract = serve_contract(compiled)
     functions = {str(f["stage"]): f["name"] for f in res["functions"] if f["arn"] in res["endpoint"]["invoked_arns"]}
     config = {"spec": res["endpoint"]["spec_key"], "digest": compiled.digest, "functions": functions,
-              "contract": contract.dumps(), "max_samples": res["endpoint"]["max_request_samples"],
+              "contract": compiled.request_contract().dumps(), "max_samples": res["endpoint"]["max_request_samples"],
               "outputs": lambda_endpoint.response_names(compiled)}
     if invoke_endpoint:
         config["invoke_endpoint"] = invoke_endpoint     # a stand-in's Invoke API (tests)

@@ -247,7 +247,6 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, 
     start is their representative's) and ``WARM_READINGS`` times warm, one at a time, with
     the host's probes between them; a tier whose function failed goes to ``failed``."""
     readings = _Readings()
-    memory_sizes = tuple(alike)
 
     def timed(role: Role) -> Invocation:
         readings.launched[(role.stage, role.start_iteration)] = time.time()
@@ -259,7 +258,7 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, 
     # function's reading is set beside the host's nearest in time, not the run's first
     before = _on_host(threads)
     for invocation in range(COLD, WARM + WARM_READINGS):
-        for memory_mb in memory_sizes:
+        for memory_mb in alike:
             verb = ("calibrating (cold start)" if invocation == COLD and alike[memory_mb] == memory_mb
                     else f"calibrating (its cold start the {alike[memory_mb]} MB tier's)" if invocation == COLD
                     else f"starting again (warm, {invocation} of {WARM_READINGS})")
@@ -298,7 +297,6 @@ def _calibration(target: str, alike: dict[int, int], readings: _Readings, *, emu
     """The calibration the readings make: per tier, the store's latency and poll overhead from
     the cold invocations, the host's probe seconds averaged over every pass."""
     results, host_passes = readings.results, readings.host_passes
-    memory_sizes = tuple(alike)
     measured = _tiers(alike, results, readings.launched, host_passes)
     host_seconds = {name: statistics.mean(passes[name] for passes in host_passes.values())
                     for name in next(iter(host_passes.values()))}
@@ -306,7 +304,7 @@ def _calibration(target: str, alike: dict[int, int], readings: _Readings, *, emu
                 for seconds in result.request_s]
     polls = [seconds for (_, invocation), result in results.items() if invocation == COLD
              for seconds in result.poll_overhead_s]
-    first = results[(memory_sizes[0], COLD)]
+    first = results[(next(iter(alike)), COLD)]
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     return Calibration(
         platform=target, layer_names=(), tiers=measured,

@@ -36,8 +36,8 @@ import torch
 from flatpack.runtime import forkjoin
 from flatpack.runtime.function import STORE_ENV
 from flatpack.runtime.keys import RunKeys
-from flatpack.runtime.request_tensors import (JSON, SAFETENSORS, InputContract, Request, RequestError, content_type,
-                                              encode_outputs, parse_request)
+from flatpack.runtime.request_tensors import (JSON, InputContract, Request, RequestError, content_type, encode_outputs,
+                                              parse_request)
 from flatpack.runtime.store import Store, open_plain_store
 from flatpack.stage.wire import pack_values, unpack_values
 
@@ -114,12 +114,11 @@ def _answer(request: Request, outputs: dict[str, Any], config: dict[str, Any]) -
     digest = config["digest"]
     named = config.get("outputs") or {name: name for name in outputs}
     body = encode_outputs({name: outputs[graph] for name, graph in named.items()}, request.form, digest)
+    headers = {"content-type": request.form, "x-flatpack-digest": digest}
     if request.form == JSON:
-        return {"statusCode": 200, "headers": {"content-type": JSON, "x-flatpack-digest": digest},
-                "body": body.decode()}
+        return {"statusCode": 200, "headers": headers, "body": body.decode()}
     # a function URL carries binary bodies base64-encoded, and says so
-    return {"statusCode": 200, "headers": {"content-type": SAFETENSORS, "x-flatpack-digest": digest},
-            "body": base64.b64encode(body).decode(), "isBase64Encoded": True}
+    return {"statusCode": 200, "headers": headers, "body": base64.b64encode(body).decode(), "isBase64Encoded": True}
 
 
 def handle(event: dict[str, Any], context: Any = None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from flatpack.partitioner.workload import Workload
 from flatpack.platform.catalog import get_platform
 from flatpack.serve.batcher import LatencyModel
 from flatpack.serve.targets import Target
-from flatpack.runtime.request_tensors import InputContract, flat_outputs
+from flatpack.runtime.request_tensors import flat_outputs
 
 LOG = logs.get("serve")
 WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
@@ -48,13 +48,6 @@ WARM_UP_REPEATS = 3         # per probed batch size; the median is kept
 # than at warm-up moves the batch size, the delay and the admission bound with it
 OBSERVED_BATCHES = 64
 REFIT_EVERY = 16
-
-
-def contract_of(compiled: Compiled) -> InputContract:
-    """The requests ``compiled`` accepts: its inputs' specs, and the most partitions a group
-    split by batch has (each needs a sample)."""
-    return InputContract.of(compiled.info.input_names, compiled.info.input_specs,
-                            ForkJoinPlan.from_plan(compiled.plan).min_request_samples)
 
 
 def gillis_model(compiled: Compiled, sizes: tuple[int, int]) -> LatencyModel | None:
@@ -103,7 +96,7 @@ class Version:
     def __init__(self, compiled: Compiled, target: Target, max_batch: int) -> None:
         self.compiled = compiled
         self.digest = compiled.digest
-        self.contract = contract_of(compiled)
+        self.contract = compiled.request_contract()
         self.target = target
         self._probe_sizes = (self.contract.min_samples, max(self.contract.min_samples, min(max_batch, 16)))
         self.replicas: list[Replica] = []     # warm, in rotation

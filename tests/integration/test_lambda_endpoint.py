@@ -138,7 +138,7 @@ def test_the_serving_master_answers_health_and_refuses_bad_requests_before_any_f
     endpoint's cap is a 4xx here, not a 500 from a stage worker."""
     from flatpack.runtime import url_handler
 
-    contract = aws_lambda.serve_contract(compiled)
+    contract = compiled.request_contract()
     assert contract.min_samples == 2            # stage 0 is split by batch over two partitions
     monkeypatch.setenv(url_handler.SERVE_ENV, json.dumps({"spec": "run/spec/serve", "digest": "d" * 64,
                                                           "functions": {}, "contract": contract.dumps(),
