@@ -49,11 +49,14 @@ host CPU the bound counts and the CPU the run's own processes used, from
 host's name, the run's start and end, the load averages and the calibration file's digest;
 ``--compare PATH`` prints this run's difference from the run that wrote PATH (issue 44: runs
 on other machines, or hours apart, set side by side). ``--compare PATH`` with ``--against
-PATH2`` compares two such files without running anything.
+PATH2`` compares two such files without running anything. ``--criterion RUN.json ...`` checks
+issue 44's done-when over several runs' files: each run's MAPE ≤ 10 %, every model's Spearman
+≥ 0.9, no plan kind (one worker, replicated, multi-stage, 1F1B) biased beyond ±10 % on
+average, and three runs an hour apart, each with its own calibration.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
-        [--models vgg16,rnn-3] [--iterations 7] [--rounds 3] [--calibrate-each-round]
-        [--json PATH] [--compare PATH [--against PATH2]]
+        [--models vgg16,rnn-3] [--iterations 12] [--rounds 3] [--calibrate-each-round]
+        [--json PATH] [--compare PATH [--against PATH2]] [--criterion RUN.json ...]
 """
 
 from __future__ import annotations
@@ -339,6 +342,87 @@ def compare_runs(first: dict[str, Any], second: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# issue 44's done-when, per run: the calibrated MAPE, every model's Spearman, each plan kind's
+# mean error; over the runs: each its own calibration, each at least an hour after the last
+CRITERION_MAPE = 0.10
+CRITERION_SPEARMAN = 0.9
+CRITERION_BIAS = 0.10
+CRITERION_GAP_S = 3600.0
+PLAN_KINDS = ("one worker", "replicated", "multi-stage", "1F1B")
+
+
+def plan_kinds(label: str) -> tuple[str, ...]:
+    """The kinds a plan label (``"2 × 2, 512, sync"``: stages × replicas, tier, schedule)
+    belongs to, of :data:`PLAN_KINDS`."""
+    shape, _, schedule = (part.strip() for part in label.split(","))
+    stages, replicas = (int(number) for number in shape.split("×"))
+    kinds = []
+    if stages == 1 and replicas == 1:
+        kinds.append("one worker")
+    if replicas > 1:
+        kinds.append("replicated")
+    if stages > 1:
+        kinds.append("multi-stage")
+    if schedule == "1f1b":
+        kinds.append("1F1B")
+    return tuple(kinds)
+
+
+def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """One raw table's figures the done-when reads: MAPE, each model's Spearman (models with
+    two plans or more), each plan kind's mean error and how many plans it has."""
+    plans = raw["plans"]
+    spearman = {}
+    for model in dict.fromkeys(plan["model"] for plan in plans):
+        mine = [plan for plan in plans if plan["model"] == model]
+        if len(mine) >= 2:
+            # (statistic, pvalue): scipy's stubs type the result as a bare tuple, so it is read by position
+            spearman[model] = float(spearmanr([plan["predicted_s"] for plan in mine],
+                                              [plan["measured_s"] for plan in mine])[0])
+    bias = {}
+    for kind in PLAN_KINDS:
+        errors = [plan["error"] for plan in plans if kind in plan_kinds(plan["plan"])]
+        if errors:
+            bias[kind] = (statistics.fmean(errors), len(errors))
+    return {"mape": statistics.fmean(abs(plan["error"]) for plan in plans), "spearman": spearman, "bias": bias}
+
+
+def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Issue 44's done-when over ``runs`` (raw tables, in the order they ran): each run's
+    calibrated MAPE ≤ 10 %, every model's Spearman ≥ 0.9, no plan kind's mean error beyond
+    ±10 %; the runs at least an hour apart, each with its own calibration (distinct digests),
+    and three of them. Returns the verdict and a table saying which figure failed."""
+    lines = ["| run | started | calibration | MAPE | Spearman (lowest) | "
+             + " | ".join(f"{kind} mean error" for kind in PLAN_KINDS) + " | run passes |",
+             "|---|---|---|---|---|" + "---|" * len(PLAN_KINDS) + "---|"]
+    failures = []
+    for index, raw in enumerate(runs, 1):
+        figures = run_figures(raw)
+        lowest = min(figures["spearman"].items(), key=lambda item: item[1], default=None)
+        passed = (figures["mape"] <= CRITERION_MAPE
+                  and all(rho >= CRITERION_SPEARMAN for rho in figures["spearman"].values())
+                  and all(abs(mean) <= CRITERION_BIAS for mean, _ in figures["bias"].values()))
+        if not passed:
+            failures.append(f"run {index} misses a figure")
+        cells = [f"{figures['bias'][kind][0] * 100:+.1f}% ({figures['bias'][kind][1]})" if kind in figures["bias"]
+                 else "-" for kind in PLAN_KINDS]
+        lines.append(f"| {index} | {raw['started']} | {raw['calibration']['digest']} | {figures['mape'] * 100:.1f}% | "
+                     + (f"{lowest[0]} {lowest[1]:+.2f}" if lowest else "-") + " | " + " | ".join(cells)
+                     + f" | {'yes' if passed else 'no'} |")
+    starts = [datetime.datetime.fromisoformat(raw["started"]) for raw in runs]
+    for (index, before), after in zip(enumerate(starts, 1), starts[1:]):
+        gap_s = (after - before).total_seconds()
+        if gap_s < CRITERION_GAP_S:
+            failures.append(f"run {index + 1} started {gap_s / 60:.0f} min after run {index} (an hour is asked)")
+    digests = [raw["calibration"]["digest"] for raw in runs]
+    if len(set(digests)) < len(digests):
+        failures.append("two runs share a calibration (each is asked to have its own)")
+    if len(runs) < 3:
+        failures.append(f"{len(runs)} run(s): three are asked")
+    verdict = ("met" if not failures else "not met: " + "; ".join(failures))
+    return not failures, "\n".join([*lines, "", f"issue 44's done-when over {len(runs)} run(s): {verdict}"])
+
+
 def read_raw(path: Path) -> dict[str, Any]:
     """A raw table ``--json`` wrote; exits naming the file where it is not one."""
     try:
@@ -352,7 +436,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three cases only")
     parser.add_argument("--models", default=None,
                         help="comma-separated zoo names: only these models' cases (default: all four)")
-    parser.add_argument("--iterations", type=int, default=7,
+    parser.add_argument("--iterations", type=int, default=12,
                         help="iterations per case: the first two (cold start, warm-up) are not measured")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a file from `flatpack calibrate --target local` (default: run one first)")
@@ -378,7 +462,14 @@ def main() -> None:
                         help="a first run's --json file: print this run's difference from it")
     parser.add_argument("--against", type=Path, default=None,
                         help="with --compare: a second run's --json file, compared without running anything")
+    parser.add_argument("--criterion", type=Path, nargs="+", default=None, metavar="RUN.json",
+                        help="check issue 44's done-when over these runs' --json files (in the order they ran) "
+                             "without running anything; exits 1 where it is not met")
     args = parser.parse_args()
+    if args.criterion is not None:
+        met, text = criterion([read_raw(path) for path in args.criterion])
+        print(text)
+        raise SystemExit(0 if met else 1)
     if args.against is not None:
         if args.compare is None:
             parser.error("--against compares a second run's file with --compare's first: give --compare too")
@@ -466,13 +557,11 @@ def main() -> None:
         # calibration per round each round's prediction is made for its own measurement
         print(f"  each plan's median of its rounds' own errors: calibrated MAPE "
               f"{mape([statistics.median(run['error'] for run in row['rounds']) for row in rows])}")
-    for model in dict.fromkeys(row["case"].model for row in rows):
-        mine = [row for row in rows if row["case"].model == model]
-        if len(mine) < 2:
-            continue
-        # (statistic, pvalue): scipy's stubs type the result as a bare tuple, so it is read by position
-        rho = spearmanr([row["predicted"] for row in mine], [row["measured"] for row in mine])[0]
-        print(f"Spearman rank correlation, {model} ({len(mine)} plans): {rho:+.2f}")
+    for model, rho in run_figures(raw)["spearman"].items():
+        print(f"Spearman rank correlation, {model} "
+              f"({sum(row['case'].model == model for row in rows)} plans): {rho:+.2f}")
+    _, text = criterion([raw])
+    print("\n" + text.split("\n\n")[0])
     if first_run is not None:
         print(f"\nThis run against {args.compare}:\n")
         print(compare_runs(first_run, raw))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.fidelity import RAW_SCHEMA, calibration_digest, compare_runs, raw_table
+from benchmarks.fidelity import RAW_SCHEMA, calibration_digest, compare_runs, criterion, plan_kinds, raw_table
 from flatpack.cpus import ProcessCpuSampler, Reading
 
 
@@ -136,3 +136,63 @@ def test_a_child_not_yet_exec_d_is_left_unclassified_until_it_runs_its_own_comma
     # a forked child reads as this process's command line until its exec: not a store yet
     assert _kind(os.getpid(), own) is None
     assert _kind(os.getpid(), b"another command") == "store"
+
+
+def _run(started: str, digest: str, errors: dict[tuple[str, str], float]) -> dict:
+    """A raw table whose plans have these (model, label) → errors, measured 100, 200, … ms."""
+    return {"schema": RAW_SCHEMA, "started": started, "calibration": {"digest": digest},
+            "plans": [{"model": model, "plan": label, "measured_s": 0.1 * index,
+                       "predicted_s": 0.1 * index * (1 + error), "error": error}
+                      for index, ((model, label), error) in enumerate(errors.items(), 1)]}
+
+
+GOOD = {("vgg16", "1 × 1, 512, sync"): 0.05, ("vgg16", "2 × 1, 512, sync"): -0.04,
+        ("vgg16", "2 × 2, 512, sync"): 0.02, ("vgg16", "2 × 1, 512, 1f1b"): -0.08}
+
+
+def test_plan_kinds_reads_stages_replicas_and_schedule_from_the_label() -> None:
+    assert plan_kinds("1 × 1, 512, sync") == ("one worker",)
+    assert plan_kinds("2 × 2, 512, 1f1b") == ("replicated", "multi-stage", "1F1B")
+    assert plan_kinds("3 × 1, 1024, sync") == ("multi-stage",)
+
+
+def test_the_criterion_holds_for_three_good_runs_an_hour_apart_with_their_own_calibrations() -> None:
+    runs = [_run(f"2026-11-29T0{hour}:00:00+00:00", f"d{hour}", GOOD) for hour in (6, 7, 8)]
+    met, text = criterion(runs)
+    assert met, text
+    assert "done-when over 3 run(s): met" in text
+
+
+def test_the_criterion_fails_a_kind_biased_beyond_ten_percent_though_the_mape_passes() -> None:
+    # four plans, MAPE 7.5 %, but the two 1F1B plans are 13 % under on average
+    biased = {("vgg16", "1 × 1, 512, sync"): 0.02, ("vgg16", "2 × 1, 512, sync"): 0.02,
+              ("rnn-3", "2 × 1, 512, 1f1b"): -0.12, ("vgg16", "2 × 1, 512, 1f1b"): -0.14}
+    runs = [_run("2026-11-29T06:00:00+00:00", "a", GOOD), _run("2026-11-29T07:00:00+00:00", "b", biased),
+            _run("2026-11-29T08:00:00+00:00", "c", GOOD)]
+    met, text = criterion(runs)
+    assert not met
+    assert "run 2 misses a figure" in text
+    assert "-13.0% (2)" in text
+
+
+def test_the_criterion_fails_runs_too_close_a_shared_calibration_and_too_few_runs() -> None:
+    close = [_run("2026-11-29T06:00:00+00:00", "a", GOOD), _run("2026-11-29T06:40:00+00:00", "a", GOOD)]
+    met, text = criterion(close)
+    assert not met
+    assert "run 2 started 40 min after run 1" in text
+    assert "two runs share a calibration" in text
+    assert "2 run(s): three are asked" in text
+
+
+def test_the_criterion_fails_a_model_ranked_wrongly() -> None:
+    # vgg16's two slowest plans predicted in the wrong order
+    wrong = _run("2026-11-29T06:00:00+00:00", "a", {})
+    wrong["plans"] = [{"model": "vgg16", "plan": label, "measured_s": measured, "predicted_s": predicted,
+                       "error": predicted / measured - 1}
+                      for label, measured, predicted in (("1 × 1, 512, sync", 0.1, 0.105),
+                                                         ("2 × 1, 512, sync", 0.2, 0.19),
+                                                         ("2 × 2, 512, sync", 0.3, 0.21),
+                                                         ("2 × 1, 512, 1f1b", 0.25, 0.27))]
+    met, text = criterion([wrong])
+    assert not met
+    assert "vgg16 +0.80" in text
