@@ -173,7 +173,8 @@ def _calibrate_functions(target: str, platform: Platform, memory_sizes: Sequence
             tier = platform.tier(memory_mb)
             spec = CalibrateSpec(run=deployment.keys.run, memory_mb=memory_mb, vcpus=tier.vcpus, emulate_cpu=emulated,
                                  bandwidth_bytes_s=tier.bandwidth_bytes_s if emulated else None, threads=threads,
-                                 round_trips=round_trips, probe_bytes=probe_bytes)
+                                 round_trips=round_trips, probe_bytes=probe_bytes,
+                                 link_only=alike[memory_mb] != memory_mb)
             deployment.store.put(deployment.keys.calibrate("spec", memory_mb), spec.dumps())
         # the cold invocation starts as a platform's cold start does (a fresh interpreter that
         # imports torch), never from the local fork server, whose start is a warm container's
@@ -200,8 +201,10 @@ def alike_tiers(platform: Platform, memory_sizes: Sequence[int], threads: int, e
     link, which the model carries, and their memory limit); on a platform, itself. The
     calibration measures those figures once per representative: each cold start (a fresh
     interpreter importing torch, 4-8 s) and each tier's probe pipelines (10-20 s) had made
-    ``flatpack calibrate --target local`` take 150-230 s (issue 42). Every tier still gets its
-    own calibration function, cold and warm: its link, latency and compute probes are its own."""
+    ``flatpack calibrate --target local`` take 150-230 s (issue 42). So are the compute and
+    optimizer probes and the warm starts: the five tiers from 3072 MB on had spent 12 s of a
+    60 s calibration reading what 2048 MB's function reads. Every tier still gets a function
+    of its own that times its link (its bandwidth and burst)."""
     if not emulated:
         return {memory_mb: memory_mb for memory_mb in memory_sizes}
     first: dict[float, int] = {}
@@ -243,9 +246,10 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, 
                   launch: Callable[[Role], Invocation], launch_cold: Callable[[Role], Invocation], threads: int,
                   timeout_s: float, say: Callable[[str], None], failed: list[int]) -> _Readings:
     """Invokes each tier's calibration function once first (by ``launch_cold`` on a tier
-    that stands for others or itself, ``alike``; by ``launch`` on the others, whose cold
-    start is their representative's) and ``WARM_READINGS`` times warm, one at a time, with
-    the host's probes between them; a tier whose function failed goes to ``failed``."""
+    that stands for others or itself, ``alike``; by ``launch`` on the others, which time their
+    link alone: their cold start, compute and optimizer are their representative's) and a
+    representative ``WARM_READINGS`` times warm, one at a time, with the host's probes around
+    each reading of the compute probes; a tier whose function failed goes to ``failed``."""
     readings = _Readings()
 
     def timed(role: Role) -> Invocation:
@@ -259,15 +263,19 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, 
     before = _on_host(threads)
     for invocation in range(COLD, WARM + WARM_READINGS):
         for memory_mb in alike:
-            verb = ("calibrating (cold start)" if invocation == COLD and alike[memory_mb] == memory_mb
-                    else f"calibrating (its cold start the {alike[memory_mb]} MB tier's)" if invocation == COLD
-                    else f"starting again (warm, {invocation} of {WARM_READINGS})")
+            represented = alike[memory_mb] != memory_mb
+            if represented and invocation != COLD:
+                continue
+            verb = ("calibrating (cold start)" if invocation == COLD and not represented
+                    else f"calibrating its link (its cold start and compute the {alike[memory_mb]} MB tier's)"
+                    if invocation == COLD else f"starting again (warm, {invocation} of {WARM_READINGS})")
             role = calibrate_role(deployment.keys, memory_mb, invocation, digest)
             profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
-            after = _on_host(threads)
-            readings.host_passes[(memory_mb, invocation)] = {name: (seconds + after[name]) / 2
-                                                             for name, seconds in before.items()}
-            before = after
+            if not represented:
+                after = _on_host(threads)
+                readings.host_passes[(memory_mb, invocation)] = {name: (seconds + after[name]) / 2
+                                                                 for name, seconds in before.items()}
+                before = after
             result = _collect(deployment, role)
             if result is None:
                 failed.append(role.stage)
@@ -448,25 +456,27 @@ def _tiers(alike: dict[int, int], results: dict[tuple[int, int], CalibrateResult
     The cold and each warm invocation time the compute and optimizer probes; each reading is
     set beside the host's passes just before and after that invocation, and the tier's
     figure is the readings' median (with two, their mean). ``invoke_warm_s``: the first warm
-    start's; ``invoke_cold_s``: the cold start of the tier that stands for it (``alike``)."""
+    start's; ``invoke_cold_s``: the cold start. A tier another stands for (``alike``) takes
+    its representative's compute, optimizer and starts, and fits its own link with the
+    representative's request time."""
     tiers = {}
-    for memory_mb, cold_tier in alike.items():
-        cold, warm = results[(memory_mb, COLD)], results[(memory_mb, WARM)]
-        request = statistics.median(cold.request_s)
+    for memory_mb, stands in alike.items():
+        cold, warm = results[(memory_mb, COLD)], results[(stands, WARM)]
+        request = statistics.median(results[(stands, COLD)].request_s)
         upload = link_fit(cold.probe_bytes, cold.upload_s, cold.small_probe_bytes, cold.small_upload_s, request)
         download = link_fit(cold.probe_bytes, cold.download_s, cold.small_probe_bytes, cold.small_download_s, request)
 
         readings = [(result, host_passes[(mb, invocation)]) for (mb, invocation), result in sorted(results.items())
-                    if mb == memory_mb and result.compute_s]
+                    if mb == stands and result.compute_s]
         compute_ratio = {name: statistics.median(result.compute_s[name] / host[name] for result, host in readings)
                          for name in readings[0][1]}
         optimizer_s_per_byte = {name: statistics.median(result.optimizer_s_per_byte[name] for result, _ in readings)
-                                for name in cold.optimizer_s_per_byte}
+                                for name in results[(stands, COLD)].optimizer_s_per_byte}
         tiers[memory_mb] = TierCalibration(
             compute_ratio=compute_ratio,
             upload_bytes_s=upload[0], download_bytes_s=download[0], burst_s=(upload[1] + download[1]) / 2,
-            invoke_cold_s=max(0.0, results[(cold_tier, COLD)].ready_at - launched[(cold_tier, COLD)]),
-            invoke_warm_s=max(0.0, warm.ready_at - launched[(memory_mb, WARM)]),
+            invoke_cold_s=max(0.0, results[(stands, COLD)].ready_at - launched[(stands, COLD)]),
+            invoke_warm_s=max(0.0, warm.ready_at - launched[(stands, WARM)]),
             optimizer_s_per_byte=optimizer_s_per_byte)
     return tiers
 
@@ -481,9 +491,10 @@ def _provenance(target: str, emulated: bool, round_trips: int, probe_bytes: int,
     provenance = {}
     if shared:
         standing = ", ".join(f"{mb} MB" for mb in sorted(set(shared.values())))
-        provenance["alike"] = (f"the cold start and task terms of {', '.join(f'{mb} MB' for mb in shared)} are "
-                               f"those of the tier of their CPU share, {standing} (emulated tiers of one share "
-                               "differ only in their link and memory limit)")
+        provenance["alike"] = (f"the cold and warm starts, compute ratios, optimizer step and task terms of "
+                               f"{', '.join(f'{mb} MB' for mb in shared)} are those of the tier of their CPU share, "
+                               f"{standing}; their link is measured on its own (emulated tiers of one share differ "
+                               "only in their link and memory limit)")
     return {**provenance, "where": where, "cpu_share": "emulated" if emulated else "platform",
             "method": (f"per tier: compute probes (conv, matmul, elementwise) timed by the tier's clock (emulated: CPU "
                        f"seconds over its usable vCPUs; a platform: wall time), over the same probes' CPU seconds on "

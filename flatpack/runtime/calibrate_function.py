@@ -70,7 +70,9 @@ class CalibrateSpec:
     real platform, whose link is its own). ``round_trips``: small requests timed for the
     latency distribution. ``probe_bytes`` and ``transfer_repeats``: the bandwidth probe
     (and a probe of ``probe_bytes // SMALL_PROBE_PARTS`` bytes as often).
-    ``optimizer_parameters``: float32 parameters the optimizer step is timed on."""
+    ``optimizer_parameters``: float32 parameters the optimizer step is timed on.
+    ``link_only``: time the transfer probes alone (an emulated tier whose CPU share another
+    tier's function measures: ``target_calibration.alike_tiers``)."""
 
     run: str
     memory_mb: int
@@ -84,6 +86,7 @@ class CalibrateSpec:
     transfer_repeats: int = 3
     compute_repeats: int = 15
     optimizer_parameters: int = 1 << 20
+    link_only: bool = False
 
     def dumps(self) -> bytes:
         return json.dumps({"format": SPEC_FORMAT, **asdict(self)}).encode()
@@ -100,8 +103,9 @@ class CalibrateSpec:
 class CalibrateResult:
     """What one invocation measured (seconds). A warm invocation reports ``ready_at`` and
     times the compute and optimizer probes again; the requests, polls and transfers are the
-    cold one's only. ``started_at`` / ``ready_at``: the function's clock when its
-    interpreter started and when it was ready to work (torch imported, spec read)."""
+    cold one's only (a ``link_only`` spec's: the transfers alone). ``started_at`` /
+    ``ready_at``: the function's clock when its interpreter started and when it was ready to
+    work (torch imported, spec read)."""
 
     memory_mb: int
     invocation: int
@@ -302,6 +306,16 @@ def _transfers(store: Store, keys: RunKeys, spec: CalibrateSpec, probe_bytes: in
     return uploads, downloads
 
 
+def _link_probes(link: Store, keys: RunKeys, spec: CalibrateSpec) -> dict[str, Any]:
+    """The bandwidth probes through the tier's ``link``, as :class:`CalibrateResult`'s fields:
+    ``probe_bytes`` each way, then a quarter of it after the link idled."""
+    uploads, downloads = _transfers(link, keys, spec)
+    small_bytes = spec.probe_bytes // SMALL_PROBE_PARTS
+    small_uploads, small_downloads = _transfers(link, keys, spec, small_bytes, IDLE_S)
+    return {"upload_s": uploads, "download_s": downloads, "probe_bytes": spec.probe_bytes,
+            "small_upload_s": small_uploads, "small_download_s": small_downloads, "small_probe_bytes": small_bytes}
+
+
 def _collective() -> dict[str, Any]:
     """The GPU collective's α, β need two ranks on two GPUs; say why they were not measured."""
     if not torch.cuda.is_available():
@@ -320,6 +334,13 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
     invocation = role.start_iteration
     torch.set_num_threads(spec.threads)
     clock = emulated_clock(spec.vcpus, spec.threads) if spec.emulate_cpu else time.perf_counter
+    link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
+    if spec.link_only:
+        # an emulated tier of a CPU share another tier's function measures: its link is its own
+        result = CalibrateResult(spec.memory_mb, invocation, started, ready, collective=_collective(),
+                                 **_link_probes(link, keys, spec))
+        store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
+        return 0
     # the compute and optimizer probes first, while no request of this function is being
     # served: the store server's work shares the host's cores with them, and timed after the
     # transfers the 512 MB tier's ratios read 1.0-1.6x the throttle's 1/share and Adam's
@@ -333,17 +354,11 @@ def run_calibrate(store: Store, role: Role, raw_spec: bytes, started: float) -> 
                                  optimizer_s_per_byte=optimizer_s_per_byte)
         store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
         return 0
-    link = tier_link(store, spec.bandwidth_bytes_s)     # the link a stage of this tier gets
-    uploads, downloads = _transfers(link, keys, spec)
-    small_bytes = spec.probe_bytes // SMALL_PROBE_PARTS
-    small_uploads, small_downloads = _transfers(link, keys, spec, small_bytes, IDLE_S)
+    transfers = _link_probes(link, keys, spec)
     result = CalibrateResult(
         memory_mb=spec.memory_mb, invocation=invocation, started_at=started, ready_at=ready,
         compute_s=compute_s,
         request_s=_requests(link, keys, spec), poll_overhead_s=_poll_overheads(link, keys, spec),
-        upload_s=uploads, download_s=downloads, probe_bytes=spec.probe_bytes,
-        small_upload_s=small_uploads, small_download_s=small_downloads, small_probe_bytes=small_bytes,
-        optimizer_s_per_byte=optimizer_s_per_byte,
-        collective=_collective())
+        optimizer_s_per_byte=optimizer_s_per_byte, collective=_collective(), **transfers)
     store.put(keys.calibrate("result", spec.memory_mb, invocation), result.dumps())
     return 0

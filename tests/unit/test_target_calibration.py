@@ -269,6 +269,53 @@ def test_a_tier_s_compute_ratio_is_the_median_of_its_invocations_each_beside_its
     assert alone.compute_ratio == {"conv": pytest.approx(3.5)} and alone.optimizer_s_per_byte == {"adam": 2e-9}
 
 
+def test_a_tier_another_stands_for_keeps_its_own_link_and_takes_the_rest_from_its_representative():
+    """4096 MB's function, of 2048 MB's CPU share, times its link alone (a ``link_only``
+    result): its bandwidth is its own, fitted with 2048 MB's request time; its compute ratio,
+    optimizer step and starts are 2048 MB's."""
+    from flatpack.backends import target_calibration as calibration_module
+
+    def probes(memory_mb: int, invocation: int, upload_s: float) -> CalibrateResult:
+        return CalibrateResult(memory_mb, invocation, 0.0, 1.0 + invocation, compute_s={"conv": 0.002},
+                               request_s=[0.002] * 4 if invocation == 0 else [],
+                               upload_s=[upload_s] if invocation == 0 else [],
+                               download_s=[upload_s] if invocation == 0 else [],
+                               probe_bytes=10_000_000 if invocation == 0 else 0, optimizer_s_per_byte={"adam": 3e-9})
+
+    results = {(2048, 0): probes(2048, 0, 0.202), (2048, 1): probes(2048, 1, 0.0), (2048, 2): probes(2048, 2, 0.0),
+               # the link-only function: 10 MB in 0.102 s (twice 2048 MB's rate), nothing else
+               (4096, 0): CalibrateResult(4096, 0, 0.0, 0.5, upload_s=[0.102], download_s=[0.102],
+                                          probe_bytes=10_000_000)}
+    launched = {(2048, 0): 0.25, (2048, 1): 1.5, (2048, 2): 2.5, (4096, 0): 0.4}
+    host_passes = {(2048, invocation): {"conv": 0.001} for invocation in range(3)}
+    tiers = calibration_module._tiers({2048: 2048, 4096: 2048}, results, launched, host_passes)
+    large, larger = tiers[2048], tiers[4096]
+    assert large.upload_bytes_s == pytest.approx(10_000_000 / 0.2)
+    assert larger.upload_bytes_s == pytest.approx(10_000_000 / 0.1)     # its own link, less 2048 MB's t_lat
+    assert larger.compute_ratio == large.compute_ratio == {"conv": pytest.approx(2.0)}
+    assert larger.optimizer_s_per_byte == large.optimizer_s_per_byte
+    assert larger.invoke_cold_s == large.invoke_cold_s == pytest.approx(0.75)
+    assert larger.invoke_warm_s == large.invoke_warm_s == pytest.approx(0.5)
+
+
+def test_a_link_only_function_times_its_link_and_nothing_else(tmp_path):
+    """``CalibrateSpec.link_only``: the function puts and gets its two probe sizes through the
+    tier's link and skips the compute, optimizer, request and poll probes."""
+    from flatpack.runtime.calibrate_function import run_calibrate
+
+    store = open_store(tmp_path.as_uri())
+    keys = RunKeys("run-link")
+    spec = CalibrateSpec(run=keys.run, memory_mb=4096, vcpus=2.0, emulate_cpu=True, bandwidth_bytes_s=None,
+                         probe_bytes=1 << 16, link_only=True)
+    role = calibrate_role(keys, 4096, 0)
+    assert run_calibrate(store, role, spec.dumps(), 0.0) == 0
+    result = CalibrateResult.loads(store.get(keys.calibrate("result", 4096, 0)))
+    assert len(result.upload_s) == len(result.download_s) == spec.transfer_repeats
+    assert len(result.small_upload_s) == spec.transfer_repeats and result.small_probe_bytes == (1 << 16) // 4
+    assert not result.compute_s and not result.optimizer_s_per_byte
+    assert not result.request_s and not result.poll_overhead_s
+
+
 def test_a_link_s_rate_and_burst_come_from_transfers_of_two_sizes():
     """A token-bucket link: each transfer takes t_lat + n/W − b. The slope between two sizes
     is W whatever t_lat and b; b is the intercept. A small probe the burst covers whole is off
@@ -382,6 +429,11 @@ def test_a_tier_another_stands_for_starts_first_the_usual_way_and_takes_its_task
                          task_iterations=0)
     first = sorted((mb, how) for mb, invocation, how in deployment.started if invocation == 0)
     assert first == [(512, "launch_cold"), (2048, "launch_cold"), (4096, "launch")]
+    # 4096 MB's function times its link once; its warm start and compute are 2048 MB's
+    assert sorted({mb for mb, invocation, _ in deployment.started if invocation > 0}) == [512, 2048]
+    specs = {mb: CalibrateSpec.loads(deployment.store.get(deployment.keys.calibrate("spec", mb)))
+             for mb in (512, 2048, 4096)}
+    assert [specs[mb].link_only for mb in (512, 2048, 4096)] == [False, False, True]
 
     probed: list[int] = []
 
