@@ -245,6 +245,7 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "critical_path_error": unbounded / measured - 1,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
+            "kept_iterations": [it.seconds for it in kept],
             "result": result}
 
 
@@ -255,7 +256,8 @@ MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed", "ho
 def median_row(runs: list[dict]) -> dict:
     """One plan's rounds as one row: the median of each measured and predicted figure, the
     errors between those medians; the first round's run is kept (its timeline re-plans)."""
-    row = {**runs[0], **{key: statistics.median(run[key] for run in runs) for key in MEDIAN_KEYS}}
+    row = {**runs[0], **{key: statistics.median(run[key] for run in runs) for key in MEDIAN_KEYS},
+           "kept_iterations": [seconds for run in runs for seconds in run["kept_iterations"]]}
     row.update(error=row["predicted"] / row["measured"] - 1,
                uncalibrated_error=row["uncalibrated"] / row["measured"] - 1,
                critical_path_error=row["critical_path"] / row["measured"] - 1,
@@ -285,7 +287,8 @@ def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple
     """The run's figures as plain data (``--json``): the host, the time, the load, the
     calibration's digest, and per plan its measured and predicted iteration, the error, the
     host CPU the bound counts (bound × cores) and the CPU measured, both the run's own
-    processes (by kind) and the host's busy CPU, each per iteration."""
+    processes (by kind) and the host's busy CPU, each per iteration, and the kept iterations'
+    own seconds (their spread: how far one plan's median could move)."""
     return {
         "schema": RAW_SCHEMA, "host": socket.gethostname(), "cores": os.cpu_count(), "started": started,
         "ended": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
@@ -298,7 +301,8 @@ def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple
                    "critical_path_s": row["critical_path"],
                    "host_cpu_predicted_s": row["host_bound"] * row["cores"],
                    "host_cpu_measured_s": row["own_cpu"], "host_cpu_by_kind_s": row["own_cpu_by_kind"],
-                   "host_busy_s": row["host_cpu"], "load_average": row["load"]} for row in rows]}
+                   "host_busy_s": row["host_cpu"], "load_average": row["load"],
+                   "kept_iterations_s": row["kept_iterations"]} for row in rows]}
 
 
 def _change(first: float, second: float) -> str:
@@ -513,6 +517,11 @@ def main() -> None:
         raw = raw_table(rows, calibration=calibration, started=started, loads=(load_at_start, os.getloadavg()[0]),
                         iterations=args.iterations, rounds=args.rounds)
         if args.json is not None:
+            # the calibration beside the table (it lives in a scratch folder otherwise): a later
+            # look at a run can predict its plans again from the very figures it was predicted with
+            kept = args.json.with_suffix(".calibration.json")
+            kept.write_bytes(calibration.read_bytes())
+            raw["calibration"]["copy"] = kept.name
             args.json.write_text(json.dumps(raw, indent=1) + "\n")
         forkjoin_rows = []
         if args.forkjoin:

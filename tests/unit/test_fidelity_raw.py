@@ -21,7 +21,7 @@ def _row(model: str, stages: int, replicas: int, measured: float, predicted: flo
     return {"case": case, "measured": measured, "predicted": predicted, "error": predicted / measured - 1,
             "host_bound": 0.1, "critical_path": 0.09, "cores": 2, "own_cpu": own,
             "own_cpu_by_kind": {"worker": own * 0.6, "invoker": own * 0.1, "store": own * 0.3},
-            "host_cpu": own * 1.2, "load": 1.5}
+            "host_cpu": own * 1.2, "load": 1.5, "kept_iterations": [measured * 0.9, measured, measured * 1.2]}
 
 
 def test_raw_table_round_trips_through_json_with_host_time_load_and_calibration(tmp_path: Path) -> None:
@@ -39,6 +39,7 @@ def test_raw_table_round_trips_through_json_with_host_time_load_and_calibration(
     assert plan["error"] == pytest.approx(0.25 / 0.3 - 1)
     assert plan["host_cpu_predicted_s"] == pytest.approx(0.2)     # bound × cores
     assert plan["host_cpu_measured_s"] == pytest.approx(0.6)
+    assert plan["kept_iterations_s"] == pytest.approx([0.27, 0.3, 0.36])
 
 
 def test_a_different_calibration_file_has_a_different_digest(tmp_path: Path) -> None:
