@@ -381,8 +381,8 @@ def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
         mine = [plan for plan in plans if plan["model"] == model]
         if len(mine) >= 2:
             # (statistic, pvalue): scipy's stubs type the result as a bare tuple, so it is read by position
-            spearman[model] = float(spearmanr([plan["predicted_s"] for plan in mine],
-                                              [plan["measured_s"] for plan in mine])[0])
+            rho: Any = spearmanr([plan["predicted_s"] for plan in mine], [plan["measured_s"] for plan in mine])[0]
+            spearman[model] = float(rho)
     bias = {}
     for kind in PLAN_KINDS:
         errors = [plan["error"] for plan in plans if kind in plan_kinds(plan["plan"])]

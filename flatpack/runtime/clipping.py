@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
-from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.keys import Round, RunKeys
 from flatpack.runtime.store import Store
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + EPS))
 
 
-def global_sums(store: Store, keys: RunKeys, iteration: int, stage: int, stages: int, replica: int,
+def global_sums(store: Store, keys: RunKeys, iteration: int | Round, stage: int, stages: int, replica: int,
                 own: Sequence[float], timeout_s: float) -> list[float]:
     """Publishes this stage's values (replica 0; every replica holds the same reduced
     gradients) and returns each summed over all ``stages``, in stage order."""

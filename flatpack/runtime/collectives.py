@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.keys import Round, RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.store import Store
 from flatpack.stage import wire
@@ -49,7 +49,8 @@ def _unpack(data: bytes) -> torch.Tensor:
     return wire.loads(data)[0]["chunk"]
 
 
-def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration: int, stage: int, replica: int,
+def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration: int | Round, stage: int,
+                   replica: int,
                    replicas: int, method: str = "pipelined", lanes: Lanes | None = None,
                    timeout_s: float = 600.0,
                    record: Callable[[str, str, int], contextlib.AbstractContextManager[object]] | None = None

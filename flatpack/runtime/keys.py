@@ -14,6 +14,8 @@ Layout (``<run>`` is the run id)::
     <run>/sync/i<iter>/s<stage>/r<replica>/c<chunk>   scatter-reduce: a replica's gradient chunk
     <run>/reduced/i<iter>/s<stage>/c<chunk>           scatter-reduce: a summed chunk
     <run>/norm/i<iter>/s<stage>                       a stage's squared gradient norm (global-norm clipping)
+    <run>/{sync,reduced,shared,norm}/i<iter>q<pos>/...  the same for a round of an asynchronous
+                                                      schedule whose first micro-batch is <pos> of <iter>
     <run>/ckpt/s<stage>/i<iter>                       stage state after iteration <iter>
     <run>/timeline/s<stage>/r<replica>/i<iter>/a<attempt>   task start and end times
     <run>/status/s<stage>/r<replica>/i<start>/a<attempt>  a worker's final status (ok, oom, error, transient)
@@ -37,6 +39,7 @@ named by its call record instead).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from flatpack.stage.artifact import stage_dirname
@@ -44,10 +47,39 @@ from flatpack.stage.artifact import stage_dirname
 
 # the kinds of key each iteration writes and none needs once a checkpoint covers it
 INTERMEDIATE_KINDS = ("data", "act", "grad", "sync", "reduced", "shared", "norm", "marker")
+# a per-iteration key's iteration part (_slot): i<iteration>, or i<iteration>q<position> for a round
+_SLOT = re.compile(r"i(\d+)(?:q\d+)?")
 
 
 def _n(value: int) -> str:
     return f"{value:06d}"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of an asynchronous schedule (PipeDream's 1F1B-RR): a stage's replicas reduce
+    the gradients of a round of micro-batches, not an iteration's. Its keys name the iteration
+    of its first micro-batch and that micro-batch's position in it, so that the invoker's
+    garbage collection (:meth:`RunKeys.iteration_of`) frees them once a checkpoint covers the
+    iteration, as it frees an iteration's (keyed by the position in the run's sequence of
+    micro-batches instead, they outlived every checkpoint and a long run's store grew by
+    twice a stage's gradient per round)."""
+
+    iteration: int
+    position: int
+
+    @classmethod
+    def of(cls, sequence: int, micro_batches: int) -> Round:
+        """The round whose first micro-batch is number ``sequence`` of the run's sequence."""
+        iteration, position = divmod(sequence, micro_batches)
+        return cls(iteration, position)
+
+
+def _slot(iteration: int | Round) -> str:
+    """A per-iteration key's iteration part: ``i<iter>``, or ``i<iter>q<pos>`` for a round."""
+    if isinstance(iteration, Round):
+        return f"i{_n(iteration.iteration)}q{_n(iteration.position)}"
+    return f"i{_n(iteration)}"
 
 
 @dataclass(frozen=True)
@@ -99,17 +131,17 @@ class RunKeys:
     def gradient(self, iteration: int, stage: int, micro_batch: int) -> str:
         return f"{self.run}/grad/i{_n(iteration)}/s{_n(stage)}/m{_n(micro_batch)}"
 
-    def sync_chunk(self, iteration: int, stage: int, replica: int, chunk: int) -> str:
-        return f"{self.run}/sync/i{_n(iteration)}/s{_n(stage)}/r{_n(replica)}/c{_n(chunk)}"
+    def sync_chunk(self, iteration: int | Round, stage: int, replica: int, chunk: int) -> str:
+        return f"{self.run}/sync/{_slot(iteration)}/s{_n(stage)}/r{_n(replica)}/c{_n(chunk)}"
 
-    def reduced_chunk(self, iteration: int, stage: int, chunk: int) -> str:
-        return f"{self.run}/reduced/i{_n(iteration)}/s{_n(stage)}/c{_n(chunk)}"
+    def reduced_chunk(self, iteration: int | Round, stage: int, chunk: int) -> str:
+        return f"{self.run}/reduced/{_slot(iteration)}/s{_n(stage)}/c{_n(chunk)}"
 
-    def shared_gradient(self, iteration: int, stage: int, name: str) -> str:
-        return f"{self.run}/shared/i{_n(iteration)}/s{_n(stage)}/{name}"
+    def shared_gradient(self, iteration: int | Round, stage: int, name: str) -> str:
+        return f"{self.run}/shared/{_slot(iteration)}/s{_n(stage)}/{name}"
 
-    def grad_norm(self, iteration: int, stage: int) -> str:
-        return f"{self.run}/norm/i{_n(iteration)}/s{_n(stage)}"
+    def grad_norm(self, iteration: int | Round, stage: int) -> str:
+        return f"{self.run}/norm/{_slot(iteration)}/s{_n(stage)}"
 
     def checkpoint(self, stage: int, iteration: int) -> str:
         return f"{self.run}/ckpt/s{_n(stage)}/i{_n(iteration)}"
@@ -151,12 +183,13 @@ class RunKeys:
         return [f"{self.run}/{kind}/" for kind in INTERMEDIATE_KINDS]
 
     def iteration_of(self, key: str) -> int | None:
-        """The iteration of a key under :meth:`intermediate_prefixes`; None for any other key."""
+        """The iteration of a key under :meth:`intermediate_prefixes` (a round's: that of its
+        first micro-batch, :class:`Round`); None for any other key."""
         parts = key.split("/")
-        if len(parts) < 4 or parts[0] != self.run or parts[1] not in INTERMEDIATE_KINDS \
-                or not parts[2].startswith("i") or not parts[2][1:].isdigit():
+        if len(parts) < 4 or parts[0] != self.run or parts[1] not in INTERMEDIATE_KINDS:
             return None
-        return int(parts[2][1:])
+        found = _SLOT.fullmatch(parts[2])
+        return int(found.group(1)) if found else None
 
     def infer(self, request: str, group: int, partition: int, kind: str) -> str:
         return f"{self.run}/infer/{request}/g{_n(group)}/p{_n(partition)}/{kind}"

@@ -35,7 +35,7 @@ from torch import nn
 
 from flatpack.runtime import clipping
 from flatpack.runtime.collectives import scatter_reduce
-from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.keys import Round, RunKeys
 from flatpack.runtime.lanes import Lanes
 from flatpack.runtime.optim import loss_value, packed_positions
 from flatpack.runtime.precision import LossScaler, autocast, for_wire, loss_scaler
@@ -538,6 +538,8 @@ class StageTrainer:
         start = time.time()
         key = self.role.start_iteration * self.spec.micro_batches + round_index * self.schedule.round_size(
             self.role.stage, self.layout)
+        # the round's store keys name the iteration of its first micro-batch: the invoker frees them with it
+        slot = Round.of(key, self.spec.micro_batches)
         params = list(self.trainable.values())
         grads = dict(local)
         if self.stage.replicas > 1 and params:
@@ -546,7 +548,7 @@ class StageTrainer:
 
             flat = torch.cat([(grads[name] if grads.get(name) is not None else torch.zeros_like(param))
                               .reshape(-1).float() for name, param in self.trainable.items()])
-            total = scatter_reduce(flat, store=self.store, keys=self.keys, iteration=key, stage=self.role.stage,
+            total = scatter_reduce(flat, store=self.store, keys=self.keys, iteration=slot, stage=self.role.stage,
                                    replica=self.role.replica, replicas=self.stage.replicas, method=self.spec.sync,
                                    lanes=self._round_lanes, timeout_s=self.spec.wait_timeout_s, record=record)
             offset = 0
@@ -555,12 +557,12 @@ class StageTrainer:
                 offset += param.numel()
         if self.schedule.own_minibatch and self.stage.replicas > 1:
             grads = {name: grad / self.stage.replicas for name, grad in grads.items() if grad is not None}
-        self._sum_shared(key, grads)
+        self._sum_shared(slot, grads)
         clip = self.spec.optimizer.clip_grad_norm
         if clip is not None:
             counted = [grad for name, grad in grads.items()
                        if min(self.spec.shared.get(name, (self.role.stage,))) == self.role.stage]
-            squared = clipping.global_sums(self.store, self.keys, key, self.role.stage, len(self.spec.stages),
+            squared = clipping.global_sums(self.store, self.keys, slot, self.role.stage, len(self.spec.stages),
                                            self.role.replica, [clipping.squared_norm(counted)],
                                            self.spec.wait_timeout_s)[0]
             coefficient = clipping.clip_coefficient(math.sqrt(squared), clip)
@@ -666,7 +668,7 @@ class StageTrainer:
             if name in self.trainable and name in grads:
                 self.trainable[name].grad = grads[name]
 
-    def _sum_shared(self, iteration: int, grads: dict[str, torch.Tensor | None]) -> None:
+    def _sum_shared(self, iteration: int | Round, grads: dict[str, torch.Tensor | None]) -> None:
         """Adds the other holders' gradients of each tied weight into ``grads`` (replica 0 of
         each holder publishes its own under ``iteration``)."""
         mine = {name: holders for name, holders in self.spec.shared.items()

@@ -257,3 +257,19 @@ def test_flatpack_run_trains_asynchronously_and_holds_the_run_to_the_simulation(
     assert "1f1b-async checkpoints only where its pipeline drains" in caplog.text
     assert "after 8 steps" in out       # 4 iterations of 2 micro-batches, a step each
     assert "equivalence with single-process training: passed" in out
+
+
+def test_a_replicated_asynchronous_run_leaves_no_round_in_the_store(s3_server):
+    """PipeDream's 1F1B-RR reduces a replicated stage's gradients on the store once per round
+    of micro-batches. Each call ends at a checkpoint, and the invoker deletes what a checkpoint
+    covers: no round's chunk outlives its call (keyed by the run's micro-batch number they had
+    outlived every checkpoint, and a long run's store grew by twice the stage's gradient a
+    round)."""
+    model, data = conv_case()
+    compiled = compiled_with(model, data[0][0], [2, 1], micro_batches=4)
+    with local.deploy(compiled, store_url=s3_server.url(""), env=s3_server.env()) as deployment:
+        deployment.train(data[:2], iterations=2, optimizer=ADAM, schedule=ASYNC)
+        deployment.train(data[2:4], iterations=2, optimizer=ADAM, schedule=ASYNC, batch_offset=2)
+        run = deployment.keys.run
+        left = [key for kind in ("sync", "reduced") for key in deployment.store.list(f"{run}/{kind}/")]
+    assert not left, f"{len(left)} round keys outlived their calls, e.g. {left[:2]}"

@@ -15,7 +15,7 @@ import pytest
 from flatpack.backends import functions
 from flatpack.backends.functions import _Run
 from flatpack.errors import StoreError
-from flatpack.runtime.keys import RunKeys
+from flatpack.runtime.keys import Round, RunKeys
 from flatpack.runtime.store import FileStore
 
 
@@ -144,3 +144,37 @@ def test_the_iteration_of_a_key_is_read_only_from_a_per_iteration_key():
     assert all(keys.iteration_of(key) is None for key in (keys.checkpoint(0, 4), keys.progress(3, 0, 0),
                                                           "other/act/i000001/s000000/m000000", "run/act/latest/x"))
     assert [keys.iteration_of(f"{prefix}i000005/x") for prefix in keys.intermediate_prefixes()] == [5] * 8
+
+
+def test_a_round_s_keys_name_the_iteration_of_its_first_micro_batch():
+    """PipeDream's 1F1B-RR reduces per round of micro-batches: micro-batch 37 of a run of 8
+    per iteration is position 5 of iteration 4, and its round's keys read as iteration 4's."""
+    keys = RunKeys("run")
+    assert Round.of(37, 8) == Round(4, 5) and Round.of(8, 8) == Round(1, 0)
+    round_keys = [keys.sync_chunk(Round(4, 5), 0, 1, 0), keys.reduced_chunk(Round(4, 5), 0, 1),
+                  keys.shared_gradient(Round(4, 5), 1, "w"), keys.grad_norm(Round(4, 5), 0)]
+    assert [keys.iteration_of(key) for key in round_keys] == [4] * 4
+    # two rounds of one iteration, and a round beside the iteration's own key, never share a key
+    assert keys.sync_chunk(Round(4, 5), 0, 1, 0) != keys.sync_chunk(Round(4, 6), 0, 1, 0) != keys.sync_chunk(
+        4, 0, 1, 0)
+    assert keys.iteration_of("run/sync/i000004q/s000000/r000001/c000000") is None
+    assert keys.iteration_of("run/sync/i000004x000005/s000000/r000001/c000000") is None
+
+
+def test_a_checkpoint_frees_the_rounds_of_the_iterations_it_covers(tmp_path):
+    """An asynchronous schedule's round keys go with their iterations (they were keyed by the
+    run's micro-batch number, which outran every checkpoint: the store kept them all)."""
+    store = HeldDeletes(tmp_path)
+    store.release.set()
+    keys = RunKeys("run")
+    micro_batches = 4
+    for sequence in range(0, 6 * micro_batches, 2):          # rounds of 2 micro-batches, iterations 0-5
+        store.put(keys.sync_chunk(Round.of(sequence, micro_batches), 0, 0, 1), b"chunk")
+        store.put(keys.reduced_chunk(Round.of(sequence, micro_batches), 0, 0), b"chunk")
+    run = invoker(store, collected=4)
+    try:
+        run._release_now(end=6)
+        left = store.list("run/sync/") + store.list("run/reduced/")
+        assert {keys.iteration_of(key) for key in left} == {5} and len(left) == 4
+    finally:
+        run.garbage.shutdown(wait=True)
