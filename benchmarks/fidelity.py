@@ -77,7 +77,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from scipy.stats import spearmanr
@@ -266,11 +266,16 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
+def mean_absolute(errors: Iterable[float]) -> float:
+    """The mean absolute error of ``errors`` (predicted/measured − 1): the MAPE, as a fraction."""
+    return statistics.fmean(abs(error) for error in errors)
+
+
 def mape(errors: list[float], over: str = "") -> str:
     """The mean absolute error of ``errors`` (predicted/measured − 1), then ``over`` (what
     it is over), then its median and max."""
     absolute = [abs(error) for error in errors]
-    return (f"{statistics.mean(absolute) * 100:.1f}%{over} (median {statistics.median(absolute) * 100:.1f}%, "
+    return (f"{mean_absolute(errors) * 100:.1f}%{over} (median {statistics.median(absolute) * 100:.1f}%, "
             f"max {max(absolute) * 100:.1f}%)")
 
 
@@ -391,19 +396,18 @@ def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
         errors = [plan["error"] for plan in plans if kind in plan_kinds(plan["plan"])]
         if errors:
             bias[kind] = (statistics.fmean(errors), len(errors))
-    return {"mape": statistics.fmean(abs(plan["error"]) for plan in plans), "spearman": spearman, "bias": bias}
+    return {"mape": mean_absolute(plan["error"] for plan in plans), "spearman": spearman, "bias": bias}
 
 
-def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
-    """Issue 44's done-when over ``runs`` (raw tables, in the order they ran): each run's
-    calibrated MAPE ≤ 10 %, every model's Spearman ≥ 0.9, no plan kind's mean error beyond
-    ±10 % (the kinds the issue names, :data:`JUDGED_KINDS`; one-worker plans' is printed
-    too); the runs at least an hour apart, each with its own calibration (distinct digests),
-    and three of them. Returns the verdict and a table saying which figure failed."""
+def criterion_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
+    """Per run of ``runs`` (raw tables, in the order they ran) a table row of issue 44's
+    figures: calibrated MAPE ≤ 10 %, every model's Spearman ≥ 0.9, no plan kind's mean error
+    beyond ±10 % (the kinds the issue names, :data:`JUDGED_KINDS`; one-worker plans' is
+    printed too). Returns the table's lines and the numbers (from 1) of the runs that miss."""
     lines = ["| run | started | calibration | MAPE | Spearman (lowest) | "
              + " | ".join(f"{kind} mean error" for kind in PLAN_KINDS) + " | run passes |",
              "|---|---|---|---|---|" + "---|" * len(PLAN_KINDS) + "---|"]
-    failures = []
+    missing = []
     for index, raw in enumerate(runs, 1):
         figures = run_figures(raw)
         lowest = min(figures["spearman"].items(), key=lambda item: item[1], default=None)
@@ -412,12 +416,22 @@ def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
                   and all(abs(mean) <= CRITERION_BIAS for kind, (mean, _) in figures["bias"].items()
                           if kind in JUDGED_KINDS))
         if not passed:
-            failures.append(f"run {index} misses a figure")
+            missing.append(index)
         cells = [f"{figures['bias'][kind][0] * 100:+.1f}% ({figures['bias'][kind][1]})" if kind in figures["bias"]
                  else "-" for kind in PLAN_KINDS]
         lines.append(f"| {index} | {raw['started']} | {raw['calibration']['digest']} | {figures['mape'] * 100:.1f}% | "
                      + (f"{lowest[0]} {lowest[1]:+.2f}" if lowest else "-") + " | " + " | ".join(cells)
                      + f" | {'yes' if passed else 'no'} |")
+    return lines, missing
+
+
+def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Issue 44's done-when over ``runs`` (raw tables, in the order they ran): each run's
+    figures (:func:`criterion_table`); the runs at least an hour apart, each with its own
+    calibration (distinct digests), and three of them. Returns the verdict and the table
+    saying which figure failed."""
+    lines, missing = criterion_table(runs)
+    failures = [f"run {index} misses a figure" for index in missing]
     starts = [datetime.datetime.fromisoformat(raw["started"]) for raw in runs]
     for (index, before), after in zip(enumerate(starts, 1), starts[1:]):
         gap_s = (after - before).total_seconds()
@@ -524,9 +538,9 @@ def main() -> None:
         if args.json is not None:
             # the calibration beside the table (it lives in a scratch folder otherwise): a later
             # look at a run can predict its plans again from the very figures it was predicted with
-            kept = args.json.with_suffix(".calibration.json")
-            kept.write_bytes(calibration.read_bytes())
-            raw["calibration"]["copy"] = kept.name
+            calibration_copy = args.json.with_suffix(".calibration.json")
+            calibration_copy.write_bytes(calibration.read_bytes())
+            raw["calibration"]["copy"] = calibration_copy.name
             args.json.write_text(json.dumps(raw, indent=1) + "\n")
         forkjoin_rows = []
         if args.forkjoin:
@@ -574,8 +588,7 @@ def main() -> None:
     for model, rho in run_figures(raw)["spearman"].items():
         print(f"Spearman rank correlation, {model} "
               f"({sum(row['case'].model == model for row in rows)} plans): {rho:+.2f}")
-    _, text = criterion([raw])
-    print("\n" + text.split("\n\n")[0])
+    print("\n" + "\n".join(criterion_table([raw])[0]))
     if first_run is not None:
         print(f"\nThis run against {args.compare}:\n")
         print(compare_runs(first_run, raw))

@@ -267,9 +267,12 @@ def _invoke_tiers(deployment: FunctionDeployment, digest: str, alike: dict[int, 
             represented = alike[memory_mb] != memory_mb
             if represented and invocation != COLD:
                 continue
-            verb = ("calibrating (cold start)" if invocation == COLD and not represented
-                    else f"calibrating its link (its cold start and compute the {alike[memory_mb]} MB tier's)"
-                    if invocation == COLD else f"starting again (warm, {invocation} of {WARM_READINGS})")
+            if invocation != COLD:
+                verb = f"starting again (warm, {invocation} of {WARM_READINGS})"
+            elif represented:
+                verb = f"calibrating its link (its cold start and compute the {alike[memory_mb]} MB tier's)"
+            else:
+                verb = "calibrating (cold start)"
             role = calibrate_role(deployment.keys, memory_mb, invocation, digest)
             profiling._run_functions([role], timed, 1, timeout_s, say, verb=verb)
             if not represented:
@@ -462,8 +465,9 @@ def _tiers(alike: dict[int, int], results: dict[tuple[int, int], CalibrateResult
     representative's request time."""
     tiers = {}
     for memory_mb, stands in alike.items():
-        cold, warm = results[(memory_mb, COLD)], results[(stands, WARM)]
-        request = statistics.median(results[(stands, COLD)].request_s)
+        # this tier's own cold invocation timed its link; its representative's, everything else
+        cold, representative, warm = results[(memory_mb, COLD)], results[(stands, COLD)], results[(stands, WARM)]
+        request = statistics.median(representative.request_s)
         upload = link_fit(cold.probe_bytes, cold.upload_s, cold.small_probe_bytes, cold.small_upload_s, request)
         download = link_fit(cold.probe_bytes, cold.download_s, cold.small_probe_bytes, cold.small_download_s, request)
 
@@ -472,11 +476,11 @@ def _tiers(alike: dict[int, int], results: dict[tuple[int, int], CalibrateResult
         compute_ratio = {name: statistics.median(result.compute_s[name] / host[name] for result, host in readings)
                          for name in readings[0][1]}
         optimizer_s_per_byte = {name: statistics.median(result.optimizer_s_per_byte[name] for result, _ in readings)
-                                for name in results[(stands, COLD)].optimizer_s_per_byte}
+                                for name in representative.optimizer_s_per_byte}
         tiers[memory_mb] = TierCalibration(
             compute_ratio=compute_ratio,
             upload_bytes_s=upload[0], download_bytes_s=download[0], burst_s=(upload[1] + download[1]) / 2,
-            invoke_cold_s=max(0.0, results[(stands, COLD)].ready_at - launched[(stands, COLD)]),
+            invoke_cold_s=max(0.0, representative.ready_at - launched[(stands, COLD)]),
             invoke_warm_s=max(0.0, warm.ready_at - launched[(stands, WARM)]),
             optimizer_s_per_byte=optimizer_s_per_byte)
     return tiers

@@ -50,8 +50,7 @@ def _unpack(data: bytes) -> torch.Tensor:
 
 
 def scatter_reduce(flat: torch.Tensor, *, store: Store, keys: RunKeys, iteration: int | Round, stage: int,
-                   replica: int,
-                   replicas: int, method: str = "pipelined", lanes: Lanes | None = None,
+                   replica: int, replicas: int, method: str = "pipelined", lanes: Lanes | None = None,
                    timeout_s: float = 600.0,
                    record: Callable[[str, str, int], contextlib.AbstractContextManager[object]] | None = None
                    ) -> torch.Tensor:

@@ -569,7 +569,7 @@ class StageTrainer:
             if coefficient < 1.0:
                 grads = {name: grad * torch.tensor(coefficient, dtype=torch.float32).to(grad.dtype)
                          for name, grad in grads.items()}
-        self._record("sync", key // self.spec.micro_batches, None, start, 0, "compute")
+        self._record("sync", slot.iteration, None, start, 0, "compute")
         return grads
 
     def _apply_rounds(self, version: int) -> None:
