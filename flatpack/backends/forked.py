@@ -9,7 +9,9 @@ One fork server per invoker process, not per deployment: it holds nothing of a d
 deployment a process makes (a test session's dozens, calibrate's probe pipelines) shares one
 second and a half of imports. A process whose environment differs in what is read while
 modules load (``PYTHON*``, ``OMP_*``, ``MKL_*``, ``TORCH*``, ``LD_*`` and the like) gets a
-server of its own for it.
+server of its own for it, and so does each program (``function`` or ``rank``) and start directory: the ranks of a
+gpu-container deployment on this machine import the deployment's packaged flatpack (its
+``PYTHONPATH`` and directory), from a server that deployment closes (:func:`close_servers`).
 
 How each promise of a fresh interpreter is kept:
 
@@ -51,10 +53,10 @@ from typing import IO, Mapping
 from flatpack import logs
 from flatpack.interrupts import die_with_parent, track
 from flatpack.runtime.function import ROLE_ENV
-from flatpack.runtime.forkserver import MESSAGE_LIMIT, WORKER_MODULE, SpawnRequest, decode
+from flatpack.runtime.forkserver import MESSAGE_LIMIT, PROGRAMS, SpawnRequest, decode
 
 __all__ = ["FORK_SERVER_ENV", "ForkedProcess", "ForkServer", "ForkServerUnavailable", "spawn", "prestart",
-           "unavailable_reason", "stop_all"]
+           "unavailable_reason", "close_servers", "stop_all"]
 
 LOG = logs.get("forked")
 FORK_SERVER_ENV = "FLATPACK_FORK_SERVER"
@@ -89,11 +91,11 @@ class ForkedProcess:
     """A function the fork server forked, as the invoker sees it: the ``subprocess.Popen``
     surface flatpack uses. Its exit code arrives from the server; signals go through its pidfd."""
 
-    def __init__(self, server: ForkServer, pid: int, number: int, pidfd: int) -> None:
+    def __init__(self, server: ForkServer, pid: int, number: int, pidfd: int, argv: tuple[str, ...] = ()) -> None:
         self.server = server
         self.pid = pid
         self.number = number                   # the server's count of its functions: unlike a pid, never reused
-        self.args = [sys.executable, "-m", WORKER_MODULE]
+        self.args = [sys.executable, "-m", PROGRAMS[server.program], *argv]
         self.returncode: int | None = None
         self._pidfd: int | None = pidfd
         self._reported: int | None = None      # the exit code the server sent, not yet observed
@@ -177,8 +179,9 @@ class ForkedProcess:
 class ForkServer:
     """One fork server process and the invoker's two sockets to it."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], program: str = "function", cwd: str | None = None) -> None:
         self.owner = os.getpid()
+        self.program = program
         self.lost = False
         self.ready = False
         self._request_lock = threading.Lock()
@@ -193,8 +196,8 @@ class ForkServer:
         self.stderr: IO[bytes] = tempfile.TemporaryFile(prefix="flatpack-forkserver-")  # noqa: SIM115 - closed in close()
         try:
             self.process = track(subprocess.Popen(
-                [sys.executable, "-m", SERVER_MODULE, str(control_there.fileno()), str(events_there.fileno())],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
+                [sys.executable, "-m", SERVER_MODULE, str(control_there.fileno()), str(events_there.fileno()), program],
+                env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
                 pass_fds=(control_there.fileno(), events_there.fileno()), start_new_session=True,
                 preexec_fn=die_with_parent()), server=True)
         except BaseException:
@@ -229,7 +232,7 @@ class ForkServer:
                 for fd in fds:
                     os.close(fd)
                 raise OSError(f"the fork server could not start the function: {reply.get('error', reply)}")
-            handle = ForkedProcess(self, int(reply["pid"]), int(reply["id"]), fds[0])
+            handle = ForkedProcess(self, int(reply["pid"]), int(reply["id"]), fds[0], request.argv)
             with self._events_changed:
                 self._handles[handle.number] = handle
                 if handle.number in self._early:
@@ -316,8 +319,11 @@ class ForkServer:
 
 # ---- the process's servers -----------------------------------------------------------------------
 
-_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
-_refused: dict[tuple[tuple[str, str], ...], str] = {}
+# a server by what its children import: the program's name, the directory it was started in (the
+# first entry of a ``-m`` interpreter's sys.path) and the import-time environment
+_ServerKey = tuple[str, str | None, tuple[tuple[str, str], ...]]
+_servers: dict[_ServerKey, ForkServer] = {}
+_refused: dict[_ServerKey, str] = {}
 _servers_lock = threading.Lock()
 
 
@@ -326,10 +332,13 @@ def _import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
                         if name.startswith(IMPORT_TIME_PREFIXES) and name not in PER_REQUEST))
 
 
-def _server_for(env: dict[str, str], *, start: bool = True) -> ForkServer | None:
-    """This process's fork server for ``env``'s import-time variables, started if need be;
-    None where one failed before (the reason was said once)."""
-    key = _import_time_env(env)
+def _key(env: dict[str, str], program: str, server_cwd: str | None) -> _ServerKey:
+    return program, server_cwd, _import_time_env(env)
+
+
+def _server_for(key: _ServerKey, env: dict[str, str], *, start: bool = True) -> ForkServer | None:
+    """This process's fork server for ``key``, started if need be (with ``env`` less the
+    role); None where one failed before (the reason was said once)."""
     with _servers_lock:
         if key in _refused:
             return None
@@ -338,8 +347,9 @@ def _server_for(env: dict[str, str], *, start: bool = True) -> ForkServer | None
             del _servers[key]
             server = None
         if server is None and start:
+            program, server_cwd, _ = key
             server_env = {name: value for name, value in env.items() if name != ROLE_ENV}
-            server = _servers[key] = ForkServer({**server_env, "PYTHONUNBUFFERED": "1"})
+            server = _servers[key] = ForkServer({**server_env, "PYTHONUNBUFFERED": "1"}, program, server_cwd)
         return server
 
 
@@ -347,19 +357,26 @@ def prestart(env: dict[str, str]) -> None:
     """Starts the fork server for ``env`` now, so its imports overlap the caller's other work
     (deploying); nothing where functions are not forked."""
     if unavailable_reason(env) is None:
-        _server_for(env)
+        _server_for(_key(env, "function", None), env)
 
 
-def spawn(env: dict[str, str], log: Path, cwd: str | None = None) -> ForkedProcess | None:
-    """Forks a function with environment ``env`` and its output to ``log``; None where
-    functions start as fresh interpreters (:func:`unavailable_reason`, or the fork server
-    failed: said once, as a warning)."""
+def spawn(env: dict[str, str], log: Path, cwd: str | None = None, *, program: str = "function",
+          argv: tuple[str, ...] = (), server_cwd: str | None = None) -> ForkedProcess | None:
+    """Forks ``program`` (``function``: ``python -m flatpack.runtime.worker``; ``rank``:
+    ``python -m flatpack.runtime.distributed ARGV...``) with environment ``env``, its output to
+    ``log`` and ``cwd`` as its directory, from a server started in ``server_cwd`` (None: this
+    process's directory); None where runs start as fresh interpreters
+    (:func:`unavailable_reason`, or the fork server failed: said once, as a warning)."""
+    if program not in PROGRAMS:
+        raise ValueError(f"the fork server runs one of {', '.join(PROGRAMS)}, not {program!r}")
     if unavailable_reason(env) is not None:
         return None
     request = SpawnRequest(env=dict(env), log=str(log), cwd=cwd or _working_directory(),
-                           cpus=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None)
+                           cpus=tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None,
+                           argv=tuple(argv))
+    key = _key(env, program, server_cwd)
     for attempt in range(2):     # a server lost since the last function is started again, once
-        server = _server_for(env)
+        server = _server_for(key, env)
         if server is None:
             return None
         try:
@@ -367,9 +384,21 @@ def spawn(env: dict[str, str], log: Path, cwd: str | None = None) -> ForkedProce
         except ForkServerUnavailable as err:
             if attempt == 0 and server.ready:
                 continue
-            _refuse(env, str(err))
+            _refuse(key, str(err))
             return None
     return None
+
+
+def close_servers(server_cwd: str) -> None:
+    """Ends this process's fork servers started in ``server_cwd`` (a deployment's directory,
+    at its teardown: nothing else forks from them) and the functions they still run."""
+    with _servers_lock:
+        keys = [key for key, server in _servers.items() if key[1] == server_cwd and server.owner == os.getpid()]
+        servers = [_servers.pop(key) for key in keys]
+        for key in [key for key in _refused if key[1] == server_cwd]:
+            del _refused[key]
+    for server in servers:
+        server.close()
 
 
 def _working_directory() -> str | None:
@@ -381,8 +410,7 @@ def _working_directory() -> str | None:
         return None
 
 
-def _refuse(env: dict[str, str], reason: str) -> None:
-    key = _import_time_env(env)
+def _refuse(key: _ServerKey, reason: str) -> None:
     with _servers_lock:
         _refused[key] = reason
         server = _servers.pop(key, None)

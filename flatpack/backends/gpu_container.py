@@ -48,6 +48,7 @@ import yaml
 from safetensors.torch import load_file
 
 from flatpack.version import __version__
+from flatpack.backends import forked
 from flatpack.backends.batch_checks import batch_values
 from flatpack.backends.functions import iteration_count, loss_output, resolve_settings, workload_of
 from flatpack.backends.results import TrainResult
@@ -64,6 +65,7 @@ from flatpack.runtime.distributed import (DATA_DIR, DIGEST_ENV, INFER, RUN_FILE,
                                           Layout, RankRole, data_file, error_file, iter_reports, output_key,
                                           outputs_file, parameters_file, stage_path, timeline_file)
 from flatpack.runtime.forkjoin import join_batch
+from flatpack.runtime.forkserver import RANK_MODULE
 from flatpack.runtime.optim import OptimizerSpec
 from flatpack.runtime.settings import (RunControls, TrainOptions, TrainSettings, refuse_unhonoured,
                                        resolve_options)
@@ -88,7 +90,8 @@ MASTER_PORT = 29500
 # what torchrun starts: the rank program on every rank, and the collective probe that measures
 # the cluster's link and all-reduce (flatpack calibrate --target gpu-container); the image ships
 # what they import
-RANK_ENTRIES = ("flatpack.runtime.distributed", "flatpack.runtime.collective_probe")
+RANK_ENTRIES = (RANK_MODULE, "flatpack.runtime.collective_probe")
+FORK_SERVER_MODULE = forked.SERVER_MODULE
 GPU_RESOURCE = "nvidia.com/gpu"
 JOB_FILE = "k8s/job.yaml"
 LAUNCH_FILE = "launch.sh"
@@ -615,7 +618,7 @@ class RunLaunch:
     data: Path | None
     warmup: int
     threads: int
-    processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+    processes: dict[int, subprocess.Popen | forked.ForkedProcess] = field(default_factory=dict)
     parameters: Path | None = None   # a finished run's out/: the weights the ranks start from
 
     @property
@@ -657,7 +660,8 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     directory = Path(tempfile.mkdtemp(prefix="flatpack-gpu-")) if created else Path(workdir)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_files({**runtime_sources(RANK_ENTRIES), **stage_files(compiled)}, directory)
+        # and the fork server the ranks here are forked from (not part of a container's image)
+        write_files({**runtime_sources((*RANK_ENTRIES, FORK_SERVER_MODULE)), **stage_files(compiled)}, directory)
     except BaseException:
         if created:
             shutil.rmtree(directory, ignore_errors=True)
@@ -665,9 +669,13 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     return GpuContainerDeployment(compiled, directory, created, backend, device, python or sys.executable)
 
 
-def invoke(deployment: GpuContainerDeployment, role: RankRole, launch: RunLaunch | None = None) -> subprocess.Popen:
-    """Starts one rank of ``launch`` (default: the deployment's last prepared run) as a fresh
-    interpreter that imports the packaged flatpack, the way a container would."""
+def invoke(deployment: GpuContainerDeployment, role: RankRole,
+           launch: RunLaunch | None = None) -> subprocess.Popen | forked.ForkedProcess:
+    """Starts one rank of ``launch`` (default: the deployment's last prepared run) on the
+    packaged flatpack, the way a container would: forked from the deployment's fork server,
+    which imported torch and the packaged rank program from the work directory
+    (``backends.forked``), or as a fresh interpreter where ranks are not forked (another
+    ``python``, ``FLATPACK_FORK_SERVER=0``, not Linux)."""
     launch = launch or deployment.current
     if launch is None:
         raise InputError("no run is prepared: call deployment.prepare(...) (or train) before invoking a rank")
@@ -676,11 +684,18 @@ def invoke(deployment: GpuContainerDeployment, role: RankRole, launch: RunLaunch
            "LOCAL_RANK": str(role.rank), "LOCAL_WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(launch.master_port), "PYTHONPATH": str(deployment.workdir), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": str(launch.threads), DIGEST_ENV: deployment.compiled.digest}
-    command = [deployment.python, "-m", "flatpack.runtime.distributed", "--context", str(deployment.workdir),
+    command = [deployment.python, "-m", RANK_MODULE, "--context", str(deployment.workdir),
                "--run", str(launch.directory / RUN_FILE), "--out", str(launch.out), "--warmup", str(launch.warmup)]
     command += ["--synthetic"] if launch.data is None else ["--data", str(launch.data)]
     if launch.parameters is not None:
         command += ["--parameters", str(launch.parameters)]
+    if deployment.python == sys.executable:
+        workdir = str(deployment.workdir)
+        rank = forked.spawn(env, launch.log(role.rank), cwd=workdir, program="rank", argv=tuple(command[3:]),
+                            server_cwd=workdir)
+        if rank is not None:
+            launch.processes[role.rank] = rank
+            return rank
     with open(launch.log(role.rank), "wb") as log:   # the child holds its own copy of the descriptor
         process = subprocess.Popen(command, cwd=deployment.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
@@ -946,8 +961,10 @@ class GpuContainerDeployment:
             process.wait()
 
     def teardown(self) -> None:
-        """Stops the ranks and removes the work directory if ``deploy`` created it."""
+        """Stops the ranks and the fork server they came from, and removes the work directory
+        if ``deploy`` created it."""
         self.stop()
+        forked.close_servers(str(self.workdir))
         if self.created:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

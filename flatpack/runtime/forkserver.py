@@ -1,7 +1,10 @@
-"""The fork server: ``python -m flatpack.runtime.forkserver CONTROL_FD EVENTS_FD``, a resident
-process that has torch and the worker's modules imported and forks each local function from
-itself, so that a function starts in tens of milliseconds instead of the second and a half a
-fresh interpreter spends importing torch (``benchmarks/function_start.py``).
+"""The fork server: ``python -m flatpack.runtime.forkserver CONTROL_FD EVENTS_FD [PROGRAM]``, a
+resident process that has torch and one program's modules imported and forks each run of that
+program from itself, so that it starts in tens of milliseconds instead of the second and a half
+a fresh interpreter spends importing torch (``benchmarks/function_start.py``). The program
+(:data:`PROGRAMS`) is ``function``, a local function (``flatpack.runtime.worker``, the
+default), or ``rank``, a rank of a gpu-container run on this machine
+(``flatpack.runtime.distributed``, with its command line in each request).
 
 It imports, and runs nothing: no torch operation runs before a fork, so no OpenMP or intra-op
 thread pool exists in it (a fork copies only the forking thread: a pool's threads would be
@@ -53,9 +56,9 @@ from typing import Any, Callable, NoReturn
 import torch  # noqa: F401 - loaded once here for every function: the second a fork saves each
 
 from flatpack.interrupts import die_with_parent
-from flatpack.runtime.store import preload_s3_model
 
 WORKER_MODULE = "flatpack.runtime.worker"
+RANK_MODULE = "flatpack.runtime.distributed"
 MESSAGE_LIMIT = 1 << 20          # bytes one message may hold: an environment and a role fit many times over
 # the modules a function's roles load (the worker imports them per role, for a fresh
 # interpreter's start-up time); the fork server loads them all once
@@ -63,17 +66,25 @@ ROLE_MODULES = ("flatpack.runtime.timeline", "flatpack.runtime.lanes", "flatpack
                 "flatpack.runtime.spec", "flatpack.runtime.chaos", "flatpack.runtime.forkjoin",
                 "flatpack.runtime.profile_function", "flatpack.runtime.calibrate_function",
                 "flatpack.runtime.throttle")
+# the programs a server forks, by the name its command line gives (not the module's: a process
+# found by ``flatpack.runtime.worker`` in its command line must be a function, never a server):
+# a local function or a gpu-container rank
+PROGRAMS = {"function": WORKER_MODULE, "rank": RANK_MODULE}
+# the modules each program's module loads beyond its own imports: the worker's roles
+ENTRIES: dict[str, tuple[str, ...]] = {WORKER_MODULE: ROLE_MODULES, RANK_MODULE: ()}
 
 
 @dataclass(frozen=True)
 class SpawnRequest:
-    """One function to fork: its whole environment, the file its output goes to, and the
-    invoker's working directory and CPU set at the time (what a fresh process would inherit)."""
+    """One function to fork: its whole environment, the file its output goes to, the
+    invoker's working directory and CPU set at the time (what a fresh process would inherit),
+    and the arguments after ``python -m ENTRY``."""
 
     env: dict[str, str]
     log: str
     cwd: str | None
     cpus: tuple[int, ...] | None = None
+    argv: tuple[str, ...] = ()
 
     def dumps(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -82,7 +93,10 @@ class SpawnRequest:
     def loads(cls, raw: bytes) -> SpawnRequest:
         data = json.loads(raw)
         cpus = data.pop("cpus", None)
-        return cls(**data, cpus=tuple(cpus) if cpus is not None else None)
+        argv = data.pop("argv", ())
+        if not all(isinstance(argument, str) for argument in argv):
+            raise TypeError(f"argv holds a non-string: {argv!r}")
+        return cls(**data, cpus=tuple(cpus) if cpus is not None else None, argv=tuple(argv))
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -101,20 +115,26 @@ def thread_count() -> int:
         return 1
 
 
-def preload() -> None:
-    """Imports what a function runs, and nothing runs: torch, the worker, every role's
-    modules, torch's dynamo (which its optimizers import), and S3's service model parsed into
-    the store's shared loader (a function's store client is then made in milliseconds).
-    Raises RuntimeError if an import started a thread."""
+def preload(entry: str = WORKER_MODULE) -> None:
+    """Imports what ``entry`` runs, and nothing runs: torch, the entry and its
+    :data:`ENTRIES` modules, torch's dynamo (which its optimizers import) and, for a function,
+    S3's service model parsed into the store's shared loader (its store client is then made in
+    milliseconds). Raises RuntimeError if an import started a thread."""
+    if entry not in ENTRIES:
+        raise ValueError(f"the fork server runs one of {', '.join(ENTRIES)}, not {entry!r}")
     baseline = thread_count()      # torch's own, loaded with this module
-    for name in (WORKER_MODULE, *ROLE_MODULES):
+    for name in (entry, *ENTRIES[entry]):
         importlib.import_module(name)
     # start-up time (of every function forked from here): a torch optimizer's first call
     # imports torch._dynamo (its methods are wrapped to keep dynamo out), about 1.2 s of CPU
     # that each training function would pay again at its tier's CPU share (docs/training.md,
     # "The first demo")
     import torch._dynamo  # noqa: F401
-    preload_s3_model()
+    if entry == WORKER_MODULE:
+        # a function's store client; a rank has no store (and its image no boto3)
+        from flatpack.runtime.store import preload_s3_model
+
+        preload_s3_model()
     if thread_count() > baseline:
         raise RuntimeError(f"the fork server's imports started {thread_count() - baseline} thread(s) beyond "
                            "torch's own; forking now could copy a thread pool's state without its threads")
@@ -158,9 +178,11 @@ def _redirect(log_path: str) -> None:
 
 
 def become_function(request: SpawnRequest, close_inherited: Callable[[], None],
-                    die_with_server: Callable[[], None] | None, run: Callable[[], object]) -> NoReturn:
-    """In the forked child: becomes the function ``request`` describes, runs ``run`` (the
-    worker's main, which ends the process itself) and never returns into the server."""
+                    die_with_server: Callable[[], None] | None, run: Callable[[], object],
+                    entry: str = WORKER_MODULE) -> NoReturn:
+    """In the forked child: becomes the run of ``entry`` that ``request`` describes, runs
+    ``run`` (its main: the worker's ends the process itself, a rank's returns its exit code)
+    and never returns into the server."""
     code = 1
     try:
         os.setsid()
@@ -177,11 +199,11 @@ def become_function(request: SpawnRequest, close_inherited: Callable[[], None],
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:
             numpy_random.seed()   # as a fresh interpreter: its own stream (Python's random reseeds itself at fork)
-        module = sys.modules[WORKER_MODULE]
-        sys.argv = [module.__file__ or WORKER_MODULE]
-        set_process_title(f"{sys.executable} -m {WORKER_MODULE}")
-        run()
-        code = 0
+        module = sys.modules[entry]
+        sys.argv = [module.__file__ or entry, *request.argv]
+        set_process_title(" ".join([sys.executable, "-m", entry, *request.argv]))
+        returned = run()
+        code = returned if isinstance(returned, int) else 0
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
     except BaseException:  # noqa: BLE001 - printed to the function's log, as an interpreter would
@@ -200,8 +222,8 @@ def become_function(request: SpawnRequest, close_inherited: Callable[[], None],
 class Server:
     """The fork server's state: the invoker's two sockets and the functions still running."""
 
-    def __init__(self, control: socket.socket, events: socket.socket) -> None:
-        self.control, self.events = control, events
+    def __init__(self, control: socket.socket, events: socket.socket, entry: str = WORKER_MODULE) -> None:
+        self.control, self.events, self.entry = control, events, entry
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, int]] = {}       # pidfd -> (pid, the spawn's number)
@@ -235,14 +257,14 @@ class Server:
                     self.reap(int(key.fd))
 
     def spawn(self, request: SpawnRequest) -> None:
-        worker_main = sys.modules[WORKER_MODULE].main
+        entry_main = sys.modules[self.entry].main
         try:
             pid = os.fork()
         except OSError as err:
             self.control.send(encode({"error": f"fork failed: {err}"}))
             return
         if pid == 0:
-            become_function(request, self.close_in_child, self.die_with_server, worker_main)
+            become_function(request, self.close_in_child, self.die_with_server, entry_main, self.entry)
         self.spawned += 1
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, self.spawned)
@@ -275,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     control = socket.socket(fileno=int(args[0]))
     events = socket.socket(fileno=int(args[1]))
     try:
-        preload()
+        entry = PROGRAMS[args[2] if len(args) > 2 else "function"]
+        preload(entry)
     except BaseException as err:  # noqa: BLE001 - the invoker falls back to fresh interpreters and says why
         control.send(encode({"error": f"{type(err).__name__}: {err}"}))
         raise SystemExit(1) from err
@@ -284,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     control.send(encode({"ready": os.getpid()}))
-    Server(control, events).serve()
+    Server(control, events, entry).serve()
 
 
 if __name__ == "__main__":

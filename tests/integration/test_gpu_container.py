@@ -12,6 +12,8 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 import flatpack
 from flatpack.analysis.reference import train_single_process
-from flatpack.backends import gpu_container
+from flatpack.backends import forked, gpu_container
 from flatpack.backends.lock import committed_lock
 from flatpack.backends.protocol import Deployment
 from flatpack.errors import ArtifactError, InputError, RunFailure
@@ -377,6 +379,52 @@ def test_failing_rank_is_reported_with_its_stage_and_log(tmp_path):
     assert "rank 1 (stage 1, replica 0) exited with code 1" in message
     assert "flatpack rank 1 (stage 1, replica 0) failed" in message   # the tail of the rank's own log
     assert (tmp_path / "ctx").exists(), "a work directory the caller gave is kept"
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Pids of the processes whose working directory is ``directory``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(directory):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_local_ranks_run_the_packaged_rank_program_and_leave_no_process_behind(fork_server, tmp_path, monkeypatch):
+    """Ranks on this machine run the flatpack deploy wrote to the work directory, not the
+    invoker's, whether forked from the deployment's fork server (which imported the packaged
+    rank program there) or started as fresh interpreters (``FLATPACK_FORK_SERVER=0``); the
+    trained weights are single-process training's either way, and teardown leaves no process
+    (ranks or server) behind."""
+    monkeypatch.setenv(forked.FORK_SERVER_ENV, fork_server)
+    compiled = compiled_with((1, 1), micro_batches=2)
+    data = batches(2)
+    optimizer = {"name": "sgd", "lr": 0.1}
+    workdir = (tmp_path / "ctx").resolve()
+    with gpu_container.deploy(compiled, backend="gloo", workdir=workdir) as deployment:
+        packaged = workdir / "flatpack" / "runtime" / "distributed.py"
+        marked = ("_main = main\n\n\ndef main(argv=None):\n    print('the packaged rank program', flush=True)\n"
+                  "    return _main(argv)\n\n\nif __name__ == \"__main__\":")
+        packaged.write_text(packaged.read_text().replace('if __name__ == "__main__":', marked))
+        result = deployment.train(data, iterations=2, optimizer=optimizer)
+        launch = deployment.current
+        assert launch is not None
+        logs = [launch.log(rank).read_text() for rank in range(2)]
+        kinds = {type(process) for process in launch.processes.values()}
+    reference, losses = train_single_process(make_model(), data, 2, optimizer=optimizer)
+    assert_matches_reference(result, reference, losses)
+    assert all("the packaged rank program" in log for log in logs), logs
+    forking = fork_server == "1" and forked.unavailable_reason() is None
+    assert kinds == ({forked.ForkedProcess} if forking else {subprocess.Popen})
+    deadline = time.monotonic() + 15
+    while (left := _processes_in(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], "a rank or the fork server outlived the deployment"
 
 
 @pytest.mark.slow

@@ -39,9 +39,9 @@ ALLOWED = {
     # a schedule class defined outside flatpack, named by the user in FLATPACK_SCHEDULES: the
     # environment the user gives the invoker and its functions, never a run record or an artifact
     ("schedules.py", "register_plugins"): "the user's FLATPACK_SCHEDULES environment variable",
-    # the fork server imports, before any function runs, the worker and the role modules named by
-    # the constants WORKER_MODULE and ROLE_MODULES (flatpack's own), nothing a request names
-    ("runtime/forkserver.py", "preload"): "the constant WORKER_MODULE and ROLE_MODULES",
+    # the fork server imports, before any function runs, one program and its modules from the
+    # constant ENTRIES table (flatpack's own; any other name is refused), nothing a request names
+    ("runtime/forkserver.py", "preload"): "the constant ENTRIES table",
 }
 
 
