@@ -1,5 +1,5 @@
 """How long a local function takes to start: forked by the fork server
-(``flatpack.backends.forked``) beside a fresh ``python -m flatpack.runtime.worker``, in one run.
+(``flatpack.runtime.forked``) beside a fresh ``python -m flatpack.runtime.worker``, in one run.
 
 One local deployment (its own S3 server on 127.0.0.1), and ``--count`` functions of each
 kind, alternated (fresh, forked, fresh, ...) so that both see the same load on the host. Each
@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 import flatpack
-from flatpack.backends import forked, local
+from flatpack.backends import local
+from flatpack.runtime import forked
 from flatpack.backends.functions import Invocation
 from flatpack.runtime.function import Role
 

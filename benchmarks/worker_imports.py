@@ -48,7 +48,7 @@ from torch import nn
 import flatpack
 from benchmarks.import_layers import importtime_lines
 from flatpack.backends import gpu_container, local
-from flatpack.backends.forked import FORK_SERVER_ENV
+from flatpack.runtime.forked import FORK_SERVER_ENV
 from flatpack.backends.profiling import profile_in_target
 from flatpack.backends.target_calibration import calibrate_target
 from flatpack.sources import PACKAGE

@@ -23,7 +23,7 @@ Three layers, each covering what the one before cannot:
    A function process watches its invoker itself as well (``runtime.invoker_watch``: a
    pidfd it polls), which covers every thread and a fork server between them; weed, a Go
    binary, cannot watch, hence the lasting thread. Local functions forked by the fork server
-   (``backends.forked``) are the server's children, not the invoker's: the server has
+   (``runtime.forked``) are the server's children, not the invoker's: the server has
    PDEATHSIG towards the invoker and also reads end of file on its control socket when the
    invoker goes (from any thread), and SIGKILLs them; each of them has PDEATHSIG towards the
    server. :func:`kill_children` signals them through their pidfds. Elsewhere (macOS,
@@ -57,7 +57,7 @@ PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 
 class Child(Protocol):
     """A started process as this module signals it: ``subprocess.Popen``, or a function forked
-    by the fork server (``backends.forked.ForkedProcess``, signalled through its pidfd)."""
+    by the fork server (``runtime.forked.ForkedProcess``, signalled through its pidfd)."""
 
     pid: int
     returncode: int | None

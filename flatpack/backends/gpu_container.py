@@ -48,7 +48,7 @@ import yaml
 from safetensors.torch import load_file
 
 from flatpack.version import __version__
-from flatpack.backends import forked
+from flatpack.runtime import forked
 from flatpack.backends.batch_checks import batch_values
 from flatpack.backends.functions import iteration_count, loss_output, resolve_settings, workload_of
 from flatpack.backends.results import TrainResult
@@ -674,7 +674,7 @@ def invoke(deployment: GpuContainerDeployment, role: RankRole,
     """Starts one rank of ``launch`` (default: the deployment's last prepared run) on the
     packaged flatpack, the way a container would: forked from the deployment's fork server,
     which imported torch and the packaged rank program from the work directory
-    (``backends.forked``), or as a fresh interpreter where ranks are not forked (another
+    (``runtime.forked``), or as a fresh interpreter where ranks are not forked (another
     ``python``, ``FLATPACK_FORK_SERVER=0``, not Linux)."""
     launch = launch or deployment.current
     if launch is None:

@@ -12,7 +12,7 @@ temporary directory removed at teardown, and the functions' logs in ``workdir`` 
 server's directory's ``logs/``, or a temporary directory when the store is someone else's).
 Each function runs in its own session (a terminal's Ctrl-C reaches only the invoker, which
 stops them) and dies with the invoker (``flatpack.interrupts``). It is forked from this
-process's fork server, which has torch imported (``backends.forked``), or started as a fresh
+process's fork server, which has torch imported (``runtime.forked``), or started as a fresh
 interpreter where there is none (``FLATPACK_FORK_SERVER=0``, not Linux); a calibration's
 cold invocation always starts fresh (:meth:`LocalDeployment.launch_cold`;
 docs/local-functions.md).
@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flatpack.backends import forked
+from flatpack.runtime import forked
 from flatpack.backends.functions import (FUNCTION_CAPABILITIES, FunctionDeployment, Invocation, oom_error,
                                          read_status)
 from flatpack.backends.results import Restart, TrainResult
@@ -122,7 +122,7 @@ def open_deployment(kind: type[D], compiled: Compiled, *, store_url: str | None,
 
 def invoke(deployment: LocalDeployment, role: Role) -> Invocation:
     """Starts one function, given only its role and the store's address: forked from this
-    process's fork server (torch already imported: ``backends.forked``), or a fresh
+    process's fork server (torch already imported: ``runtime.forked``), or a fresh
     interpreter where there is none (``FLATPACK_FORK_SERVER=0``, not Linux; docs/local-functions.md)."""
     if stopping():
         raise KeyboardInterrupt("flatpack is stopping: no new function starts")

@@ -13,7 +13,7 @@ thread of their own beyond those ``import torch`` starts (numpy's BLAS pool, whi
 itself around a fork) and refuses to serve otherwise.
 
 What a forked function gets is what a fresh ``python -m flatpack.runtime.worker`` gets
-(``flatpack.backends.forked`` sends it): its own session (``setsid``), the environment of its
+(``flatpack.runtime.forked`` sends it): its own session (``setsid``), the environment of its
 role, its log as stdout and stderr (unbuffered), /dev/null as stdin, the invoker's working
 directory and CPU set, and ``PR_SET_PDEATHSIG``: it dies with the fork server, as the server
 dies with its invoker. Then it runs the worker's ``main``, which holds the function to its

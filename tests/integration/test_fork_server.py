@@ -1,4 +1,4 @@
-"""The fork server (``flatpack.runtime.forkserver``, ``flatpack.backends.forked``): a local
+"""The fork server (``flatpack.runtime.forkserver``, ``flatpack.runtime.forked``): a local
 function forked from it trains exactly as a fresh interpreter does, its handle behaves as
 ``subprocess.Popen`` does where flatpack uses one, nothing it started outlives a SIGKILLed
 invoker, and without it (``FLATPACK_FORK_SERVER=0``, no pidfds, a server that fails) the
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatpack.backends import forked, local
+from flatpack.backends import local
+from flatpack.runtime import forked
 from flatpack.interrupts import kill_children, track
 from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
 from tests.integration.test_local_training import batches, compiled_with, make_model
@@ -168,7 +169,7 @@ def test_a_lost_fork_server_reports_its_functions_killed_and_a_new_one_starts(tm
 INVOKER = """
 import json, os, sys, threading, time
 from pathlib import Path
-from flatpack.backends import forked
+from flatpack.runtime import forked
 from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
 
 tmp, from_thread = Path(sys.argv[1]), sys.argv[2] == "thread"

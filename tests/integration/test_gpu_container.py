@@ -22,7 +22,8 @@ from torch import nn
 
 import flatpack
 from flatpack.analysis.reference import train_single_process
-from flatpack.backends import forked, gpu_container
+from flatpack.backends import gpu_container
+from flatpack.runtime import forked
 from flatpack.backends.lock import committed_lock
 from flatpack.backends.protocol import Deployment
 from flatpack.errors import ArtifactError, InputError, RunFailure
