@@ -131,7 +131,8 @@ def preload(entry: str = WORKER_MODULE) -> None:
     # "The first demo")
     import torch._dynamo  # noqa: F401
     if entry == WORKER_MODULE:
-        # a function's store client; a rank has no store (and its image no boto3)
+        # start-up time: a function's store client, which a rank's server never loads (a rank
+        # has no store, and its image no boto3)
         from flatpack.runtime.store import preload_s3_model
 
         preload_s3_model()
