@@ -33,7 +33,8 @@ from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
 from flatpack.platform.catalog import get_platform
-from flatpack.runtime.function import STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import STORE_ENV
 from flatpack.runtime.store import s3_addressing_style
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "FcDeployment",

@@ -45,7 +45,8 @@ from flatpack.backends.images import ImageContext, docker_build_and_push, functi
 from flatpack.backends.protocol import Capability
 from flatpack.compiler import Compiled
 from flatpack.errors import DeployError, InputError
-from flatpack.runtime.function import STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import STORE_ENV
 from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.runtime.store import s3_addressing_style
 

@@ -41,7 +41,7 @@ from flatpack.ir import structure
 
 from flatpack.errors import InputError
 from flatpack.platform.catalog import LAMBDA_PROVISIONED_PRICE_PER_GB_S
-from flatpack.runtime.function import STORE_ENV
+from flatpack.runtime.function_env import STORE_ENV
 from flatpack.runtime.url_handler import SERVE_ENV
 
 AUTH_TYPES = ("AWS_IAM", "NONE")

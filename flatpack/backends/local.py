@@ -38,7 +38,8 @@ from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
 from flatpack.interrupts import die_with_parent, stopping, track
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.s3server import LocalS3Server
 from flatpack.stage.integrity import check_digest

@@ -58,7 +58,8 @@ from flatpack.interrupts import stopping
 from flatpack.partitioner.cost.gillis import ForkJoinPlan
 from flatpack.platform.catalog import (RAY_PRICE_PER_GB_S, RAY_PRICE_PER_VCPU_S, RayCluster, RayNode, get_platform,
                                        use_ray_cluster)
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from flatpack.units import GIB, MIB
 
 __all__ = ["NAME", "CAPABILITIES", "LIMITS", "package", "deploy", "invoke", "teardown", "connect", "read_cluster",

@@ -52,7 +52,7 @@ from typing import IO, Mapping
 
 from flatpack import logs
 from flatpack.interrupts import die_with_parent, track
-from flatpack.runtime.function import ROLE_ENV
+from flatpack.runtime.function_env import ROLE_ENV
 from flatpack.runtime.forkserver import MESSAGE_LIMIT, PROGRAMS, SpawnRequest, decode
 
 __all__ = ["FORK_SERVER_ENV", "ForkedProcess", "ForkServer", "ForkServerUnavailable", "spawn", "prestart",

@@ -53,8 +53,6 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, NoReturn
 
-import torch  # noqa: F401 - loaded once here for every function: the second a fork saves each
-
 from flatpack.interrupts import die_with_parent
 
 WORKER_MODULE = "flatpack.runtime.worker"
@@ -122,7 +120,12 @@ def preload(entry: str = WORKER_MODULE) -> None:
     milliseconds). Raises RuntimeError if an import started a thread."""
     if entry not in ENTRIES:
         raise ValueError(f"the fork server runs one of {', '.join(ENTRIES)}, not {entry!r}")
-    baseline = thread_count()      # torch's own, loaded with this module
+    # start-up time: torch, loaded once here for every function (the second a fork saves each);
+    # not at module level, where it would load into every process that only speaks the protocol
+    # (``runtime.forked``: a Ray task's worker)
+    import torch
+
+    baseline = thread_count()      # torch's own
     for name in (entry, *ENTRIES[entry]):
         importlib.import_module(name)
     # start-up time (of every function forked from here): a torch optimizer's first call

@@ -25,8 +25,6 @@ from flatpack.runtime.store import Store
 from flatpack.stage.artifact import MANIFEST_FILE, SOURCE_FILE, WEIGHTS_FILE, build_module, parse_stage, stage_dirname
 from flatpack.stage.integrity import INDEX_FILE, Index, check_digest, verify_files
 
-ROLE_ENV = "FLATPACK_ROLE"
-STORE_ENV = "FLATPACK_STORE"
 ARTIFACTS_ENV = "FLATPACK_ARTIFACTS"   # a directory of stage_XXX artifacts baked into the function's image
 
 

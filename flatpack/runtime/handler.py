@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from flatpack.runtime import url_handler
-from flatpack.runtime.function import ARTIFACTS_ENV, STORE_ENV, Role, peak_rss_bytes
+from flatpack.runtime.function import ARTIFACTS_ENV, Role, peak_rss_bytes
+from flatpack.runtime.function_env import STORE_ENV
 from flatpack.runtime.store import open_plain_store
 from flatpack.runtime.worker import run_role
 

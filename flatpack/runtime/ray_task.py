@@ -3,14 +3,18 @@
 the store's address in its environment; the task returns the process's exit code and the
 tail of its output.
 
-A fresh interpreter per function, not the Ray worker process itself, because the function
+A process of its own per function, not the Ray worker process itself, because the function
 is held to its tier by its own process's figures (peak resident memory, thread CPU time),
 kills itself for an injected ``kill`` fault and ends with ``os._exit``: a Ray worker is
-reused across tasks and carries Ray's own memory. The child dies with the task's process
-(``PR_SET_PDEATHSIG``: ``ray.cancel(force=True)`` or a lost node takes it down too); Ray
-runs a task on its worker's main thread, which that needs (``flatpack.interrupts``).
+reused across tasks and carries Ray's own memory. It is forked from the Ray worker's fork
+server (``runtime.forked``; torch imported once per Ray worker, which Ray reuses across the
+tasks of a driver), or started as a fresh interpreter where functions are not forked
+(``FLATPACK_FORK_SERVER=0``, not Linux). Either way it dies with the task's process
+(``PR_SET_PDEATHSIG``, through the server when forked: ``ray.cancel(force=True)`` or a lost
+node takes it down too); Ray runs a task on its worker's main thread, which that needs
+(``flatpack.interrupts``).
 
-Stdlib only (and ``ray``, there anyway): the node needs no torch in the Ray worker itself.
+No torch in the Ray worker itself: ``runtime.forked`` speaks to the server without it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from flatpack.interrupts import die_with_parent
+from flatpack.runtime import forked
 
 LOG_LIMIT_BYTES = 1 << 20     # the tail of a function's output that travels back with its exit code
 
@@ -34,10 +40,16 @@ def run_function(env: dict[str, str], log_limit_bytes: int = LOG_LIMIT_BYTES) ->
     import ray
 
     node = ray.get_runtime_context().get_node_id()
+    environment = {**os.environ, **env}
+    # an anonymous file (nothing left behind if the task is killed); a forked function opens it
+    # through this process's descriptor
     with tempfile.TemporaryFile(prefix="flatpack-function-") as log:
-        process = subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env={**os.environ, **env},
-                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, preexec_fn=die_with_parent())
+        process: forked.ForkedProcess | subprocess.Popen | None = forked.spawn(
+            environment, Path(f"/proc/{os.getpid()}/fd/{log.fileno()}"))
+        if process is None:
+            process = subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=environment,
+                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, preexec_fn=die_with_parent())
         code = process.wait()
         size = log.seek(0, os.SEEK_END)
         log.seek(max(0, size - log_limit_bytes))

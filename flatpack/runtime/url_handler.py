@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from flatpack.runtime import forkjoin
-from flatpack.runtime.function import STORE_ENV
+from flatpack.runtime.function_env import STORE_ENV
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.request_tensors import (JSON, InputContract, Request, RequestError, content_type, encode_outputs,
                                               parse_request)

@@ -44,8 +44,8 @@ if __name__ == "__main__":
 import torch
 
 from flatpack.errors import ArtifactError, InputError
-from flatpack.runtime.function import (ROLE_ENV, STORE_ENV, OutOfMemory, Role, cpu_throttle, load_module,
-                                       peak_rss_bytes, tier_link)
+from flatpack.runtime.function import OutOfMemory, Role, cpu_throttle, load_module, peak_rss_bytes, tier_link
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from flatpack.runtime.keys import RunKeys
 from flatpack.runtime.store import Store, StoreUnavailable, is_transient_failure, open_plain_store
 from flatpack.schedules import register_plugins

@@ -28,7 +28,8 @@ import torch
 from flatpack.backends import local
 from flatpack.runtime import forked
 from flatpack.interrupts import kill_children, track
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from tests.integration.test_local_training import batches, compiled_with, make_model
 
 pytestmark = pytest.mark.skipif(forked.unavailable_reason({}) is not None,
@@ -170,7 +171,8 @@ INVOKER = """
 import json, os, sys, threading, time
 from pathlib import Path
 from flatpack.runtime import forked
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 
 tmp, from_thread = Path(sys.argv[1]), sys.argv[2] == "thread"
 role = Role("run-never/spec/g0000", 0, 0, 0, 1, digest="0" * 64)

@@ -20,7 +20,9 @@ from flatpack.backends import get_backend, local
 from flatpack.errors import InputError
 from flatpack.partitioner.plan import Plan, StagePlan
 from flatpack.platform.catalog import get_platform
+from flatpack.runtime import forked
 from tests.integration.test_local_training import BATCH, batches, make_model
+from tests.proctree import cmdline, descendants, stat
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 - after the skip: Ray is an optional extra
@@ -105,11 +107,15 @@ def test_a_function_that_kills_itself_is_restarted_by_the_invoker(ray_cluster, s
     assert_bit_identical(result.parameters, local_results["sync"].parameters)
 
 
-def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results):
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results, fork_server):
     """SIGKILL of the Ray worker process running a function's task (the function dies with
-    it): Ray reports the task lost (no Ray retry), flatpack's invoker restarts it."""
-    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
-        killed: list[int] = []
+    it, through the worker's fork server when forked): Ray reports the task lost (no Ray
+    retry), flatpack's invoker restarts it. Functions are forked from the Ray worker's fork
+    server, or fresh interpreters under ``FLATPACK_FORK_SERVER=0``."""
+    env = {**s3_server.env(), forked.FORK_SERVER_ENV: fork_server}
+    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=env) as deployment:
+        killed: dict[str, int] = {}
         killer = threading.Thread(target=kill_task_process, args=(deployment, 0, 1, 1, killed), daemon=True)
         killer.start()
         result = deployment.train(batches(4), iterations=4, optimizer=OPTIMIZER, schedule="1f1b",
@@ -118,43 +124,43 @@ def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_s
         killer.join()
     assert [(r.worker, r.reason) for r in result.restarts] == [("s0r1", "lost")]
     assert_bit_identical(result.parameters, local_results["1f1b"].parameters)
+    assert killed.keys() == {"task", "function", "parent"}
+    # forked from a fork server the Ray worker started, or the Ray worker's own child
+    parent = killed["parent"]
+    assert (parent != killed["task"]) == (fork_server == "1" and forked.unavailable_reason() is None)
     # the function died with its task's process (PR_SET_PDEATHSIG), not left running beside its replacement
-    assert killed and not os.path.exists(f"/proc/{killed[0]}")
+    assert not os.path.exists(f"/proc/{killed['function']}")
 
 
 def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica: int, iteration: int,
-                      killed: list[int]) -> None:
+                      killed: dict[str, int]) -> None:
     """Waits until the function of ``stage``/``replica`` reported ``iteration - 1`` (it then
     sleeps in ``iteration``, a fault of the test), and SIGKILLs the Ray worker process that
-    runs its task: the parent of the function's process (whose pid goes to ``killed``)."""
+    runs its task; ``killed`` gets the pids of the task's process, the function and the
+    function's parent."""
     deadline = time.time() + 60
     key = deployment.keys.progress(iteration - 1, stage, replica)
     while not deployment.store.exists(key):
         assert time.time() < deadline, "the function never reported"
         time.sleep(0.05)
-    child, parent = function_process(stage, replica)
-    killed.append(child)
-    os.kill(parent, signal.SIGKILL)
+    killed["task"], killed["function"] = task_process(f"flatpack-train-s{stage}r{replica}-a0")
+    parent = stat(killed["function"])
+    assert parent is not None
+    killed["parent"] = parent[1]
+    os.kill(killed["task"], signal.SIGKILL)
 
 
-def function_process(stage: int, replica: int) -> tuple[int, int]:
-    """The pid of the running function process of ``stage``/``replica`` (found by the role
-    in its environment) and its parent's."""
+def task_process(name: str) -> tuple[int, int]:
+    """The pid of the Ray worker process running the task ``name`` (Ray titles it
+    ``ray::NAME``) and of the function process under it (forked from the worker's fork server,
+    or its child)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"flatpack.runtime.worker" not in cmdline.read():
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
-            with open(f"/proc/{pid}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
+        if cmdline(int(pid)).split(" ")[0] != f"ray::{name}":
             continue
-        role = env.get(b"FLATPACK_ROLE", b"")
-        if b'"kind": "train"' in role and f'"stage": {stage}, "replica": {replica},'.encode() in role:
-            return int(pid), parent
-    raise AssertionError(f"no function process for stage {stage} replica {replica}")
+        functions = [child for child in descendants(int(pid)) if "flatpack.runtime.worker" in cmdline(child)]
+        assert len(functions) == 1, (name, functions)
+        return int(pid), functions[0]
+    raise AssertionError(f"no Ray worker runs the task {name}")
 
 
 def test_inference_on_ray_equals_local(ray_cluster, s3_server):

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from flatpack.runtime import invoker_watch
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from tests.proctree import kill_all, stat, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux's")

@@ -24,7 +24,8 @@ from flatpack.backends.protocol import Capability
 from flatpack.backends.store_files import package as package
 from flatpack.compiler import Compiled
 from flatpack.interrupts import track
-from flatpack.runtime.function import ROLE_ENV, STORE_ENV, Role
+from flatpack.runtime.function import Role
+from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 
 NAME = "local-marked"
 CAPABILITIES = FUNCTION_CAPABILITIES   # a function backend offers every operation
