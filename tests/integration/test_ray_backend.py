@@ -107,14 +107,11 @@ def test_a_function_that_kills_itself_is_restarted_by_the_invoker(ray_cluster, s
     assert_bit_identical(result.parameters, local_results["sync"].parameters)
 
 
-@pytest.mark.parametrize("fork_server", ["1", "0"])
-def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results, fork_server):
-    """SIGKILL of the Ray worker process running a function's task (the function dies with
-    it, through the worker's fork server when forked): Ray reports the task lost (no Ray
-    retry), flatpack's invoker restarts it. Functions are forked from the Ray worker's fork
-    server, or fresh interpreters under ``FLATPACK_FORK_SERVER=0``."""
-    env = {**s3_server.env(), forked.FORK_SERVER_ENV: fork_server}
-    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=env) as deployment:
+def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_server, local_results):
+    """SIGKILL of the Ray worker process running a function's task (the function, forked from
+    the worker's fork server, dies with it through the server): Ray reports the task lost (no
+    Ray retry), flatpack's invoker restarts it."""
+    with ray_backend.deploy(compiled_for("ray"), store_url=s3_server.url(""), env=s3_server.env()) as deployment:
         killed: dict[str, int] = {}
         killer = threading.Thread(target=kill_task_process, args=(deployment, 0, 1, 1, killed), daemon=True)
         killer.start()
@@ -125,11 +122,24 @@ def test_a_killed_ray_task_process_is_restarted_by_the_invoker(ray_cluster, s3_s
     assert [(r.worker, r.reason) for r in result.restarts] == [("s0r1", "lost")]
     assert_bit_identical(result.parameters, local_results["1f1b"].parameters)
     assert killed.keys() == {"task", "function", "parent"}
-    # forked from a fork server the Ray worker started, or the Ray worker's own child
-    parent = killed["parent"]
-    assert (parent != killed["task"]) == (fork_server == "1" and forked.unavailable_reason() is None)
+    # forked from a fork server the Ray worker started (where this host forks functions)
+    assert (killed["parent"] != killed["task"]) == (forked.unavailable_reason() is None)
     # the function died with its task's process (PR_SET_PDEATHSIG), not left running beside its replacement
     assert not os.path.exists(f"/proc/{killed['function']}")
+
+
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_a_ray_task_returns_its_functions_exit_code_and_output_forked_or_fresh(ray_cluster, fork_server):
+    """``run_function`` as a Ray task runs the function (forked from the Ray worker's fork
+    server, or a fresh interpreter under ``FLATPACK_FORK_SERVER=0``) and returns its exit code
+    and the tail of its output: here a role that does not parse, which the worker refuses."""
+    from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
+
+    env = {ROLE_ENV: "{not a role", STORE_ENV: "file:///nonexistent", forked.FORK_SERVER_ENV: fork_server}
+    code, output, node = ray.get(ray_backend._remote_function().options(max_retries=0).remote(env), timeout=120)
+    assert code == 1
+    assert b"Traceback" in output, output[-2000:]
+    assert node in {entry["NodeID"] for entry in ray.nodes()}
 
 
 def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica: int, iteration: int,
