@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from flatpack.backends import local
-from flatpack.runtime import forked
+from flatpack.runtime import forked, forkserver
 from flatpack.interrupts import kill_children, track
 from flatpack.runtime.function import Role
 from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
@@ -238,3 +238,31 @@ def test_a_fork_server_that_fails_to_start_is_said_once_and_functions_start_fres
         assert forked.spawn(env, tmp_path / "b.log") is None
     warnings = [record.getMessage() for record in caplog.records if record.name == "flatpack.forked"]
     assert len(warnings) == 1 and "fresh interpreters" in warnings[0] and "no_such_module" in warnings[0]
+
+
+# ---- what a server runs: its programs only ------------------------------------------------------
+
+def test_a_program_that_is_not_a_servers_is_refused_before_any_server_starts(tmp_path):
+    with pytest.raises(ValueError, match="function, rank"):
+        forked.spawn(failing_env(), tmp_path / "f.log", program="flatpack.cli")
+
+
+def test_a_server_told_another_program_says_so_and_functions_start_fresh(tmp_path, monkeypatch, caplog):
+    """A server started for a name outside PROGRAMS (an invoker of another flatpack version,
+    say) imports nothing and answers with the reason; the invoker falls back, once."""
+    monkeypatch.setitem(forkserver.PROGRAMS, "ghost", "flatpack.runtime.worker")   # known here, not there
+    env = waiting_env(tmp_path, own_server=True)
+    with caplog.at_level(logging.WARNING, logger="flatpack.forked"):
+        assert forked.spawn(env, tmp_path / "a.log", program="ghost") is None
+    warnings = [record.getMessage() for record in caplog.records if record.name == "flatpack.forked"]
+    assert len(warnings) == 1 and "ghost" in warnings[0]
+
+
+def test_a_request_whose_arguments_are_not_strings_is_refused(tmp_path):
+    request = forkserver.SpawnRequest(env={}, log=str(tmp_path / "f.log"), cwd=None, argv=("--out", "x"))
+    assert forkserver.SpawnRequest.loads(request.dumps()) == request
+    hostile = json.dumps({"env": {}, "log": "f.log", "cwd": None, "argv": ["--out", {"x": 1}]}).encode()
+    with pytest.raises(TypeError, match="argv"):
+        forkserver.SpawnRequest.loads(hostile)
+    with pytest.raises(ValueError, match="not 'flatpack.cli'"):
+        forkserver.preload("flatpack.cli")
