@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -37,7 +36,7 @@ from flatpack.backends.protocol import Capability
 from flatpack.backends.store_files import package
 from flatpack.compiler import Compiled
 from flatpack.errors import InputError
-from flatpack.interrupts import die_with_parent, stopping, track
+from flatpack.interrupts import stopping, track
 from flatpack.runtime.function import Role
 from flatpack.runtime.function_env import ROLE_ENV, STORE_ENV
 from flatpack.runtime.keys import RunKeys
@@ -132,24 +131,12 @@ def invoke(deployment: LocalDeployment, role: Role) -> Invocation:
     forked_function = forked.spawn(env, log_path)
     if forked_function is not None:
         return track(forked_function)
-    return start_interpreter(env, log_path)
+    return forked.start_interpreter(env, log_path)
 
 
 def function_env(deployment: LocalDeployment) -> dict[str, str]:
     """What every function of ``deployment`` finds in its environment, but its role."""
     return {**os.environ, **deployment.env, STORE_ENV: deployment.store_url, "PYTHONUNBUFFERED": "1"}
-
-
-def start_interpreter(env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """A function as a fresh ``python -m flatpack.runtime.worker``: what a platform's cold
-    start runs, and the local backend's way where no fork server forks."""
-    # the child holds its own copy of the log's descriptor
-    with open(log_path, "wb") as log:
-        # own session: a terminal's Ctrl-C reaches the invoker only, which kills its functions;
-        # and a function dies with the invoker even when that is SIGKILLed (Linux)
-        return track(subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=die_with_parent()))
 
 
 def teardown(deployment: LocalDeployment, clean: bool | None = None) -> None:
@@ -175,7 +162,7 @@ class LocalDeployment(FunctionDeployment):
             return self.launch(role)
         if stopping():
             raise KeyboardInterrupt("flatpack is stopping: no new function starts")
-        return start_interpreter({**function_env(self), ROLE_ENV: role.dumps()}, self.log_path(role))
+        return forked.start_interpreter({**function_env(self), ROLE_ENV: role.dumps()}, self.log_path(role))
 
     def log_path(self, role: Role) -> Path:
         return self.workdir / f"{role.kind}-{role.worker}-a{role.attempt}.log"

@@ -53,10 +53,10 @@ from typing import IO, Mapping
 from flatpack import logs
 from flatpack.interrupts import die_with_parent, track
 from flatpack.runtime.function_env import ROLE_ENV
-from flatpack.runtime.forkserver import MESSAGE_LIMIT, PROGRAMS, SpawnRequest, decode
+from flatpack.runtime.forkserver import MESSAGE_LIMIT, PROGRAMS, WORKER_MODULE, SpawnRequest, decode
 
-__all__ = ["FORK_SERVER_ENV", "ForkedProcess", "ForkServer", "ForkServerUnavailable", "spawn", "prestart",
-           "unavailable_reason", "close_servers", "stop_all"]
+__all__ = ["FORK_SERVER_ENV", "ForkedProcess", "ForkServer", "ForkServerUnavailable", "spawn", "start_interpreter",
+           "prestart", "unavailable_reason", "close_servers", "stop_all"]
 
 LOG = logs.get("forked")
 FORK_SERVER_ENV = "FLATPACK_FORK_SERVER"
@@ -387,6 +387,19 @@ def spawn(env: dict[str, str], log: Path, cwd: str | None = None, *, program: st
             _refuse(key, str(err))
             return None
     return None
+
+
+def start_interpreter(env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """A function as a fresh ``python -m flatpack.runtime.worker``, its output to ``log_path``:
+    what a platform's cold start runs, and the way where no fork server forks (:func:`spawn`
+    answered None)."""
+    # the child holds its own copy of the log's descriptor
+    with open(log_path, "wb") as log:
+        # own session: a terminal's Ctrl-C reaches the invoker only, which kills its functions;
+        # and a function dies with the invoker even when that is SIGKILLed (Linux)
+        return track(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent()))
 
 
 def close_servers(server_cwd: str) -> None:

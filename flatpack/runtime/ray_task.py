@@ -20,12 +20,9 @@ No torch in the Ray worker itself: ``runtime.forked`` speaks to the server witho
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from flatpack.interrupts import die_with_parent
 from flatpack.runtime import forked
 
 LOG_LIMIT_BYTES = 1 << 20     # the tail of a function's output that travels back with its exit code
@@ -41,15 +38,11 @@ def run_function(env: dict[str, str], log_limit_bytes: int = LOG_LIMIT_BYTES) ->
 
     node = ray.get_runtime_context().get_node_id()
     environment = {**os.environ, **env}
-    # an anonymous file (nothing left behind if the task is killed); a forked function opens it
+    # an anonymous file (nothing left behind if the task is killed); the function opens it
     # through this process's descriptor
     with tempfile.TemporaryFile(prefix="flatpack-function-") as log:
-        process: forked.ForkedProcess | subprocess.Popen | None = forked.spawn(
-            environment, Path(f"/proc/{os.getpid()}/fd/{log.fileno()}"))
-        if process is None:
-            process = subprocess.Popen([sys.executable, "-m", "flatpack.runtime.worker"], env=environment,
-                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=die_with_parent())
+        log_path = Path(f"/proc/{os.getpid()}/fd/{log.fileno()}")
+        process = forked.spawn(environment, log_path) or forked.start_interpreter(environment, log_path)
         code = process.wait()
         size = log.seek(0, os.SEEK_END)
         log.seek(max(0, size - log_limit_bytes))
