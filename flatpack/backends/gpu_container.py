@@ -91,7 +91,6 @@ MASTER_PORT = 29500
 # the cluster's link and all-reduce (flatpack calibrate --target gpu-container); the image ships
 # what they import
 RANK_ENTRIES = (RANK_MODULE, "flatpack.runtime.collective_probe")
-FORK_SERVER_MODULE = forked.SERVER_MODULE
 GPU_RESOURCE = "nvidia.com/gpu"
 JOB_FILE = "k8s/job.yaml"
 LAUNCH_FILE = "launch.sh"
@@ -661,7 +660,7 @@ def deploy(compiled: Compiled, *, backend: str | None = None, device: str | None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # and the fork server the ranks here are forked from (not part of a container's image)
-        write_files({**runtime_sources((*RANK_ENTRIES, FORK_SERVER_MODULE)), **stage_files(compiled)}, directory)
+        write_files({**runtime_sources((*RANK_ENTRIES, forked.SERVER_MODULE)), **stage_files(compiled)}, directory)
     except BaseException:
         if created:
             shutil.rmtree(directory, ignore_errors=True)

@@ -53,7 +53,7 @@ from typing import IO, Mapping
 from flatpack import logs
 from flatpack.interrupts import die_with_parent, track
 from flatpack.runtime.function_env import ROLE_ENV
-from flatpack.runtime.forkserver import MESSAGE_LIMIT, PROGRAMS, WORKER_MODULE, SpawnRequest, decode
+from flatpack.runtime.forkserver import MESSAGE_LIMIT, WORKER_MODULE, SpawnRequest, decode, program as program_of
 
 __all__ = ["FORK_SERVER_ENV", "ForkedProcess", "ForkServer", "ForkServerUnavailable", "spawn", "start_interpreter",
            "prestart", "unavailable_reason", "close_servers", "stop_all"]
@@ -95,7 +95,7 @@ class ForkedProcess:
         self.server = server
         self.pid = pid
         self.number = number                   # the server's count of its functions: unlike a pid, never reused
-        self.args = [sys.executable, "-m", PROGRAMS[server.program], *argv]
+        self.args = [sys.executable, "-m", program_of(server.program).module, *argv]
         self.returncode: int | None = None
         self._pidfd: int | None = pidfd
         self._reported: int | None = None      # the exit code the server sent, not yet observed
@@ -336,7 +336,7 @@ def _key(env: dict[str, str], program: str, server_cwd: str | None) -> _ServerKe
     return program, server_cwd, _import_time_env(env)
 
 
-def _server_for(key: _ServerKey, env: dict[str, str], *, start: bool = True) -> ForkServer | None:
+def _server_for(key: _ServerKey, env: dict[str, str]) -> ForkServer | None:
     """This process's fork server for ``key``, started if need be (with ``env`` less the
     role); None where one failed before (the reason was said once)."""
     with _servers_lock:
@@ -346,7 +346,7 @@ def _server_for(key: _ServerKey, env: dict[str, str], *, start: bool = True) -> 
         if server is not None and (server.owner != os.getpid() or server.lost):
             del _servers[key]
             server = None
-        if server is None and start:
+        if server is None:
             program, server_cwd, _ = key
             server_env = {name: value for name, value in env.items() if name != ROLE_ENV}
             server = _servers[key] = ForkServer({**server_env, "PYTHONUNBUFFERED": "1"}, program, server_cwd)
@@ -367,8 +367,7 @@ def spawn(env: dict[str, str], log: Path, cwd: str | None = None, *, program: st
     ``log`` and ``cwd`` as its directory, from a server started in ``server_cwd`` (None: this
     process's directory); None where runs start as fresh interpreters
     (:func:`unavailable_reason`, or the fork server failed: said once, as a warning)."""
-    if program not in PROGRAMS:
-        raise ValueError(f"the fork server runs one of {', '.join(PROGRAMS)}, not {program!r}")
+    program_of(program)      # a name the server knows, or ValueError before anything starts
     if unavailable_reason(env) is not None:
         return None
     request = SpawnRequest(env=dict(env), log=str(log), cwd=cwd or _working_directory(),

@@ -64,12 +64,28 @@ ROLE_MODULES = ("flatpack.runtime.timeline", "flatpack.runtime.lanes", "flatpack
                 "flatpack.runtime.spec", "flatpack.runtime.chaos", "flatpack.runtime.forkjoin",
                 "flatpack.runtime.profile_function", "flatpack.runtime.calibrate_function",
                 "flatpack.runtime.throttle")
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a server forks: ``python -m MODULE``, with ``loads`` imported beside it (the
+    modules it loads later, per role)."""
+
+    module: str
+    loads: tuple[str, ...] = ()
+
+
 # the programs a server forks, by the name its command line gives (not the module's: a process
 # found by ``flatpack.runtime.worker`` in its command line must be a function, never a server):
 # a local function or a gpu-container rank
-PROGRAMS = {"function": WORKER_MODULE, "rank": RANK_MODULE}
-# the modules each program's module loads beyond its own imports: the worker's roles
-ENTRIES: dict[str, tuple[str, ...]] = {WORKER_MODULE: ROLE_MODULES, RANK_MODULE: ()}
+PROGRAMS = {"function": Program(WORKER_MODULE, ROLE_MODULES), "rank": Program(RANK_MODULE)}
+
+
+def program(name: str) -> Program:
+    """The program ``name`` names; ValueError naming the ones there are otherwise."""
+    if name not in PROGRAMS:
+        raise ValueError(f"the fork server runs one of {', '.join(PROGRAMS)}, not {name!r}")
+    return PROGRAMS[name]
 
 
 @dataclass(frozen=True)
@@ -113,27 +129,26 @@ def thread_count() -> int:
         return 1
 
 
-def preload(entry: str = WORKER_MODULE) -> None:
-    """Imports what ``entry`` runs, and nothing runs: torch, the entry and its
-    :data:`ENTRIES` modules, torch's dynamo (which its optimizers import) and, for a function,
-    S3's service model parsed into the store's shared loader (its store client is then made in
-    milliseconds). Raises RuntimeError if an import started a thread."""
-    if entry not in ENTRIES:
-        raise ValueError(f"the fork server runs one of {', '.join(ENTRIES)}, not {entry!r}")
+def preload(name: str = "function") -> None:
+    """Imports what the program ``name`` runs, and nothing runs: torch, its module and the
+    modules it loads (:data:`PROGRAMS`), torch's dynamo (which its optimizers import) and, for
+    a function, S3's service model parsed into the store's shared loader (its store client is
+    then made in milliseconds). Raises RuntimeError if an import started a thread."""
+    runs = program(name)
     # start-up time: torch, loaded once here for every function (the second a fork saves each);
     # not at module level, where it would load into every process that only speaks the protocol
     # (``runtime.forked``: a Ray task's worker)
     import torch
 
     baseline = thread_count()      # torch's own
-    for name in (entry, *ENTRIES[entry]):
-        importlib.import_module(name)
+    for module in (runs.module, *runs.loads):
+        importlib.import_module(module)
     # start-up time (of every function forked from here): a torch optimizer's first call
     # imports torch._dynamo (its methods are wrapped to keep dynamo out), about 1.2 s of CPU
     # that each training function would pay again at its tier's CPU share (docs/training.md,
     # "The first demo")
     import torch._dynamo  # noqa: F401
-    if entry == WORKER_MODULE:
+    if runs.module == WORKER_MODULE:
         # start-up time: a function's store client, which a rank's server never loads (a rank
         # has no store, and its image no boto3)
         from flatpack.runtime.store import preload_s3_model
@@ -301,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     control = socket.socket(fileno=int(args[0]))
     events = socket.socket(fileno=int(args[1]))
     try:
-        entry = PROGRAMS[args[2] if len(args) > 2 else "function"]
-        preload(entry)
+        name = args[2] if len(args) > 2 else "function"
+        preload(name)
     except BaseException as err:  # noqa: BLE001 - the invoker falls back to fresh interpreters and says why
         control.send(encode({"error": f"{type(err).__name__}: {err}"}))
         raise SystemExit(1) from err
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     control.send(encode({"ready": os.getpid()}))
-    Server(control, events, entry).serve()
+    Server(control, events, program(name).module).serve()
 
 
 if __name__ == "__main__":

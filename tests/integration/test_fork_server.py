@@ -250,7 +250,7 @@ def test_a_program_that_is_not_a_servers_is_refused_before_any_server_starts(tmp
 def test_a_server_told_another_program_says_so_and_functions_start_fresh(tmp_path, monkeypatch, caplog):
     """A server started for a name outside PROGRAMS (an invoker of another flatpack version,
     say) imports nothing and answers with the reason; the invoker falls back, once."""
-    monkeypatch.setitem(forkserver.PROGRAMS, "ghost", "flatpack.runtime.worker")   # known here, not there
+    monkeypatch.setitem(forkserver.PROGRAMS, "ghost", forkserver.Program("flatpack.runtime.worker"))  # here only
     env = waiting_env(tmp_path, own_server=True)
     with caplog.at_level(logging.WARNING, logger="flatpack.forked"):
         assert forked.spawn(env, tmp_path / "a.log", program="ghost") is None

@@ -40,8 +40,8 @@ ALLOWED = {
     # environment the user gives the invoker and its functions, never a run record or an artifact
     ("schedules.py", "register_plugins"): "the user's FLATPACK_SCHEDULES environment variable",
     # the fork server imports, before any function runs, one program and its modules from the
-    # constant ENTRIES table (flatpack's own; any other name is refused), nothing a request names
-    ("runtime/forkserver.py", "preload"): "the constant ENTRIES table",
+    # constant PROGRAMS table (flatpack's own; any other name is refused), nothing a request names
+    ("runtime/forkserver.py", "preload"): "the constant PROGRAMS table",
 }
 
 
