@@ -163,14 +163,15 @@ def kill_task_process(deployment: ray_backend.RayDeployment, stage: int, replica
 def task_process(name: str) -> tuple[int, int]:
     """The pid of the Ray worker process running the task ``name`` (Ray titles it
     ``ray::NAME``) and of the function process under it (forked from the worker's fork server,
-    or its child)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if cmdline(int(pid)).split(" ")[0] != f"ray::{name}":
+    or its child). Only this process's cluster (its raylets are this process's descendants) is
+    searched: another test process's cluster may run a task of the same name at the same time."""
+    for pid in descendants(os.getpid()):
+        if cmdline(pid).split(" ")[0] != f"ray::{name}":
             continue
-        functions = [child for child in descendants(int(pid)) if "flatpack.runtime.worker" in cmdline(child)]
+        functions = [child for child in descendants(pid) if "flatpack.runtime.worker" in cmdline(child)]
         assert len(functions) == 1, (name, functions)
-        return int(pid), functions[0]
-    raise AssertionError(f"no Ray worker runs the task {name}")
+        return pid, functions[0]
+    raise AssertionError(f"no Ray worker of this process's cluster runs the task {name}")
 
 
 def test_inference_on_ray_equals_local(ray_cluster, s3_server):
