@@ -82,6 +82,7 @@ from typing import Any, Iterable
 import torch
 from scipy.stats import spearmanr
 
+from benchmarks import host_speed
 from flatpack import zoo
 from flatpack.analysis import report
 from flatpack.analysis.refit import replan
@@ -163,6 +164,8 @@ CASES = (
 )
 QUICK = (CASES[1], CASES[2], CASES[4])
 TIERS = (512, 1024)
+HOST_SPEED_S = 20.0     # benchmarks/host_speed.py after the calibration: two 10-s windows per CPU
+PYTHON_PROBE_S = 0.5    # per CPU, before each case
 
 
 def calibrate(out: Path) -> Path:
@@ -216,6 +219,9 @@ def measure_replan(case: Case, iterations: int, calibration: Path, first: Any) -
 
 
 def measure(case: Case, iterations: int, calibration: Path) -> dict:
+    # the interpreter's speed just before the case (benchmarks/host_speed.py): on a host whose
+    # CPUs slow down in bursts, the case's error moves with it, and this says how far
+    python_probe_s = host_speed.python_probe_mean_s(PYTHON_PROBE_S)
     result, wall, host, processes = train(case, iterations, calibration)
     comparison = result.comparison
     plan, problem = result.compiled.plan, result.compiled.problem
@@ -246,8 +252,15 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "critical_path_error": unbounded / measured - 1,
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
-            "kept_iterations": [it.seconds for it in kept],
+            "kept_iterations": [it.seconds for it in kept], "python_probe_s": python_probe_s,
             "result": result}
+
+
+def _probe_ratio(probe_s: dict[int, float], speeds: list[host_speed.ProbeSpeed]) -> float:
+    """The interpreter probe's mean time before a case over its fast time in the run's host
+    speed reading, averaged over the CPUs."""
+    fast = {speed.cpu: speed.fast_s for speed in speeds if speed.probe == "python"}
+    return statistics.fmean(seconds / fast[cpu] for cpu, seconds in probe_s.items() if cpu in fast)
 
 
 MEDIAN_KEYS = ("measured", "predicted", "uncalibrated", "dollars", "billed", "host_bound", "critical_path", "host_cpu",
@@ -289,12 +302,14 @@ def calibration_digest(path: Path) -> str:
 
 
 def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple[float, float],
-              iterations: int, rounds: int) -> dict[str, Any]:
+              iterations: int, rounds: int, speeds: list[host_speed.ProbeSpeed] | None = None) -> dict[str, Any]:
     """The run's figures as plain data (``--json``): the host, the time, the load, the
     calibration's digest, and per plan its measured and predicted iteration, the error, the
     host CPU the bound counts (bound × cores) and the CPU measured, both the run's own
     processes (by kind) and the host's busy CPU, each per iteration, and the kept iterations'
-    own seconds (their spread: how far one plan's median could move)."""
+    own seconds (their spread: how far one plan's median could move); the host's speed
+    (``speeds``, benchmarks/host_speed.py, measured after the calibration) and per plan the
+    interpreter probe's mean seconds per CPU just before it ran (``python_probe_s``)."""
     return {
         "schema": RAW_SCHEMA, "host": socket.gethostname(), "cores": os.cpu_count(), "started": started,
         "ended": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
@@ -308,7 +323,10 @@ def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple
                    "host_cpu_predicted_s": row["host_bound"] * row["cores"],
                    "host_cpu_measured_s": row["own_cpu"], "host_cpu_by_kind_s": row["own_cpu_by_kind"],
                    "host_busy_s": row["host_cpu"], "load_average": row["load"],
-                   "kept_iterations_s": row["kept_iterations"]} for row in rows]}
+                   "kept_iterations_s": row["kept_iterations"],
+                   "python_probe_s": {str(cpu): seconds for cpu, seconds in row.get("python_probe_s", {}).items()}}
+                  for row in rows],
+        "host_speed": host_speed.as_json(speeds) if speeds is not None else None}
 
 
 def _change(first: float, second: float) -> str:
@@ -405,8 +423,8 @@ def criterion_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
     beyond ±10 % (the kinds the issue names, :data:`JUDGED_KINDS`; one-worker plans' is
     printed too). Returns the table's lines and the numbers (from 1) of the runs that miss."""
     lines = ["| run | started | calibration | MAPE | Spearman (lowest) | "
-             + " | ".join(f"{kind} mean error" for kind in PLAN_KINDS) + " | run passes |",
-             "|---|---|---|---|---|" + "---|" * len(PLAN_KINDS) + "---|"]
+             + " | ".join(f"{kind} mean error" for kind in PLAN_KINDS) + " | host floor | run passes |",
+             "|---|---|---|---|---|" + "---|" * len(PLAN_KINDS) + "---|---|"]
     missing = []
     for index, raw in enumerate(runs, 1):
         figures = run_figures(raw)
@@ -421,8 +439,15 @@ def criterion_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
                  else "-" for kind in PLAN_KINDS]
         lines.append(f"| {index} | {raw['started']} | {raw['calibration']['digest']} | {figures['mape'] * 100:.1f}% | "
                      + (f"{lowest[0]} {lowest[1]:+.2f}" if lowest else "-") + " | " + " | ".join(cells)
-                     + f" | {'yes' if passed else 'no'} |")
+                     + f" | {_floor_cell(raw)} | {'yes' if passed else 'no'} |")
     return lines, missing
+
+
+def _floor_cell(raw: dict[str, Any]) -> str:
+    """The run's host floor (benchmarks/host_speed.py): the mean |error| of a prediction exact at
+    the host's median interpreter speed over the kept iterations' window; '-' where not measured."""
+    floor = host_speed.floor_of(raw["host_speed"]) if raw.get("host_speed") else None
+    return "-" if floor is None else f"{floor * 100:.1f}%"
 
 
 def criterion(runs: list[dict[str, Any]]) -> tuple[bool, str]:
@@ -507,6 +532,10 @@ def main() -> None:
         parser.error("--calibrate-each-round measures its own calibrations: leave out --calibration")
     with tempfile.TemporaryDirectory(prefix="flatpack-calibration-") as scratch:
         calibration = args.calibration or calibrate(Path(scratch) / "calibration.json")
+        print(f"timing this host's speed for {HOST_SPEED_S:g} s (benchmarks/host_speed.py)", file=sys.stderr,
+              flush=True)
+        speeds = host_speed.measure(HOST_SPEED_S)
+        print(host_speed.table(speeds), file=sys.stderr, flush=True)
         cases = QUICK if args.quick else CASES
         if args.models:
             wanted = args.models.split(",")
@@ -529,12 +558,14 @@ def main() -> None:
                 runs[index].append(row)
                 print(f"  round {round_index + 1}: {case.model} {case.label}: predicted "
                       f"{row['predicted'] * 1000:.0f} ms, measured {row['measured'] * 1000:.0f} ms "
-                      f"({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                      f"({row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f}, interpreter probe "
+                      f"{_probe_ratio(row['python_probe_s'], speeds):.2f} × its fast time)", file=sys.stderr,
+                      flush=True)
                 if args.verbose:
                     print(row["table"], file=sys.stderr)
         rows = [median_row(case_runs) for case_runs in runs]
         raw = raw_table(rows, calibration=calibration, started=started, loads=(load_at_start, os.getloadavg()[0]),
-                        iterations=args.iterations, rounds=args.rounds)
+                        iterations=args.iterations, rounds=args.rounds, speeds=speeds)
         if args.json is not None:
             # the calibration beside the table (it lives in a scratch folder otherwise): a later
             # look at a run can predict its plans again from the very figures it was predicted with

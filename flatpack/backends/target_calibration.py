@@ -80,7 +80,9 @@ HOST_REPEATS = 15
 # server for the whole calibration, and emulated tiers of one CPU share take their cold start and
 # task terms from the smallest of them (alike_tiers). 11: the first stage's forward counts from its
 # prefetched input's arrival (task_overheads._ready_times), as a later stage's from its download.
-METHOD_REVISION = 11
+# 12: a store request's host CPU is the mean of six rounds, not the median of three (request_cpu:
+# the median snapped to the fast or the slow speed of a VM whose interpreter slows in bursts).
+METHOD_REVISION = 12
 
 
 def _probe_model() -> tuple[nn.Module, tuple[torch.Tensor]]:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import host_speed
 from benchmarks.fidelity import RAW_SCHEMA, calibration_digest, compare_runs, criterion, plan_kinds, raw_table
 from flatpack.cpus import ProcessCpuSampler, Reading
 
@@ -206,3 +207,52 @@ def test_the_criterion_fails_a_model_ranked_wrongly() -> None:
     met, text = criterion([wrong])
     assert not met
     assert "vgg16 +0.80" in text
+
+
+def _probe_rows(pattern: list[tuple[float, int]]) -> list[tuple[float, float, float]]:
+    """(start, wall, CPU) rows of a probe run back to back: ``count`` runs of ``seconds`` each."""
+    rows, at = [], 0.0
+    for seconds, count in pattern:
+        for _ in range(count):
+            rows.append((at, seconds, seconds))
+            at += seconds
+    return rows
+
+
+def test_host_speed_reads_the_slow_share_its_factor_and_bursts_of_a_known_series() -> None:
+    # 10 s fast (10 ms a probe), 2 s at twice the time, 10 s fast, 2 s slow again
+    rows = _probe_rows([(0.010, 1000), (0.020, 100), (0.010, 1000), (0.020, 100)])
+    speed = host_speed.summarize(0, "python", rows)
+    assert speed.fast_s == pytest.approx(0.010)
+    assert speed.slow_time_share == pytest.approx(4 / 24)
+    assert speed.slow_factor == pytest.approx(2.0)
+    assert (speed.burst_median_s, speed.burst_max_s) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert speed.cpu_over_wall == pytest.approx(1.0)
+    floors = {floor.window_s: floor for floor in speed.floors}
+    # windows inside a fast stretch read 1; windows over a slow one, slower: the floor is their share of error
+    assert 0 < floors[2.4].mean_abs_error < 0.5 and floors[2.4].p10 == pytest.approx(1.0)
+    assert floors[10.0].mean_abs_error < floors[2.4].mean_abs_error
+
+
+def test_a_steady_host_has_no_floor_and_no_bursts() -> None:
+    speed = host_speed.summarize(1, "matmul", _probe_rows([(0.007, 3000)]))
+    assert speed.slow_time_share == 0 and speed.slow_factor is None and speed.burst_max_s is None
+    assert all(floor.mean_abs_error == pytest.approx(0.0) for floor in speed.floors)
+    assert host_speed.floor_of([speed], probe="matmul") == pytest.approx(0.0)
+    assert host_speed.floor_of([speed], probe="python") is None
+
+
+def test_the_raw_table_carries_the_host_speed_and_each_plans_probe_and_the_criterion_prints_the_floor(
+        tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text("{}")
+    row = {**_row("vgg16", 2, 2, 0.3, 0.25, 0.6), "python_probe_s": {0: 0.012, 1: 0.02}}
+    speeds = [host_speed.summarize(cpu, "python", _probe_rows([(0.010, 1000), (0.020, 100)] * 2)) for cpu in (0, 1)]
+    raw = json.loads(json.dumps(raw_table([row], calibration=calibration, started="2026-11-28T15:20:00+00:00",
+                                          loads=(1.0, 1.0), iterations=7, rounds=1, speeds=speeds)))
+    assert raw["plans"][0]["python_probe_s"] == {"0": 0.012, "1": 0.02}
+    assert [speed["cpu"] for speed in raw["host_speed"]] == [0, 1]
+    floor = host_speed.floor_of(raw["host_speed"])
+    assert floor is not None and floor > 0
+    _, text = criterion([raw])
+    assert "host floor" in text and f"{floor * 100:.1f}%" in text
