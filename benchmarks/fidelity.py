@@ -227,6 +227,7 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
     # CPUs slow down in bursts, the case's error moves with it, and this says how far
     python_probe_s = host_speed.python_probe_mean_s(PYTHON_PROBE_S)
     result, wall, host, processes = train(case, iterations, calibration)
+    python_probe_after_s = host_speed.python_probe_mean_s(PYTHON_PROBE_S)
     comparison = result.comparison
     plan, problem = result.compiled.plan, result.compiled.problem
     # the catalog alone: no calibration, the local platform's assumptions, the paper's equations
@@ -257,7 +258,7 @@ def measure(case: Case, iterations: int, calibration: Path) -> dict:
             "billed": billed, "dollar_error": cost.dollars_per_iteration / billed - 1,
             "plan": f"{len(plan.stages)} × {plan.stages[0].replicas}", "wall": wall, "table": comparison.table(),
             "kept_iterations": [it.seconds for it in kept], "python_probe_s": python_probe_s,
-            "result": result}
+            "python_probe_after_s": python_probe_after_s, "result": result}
 
 
 def _probe_ratio(probe_s: dict[int, float], speeds: list[host_speed.ProbeSpeed]) -> float:
@@ -330,7 +331,8 @@ def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple
     processes (by kind) and the host's busy CPU, each per iteration, and the kept iterations'
     own seconds (their spread: how far one plan's median could move); the host's speed
     (``speeds``, benchmarks/host_speed.py, measured after the calibration) and per plan the
-    interpreter probe's mean seconds per CPU just before it ran (``python_probe_s``)."""
+    interpreter probe's mean seconds per CPU just before it ran and just after
+    (``python_probe_s``, ``python_probe_after_s``)."""
     return {
         "schema": RAW_SCHEMA, "host": socket.gethostname(), "cores": os.cpu_count(), "started": started,
         "ended": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
@@ -345,7 +347,9 @@ def raw_table(rows: list[dict], *, calibration: Path, started: str, loads: tuple
                    "host_cpu_measured_s": row["own_cpu"], "host_cpu_by_kind_s": row["own_cpu_by_kind"],
                    "host_busy_s": row["host_cpu"], "load_average": row["load"],
                    "kept_iterations_s": row["kept_iterations"], "iterations": row.get("iterations"),
-                   "python_probe_s": {str(cpu): seconds for cpu, seconds in row.get("python_probe_s", {}).items()}}
+                   "python_probe_s": {str(cpu): seconds for cpu, seconds in row.get("python_probe_s", {}).items()},
+                   "python_probe_after_s": {str(cpu): seconds
+                                            for cpu, seconds in row.get("python_probe_after_s", {}).items()}}
                   for row in rows],
         "host_speed": host_speed.as_json(speeds) if speeds is not None else None}
 
@@ -583,8 +587,8 @@ def main() -> None:
                 print(f"  round {round_index + 1}: {case.model} {case.label}: predicted "
                       f"{row['predicted'] * 1000:.0f} ms, measured {row['measured'] * 1000:.0f} ms "
                       f"({row['iterations']} iterations, {row['wall']:.0f} s, host load {os.getloadavg()[0]:.1f}, "
-                      f"interpreter probe "
-                      f"{_probe_ratio(row['python_probe_s'], speeds):.2f} × its fast time)", file=sys.stderr,
+                      f"interpreter probe {_probe_ratio(row['python_probe_s'], speeds):.2f} × its fast time before, "
+                      f"{_probe_ratio(row['python_probe_after_s'], speeds):.2f} × after)", file=sys.stderr,
                       flush=True)
                 if args.verbose:
                     print(row["table"], file=sys.stderr)

@@ -246,11 +246,13 @@ def test_the_raw_table_carries_the_host_speed_and_each_plans_probe_and_the_crite
         tmp_path: Path) -> None:
     calibration = tmp_path / "calibration.json"
     calibration.write_text("{}")
-    row = {**_row("vgg16", 2, 2, 0.3, 0.25, 0.6), "python_probe_s": {0: 0.012, 1: 0.02}}
+    row = {**_row("vgg16", 2, 2, 0.3, 0.25, 0.6), "python_probe_s": {0: 0.012, 1: 0.02},
+           "python_probe_after_s": {0: 0.011, 1: 0.019}}
     speeds = [host_speed.summarize(cpu, "python", _probe_rows([(0.010, 1000), (0.020, 100)] * 2)) for cpu in (0, 1)]
     raw = json.loads(json.dumps(raw_table([row], calibration=calibration, started="2026-11-28T15:20:00+00:00",
                                           loads=(1.0, 1.0), iterations=7, rounds=1, speeds=speeds)))
     assert raw["plans"][0]["python_probe_s"] == {"0": 0.012, "1": 0.02}
+    assert raw["plans"][0]["python_probe_after_s"] == {"0": 0.011, "1": 0.019}
     assert [speed["cpu"] for speed in raw["host_speed"]] == [0, 1]
     floor = host_speed.floor_of(raw["host_speed"])
     assert floor is not None and floor > 0
