@@ -16,14 +16,15 @@ plus the server process's (``cpus.process_cpu_seconds``), per request. The mean 
 rounds of the small figures is each request's fixed part; the large ones' excess over it, per
 byte, its part per byte moved.
 
-The mean, over six rounds (3.3 s on the 2-core VM), not the median of three (1.6 s): the
+The mean, over six rounds (2.5-3.3 s on the 2-core VM), not the median of three (1.3-1.6 s): the
 VM's interpreter runs at half speed in bursts of 0.2-2 s that cover a quarter to a half of
 the time (``benchmarks/host_speed.py``; the store's requests are the interpreter's work:
 the boto3 client, the server's handlers), so the median of three rounds snapped to one speed
 or the other, and calibrations minutes apart read a put at 3.45 or 5.5 ms. The mean over
 the longer window reads the host's average speed, which is what a run's many requests pay:
-ten measurements in a row on that VM, the coefficient of variation of the put figure 15 % with
-the median of three, 8 % with this (``put_s_per_byte``: 12 % and 4 %).
+``benchmarks/request_cpu_spread.py --repeats 8`` (the two methods alternated on that VM) read
+the coefficient of variation of a put, a get and a miss at 23, 29 and 34 % with the median of
+three rounds and at 14, 15 and 16 % with the mean of six.
 
 Then the host's cores a run gets (issue 44): ``CORE_PROBE_PROCESSES`` busy processes at a
 time, as many as a one-worker plan and a 2 x 2 one run (workers, invoker, store), each in its
@@ -55,9 +56,14 @@ CORE_PROBE_PROCESSES = (3, 6)
 CORE_PROBE_S = 1.0
 
 
-def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCpu | None:
+def measure_request_cpu(store: Store, server_pid: int, prefix: str, *, rounds: int = ROUNDS,
+                        statistic: Callable[[list[float]], float] = statistics.fmean,
+                        cores: bool = True) -> RequestCpu | None:
     """Times requests of ``store`` to the server process ``server_pid`` under keys below
-    ``prefix`` (deleted after); None where the server's CPU cannot be read (no procfs)."""
+    ``prefix`` (deleted after); None where the server's CPU cannot be read (no procfs).
+    ``rounds`` and ``statistic`` (over the rounds' figures) are calibrate's; other values are
+    for ``benchmarks/request_cpu_spread.py``, which sets them beside each other. ``cores``:
+    also measure the cores a run gets (``cores_obtained``; empty without)."""
     if process_cpu_seconds(server_pid) is None:
         return None
 
@@ -84,7 +90,7 @@ def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCp
     small, large = os.urandom(SMALL_BYTES), os.urandom(LARGE_BYTES)
     keys: list[str] = []
     try:
-        for round_number in range(ROUNDS):
+        for round_number in range(rounds):
             base = f"{prefix}/r{round_number}"
             keys += [f"{base}/s{index}" for index in range(SMALL_REQUESTS)]
             keys += [f"{base}/l{index}" for index in range(LARGE_REQUESTS)]
@@ -95,12 +101,12 @@ def measure_request_cpu(store: Store, server_pid: int, prefix: str) -> RequestCp
             figures["get_large"].append(per_request(LARGE_REQUESTS, lambda i: store.get(f"{base}/l{i}")))
     finally:
         store.delete_keys(keys)
-    mean = {name: statistics.fmean(values) for name, values in figures.items()}
+    mean = {name: statistic(values) for name, values in figures.items()}
     moved = LARGE_BYTES - SMALL_BYTES
     return RequestCpu(put_s=mean["put"], get_s=mean["get"], miss_s=mean["miss"],
                       put_s_per_byte=max(0.0, mean["put_large"] - mean["put"]) / moved,
                       get_s_per_byte=max(0.0, mean["get_large"] - mean["get"]) / moved,
-                      cores_obtained=measure_cores_obtained())
+                      cores_obtained=measure_cores_obtained() if cores else ())
 
 
 def measure_cores_obtained(counts: tuple[int, ...] = CORE_PROBE_PROCESSES,

@@ -34,3 +34,23 @@ def test_a_request_s_host_cpu_is_measured_on_both_sides_and_its_keys_are_deleted
 
 def test_a_process_that_is_gone_has_no_cpu_to_read():
     assert process_cpu_seconds(2**22 + 7) is None
+
+
+def test_each_figure_is_the_given_statistic_of_as_many_rounds_as_asked(s3_server, s3_store):
+    """calibrate's method is a parameter so that benchmarks/request_cpu_spread.py can set the
+    methods side by side: the statistic sees one value per round, and nothing else is timed."""
+    pid = s3_server.pid
+    if pid is None or process_cpu_seconds(pid) is None:
+        pytest.skip("no procfs: the server's CPU cannot be read")
+    seen: list[list[float]] = []
+
+    def first_round(values: list[float]) -> float:
+        seen.append(list(values))
+        return values[0]
+
+    cpu = measure_request_cpu(s3_store, pid, "request-cpu-rounds", rounds=2, statistic=first_round, cores=False)
+    assert cpu is not None and cpu.cores_obtained == ()
+    # five figures (put, get, miss and the large put and get), each over the two rounds
+    assert len(seen) == 5 and all(len(values) == 2 for values in seen)
+    assert cpu.put_s == seen[0][0] and cpu.get_s == seen[1][0] and cpu.miss_s == seen[2][0]
+    assert s3_store.list("request-cpu-rounds/") == []
