@@ -40,6 +40,15 @@ Profiles are measured at one thread, as the workers compute. Measurements on a h
 with other work are distorted by it (the model's κ counts only this run's workers and store):
 run it on a quiet machine.
 
+A quiet machine is not a steady one: on the 2-core VM the interpreter runs at half speed in
+bursts of 0.2-2 s that cover a quarter to nine tenths of the time (``benchmarks/host_speed.py``).
+So each case measures at least ``--kept-seconds`` (8 s) of kept iterations, running again with
+more where its ``--iterations`` were shorter, and the run records the host's speed: 20 s of
+``host_speed.measure`` after the calibration and an interpreter probe before and after each
+case, in the raw table (``host_speed``, ``python_probe_s``, ``python_probe_after_s``);
+``--criterion`` prints each run's floor, the error a prediction exact at the host's median
+speed makes over a 2.4-s window.
+
 ``--replan`` also re-plans each model's first plan from its timeline (``plan --from-run``'s
 ``analysis.refit.replan``), runs the new plan and measures it.
 
@@ -56,7 +65,7 @@ beside them) biased beyond ±10 % on average, and three runs an hour apart, each
 calibration.
 
     PYTHONPATH=. python benchmarks/fidelity.py [--calibration FILE] [--quick] [--replan] [--forkjoin]
-        [--models vgg16,rnn-3] [--iterations 12] [--rounds 3] [--calibrate-each-round]
+        [--models vgg16,rnn-3] [--iterations 12] [--kept-seconds 8] [--rounds 3] [--calibrate-each-round]
         [--json PATH] [--compare PATH [--against PATH2]] [--criterion RUN.json ...]
 """
 
