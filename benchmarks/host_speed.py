@@ -44,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from flatpack.cpus import pinned
+
 PYTHON_LOOP = 100_000
 MATMUL_SIZE = 256
 MATMUL_REPEATS = 20
@@ -86,13 +88,12 @@ def python_probe() -> None:
 
 def python_probe_mean_s(seconds_per_cpu: float = 1.0) -> dict[int, float]:
     """The mean wall seconds of :func:`python_probe` on each CPU in turn, ``seconds_per_cpu``
-    each, in this thread (pinned to each CPU, then given its CPUs back): a short reading of
-    the interpreter's speed now, beside a longer :func:`measure`'s ``fast_s``."""
-    saved = os.sched_getaffinity(0)
+    each, in this thread (``flatpack.cpus.pinned`` to each CPU :func:`measure` probes, then
+    given its CPUs back): a short reading of the interpreter's speed now, beside a longer
+    :func:`measure`'s ``fast_s``."""
     means = {}
-    try:
-        for cpu in sorted(saved):
-            os.sched_setaffinity(0, {cpu})
+    for cpu in sorted(os.sched_getaffinity(0)):
+        with pinned(cpu):
             python_probe()
             runs = []
             began = time.perf_counter()
@@ -100,9 +101,7 @@ def python_probe_mean_s(seconds_per_cpu: float = 1.0) -> dict[int, float]:
                 started = time.perf_counter()
                 python_probe()
                 runs.append(time.perf_counter() - started)
-            means[cpu] = statistics.fmean(runs)
-    finally:
-        os.sched_setaffinity(0, saved)
+        means[cpu] = statistics.fmean(runs)
     return means
 
 

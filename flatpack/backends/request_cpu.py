@@ -17,8 +17,8 @@ rounds of the small figures is each request's fixed part; the large ones' excess
 byte, its part per byte moved.
 
 The mean, over six rounds (2.5-3.3 s on the 2-core VM), not the median of three (1.3-1.6 s): the
-VM's interpreter runs at half speed in bursts of 0.2-2 s that cover a quarter to a half of
-the time (``benchmarks/host_speed.py``; the store's requests are the interpreter's work:
+VM's interpreter runs at half speed in bursts of 0.2-2 s that cover a quarter to nine tenths
+of the time (``benchmarks/host_speed.py``; the store's requests are the interpreter's work:
 the boto3 client, the server's handlers), so the median of three rounds snapped to one speed
 or the other, and calibrations minutes apart read a put at 3.45 or 5.5 ms. The mean over
 the longer window reads the host's average speed, which is what a run's many requests pay:
@@ -101,11 +101,11 @@ def measure_request_cpu(store: Store, server_pid: int, prefix: str, *, rounds: i
             figures["get_large"].append(per_request(LARGE_REQUESTS, lambda i: store.get(f"{base}/l{i}")))
     finally:
         store.delete_keys(keys)
-    mean = {name: statistic(values) for name, values in figures.items()}
+    per_round = {name: statistic(values) for name, values in figures.items()}
     moved = LARGE_BYTES - SMALL_BYTES
-    return RequestCpu(put_s=mean["put"], get_s=mean["get"], miss_s=mean["miss"],
-                      put_s_per_byte=max(0.0, mean["put_large"] - mean["put"]) / moved,
-                      get_s_per_byte=max(0.0, mean["get_large"] - mean["get"]) / moved,
+    return RequestCpu(put_s=per_round["put"], get_s=per_round["get"], miss_s=per_round["miss"],
+                      put_s_per_byte=max(0.0, per_round["put_large"] - per_round["put"]) / moved,
+                      get_s_per_byte=max(0.0, per_round["get_large"] - per_round["get"]) / moved,
                       cores_obtained=measure_cores_obtained() if cores else ())
 
 
