@@ -236,7 +236,9 @@ class LocalS3Server:
                    # the local sockets default to /tmp; relative to the cwd (this directory) they
                    # also stay under the 107-byte limit of a unix socket path however deep it is
                    "-filer.localSocket=filer.sock", "-s3.localSocket=s3.sock",
-                   f"-s3.config={self._dir / 's3.json'}", f"-bucket={self.bucket}"]
+                   # no -bucket: weed mini creates it only once its admin server is up, ~0.6 s
+                   # after S3 answers; _wait_ready creates it as soon as S3 does (issue 42)
+                   f"-s3.config={self._dir / 's3.json'}"]
         security = self._security_env()
         self._log = os.fdopen(os.open(self._dir / "weed.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
@@ -267,6 +269,10 @@ class LocalS3Server:
                     return
                 except Exception as exc:  # noqa: BLE001 - not up yet: refused, 404 or 5xx
                     last = exc
+                if _status(last) == 404:    # S3 answers, and the bucket is not made yet (a new directory)
+                    with contextlib.suppress(Exception):    # made by now, or not up after all: ask again
+                        client.create_bucket(Bucket=self.bucket)
+                    continue
                 time.sleep(0.05)
         finally:
             store.close()
@@ -476,3 +482,13 @@ def _remove_dead_weed_sockets() -> None:
                 os.unlink(name)
             finally:
                 probe.close()
+
+
+def _status(exc: BaseException | None) -> int | None:
+    """The HTTP status of a botocore ClientError (head_bucket's 404: no such bucket); None
+    for anything else (refused, timed out: the server is not up yet)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status else None

@@ -108,6 +108,16 @@ def test_check_context_finds_what_would_break_the_build(edit, problem):
     assert any(problem in found for found in images.check_context(files))
 
 
+def test_a_shipped_file_broken_after_a_sound_check_is_caught():
+    """The compile check is cached by each file's bytes: the same path with other bytes is
+    compiled again."""
+    [image] = images.function_images(compiled_model(), "aws-lambda")
+    files = dict(image.files)
+    assert images.check_context(files) == []
+    files["flatpack/runtime/worker.py"] = files["flatpack/runtime/worker.py"] + b"\ndef (:\n"
+    assert any("flatpack/runtime/worker.py does not compile" in found for found in images.check_context(files))
+
+
 def test_a_tag_only_base_image_is_refused_saying_how_to_get_its_digest():
     with pytest.raises(InputError, match=r"is a tag, not a digest.*docker buildx imagetools inspect python:3.12-slim"):
         images.function_images(compiled_model(), "alibaba-fc", base="python:3.12-slim")

@@ -103,6 +103,22 @@ def test_function_level_imports_count_and_type_checking_ones_do_not(tmp_path):
     assert set(graph["flatpack.low"]) == set()
 
 
+def test_the_import_graph_follows_an_edited_file(tmp_path):
+    """The parse is cached by the source text (images read the graph on every build), so a
+    file edited between two reads is read as it is now, however often it was read before."""
+    package = tmp_path / "flatpack"
+    package.mkdir()
+    for name in ("__init__", "a", "b", "c"):
+        (package / f"{name}.py").write_text("")
+    (package / "a.py").write_text("from flatpack import b\n")
+    assert set(import_graph(package)["flatpack.a"]) == {"flatpack.b"}
+    assert set(import_graph(package)["flatpack.a"]) == {"flatpack.b"}    # the cached parse
+    (package / "a.py").write_text("from . import c\nimport flatpack.b\n")
+    assert set(import_graph(package)["flatpack.a"]) == {"flatpack.b", "flatpack.c"}
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flatpack import b\n")
+    assert set(import_graph(package)["flatpack.a"]) == set()
+
+
 # how the comment of an import inside a function begins: why it is not at module level
 LAZY_REASONS = ("optional dependency", "start-up time")
 
