@@ -55,3 +55,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     from flatpack.platform.catalog import host_cores
 
     return min(MAX_XDIST_WORKERS, host_cores())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the shared Ray cluster (``ray_cluster``, a session fixture: three raylets,
+    ~20 s to start) run first. xdist's worksteal hands each worker a contiguous half of the
+    collection and steals from the tail of a queue, so tests at the head stay on one worker
+    and one cluster serves them all; where they sat mid-collection, both workers started a
+    cluster of their own in some runs (issue 42)."""
+    items.sort(key=lambda item: "ray_cluster" not in getattr(item, "fixturenames", ()))
