@@ -56,6 +56,8 @@ def handler(event, context):
         "remaining_ms": context.get_remaining_time_in_millis(),
         "cwd": os.getcwd(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("AWS_LAMBDA_", "FC_", "LAMBDA_", "STAGE"))},
+        "pid": os.getpid(), "session": os.getsid(0), "path0": sys.path[0],
+        "preloaded": "colorsys" in sys.modules,   # what BASES preloads (nothing here imports it)
     }
 '''
 
@@ -69,6 +71,11 @@ def code_dir(tmp_path: Path) -> Path:
     (directory / "Dockerfile").write_text('FROM public.ecr.aws/lambda/python:3.11\nCOPY handler.py ./\n'
                                           'CMD [ "handler.handler" ]\n')
     return directory
+
+
+# a fresh interpreter per invocation, and one forked from a process that preloaded a module
+# (tests.standins.zygote: how a flatpack image's invocations start, with torch preloaded)
+BASES = [(), ("colorsys",)]
 
 
 def invoke_json(result: InvocationResult) -> dict:
@@ -106,11 +113,21 @@ def test_dockerfile_cmd_names_the_handler(tmp_path: Path) -> None:
     assert dockerfile_command(tmp_path) == "app.main"
 
 
+def test_an_image_that_installs_torch_has_it_preloaded(tmp_path: Path) -> None:
+    assert runner.image_preload(tmp_path) == ()
+    (tmp_path / "requirements.txt").write_text("numpy==2.1.0 --hash=sha256:00\n")
+    assert runner.image_preload(tmp_path) == ()
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0+cpu --hash=sha256:00\n")
+    assert runner.image_preload(tmp_path) == ("torch",)
+
+
 # --- the runner --------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_runner_returns_the_result_with_lambda_context_and_environment(code_dir: Path) -> None:
-    code = FunctionCode(code_dir, environment={"STAGE_INDEX": "3"}, memory_mb=256, timeout_s=5, name="stage-3")
+@pytest.mark.parametrize("base", BASES)
+def test_runner_returns_the_result_with_lambda_context_and_environment(base: tuple[str, ...], code_dir: Path) -> None:
+    code = FunctionCode(code_dir, preload=base, environment={"STAGE_INDEX": "3"}, memory_mb=256, timeout_s=5,
+                        name="stage-3")
     result = run_invocation(code, b'{"x": 1}', "req-1")
     assert result.error_type is None, result.payload
     body = invoke_json(result)
@@ -126,11 +143,17 @@ def test_runner_returns_the_result_with_lambda_context_and_environment(code_dir:
         "AWS_LAMBDA_LOG_GROUP_NAME": "/aws/lambda/stage-3", "LAMBDA_TASK_ROOT": str(code_dir)}
     assert "handling echo" in result.log_tail and "REPORT RequestId: req-1" in result.log_tail
     assert result.max_memory_mb is not None and 0 < result.max_memory_mb < 256
+    # a runtime of its own either way: its own session, its code directory first on its path
+    assert body["session"] == body["pid"] and Path(body["path0"]) == code_dir
+    assert body["preloaded"] == bool(base)
+    again = invoke_json(run_invocation(code, b'{"x": 2}', "req-1b"))
+    assert again["pid"] != body["pid"] and again["event"] == {"x": 2} and again["env"] == body["env"]
 
 
 @pytest.mark.slow
-def test_runner_reports_a_handler_exception_in_lambdas_shape(code_dir: Path) -> None:
-    result = run_invocation(FunctionCode(code_dir), b'{"action": "raise"}', "req-2")
+@pytest.mark.parametrize("base", BASES)
+def test_runner_reports_a_handler_exception_in_lambdas_shape(base: tuple[str, ...], code_dir: Path) -> None:
+    result = run_invocation(FunctionCode(code_dir, preload=base), b'{"action": "raise"}', "req-2")
     assert result.error_type == runner.UNHANDLED
     body = invoke_json(result)
     assert body["errorType"] == "ValueError" and body["errorMessage"] == "boom" and body["requestId"] == "req-2"
@@ -139,17 +162,20 @@ def test_runner_reports_a_handler_exception_in_lambdas_shape(code_dir: Path) -> 
 
 
 @pytest.mark.slow
-def test_runner_reports_import_failures(code_dir: Path) -> None:
-    result = run_invocation(FunctionCode(code_dir, handler="missing.handler"), b"{}")
+@pytest.mark.parametrize("base", BASES)
+def test_runner_reports_import_failures(base: tuple[str, ...], code_dir: Path) -> None:
+    result = run_invocation(FunctionCode(code_dir, preload=base, handler="missing.handler"), b"{}")
     assert result.error_type == runner.UNHANDLED
     assert invoke_json(result)["errorType"] == "Runtime.ImportModuleError"
-    result = run_invocation(FunctionCode(code_dir, handler="handler.nope"), b"{}")
+    result = run_invocation(FunctionCode(code_dir, preload=base, handler="handler.nope"), b"{}")
     assert invoke_json(result)["errorType"] == "Runtime.HandlerNotFound"
 
 
 @pytest.mark.slow
-def test_runner_kills_a_function_at_its_timeout(code_dir: Path) -> None:
-    result = run_invocation(FunctionCode(code_dir, timeout_s=0.5), b'{"action": "sleep", "seconds": 30}', "req-3")
+@pytest.mark.parametrize("base", BASES)
+def test_runner_kills_a_function_at_its_timeout(base: tuple[str, ...], code_dir: Path) -> None:
+    result = run_invocation(FunctionCode(code_dir, preload=base, timeout_s=0.5), b'{"action": "sleep", "seconds": 30}',
+                            "req-3")
     assert result.error_type == runner.TIMED_OUT
     assert invoke_json(result)["errorMessage"] == "RequestId: req-3 Error: Task timed out after 0.50 seconds"
     assert result.duration_s < 5
@@ -157,35 +183,41 @@ def test_runner_kills_a_function_at_its_timeout(code_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("event, reason, exit_code", [
     ({"action": "exit", "code": 3}, "exit status 3", 3),
     ({"action": "kill"}, "signal: killed", -9),
 ])
-def test_runner_reports_an_exit_without_a_result(code_dir: Path, event: dict, reason: str, exit_code: int) -> None:
-    result = run_invocation(FunctionCode(code_dir), json.dumps(event).encode(), "req-4")
+def test_runner_reports_an_exit_without_a_result(base: tuple[str, ...], code_dir: Path, event: dict, reason: str,
+                                                 exit_code: int) -> None:
+    result = run_invocation(FunctionCode(code_dir, preload=base), json.dumps(event).encode(), "req-4")
     assert result.error_type == runner.EXIT_ERROR and result.exit_code == exit_code
     assert invoke_json(result) == {"errorType": "Runtime.ExitError",
                                    "errorMessage": f"RequestId: req-4 Error: Runtime exited with error: {reason}"}
 
 
 @pytest.mark.slow
-def test_runner_fails_a_function_above_its_memory_size(code_dir: Path) -> None:
+@pytest.mark.parametrize("base", BASES)
+def test_runner_fails_a_function_above_its_memory_size(base: tuple[str, ...], code_dir: Path) -> None:
     (code_dir / "hog.py").write_text("def handler(event, context):\n    block = bytearray(200 << 20)\n"
                                      "    return len(block)\n")
-    result = run_invocation(FunctionCode(code_dir, handler="hog.handler", memory_mb=128), b"{}")
+    result = run_invocation(FunctionCode(code_dir, preload=base, handler="hog.handler", memory_mb=128), b"{}")
     assert result.error_type == runner.OUT_OF_MEMORY
     assert result.max_memory_mb is not None and result.max_memory_mb > 200
 
 
 @pytest.mark.slow
-def test_runner_measures_a_function_that_closed_its_channel_and_ran_past_its_timeout(code_dir: Path) -> None:
+@pytest.mark.parametrize("base", BASES)
+def test_runner_measures_a_function_that_closed_its_channel_and_ran_past_its_timeout(base: tuple[str, ...],
+                                                                                     code_dir: Path) -> None:
     # the channel closed without a result, so no peak came over it: read before the kill
     (code_dir / "stray.py").write_text("import json, os, sys, time\n\ndef handler(event, context):\n"
                                        "    block = bytearray(200 << 20)\n"
                                        "    os.close(json.loads(sys.argv[1])['channel_fd'])\n"
                                        "    time.sleep(30)\n")
     # the timeout leaves the 200 MB time to be touched on a loaded host (0.5 s measured 145 MB at load 12)
-    result = run_invocation(FunctionCode(code_dir, handler="stray.handler", memory_mb=512, timeout_s=5.0), b"{}")
+    result = run_invocation(FunctionCode(code_dir, preload=base, handler="stray.handler", memory_mb=512, timeout_s=5.0),
+                            b"{}")
     assert result.error_type == runner.TIMED_OUT and result.duration_s < 30     # its timeout, not its sleep
     assert result.max_memory_mb is not None and result.max_memory_mb > 200
 

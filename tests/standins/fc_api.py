@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote
 
 from tests.standins.lambda_api import (InvocationRecord, InvokingService, Request, Response, Runner,
                                        dockerfile_command, image_keys)
-from tests.standins.runner import FC, TEST_ACCOUNT_ID, FunctionCode, run_invocation
+from tests.standins.runner import FC, TEST_ACCOUNT_ID, FunctionCode, image_preload, run_invocation
 
 FCResolver = Callable[[dict], "FunctionCode | None"]
 
@@ -133,7 +133,8 @@ def context_resolver(contexts: Mapping[str, Path | str]) -> FCResolver:
         return FunctionCode(directory=directory, handler=handler,
                             environment=function.get("environmentVariables") or {},
                             timeout_s=function.get("timeout") or DEFAULT_TIMEOUT_S,
-                            name=function["functionName"], platform=FC, **options)
+                            name=function["functionName"], platform=FC, preload=image_preload(directory),
+                            **options)
 
     return resolve
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from tests.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, FunctionCode, InvocationResult,
+from tests.standins.runner import (LAMBDA, TEST_ACCOUNT_ID, FunctionCode, InvocationResult, image_preload,
                                    run_invocation)
 
 Resolver = Callable[[str], "FunctionCode | None"]
@@ -410,6 +410,7 @@ def moto_resolver(lambda_client: Any, contexts: Mapping[str, Path | str]) -> Res
             environment=config.get("Environment", {}).get("Variables", {}),
             timeout_s=config.get("Timeout", 3), memory_mb=config.get("MemorySize", 128),
             name=config.get("FunctionName", name), platform=LAMBDA, region=region,
-            account_id=_arn_account(config.get("FunctionArn", "")) or TEST_ACCOUNT_ID)
+            account_id=_arn_account(config.get("FunctionArn", "")) or TEST_ACCOUNT_ID,
+            preload=image_preload(directory))
 
     return resolve

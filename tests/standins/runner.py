@@ -3,7 +3,11 @@
 :func:`run_invocation` starts :mod:`~tests.standins.bootstrap` in the
 function's code directory with the caller's environment, the function's variables and the
 platform's reserved variables; the event goes in on stdin, stdout and stderr become the
-function's log, and the result comes back on a pipe of its own. The runner enforces what
+function's log, and the result comes back on a pipe of its own. The process is a fresh
+interpreter, or, for an image whose base loads modules first (``FunctionCode.preload``:
+torch, where the image installs it), forked from a process that has imported them
+(:mod:`~tests.standins.zygote`), which saves each invocation of a flatpack image ~2 s of
+CPU and changes nothing the handler sees but what is already imported. The runner enforces what
 the platform enforces:
 
 * the timeout: init (the handler's import) runs outside it for up to 10 s, as on Lambda;
@@ -23,20 +27,23 @@ and FC's own messages for timeouts and exits.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping
 
-from tests.standins import bootstrap
+from tests.standins import bootstrap, zygote
 from tests.standins.bootstrap import (FAILURE, FC, HEADER, INIT_LIMIT_S, LAMBDA, MEMORY, READY, SUCCESS,
                                       peak_rss_kib)
 
@@ -52,6 +59,9 @@ TIMED_OUT = "Sandbox.Timedout"
 
 LOG_TAIL_BYTES = 4096   # what Lambda returns for LogType=Tail
 EXIT_GRACE_S = 1.0      # after the result, for the bootstrap's own exit before its group is killed
+ZYGOTE_ENV = "STANDIN_ZYGOTE"   # "0": every invocation a fresh interpreter
+ZYGOTE_START_S = 120.0  # a zygote's imports (torch): seconds on a quiet host, a minute on a loaded one
+ZYGOTE_REPLY_S = 30.0   # one fork and its answer; a killed invocation's exit status
 _READ_CHUNK = 1 << 20
 
 
@@ -72,6 +82,9 @@ class FunctionCode:
     # False: the handler gets the JSON-decoded event, as on Lambda and behind an FC custom
     # container's server that decodes it; True: the payload bytes, as FC's Python runtime passes them
     raw_event: bool = False
+    # modules the image's base has loaded before its handler's init (image_preload): each
+    # invocation is forked from a process that imported them (tests.standins.zygote)
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -166,11 +179,7 @@ def run_invocation(code: FunctionCode, payload: bytes, request_id: str | None = 
             "raw_event": code.raw_event, "channel_fd": write_fd, "start_epoch_s": time.time(),
         }
         try:
-            # -u: a killed function's last prints still reach the log
-            process = subprocess.Popen(
-                [sys.executable, "-u", bootstrap.__file__, json.dumps(spec)], cwd=code.directory, env=env,
-                stdin=stdin, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                start_new_session=True)  # its own process group, so a timeout kills its children too
+            process = _start(code, spec, env, stdin, log, write_fd)
         except BaseException:
             os.close(read_fd)
             raise
@@ -187,10 +196,10 @@ def run_invocation(code: FunctionCode, payload: bytes, request_id: str | None = 
         if outcome.tag is None:
             # no result: the deadline passed, or the channel closed and the process is ending
             # or (it closed the pipe) runs on, which the deadline still bounds
-            timed_out = outcome.timed_out or not _wait_exit(process.pid, outcome.deadline - time.monotonic())
+            timed_out = outcome.timed_out or not process.exited(outcome.deadline - time.monotonic())
         else:
             timed_out = False
-            _wait_exit(process.pid, EXIT_GRACE_S)
+            process.exited(EXIT_GRACE_S)
         if timed_out:   # still running: its peak so far is the one the kill below would lose
             outcome.peak_kib = peak_rss_kib(process.pid) or outcome.peak_kib
         _kill_group(process.pid)
@@ -261,19 +270,172 @@ def _read_channel(fd: int, start: float, timeout_s: float) -> _Outcome:
         buffer += chunk
 
 
-def _wait_exit(pid: int, timeout_s: float) -> bool:
-    """Whether ``pid`` exited within ``timeout_s``; leaves it unreaped (a zombie keeps its
-    process-group id from being reused before :func:`_kill_group`)."""
-    deadline = time.monotonic() + max(0.0, timeout_s)
-    delay = 0.0005
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+def image_preload(directory: Path) -> tuple[str, ...]:
+    """What an image's base has imported before its handler's init: torch, where the image
+    installs it (its requirements pin it, as every flatpack image's do); nothing otherwise,
+    so a function that never imports torch is not charged its memory."""
+    requirements = directory / "requirements.txt"
+    pins = requirements.read_text().split() if requirements.is_file() else []
+    return ("torch",) if any(pin.startswith("torch==") for pin in pins) else ()
+
+
+def _start(code: FunctionCode, spec: dict, env: dict[str, str], stdin: IO[bytes], log: IO[bytes],
+           write_fd: int) -> _Fresh | _Forked:
+    """The invocation's process: forked from the zygote of ``code.preload`` where there is
+    one, else a fresh interpreter (also when the zygote cannot start or answer)."""
+    argv = [bootstrap.__file__, json.dumps(spec)]
+    if code.preload:
+        zygote = _zygote(code.preload, env)
+        if zygote is not None:
+            forked = zygote.spawn(argv, code.directory, env, stdin.fileno(), log.fileno(), write_fd)
+            if forked is not None:
+                return forked
+    # -u: a killed function's last prints still reach the log
+    return _Fresh(subprocess.Popen(
+        [sys.executable, "-u", *argv], cwd=code.directory, env=env, stdin=stdin, stdout=log,
+        stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+        start_new_session=True))  # its own process group, so a timeout kills its children too
+
+
+class _Fresh:
+    """An invocation's own interpreter, a child of this process."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def exited(self, timeout_s: float) -> bool:
+        """Whether the process exited within ``timeout_s``; leaves it unreaped (a zombie keeps
+        its process-group id from being reused before :func:`_kill_group`)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        delay = 0.0005
+        while True:
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.02)
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+
+class _Forked:
+    """An invocation forked from a zygote, which reaps it and writes its exit status to
+    ``status_fd`` (so the group id is free once that is readable: :func:`_kill_group` may
+    find no one, which it allows)."""
+
+    def __init__(self, pid: int, status_fd: int) -> None:
+        self.pid = pid
+        self.status_fd = status_fd
+        self.returncode: int | None = None
+
+    def exited(self, timeout_s: float) -> bool:
+        if self.returncode is not None:
             return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 0.02)
+        readable, _, _ = select.select([self.status_fd], [], [], max(0.0, timeout_s))
+        return bool(readable)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            # the caller killed the group first: the zygote reaps the child at once
+            if not self.exited(ZYGOTE_REPLY_S):
+                raise RuntimeError(f"the zygote reported no exit status of invocation pid {self.pid}")
+            data = b""
+            while chunk := os.read(self.status_fd, 64):
+                data += chunk
+            os.close(self.status_fd)
+            self.returncode = int(data) if data else -signal.SIGKILL   # the zygote died: its children with it
+        return self.returncode
+
+
+class _Zygote:
+    """One zygote process (tests.standins.zygote) and the control socket to it."""
+
+    def __init__(self, modules: tuple[str, ...], env: dict[str, str]) -> None:
+        # start-up time: flatpack (and torch) load only where an image's invocations are forked
+        from flatpack.interrupts import die_with_parent, on_lasting_thread
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.control = ours
+        self.lock = threading.Lock()
+        try:
+            # on a thread that lasts as long as this process: the zygote dies with the process
+            # (PR_SET_PDEATHSIG), not with the thread of the invocation that started it
+            self.process = on_lasting_thread(lambda: subprocess.Popen(
+                [sys.executable, "-u", zygote.__file__, json.dumps(list(modules)), str(theirs.fileno())],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), preexec_fn=die_with_parent()))
+        finally:
+            theirs.close()
+        ours.settimeout(ZYGOTE_START_S)
+        if json.loads(ours.recv(4096) or b"null") != "ready":
+            raise OSError("the zygote did not start")
+        ours.settimeout(ZYGOTE_REPLY_S)
+
+    def spawn(self, argv: list[str], cwd: Path, env: dict[str, str], stdin: int, log: int,
+              channel: int) -> _Forked | None:
+        """Forks one invocation; None when the zygote is gone (the caller starts it fresh)."""
+        status_read, status_write = os.pipe()
+        try:
+            with self.lock:
+                socket.send_fds(self.control, [json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()],
+                                [stdin, log, channel, status_write])
+                reply = self.control.recv(4096)
+        except OSError:
+            reply = b""
+        finally:
+            os.close(status_write)
+        if not reply:
+            os.close(status_read)
+            return None
+        return _Forked(json.loads(reply), status_read)
+
+    def close(self) -> None:
+        self.control.close()     # end of file: the zygote kills its children and exits
+        try:
+            self.process.wait(timeout=ZYGOTE_REPLY_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_ZYGOTES: dict[tuple, _Zygote | None] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(modules: tuple[str, ...], env: dict[str, str]) -> _Zygote | None:
+    """The zygote for ``modules`` under the variables read while they load (an environment
+    that differs in them gets its own), started on first use; None where one cannot start
+    (``STANDIN_ZYGOTE=0`` asks for none)."""
+    if os.environ.get(ZYGOTE_ENV, "1") == "0" or sys.platform != "linux":
+        return None
+    # start-up time: flatpack (and torch) load only where an image's invocations are forked
+    from flatpack.runtime.forked import IMPORT_TIME_PREFIXES
+
+    base = {name: value for name, value in env.items() if name.startswith(IMPORT_TIME_PREFIXES)}
+    # the code directory the runner put first on PYTHONPATH is each child's own
+    base["PYTHONPATH"] = os.pathsep.join(env.get("PYTHONPATH", "").split(os.pathsep)[1:])
+    key = (modules, tuple(sorted(base.items())))
+    with _ZYGOTES_LOCK:
+        if key not in _ZYGOTES:
+            if not _ZYGOTES:
+                atexit.register(_close_zygotes)
+            try:
+                _ZYGOTES[key] = _Zygote(modules, {**env, **base})
+            except (OSError, json.JSONDecodeError):
+                _ZYGOTES[key] = None
+        return _ZYGOTES[key]
+
+
+def _close_zygotes() -> None:
+    with _ZYGOTES_LOCK:
+        for zygote in _ZYGOTES.values():
+            if zygote is not None:
+                zygote.close()
+        _ZYGOTES.clear()
 
 
 def _kill_group(pgid: int) -> None:
