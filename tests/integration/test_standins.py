@@ -223,6 +223,22 @@ def test_runner_measures_a_function_that_closed_its_channel_and_ran_past_its_tim
 
 
 @pytest.mark.slow
+def test_an_invocation_still_runs_when_its_zygote_is_gone(code_dir: Path) -> None:
+    """A zygote that died (killed, out of memory) costs speed, not answers: the invocation
+    that finds it gone starts as a fresh interpreter, the next one from a new zygote."""
+    code = FunctionCode(code_dir, preload=("colorsys",))
+    assert invoke_json(run_invocation(code, b'{"x": 1}'))["preloaded"]
+    for key, zygote in runner._ZYGOTES.items():
+        if key[0] == ("colorsys",) and zygote is not None:
+            zygote.process.kill()
+            zygote.process.wait()
+    body = invoke_json(run_invocation(code, b'{"x": 2}'))
+    assert body["event"] == {"x": 2} and not body["preloaded"]
+    body = invoke_json(run_invocation(code, b'{"x": 3}'))
+    assert body["event"] == {"x": 3} and body["preloaded"]
+
+
+@pytest.mark.slow
 def test_runner_speaks_fc_on_fc(code_dir: Path) -> None:
     code = FunctionCode(code_dir, platform=FC, name="stage-0", memory_mb=512)
     body = invoke_json(run_invocation(code, b'{"x": 2}'))

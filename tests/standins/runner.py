@@ -290,6 +290,7 @@ def _start(code: FunctionCode, spec: dict, env: dict[str, str], stdin: IO[bytes]
             forked = zygote.spawn(argv, code.directory, env, stdin.fileno(), log.fileno(), write_fd)
             if forked is not None:
                 return forked
+            _forget(zygote)     # it died: this invocation starts fresh, the next one a new zygote
     # -u: a killed function's last prints still reach the log
     return _Fresh(subprocess.Popen(
         [sys.executable, "-u", *argv], cwd=code.directory, env=env, stdin=stdin, stdout=log,
@@ -428,6 +429,14 @@ def _zygote(modules: tuple[str, ...], env: dict[str, str]) -> _Zygote | None:
             except (OSError, json.JSONDecodeError):
                 _ZYGOTES[key] = None
         return _ZYGOTES[key]
+
+
+def _forget(zygote: _Zygote) -> None:
+    with _ZYGOTES_LOCK:
+        for key, known in list(_ZYGOTES.items()):
+            if known is zygote:
+                del _ZYGOTES[key]
+    zygote.close()
 
 
 def _close_zygotes() -> None:
