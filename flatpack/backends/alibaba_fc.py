@@ -265,14 +265,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     access block). ``profile_tiers``: a profiler function per memory tier instead of one per stage.
     ``digest``: refuse, before any API call, unless ``compiled.digest`` is this."""
     endpoint_urls = dict(endpoint_urls or {})
+    region, account, (credential_client, credential) = check_access(region=region, account=account)
     name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
-    _require_oss2()
-    region = check_region(region or os.environ.get("ALIBABA_CLOUD_REGION_ID"))
-    account = account or os.environ.get("ALIBABA_CLOUD_ACCOUNT_ID")
-    if not account:
-        raise InputError("no Alibaba Cloud account id: pass --account (account=...) or set ALIBABA_CLOUD_ACCOUNT_ID; "
-                         "FC's endpoint is <account>.<region>.fc.aliyuncs.com. Nothing was deployed")
-    credential_client, credential = credentials()
     if not role_arn:
         raise InputError("alibaba-fc functions reach the OSS bucket with their execution role's credentials: pass "
                          "role_arn (--role-arn), a RAM role trusted by fc.aliyuncs.com with the policy of "
@@ -294,6 +288,20 @@ def deploy(compiled: Compiled, *, region: str | None = None, account: str | None
     return FcDeployment(compiled, res, ledger, clients, Path(workdir) if workdir else out_dir / "logs",
                         (credential.get_access_key_id(), credential.get_access_key_secret(),
                          credential.get_security_token()))
+
+
+def check_access(*, region: str | None = None, account: str | None = None, **_: Any) -> tuple[str, str, Any]:
+    """(region, account, (credential client, credential)) of a deployment, once the SDKs are
+    installed, the region is one of FC 3.0's, the account is given and credentials are
+    configured: what :func:`deploy` checks first, with no artifact needed, so ``flatpack
+    deploy`` asks it before compiling the model. Other deploy options are accepted and ignored."""
+    _require_oss2()
+    region = check_region(region or os.environ.get("ALIBABA_CLOUD_REGION_ID"))
+    account = account or os.environ.get("ALIBABA_CLOUD_ACCOUNT_ID")
+    if not account:
+        raise InputError("no Alibaba Cloud account id: pass --account (account=...) or set ALIBABA_CLOUD_ACCOUNT_ID; "
+                         "FC's endpoint is <account>.<region>.fc.aliyuncs.com. Nothing was deployed")
+    return region, account, credentials()
 
 
 def _require_oss2() -> None:

@@ -259,6 +259,20 @@ def check_region(session: Any, region: str | None) -> str:
     return region
 
 
+def check_access(*, region: str | None = None, session: Any = None, **_: Any) -> str:
+    """The region a deployment goes to, once it is one where Lambda runs and credentials are
+    configured: what :func:`deploy` checks first, with no artifact needed, so ``flatpack
+    deploy`` asks it before compiling the model (a missing credential is said in a second,
+    not after the model's trace). Other deploy options are accepted and ignored."""
+    # start-up time: boto3 takes ~0.2 s to load, and only calls that reach the cloud need it
+    import boto3
+
+    session = session or boto3.Session()
+    region = check_region(session, region or default_region(session))
+    check_credentials(session)
+    return region
+
+
 def check_credentials(session: Any) -> Any:
     """The session's credentials; without any, the error lists the chain boto3 searched."""
     credentials = session.get_credentials()
@@ -344,9 +358,8 @@ def deploy(compiled: Compiled, *, region: str | None = None, name: str | None = 
         endpoint.warn_if_public()
     endpoint_urls = dict(endpoint_urls or {})
     session = session or boto3.Session()
+    region = check_access(region=region, session=session)
     name, images = cloud.preflight(compiled, NAME, name, bucket, profile_tiers, base_image, lock, digest)
-    region = check_region(session, region or default_region(session))
-    check_credentials(session)
     if push is None and shutil.which("docker") is None:
         raise InputError("deploying to aws-lambda builds container images, and no `docker` is on PATH. Install Docker, "
                          "or run `flatpack deploy --dry-run --out DIR` and build and push the images with "

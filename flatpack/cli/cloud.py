@@ -75,6 +75,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     endpoint = _endpoint(args)
     if endpoint is not None:
         options["endpoint"] = endpoint
+    # what the account needs (region, credentials) is said before the model is compiled
+    check_access = None if packages_only else getattr(backend, "check_access", None)
+    if check_access is not None:
+        check_access(**options)
     compiled = _compile_for(args)
     document = {"target": args.target, "out": str(out), "dry_run": args.dry_run, "digest": compiled.digest,
                 "plan": compiled.plan.to_json()}

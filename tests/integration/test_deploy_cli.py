@@ -161,6 +161,8 @@ def test_without_credentials_the_error_names_the_chain_and_the_fix(target, flags
     for text in expected:
         assert text in done.stderr
     assert "Nothing was deployed" in done.stderr
+    # said before the model is compiled (a large model's trace takes a minute)
+    assert "compiled mlp" not in done.stdout + done.stderr
 
 
 def test_teardown_removes_what_the_record_lists(moto_server, tmp_path, monkeypatch, capsys):
