@@ -52,37 +52,40 @@ class Process:
     cpu_s: float
 
 
-def _read(pid: str, ticks: int) -> tuple[str, str, float] | None:
+def _stat(pid: str, ticks: int) -> tuple[str, str, float] | None:
+    """(name, start time, CPU seconds) of a live process, from one read of its stat file."""
     try:
         with open(f"/proc/{pid}/stat") as file:
             stat = file.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            command = file.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()
-    return command, stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / ticks
+    return stat[stat.index("(") + 1:stat.rindex(")")], fields[19], (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _command(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def sample(seen: dict[str, Process], stop: threading.Event) -> None:
-    """Every process's CPU seconds until ``stop``, by (pid, start time): a reused pid is a new entry."""
+    """Every process's CPU seconds until ``stop``, by (pid, start time): a reused pid is a new
+    entry. One read of each process's stat a sample; its command line once, when first seen."""
     ticks = os.sysconf("SC_CLK_TCK")
     while not stop.is_set():
         for pid in (entry for entry in os.listdir("/proc") if entry.isdigit()):
-            try:
-                with open(f"/proc/{pid}/stat") as file:
-                    started = file.read().rsplit(")", 1)[1].split()[19]
-            except (OSError, IndexError):
+            reading = _stat(pid, ticks)
+            if reading is None:
                 continue
+            name, started, cpu_s = reading
             key = f"{pid}:{started}"
             if key in seen:
-                reading = _read(pid, ticks)
-                if reading is not None:
-                    seen[key].cpu_s = reading[2]
-                continue
-            reading = _read(pid, ticks)
-            if reading is not None:
-                seen[key] = Process(reading[0], reading[1], reading[2], reading[2])
+                seen[key].cpu_s = cpu_s
+            else:
+                seen[key] = Process(_command(pid), name, cpu_s, cpu_s)
         stop.wait(SAMPLE_S)
 
 

@@ -270,9 +270,11 @@ class LocalS3Server:
                 except Exception as exc:  # noqa: BLE001 - not up yet: refused, 404 or 5xx
                     last = exc
                 if _status(last) == 404:    # S3 answers, and the bucket is not made yet (a new directory)
-                    with contextlib.suppress(Exception):    # made by now, or not up after all: ask again
+                    try:
                         client.create_bucket(Bucket=self.bucket)
-                    continue
+                        continue            # made: head_bucket answers at once
+                    except Exception as exc:  # noqa: BLE001 - made meanwhile, or not up after all: ask again
+                        last = exc
                 time.sleep(0.05)
         finally:
             store.close()

@@ -422,8 +422,6 @@ def _zygote(modules: tuple[str, ...], env: dict[str, str]) -> _Zygote | None:
     key = (modules, tuple(sorted(base.items())))
     with _ZYGOTES_LOCK:
         if key not in _ZYGOTES:
-            if not _ZYGOTES:
-                atexit.register(_close_zygotes)
             try:
                 _ZYGOTES[key] = _Zygote(modules, {**env, **base})
             except (OSError, json.JSONDecodeError):
@@ -445,6 +443,9 @@ def _close_zygotes() -> None:
             if zygote is not None:
                 zygote.close()
         _ZYGOTES.clear()
+
+
+atexit.register(_close_zygotes)
 
 
 def _kill_group(pgid: int) -> None:

@@ -49,10 +49,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _exit_status(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def _run_child(request: dict, stdin: int, log: int, channel: int, own_path: list[str]) -> None:
     """In the forked child: become the invocation's fresh runtime and run the bootstrap."""
     code = 1
@@ -141,7 +137,7 @@ def _reap(statuses: dict[int, int]) -> None:
         fd = statuses.pop(pid, None)
         if fd is not None:
             try:
-                os.write(fd, str(_exit_status(status)).encode())
+                os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
             except OSError:
                 pass    # the runner stopped waiting
             os.close(fd)
