@@ -212,7 +212,7 @@ def credentials() -> Any:
                          "pip install 'flatpack[alibaba]'. Nothing was deployed") from None
 
     try:
-        client = CredentialClient()
+        client = CredentialClient(_environment_credentials())
         credential = client.get_credential()
         if not credential.get_access_key_id():
             raise ValueError("empty access key id")
@@ -222,6 +222,24 @@ def credentials() -> Any:
             + "; ".join(CREDENTIAL_CHAIN) + ". Configure one: `aliyun configure`, or export "
             "ALIBABA_CLOUD_ACCESS_KEY_ID and ALIBABA_CLOUD_ACCESS_KEY_SECRET. Nothing was deployed") from None
     return client, credential
+
+
+def _environment_credentials() -> Any:
+    """The environment's key (ALIBABA_CLOUD_ACCESS_KEY_ID, _SECRET and SECURITY_TOKEN) as read
+    now, or None for the default chain. The SDK's chain reads those variables once, when it is
+    first imported: a process that imports it before setting them (a notebook, a test) would
+    never see them."""
+    # optional dependency: the Function Compute SDK (pip install 'flatpack[alibaba]')
+    from alibabacloud_credentials.models import Config
+
+    key_id = os.environ.get("ALIBABA_CLOUD_ACCESS_KEY_ID")
+    secret = os.environ.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET")
+    if not key_id or not secret:
+        return None
+    token = os.environ.get("ALIBABA_CLOUD_SECURITY_TOKEN")
+    if token:
+        return Config(type="sts", access_key_id=key_id, access_key_secret=secret, security_token=token)
+    return Config(type="access_key", access_key_id=key_id, access_key_secret=secret)
 
 
 def _fc_client(credential_client: Any, region: str, account: str, endpoint: str | None) -> Any:

@@ -158,6 +158,20 @@ def test_a_failure_mid_deploy_rolls_back_only_what_it_created(fc, tmp_path):
     assert list(service.functions) == [f"{name}-s001"]      # not ours: left alone
 
 
+def test_a_key_set_after_the_sdk_read_the_environment_is_found(monkeypatch):
+    """The SDK's default chain reads the key's variables once, at its import; flatpack reads
+    them when it deploys (a test, or a notebook, sets them after the import)."""
+    from alibabacloud_credentials.utils import auth_util
+
+    monkeypatch.setattr(auth_util, "environment_access_key_id", None)      # as imported without them
+    monkeypatch.setattr(auth_util, "environment_access_key_secret", None)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_ID", KEY_ID)
+    monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_SECRET", SECRET)
+    monkeypatch.delenv("ALIBABA_CLOUD_SECURITY_TOKEN", raising=False)
+    _client, credential = alibaba_fc.credentials()
+    assert (credential.get_access_key_id(), credential.get_access_key_secret()) == (KEY_ID, SECRET)
+
+
 def test_bad_input_fails_before_any_api_call(fc, tmp_path):
     service, _, _ = fc
     compiled = compiled_with(make_model(), [(0, 50), (50, 100)], [1, 1], 2, memory_mb=512)
