@@ -12,6 +12,8 @@ A :class:`DataSource` is one of
 * :class:`DatasetFactory`: ``package.module:factory`` or ``file.py:factory`` returning a
   ``torch.utils.data.Dataset`` (map-style: shuffled by index) or ``IterableDataset``;
 * :class:`LoaderSource`: a ``torch.utils.data.DataLoader`` (the Python API), its batches as given.
+* :class:`SyntheticSource`: random batches shaped like the model's example, each drawn when it
+  is asked for (``flatpack run`` without ``--data``).
 
 A shard holds named tensors with one row per sample: the target under ``target`` (or
 ``targets``/``y``), the inputs under the model's argument names (``input_ids``,
@@ -35,7 +37,9 @@ each into fixed micro-batches). Tests: ``tests/unit/test_data.py``,
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import inspect
+import json
 import io
 import math
 import os
@@ -544,6 +548,129 @@ class LoaderSource(DataSource):
         return f"a DataLoader over {type(self.loader.dataset).__name__}"
 
 
+# dtypes a synthetic record may name: a run.json is data anyone who can write the run directory
+# chooses, so a name is looked up here, never on torch by attribute
+SYNTHETIC_DTYPES = {str(dtype): dtype for dtype in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+    torch.int64, torch.bool)}
+# a synthetic leaf's elements per sample: a record asking for more is not one flatpack wrote
+MAX_SYNTHETIC_ELEMENTS = 1 << 28
+
+
+class SyntheticSource(DataSource):
+    """Random batches shaped like a model's example: ``flatpack run`` without ``--data``.
+    Batch ``i`` is drawn from a generator seeded by ``(seed, i)`` when it is asked for, so a
+    run of any length holds one batch at a time, and its record (``to_json``) is a few shapes
+    that ``flatpack resume`` draws the same batches from, where the run directory had held a
+    copy of every batch (100,000 iterations of vgg16's were 78 GB).
+
+    ``inputs``: per input leaf, ``{"shape": per-sample shape, "dtype": name, "high": int}``
+    (``high``: integer leaves draw from ``[0, high)``), or ``{"constant": value}`` for a
+    non-tensor leaf; ``names``: the keyword names of a dict example (None: positional);
+    ``target``: the target leaf (None: the model computes its own loss)."""
+
+    kind = "synthetic"
+
+    def __init__(self, inputs: Sequence[dict[str, Any]], names: Sequence[str] | None,
+                 target: dict[str, Any] | None, seed: Any) -> None:
+        self.inputs, self.names = [dict(leaf) for leaf in inputs], None if names is None else list(names)
+        self.target, self.seed = None if target is None else dict(target), seed
+        for where, leaf in [*((f"input {index}", leaf) for index, leaf in enumerate(self.inputs)),
+                            *([("target", self.target)] if self.target is not None else [])]:
+            _check_synthetic_leaf(leaf, where)
+        if self.names is not None and (len(self.names) != len(self.inputs)
+                                       or not all(isinstance(name, str) for name in self.names)):
+            raise InputError(f"a synthetic data record names {self.names!r} for {len(self.inputs)} inputs; it is not "
+                             "one flatpack wrote")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise InputError(f"a synthetic data record's seed must be an integer, got {seed!r}")
+
+    @classmethod
+    def like(cls, example: Any, output: torch.Tensor | None, loss: str, seed: int) -> SyntheticSource:
+        """Batches like ``example`` (a tensor, a tuple of leaves or a dict of named ones), with
+        class targets for ``cross_entropy`` over ``output``'s last dimension, random targets of
+        its shape for ``mse``, none for ``output`` (the model's own loss)."""
+        names = list(example) if isinstance(example, dict) else None
+        leaves = list(example.values()) if names is not None else example if isinstance(example, (tuple, list)) \
+            else (example,)
+        inputs = [_synthetic_leaf(leaf, f"input {names[index] if names else index}")
+                  for index, leaf in enumerate(leaves)]
+        if loss == "output" or output is None:
+            target = None
+        elif loss == "cross_entropy":
+            target = {"shape": [], "dtype": str(torch.int64), "high": int(output.shape[-1])}
+        else:
+            target = {"shape": list(output.shape[1:]), "dtype": str(output.dtype)}
+        return cls(inputs, names, target, seed)
+
+    def batch(self, index: int, rows: int) -> tuple[Any, torch.Tensor | None]:
+        """Batch ``index`` of ``rows`` samples: the same every time it is asked for."""
+        generator = torch.Generator().manual_seed(hash((self.seed, index)) & 0x7FFF_FFFF_FFFF)
+        inputs = [_draw(leaf, rows, generator) for leaf in self.inputs]
+        target = None if self.target is None else _draw(self.target, rows, generator)
+        return (dict(zip(self.names, inputs)) if self.names is not None else tuple(inputs)), target
+
+    def describe(self) -> str:
+        return f"synthetic batches (seed {self.seed})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "inputs": self.inputs, "names": self.names, "target": self.target,
+                "seed": self.seed}
+
+    def fingerprint(self) -> dict[str, Any]:
+        # a record's fingerprint holds plain strings (rundir.check_fingerprint): the digest of
+        # what draws the batches
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return {"kind": self.kind, "sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+
+
+def _synthetic_leaf(leaf: Any, where: str) -> dict[str, Any]:
+    if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, (type(None), bool, int, float, str)):
+            raise InputError(f"the example's {where} is a {type(leaf).__name__}: synthetic batches (no --data) draw "
+                             "tensor inputs and pass None, numbers and strings as they are. Give --data SOURCE")
+        return {"constant": leaf}
+    spec: dict[str, Any] = {"shape": list(leaf.shape[1:]), "dtype": str(leaf.dtype)}
+    if not leaf.is_floating_point():
+        spec["high"] = max(int(leaf.max()) + 1 if leaf.numel() else 2, 2)
+    return spec
+
+
+def _check_synthetic_leaf(leaf: Any, where: str) -> None:
+    """A leaf of a synthetic record, refused with its cause where it is not one flatpack writes."""
+    if not isinstance(leaf, dict):
+        raise InputError(f"a synthetic data record's {where} is {leaf!r}, not a leaf flatpack wrote")
+    if "constant" in leaf:
+        if set(leaf) != {"constant"} or not isinstance(leaf["constant"], (type(None), bool, int, float, str)):
+            raise InputError(f"a synthetic data record's {where} holds {leaf!r}; a constant input must be None, a "
+                             "number or a string")
+        return
+    shape, dtype, high = leaf.get("shape"), leaf.get("dtype"), leaf.get("high")
+    if set(leaf) - {"shape", "dtype", "high"} or not isinstance(dtype, str) or dtype not in SYNTHETIC_DTYPES:
+        raise InputError(f"a synthetic data record's {where} is {leaf!r}: its dtype must be one of "
+                         f"{', '.join(SYNTHETIC_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0
+                                              for size in shape):
+        raise InputError(f"a synthetic data record's {where} has shape {shape!r}; it must be a list of positive sizes")
+    if math.prod(shape) > MAX_SYNTHETIC_ELEMENTS:
+        raise InputError(f"a synthetic data record's {where} asks for {math.prod(shape):,} elements per sample, over "
+                         f"the {MAX_SYNTHETIC_ELEMENTS:,} flatpack draws; the record is not one it wrote")
+    floating = SYNTHETIC_DTYPES[dtype].is_floating_point
+    if floating != (high is None) or (high is not None and (not isinstance(high, int) or isinstance(high, bool)
+                                                            or not 2 <= high <= 1 << 62)):
+        raise InputError(f"a synthetic data record's {where} is {leaf!r}: an integer leaf draws from [0, high) with "
+                         "an integer high of 2 or more, a floating one has no high")
+
+
+def _draw(leaf: dict[str, Any], rows: int, generator: torch.Generator) -> Any:
+    if "constant" in leaf:
+        return leaf["constant"]
+    dtype, shape = SYNTHETIC_DTYPES[leaf["dtype"]], (rows, *leaf["shape"])
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    return torch.randint(0, leaf["high"], shape, generator=generator, dtype=dtype)
+
+
 def _call_factory(spec: str) -> Any:
     source, colon, attribute = spec.rpartition(":")
     if not colon or not source or not attribute:
@@ -590,6 +717,8 @@ def source_from_json(data: dict[str, Any], *, factory: str | None = None) -> Dat
         return ShardSubset(inner, data["shards"], data.get("side", "training"))
     if kind == "directory":
         return ShardDirectory(data["path"])
+    if kind == "synthetic":
+        return SyntheticSource(data.get("inputs") or [], data.get("names"), data.get("target"), data.get("seed"))
     if kind == "s3":
         return S3Shards(data["url"], data.get("endpoint"))
     if kind == "factory":
@@ -776,6 +905,9 @@ def make_batches(source: DataSource, model: torch.nn.Module | None, example: Any
         raise InputError(f"{source.describe()} yields {type(named).__name__} samples; give (inputs, target) pairs "
                          "or dicts of named tensors")
 
+    if isinstance(source, SyntheticSource):
+        count = _iterations(1, epochs, iterations)
+        return Batches(count, count, batch, lambda index: source.batch(index, batch), source, box)
     if isinstance(source, ShardSource):
         return _shard_batches(source, to_inputs, box, batch=batch, epochs=epochs, iterations=iterations,
                               shuffle=shuffle, seed=seed, drop_last=drop_last)

@@ -30,8 +30,8 @@ from flatpack.backends import ray as ray_backend
 from flatpack.backends.functions import merge_results, workload_of
 from flatpack.backends.elastic_policy import ElasticPolicy
 from flatpack.backends.replan import PlanSwitch, ReplanPolicy
-from flatpack.data import (Batches, batches_from_record, check_against_example, first_batch_rows, make_batches,
-                           ShardSource, parse_source, split_shards)
+from flatpack.data import (Batches, ShardSource, SyntheticSource, batches_from_record, check_against_example,
+                           first_batch_rows, make_batches, parse_source, split_shards)
 from flatpack.errors import FlatpackError, InputError, RunFailure
 from flatpack.evaluation import evaluate
 from flatpack.job_options import LOSS_NAMES, SYNTHETIC_ITERATIONS, JobOptions, PlanOptions
@@ -121,40 +121,25 @@ def without_dropout(model: nn.Module) -> int:
     return count
 
 
-def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
-                      seed: int) -> tuple[list[tuple[Any, torch.Tensor]], str]:
-    """Random inputs shaped like the example at ``batch`` rows, and the loss to train with:
-    class targets under cross-entropy when the model outputs (batch, classes), otherwise
-    random targets of the output's shape under mean squared error."""
-    generator = torch.Generator().manual_seed(seed)
-    names = list(example) if isinstance(example, dict) else None
-    leaves = list(example.values()) if names is not None else example if isinstance(example, (tuple, list)) \
-        else (example,)
+def synthetic_source(model: nn.Module, example: Any, seed: int) -> tuple[SyntheticSource, str]:
+    """Random inputs shaped like the example, and the loss to train with: class targets under
+    cross-entropy when the model outputs (batch, classes), otherwise random targets of the
+    output's shape under mean squared error; none when the model computes its own loss."""
     with torch.no_grad():
         raw = call(model.eval(), example)
     model.train()
     output = first_output(raw)
     # a HuggingFace model given labels computes its own loss and needs no targets
     loss = "output" if own_loss(raw) else "cross_entropy" if output.dim() == 2 else "mse"
-    batches = []
-    for _ in range(count):
-        inputs = []
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                inputs.append(leaf)
-            elif leaf.is_floating_point():
-                inputs.append(torch.randn((batch, *leaf.shape[1:]), generator=generator, dtype=leaf.dtype))
-            else:
-                high = int(leaf.max()) + 1 if leaf.numel() else 2
-                inputs.append(torch.randint(0, max(high, 2), (batch, *leaf.shape[1:]), generator=generator))
-        if loss == "output":
-            target = None
-        elif loss == "cross_entropy":
-            target = torch.randint(0, output.shape[-1], (batch,), generator=generator)
-        else:
-            target = torch.randn((batch, *output.shape[1:]), generator=generator, dtype=output.dtype)
-        batches.append((dict(zip(names, inputs)) if names is not None else tuple(inputs), target))
-    return batches, loss
+    return SyntheticSource.like(example, output, loss, seed), loss
+
+
+def synthetic_batches(model: nn.Module, example: Any, batch: int, count: int,
+                      seed: int) -> tuple[Batches, str]:
+    """``count`` synthetic batches of ``batch`` rows (:func:`synthetic_source`), each drawn
+    when it is asked for, and the loss to train with."""
+    source, loss = synthetic_source(model, example, seed)
+    return make_batches(source, None, None, batch=batch, iterations=count), loss
 
 
 def own_loss(output: Any) -> bool:
@@ -220,8 +205,9 @@ def choose_loss(model: nn.Module, inputs: Any, target: Any, asked: str, where: s
 
 
 def training_data(model: nn.Module, example: Any, options: JobOptions) -> tuple[Any, str, int]:
-    """The run's batches (a list, or :class:`flatpack.data.Batches` built on demand from
-    ``--data``), its loss and its iterations, checked before anything is compiled."""
+    """The run's batches (:class:`flatpack.data.Batches`, built on demand from ``--data`` or
+    drawn at random like the example), its loss and its iterations, checked before anything
+    is compiled."""
     data, asked = options.batches, options.train.loss
     if data.data is None:
         count = data.iterations or SYNTHETIC_ITERATIONS
@@ -737,14 +723,16 @@ def _resumable(directory: RunDirectory) -> Iterator[None]:
 
 
 def _data_record(batches: Any, options: JobOptions) -> dict | None:
-    """What ``run.json`` records of a ``--data`` source so that ``flatpack resume`` reads the
-    same batches again: the source and how it was batched (None: synthetic batches, or a
-    DataLoader, which cannot be reopened by name: the run directory keeps those batches)."""
+    """What ``run.json`` records of the run's data so that ``flatpack resume`` reads (or, for
+    synthetic batches, draws) the same batches again: the source and how it was batched
+    (None: a DataLoader, which cannot be reopened by name: the run directory keeps its batches)."""
     if not isinstance(batches, Batches) or batches.source is None or batches.source.to_json() is None:
         return None
     data = options.batches
+    # synthetic batches are as many as the run trains, whatever the options left unset
+    iterations = len(batches) if isinstance(batches.source, SyntheticSource) else data.iterations
     return {"source": batches.source.to_json(), "batch": data.batch, "epochs": data.epochs,
-            "iterations": data.iterations, "shuffle": data.shuffle, "seed": data.seed,
+            "iterations": iterations, "shuffle": data.shuffle, "seed": data.seed,
             "drop_last": data.drop_last, "layout": batches.layout_json()}
 
 

@@ -58,6 +58,7 @@ MAX_EPOCHS = 1_000_000
 MAX_SEED = (1 << 63) - 1
 MAX_TEXT = 4_096
 MAX_FILES = 1_000_000
+MAX_INPUTS = 1_024
 RUN_STATES = ("running", "done", "abandoned")
 # a target's name as run.json records it (``backends.RUN_TARGETS`` says which ones resume runs:
 # checked there, so that this module and the command line's import stay free of the backends)
@@ -213,19 +214,7 @@ def check_data(value: Any, where: str) -> dict[str, Any] | None:
     for name in ("source", "batch", "epochs", "shuffle", "seed", "drop_last"):
         if name not in data:
             raise InputError(f"{what} has no {name}; it is written by `flatpack run`")
-    source = expect_mapping(data["source"], what=f"{what}.source")
-    _only(source, f"{what}.source", ("kind", "path", "url", "endpoint", "spec", "shards", "side"))
-    kind = _choice(source.get("kind"), f"{what}.source.kind", ("directory", "s3", "factory"))
-    needed = {"directory": "path", "s3": "url", "factory": "spec"}[kind]
-    _text(source.get(needed), f"{what}.source.{needed}")
-    _text(source.get("endpoint"), f"{what}.source.endpoint", optional=True)
-    _text(source.get("side"), f"{what}.source.side", limit=64, optional=True)
-    if "shards" in source:
-        shards = source["shards"]
-        if not isinstance(shards, list) or len(shards) > MAX_FILES:
-            raise InputError(f"{what}.source.shards must be a list of at most {MAX_FILES:,} shard names")
-        for index, name in enumerate(shards):
-            _text(name, f"{what}.source.shards[{index}]")
+    _check_source(expect_mapping(data["source"], what=f"{what}.source"), f"{what}.source")
     _whole(data["batch"], f"{what}.batch", 1, MAX_BATCH)
     _whole(data["epochs"], f"{what}.epochs", 1, MAX_EPOCHS)
     _whole(data.get("iterations"), f"{what}.iterations", 1, MAX_ITERATIONS, optional=True)
@@ -238,12 +227,51 @@ def check_data(value: Any, where: str) -> dict[str, Any] | None:
         _only(layout, f"{what}.layout", ("keyword", "inputs", "target"))
         _flag(layout.get("keyword"), f"{what}.layout.keyword")
         inputs = layout.get("inputs")
-        if not isinstance(inputs, list) or len(inputs) > 1_024:
-            raise InputError(f"{what}.layout.inputs must be a list of at most 1,024 input names")
+        if not isinstance(inputs, list) or len(inputs) > MAX_INPUTS:
+            raise InputError(f"{what}.layout.inputs must be a list of at most {MAX_INPUTS:,} input names")
         for index, name in enumerate(inputs):
             _text(name, f"{what}.layout.inputs[{index}]", limit=256)
         _text(layout.get("target"), f"{what}.layout.target", limit=256, optional=True)
     return data
+
+
+def _check_synthetic(source: dict[str, Any], what: str) -> None:
+    """A synthetic source's record: bounded JSON here; each leaf's shape and dtype are
+    checked where the batches are drawn (``data.SyntheticSource``)."""
+    _only(source, what, ("kind", "inputs", "names", "target", "seed"))
+    inputs, names = source.get("inputs"), source.get("names")
+    if not isinstance(inputs, list) or len(inputs) > MAX_INPUTS:
+        raise InputError(f"{what}.inputs must be a list of at most {MAX_INPUTS:,} input leaves")
+    for index, leaf in enumerate(inputs):
+        _json_value(expect_mapping(leaf, what=f"{what}.inputs[{index}]"), f"{what}.inputs[{index}]")
+    if names is not None:
+        if not isinstance(names, list) or len(names) > MAX_INPUTS:
+            raise InputError(f"{what}.names must be a list of at most {MAX_INPUTS:,} input names")
+        for index, name in enumerate(names):
+            _text(name, f"{what}.names[{index}]", limit=256)
+    if source.get("target") is not None:
+        _json_value(expect_mapping(source["target"], what=f"{what}.target"), f"{what}.target")
+    _whole(source.get("seed"), f"{what}.seed", -MAX_SEED, MAX_SEED)
+
+
+def _check_source(source: dict[str, Any], what: str) -> None:
+    """A source read again by name (a directory, an s3:// prefix or a dataset factory) or
+    drawn again (synthetic)."""
+    kind = _choice(source.get("kind"), f"{what}.kind", ("directory", "s3", "factory", "synthetic"))
+    if kind == "synthetic":
+        _check_synthetic(source, what)
+        return
+    _only(source, what, ("kind", "path", "url", "endpoint", "spec", "shards", "side"))
+    needed = {"directory": "path", "s3": "url", "factory": "spec"}[kind]
+    _text(source.get(needed), f"{what}.{needed}")
+    _text(source.get("endpoint"), f"{what}.endpoint", optional=True)
+    _text(source.get("side"), f"{what}.side", limit=64, optional=True)
+    if "shards" in source:
+        shards = source["shards"]
+        if not isinstance(shards, list) or len(shards) > MAX_FILES:
+            raise InputError(f"{what}.shards must be a list of at most {MAX_FILES:,} shard names")
+        for index, name in enumerate(shards):
+            _text(name, f"{what}.shards[{index}]")
 
 
 @dataclass

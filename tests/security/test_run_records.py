@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 import flatpack
 from flatpack.backends import local
 from flatpack.cli import main
-from flatpack.data import ShardDirectory, make_batches
+from flatpack.data import ShardDirectory, batches_from_record, make_batches
 from flatpack.errors import ArtifactError, InputError, PlanError
 from flatpack.job import JobOptions, _data_record, resume_training, run_training
 from flatpack.partitioner.plan import Plan, StagePlan
@@ -304,6 +304,33 @@ def test_every_hostile_value_in_run_json_is_a_clean_error(compiled, tmp_path):
         except Exception as err:  # noqa: BLE001 - the assertion names the traceback a hostile value caused
             pytest.fail(f"run.json with {path} = {mutated!r:.100} raised {type(err).__name__}: {err}")
         assert isinstance(record, RunRecord)
+
+
+def test_a_synthetic_run_keeps_what_draws_its_batches_not_a_copy(finished_run):
+    directory = RunDirectory(finished_run)
+    record = directory.read()
+    assert record.data is not None and record.data["source"]["kind"] == "synthetic"
+    assert not directory.batches_path.exists()
+    assert record.fingerprint == batches_from_record(record.data).source.fingerprint()
+
+
+def test_every_hostile_value_in_a_synthetic_data_record_is_a_clean_error(finished_run, tmp_path):
+    """Every leaf of a synthetic run's data record replaced by a hostile value: reading the
+    record and drawing a batch from it (what resume does) is a flatpack error naming the
+    field, or it draws batches; never a traceback from inside torch."""
+    directory = RunDirectory(tmp_path / "run")
+    shutil.copytree(finished_run, directory.root)
+    document = json.loads(directory.record_path.read_text())
+    for path, mutated in every_mutation(document["data"]):
+        directory.record_path.write_text(json.dumps({**document, "data": mutated}))
+        try:
+            record = directory.read()
+            if record.data is not None:
+                batches_from_record(record.data)(0)
+        except InputError:
+            continue
+        except Exception as err:  # noqa: BLE001 - the assertion names the traceback a hostile value caused
+            pytest.fail(f"run.json with data{path} = {mutated!r:.200} raised {type(err).__name__}: {err}")
 
 
 @pytest.mark.parametrize("text, field", [

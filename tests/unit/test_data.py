@@ -6,6 +6,7 @@ tied weights saved once and loaded back under every name."""
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -17,10 +18,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import flatpack
-from flatpack.data import (Batches, DatasetFactory, ShardDirectory, batches_from_record, check_against_example,
-                           loader_batches, make_batches, parse_source, source_from_json)
+from flatpack.data import (MAX_SYNTHETIC_ELEMENTS, Batches, DatasetFactory, ShardDirectory, SyntheticSource,
+                           batches_from_record, check_against_example, loader_batches, make_batches, parse_source,
+                           source_from_json)
 from flatpack.errors import InputError
-from flatpack.job import JobOptions, choose_loss
+from flatpack.job import JobOptions, choose_loss, synthetic_source, training_data
+from flatpack.analysis.reference import first_output
+from flatpack.rundir import MAX_ITERATIONS
 
 
 class Keyword(nn.Module):
@@ -200,6 +204,81 @@ def test_a_run_record_reads_the_same_batches_again_without_the_model(tmp_path):
     again = batches_from_record(record)
     for index in (0, 5, 7):
         assert torch.equal(again(index)[0]["input_ids"], batches(index)[0]["input_ids"])
+
+
+def _same_batch(first: tuple, second: tuple) -> bool:
+    (inputs, target), (other_inputs, other_target) = first, second
+    leaves = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    other = list(other_inputs.values()) if isinstance(other_inputs, dict) else list(other_inputs)
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(leaves, other)) and (
+        (target is None and other_target is None) or torch.equal(target, other_target))
+
+
+@pytest.mark.parametrize("model, example, loss", [
+    (nn.Linear(3, 4), (torch.randn(2, 3),), "cross_entropy"),
+    (nn.Conv2d(3, 2, 3), (torch.randn(2, 3, 6, 6),), "mse"),
+    (Keyword(), KEYWORD_EXAMPLE, "cross_entropy"),
+    (Keyword(), {**KEYWORD_EXAMPLE, "labels": torch.tensor([0, 2])}, "output"),
+])
+def test_synthetic_batches_are_drawn_when_asked_the_same_each_time_and_again_from_their_record(model, example,
+                                                                                                loss):
+    """A run without --data trains on batches drawn one at a time: as many iterations as a
+    record allows cost nothing up front (the run directory had kept a copy of every batch:
+    78 GB for 100,000 of vgg16's), each batch is the same whenever it is drawn, and the record's
+    JSON draws the same batches again (what `flatpack resume` does)."""
+    options = JobOptions.of(batch=8, iterations=MAX_ITERATIONS, seed=3)
+    batches, chosen, count = training_data(model, example, options)
+    assert chosen == loss and count == len(batches) == MAX_ITERATIONS
+    assert isinstance(batches, Batches) and isinstance(batches.source, SyntheticSource)
+    assert _same_batch(batches(7), batches(7)) and not _same_batch(batches(7), batches(8))
+    assert _same_batch(batches(MAX_ITERATIONS - 1), batches(MAX_ITERATIONS - 1))
+    inputs, target = batches(7)
+    leaves = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    examples = list(example.values()) if isinstance(example, dict) else list(example)
+    for leaf, shown in zip(leaves, examples):
+        assert leaf.shape == (8, *shown.shape[1:]) and leaf.dtype == shown.dtype
+        if not shown.is_floating_point():
+            assert int(leaf.min()) >= 0 and int(leaf.max()) <= max(int(shown.max()), 1)
+    if loss == "cross_entropy":
+        assert target.shape == (8,) and target.dtype == torch.int64 and int(target.max()) < 4
+        assert int(target.max()) < first_output(model(*examples) if not isinstance(example, dict)
+                                                else model(**example)).shape[-1]
+    elif loss == "mse":
+        assert target.shape == (8, 2, 4, 4) and target.is_floating_point()
+    else:
+        assert target is None
+    record = {"source": json.loads(json.dumps(batches.source.to_json())), "batch": 8, "epochs": 1,
+              "iterations": count, "shuffle": True, "seed": 3, "drop_last": False, "layout": None}
+    again = batches_from_record(record)
+    assert len(again) == count and again.source.fingerprint() == batches.source.fingerprint()
+    assert all(_same_batch(again(index), batches(index)) for index in (0, 7, count - 1))
+    other = synthetic_source(model, example, seed=4)[0]
+    assert other.fingerprint() != batches.source.fingerprint()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dtype": "torch.complex64"}, "dtype must be one of"),
+    ({"dtype": "__import__('os')"}, "dtype must be one of"),
+    ({"shape": [0, 3]}, "positive sizes"),
+    ({"shape": [MAX_SYNTHETIC_ELEMENTS, 2]}, "elements per sample"),
+    ({"shape": "3"}, "positive sizes"),
+    ({"high": 5}, "a floating one has no high"),
+    ({"code": "x"}, "dtype must be one of"),
+])
+def test_a_synthetic_record_flatpack_would_not_write_is_refused_naming_the_leaf(change, message):
+    leaf = {"shape": [3], "dtype": "torch.float32", **change}
+    with pytest.raises(InputError, match=message) as refused:
+        source_from_json({"kind": "synthetic", "inputs": [leaf], "names": None, "target": None, "seed": 0})
+    assert "input 0" in str(refused.value)
+
+
+def test_an_example_leaf_synthetic_batches_cannot_draw_is_refused_naming_it():
+    class TakesAList(nn.Module):
+        def forward(self, x, sizes):
+            return x * len(sizes)
+
+    with pytest.raises(InputError, match="example's input 1 is a list.*--data"):
+        SyntheticSource.like((torch.randn(2, 3), [1, 2]), torch.randn(2, 3), "mse", 0)
 
 
 def test_run_options_for_data_are_checked_before_anything_starts(tmp_path):
