@@ -562,7 +562,7 @@ class SyntheticSource(DataSource):
     Batch ``i`` is drawn from a generator seeded by ``(seed, i)`` when it is asked for, so a
     run of any length holds one batch at a time, and its record (``to_json``) is a few shapes
     that ``flatpack resume`` draws the same batches from, where the run directory had held a
-    copy of every batch (100,000 iterations of vgg16's were 78 GB).
+    copy of every batch (100,000 iterations of the reduced vgg16 at batch 64 would be 78 GB).
 
     ``inputs``: per input leaf, ``{"shape": per-sample shape, "dtype": name, "high": int}``
     (``high``: integer leaves draw from ``[0, high)``), or ``{"constant": value}`` for a

@@ -224,7 +224,7 @@ def test_synthetic_batches_are_drawn_when_asked_the_same_each_time_and_again_fro
                                                                                                 loss):
     """A run without --data trains on batches drawn one at a time: as many iterations as a
     record allows cost nothing up front (the run directory had kept a copy of every batch:
-    78 GB for 100,000 of vgg16's), each batch is the same whenever it is drawn, and the record's
+    78 GB for 100,000 of the reduced vgg16's at batch 64), each batch is the same whenever it is drawn, and the record's
     JSON draws the same batches again (what `flatpack resume` does)."""
     options = JobOptions.of(batch=8, iterations=MAX_ITERATIONS, seed=3)
     batches, chosen, count = training_data(model, example, options)
