@@ -210,8 +210,12 @@ def _same_batch(first: tuple, second: tuple) -> bool:
     (inputs, target), (other_inputs, other_target) = first, second
     leaves = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
     other = list(other_inputs.values()) if isinstance(other_inputs, dict) else list(other_inputs)
-    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(leaves, other)) and (
-        (target is None and other_target is None) or torch.equal(target, other_target))
+    if target is None or other_target is None:
+        same_target = target is None and other_target is None
+    else:
+        same_target = torch.equal(target, other_target)
+    return same_target and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                               for a, b in zip(leaves, other))
 
 
 @pytest.mark.parametrize("model, example, loss", [
@@ -224,8 +228,8 @@ def test_synthetic_batches_are_drawn_when_asked_the_same_each_time_and_again_fro
                                                                                                 loss):
     """A run without --data trains on batches drawn one at a time: as many iterations as a
     record allows cost nothing up front (the run directory had kept a copy of every batch:
-    78 GB for 100,000 of the reduced vgg16's at batch 64), each batch is the same whenever it is drawn, and the record's
-    JSON draws the same batches again (what `flatpack resume` does)."""
+    78 GB for 100,000 of the reduced vgg16's at batch 64), each batch is the same whenever it
+    is drawn, and the record's JSON draws the same batches again (what `flatpack resume` does)."""
     options = JobOptions.of(batch=8, iterations=MAX_ITERATIONS, seed=3)
     batches, chosen, count = training_data(model, example, options)
     assert chosen == loss and count == len(batches) == MAX_ITERATIONS
