@@ -555,6 +555,8 @@ SYNTHETIC_DTYPES = {str(dtype): dtype for dtype in (
     torch.int64, torch.bool)}
 # a synthetic leaf's elements per sample: a record asking for more is not one flatpack wrote
 MAX_SYNTHETIC_ELEMENTS = 1 << 28
+# what a non-tensor input of a synthetic record may be: JSON's scalars, passed as they are
+SYNTHETIC_CONSTANTS = (type(None), bool, int, float, str)
 
 
 class SyntheticSource(DataSource):
@@ -605,7 +607,7 @@ class SyntheticSource(DataSource):
 
     def batch(self, index: int, rows: int) -> tuple[Any, torch.Tensor | None]:
         """Batch ``index`` of ``rows`` samples: the same every time it is asked for."""
-        generator = torch.Generator().manual_seed(hash((self.seed, index)) & 0x7FFF_FFFF_FFFF)
+        generator = _seeded(self.seed, index)
         inputs = [_draw(leaf, rows, generator) for leaf in self.inputs]
         target = None if self.target is None else _draw(self.target, rows, generator)
         return (dict(zip(self.names, inputs)) if self.names is not None else tuple(inputs)), target
@@ -626,7 +628,7 @@ class SyntheticSource(DataSource):
 
 def _synthetic_leaf(leaf: Any, where: str) -> dict[str, Any]:
     if not isinstance(leaf, torch.Tensor):
-        if not isinstance(leaf, (type(None), bool, int, float, str)):
+        if not isinstance(leaf, SYNTHETIC_CONSTANTS):
             raise InputError(f"the example's {where} is a {type(leaf).__name__}: synthetic batches (no --data) draw "
                              "tensor inputs and pass None, numbers and strings as they are. Give --data SOURCE")
         return {"constant": leaf}
@@ -641,7 +643,7 @@ def _check_synthetic_leaf(leaf: Any, where: str) -> None:
     if not isinstance(leaf, dict):
         raise InputError(f"a synthetic data record's {where} is {leaf!r}, not a leaf flatpack wrote")
     if "constant" in leaf:
-        if set(leaf) != {"constant"} or not isinstance(leaf["constant"], (type(None), bool, int, float, str)):
+        if set(leaf) != {"constant"} or not isinstance(leaf["constant"], SYNTHETIC_CONSTANTS):
             raise InputError(f"a synthetic data record's {where} holds {leaf!r}; a constant input must be None, a "
                              "number or a string")
         return
@@ -928,9 +930,14 @@ def batches_from_record(record: dict[str, Any], *, factory: str | None = None) -
                         seed=record["seed"], drop_last=record["drop_last"], layout=layout)
 
 
+def _seeded(seed: int, *salt: int) -> torch.Generator:
+    """A generator seeded by ``seed`` and ``salt`` (an epoch, a shard, a batch): the same in
+    every process (an int tuple's hash is not randomized)."""
+    return torch.Generator().manual_seed(hash((seed, *salt)) & 0x7FFF_FFFF_FFFF)
+
+
 def _permutation(size: int, seed: int, *salt: int) -> list[int]:
-    generator = torch.Generator().manual_seed(hash((seed, *salt)) & 0x7FFF_FFFF_FFFF)
-    return torch.randperm(size, generator=generator).tolist()
+    return torch.randperm(size, generator=_seeded(seed, *salt)).tolist()
 
 
 def _shard_batches(source: ShardSource, to_inputs: Callable[[Any], tuple[Any, Any]], box: dict, *, batch: int,
